@@ -1,0 +1,62 @@
+//! Metrics: one Prometheus registry per process, rendered as text on
+//! `GET /metrics`. Metric handles are atomics shared by clone, so shards
+//! update them without locks; only registration and rendering take the lock.
+
+use std::sync::{Arc, Mutex};
+
+pub use prometheus_client;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Metric, Registry};
+
+/// The process's metrics registry.
+#[derive(Clone, Default)]
+pub struct MetricsRegistry {
+    inner: Arc<Mutex<Registry>>,
+}
+
+impl MetricsRegistry {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers `metric` under `kvpool_<name>`.
+    pub fn register(&self, name: &str, help: &str, metric: impl Metric) {
+        let mut reg = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        reg.sub_registry_with_prefix("kvpool")
+            .register(name, help, metric);
+    }
+
+    /// The Prometheus text exposition of every registered metric.
+    pub fn render(&self) -> String {
+        let reg = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
+        out
+    }
+}
+
+/// A latency histogram in seconds with buckets from 1 us to ~16 s.
+pub fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(1e-6, 2.0, 25))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus_client::metrics::counter::Counter;
+
+    #[test]
+    fn registered_metrics_render_with_prefix() {
+        let reg = MetricsRegistry::new();
+        let c: Counter = Counter::default();
+        reg.register("things", "Things seen", c.clone());
+        c.inc_by(3);
+        let h = latency_histogram();
+        reg.register("op_seconds", "Op latency", h.clone());
+        h.observe(0.000_05);
+        let text = reg.render();
+        assert!(text.contains("kvpool_things_total 3"), "{text}");
+        assert!(text.contains("kvpool_op_seconds_count 1"), "{text}");
+    }
+}

@@ -1,0 +1,72 @@
+//! Sharded listeners: shard `i` of a node listens on `base_port + i`.
+
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+
+use crate::RuntimeError;
+
+/// How many times a `:0` base port is re-drawn when a neighbour port is taken.
+const PORT_ATTEMPTS: usize = 32;
+
+/// Binds `n` consecutive ports starting at `addr`'s port. Port 0 asks the OS
+/// for a free base and retries if a following port is taken. The sockets are
+/// plain (no `SO_REUSEPORT`): a second process on the same ports fails loudly
+/// instead of silently sharing them.
+pub fn bind_sharded(addr: &str, n: usize) -> Result<(SocketAddr, Vec<TcpListener>), RuntimeError> {
+    let base: SocketAddr = addr
+        .to_socket_addrs()
+        .map_err(|e| RuntimeError::Config(format!("bad listen address {addr:?}: {e}")))?
+        .next()
+        .ok_or_else(|| {
+            RuntimeError::Config(format!("listen address {addr:?} resolves to nothing"))
+        })?;
+    let attempts = if base.port() == 0 { PORT_ATTEMPTS } else { 1 };
+    let mut last_err = None;
+    for _ in 0..attempts {
+        match try_bind(base, n) {
+            Ok(v) => return Ok(v),
+            Err(e) => last_err = Some(e),
+        }
+    }
+    let e = last_err.expect("at least one attempt");
+    Err(RuntimeError::Config(format!(
+        "cannot listen on {n} port(s) from {addr}: {e}"
+    )))
+}
+
+fn try_bind(base: SocketAddr, n: usize) -> std::io::Result<(SocketAddr, Vec<TcpListener>)> {
+    let first = TcpListener::bind(base)?;
+    let bound = first.local_addr()?;
+    let mut all = vec![first];
+    for i in 1..n {
+        let port = bound
+            .port()
+            .checked_add(i as u16)
+            .filter(|_| i < u16::MAX as usize)
+            .ok_or_else(|| std::io::Error::other("port range runs past 65535"))?;
+        let mut a = bound;
+        a.set_port(port);
+        all.push(TcpListener::bind(a)?);
+    }
+    Ok((bound, all))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn binds_consecutive_ports_from_an_ephemeral_base() {
+        let (addr, ls) = bind_sharded("127.0.0.1:0", 3).unwrap();
+        assert_eq!(ls.len(), 3);
+        for (i, l) in ls.iter().enumerate() {
+            assert_eq!(l.local_addr().unwrap().port(), addr.port() + i as u16);
+        }
+    }
+
+    #[test]
+    fn a_taken_port_is_an_error_naming_the_address() {
+        let (addr, _held) = bind_sharded("127.0.0.1:0", 1).unwrap();
+        let e = bind_sharded(&addr.to_string(), 1).unwrap_err();
+        assert!(e.to_string().contains(&addr.to_string()), "{e}");
+    }
+}
