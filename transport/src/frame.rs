@@ -1,0 +1,389 @@
+//! Framing of control messages.
+//!
+//! ```text
+//!  0      4    5     6       8            16     20         24
+//!  +------+----+-----+-------+------------+------+----------+--------------+
+//!  | KVPL | v1 | kind| flags | request_id | len  | reserved | payload ...  |
+//!  +------+----+-----+-------+------------+------+----------+--------------+
+//!    magic  u8   u8    u16 LE    u64 LE    u32 LE  u32 (0)    len bytes (rkyv)
+//! ```
+//!
+//! The payload is read into a 16-byte-aligned buffer and validated with
+//! bytecheck before anything looks at it: a frame from the network is
+//! untrusted input. Bad magic, an unknown version or kind, a length over the
+//! configured maximum, or a payload that fails validation is a [`FrameError`];
+//! servers answer it with an error frame and close the connection.
+//! Writers set `flags` and `reserved` to zero; readers ignore them.
+
+use futures_lite::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use rkyv::api::high::{HighDeserializer, HighSerializer, HighValidator};
+use rkyv::bytecheck::CheckBytes;
+use rkyv::rancor;
+use rkyv::ser::allocator::ArenaHandle;
+use rkyv::util::AlignedVec;
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::error::{ErrorCode, KvError};
+use crate::proto::WireError;
+
+pub const MAGIC: [u8; 4] = *b"KVPL";
+pub const VERSION: u8 = 1;
+pub const HEADER_LEN: usize = 24;
+/// Default bound on a control payload (keys are <= 4 KiB; batches are bounded).
+pub const DEFAULT_MAX_FRAME_BYTES: u32 = 4 << 20;
+
+/// What a frame's payload is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameKind {
+    MasterRequest = 1,
+    MasterResponse = 2,
+    DataRequest = 3,
+    DataResponse = 4,
+    /// Payload is a [`WireError`].
+    Error = 15,
+}
+
+impl FrameKind {
+    fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Self::MasterRequest,
+            2 => Self::MasterResponse,
+            3 => Self::DataRequest,
+            4 => Self::DataResponse,
+            15 => Self::Error,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    pub kind: FrameKind,
+    pub request_id: u64,
+    pub len: u32,
+}
+
+impl FrameHeader {
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4] = VERSION;
+        b[5] = self.kind as u8;
+        // b[6..8]: flags, zero.
+        b[8..16].copy_from_slice(&self.request_id.to_le_bytes());
+        b[16..20].copy_from_slice(&self.len.to_le_bytes());
+        // b[20..24]: reserved, zero.
+        b
+    }
+
+    /// Parses and checks a header against the maximum payload length.
+    pub fn decode(b: &[u8; HEADER_LEN], max_len: u32) -> Result<Self, FrameError> {
+        if b[0..4] != MAGIC {
+            return Err(FrameError::BadMagic([b[0], b[1], b[2], b[3]]));
+        }
+        if b[4] != VERSION {
+            return Err(FrameError::BadVersion(b[4]));
+        }
+        let kind = FrameKind::from_u8(b[5]).ok_or(FrameError::BadKind(b[5]))?;
+        let request_id = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));
+        let len = u32::from_le_bytes(b[16..20].try_into().expect("4 bytes"));
+        if len > max_len {
+            return Err(FrameError::TooLarge { len, max: max_len });
+        }
+        Ok(Self {
+            kind,
+            request_id,
+            len,
+        })
+    }
+}
+
+/// Why a frame was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("bad magic {0:02x?}: not a kvpool peer")]
+    BadMagic([u8; 4]),
+    #[error("unsupported protocol version {0} (this peer speaks {VERSION})")]
+    BadVersion(u8),
+    #[error("unknown frame kind {0}")]
+    BadKind(u8),
+    #[error("frame payload of {len} bytes exceeds the maximum of {max}")]
+    TooLarge { len: u32, max: u32 },
+    #[error("frame payload failed validation: {0}")]
+    Invalid(String),
+    #[error("expected a {expected:?} frame, got {got:?}")]
+    UnexpectedKind { expected: FrameKind, got: FrameKind },
+    #[error("connection closed")]
+    Closed,
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl FrameError {
+    /// The error code a peer reports for this failure.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::BadMagic(_) | Self::Invalid(_) | Self::UnexpectedKind { .. } => {
+                ErrorCode::Malformed
+            }
+            Self::BadVersion(_) | Self::BadKind(_) => ErrorCode::Unsupported,
+            Self::TooLarge { .. } => ErrorCode::TooLarge,
+            Self::Closed => ErrorCode::Unavailable,
+            Self::Io(e) => KvError::from(std::io::Error::new(e.kind(), "")).code,
+        }
+    }
+
+    /// True when the peer is gone (no point in answering).
+    pub fn is_disconnect(&self) -> bool {
+        match self {
+            Self::Closed => true,
+            Self::Io(e) => matches!(
+                e.kind(),
+                std::io::ErrorKind::UnexpectedEof
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionAborted
+            ),
+            _ => false,
+        }
+    }
+}
+
+impl From<FrameError> for KvError {
+    fn from(e: FrameError) -> Self {
+        KvError::new(e.code(), e.to_string())
+    }
+}
+
+/// Types that can be a frame payload: rkyv-serializable, and checkable with
+/// bytecheck before deserialization.
+pub trait Payload:
+    Archive + for<'a> Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, rancor::Error>> + Sized
+{
+    /// Validates `bytes` (bytecheck) and deserializes them.
+    fn decode_from(bytes: &[u8]) -> Result<Self, FrameError>;
+}
+
+impl<T> Payload for T
+where
+    T: Archive + for<'a> Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, rancor::Error>>,
+    T::Archived: for<'a> CheckBytes<HighValidator<'a, rancor::Error>>
+        + Deserialize<T, HighDeserializer<rancor::Error>>,
+{
+    fn decode_from(bytes: &[u8]) -> Result<Self, FrameError> {
+        rkyv::from_bytes::<T, rancor::Error>(bytes).map_err(|e| FrameError::Invalid(e.to_string()))
+    }
+}
+
+/// Encodes header + payload into one buffer, ready for a single write.
+pub fn encode<T: Payload>(kind: FrameKind, request_id: u64, msg: &T) -> Vec<u8> {
+    // Serializing our own in-memory types into a growable buffer cannot fail.
+    let payload = rkyv::to_bytes::<rancor::Error>(msg).expect("rkyv serialization of a message");
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    out.extend_from_slice(
+        &FrameHeader {
+            kind,
+            request_id,
+            len: payload.len() as u32,
+        }
+        .encode(),
+    );
+    out.extend_from_slice(&payload);
+    out
+}
+
+/// Validates a payload (bytecheck) and deserializes it.
+pub fn decode<T: Payload>(payload: &AlignedVec) -> Result<T, FrameError> {
+    T::decode_from(payload)
+}
+
+/// Reads one header. A clean close before the first byte is `Closed`.
+pub async fn read_header<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max_len: u32,
+) -> Result<FrameHeader, FrameError> {
+    let mut b = [0u8; HEADER_LEN];
+    let mut got = 0;
+    while got < HEADER_LEN {
+        let n = r.read(&mut b[got..]).await?;
+        if n == 0 {
+            return Err(if got == 0 {
+                FrameError::Closed
+            } else {
+                FrameError::Io(std::io::ErrorKind::UnexpectedEof.into())
+            });
+        }
+        got += n;
+    }
+    FrameHeader::decode(&b, max_len)
+}
+
+/// Reads the payload announced by `hdr` into an aligned buffer.
+pub async fn read_payload<R: AsyncRead + Unpin>(
+    r: &mut R,
+    hdr: &FrameHeader,
+) -> Result<AlignedVec, FrameError> {
+    let mut buf = AlignedVec::<16>::with_capacity(hdr.len as usize);
+    buf.resize(hdr.len as usize, 0);
+    r.read_exact(&mut buf).await?;
+    Ok(buf)
+}
+
+/// Reads a whole frame (header and payload).
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max_len: u32,
+) -> Result<(FrameHeader, AlignedVec), FrameError> {
+    let hdr = read_header(r, max_len).await?;
+    let payload = read_payload(r, &hdr).await?;
+    Ok((hdr, payload))
+}
+
+/// Reads a frame and decodes it as `T` if its kind is `kind`, or turns an
+/// error frame into the `KvError` it carries.
+pub async fn read_message<T: Payload, R: AsyncRead + Unpin>(
+    r: &mut R,
+    kind: FrameKind,
+    max_len: u32,
+) -> Result<(u64, T), KvError> {
+    let (id, answer) = read_reply(r, kind, max_len).await?;
+    Ok((id, answer?))
+}
+
+/// Reads a reply frame: the outer error is a transport failure (the
+/// connection is unusable), the inner one is the peer's answer (an error
+/// frame; the connection is fine).
+pub async fn read_reply<T: Payload, R: AsyncRead + Unpin>(
+    r: &mut R,
+    kind: FrameKind,
+    max_len: u32,
+) -> Result<(u64, Result<T, KvError>), FrameError> {
+    let (hdr, payload) = read_frame(r, max_len).await?;
+    match hdr.kind {
+        k if k == kind => Ok((hdr.request_id, Ok(decode::<T>(&payload)?))),
+        FrameKind::Error => {
+            let e: WireError = decode(&payload)?;
+            Ok((hdr.request_id, Err(e.into())))
+        }
+        got => Err(FrameError::UnexpectedKind {
+            expected: kind,
+            got,
+        }),
+    }
+}
+
+/// Writes a whole buffer (an encoded frame, or payload bytes).
+pub async fn write_all<W: AsyncWrite + Unpin>(w: &mut W, buf: &[u8]) -> Result<(), FrameError> {
+    w.write_all(buf).await?;
+    Ok(())
+}
+
+/// Encodes an error frame.
+pub fn encode_error(request_id: u64, err: &KvError) -> Vec<u8> {
+    encode(FrameKind::Error, request_id, &WireError::from(err))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::{MasterRequest, MasterResponse};
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        futures_lite::future::block_on(f)
+    }
+
+    #[test]
+    fn a_message_round_trips_through_a_frame() {
+        let msg = MasterRequest::Exist {
+            key: b"hello".to_vec(),
+        };
+        let bytes = encode(FrameKind::MasterRequest, 42, &msg);
+        let mut r = futures_lite::io::Cursor::new(bytes);
+        let (id, got): (u64, MasterRequest) =
+            block_on(read_message(&mut r, FrameKind::MasterRequest, 1024)).unwrap();
+        assert_eq!(id, 42);
+        assert_eq!(got, msg);
+    }
+
+    #[test]
+    fn an_error_frame_becomes_the_error_it_carries() {
+        let bytes = encode_error(7, &KvError::new(ErrorCode::NoSpace, "full"));
+        let mut r = futures_lite::io::Cursor::new(bytes);
+        let err = block_on(read_message::<MasterResponse, _>(
+            &mut r,
+            FrameKind::MasterResponse,
+            1024,
+        ))
+        .unwrap_err();
+        assert_eq!(err.code, ErrorCode::NoSpace);
+        assert_eq!(err.message, "full");
+    }
+
+    #[test]
+    fn bad_magic_version_kind_and_length_are_refused() {
+        let good = FrameHeader {
+            kind: FrameKind::DataRequest,
+            request_id: 1,
+            len: 10,
+        }
+        .encode();
+        let mut b = good;
+        b[0] = b'X';
+        assert!(matches!(
+            FrameHeader::decode(&b, 100),
+            Err(FrameError::BadMagic(_))
+        ));
+        let mut b = good;
+        b[4] = 9;
+        assert!(matches!(
+            FrameHeader::decode(&b, 100),
+            Err(FrameError::BadVersion(9))
+        ));
+        let mut b = good;
+        b[5] = 77;
+        assert!(matches!(
+            FrameHeader::decode(&b, 100),
+            Err(FrameError::BadKind(77))
+        ));
+        assert!(matches!(
+            FrameHeader::decode(&good, 9),
+            Err(FrameError::TooLarge { len: 10, max: 9 })
+        ));
+        assert!(FrameHeader::decode(&good, 10).is_ok());
+    }
+
+    #[test]
+    fn garbage_payload_fails_validation_instead_of_being_used() {
+        let msg = MasterRequest::Exist { key: vec![1, 2, 3] };
+        let mut bytes = encode(FrameKind::MasterRequest, 1, &msg);
+        // Point the key's relative pointer far outside the buffer.
+        let n = bytes.len();
+        for b in &mut bytes[HEADER_LEN..n] {
+            *b = 0xff;
+        }
+        let mut r = futures_lite::io::Cursor::new(bytes);
+        let err = block_on(read_message::<MasterRequest, _>(
+            &mut r,
+            FrameKind::MasterRequest,
+            1024,
+        ))
+        .unwrap_err();
+        assert_eq!(err.code, ErrorCode::Malformed, "{err}");
+    }
+
+    #[test]
+    fn truncated_frames_are_errors_not_hangs() {
+        let msg = MasterRequest::Exist { key: b"k".to_vec() };
+        let bytes = encode(FrameKind::MasterRequest, 1, &msg);
+        for cut in [1, HEADER_LEN - 1, HEADER_LEN + 1, bytes.len() - 1] {
+            let mut r = futures_lite::io::Cursor::new(bytes[..cut].to_vec());
+            assert!(block_on(read_frame(&mut r, 1024)).is_err(), "cut at {cut}");
+        }
+        let mut r = futures_lite::io::Cursor::new(Vec::new());
+        assert!(matches!(
+            block_on(read_frame(&mut r, 1024)),
+            Err(FrameError::Closed)
+        ));
+    }
+}

@@ -1,0 +1,323 @@
+//! The messages of kvpool's protocols (rkyv archives inside frames).
+//!
+//! Wire compatibility: a reader tolerates what it does not need (reserved
+//! header fields, error codes it does not know); a writer sends only what the
+//! current version defines. A change to any type here is a protocol version
+//! bump (`frame::VERSION`).
+
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::error::{ErrorCode, KvError};
+
+/// A mounted segment's id, assigned by the master (stable for a segment name).
+pub type SegmentId = u64;
+/// A client's id: random per client instance, it names the writer of a put
+/// and the owner of a segment for liveness.
+pub type ClientId = u64;
+
+/// The id of the segment named `name`: both the master and the node that owns
+/// the segment derive it, so data requests can name it before the mount.
+pub fn segment_id_for(name: &str) -> SegmentId {
+    xxhash_rust::xxh3::xxh3_64(name.as_bytes()).max(1)
+}
+
+/// A node's sharded listener: shard `i` listens on `port + i`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    pub host: String,
+    pub port: u16,
+    pub nr_shards: u16,
+}
+
+impl Endpoint {
+    /// `host:port` of shard `shard`.
+    pub fn shard_addr(&self, shard: u16) -> String {
+        let port = self.port as u32 + shard as u32;
+        if self.host.contains(':') {
+            format!("[{}]:{port}", self.host)
+        } else {
+            format!("{}:{port}", self.host)
+        }
+    }
+}
+
+/// One master shard and the virtual shards it owns (`vshard_start..vshard_end`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct MasterShardAddr {
+    pub host: String,
+    pub port: u16,
+    pub vshard_start: u32,
+    pub vshard_end: u32,
+}
+
+/// Where every key's metadata lives: the answer to `Hello`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct ClusterMap {
+    pub shards: Vec<MasterShardAddr>,
+}
+
+/// What a storage node contributes when it mounts a segment.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct SegmentSpec {
+    /// Unique per segment instance (a restarted node mounts a new name).
+    pub name: String,
+    pub size: u64,
+    /// The node's data-plane listener.
+    pub endpoint: Endpoint,
+    /// The node serves offsets `i*slice_bytes ..` on shard `i`'s port.
+    pub slice_bytes: u64,
+    /// Names the machine, for same-host (shm) reads and `local_first` placement.
+    pub host_id: String,
+}
+
+/// Which tier holds a replica.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tier {
+    Dram,
+    Nvme,
+}
+
+/// Where one replica of an object lies.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaDesc {
+    pub segment_id: SegmentId,
+    pub endpoint: Endpoint,
+    pub slice_bytes: u64,
+    pub host_id: String,
+    pub offset: u64,
+    pub len: u64,
+    pub tier: Tier,
+}
+
+impl ReplicaDesc {
+    /// The storage shard that serves this replica's offset.
+    pub fn data_shard(&self) -> u16 {
+        let nr = self.endpoint.nr_shards.max(1) as u64;
+        let slice = self.slice_bytes.max(1);
+        (self.offset / slice).min(nr - 1) as u16
+    }
+}
+
+/// Options of a put.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct PutOptions {
+    /// Replicas wanted, each on a distinct segment (best effort).
+    pub replicas: u32,
+    /// Soft pin for this long after the put (0: none).
+    pub soft_pin_ttl_ms: u64,
+    /// Never evicted (Remove still works).
+    pub hard_pin: bool,
+    /// The writer's host id, for `local_first` placement ("" for none).
+    pub preferred_host: String,
+}
+
+impl Default for PutOptions {
+    fn default() -> Self {
+        Self {
+            replicas: 1,
+            soft_pin_ttl_ms: 0,
+            hard_pin: false,
+            preferred_host: String::new(),
+        }
+    }
+}
+
+/// Requests to a master shard.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum MasterRequest {
+    /// First message of a client: returns the cluster map.
+    Hello {
+        client_id: ClientId,
+    },
+    /// Liveness; every second from clients and storage nodes.
+    Ping {
+        client_id: ClientId,
+    },
+    MountSegment {
+        client_id: ClientId,
+        spec: SegmentSpec,
+    },
+    UnmountSegment {
+        segment_id: SegmentId,
+    },
+    PutStart {
+        client_id: ClientId,
+        key: Vec<u8>,
+        len: u64,
+        opts: PutOptions,
+    },
+    PutEnd {
+        client_id: ClientId,
+        key: Vec<u8>,
+    },
+    PutRevoke {
+        client_id: ClientId,
+        key: Vec<u8>,
+    },
+    GetReplicaList {
+        key: Vec<u8>,
+    },
+    Exist {
+        key: Vec<u8>,
+    },
+    Remove {
+        key: Vec<u8>,
+        force: bool,
+    },
+    RemoveAll,
+    Stat,
+}
+
+impl MasterRequest {
+    /// The key a request is about, if any (it decides the owning shard).
+    pub fn key(&self) -> Option<&[u8]> {
+        match self {
+            Self::PutStart { key, .. }
+            | Self::PutEnd { key, .. }
+            | Self::PutRevoke { key, .. }
+            | Self::GetReplicaList { key }
+            | Self::Exist { key }
+            | Self::Remove { key, .. } => Some(key),
+            _ => None,
+        }
+    }
+
+    /// A short name for logs and metrics.
+    pub fn op_name(&self) -> &'static str {
+        match self {
+            Self::Hello { .. } => "hello",
+            Self::Ping { .. } => "ping",
+            Self::MountSegment { .. } => "mount_segment",
+            Self::UnmountSegment { .. } => "unmount_segment",
+            Self::PutStart { .. } => "put_start",
+            Self::PutEnd { .. } => "put_end",
+            Self::PutRevoke { .. } => "put_revoke",
+            Self::GetReplicaList { .. } => "get_replica_list",
+            Self::Exist { .. } => "exist",
+            Self::Remove { .. } => "remove",
+            Self::RemoveAll => "remove_all",
+            Self::Stat => "stat",
+        }
+    }
+}
+
+/// A segment as `Stat` reports it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct SegmentStat {
+    pub id: SegmentId,
+    pub name: String,
+    pub endpoint: Endpoint,
+    pub host_id: String,
+    pub capacity: u64,
+    pub used: u64,
+    pub draining: bool,
+}
+
+/// The pool as `Stat` reports it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+pub struct PoolStat {
+    pub segments: Vec<SegmentStat>,
+    pub keys: u64,
+    pub capacity: u64,
+    pub used: u64,
+}
+
+/// Answers of a master shard.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum MasterResponse {
+    Hello {
+        cluster: ClusterMap,
+    },
+    Pong,
+    Mounted {
+        segment_id: SegmentId,
+    },
+    /// The call succeeded and has nothing to return.
+    Done,
+    /// PutStart: where to write; GetReplicaList: where to read.
+    Replicas(Vec<ReplicaDesc>),
+    Exists(bool),
+    /// RemoveAll: how many objects went.
+    Removed(u64),
+    Stat(PoolStat),
+}
+
+/// Requests to a storage node's data port. A `Write` is followed on the wire
+/// by exactly `len` payload bytes.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum DataRequest {
+    Write {
+        segment_id: SegmentId,
+        offset: u64,
+        len: u64,
+    },
+    Read {
+        segment_id: SegmentId,
+        offset: u64,
+        len: u64,
+    },
+}
+
+/// Answers of a storage node. `Data` is followed by exactly `len` bytes.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum DataResponse {
+    Written,
+    Data { len: u64 },
+}
+
+/// The payload of an error frame.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct WireError {
+    pub code: u16,
+    pub message: String,
+}
+
+impl From<&KvError> for WireError {
+    fn from(e: &KvError) -> Self {
+        Self {
+            code: e.code.code(),
+            message: e.message.clone(),
+        }
+    }
+}
+
+impl From<WireError> for KvError {
+    fn from(e: WireError) -> Self {
+        KvError::new(ErrorCode::from_code(e.code), e.message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replica_data_shard_follows_the_slice_and_is_clamped() {
+        let mut r = ReplicaDesc {
+            segment_id: 1,
+            endpoint: Endpoint {
+                host: "h".into(),
+                port: 1,
+                nr_shards: 4,
+            },
+            slice_bytes: 100,
+            host_id: String::new(),
+            offset: 250,
+            len: 10,
+            tier: Tier::Dram,
+        };
+        assert_eq!(r.data_shard(), 2);
+        r.offset = 10_000;
+        assert_eq!(r.data_shard(), 3);
+    }
+
+    #[test]
+    fn ipv6_hosts_are_bracketed() {
+        let e = Endpoint {
+            host: "::1".into(),
+            port: 7000,
+            nr_shards: 2,
+        };
+        assert_eq!(e.shard_addr(1), "[::1]:7001");
+    }
+}
