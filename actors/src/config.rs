@@ -1,0 +1,275 @@
+//! The configuration of a kvpool process. Every key has a default (the
+//! embedded single-node deployment needs no file); an unknown key or a bad
+//! value is a start-up error naming the key. `configs/*.toml` document each key.
+
+use std::time::Duration;
+
+use kvpool_runtime::config::Bytes;
+use kvpool_runtime::ShardPoolConfig;
+use serde::{Deserialize, Serialize};
+
+/// The whole config file.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeConfig {
+    pub runtime: RuntimeConfig,
+    pub master: MasterConfig,
+    pub storage: StorageConfig,
+    pub client: ClientConfig,
+}
+
+impl NodeConfig {
+    pub fn from_toml(text: &str, origin: &str) -> Result<Self, kvpool_runtime::RuntimeError> {
+        let cfg: Self = kvpool_runtime::config::from_toml_str(text, origin)?;
+        cfg.validate()
+            .map_err(|e| kvpool_runtime::RuntimeError::Config(format!("{origin}: {e}")))?;
+        Ok(cfg)
+    }
+
+    /// Checks values that parse but make no sense; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        fn nonzero(name: &str, v: u64) -> Result<(), String> {
+            if v == 0 {
+                Err(format!("key `{name}`: must be greater than 0"))
+            } else {
+                Ok(())
+            }
+        }
+        nonzero(
+            "runtime.job_queue_depth",
+            self.runtime.job_queue_depth as u64,
+        )?;
+        nonzero("runtime.actor_threads", self.runtime.actor_threads as u64)?;
+        nonzero("master.inbox_depth", self.master.inbox_depth as u64)?;
+        nonzero("master.max_connections", self.master.max_connections as u64)?;
+        nonzero("master.max_key_bytes", self.master.max_key_bytes as u64)?;
+        if self.master.max_key_bytes > 4096 {
+            return Err("key `master.max_key_bytes`: at most 4096".into());
+        }
+        nonzero("master.max_value_bytes", self.master.max_value_bytes.get())?;
+        nonzero("master.max_keys", self.master.max_keys)?;
+        nonzero("master.io_timeout_ms", self.master.io_timeout_ms)?;
+        nonzero("storage.segment_size", self.storage.segment_size.get())?;
+        if !self.storage.segment_size.get().is_multiple_of(4096) {
+            return Err(format!(
+                "key `storage.segment_size`: {} is not a multiple of 4096",
+                self.storage.segment_size.get()
+            ));
+        }
+        nonzero("storage.ping_interval_ms", self.storage.ping_interval_ms)?;
+        nonzero(
+            "storage.max_connections",
+            self.storage.max_connections as u64,
+        )?;
+        nonzero("storage.io_timeout_ms", self.storage.io_timeout_ms)?;
+        nonzero("client.timeout_ms", self.client.timeout_ms)?;
+        nonzero("client.connect_timeout_ms", self.client.connect_timeout_ms)?;
+        nonzero(
+            "client.max_connections_per_endpoint",
+            self.client.max_connections_per_endpoint as u64,
+        )?;
+        for (k, v) in [
+            ("master.max_frame_bytes", self.master.max_frame_bytes),
+            ("storage.max_frame_bytes", self.storage.max_frame_bytes),
+            ("client.max_frame_bytes", self.client.max_frame_bytes),
+        ] {
+            if v.get() < 4096 || v.get() > u32::MAX as u64 {
+                return Err(format!("key `{k}`: must be between 4 KiB and 4 GiB"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `[runtime]`: shards and the actor side.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeConfig {
+    /// Shards (glommio executors, one per core); 0 = one per available core.
+    pub shards: usize,
+    /// Pin each shard to a core.
+    pub pin_shards: bool,
+    /// Depth of each shard's job queue.
+    pub job_queue_depth: usize,
+    /// Busy-poll this long before an idle shard parks (0 = park at once).
+    pub spin_before_park_us: u64,
+    /// io_uring buffer memory per shard.
+    pub io_memory: Bytes,
+    /// Worker threads of the tokio runtime that runs the actors and HTTP.
+    pub actor_threads: usize,
+    /// At shutdown, how long in-flight requests get to finish.
+    pub drain_timeout_ms: u64,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            shards: 0,
+            pin_shards: true,
+            job_queue_depth: 1024,
+            spin_before_park_us: 0,
+            io_memory: Bytes::kib(2560),
+            actor_threads: 2,
+            drain_timeout_ms: 5000,
+        }
+    }
+}
+
+impl RuntimeConfig {
+    pub fn shard_pool(&self) -> ShardPoolConfig {
+        ShardPoolConfig {
+            shards: self.shards,
+            job_queue_depth: self.job_queue_depth,
+            pin: self.pin_shards,
+            spin_before_park: Duration::from_micros(self.spin_before_park_us),
+            io_memory_bytes: self.io_memory.get() as usize,
+            name: "kvpool-shard".into(),
+            drain_timeout: Duration::from_millis(self.drain_timeout_ms),
+        }
+    }
+}
+
+/// `[master]`: the metadata service.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MasterConfig {
+    /// Base RPC address; shard i listens on port + i.
+    pub listen: String,
+    /// HTTP address for /healthz, /metrics and the admin API.
+    pub http: String,
+    /// Largest control frame accepted.
+    pub max_frame_bytes: Bytes,
+    /// Open RPC connections per shard; more are refused.
+    pub max_connections: usize,
+    /// Depth of each shard's inbox (requests forwarded from other shards).
+    pub inbox_depth: usize,
+    /// Close an RPC connection idle this long.
+    pub idle_timeout_ms: u64,
+    /// Deadline of one frame's read or write once it has started.
+    pub io_timeout_ms: u64,
+    /// Longest key.
+    pub max_key_bytes: usize,
+    /// Largest value.
+    pub max_value_bytes: Bytes,
+    /// Most objects in the pool.
+    pub max_keys: u64,
+}
+
+impl Default for MasterConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:7070".into(),
+            http: "127.0.0.1:9070".into(),
+            max_frame_bytes: Bytes::mib(4),
+            max_connections: 4096,
+            inbox_depth: 4096,
+            idle_timeout_ms: 600_000,
+            io_timeout_ms: 10_000,
+            max_key_bytes: 4096,
+            max_value_bytes: Bytes::gib(1),
+            max_keys: 100_000_000,
+        }
+    }
+}
+
+/// `[storage]`: a storage node.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StorageConfig {
+    /// Base data-plane address; shard i listens on port + i.
+    pub listen: String,
+    /// HTTP address for /healthz and /metrics.
+    pub http: String,
+    /// The master's RPC address.
+    pub master: String,
+    /// DRAM this node gives to the pool.
+    pub segment_size: Bytes,
+    /// Host clients should connect to ("" = the listen host, or this
+    /// machine's hostname when listening on 0.0.0.0).
+    pub advertise_host: String,
+    /// Names this machine for same-host transfers and placement ("" = hostname).
+    pub host_id: String,
+    /// Liveness ping to the master.
+    pub ping_interval_ms: u64,
+    /// Open data connections per shard; more are refused.
+    pub max_connections: usize,
+    /// Close a data connection idle this long.
+    pub idle_timeout_ms: u64,
+    /// Deadline of one read or write once it has started (no progress -> error).
+    pub io_timeout_ms: u64,
+    /// Largest control frame accepted.
+    pub max_frame_bytes: Bytes,
+}
+
+impl Default for StorageConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:7300".into(),
+            http: "127.0.0.1:9300".into(),
+            master: "127.0.0.1:7070".into(),
+            segment_size: Bytes::gib(1),
+            advertise_host: String::new(),
+            host_id: String::new(),
+            ping_interval_ms: 1000,
+            max_connections: 4096,
+            idle_timeout_ms: 600_000,
+            io_timeout_ms: 10_000,
+            max_frame_bytes: Bytes::kib(64),
+        }
+    }
+}
+
+/// `[client]`: the store client used by the CLI, storage nodes and embedders.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClientConfig {
+    /// Deadline of one put, get, exists or remove, end to end.
+    pub timeout_ms: u64,
+    /// Deadline of establishing one connection.
+    pub connect_timeout_ms: u64,
+    /// Connections kept per master shard or storage shard.
+    pub max_connections_per_endpoint: usize,
+    /// Largest control frame accepted.
+    pub max_frame_bytes: Bytes,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        Self {
+            timeout_ms: 10_000,
+            connect_timeout_ms: 2_000,
+            max_connections_per_endpoint: 16,
+            max_frame_bytes: Bytes::mib(64),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_gives_the_defaults() {
+        let c = NodeConfig::from_toml("", "t").unwrap();
+        assert_eq!(c.master.listen, "127.0.0.1:7070");
+        assert_eq!(c.storage.segment_size, Bytes::gib(1));
+    }
+
+    #[test]
+    fn a_typo_is_an_error_naming_the_key() {
+        let e = NodeConfig::from_toml("[storage]\nsegment_sise = \"1 GiB\"\n", "t").unwrap_err();
+        assert!(e.to_string().contains("segment_sise"), "{e}");
+        let e = NodeConfig::from_toml("[stroage]\n", "t").unwrap_err();
+        assert!(e.to_string().contains("stroage"), "{e}");
+    }
+
+    #[test]
+    fn a_bad_value_is_an_error_naming_the_key() {
+        let e = NodeConfig::from_toml("[storage]\nsegment_size = \"lots\"\n", "t").unwrap_err();
+        assert!(e.to_string().contains("storage.segment_size"), "{e}");
+        let e = NodeConfig::from_toml("[master]\nmax_keys = 0\n", "t").unwrap_err();
+        assert!(e.to_string().contains("master.max_keys"), "{e}");
+        let e = NodeConfig::from_toml("[storage]\nsegment_size = 5000\n", "t").unwrap_err();
+        assert!(e.to_string().contains("storage.segment_size"), "{e}");
+    }
+}

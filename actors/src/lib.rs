@@ -1,0 +1,34 @@
+//! kvpool's roles: the master, storage nodes, the store client, and the
+//! process that runs them (`node`).
+//!
+//! * [`master`]: metadata, allocation and liveness, sharded per core.
+//! * [`storage_node`]: a DRAM segment served over TCP, mounted at the master.
+//! * [`client`]: `put`/`get`/`exists`/`remove` for embedders and the CLI.
+//! * [`node`]: starts the roles of one process and stops them on a signal.
+
+pub mod client;
+pub mod clock;
+pub mod config;
+pub mod http;
+pub mod master;
+pub mod metrics;
+pub mod node;
+pub mod server;
+pub mod storage_node;
+
+pub use kvpool_transport::{ErrorCode, KvError};
+
+/// Why a role could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("config: {0}")]
+    Config(String),
+    #[error("{0}")]
+    Start(String),
+    #[error(transparent)]
+    Runtime(#[from] kvpool_runtime::RuntimeError),
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}

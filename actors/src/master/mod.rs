@@ -1,0 +1,14 @@
+//! The master: object metadata, space allocation on every mounted segment,
+//! and node liveness. It never touches payload bytes.
+//!
+//! * [`state`]: one shard's metadata as a pure state machine (no I/O, the
+//!   clock is an argument).
+//! * [`service`]: the shards at work: RPC listeners, inboxes, the coordinator.
+//! * [`actor`]: the `Master` actor, the API for embedders in the same process.
+
+pub mod actor;
+pub mod service;
+pub mod state;
+
+pub use actor::{Master, MasterArgs, MasterMsg};
+pub use service::MasterHandle;

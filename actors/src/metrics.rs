@@ -1,0 +1,139 @@
+//! The metrics each role exports on `GET /metrics` (names in README.md).
+
+use std::time::Duration;
+
+use kvpool_runtime::metrics::prometheus_client::encoding::EncodeLabelSet;
+use kvpool_runtime::metrics::prometheus_client::metrics::counter::Counter;
+use kvpool_runtime::metrics::prometheus_client::metrics::family::Family;
+use kvpool_runtime::metrics::prometheus_client::metrics::gauge::Gauge;
+use kvpool_runtime::metrics::prometheus_client::metrics::histogram::Histogram;
+use kvpool_runtime::metrics::{latency_histogram, MetricsRegistry};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpLabels {
+    pub op: &'static str,
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpOnly {
+    pub op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SegmentLabels {
+    pub segment: String,
+}
+
+type HistFamily = Family<OpOnly, Histogram, fn() -> Histogram>;
+
+/// Master metrics: per-call counts and latency, pool gauges.
+#[derive(Clone)]
+pub struct MasterMetrics {
+    calls: Family<OpLabels, Counter>,
+    latency: HistFamily,
+    pub keys: Gauge,
+    pub segment_capacity: Family<SegmentLabels, Gauge>,
+    pub segment_used: Family<SegmentLabels, Gauge>,
+    pub segments: Gauge,
+}
+
+impl MasterMetrics {
+    pub fn register(reg: &MetricsRegistry) -> Self {
+        let m = Self {
+            calls: Family::default(),
+            latency: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
+            keys: Gauge::default(),
+            segment_capacity: Family::default(),
+            segment_used: Family::default(),
+            segments: Gauge::default(),
+        };
+        reg.register(
+            "master_calls",
+            "Master calls by operation and result (ok or error)",
+            m.calls.clone(),
+        );
+        reg.register(
+            "master_call_seconds",
+            "Master call latency inside the shard, by operation",
+            m.latency.clone(),
+        );
+        reg.register("master_keys", "Objects in the pool", m.keys.clone());
+        reg.register("master_segments", "Mounted segments", m.segments.clone());
+        reg.register(
+            "master_segment_capacity_bytes",
+            "Capacity of each mounted segment",
+            m.segment_capacity.clone(),
+        );
+        reg.register(
+            "master_segment_used_bytes",
+            "Bytes allocated in each mounted segment",
+            m.segment_used.clone(),
+        );
+        m
+    }
+
+    pub fn observe(&self, op: &'static str, ok: bool, took: Duration) {
+        let result = if ok { "ok" } else { "error" };
+        self.calls.get_or_create(&OpLabels { op, result }).inc();
+        self.latency
+            .get_or_create(&OpOnly { op })
+            .observe(took.as_secs_f64());
+    }
+}
+
+/// Storage node metrics: data-plane requests and bytes.
+#[derive(Clone)]
+pub struct StorageMetrics {
+    requests: Family<OpLabels, Counter>,
+    pub bytes_read: Counter,
+    pub bytes_written: Counter,
+    latency: HistFamily,
+    pub segment_bytes: Gauge,
+}
+
+impl StorageMetrics {
+    pub fn register(reg: &MetricsRegistry) -> Self {
+        let m = Self {
+            requests: Family::default(),
+            bytes_read: Counter::default(),
+            bytes_written: Counter::default(),
+            latency: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
+            segment_bytes: Gauge::default(),
+        };
+        reg.register(
+            "storage_requests",
+            "Data-plane requests by operation and result",
+            m.requests.clone(),
+        );
+        reg.register(
+            "storage_read_bytes",
+            "Payload bytes served to readers",
+            m.bytes_read.clone(),
+        );
+        reg.register(
+            "storage_written_bytes",
+            "Payload bytes written by writers",
+            m.bytes_written.clone(),
+        );
+        reg.register(
+            "storage_request_seconds",
+            "Data-plane request latency, by operation",
+            m.latency.clone(),
+        );
+        reg.register(
+            "storage_segment_bytes",
+            "Size of this node's DRAM segment",
+            m.segment_bytes.clone(),
+        );
+        m
+    }
+
+    pub fn observe(&self, op: &'static str, ok: bool, took: Duration) {
+        let result = if ok { "ok" } else { "error" };
+        self.requests.get_or_create(&OpLabels { op, result }).inc();
+        self.latency
+            .get_or_create(&OpOnly { op })
+            .observe(took.as_secs_f64());
+    }
+}

@@ -1,0 +1,181 @@
+//! One kvpool process: starts the shards, the tokio runtime and the roles it
+//! was asked for; prints `kvpool <role> listening on HOST:PORT` when each is
+//! ready; on SIGINT/SIGTERM unmounts its segment, lets in-flight requests
+//! finish (or fail) within the drain deadline, and returns.
+
+use std::time::Duration;
+
+use kvpool_runtime::metrics::MetricsRegistry;
+use kvpool_runtime::{ShardHandle, ShardPool, Shutdown};
+use kvpool_transport::ErrorCode;
+use ractor::{call, Actor, ActorRef};
+
+use crate::client::Client;
+use crate::config::NodeConfig;
+use crate::http::{self, HttpState};
+use crate::master::{Master, MasterArgs, MasterHandle, MasterMsg};
+use crate::storage_node::{self, StorageNode, StorageNodeArgs, StorageNodeMsg};
+use crate::NodeError;
+
+/// Which roles a process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Master and one storage node in one process.
+    All,
+    Master,
+    Storage,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::All => "all",
+            Role::Master => "master",
+            Role::Storage => "storage",
+        }
+    }
+
+    fn has_master(self) -> bool {
+        matches!(self, Role::All | Role::Master)
+    }
+
+    fn has_storage(self) -> bool {
+        matches!(self, Role::All | Role::Storage)
+    }
+}
+
+/// How long a storage node keeps trying to reach the master at start.
+const MOUNT_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Runs `role` until SIGINT or SIGTERM (or `shutdown`), then stops cleanly.
+pub fn run(role: Role, cfg: NodeConfig, shutdown: Shutdown) -> Result<(), NodeError> {
+    cfg.validate().map_err(NodeError::Config)?;
+    let pool = ShardPool::start(&cfg.runtime.shard_pool(), shutdown.clone())?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cfg.runtime.actor_threads)
+        .thread_name("kvpool-actor")
+        .enable_all()
+        .build()?;
+    let res = rt.block_on(run_roles(role, &cfg, pool.handle(), shutdown.clone()));
+    shutdown.trigger();
+    rt.shutdown_timeout(Duration::from_secs(2));
+    let joined = pool.shutdown_and_join();
+    res?;
+    joined?;
+    tracing::info!(role = role.name(), "stopped");
+    Ok(())
+}
+
+async fn run_roles(
+    role: Role,
+    cfg: &NodeConfig,
+    shards: ShardHandle,
+    shutdown: Shutdown,
+) -> Result<(), NodeError> {
+    let metrics = MetricsRegistry::new();
+    let mut master: Option<(ActorRef<MasterMsg>, MasterHandle)> = None;
+    if role.has_master() {
+        let args = MasterArgs {
+            shards: shards.clone(),
+            config: cfg.master.clone(),
+            metrics: metrics.clone(),
+        };
+        let (actor, _) = Actor::spawn(Some("master".into()), Master, args)
+            .await
+            .map_err(|e| NodeError::Start(format!("master: {e}")))?;
+        let handle = call!(actor, MasterMsg::Handle)
+            .map_err(|e| NodeError::Start(format!("master: {e}")))?;
+        println!("kvpool master listening on {}", handle.addr());
+        master = Some((actor, handle));
+    }
+
+    let mut storage: Option<ActorRef<StorageNodeMsg>> = None;
+    if role.has_storage() {
+        let svc = storage_node::start(&shards, &cfg.storage, &metrics).await?;
+        let master_addr = match &master {
+            Some((_, h)) => h.addr().to_string(),
+            None => cfg.storage.master.clone(),
+        };
+        let client = connect_with_retry(&master_addr, cfg, &svc.spec.host_id).await?;
+        let args = StorageNodeArgs {
+            client,
+            spec: svc.spec.clone(),
+            ping_interval: Duration::from_millis(cfg.storage.ping_interval_ms),
+            mount_deadline: MOUNT_DEADLINE,
+        };
+        let (actor, _) = Actor::spawn(Some("storage".into()), StorageNode, args)
+            .await
+            .map_err(|e| NodeError::Start(format!("storage: {e}")))?;
+        println!("kvpool storage listening on {}", svc.addr);
+        storage = Some(actor);
+    }
+
+    let http_addr = match role {
+        Role::Storage => &cfg.storage.http,
+        _ => &cfg.master.http,
+    };
+    let http_bound = http::serve(
+        http_addr,
+        HttpState {
+            metrics: metrics.clone(),
+            master: master.as_ref().map(|(_, h)| h.clone()),
+        },
+        shutdown.clone(),
+    )
+    .await?;
+    tracing::info!(role = role.name(), http = %http_bound, "serving /healthz and /metrics");
+    if role == Role::All {
+        let (_, h) = master.as_ref().expect("role all runs a master");
+        println!("kvpool all listening on {}", h.addr());
+    }
+
+    tokio::select! {
+        sig = kvpool_runtime::wait_for_signal() => {
+            let sig = sig?;
+            tracing::info!("{sig}: shutting down");
+        }
+        _ = shutdown.wait() => {}
+    }
+
+    if let Some(node) = storage {
+        // Leave gracefully: the master stops placing data here at once.
+        let r = call!(node, StorageNodeMsg::Unmount);
+        match r {
+            Ok(Ok(())) => tracing::info!("segment unmounted"),
+            Ok(Err(e)) => tracing::warn!("unmount at the master failed: {e}"),
+            Err(e) => tracing::warn!("unmount did not complete: {e}"),
+        }
+        node.stop(None);
+    }
+    shutdown.trigger();
+    if let Some((actor, _)) = master {
+        actor.stop(None);
+    }
+    Ok(())
+}
+
+async fn connect_with_retry(
+    master: &str,
+    cfg: &NodeConfig,
+    host_id: &str,
+) -> Result<Client, NodeError> {
+    let deadline = tokio::time::Instant::now() + MOUNT_DEADLINE;
+    let id = rand::random::<u64>().max(1);
+    loop {
+        match Client::connect_as(master, cfg.client.clone(), id, host_id.to_string()).await {
+            Ok(c) => return Ok(c),
+            Err(e)
+                if tokio::time::Instant::now() < deadline
+                    && matches!(e.code, ErrorCode::Unavailable | ErrorCode::Timeout) =>
+            {
+                tracing::warn!("master {master} not reachable yet, retrying: {e}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => {
+                return Err(NodeError::Start(format!(
+                    "cannot reach the master at {master}: {e}"
+                )))
+            }
+        }
+    }
+}

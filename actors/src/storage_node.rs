@@ -1,0 +1,320 @@
+//! A storage node: owns a DRAM segment, serves reads and writes of it over
+//! TCP (one port per shard), mounts it at the master and pings the master.
+//!
+//! ```text
+//!  shard i (port base+i): Write{seg,off,len} + len bytes -> read_exact straight into segment
+//!                         Read{seg,off,len} -> Data{len} + write_all straight from segment
+//!  StorageNode actor (tokio): mount at start, Ping every ping_interval, Unmount on request
+//! ```
+//!
+//! The segment is cut into per-shard slices (`slice_bytes` each); clients send
+//! a request to the shard whose slice holds its offset. Any shard can serve any
+//! offset (the memory is shared by the process), so a request that reaches
+//! another shard is served there rather than refused.
+
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use glommio::net::TcpStream;
+use kvpool_runtime::metrics::MetricsRegistry;
+use kvpool_runtime::{ShardCtx, ShardHandle};
+use kvpool_storage::Segment;
+use kvpool_transport::frame::{self, FrameHeader, FrameKind};
+use kvpool_transport::proto::{
+    segment_id_for, DataRequest, DataResponse, Endpoint, SegmentId, SegmentSpec,
+};
+use kvpool_transport::{ErrorCode, KvError};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+
+use crate::client::Client;
+use crate::config::StorageConfig;
+use crate::metrics::StorageMetrics;
+use crate::server::{self, Handler, Next, ServerLimits};
+use crate::NodeError;
+
+/// A started storage node's data plane.
+pub struct StorageService {
+    pub spec: SegmentSpec,
+    pub segment_id: SegmentId,
+    pub addr: SocketAddr,
+    pub segment: Arc<Segment>,
+}
+
+/// Creates the segment and starts serving it on every shard.
+pub async fn start(
+    shards: &ShardHandle,
+    cfg: &StorageConfig,
+    metrics: &MetricsRegistry,
+) -> Result<StorageService, NodeError> {
+    let n = shards.nr_shards();
+    let (addr, listeners) = kvpool_runtime::net::bind_sharded(&cfg.listen, n)?;
+    let host_id = if cfg.host_id.is_empty() {
+        crate::client::local_host_id()
+    } else {
+        cfg.host_id.clone()
+    };
+    let host = if !cfg.advertise_host.is_empty() {
+        cfg.advertise_host.clone()
+    } else if addr.ip().is_unspecified() {
+        crate::client::local_host_id()
+    } else {
+        addr.ip().to_string()
+    };
+    let size = cfg.segment_size.get();
+    let name = format!("{host_id}:{}:{:016x}", addr.port(), rand::random::<u64>());
+    let segment = Arc::new(
+        Segment::new_dram(&name, size).map_err(|e| NodeError::Start(format!("segment: {e}")))?,
+    );
+    let slice_bytes = size.div_ceil(n as u64);
+    let spec = SegmentSpec {
+        name,
+        size,
+        endpoint: Endpoint {
+            host,
+            port: addr.port(),
+            nr_shards: n as u16,
+        },
+        slice_bytes,
+        host_id,
+    };
+    let segment_id = segment_id_for(&spec.name);
+    let limits = ServerLimits {
+        max_connections: cfg.max_connections,
+        idle_timeout: Duration::from_millis(cfg.idle_timeout_ms),
+        io_timeout: Duration::from_millis(cfg.io_timeout_ms),
+        max_frame_bytes: cfg.max_frame_bytes.get() as u32,
+    };
+    let m = StorageMetrics::register(metrics);
+    m.segment_bytes.set(size as i64);
+    let mut ready = Vec::with_capacity(n);
+    for (i, listener) in listeners.into_iter().enumerate() {
+        let segment = segment.clone();
+        let metrics = m.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        ready.push(rx);
+        shards
+            .spawn_on(i, move |ctx: ShardCtx| async move {
+                let handler = Rc::new(DataConn {
+                    segment,
+                    segment_id,
+                    metrics,
+                });
+                let listener = server::into_glommio(listener);
+                let _ = tx.send(());
+                server::serve(ctx, listener, limits, "storage", handler).await;
+            })
+            .await?;
+    }
+    for r in ready {
+        r.await
+            .map_err(|_| NodeError::Start("a storage shard failed to start".into()))?;
+    }
+    Ok(StorageService {
+        spec,
+        segment_id,
+        addr,
+        segment,
+    })
+}
+
+/// Serves the data plane on one shard.
+struct DataConn {
+    segment: Arc<Segment>,
+    segment_id: SegmentId,
+    metrics: StorageMetrics,
+}
+
+impl DataConn {
+    fn check(&self, segment_id: SegmentId, offset: u64, len: u64) -> Result<(), KvError> {
+        if segment_id != self.segment_id {
+            return Err(KvError::new(
+                ErrorCode::SegmentNotFound,
+                format!(
+                    "segment {segment_id:016x} is not served here (this node serves {:016x})",
+                    self.segment_id
+                ),
+            ));
+        }
+        self.segment
+            .check_range(offset, len)
+            .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))
+    }
+}
+
+impl Handler for DataConn {
+    async fn handle(&self, hdr: FrameHeader, stream: &mut TcpStream) -> Next {
+        if hdr.kind != FrameKind::DataRequest {
+            let e = frame::FrameError::UnexpectedKind {
+                expected: FrameKind::DataRequest,
+                got: hdr.kind,
+            };
+            server::reject(stream, hdr.request_id, &e, "storage").await;
+            return Next::Close;
+        }
+        let Ok(payload) = frame::read_payload(stream, &hdr).await else {
+            return Next::Close;
+        };
+        let req: DataRequest = match frame::decode(&payload) {
+            Ok(r) => r,
+            Err(e) => {
+                server::reject(stream, hdr.request_id, &e, "storage").await;
+                return Next::Close;
+            }
+        };
+        let started = Instant::now();
+        match req {
+            DataRequest::Write {
+                segment_id,
+                offset,
+                len,
+            } => {
+                if let Err(e) = self.check(segment_id, offset, len) {
+                    self.metrics.observe("write", false, started.elapsed());
+                    // The payload that follows is unread: answer, then close.
+                    let _ = server::answer(stream, &frame::encode_error(hdr.request_id, &e)).await;
+                    return Next::Close;
+                }
+                // SAFETY: the range is inside the segment (checked above), and
+                // the master gave it to this writer alone between PutStart and
+                // PutEnd; no reader is directed to it before PutEnd.
+                let dst = unsafe { self.segment.slice_mut(offset, len) };
+                if futures_lite::AsyncReadExt::read_exact(stream, dst)
+                    .await
+                    .is_err()
+                {
+                    self.metrics.observe("write", false, started.elapsed());
+                    return Next::Close;
+                }
+                self.metrics.bytes_written.inc_by(len);
+                self.metrics.observe("write", true, started.elapsed());
+                let ok = frame::encode(
+                    FrameKind::DataResponse,
+                    hdr.request_id,
+                    &DataResponse::Written,
+                );
+                server::answer(stream, &ok).await
+            }
+            DataRequest::Read {
+                segment_id,
+                offset,
+                len,
+            } => {
+                if let Err(e) = self.check(segment_id, offset, len) {
+                    self.metrics.observe("read", false, started.elapsed());
+                    return server::answer(stream, &frame::encode_error(hdr.request_id, &e)).await;
+                }
+                let head = frame::encode(
+                    FrameKind::DataResponse,
+                    hdr.request_id,
+                    &DataResponse::Data { len },
+                );
+                if let Next::Close = server::answer(stream, &head).await {
+                    return Next::Close;
+                }
+                // SAFETY: in bounds (checked above); the reader holds the
+                // object's replica list, and the master does not hand its
+                // space to a writer while the object exists (and, with
+                // leases, while any lease on it is live).
+                let src = unsafe { self.segment.slice(offset, len) };
+                let next = server::answer(stream, src).await;
+                let ok = matches!(next, Next::Continue);
+                if ok {
+                    self.metrics.bytes_read.inc_by(len);
+                }
+                self.metrics.observe("read", ok, started.elapsed());
+                next
+            }
+        }
+    }
+}
+
+/// Messages of the [`StorageNode`] actor.
+pub enum StorageNodeMsg {
+    /// Internal: time to ping the master.
+    Tick,
+    /// The segment's id and spec.
+    Info(RpcReplyPort<(SegmentId, SegmentSpec)>),
+    /// Unmounts the segment at the master (graceful leave).
+    Unmount(RpcReplyPort<Result<(), KvError>>),
+}
+
+/// Start-up arguments of the [`StorageNode`] actor.
+pub struct StorageNodeArgs {
+    pub client: Client,
+    pub spec: SegmentSpec,
+    pub ping_interval: Duration,
+    /// How long to keep trying the first mount (the master may start later).
+    pub mount_deadline: Duration,
+}
+
+/// The control side of a storage node: mounts its segment at the master,
+/// keeps it alive with pings, unmounts it on request.
+pub struct StorageNode;
+
+pub struct StorageNodeState {
+    client: Client,
+    spec: SegmentSpec,
+    segment_id: SegmentId,
+    mounted: bool,
+}
+
+impl Actor for StorageNode {
+    type Msg = StorageNodeMsg;
+    type State = StorageNodeState;
+    type Arguments = StorageNodeArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        args: StorageNodeArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let deadline = Instant::now() + args.mount_deadline;
+        let segment_id = loop {
+            match args.client.mount_segment(args.spec.clone()).await {
+                Ok(id) => break id,
+                Err(e) if Instant::now() < deadline && e.code == ErrorCode::Unavailable => {
+                    tracing::warn!("mount failed, retrying: {e}");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => return Err(format!("cannot mount segment: {e}").into()),
+            }
+        };
+        myself.send_interval(args.ping_interval, || StorageNodeMsg::Tick);
+        Ok(StorageNodeState {
+            client: args.client,
+            spec: args.spec,
+            segment_id,
+            mounted: true,
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            StorageNodeMsg::Tick => {
+                if state.mounted {
+                    if let Err(e) = state.client.ping().await {
+                        tracing::warn!("ping to the master failed: {e}");
+                    }
+                }
+            }
+            StorageNodeMsg::Info(reply) => {
+                let _ = reply.send((state.segment_id, state.spec.clone()));
+            }
+            StorageNodeMsg::Unmount(reply) => {
+                let r = state.client.unmount_segment(state.segment_id).await;
+                if r.is_ok() {
+                    state.mounted = false;
+                }
+                let _ = reply.send(r);
+            }
+        }
+        Ok(())
+    }
+}
