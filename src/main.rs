@@ -1,0 +1,325 @@
+//! `kvpool`: one binary, every role, and the CLI.
+//!
+//! * `kvpool run [--role all|master|storage]` serves (all roles in one process
+//!   by default, with the embedded default config).
+//! * `kvpool put|get|exists|rm|stat` talk to a running pool.
+//!
+//! Exit codes: 0 success; 1 `exists` found nothing; 2 an error (printed as
+//! `error: <Code> (<n>): <message>` on stderr).
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use kvpool_actors::client::Client;
+use kvpool_actors::config::NodeConfig;
+use kvpool_actors::node::{self, Role};
+use kvpool_runtime::config::Bytes;
+use kvpool_runtime::Shutdown;
+use kvpool_transport::proto::PutOptions;
+use kvpool_transport::KvError;
+
+#[derive(Parser)]
+#[command(
+    name = "kvpool",
+    version,
+    about = "A pooled DRAM/NVMe KV-cache store for disaggregated LLM serving"
+)]
+struct Cli {
+    /// The master's RPC address (host:port of its shard 0).
+    #[arg(long, global = true, value_name = "HOST:PORT")]
+    master: Option<String>,
+    /// A TOML config file (see configs/); every key has a default.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum RoleArg {
+    All,
+    Master,
+    Storage,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Serve: run one or all roles until SIGINT/SIGTERM.
+    Run {
+        /// Which role(s) this process runs.
+        #[arg(long, value_enum, default_value = "all")]
+        role: RoleArg,
+        /// Base listen address of the role (shard i listens on port + i);
+        /// for `all`, the master's.
+        #[arg(long, value_name = "HOST:PORT")]
+        listen: Option<String>,
+        /// HTTP address for /healthz and /metrics.
+        #[arg(long, value_name = "HOST:PORT")]
+        http: Option<String>,
+        /// Base data-plane address of the storage node (role all; for role
+        /// storage, --listen). With role all and a --listen on port 0, the
+        /// storage node takes ephemeral ports too.
+        #[arg(long, value_name = "HOST:PORT")]
+        data_listen: Option<String>,
+        /// DRAM this storage node gives to the pool: bytes, or with a
+        /// KiB/MiB/GiB suffix.
+        #[arg(long, value_name = "BYTES")]
+        segment_size: Option<Bytes>,
+        /// Shards (cores) to run; 0 = all cores.
+        #[arg(long, value_name = "N")]
+        shards: Option<usize>,
+    },
+    /// Store a value: from FILE, or stdin when FILE is `-` or absent.
+    Put {
+        key: String,
+        file: Option<String>,
+        /// Replicas, each on a distinct segment (best effort).
+        #[arg(long, default_value_t = 1)]
+        replicas: u32,
+        /// Soft-pin the object for this many milliseconds.
+        #[arg(long, default_value_t = 0, value_name = "MS")]
+        soft_pin_ms: u64,
+        /// Never evict the object (remove still works).
+        #[arg(long)]
+        hard_pin: bool,
+    },
+    /// Print a value to stdout, or write it to a file.
+    Get {
+        key: String,
+        #[arg(short, long, value_name = "FILE")]
+        output: Option<PathBuf>,
+    },
+    /// Exit 0 if the key is stored, 1 if not.
+    Exists { key: String },
+    /// Remove a key.
+    Rm {
+        key: String,
+        /// Remove even while a reader holds a lease.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Segments, capacity, use and key count.
+    Stat {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn load_config(path: Option<&PathBuf>) -> Result<NodeConfig, String> {
+    match path {
+        None => Ok(NodeConfig::default()),
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| format!("cannot read config {}: {e}", p.display()))?;
+            NodeConfig::from_toml(&text, &p.display().to_string()).map_err(|e| e.to_string())
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    kvpool_runtime::telemetry::init();
+    let mut cfg = match load_config(cli.config.as_ref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match cli.cmd {
+        Cmd::Run {
+            role,
+            listen,
+            http,
+            data_listen,
+            segment_size,
+            shards,
+        } => {
+            let role = match role {
+                RoleArg::All => Role::All,
+                RoleArg::Master => Role::Master,
+                RoleArg::Storage => Role::Storage,
+            };
+            if let Some(l) = listen {
+                if role == Role::All && data_listen.is_none() {
+                    if let Some(host) = l.strip_suffix(":0") {
+                        cfg.storage.listen = format!("{host}:0");
+                    }
+                }
+                match role {
+                    Role::Storage => cfg.storage.listen = l,
+                    _ => cfg.master.listen = l,
+                }
+            }
+            if let Some(d) = data_listen {
+                cfg.storage.listen = d;
+            }
+            if let Some(h) = http {
+                match role {
+                    Role::Storage => cfg.storage.http = h,
+                    _ => cfg.master.http = h,
+                }
+            }
+            if let Some(m) = cli.master {
+                cfg.storage.master = m;
+            }
+            if let Some(s) = segment_size {
+                cfg.storage.segment_size = s;
+            }
+            if let Some(n) = shards {
+                cfg.runtime.shards = n;
+            }
+            match node::run(role, cfg, Shutdown::new()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+        cmd => {
+            let master = cli.master.unwrap_or_else(|| "127.0.0.1:7070".into());
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("error: cannot start the runtime: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            match rt.block_on(client_cmd(&master, cfg, cmd)) {
+                Ok(code) => code,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+enum CliError {
+    Kv(KvError),
+    Io(String),
+}
+
+impl std::fmt::Display for CliError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CliError::Kv(e) => write!(f, "{e}"),
+            CliError::Io(e) => f.write_str(e),
+        }
+    }
+}
+
+impl From<KvError> for CliError {
+    fn from(e: KvError) -> Self {
+        CliError::Kv(e)
+    }
+}
+
+async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode, CliError> {
+    let client = Client::connect(master, cfg.client).await?;
+    match cmd {
+        Cmd::Run { .. } => unreachable!("handled in main"),
+        Cmd::Put {
+            key,
+            file,
+            replicas,
+            soft_pin_ms,
+            hard_pin,
+        } => {
+            let value = match file.as_deref() {
+                None | Some("-") => {
+                    let mut v = Vec::new();
+                    std::io::stdin()
+                        .read_to_end(&mut v)
+                        .map_err(|e| CliError::Io(format!("cannot read stdin: {e}")))?;
+                    v
+                }
+                Some(path) => std::fs::read(path)
+                    .map_err(|e| CliError::Io(format!("cannot read {path}: {e}")))?,
+            };
+            let opts = PutOptions {
+                replicas,
+                soft_pin_ttl_ms: soft_pin_ms,
+                hard_pin,
+                preferred_host: String::new(),
+            };
+            client.put_with(key.as_bytes(), &value, &opts).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Get { key, output } => {
+            let value = client.get(key.as_bytes()).await?;
+            match output {
+                Some(p) => std::fs::write(&p, &value)
+                    .map_err(|e| CliError::Io(format!("cannot write {}: {e}", p.display())))?,
+                None => {
+                    let mut out = std::io::stdout().lock();
+                    out.write_all(&value)
+                        .and_then(|_| out.flush())
+                        .map_err(|e| CliError::Io(format!("cannot write stdout: {e}")))?;
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Exists { key } => Ok(if client.exists(key.as_bytes()).await? {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        }),
+        Cmd::Rm { key, force } => {
+            client.remove_with(key.as_bytes(), force).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Stat { json } => {
+            let s = client.stat().await?;
+            if json {
+                let segs: Vec<serde_json::Value> = s
+                    .segments
+                    .iter()
+                    .map(|g| {
+                        serde_json::json!({
+                            "id": g.id,
+                            "name": g.name,
+                            "endpoint": g.endpoint.shard_addr(0),
+                            "shards": g.endpoint.nr_shards,
+                            "host_id": g.host_id,
+                            "capacity": g.capacity,
+                            "used": g.used,
+                            "draining": g.draining,
+                        })
+                    })
+                    .collect();
+                let v = serde_json::json!({
+                    "segments": segs,
+                    "capacity": s.capacity,
+                    "used": s.used,
+                    "keys": s.keys,
+                });
+                println!("{v}");
+            } else {
+                println!("segments: {}", s.segments.len());
+                for g in &s.segments {
+                    println!(
+                        "  {}  {}  capacity {}  used {}{}",
+                        g.name,
+                        g.endpoint.shard_addr(0),
+                        Bytes(g.capacity),
+                        Bytes(g.used),
+                        if g.draining { "  (draining)" } else { "" }
+                    );
+                }
+                println!("capacity: {}", Bytes(s.capacity));
+                println!("used: {}", Bytes(s.used));
+                println!("keys: {}", s.keys);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

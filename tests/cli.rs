@@ -1,0 +1,148 @@
+//! The CLI against a real `kvpool run` (role all), and the process lifecycle.
+
+mod common;
+
+use std::time::Duration;
+
+use common::Signal;
+
+#[test]
+fn cli_puts_gets_checks_removes_and_reports_against_role_all() {
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "64MiB"]));
+    let m = node.addr.as_str();
+    let dir = std::env::temp_dir().join(format!("kvpool-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+
+    // put from a file, get to stdout
+    let input = dir.join("in.bin");
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(&input, &data).unwrap();
+    let (code, _, err) = common::cli(m, &["put", "from-file", input.to_str().unwrap()], None);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = common::cli(m, &["get", "from-file"], None);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, data);
+
+    // put from stdin (implicit and `-`), get to a file
+    let (code, _, err) = common::cli(m, &["put", "from-stdin"], Some(b"hello kvpool"));
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = common::cli(m, &["put", "dash", "-"], Some(b"dash"));
+    assert_eq!(code, 0, "{err}");
+    let out_file = dir.join("out.bin");
+    let (code, _, err) = common::cli(
+        m,
+        &["get", "from-stdin", "-o", out_file.to_str().unwrap()],
+        None,
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(std::fs::read(&out_file).unwrap(), b"hello kvpool");
+
+    // exists: 0 when present, 1 when not
+    assert_eq!(common::cli(m, &["exists", "dash"], None).0, 0);
+    assert_eq!(common::cli(m, &["exists", "nope"], None).0, 1);
+
+    // a second put of a key is refused with its code
+    let (code, _, err) = common::cli(m, &["put", "dash"], Some(b"again"));
+    assert_eq!(code, 2);
+    assert!(err.contains("ObjectAlreadyExists"), "{err}");
+
+    // stat, text and JSON
+    let (code, out, _) = common::cli(m, &["stat"], None);
+    assert_eq!(code, 0);
+    let text = String::from_utf8(out).unwrap();
+    assert!(text.contains("segments: 1"), "{text}");
+    assert!(text.contains("keys: 3"), "{text}");
+    let (code, out, _) = common::cli(m, &["stat", "--json"], None);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(v["keys"], 3);
+    assert_eq!(v["capacity"], 64 << 20);
+    assert!(v["used"].as_u64().unwrap() >= 300_000);
+
+    // rm, then the key is gone; rm of a missing key is an error with its code
+    for k in ["from-file", "from-stdin", "dash"] {
+        let (code, _, err) = common::cli(m, &["rm", k], None);
+        assert_eq!(code, 0, "{err}");
+    }
+    let (code, _, err) = common::cli(m, &["get", "dash"], None);
+    assert_eq!(code, 2);
+    assert!(err.contains("ObjectNotFound (2)"), "{err}");
+    let (code, _, err) = common::cli(m, &["rm", "dash"], None);
+    assert_eq!(code, 2);
+    assert!(err.contains("ObjectNotFound"), "{err}");
+    let (_, out, _) = common::cli(m, &["stat", "--json"], None);
+    let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(v["keys"], 0);
+    assert_eq!(v["used"], 0);
+
+    // an unreachable master is a clear error, not a hang
+    let (code, _, err) = common::cli("127.0.0.1:1", &["stat"], None);
+    assert_eq!(code, 2);
+    assert!(err.contains("Unavailable"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn sigterm_stops_a_node_with_exit_code_zero_and_closes_its_ports() {
+    let mut node = common::start("all", &common::ephemeral(&["--segment-size", "64MiB"]));
+    let (code, _, err) = common::cli(&node.addr, &["put", "k"], Some(b"v"));
+    assert_eq!(code, 0, "{err}");
+    node.signal(Signal::TERM);
+    let st = node
+        .wait_exit(Duration::from_secs(10))
+        .expect("the node exits after SIGTERM");
+    assert_eq!(st.code(), Some(0), "stderr:\n{}", node.stderr());
+    assert!(
+        node.stderr().contains("segment unmounted"),
+        "{}",
+        node.stderr()
+    );
+    assert!(
+        std::net::TcpStream::connect(&node.addr).is_err(),
+        "the port is closed"
+    );
+}
+
+#[test]
+fn a_config_typo_stops_start_up_with_an_error_naming_the_key() {
+    let dir = std::env::temp_dir().join(format!("kvpool-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("typo.toml");
+    std::fs::write(&cfg, "[storage]\nsegment_sise = \"1 GiB\"\n").unwrap();
+    let child = std::process::Command::new(common::BIN)
+        .args(["run", "--config", cfg.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = common::wait_output(child, Duration::from_secs(20));
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("segment_sise"), "{err}");
+
+    std::fs::write(
+        &cfg,
+        "[master]\nlease_ttl_ms = \"ten\"\n[runtime]\nshards = -1\n",
+    )
+    .unwrap();
+    let child = std::process::Command::new(common::BIN)
+        .args(["run", "--config", cfg.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = common::wait_output(child, Duration::from_secs(20));
+    assert_eq!(out.status.code(), Some(2));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_example_configs_parse() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    for name in ["single-node.toml", "master.toml", "storage.toml"] {
+        let path = format!("{root}/configs/{name}");
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        kvpool_actors::config::NodeConfig::from_toml(&text, &path)
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+    }
+}

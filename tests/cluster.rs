@@ -1,0 +1,131 @@
+//! End to end across processes: one master and two storage nodes, each its
+//! own `kvpool` process on 127.0.0.1, driven through the client library.
+
+mod common;
+
+use futures_util::stream::{self, StreamExt};
+use kvpool_actors::client::Client;
+use kvpool_actors::config::ClientConfig;
+use rand::{RngCore, SeedableRng};
+use xxhash_rust::xxh3::xxh3_64;
+
+const OBJECTS: usize = 1000;
+const MAX_SIZE: usize = 4 << 20;
+
+fn value(seed: u64, i: usize, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .fill_bytes(&mut v);
+    v
+}
+
+#[test]
+fn thousand_objects_of_random_sizes_round_trip_across_a_master_and_two_storage_processes() {
+    let master = common::start("master", &common::ephemeral(&[]));
+    let storage_args = |seg: &'static str| -> Vec<String> {
+        [
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+            "--master",
+            &master.addr,
+            "--segment-size",
+            seg,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let a1 = storage_args("1536MiB");
+    let a2 = storage_args("1536MiB");
+    let s1 = common::start(
+        "storage",
+        &a1.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let s2 = common::start(
+        "storage",
+        &a2.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+
+    let seed: u64 = rand::random();
+    println!("seed {seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut sizes: Vec<usize> = (0..OBJECTS)
+        .map(|_| 1 + (rng.next_u64() as usize % MAX_SIZE))
+        .collect();
+    // The edges, always.
+    sizes[0] = 1;
+    sizes[1] = MAX_SIZE;
+
+    let rt = common::rt();
+    rt.block_on(async {
+        let client = Client::connect(&master.addr, ClientConfig::default())
+            .await
+            .expect("connect");
+        let stat = client.stat().await.unwrap();
+        assert_eq!(stat.segments.len(), 2, "both storage nodes mounted");
+
+        // Put, 8 at a time; remember each value's checksum.
+        let sums: Vec<(usize, u64)> = stream::iter(0..OBJECTS)
+            .map(|i| {
+                let client = client.clone();
+                let len = sizes[i];
+                async move {
+                    let v = value(seed, i, len);
+                    client
+                        .put(format!("obj-{i}").as_bytes(), &v)
+                        .await
+                        .unwrap_or_else(|e| panic!("put obj-{i} ({len} B), seed {seed}: {e}"));
+                    (i, xxh3_64(&v))
+                }
+            })
+            .buffer_unordered(8)
+            .collect()
+            .await;
+        let mut want = vec![0u64; OBJECTS];
+        for (i, h) in sums {
+            want[i] = h;
+        }
+
+        let stat = client.stat().await.unwrap();
+        assert_eq!(stat.keys, OBJECTS as u64);
+        for seg in &stat.segments {
+            assert!(seg.used > 0, "objects landed on both nodes: {stat:?}");
+        }
+
+        // Read every one back, byte for byte (by length and checksum).
+        stream::iter(0..OBJECTS)
+            .map(|i| {
+                let client = client.clone();
+                let (len, sum) = (sizes[i], want[i]);
+                async move {
+                    let got = client
+                        .get(format!("obj-{i}").as_bytes())
+                        .await
+                        .unwrap_or_else(|e| panic!("get obj-{i}, seed {seed}: {e}"));
+                    assert_eq!(got.len(), len, "length of obj-{i}, seed {seed}");
+                    assert_eq!(xxh3_64(&got), sum, "bytes of obj-{i}, seed {seed}");
+                }
+            })
+            .buffer_unordered(8)
+            .collect::<Vec<()>>()
+            .await;
+
+        for i in 0..OBJECTS {
+            client.remove(format!("obj-{i}").as_bytes()).await.unwrap();
+        }
+        assert!(!client.exists(b"obj-0").await.unwrap());
+    });
+
+    // `stat` (the CLI) shows them gone and the space free.
+    let (code, out, err) = common::cli(&master.addr, &["stat", "--json"], None);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(v["keys"], 0, "{v}");
+    assert_eq!(v["used"], 0, "{v}");
+    assert_eq!(v["segments"].as_array().unwrap().len(), 2, "{v}");
+    drop((s1, s2));
+}

@@ -1,0 +1,180 @@
+//! Helpers for tests that run the real `kvpool` binary on 127.0.0.1.
+
+#![allow(dead_code)] // each test binary uses a different subset of the helpers
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_kvpool");
+
+/// A running `kvpool run` process; killed when dropped.
+pub struct Proc {
+    pub child: Child,
+    /// The address from its `listening on` line.
+    pub addr: String,
+    pub role: &'static str,
+    stderr_path: PathBuf,
+}
+
+impl Proc {
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, sig: Signal) {
+        let pid = Pid::from_raw(self.pid()).expect("child pid");
+        kill_process(pid, sig).unwrap_or_else(|e| panic!("kill({pid:?}, {sig:?}): {e}"));
+    }
+
+    /// Waits for the process to exit, with a deadline.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + within;
+        while Instant::now() < end {
+            if let Some(st) = self.child.try_wait().expect("try_wait") {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.stderr_path);
+    }
+}
+
+pub use rustix::process::Signal;
+use rustix::process::{kill_process, Pid};
+
+/// Starts `kvpool run --role <role> <args>` and waits (bounded) for its
+/// `kvpool <role> listening on ADDR` line.
+pub fn start(role: &'static str, args: &[&str]) -> Proc {
+    let stderr_path = std::env::temp_dir().join(format!(
+        "kvpool-test-{}-{}-{}.log",
+        role,
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let stderr = std::fs::File::create(&stderr_path).expect("stderr log file");
+    let mut child = Command::new(BIN)
+        .arg("run")
+        .arg("--role")
+        .arg(role)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .env("RUST_LOG", "info")
+        .spawn()
+        .expect("spawn kvpool");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    let want = format!("kvpool {role} listening on ");
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if let Some(addr) = line.strip_prefix(&want) {
+                let _ = tx.send(addr.trim().to_string());
+            }
+        }
+    });
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(addr) => Proc {
+            child,
+            addr,
+            role,
+            stderr_path,
+        },
+        Err(e) => {
+            let _ = child.kill();
+            let status = child.wait().ok();
+            let log = std::fs::read_to_string(&stderr_path).unwrap_or_default();
+            let why = match e {
+                mpsc::RecvTimeoutError::Timeout => "did not become ready within 30 s".to_string(),
+                mpsc::RecvTimeoutError::Disconnected => {
+                    format!("exited ({status:?}) before it was ready")
+                }
+            };
+            panic!("kvpool {role} {why}; stderr:\n{log}");
+        }
+    }
+}
+
+/// Common flags: ephemeral ports, 2 shards, no pinning (tests share cores).
+pub fn ephemeral(extra: &[&'static str]) -> Vec<&'static str> {
+    let mut v = vec![
+        "--listen",
+        "127.0.0.1:0",
+        "--http",
+        "127.0.0.1:0",
+        "--shards",
+        "2",
+    ];
+    v.extend_from_slice(extra);
+    v
+}
+
+/// Runs a CLI command against `master`; returns (exit code, stdout, stderr).
+pub fn cli(master: &str, args: &[&str], stdin: Option<&[u8]>) -> (i32, Vec<u8>, String) {
+    use std::io::Write;
+    let mut child = Command::new(BIN)
+        .arg("--master")
+        .arg(master)
+        .args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvpool cli");
+    if let Some(data) = stdin {
+        let mut s = child.stdin.take().expect("stdin");
+        s.write_all(data).expect("write stdin");
+    }
+    let out = wait_output(child, Duration::from_secs(60));
+    (
+        out.status.code().unwrap_or(-1),
+        out.stdout,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `wait_with_output` with a deadline: a hung CLI fails the test.
+pub fn wait_output(child: Child, within: Duration) -> std::process::Output {
+    let (tx, rx) = mpsc::channel();
+    let pid = child.id() as i32;
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(within) {
+        Ok(out) => out.expect("wait_with_output"),
+        Err(_) => {
+            if let Some(pid) = Pid::from_raw(pid) {
+                let _ = kill_process(pid, Signal::KILL);
+            }
+            panic!("command did not finish within {within:?}");
+        }
+    }
+}
+
+/// A tokio runtime for client-library tests.
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
