@@ -184,6 +184,8 @@ pub struct StorageConfig {
     pub master: String,
     /// DRAM this node gives to the pool.
     pub segment_size: Bytes,
+    /// Commit every page of the segment at start instead of at first write.
+    pub prefault: bool,
     /// Host clients should connect to ("" = the listen host, or this
     /// machine's hostname when listening on 0.0.0.0).
     pub advertise_host: String,
@@ -208,6 +210,7 @@ impl Default for StorageConfig {
             http: "127.0.0.1:9300".into(),
             master: "127.0.0.1:7070".into(),
             segment_size: Bytes::gib(1),
+            prefault: false,
             advertise_host: String::new(),
             host_id: String::new(),
             ping_interval_ms: 1000,

@@ -65,7 +65,8 @@ pub async fn start(
     let size = cfg.segment_size.get();
     let name = format!("{host_id}:{}:{:016x}", addr.port(), rand::random::<u64>());
     let segment = Arc::new(
-        Segment::new_dram(&name, size).map_err(|e| NodeError::Start(format!("segment: {e}")))?,
+        Segment::new_dram(&name, size, cfg.prefault)
+            .map_err(|e| NodeError::Start(format!("segment: {e}")))?,
     );
     let slice_bytes = size.div_ceil(n as u64);
     let spec = SegmentSpec {

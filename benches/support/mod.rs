@@ -1,0 +1,198 @@
+//! Shared pieces of kvpool's benches: latency histograms, the reference
+//! measurements taken in the same run, and starting the real binary.
+//!
+//! Benches are plain binaries (`harness = false`). Under `cargo bench` cargo
+//! passes `--bench` and they run in full; under `cargo test` they run a small
+//! mode, so they cannot rot.
+
+#![allow(dead_code)] // each bench uses a different subset
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_kvpool");
+
+/// True under `cargo bench`, false under `cargo test`.
+pub fn full_mode() -> bool {
+    std::env::args().any(|a| a == "--bench")
+}
+
+/// Latencies in nanoseconds, 3 significant digits.
+pub struct Lat {
+    pub h: Histogram<u64>,
+    pub bytes: u64,
+    pub busy: Duration,
+}
+
+impl Lat {
+    pub fn new() -> Self {
+        Self {
+            h: Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("histogram bounds"),
+            bytes: 0,
+            busy: Duration::ZERO,
+        }
+    }
+
+    pub fn record(&mut self, took: Duration, bytes: u64) {
+        self.h.saturating_record(took.as_nanos() as u64);
+        self.bytes += bytes;
+        self.busy += took;
+    }
+
+    /// Throughput over the time spent inside the measured calls.
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.busy.as_secs_f64().max(1e-9) / 1e9
+    }
+
+    pub fn us(&self, q: f64) -> f64 {
+        self.h.value_at_quantile(q) as f64 / 1000.0
+    }
+}
+
+pub fn header() {
+    println!(
+        "{:<10} {:>9} {:>6} {:>10} {:>10} {:>10} {:>10} {:>8}",
+        "op", "size", "n", "p50_us", "p99_us", "p99.9_us", "max_us", "GB/s"
+    );
+}
+
+pub fn row(op: &str, size: &str, l: &Lat) {
+    println!(
+        "{:<10} {:>9} {:>6} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.3}",
+        op,
+        size,
+        l.h.len(),
+        l.us(0.5),
+        l.us(0.99),
+        l.us(0.999),
+        l.h.max() as f64 / 1000.0,
+        l.gbps()
+    );
+}
+
+pub fn size_name(n: usize) -> String {
+    if n >= 1 << 20 && n % (1 << 20) == 0 {
+        format!("{}MiB", n >> 20)
+    } else if n >= 1 << 10 && n % (1 << 10) == 0 {
+        format!("{}KiB", n >> 10)
+    } else {
+        format!("{n}B")
+    }
+}
+
+/// Single-thread memcpy bandwidth (GB/s) over `size`-byte buffers.
+pub fn memcpy_gbps(size: usize, rounds: usize) -> f64 {
+    let src = vec![1u8; size];
+    let mut dst = vec![0u8; size];
+    dst.copy_from_slice(&src); // fault the pages in first
+    let t = Instant::now();
+    for i in 0..rounds {
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst[i % size]);
+    }
+    (size * rounds) as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// Loopback TCP bandwidth measured by iperf3 (`-l 1M`), in GB/s, if iperf3
+/// is installed.
+pub fn iperf3_gbps(seconds: u32) -> Option<f64> {
+    let port = 20_000 + (std::process::id() % 20_000) as u16;
+    let mut server = Command::new("iperf3")
+        .args(["-s", "-1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    std::thread::sleep(Duration::from_millis(300));
+    let out = Command::new("iperf3")
+        .args([
+            "-c",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-l",
+            "1M",
+            "-t",
+            &seconds.to_string(),
+            "-J",
+        ])
+        .output()
+        .ok();
+    let _ = server.kill();
+    let _ = server.wait();
+    let out = out?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    let bps = v["end"]["sum_received"]["bits_per_second"].as_f64()?;
+    Some(bps / 8.0 / 1e9)
+}
+
+/// A running kvpool process; killed when dropped.
+pub struct Node {
+    pub child: Child,
+    pub addr: String,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `kvpool run --role <role> <args>` and waits for its ready line.
+pub fn start(role: &str, args: &[&str]) -> Node {
+    let mut child = Command::new(BIN)
+        .args(["run", "--role", role])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kvpool");
+    let stdout = child.stdout.take().expect("stdout");
+    // Owned from here on: a panic below kills and reaps the child.
+    let mut node = Node {
+        child,
+        addr: String::new(),
+    };
+    let want = format!("kvpool {role} listening on ");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // Reads to the end, so the child never blocks on a full pipe.
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if let Some(addr) = line.strip_prefix(&want) {
+                let _ = tx.send(addr.trim().to_string());
+            }
+        }
+    });
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(addr) => {
+            node.addr = addr;
+            node
+        }
+        Err(e) => panic!("kvpool {role} did not become ready: {e}"),
+    }
+}
+
+/// The machine, for the record.
+pub fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown cpu".into());
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    format!("{cores} cores, {cpu}, Linux {kernel}")
+}
