@@ -3,6 +3,7 @@
 //! * `kvpool run [--role all|master|storage]` serves (all roles in one process
 //!   by default, with the embedded default config).
 //! * `kvpool put|get|exists|rm|stat` talk to a running pool.
+//! * `kvpool sim` replays a request trace against a modelled cluster.
 //!
 //! Exit codes: 0 success; 1 `exists` found nothing; 2 an error (printed as
 //! `error: <Code> (<n>): <message>` on stderr).
@@ -105,6 +106,9 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Replay a request trace against a modelled cluster, per scheduling
+    /// policy (`kvpool sim cache`: the pool's prefix hit ratio alone).
+    Sim(kvpool_actors::conductor::cli::SimCommand),
 }
 
 fn load_config(path: Option<&PathBuf>) -> Result<NodeConfig, String> {
@@ -129,6 +133,13 @@ fn main() -> ExitCode {
         }
     };
     match cli.cmd {
+        Cmd::Sim(cmd) => match kvpool_actors::conductor::cli::run_sim_command(&cmd) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
         Cmd::Run {
             role,
             listen,
@@ -226,7 +237,7 @@ impl From<KvError> for CliError {
 async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode, CliError> {
     let client = Client::connect(master, cfg.client).await?;
     match cmd {
-        Cmd::Run { .. } => unreachable!("handled in main"),
+        Cmd::Run { .. } | Cmd::Sim(_) => unreachable!("handled in main"),
         Cmd::Put {
             key,
             file,

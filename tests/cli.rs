@@ -146,3 +146,74 @@ fn the_example_configs_parse() {
             .unwrap_or_else(|e| panic!("{path}: {e}"));
     }
 }
+
+#[test]
+fn sim_prints_one_json_object_per_policy_and_cache_capacity() {
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/synthetic_trace.jsonl"
+    );
+    let run = |args: &[&str]| {
+        let child = std::process::Command::new(common::BIN)
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = common::wait_output(child, Duration::from_secs(60));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let rows = run(&[
+        "sim",
+        "--trace",
+        trace,
+        "--policy",
+        "cache_global,early_reject",
+        "--json",
+        "--no-progress",
+    ]);
+    assert_eq!(rows.len(), 2);
+    for (row, policy) in rows.iter().zip(["cache_global", "early_reject"]) {
+        assert_eq!(row["policy"], policy);
+        for k in [
+            "prefix_hit_ratio",
+            "ttft_ms_p50",
+            "ttft_ms_p90",
+            "ttft_ms_p99",
+            "tbt_ms_p50",
+            "tbt_ms_p90",
+            "tbt_ms_p99",
+            "slo_attainment",
+            "goodput_rps",
+            "rejected",
+        ] {
+            assert!(row[k].is_number(), "{k} missing in {row}");
+        }
+    }
+    let rows = run(&[
+        "sim",
+        "cache",
+        "--trace",
+        trace,
+        "--cache-policy",
+        "lru",
+        "--cache-blocks",
+        "1000,inf",
+        "--json",
+    ]);
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["cache_policy"], "lru");
+    assert_eq!(rows[0]["cache_blocks"], 1000);
+    let r = rows[0]["prefix_hit_ratio"].as_f64().unwrap();
+    assert!((r - 0.0825).abs() <= 0.0005, "{r}");
+    assert_eq!(rows[1]["cache_blocks"], "inf");
+}

@@ -4,10 +4,13 @@
 //! * [`master`]: metadata, allocation and liveness, sharded per core.
 //! * [`storage_node`]: a DRAM segment served over TCP, mounted at the master.
 //! * [`client`]: `put`/`get`/`exists`/`remove` for embedders and the CLI.
+//! * [`conductor`]: cache-aware scheduling with early rejection, and the
+//!   trace-replay simulator (`kvpool sim`).
 //! * [`node`]: starts the roles of one process and stops them on a signal.
 
 pub mod client;
 pub mod clock;
+pub mod conductor;
 pub mod config;
 pub mod http;
 pub mod master;

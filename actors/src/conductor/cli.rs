@@ -1,0 +1,348 @@
+//! Command line of the simulator: `kvpool sim ...` and `kvpool sim cache ...`.
+//!
+//! The binary embeds [`SimCommand`] as its `sim` subcommand and calls
+//! [`run_sim_command`]; [`run_sim`] and [`run_sim_cache`] run one form each.
+//! Human-readable text goes to stdout; with `--json`, one JSON object per
+//! line instead (per policy, or per cache policy and capacity). Progress bars
+//! go to stderr and only when it is a terminal.
+
+use std::io::{self, Write};
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use super::cache::{simulate_cache, CachePolicy, CacheSimReport, Capacity};
+use super::cost::CostModel;
+use super::plot::plot_ttft_cdf;
+use super::scheduler::{Policy, Slo};
+use super::sim::{simulate_with_progress, SimConfig, SimError, SimOutcome, SimReport};
+use super::trace::Trace;
+
+/// A `--policy` value: one policy, or `all`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyArg {
+    /// One policy.
+    One(Policy),
+    /// Every policy.
+    All,
+}
+
+impl FromStr for PolicyArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "all" {
+            return Ok(PolicyArg::All);
+        }
+        s.parse::<Policy>()
+            .map(PolicyArg::One)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// `kvpool sim`: replay a trace against the modelled cluster.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimArgs {
+    /// Request trace, Mooncake format (JSON lines).
+    #[arg(long, required = true)]
+    pub trace: Option<PathBuf>,
+    /// Scheduling policies, comma-separated, or `all`: random, round_robin,
+    /// least_loaded, cache_local, cache_global, early_reject, predictive_reject.
+    #[arg(long, value_delimiter = ',', default_value = "cache_global")]
+    pub policy: Vec<PolicyArg>,
+    /// Prefill instances.
+    #[arg(long, default_value_t = 8)]
+    pub prefill: usize,
+    /// Decode instances.
+    #[arg(long, default_value_t = 2)]
+    pub decode: usize,
+    /// Pool capacity in blocks, or `inf`.
+    #[arg(long, default_value = "inf")]
+    pub cache_blocks: Capacity,
+    /// Pool eviction policy.
+    #[arg(long, value_enum, default_value = "lru")]
+    pub cache_policy: CachePolicy,
+    /// TTFT SLO, ms.
+    #[arg(long, default_value_t = 30_000.0)]
+    pub ttft_slo_ms: f64,
+    /// TBT SLO (per-request average gap between tokens), ms.
+    #[arg(long, default_value_t = 100.0)]
+    pub tbt_slo_ms: f64,
+    /// Divide arrival timestamps by this (2 = twice the request rate).
+    #[arg(long, default_value_t = 1.0)]
+    pub speed: f64,
+    /// Seed of the `random` policy.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Cluster cost model (TOML); defaults are built in.
+    #[arg(long, value_name = "FILE")]
+    pub model: Option<PathBuf>,
+    /// Print one JSON object per policy per line.
+    #[arg(long)]
+    pub json: bool,
+    /// Also draw the TTFT CDF of every policy to this PNG.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Never show a progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+impl SimArgs {
+    /// The policies to run, in command-line order, without duplicates.
+    pub fn policies(&self) -> Vec<Policy> {
+        let mut out: Vec<Policy> = Vec::new();
+        for p in &self.policy {
+            let add: &[Policy] = match p {
+                PolicyArg::All => &Policy::ALL,
+                PolicyArg::One(p) => std::slice::from_ref(p),
+            };
+            for p in add {
+                if !out.contains(p) {
+                    out.push(*p);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// `kvpool sim cache`: the pool's hit ratio alone.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimCacheArgs {
+    /// Request trace, Mooncake format (JSON lines).
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Eviction policies, comma-separated: lru, lfu, length_aware.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "lru")]
+    pub cache_policy: Vec<CachePolicy>,
+    /// Capacities in blocks, comma-separated; `inf` for unbounded.
+    #[arg(long, value_delimiter = ',', default_value = "inf")]
+    pub cache_blocks: Vec<Capacity>,
+    /// Print one JSON object per (policy, capacity) per line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Subcommands of `kvpool sim`.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum SimSubcommand {
+    /// The pool's hit ratio alone, no cluster model.
+    Cache(SimCacheArgs),
+}
+
+/// `kvpool sim [ARGS]` or `kvpool sim cache [ARGS]`.
+#[derive(Debug, Clone, clap::Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct SimCommand {
+    /// `cache`, or nothing for the full simulation.
+    #[command(subcommand)]
+    pub command: Option<SimSubcommand>,
+    /// Arguments of the full simulation.
+    #[command(flatten)]
+    pub args: SimArgs,
+}
+
+/// Runs whichever form `cmd` names, printing to stdout.
+pub fn run_sim_command(cmd: &SimCommand) -> Result<(), SimError> {
+    match &cmd.command {
+        Some(SimSubcommand::Cache(args)) => run_sim_cache(args),
+        None => run_sim(&cmd.args),
+    }
+}
+
+/// `kvpool sim`, printing to stdout (progress bars on stderr).
+pub fn run_sim(args: &SimArgs) -> Result<(), SimError> {
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    run_sim_to(args, &mut out, !args.no_progress)?;
+    out.flush()?;
+    Ok(())
+}
+
+/// `kvpool sim cache`, printing to stdout.
+pub fn run_sim_cache(args: &SimCacheArgs) -> Result<(), SimError> {
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    run_sim_cache_to(args, &mut out)?;
+    out.flush()?;
+    Ok(())
+}
+
+/// The configurations `args` asks for, one per policy.
+pub fn sim_configs(args: &SimArgs) -> Result<Vec<SimConfig>, SimError> {
+    let cost = match &args.model {
+        Some(path) => CostModel::load(path)?,
+        None => CostModel::default(),
+    };
+    let policies = args.policies();
+    if policies.is_empty() {
+        return Err(SimError::InvalidArg("--policy names no policy".into()));
+    }
+    let configs: Vec<SimConfig> = policies
+        .into_iter()
+        .map(|policy| SimConfig {
+            policy,
+            prefill: args.prefill,
+            decode: args.decode,
+            cache_policy: args.cache_policy,
+            cache_blocks: args.cache_blocks,
+            slo: Slo {
+                ttft_ms: args.ttft_slo_ms,
+                tbt_ms: args.tbt_slo_ms,
+            },
+            speed: args.speed,
+            seed: args.seed,
+            cost: cost.clone(),
+        })
+        .collect();
+    for c in &configs {
+        c.validate()?;
+    }
+    Ok(configs)
+}
+
+fn progress_bar(len: u64, policy: Policy, show: bool) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template("{prefix:>18} [{bar:40}] {pos}/{len} requests")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_prefix(policy.as_str());
+    bar
+}
+
+fn fmt_ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"))
+}
+
+fn write_text(out: &mut dyn Write, r: &SimReport) -> io::Result<()> {
+    writeln!(
+        out,
+        "policy {}  (prefill {}, decode {}, pool {} {}, speed {}x, SLO TTFT {} ms / TBT {} ms)",
+        r.policy,
+        r.prefill,
+        r.decode,
+        r.cache_policy,
+        r.cache_blocks,
+        r.speed,
+        r.ttft_slo_ms,
+        r.tbt_slo_ms
+    )?;
+    writeln!(
+        out,
+        "  requests {}  rejected {} (ttft {}, tbt {}, queues full {})  prefilled {}  completed {}  dropped {}  wasted prefills {}",
+        r.requests,
+        r.rejected,
+        r.rejected_ttft,
+        r.rejected_tbt,
+        r.rejected_queue_full,
+        r.prefilled,
+        r.completed,
+        r.dropped,
+        r.wasted_prefills
+    )?;
+    writeln!(
+        out,
+        "  TTFT ms  p50 {:>9}  p90 {:>9}  p99 {:>9}",
+        fmt_ms(r.ttft_ms_p50),
+        fmt_ms(r.ttft_ms_p90),
+        fmt_ms(r.ttft_ms_p99)
+    )?;
+    writeln!(
+        out,
+        "  TBT ms   p50 {:>9}  p90 {:>9}  p99 {:>9}",
+        fmt_ms(r.tbt_ms_p50),
+        fmt_ms(r.tbt_ms_p90),
+        fmt_ms(r.tbt_ms_p99)
+    )?;
+    writeln!(
+        out,
+        "  SLO attainment {:.1}%  goodput {:.3} req/s  prefix hit ratio {:.4}  makespan {:.1} s",
+        r.slo_attainment * 100.0,
+        r.goodput_rps,
+        r.prefix_hit_ratio,
+        r.makespan_s
+    )
+}
+
+fn json_line(out: &mut dyn Write, value: &impl serde::Serialize) -> Result<(), SimError> {
+    let text = serde_json::to_string(value)
+        .map_err(|e| SimError::Output(io::Error::new(io::ErrorKind::InvalidData, e)))?;
+    writeln!(out, "{text}")?;
+    Ok(())
+}
+
+/// `kvpool sim` writing to `out`; returns the reports. Progress bars are
+/// drawn on stderr when `progress` is set and stderr is a terminal.
+pub fn run_sim_to(
+    args: &SimArgs,
+    out: &mut dyn Write,
+    progress: bool,
+) -> Result<Vec<SimReport>, SimError> {
+    let path = args
+        .trace
+        .as_ref()
+        .ok_or_else(|| SimError::InvalidArg("--trace is required".into()))?;
+    let configs = sim_configs(args)?;
+    let trace = Trace::load_with_block_tokens(path, configs[0].cost.block_tokens)?;
+    let mut outcomes: Vec<SimOutcome> = Vec::with_capacity(configs.len());
+    for cfg in &configs {
+        let bar = progress_bar(trace.len() as u64, cfg.policy, progress);
+        let outcome = simulate_with_progress(&trace, cfg, &mut |n| bar.set_position(n))?;
+        bar.finish_and_clear();
+        if args.json {
+            json_line(out, &outcome.report)?;
+        } else {
+            write_text(out, &outcome.report)?;
+        }
+        outcomes.push(outcome);
+    }
+    if let Some(plot) = &args.plot {
+        let series: Vec<(&str, &hdrhistogram::Histogram<u64>)> = outcomes
+            .iter()
+            .map(|o| (o.report.policy.as_str(), &o.ttft_us))
+            .collect();
+        let drawn = plot_ttft_cdf(plot, &series, args.ttft_slo_ms)?;
+        if !drawn.with_text {
+            eprintln!(
+                "warning: no TrueType font found in the usual system locations; {} has curves but no text",
+                plot.display()
+            );
+        }
+    }
+    Ok(outcomes.into_iter().map(|o| o.report).collect())
+}
+
+/// `kvpool sim cache` writing to `out`; returns the reports.
+pub fn run_sim_cache_to(
+    args: &SimCacheArgs,
+    out: &mut dyn Write,
+) -> Result<Vec<CacheSimReport>, SimError> {
+    if args.cache_policy.is_empty() || args.cache_blocks.is_empty() {
+        return Err(SimError::InvalidArg(
+            "--cache-policy and --cache-blocks need at least one value each".into(),
+        ));
+    }
+    let trace = Trace::load(&args.trace)?;
+    let mut reports = Vec::new();
+    for &policy in &args.cache_policy {
+        for &cap in &args.cache_blocks {
+            let r = simulate_cache(&trace, policy, cap);
+            if args.json {
+                json_line(out, &r)?;
+            } else {
+                writeln!(
+                    out,
+                    "{:<12} cache_blocks {:>8}  prefix hit ratio {:.4}  ({} of {} blocks, {} evictions)",
+                    r.cache_policy, r.cache_blocks, r.prefix_hit_ratio, r.hit_blocks, r.total_blocks, r.evictions
+                )?;
+            }
+            reports.push(r);
+        }
+    }
+    Ok(reports)
+}

@@ -1,0 +1,186 @@
+//! TTFT CDF plot, one curve per policy, as a PNG.
+//!
+//! Drawing is pure Rust (plotters' bitmap backend). Text needs a TrueType
+//! font, which is loaded at run time from a short list of common system
+//! locations ([`FONT_CANDIDATES`]); no font is bundled. Without one, the
+//! curves are still drawn, without any text, and the caller is told so.
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use hdrhistogram::Histogram;
+use plotters::prelude::*;
+use plotters::style::{register_font, FontStyle};
+
+/// Where [`plot_ttft_cdf`] looks for a font, in order.
+pub const FONT_CANDIDATES: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu-sans-fonts/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/usr/share/fonts/liberation-sans/LiberationSans-Regular.ttf",
+    "/usr/share/fonts/noto/NotoSans-Regular.ttf",
+    "/usr/share/fonts/truetype/noto/NotoSans-Regular.ttf",
+    "/System/Library/Fonts/Supplemental/Arial.ttf",
+    "/Library/Fonts/Arial.ttf",
+    "C:\\Windows\\Fonts\\arial.ttf",
+];
+
+/// Error of drawing or writing the plot.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot draw plot {path}: {message}")]
+pub struct PlotError {
+    /// Output file.
+    pub path: String,
+    /// What went wrong.
+    pub message: String,
+}
+
+/// What [`plot_ttft_cdf`] managed to draw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlotOutcome {
+    /// Whether a font was found and text (title, axes, legend) was drawn.
+    pub with_text: bool,
+}
+
+static FONT_BYTES: OnceLock<&'static [u8]> = OnceLock::new();
+
+/// Registers the first readable, valid font of `candidates` with plotters.
+/// The font bytes are kept for the rest of the process (plotters needs
+/// `'static` data); they are read and kept at most once.
+fn load_font(candidates: &[&Path]) -> bool {
+    for path in candidates {
+        let Ok(bytes) = std::fs::read(path) else {
+            continue;
+        };
+        let data: &'static [u8] = FONT_BYTES.get_or_init(|| Box::leak(bytes.into_boxed_slice()));
+        if register_font("sans-serif", FontStyle::Normal, data).is_ok() {
+            return true;
+        }
+    }
+    false
+}
+
+/// Draws the TTFT CDF of each `(label, ttft histogram in µs)` series to a PNG
+/// at `path`, with a vertical line at the TTFT SLO.
+pub fn plot_ttft_cdf(
+    path: &Path,
+    series: &[(&str, &Histogram<u64>)],
+    ttft_slo_ms: f64,
+) -> Result<PlotOutcome, PlotError> {
+    let candidates: Vec<&Path> = FONT_CANDIDATES.iter().map(Path::new).collect();
+    plot_ttft_cdf_with_fonts(path, series, ttft_slo_ms, &candidates)
+}
+
+/// [`plot_ttft_cdf`] with an explicit list of font files to try.
+pub fn plot_ttft_cdf_with_fonts(
+    path: &Path,
+    series: &[(&str, &Histogram<u64>)],
+    ttft_slo_ms: f64,
+    fonts: &[&Path],
+) -> Result<PlotOutcome, PlotError> {
+    let err = |message: String| PlotError {
+        path: path.display().to_string(),
+        message,
+    };
+    let with_text = load_font(fonts);
+    const POINTS: u32 = 200;
+    let mut lo = f64::INFINITY;
+    let mut hi = 0.0f64;
+    for (_, h) in series.iter().filter(|(_, h)| !h.is_empty()) {
+        lo = lo.min(h.min() as f64 / 1e6);
+        hi = hi.max(h.max() as f64 / 1e6);
+    }
+    let slo_s = ttft_slo_ms / 1000.0;
+    if !lo.is_finite() {
+        lo = slo_s / 10.0;
+        hi = slo_s * 10.0;
+    }
+    lo = lo.min(slo_s).max(1e-4) * 0.8;
+    hi = hi.max(slo_s).max(lo * 10.0) * 1.25;
+
+    let root = BitMapBackend::new(path, (1100, 700)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let mut builder = ChartBuilder::on(&root);
+    builder.margin(24);
+    if with_text {
+        builder
+            .caption("TTFT CDF per policy", ("sans-serif", 28))
+            .x_label_area_size(50)
+            .y_label_area_size(60);
+    }
+    let mut chart = builder
+        .build_cartesian_2d((lo..hi).log_scale(), 0.0f64..1.0f64)
+        .map_err(|e| err(e.to_string()))?;
+    {
+        let mut mesh = chart.configure_mesh();
+        if with_text {
+            mesh.x_desc("time to first token (s, log scale)")
+                .y_desc("fraction of prefilled requests")
+                .label_style(("sans-serif", 16));
+        } else {
+            mesh.x_labels(0).y_labels(0);
+        }
+        mesh.draw().map_err(|e| err(e.to_string()))?;
+    }
+    for (k, (label, h)) in series.iter().enumerate() {
+        if h.is_empty() {
+            continue;
+        }
+        let color = Palette99::pick(k).to_rgba();
+        let points = (0..=POINTS).map(|q| {
+            let q = f64::from(q) / f64::from(POINTS);
+            (h.value_at_quantile(q) as f64 / 1e6, q)
+        });
+        let drawn = chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))
+            .map_err(|e| err(e.to_string()))?;
+        if with_text {
+            drawn.label(label.to_string()).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(2))
+            });
+        }
+    }
+    chart
+        .draw_series(LineSeries::new(
+            [(slo_s, 0.0), (slo_s, 1.0)],
+            BLACK.mix(0.6).stroke_width(1),
+        ))
+        .map_err(|e| err(e.to_string()))?;
+    if with_text {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 16))
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+    }
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(PlotOutcome { with_text })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draws_without_a_font() {
+        let dir = std::env::temp_dir().join(format!("kvpool-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("nofont.png");
+        let mut h = Histogram::<u64>::new_with_bounds(1, 86_400_000_000, 3).unwrap();
+        for v in [1_000u64, 50_000, 2_000_000, 9_000_000] {
+            h.record(v).unwrap();
+        }
+        let empty = Histogram::<u64>::new_with_bounds(1, 86_400_000_000, 3).unwrap();
+        let out =
+            plot_ttft_cdf_with_fonts(&path, &[("a", &h), ("b", &empty)], 10_000.0, &[]).unwrap();
+        assert!(!out.with_text);
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,814 @@
+//! Discrete-event trace replay against a modelled cluster.
+//!
+//! Model:
+//!
+//! - Arrivals come from the trace, timestamps rebased to the first request
+//!   and divided by `speed`. Each arrival is handed to the [`Scheduler`] with
+//!   the simulator's state as its [`ClusterView`].
+//! - A prefill instance runs one request at a time from a FIFO queue (bounded
+//!   by `prefill.queue_max`). When a request starts, its reused prefix is the
+//!   longer of the prefix in the instance's own LRU cache and the prefix in
+//!   the pool; blocks only in the pool are fetched first (fetch time), then
+//!   the uncached tokens are prefilled. Whatever the policy assumed, the
+//!   instance reuses what is really there at start time. The view the
+//!   scheduler gets counts, as an instance's local prefix, both its cache and
+//!   the blocks of the requests already queued or running on it (FIFO order
+//!   means they are computed before a request routed now starts); this is the
+//!   conductor "updating the cache of the instance it routed to". When prefill ends,
+//!   the first token exists (TTFT), and all the request's blocks are touched
+//!   in the instance's cache and in the pool.
+//! - The KV then goes to the chosen decode instance (the transfer is assumed
+//!   to overlap prefill layer by layer, as in Mooncake, and costs nothing
+//!   extra). A decode instance runs continuous batching: requests wait in a
+//!   FIFO (bounded by `decode.queue_max`; a request arriving at a full queue
+//!   is dropped) until the batch has room under `max_batch` sequences and
+//!   `max_context_tokens` tokens, join at a step boundary, and each step
+//!   takes `decode_step_ms(batch, context)` and gives every sequence one
+//!   token. No preemption: context that grows during decode may overrun the
+//!   token budget a little.
+//! - TBT of a request = (time of its last token - time of its first token)
+//!   / (output_tokens - 1): the average gap, which includes any wait for a
+//!   decode slot. Requests with one output token have no TBT and meet the TBT
+//!   SLO trivially.
+//!
+//! Accounting: a request meets the SLOs if TTFT <= ttft SLO and TBT <= tbt
+//! SLO. `slo_attainment` = met / all requests (rejected ones included);
+//! `goodput_rps` = met / makespan, where the makespan runs from the first
+//! arrival to the last event. A *wasted prefill* is a request that was
+//! prefilled and then missed the TBT SLO (including drops at a full decode
+//! queue). `prefix_hit_ratio` is block-weighted over the prefilled requests.
+//!
+//! The simulation is deterministic: events at equal times are ordered by kind
+//! (decode steps, then prefill completions, then arrivals) and then by the
+//! order they were scheduled in.
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, VecDeque};
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use super::cache::{BlockCache, Cache, CachePolicy, Capacity, HitCounter, LruCache, PrefixIndex};
+use super::chunk_hash::{ChunkHash, IdHashBuilder, IdMap};
+use super::cost::{ConfigError, CostModel};
+use super::scheduler::{
+    ClusterView, Decision, DecodeLoad, Policy, PrefillLoad, RejectReason, RequestView, Scheduler,
+    Slo,
+};
+use super::trace::Trace;
+
+/// Highest latency the histograms record: one day, in microseconds.
+const HIST_MAX_US: u64 = 86_400_000_000;
+
+/// What to simulate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimConfig {
+    /// Scheduling policy.
+    pub policy: Policy,
+    /// Prefill instances.
+    pub prefill: usize,
+    /// Decode instances.
+    pub decode: usize,
+    /// Eviction policy of the pool.
+    pub cache_policy: CachePolicy,
+    /// Capacity of the pool.
+    pub cache_blocks: Capacity,
+    /// SLOs.
+    pub slo: Slo,
+    /// Arrival-time compression factor (2 = twice the request rate).
+    pub speed: f64,
+    /// Seed of the scheduler's RNG.
+    pub seed: u64,
+    /// Cluster cost model.
+    pub cost: CostModel,
+}
+
+impl SimConfig {
+    /// A configuration with the default cost model and SLOs, an unbounded
+    /// LRU pool, speed 1 and seed 0.
+    pub fn new(policy: Policy, prefill: usize, decode: usize) -> Self {
+        Self {
+            policy,
+            prefill,
+            decode,
+            cache_policy: CachePolicy::Lru,
+            cache_blocks: Capacity::Unbounded,
+            slo: Slo::default(),
+            speed: 1.0,
+            seed: 0,
+            cost: CostModel::default(),
+        }
+    }
+
+    /// Checks the configuration.
+    pub fn validate(&self) -> Result<(), SimError> {
+        if self.prefill == 0 || self.decode == 0 {
+            return Err(SimError::InvalidArg(format!(
+                "the cluster needs at least one prefill and one decode instance (got --prefill {} --decode {})",
+                self.prefill, self.decode
+            )));
+        }
+        if !(self.speed.is_finite() && self.speed > 0.0) {
+            return Err(SimError::InvalidArg(format!(
+                "--speed must be a finite number > 0, got {}",
+                self.speed
+            )));
+        }
+        for (name, v) in [
+            ("--ttft-slo-ms", self.slo.ttft_ms),
+            ("--tbt-slo-ms", self.slo.tbt_ms),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(SimError::InvalidArg(format!(
+                    "{name} must be a finite number > 0, got {v}"
+                )));
+            }
+        }
+        self.cost.validate()?;
+        Ok(())
+    }
+}
+
+/// Errors of the simulator and its command line.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The trace could not be loaded.
+    #[error(transparent)]
+    Trace(#[from] super::trace::TraceError),
+    /// The cost model could not be loaded.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A bad argument.
+    #[error("{0}")]
+    InvalidArg(String),
+    /// Output could not be written.
+    #[error("cannot write output: {0}")]
+    Output(#[from] std::io::Error),
+    /// The plot could not be drawn.
+    #[error(transparent)]
+    Plot(#[from] super::plot::PlotError),
+}
+
+/// Results of one simulation; one JSON line of `kvpool sim --json`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SimReport {
+    /// Scheduling policy.
+    pub policy: Policy,
+    /// Prefill instances.
+    pub prefill: usize,
+    /// Decode instances.
+    pub decode: usize,
+    /// Pool eviction policy.
+    pub cache_policy: CachePolicy,
+    /// Pool capacity in blocks (`"inf"` when unbounded).
+    pub cache_blocks: Capacity,
+    /// Arrival speed-up.
+    pub speed: f64,
+    /// RNG seed.
+    pub seed: u64,
+    /// TTFT SLO, ms.
+    pub ttft_slo_ms: f64,
+    /// TBT SLO, ms.
+    pub tbt_slo_ms: f64,
+    /// Requests in the trace.
+    pub requests: u64,
+    /// Requests rejected by the scheduler (all reasons).
+    pub rejected: u64,
+    /// Of those, rejected on the TTFT SLO.
+    pub rejected_ttft: u64,
+    /// Of those, rejected on the TBT SLO.
+    pub rejected_tbt: u64,
+    /// Of those, rejected because every prefill queue was full.
+    pub rejected_queue_full: u64,
+    /// Requests that finished prefill.
+    pub prefilled: u64,
+    /// Requests that finished decoding.
+    pub completed: u64,
+    /// Prefilled requests dropped at a full decode queue.
+    pub dropped: u64,
+    /// Prefilled requests that then missed the TBT SLO (drops included).
+    pub wasted_prefills: u64,
+    /// Requests meeting both SLOs.
+    pub slo_met: u64,
+    /// TTFT percentiles over prefilled requests, ms (null when none).
+    pub ttft_ms_p50: Option<f64>,
+    /// See `ttft_ms_p50`.
+    pub ttft_ms_p90: Option<f64>,
+    /// See `ttft_ms_p50`.
+    pub ttft_ms_p99: Option<f64>,
+    /// TBT percentiles over completed requests with >= 2 output tokens, ms.
+    pub tbt_ms_p50: Option<f64>,
+    /// See `tbt_ms_p50`.
+    pub tbt_ms_p90: Option<f64>,
+    /// See `tbt_ms_p50`.
+    pub tbt_ms_p99: Option<f64>,
+    /// `slo_met / requests`.
+    pub slo_attainment: f64,
+    /// `slo_met / makespan_s`.
+    pub goodput_rps: f64,
+    /// Block-weighted prefix hit ratio over prefilled requests.
+    pub prefix_hit_ratio: f64,
+    /// First arrival to last event, s (simulated time).
+    pub makespan_s: f64,
+}
+
+/// A report plus the latency histograms it was computed from (microseconds).
+#[derive(Debug, Clone)]
+pub struct SimOutcome {
+    /// The report.
+    pub report: SimReport,
+    /// TTFT of every prefilled request, µs.
+    pub ttft_us: Histogram<u64>,
+    /// TBT of every completed request with >= 2 output tokens, µs.
+    pub tbt_us: Histogram<u64>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PrefillJob {
+    req: u32,
+    decode: u32,
+    predicted_ms: f64,
+}
+
+#[derive(Debug)]
+struct PrefillInst {
+    queue: VecDeque<PrefillJob>,
+    running: Option<PrefillJob>,
+    running_end: f64,
+    queued_pred_ms: f64,
+    local: LruCache,
+    /// Blocks of the requests queued or running here (with multiplicity):
+    /// they will be in `local` by the time a request routed now starts.
+    pending: IdMap<ChunkHash, u32>,
+}
+
+impl PrefillInst {
+    fn add_pending(&mut self, blocks: &[ChunkHash]) {
+        for b in blocks {
+            *self.pending.entry(*b).or_insert(0) += 1;
+        }
+    }
+
+    fn remove_pending(&mut self, blocks: &[ChunkHash]) {
+        for b in blocks {
+            if let Some(n) = self.pending.get_mut(b) {
+                *n -= 1;
+                if *n == 0 {
+                    self.pending.remove(b);
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Seq {
+    req: u32,
+    remaining: u32,
+    context: u64,
+    first_token_ms: f64,
+}
+
+#[derive(Debug)]
+struct DecodeInst {
+    active: Vec<Seq>,
+    active_tokens: u64,
+    waiting: VecDeque<Seq>,
+    waiting_tokens: u64,
+    stepping: bool,
+}
+
+struct State<'t> {
+    trace: &'t Trace,
+    prefill: Vec<PrefillInst>,
+    decode: Vec<DecodeInst>,
+    pool: Cache,
+}
+
+impl ClusterView for State<'_> {
+    fn prefill_instances(&self) -> usize {
+        self.prefill.len()
+    }
+    fn prefill_load(&self, i: usize) -> PrefillLoad {
+        let p = &self.prefill[i];
+        let base = if p.running.is_some() {
+            p.running_end
+        } else {
+            0.0
+        };
+        PrefillLoad {
+            queued: p.queue.len(),
+            busy_until_ms: base + p.queued_pred_ms,
+        }
+    }
+    fn local_prefix_blocks(&self, i: usize, blocks: &[ChunkHash]) -> usize {
+        let p = &self.prefill[i];
+        blocks
+            .iter()
+            .take_while(|b| p.local.contains(**b) || p.pending.contains_key(*b))
+            .count()
+    }
+    fn global_prefix_blocks(&self, blocks: &[ChunkHash]) -> usize {
+        self.pool.prefix_len(blocks)
+    }
+    fn decode_instances(&self) -> usize {
+        self.decode.len()
+    }
+    fn decode_load(&self, i: usize) -> DecodeLoad {
+        let d = &self.decode[i];
+        DecodeLoad {
+            active_seqs: d.active.len(),
+            active_tokens: d.active_tokens,
+            waiting_seqs: d.waiting.len(),
+            waiting_tokens: d.waiting_tokens,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum EventKind {
+    DecodeStep = 0,
+    PrefillDone = 1,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Event {
+    time: f64,
+    kind: EventKind,
+    seq: u64,
+    instance: u32,
+}
+
+impl PartialEq for Event {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Event {}
+impl PartialOrd for Event {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Event {
+    // Reversed: BinaryHeap is a max-heap and we want the earliest event.
+    fn cmp(&self, other: &Self) -> Ordering {
+        other
+            .time
+            .total_cmp(&self.time)
+            .then_with(|| other.kind.cmp(&self.kind))
+            .then_with(|| other.seq.cmp(&self.seq))
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    rejected_ttft: u64,
+    rejected_tbt: u64,
+    rejected_queue_full: u64,
+    rejected_other: u64,
+    prefilled: u64,
+    completed: u64,
+    dropped: u64,
+    wasted: u64,
+    slo_met: u64,
+    hits: HitCounter,
+}
+
+struct Sim<'t> {
+    cfg: &'t SimConfig,
+    state: State<'t>,
+    scheduler: Scheduler,
+    events: BinaryHeap<Event>,
+    next_seq: u64,
+    arrival_ms: Vec<f64>,
+    ttft_ok: Vec<bool>,
+    counters: Counters,
+    ttft_us: Histogram<u64>,
+    tbt_us: Histogram<u64>,
+    last_event_ms: f64,
+}
+
+fn histogram() -> Histogram<u64> {
+    // 3 significant digits from 1 µs to one day.
+    Histogram::new_with_bounds(1, HIST_MAX_US, 3).expect("constant histogram bounds are valid")
+}
+
+fn ms_to_us(ms: f64) -> u64 {
+    (ms * 1000.0).round().clamp(1.0, HIST_MAX_US as f64) as u64
+}
+
+impl<'t> Sim<'t> {
+    fn new(trace: &'t Trace, cfg: &'t SimConfig) -> Self {
+        let local_cap = cfg.cost.prefill.local_cache_blocks;
+        let prefill = (0..cfg.prefill)
+            .map(|_| PrefillInst {
+                queue: VecDeque::with_capacity(cfg.cost.prefill.queue_max.min(4096)),
+                running: None,
+                running_end: 0.0,
+                queued_pred_ms: 0.0,
+                local: LruCache::new(local_cap),
+                pending: IdMap::with_hasher(IdHashBuilder),
+            })
+            .collect();
+        let decode = (0..cfg.decode)
+            .map(|_| DecodeInst {
+                active: Vec::with_capacity(cfg.cost.decode.max_batch.min(4096)),
+                active_tokens: 0,
+                waiting: VecDeque::with_capacity(cfg.cost.decode.queue_max.min(4096)),
+                waiting_tokens: 0,
+                stepping: false,
+            })
+            .collect();
+        let t0 = trace.requests().first().map_or(0, |r| r.timestamp_ms);
+        let arrival_ms = trace
+            .requests()
+            .iter()
+            .map(|r| (r.timestamp_ms - t0) as f64 / cfg.speed)
+            .collect();
+        Self {
+            cfg,
+            state: State {
+                trace,
+                prefill,
+                decode,
+                pool: Cache::new(cfg.cache_policy, cfg.cache_blocks),
+            },
+            scheduler: Scheduler::new(cfg.policy, cfg.cost.clone(), cfg.slo, cfg.seed),
+            events: BinaryHeap::with_capacity(cfg.prefill + cfg.decode + 1),
+            next_seq: 0,
+            arrival_ms,
+            ttft_ok: vec![false; trace.len()],
+            counters: Counters::default(),
+            ttft_us: histogram(),
+            tbt_us: histogram(),
+            last_event_ms: 0.0,
+        }
+    }
+
+    fn push(&mut self, time: f64, kind: EventKind, instance: usize) {
+        self.next_seq += 1;
+        self.events.push(Event {
+            time,
+            kind,
+            seq: self.next_seq,
+            instance: instance as u32,
+        });
+    }
+
+    fn run(&mut self, progress: &mut dyn FnMut(u64)) {
+        let n = self.arrival_ms.len();
+        let mut next = 0usize;
+        loop {
+            let ta = if next < n {
+                self.arrival_ms[next]
+            } else {
+                f64::INFINITY
+            };
+            let te = self.events.peek().map_or(f64::INFINITY, |e| e.time);
+            if ta.is_infinite() && te.is_infinite() {
+                break;
+            }
+            if te <= ta {
+                if let Some(ev) = self.events.pop() {
+                    self.last_event_ms = self.last_event_ms.max(ev.time);
+                    match ev.kind {
+                        EventKind::DecodeStep => self.decode_step(ev.instance as usize, ev.time),
+                        EventKind::PrefillDone => self.prefill_done(ev.instance as usize, ev.time),
+                    }
+                }
+            } else {
+                self.last_event_ms = self.last_event_ms.max(ta);
+                self.arrive(next, ta);
+                next += 1;
+                if next & 0xff == 0 || next == n {
+                    progress(next as u64);
+                }
+            }
+        }
+    }
+
+    fn arrive(&mut self, idx: usize, now: f64) {
+        let trace = self.state.trace;
+        let r = &trace.requests()[idx];
+        let view = RequestView {
+            id: idx as u64,
+            input_tokens: r.input_tokens,
+            blocks: trace.blocks(r),
+        };
+        match self.scheduler.schedule(&view, &self.state, now) {
+            Decision::Route {
+                prefill,
+                decode,
+                predicted_prefill_ms,
+                ..
+            } => {
+                let p = &mut self.state.prefill[prefill];
+                p.add_pending(view.blocks);
+                p.queue.push_back(PrefillJob {
+                    req: idx as u32,
+                    decode: decode as u32,
+                    predicted_ms: predicted_prefill_ms,
+                });
+                p.queued_pred_ms += predicted_prefill_ms;
+                if p.running.is_none() {
+                    self.start_prefill(prefill, now);
+                }
+            }
+            Decision::Reject(reason) => match reason {
+                RejectReason::TtftSlo { .. } => self.counters.rejected_ttft += 1,
+                RejectReason::TbtSlo { .. } => self.counters.rejected_tbt += 1,
+                RejectReason::PrefillQueuesFull { .. } => self.counters.rejected_queue_full += 1,
+                RejectReason::NoInstances => self.counters.rejected_other += 1,
+            },
+        }
+    }
+
+    fn start_prefill(&mut self, i: usize, now: f64) {
+        let trace = self.state.trace;
+        let cost = &self.cfg.cost;
+        let Some(job) = self.state.prefill[i].queue.pop_front() else {
+            return;
+        };
+        let r = &trace.requests()[job.req as usize];
+        let blocks = trace.blocks(r);
+        let local = self.state.prefill[i].local.prefix_len(blocks);
+        let global = self.state.pool.prefix_len(blocks);
+        let cached = local.max(global);
+        self.counters.hits.record(cached, blocks.len());
+        let cached_tokens = cost.blocks_to_tokens(cached, r.input_tokens);
+        let local_tokens = cost.blocks_to_tokens(local, r.input_tokens);
+        let duration = cost.fetch_ms(cached_tokens - local_tokens.min(cached_tokens))
+            + cost.prefill_ms(u64::from(r.input_tokens) - cached_tokens, cached_tokens);
+        let p = &mut self.state.prefill[i];
+        p.queued_pred_ms = if p.queue.is_empty() {
+            0.0
+        } else {
+            (p.queued_pred_ms - job.predicted_ms).max(0.0)
+        };
+        p.running = Some(job);
+        p.running_end = now + duration;
+        self.push(now + duration, EventKind::PrefillDone, i);
+    }
+
+    fn prefill_done(&mut self, i: usize, now: f64) {
+        let trace = self.state.trace;
+        let Some(job) = self.state.prefill[i].running.take() else {
+            return;
+        };
+        let idx = job.req as usize;
+        let r = &trace.requests()[idx];
+        let blocks = trace.blocks(r);
+        self.state.prefill[i].local.touch(blocks);
+        self.state.prefill[i].remove_pending(blocks);
+        self.state.pool.touch(blocks);
+        self.counters.prefilled += 1;
+        let ttft = now - self.arrival_ms[idx];
+        self.ttft_us.saturating_record(ms_to_us(ttft));
+        let ttft_ok = ttft <= self.cfg.slo.ttft_ms;
+        self.ttft_ok[idx] = ttft_ok;
+        if r.output_tokens <= 1 {
+            self.counters.completed += 1;
+            if ttft_ok {
+                self.counters.slo_met += 1;
+            }
+        } else {
+            let seq = Seq {
+                req: job.req,
+                remaining: r.output_tokens - 1,
+                context: u64::from(r.input_tokens) + 1,
+                first_token_ms: now,
+            };
+            let d = job.decode as usize;
+            let dec = &mut self.state.decode[d];
+            if dec.waiting.len() >= self.cfg.cost.decode.queue_max {
+                self.counters.dropped += 1;
+                self.counters.wasted += 1;
+            } else {
+                dec.waiting_tokens += seq.context;
+                dec.waiting.push_back(seq);
+                if !dec.stepping {
+                    self.admit_and_step(d, now);
+                }
+            }
+        }
+        self.start_prefill(i, now);
+    }
+
+    fn admit_and_step(&mut self, d: usize, now: f64) {
+        let max_batch = self.cfg.cost.decode.max_batch;
+        let max_tokens = self.cfg.cost.decode.max_context_tokens;
+        let dec = &mut self.state.decode[d];
+        while let Some(head) = dec.waiting.front() {
+            let fits_batch = dec.active.len() < max_batch;
+            let fits_tokens =
+                dec.active.is_empty() || dec.active_tokens + head.context <= max_tokens;
+            if !(fits_batch && fits_tokens) {
+                break;
+            }
+            let Some(seq) = dec.waiting.pop_front() else {
+                break;
+            };
+            dec.waiting_tokens -= seq.context;
+            dec.active_tokens += seq.context;
+            dec.active.push(seq);
+        }
+        if dec.active.is_empty() {
+            dec.stepping = false;
+            return;
+        }
+        dec.stepping = true;
+        let step = self
+            .cfg
+            .cost
+            .decode_step_ms(dec.active.len() as f64, dec.active_tokens as f64);
+        self.push(now + step, EventKind::DecodeStep, d);
+    }
+
+    fn decode_step(&mut self, d: usize, now: f64) {
+        let tbt_slo = self.cfg.slo.tbt_ms;
+        let trace = self.state.trace;
+        let dec = &mut self.state.decode[d];
+        let mut k = 0;
+        while k < dec.active.len() {
+            let s = &mut dec.active[k];
+            s.remaining -= 1;
+            s.context += 1;
+            dec.active_tokens += 1;
+            if s.remaining == 0 {
+                let seq = dec.active.swap_remove(k);
+                dec.active_tokens -= seq.context;
+                let out = trace.requests()[seq.req as usize].output_tokens;
+                let tbt = (now - seq.first_token_ms) / f64::from(out - 1);
+                self.tbt_us.saturating_record(ms_to_us(tbt));
+                self.counters.completed += 1;
+                if tbt <= tbt_slo {
+                    if self.ttft_ok[seq.req as usize] {
+                        self.counters.slo_met += 1;
+                    }
+                } else {
+                    self.counters.wasted += 1;
+                }
+            } else {
+                k += 1;
+            }
+        }
+        self.admit_and_step(d, now);
+    }
+
+    fn report(self) -> SimOutcome {
+        let c = &self.counters;
+        let cfg = self.cfg;
+        let requests = self.arrival_ms.len() as u64;
+        let rejected = c.rejected_ttft + c.rejected_tbt + c.rejected_queue_full + c.rejected_other;
+        let q = |h: &Histogram<u64>, p: f64| {
+            if h.is_empty() {
+                None
+            } else {
+                Some(h.value_at_quantile(p) as f64 / 1000.0)
+            }
+        };
+        let makespan_s = self.last_event_ms / 1000.0;
+        let report = SimReport {
+            policy: cfg.policy,
+            prefill: cfg.prefill,
+            decode: cfg.decode,
+            cache_policy: cfg.cache_policy,
+            cache_blocks: cfg.cache_blocks,
+            speed: cfg.speed,
+            seed: cfg.seed,
+            ttft_slo_ms: cfg.slo.ttft_ms,
+            tbt_slo_ms: cfg.slo.tbt_ms,
+            requests,
+            rejected,
+            rejected_ttft: c.rejected_ttft,
+            rejected_tbt: c.rejected_tbt,
+            rejected_queue_full: c.rejected_queue_full,
+            prefilled: c.prefilled,
+            completed: c.completed,
+            dropped: c.dropped,
+            wasted_prefills: c.wasted,
+            slo_met: c.slo_met,
+            ttft_ms_p50: q(&self.ttft_us, 0.50),
+            ttft_ms_p90: q(&self.ttft_us, 0.90),
+            ttft_ms_p99: q(&self.ttft_us, 0.99),
+            tbt_ms_p50: q(&self.tbt_us, 0.50),
+            tbt_ms_p90: q(&self.tbt_us, 0.90),
+            tbt_ms_p99: q(&self.tbt_us, 0.99),
+            slo_attainment: if requests == 0 {
+                0.0
+            } else {
+                c.slo_met as f64 / requests as f64
+            },
+            goodput_rps: if makespan_s > 0.0 {
+                c.slo_met as f64 / makespan_s
+            } else {
+                0.0
+            },
+            prefix_hit_ratio: c.hits.ratio(),
+            makespan_s,
+        };
+        SimOutcome {
+            report,
+            ttft_us: self.ttft_us,
+            tbt_us: self.tbt_us,
+        }
+    }
+}
+
+/// Simulates `trace` under `cfg`.
+pub fn simulate(trace: &Trace, cfg: &SimConfig) -> Result<SimOutcome, SimError> {
+    simulate_with_progress(trace, cfg, &mut |_| {})
+}
+
+/// Like [`simulate`], calling `progress` with the number of arrivals
+/// processed so far (every 256 arrivals and at the end).
+pub fn simulate_with_progress(
+    trace: &Trace,
+    cfg: &SimConfig,
+    progress: &mut dyn FnMut(u64),
+) -> Result<SimOutcome, SimError> {
+    cfg.validate()?;
+    let mut sim = Sim::new(trace, cfg);
+    sim.run(progress);
+    Ok(sim.report())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace(lines: &[(u64, u32, u32, &[u64])]) -> Trace {
+        let text: String = lines
+            .iter()
+            .map(|(ts, i, o, h)| {
+                format!(
+                    "{{\"timestamp\": {ts}, \"input_length\": {i}, \"output_length\": {o}, \"hash_ids\": {h:?}}}\n"
+                )
+            })
+            .collect();
+        Trace::parse(text.as_bytes(), "test", 512).unwrap()
+    }
+
+    #[test]
+    fn single_request_timeline_matches_the_cost_model() {
+        let t = trace(&[(0, 1024, 3, &[1, 2])]);
+        let cfg = SimConfig::new(Policy::CacheGlobal, 1, 1);
+        let out = simulate(&t, &cfg).unwrap();
+        let r = &out.report;
+        let prefill = cfg.cost.prefill_ms(1024, 0);
+        let step = cfg.cost.decode_step_ms(1.0, 1025.0);
+        let step2 = cfg.cost.decode_step_ms(1.0, 1026.0);
+        assert_eq!(r.prefilled, 1);
+        assert_eq!(r.completed, 1);
+        assert_eq!(r.slo_met, 1);
+        let ttft = r.ttft_ms_p50.unwrap();
+        assert!(
+            (ttft - prefill).abs() < prefill * 0.002,
+            "{ttft} vs {prefill}"
+        );
+        let tbt = r.tbt_ms_p50.unwrap();
+        let want = (step + step2) / 2.0;
+        assert!((tbt - want).abs() < 0.05, "{tbt} vs {want}");
+        assert!((r.makespan_s * 1000.0 - (prefill + step + step2)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn second_request_reuses_the_prefix() {
+        let t = trace(&[(0, 1024, 1, &[1, 2]), (10_000, 1536, 1, &[1, 2, 3])]);
+        let out = simulate(&t, &SimConfig::new(Policy::CacheGlobal, 2, 1)).unwrap();
+        assert_eq!(out.report.prefix_hit_ratio, 2.0 / 5.0);
+        assert_eq!(out.report.completed, 2);
+        assert_eq!(out.report.tbt_ms_p50, None);
+    }
+
+    #[test]
+    fn full_decode_queue_drops_and_counts_waste() {
+        let mut cfg = SimConfig::new(Policy::CacheGlobal, 4, 1);
+        cfg.cost.decode.max_batch = 1;
+        cfg.cost.decode.queue_max = 1;
+        let t = trace(&[
+            (0, 512, 50, &[1]),
+            (0, 512, 50, &[2]),
+            (0, 512, 50, &[3]),
+            (0, 512, 50, &[4]),
+        ]);
+        let r = simulate(&t, &cfg).unwrap().report;
+        assert!(r.dropped >= 1, "{r:?}");
+        assert!(r.wasted_prefills >= r.dropped);
+        assert_eq!(r.completed + r.dropped, 4);
+    }
+
+    #[test]
+    fn bad_config_is_an_error() {
+        let t = trace(&[(0, 512, 2, &[1])]);
+        let mut cfg = SimConfig::new(Policy::CacheGlobal, 0, 1);
+        assert!(simulate(&t, &cfg).is_err());
+        cfg.prefill = 1;
+        cfg.speed = 0.0;
+        assert!(simulate(&t, &cfg)
+            .unwrap_err()
+            .to_string()
+            .contains("--speed"));
+    }
+}

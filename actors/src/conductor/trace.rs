@@ -1,0 +1,281 @@
+//! Mooncake-format request traces.
+//!
+//! One JSON object per line: `timestamp` (ms from the start of the trace),
+//! `input_length` and `output_length` (tokens) and `hash_ids`, one
+//! prefix-chained block id per `block_tokens` (512) tokens of the prompt, the
+//! last block possibly partial. Extra fields are ignored, so traces that carry
+//! more columns still load. Blank lines are skipped.
+//!
+//! Every request is checked on load: `hash_ids` must have exactly
+//! `ceil(input_length / block_tokens)` entries, and timestamps must not go
+//! backwards. A line that fails to parse or fails a check is an error that
+//! names the line (1-based).
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use super::chunk_hash::{ChunkHash, MOONCAKE_CHUNK_TOKENS};
+
+/// Errors of trace loading.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    /// The file could not be opened or read.
+    #[error("cannot read trace {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A line is not a valid trace record.
+    #[error("trace {origin}, line {line}: {source}")]
+    Parse {
+        origin: String,
+        line: usize,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A line parsed but breaks an invariant of the format.
+    #[error("trace {origin}, line {line}: {reason}")]
+    Invalid {
+        origin: String,
+        line: usize,
+        reason: String,
+    },
+    /// The trace holds no request.
+    #[error("trace {origin} holds no request")]
+    Empty { origin: String },
+}
+
+#[derive(Deserialize)]
+struct RawRecord {
+    timestamp: u64,
+    input_length: u32,
+    output_length: u32,
+    hash_ids: Vec<u64>,
+}
+
+/// One request of a trace. Its blocks are in the owning [`Trace`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceRequest {
+    /// 1-based line number in the source.
+    pub line: usize,
+    /// Arrival time, ms from the start of the trace (as written, not rebased).
+    pub timestamp_ms: u64,
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// Generated tokens (the first one comes out of prefill).
+    pub output_tokens: u32,
+    blocks: Range<u32>,
+}
+
+/// A loaded trace: requests in arrival order, with their block ids stored
+/// contiguously.
+#[derive(Debug, Clone)]
+pub struct Trace {
+    requests: Vec<TraceRequest>,
+    blocks: Vec<ChunkHash>,
+    block_tokens: u32,
+}
+
+impl Trace {
+    /// Loads a trace file whose blocks hold 512 tokens (the Mooncake traces).
+    pub fn load(path: &Path) -> Result<Self, TraceError> {
+        Self::load_with_block_tokens(path, MOONCAKE_CHUNK_TOKENS as u32)
+    }
+
+    /// Loads a trace file whose blocks hold `block_tokens` tokens.
+    pub fn load_with_block_tokens(path: &Path, block_tokens: u32) -> Result<Self, TraceError> {
+        let file = File::open(path).map_err(|source| TraceError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(
+            BufReader::new(file),
+            &path.display().to_string(),
+            block_tokens,
+        )
+    }
+
+    /// Parses a trace from a reader. `origin` names the source in errors.
+    pub fn parse<R: BufRead>(
+        mut reader: R,
+        origin: &str,
+        block_tokens: u32,
+    ) -> Result<Self, TraceError> {
+        if block_tokens == 0 {
+            return Err(TraceError::Invalid {
+                origin: origin.to_string(),
+                line: 0,
+                reason: "block size must be at least one token".into(),
+            });
+        }
+        let mut requests = Vec::new();
+        let mut blocks: Vec<ChunkHash> = Vec::new();
+        let mut line_buf = String::new();
+        let mut line_no = 0usize;
+        let mut last_ts = 0u64;
+        loop {
+            line_buf.clear();
+            let n = reader
+                .read_line(&mut line_buf)
+                .map_err(|source| TraceError::Io {
+                    path: PathBuf::from(origin),
+                    source,
+                })?;
+            if n == 0 {
+                break;
+            }
+            line_no += 1;
+            let text = line_buf.trim();
+            if text.is_empty() {
+                continue;
+            }
+            let invalid = |reason: String| TraceError::Invalid {
+                origin: origin.to_string(),
+                line: line_no,
+                reason,
+            };
+            let rec: RawRecord =
+                serde_json::from_str(text).map_err(|source| TraceError::Parse {
+                    origin: origin.to_string(),
+                    line: line_no,
+                    source,
+                })?;
+            let want = rec.input_length.div_ceil(block_tokens) as usize;
+            if rec.hash_ids.len() != want {
+                return Err(invalid(format!(
+                    "hash_ids has {} entries but input_length {} needs ceil({}/{}) = {}",
+                    rec.hash_ids.len(),
+                    rec.input_length,
+                    rec.input_length,
+                    block_tokens,
+                    want
+                )));
+            }
+            if rec.timestamp < last_ts {
+                return Err(invalid(format!(
+                    "timestamp {} is earlier than the previous request's {} (traces must be in arrival order)",
+                    rec.timestamp, last_ts
+                )));
+            }
+            last_ts = rec.timestamp;
+            let start = blocks.len();
+            blocks.extend(rec.hash_ids.iter().map(|&id| ChunkHash(id)));
+            let end = blocks.len();
+            if end > u32::MAX as usize {
+                return Err(invalid("trace holds more than 2^32 blocks".into()));
+            }
+            requests.push(TraceRequest {
+                line: line_no,
+                timestamp_ms: rec.timestamp,
+                input_tokens: rec.input_length,
+                output_tokens: rec.output_length,
+                blocks: start as u32..end as u32,
+            });
+        }
+        if requests.is_empty() {
+            return Err(TraceError::Empty {
+                origin: origin.to_string(),
+            });
+        }
+        Ok(Self {
+            requests,
+            blocks,
+            block_tokens,
+        })
+    }
+
+    /// Requests in arrival order.
+    pub fn requests(&self) -> &[TraceRequest] {
+        &self.requests
+    }
+
+    /// Block ids of one request of this trace, in prefix order.
+    pub fn blocks(&self, req: &TraceRequest) -> &[ChunkHash] {
+        &self.blocks[req.blocks.start as usize..req.blocks.end as usize]
+    }
+
+    /// Requests with their blocks.
+    pub fn iter(&self) -> impl Iterator<Item = (&TraceRequest, &[ChunkHash])> + '_ {
+        self.requests.iter().map(move |r| (r, self.blocks(r)))
+    }
+
+    /// Number of requests.
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Whether the trace holds no request (never true for a loaded trace).
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// Tokens per block.
+    pub fn block_tokens(&self) -> u32 {
+        self.block_tokens
+    }
+
+    /// Sum of all requests' block counts.
+    pub fn total_blocks(&self) -> u64 {
+        self.blocks.len() as u64
+    }
+
+    /// Time from the first to the last arrival, ms.
+    pub fn span_ms(&self) -> u64 {
+        match (self.requests.first(), self.requests.last()) {
+            (Some(a), Some(b)) => b.timestamp_ms - a.timestamp_ms,
+            _ => 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<Trace, TraceError> {
+        Trace::parse(s.as_bytes(), "test", 512)
+    }
+
+    #[test]
+    fn parses_records_and_skips_blank_lines() {
+        let t = parse(
+            "{\"timestamp\": 0, \"input_length\": 513, \"output_length\": 3, \"hash_ids\": [1, 2]}\n\n\
+             {\"timestamp\": 5, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1], \"extra\": true}\n",
+        )
+        .unwrap();
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.requests()[1].line, 3);
+        assert_eq!(t.blocks(&t.requests()[0]), &[ChunkHash(1), ChunkHash(2)]);
+        assert_eq!(t.total_blocks(), 3);
+        assert_eq!(t.span_ms(), 5);
+    }
+
+    #[test]
+    fn bad_lines_name_their_line_number() {
+        let err = parse(
+            "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}\nnot json\n",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("line 2"), "{err}");
+        let err = parse(
+            "{\"timestamp\": 0, \"input_length\": 1024, \"output_length\": 1, \"hash_ids\": [1]}\n",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("line 1"), "{err}");
+        assert!(err.to_string().contains("hash_ids has 1 entries"), "{err}");
+        let err = parse(
+            "{\"timestamp\": 9, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}\n\
+             {\"timestamp\": 3, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}\n",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("line 2"), "{err}");
+        let err = parse("{\"timestamp\": 0, \"input_length\": 1}\n").unwrap_err();
+        assert!(err.to_string().contains("line 1"), "{err}");
+        assert!(matches!(parse("\n\n"), Err(TraceError::Empty { .. })));
+    }
+}
