@@ -68,7 +68,7 @@ fn main() {
             // Warm the connections and the segment's pages.
             client.put(b"warm", &value).await.expect("warm put");
             client.get_into(b"warm", &mut buf).await.expect("warm get");
-            client.remove(b"warm").await.expect("warm rm");
+            client.remove_with(b"warm", true).await.expect("warm rm");
             for k in &keys {
                 let t = Instant::now();
                 client.put(k.as_bytes(), &value).await.expect("put");
@@ -81,8 +81,9 @@ fn main() {
                 assert_eq!(got, size);
             }
             assert_eq!(buf, value, "the bytes read are the bytes written");
+            // Just read, so leased: removal needs force.
             for k in &keys {
-                client.remove(k.as_bytes()).await.expect("rm");
+                client.remove_with(k.as_bytes(), true).await.expect("rm");
             }
         });
         row("put", &size_name(size), &put);

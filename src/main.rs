@@ -235,7 +235,10 @@ impl From<KvError> for CliError {
 }
 
 async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode, CliError> {
-    let client = Client::connect(master, cfg.client).await?;
+    let mut ccfg = cfg.client;
+    // One command is over in well under client_ttl: no liveness pings.
+    ccfg.ping_interval_ms = 0;
+    let client = Client::connect(master, ccfg).await?;
     match cmd {
         Cmd::Run { .. } | Cmd::Sim(_) => unreachable!("handled in main"),
         Cmd::Put {

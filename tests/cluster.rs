@@ -21,7 +21,14 @@ fn value(seed: u64, i: usize, len: usize) -> Vec<u8> {
 
 #[test]
 fn thousand_objects_of_random_sizes_round_trip_across_a_master_and_two_storage_processes() {
-    let master = common::start("master", &common::ephemeral(&[]));
+    // Short leases, so the space of the objects read and then removed comes
+    // back within the test.
+    let cfg = std::env::temp_dir().join(format!("kvpool-cluster-{}.toml", std::process::id()));
+    std::fs::write(&cfg, "[master]\nlease_ttl_ms = 500\n").unwrap();
+    let cfg_s = cfg.to_str().unwrap().to_string();
+    let mut margs = common::ephemeral(&[]);
+    margs.splice(0..0, ["--config", cfg_s.as_str()]);
+    let master = common::start("master", &margs);
     let storage_args = |seg: &'static str| -> Vec<String> {
         [
             "--listen",
@@ -114,18 +121,31 @@ fn thousand_objects_of_random_sizes_round_trip_across_a_master_and_two_storage_p
             .collect::<Vec<()>>()
             .await;
 
+        // Just read, so leased: removal needs force.
         for i in 0..OBJECTS {
-            client.remove(format!("obj-{i}").as_bytes()).await.unwrap();
+            client
+                .remove_with(format!("obj-{i}").as_bytes(), true)
+                .await
+                .unwrap();
         }
         assert!(!client.exists(b"obj-0").await.unwrap());
     });
 
-    // `stat` (the CLI) shows them gone and the space free.
-    let (code, out, err) = common::cli(&master.addr, &["stat", "--json"], None);
-    assert_eq!(code, 0, "{err}");
-    let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
-    assert_eq!(v["keys"], 0, "{v}");
-    assert_eq!(v["used"], 0, "{v}");
-    assert_eq!(v["segments"].as_array().unwrap().len(), 2, "{v}");
+    // `stat` (the CLI) shows them gone at once, and the space free once the
+    // readers' leases have ended.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let (code, out, err) = common::cli(&master.addr, &["stat", "--json"], None);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["keys"], 0, "{v}");
+        assert_eq!(v["segments"].as_array().unwrap().len(), 2, "{v}");
+        if v["used"] == 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "space not freed: {v}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     drop((s1, s2));
+    let _ = std::fs::remove_file(&cfg);
 }

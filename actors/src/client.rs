@@ -29,8 +29,8 @@ use std::time::Duration;
 use kvpool_runtime::hash::{vshard_of, ShardMap};
 use kvpool_transport::frame::{self, FrameKind};
 use kvpool_transport::proto::{
-    ClientId, ClusterMap, DataRequest, DataResponse, MasterRequest, MasterResponse, PoolStat,
-    PutOptions, ReplicaDesc, SegmentId, SegmentSpec,
+    ClientId, ClusterMap, DataRequest, DataResponse, MasterRequest, MasterResponse, ObjectInfo,
+    PoolStat, PutItem, PutOptions, ReplicaDesc, SegmentId, SegmentSpec,
 };
 use kvpool_transport::{ErrorCode, KvError};
 use tokio::net::TcpStream;
@@ -38,6 +38,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::compat::{Compat, TokioAsyncReadCompatExt};
 
 use crate::config::ClientConfig;
+use crate::master::coord::{merge_batch, split_batch_by};
 
 type Stream = Compat<TcpStream>;
 
@@ -230,7 +231,8 @@ impl Client {
                     .push(s);
             }
         }
-        Ok(Self {
+        let ping_ms = cfg.ping_interval_ms;
+        let client = Self {
             inner: Arc::new(Inner {
                 id,
                 cfg,
@@ -241,7 +243,28 @@ impl Client {
                 req_ids: AtomicU64::new(1),
                 host_id,
             }),
-        })
+        };
+        if ping_ms > 0 {
+            client.spawn_pings(Duration::from_millis(ping_ms));
+        }
+        Ok(client)
+    }
+
+    /// Pings the master every `every` while any clone of this client lives.
+    fn spawn_pings(&self, every: Duration) {
+        let weak = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { break };
+                let client = Client { inner };
+                if let Err(e) = client.ping().await {
+                    tracing::debug!("ping to the master failed: {e}");
+                }
+            }
+        });
     }
 
     pub fn id(&self) -> ClientId {
@@ -275,19 +298,40 @@ impl Client {
     }
 
     /// One master call on the shard that owns `req`'s key (shard 0 otherwise).
+    /// The master shard that owns `key`, by the cluster map's ranges.
+    fn shard_of(&self, key: &[u8]) -> usize {
+        let v = vshard_of(key);
+        self.inner
+            .cluster
+            .shards
+            .iter()
+            .position(|s| (s.vshard_start..s.vshard_end).contains(&v))
+            .unwrap_or_else(|| self.inner.map.shard_of(key) as usize)
+    }
+
     async fn master(&self, req: &MasterRequest) -> Result<MasterResponse, KvError> {
-        let shard = match req.key() {
-            Some(k) => {
-                let v = vshard_of(k);
-                self.inner
-                    .cluster
-                    .shards
-                    .iter()
-                    .position(|s| (s.vshard_start..s.vshard_end).contains(&v))
-                    .unwrap_or_else(|| self.inner.map.shard_of(k) as usize)
-            }
-            None => 0,
-        };
+        let shard = req.key().map(|k| self.shard_of(k)).unwrap_or(0);
+        self.master_on(shard, req).await
+    }
+
+    /// A batch request: one sub-batch per owning shard, sent at once, merged
+    /// back in the order of the keys.
+    async fn master_batch(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
+        let n = req.batch_keys().map(|k| k.len()).unwrap_or(0);
+        let parts = split_batch_by(req, |k| self.shard_of(k) as u32);
+        let calls = parts.into_iter().map(|p| async move {
+            let res = self.master_on(p.shard as usize, &p.req).await;
+            (p.positions, res)
+        });
+        let answers = futures_util::future::join_all(calls).await;
+        merge_batch(n, answers)
+    }
+
+    async fn master_on(
+        &self,
+        shard: usize,
+        req: &MasterRequest,
+    ) -> Result<MasterResponse, KvError> {
         let pool = &self.inner.master_pools[shard];
         let mut conn = pool
             .get(Duration::from_millis(self.inner.cfg.connect_timeout_ms))
@@ -601,6 +645,203 @@ impl Client {
             match self.master(&MasterRequest::Stat).await? {
                 MasterResponse::Stat(s) => Ok(s),
                 other => Err(unexpected("stat", &other)),
+            }
+        })
+        .await
+    }
+
+    /// Stores several values; one result per item, in order. Keys are
+    /// grouped by owning master shard (one call per shard), values are
+    /// written `client.batch_parallelism` at a time.
+    pub async fn batch_put(
+        &self,
+        items: &[(&[u8], &[u8])],
+        opts: &PutOptions,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        self.deadline("batch_put", async {
+            let mut opts = opts.clone();
+            if opts.preferred_host.is_empty() {
+                opts.preferred_host = self.inner.host_id.clone();
+            }
+            let req = MasterRequest::BatchPutStart {
+                client_id: self.inner.id,
+                items: items
+                    .iter()
+                    .map(|(k, v)| PutItem {
+                        key: k.to_vec(),
+                        len: v.len() as u64,
+                    })
+                    .collect(),
+                opts,
+            };
+            let started = match self.master_batch(req).await? {
+                MasterResponse::BatchReplicas(v) => v,
+                other => return Err(unexpected("batch_put_start", &other)),
+            };
+            // Per item: Ok(()) written; Err((e, true)) allocated but not
+            // written (its space must go back); Err((e, false)) refused.
+            let writes = started
+                .into_iter()
+                .zip(items)
+                .map(|(r, (_, v))| async move {
+                    let replicas: Vec<ReplicaDesc> = Result::from(r).map_err(|e| (e, false))?;
+                    let all = replicas.iter().map(|r| self.write_replica(r, v));
+                    futures_util::future::try_join_all(all)
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| (e, true))
+                });
+            let written: Vec<Result<(), (KvError, bool)>> =
+                futures_util::stream::StreamExt::collect(
+                    futures_util::stream::StreamExt::buffered(
+                        futures_util::stream::iter(writes),
+                        self.inner.cfg.batch_parallelism,
+                    ),
+                )
+                .await;
+            let keys_where = |pred: fn(&Result<(), (KvError, bool)>) -> bool| -> Vec<Vec<u8>> {
+                written
+                    .iter()
+                    .zip(items)
+                    .filter(|(w, _)| pred(w))
+                    .map(|(_, (k, _))| k.to_vec())
+                    .collect()
+            };
+            let ok_keys = keys_where(|w| w.is_ok());
+            let failed_keys = keys_where(|w| matches!(w, Err((_, true))));
+            if !failed_keys.is_empty() {
+                let _ = self
+                    .master_batch(MasterRequest::BatchPutRevoke {
+                        client_id: self.inner.id,
+                        keys: failed_keys,
+                    })
+                    .await;
+            }
+            let mut ended = if ok_keys.is_empty() {
+                Vec::new().into_iter()
+            } else {
+                match self
+                    .master_batch(MasterRequest::BatchPutEnd {
+                        client_id: self.inner.id,
+                        keys: ok_keys,
+                    })
+                    .await?
+                {
+                    MasterResponse::BatchDone(v) => v.into_iter(),
+                    other => return Err(unexpected("batch_put_end", &other)),
+                }
+            };
+            Ok(written
+                .into_iter()
+                .map(|w| match w {
+                    Ok(()) => ended.next().map(Result::from).unwrap_or_else(|| {
+                        Err(KvError::new(ErrorCode::Internal, "missing put_end result"))
+                    }),
+                    Err((e, _)) => Err(e),
+                })
+                .collect())
+        })
+        .await
+    }
+
+    /// Reads several values; one result per key, in order.
+    pub async fn batch_get(
+        &self,
+        keys: &[&[u8]],
+    ) -> Result<Vec<Result<Vec<u8>, KvError>>, KvError> {
+        self.deadline("batch_get", async {
+            let req = MasterRequest::BatchGet {
+                keys: keys.iter().map(|k| k.to_vec()).collect(),
+            };
+            let lists = match self.master_batch(req).await? {
+                MasterResponse::BatchReplicas(v) => v,
+                other => return Err(unexpected("batch_get", &other)),
+            };
+            let reads = lists.into_iter().map(|r| async move {
+                let replicas: Vec<ReplicaDesc> = Result::from(r)?;
+                if replicas.is_empty() {
+                    return Err(KvError::new(
+                        ErrorCode::ObjectNotFound,
+                        "no readable replica",
+                    ));
+                }
+                let replicas = self.read_order(replicas);
+                let mut buf = vec![0u8; replicas[0].len as usize];
+                self.read_any(&replicas, &mut buf).await?;
+                Ok(buf)
+            });
+            Ok(
+                futures_util::stream::StreamExt::collect(
+                    futures_util::stream::StreamExt::buffered(
+                        futures_util::stream::iter(reads),
+                        self.inner.cfg.batch_parallelism,
+                    ),
+                )
+                .await,
+            )
+        })
+        .await
+    }
+
+    /// Whether each key is stored; one result per key, in order.
+    pub async fn batch_exists(
+        &self,
+        keys: &[&[u8]],
+    ) -> Result<Vec<Result<bool, KvError>>, KvError> {
+        self.deadline("batch_exists", async {
+            let req = MasterRequest::BatchExist {
+                keys: keys.iter().map(|k| k.to_vec()).collect(),
+            };
+            match self.master_batch(req).await? {
+                MasterResponse::BatchExists(v) => Ok(v.into_iter().map(Result::from).collect()),
+                other => Err(unexpected("batch_exist", &other)),
+            }
+        })
+        .await
+    }
+
+    /// Removes several keys; one result per key, in order.
+    pub async fn batch_remove(
+        &self,
+        keys: &[&[u8]],
+        force: bool,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        self.deadline("batch_remove", async {
+            let req = MasterRequest::BatchRemove {
+                keys: keys.iter().map(|k| k.to_vec()).collect(),
+                force,
+            };
+            match self.master_batch(req).await? {
+                MasterResponse::BatchDone(v) => Ok(v.into_iter().map(Result::from).collect()),
+                other => Err(unexpected("batch_remove", &other)),
+            }
+        })
+        .await
+    }
+
+    /// The metadata the master holds for `key` (no lease is granted).
+    pub async fn describe(&self, key: &[u8]) -> Result<ObjectInfo, KvError> {
+        self.deadline("describe", async {
+            match self
+                .master(&MasterRequest::Describe { key: key.to_vec() })
+                .await?
+            {
+                MasterResponse::Described(i) => Ok(i),
+                other => Err(unexpected("describe", &other)),
+            }
+        })
+        .await
+    }
+
+    /// Stops new puts to a segment; its replicas stay readable.
+    pub async fn drain_segment(&self, segment_id: SegmentId) -> Result<(), KvError> {
+        self.deadline("drain_segment", async {
+            match self
+                .master(&MasterRequest::DrainSegment { segment_id })
+                .await?
+            {
+                MasterResponse::Done => Ok(()),
+                other => Err(unexpected("drain_segment", &other)),
             }
         })
         .await

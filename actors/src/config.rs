@@ -49,6 +49,23 @@ impl NodeConfig {
         nonzero("master.max_value_bytes", self.master.max_value_bytes.get())?;
         nonzero("master.max_keys", self.master.max_keys)?;
         nonzero("master.io_timeout_ms", self.master.io_timeout_ms)?;
+        nonzero("master.max_batch", self.master.max_batch as u64)?;
+        nonzero("master.lease_ttl_ms", self.master.lease_ttl_ms)?;
+        nonzero("master.put_timeout_ms", self.master.put_timeout_ms)?;
+        nonzero("master.client_ttl_ms", self.master.client_ttl_ms)?;
+        nonzero("master.tick_ms", self.master.tick_ms)?;
+        let hw = self.master.high_watermark;
+        if !(hw > 0.0 && hw <= 1.0) {
+            return Err(format!(
+                "key `master.high_watermark`: {hw} is not in (0, 1]"
+            ));
+        }
+        let er = self.master.eviction_ratio;
+        if !(er > 0.0 && er <= 1.0) {
+            return Err(format!(
+                "key `master.eviction_ratio`: {er} is not in (0, 1]"
+            ));
+        }
         nonzero("storage.segment_size", self.storage.segment_size.get())?;
         if !self.storage.segment_size.get().is_multiple_of(4096) {
             return Err(format!(
@@ -67,6 +84,10 @@ impl NodeConfig {
         nonzero(
             "client.max_connections_per_endpoint",
             self.client.max_connections_per_endpoint as u64,
+        )?;
+        nonzero(
+            "client.batch_parallelism",
+            self.client.batch_parallelism as u64,
         )?;
         for (k, v) in [
             ("master.max_frame_bytes", self.master.max_frame_bytes),
@@ -153,6 +174,39 @@ pub struct MasterConfig {
     pub max_value_bytes: Bytes,
     /// Most objects in the pool.
     pub max_keys: u64,
+    /// Most keys in one batch call.
+    pub max_batch: usize,
+    /// Read lease granted by GetReplicaList.
+    pub lease_ttl_ms: u64,
+    /// A put still Processing after this long is discarded.
+    pub put_timeout_ms: u64,
+    /// Space of a discarded (stale or revoked-for-liveness) put is reused only
+    /// after this grace, so a late writer cannot overwrite a new object.
+    pub stale_put_grace_ms: u64,
+    /// A client or storage node silent this long is dead: its segments are
+    /// unmounted and its Processing puts revoked.
+    pub client_ttl_ms: u64,
+    /// Evict when a segment range's use passes this fraction.
+    pub high_watermark: f64,
+    /// Fraction of a segment range's bytes one eviction frees.
+    pub eviction_ratio: f64,
+    /// Replica placement: "random", "free_ratio_first" or "local_first".
+    pub placement: Placement,
+    /// Housekeeping period of each shard (stale puts, expired leases,
+    /// liveness).
+    pub tick_ms: u64,
+}
+
+/// How the master chooses segments for a put's replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// Uniformly among segments with room.
+    Random,
+    /// Segments with the largest free fraction first.
+    FreeRatioFirst,
+    /// Segments on the writer's host first, then by free fraction.
+    LocalFirst,
 }
 
 impl Default for MasterConfig {
@@ -168,6 +222,15 @@ impl Default for MasterConfig {
             max_key_bytes: 4096,
             max_value_bytes: Bytes::gib(1),
             max_keys: 100_000_000,
+            max_batch: 4096,
+            lease_ttl_ms: 10_000,
+            put_timeout_ms: 30_000,
+            stale_put_grace_ms: 10_000,
+            client_ttl_ms: 10_000,
+            high_watermark: 0.90,
+            eviction_ratio: 0.05,
+            placement: Placement::LocalFirst,
+            tick_ms: 100,
         }
     }
 }
@@ -234,6 +297,12 @@ pub struct ClientConfig {
     pub max_connections_per_endpoint: usize,
     /// Largest control frame accepted.
     pub max_frame_bytes: Bytes,
+    /// Liveness ping to the master (0: none, for short-lived clients such as
+    /// the CLI). A client that pinged and then falls silent for the master's
+    /// `client_ttl_ms` has its unfinished puts revoked.
+    pub ping_interval_ms: u64,
+    /// Data transfers one batch call runs at once.
+    pub batch_parallelism: usize,
 }
 
 impl Default for ClientConfig {
@@ -243,6 +312,8 @@ impl Default for ClientConfig {
             connect_timeout_ms: 2_000,
             max_connections_per_endpoint: 16,
             max_frame_bytes: Bytes::mib(64),
+            ping_interval_ms: 1000,
+            batch_parallelism: 16,
         }
     }
 }

@@ -36,6 +36,9 @@ pub struct MasterMetrics {
     pub segment_capacity: Family<SegmentLabels, Gauge>,
     pub segment_used: Family<SegmentLabels, Gauge>,
     pub segments: Gauge,
+    pub evictions: Gauge,
+    pub evicted_bytes: Gauge,
+    pub stale_puts: Counter,
 }
 
 impl MasterMetrics {
@@ -47,6 +50,9 @@ impl MasterMetrics {
             segment_capacity: Family::default(),
             segment_used: Family::default(),
             segments: Gauge::default(),
+            evictions: Gauge::default(),
+            evicted_bytes: Gauge::default(),
+            stale_puts: Counter::default(),
         };
         reg.register(
             "master_calls",
@@ -60,6 +66,21 @@ impl MasterMetrics {
         );
         reg.register("master_keys", "Objects in the pool", m.keys.clone());
         reg.register("master_segments", "Mounted segments", m.segments.clone());
+        reg.register(
+            "master_evictions",
+            "Replicas evicted since the master started",
+            m.evictions.clone(),
+        );
+        reg.register(
+            "master_evicted_bytes",
+            "Bytes evicted since the master started",
+            m.evicted_bytes.clone(),
+        );
+        reg.register(
+            "master_stale_puts",
+            "Puts discarded after put_timeout_ms",
+            m.stale_puts.clone(),
+        );
         reg.register(
             "master_segment_capacity_bytes",
             "Capacity of each mounted segment",

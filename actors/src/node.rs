@@ -85,11 +85,11 @@ async fn run_roles(
             .map_err(|e| NodeError::Start(format!("master: {e}")))?;
         let handle = call!(actor, MasterMsg::Handle)
             .map_err(|e| NodeError::Start(format!("master: {e}")))?;
-        println!("kvpool master listening on {}", handle.addr());
         master = Some((actor, handle));
     }
 
     let mut storage: Option<ActorRef<StorageNodeMsg>> = None;
+    let mut storage_addr = None;
     if role.has_storage() {
         let svc = storage_node::start(&shards, &cfg.storage, &metrics).await?;
         let master_addr = match &master {
@@ -106,7 +106,7 @@ async fn run_roles(
         let (actor, _) = Actor::spawn(Some("storage".into()), StorageNode, args)
             .await
             .map_err(|e| NodeError::Start(format!("storage: {e}")))?;
-        println!("kvpool storage listening on {}", svc.addr);
+        storage_addr = Some(svc.addr);
         storage = Some(actor);
     }
 
@@ -123,7 +123,15 @@ async fn run_roles(
         shutdown.clone(),
     )
     .await?;
-    tracing::info!(role = role.name(), http = %http_bound, "serving /healthz and /metrics");
+    // Ready: every listener is up. The HTTP line comes first, so a script
+    // that waits for the role's line has seen it too.
+    println!("kvpool http listening on {http_bound}");
+    if let Some((_, h)) = &master {
+        println!("kvpool master listening on {}", h.addr());
+    }
+    if let Some(a) = storage_addr {
+        println!("kvpool storage listening on {a}");
+    }
     if role == Role::All {
         let (_, h) = master.as_ref().expect("role all runs a master");
         println!("kvpool all listening on {}", h.addr());

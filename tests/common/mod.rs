@@ -15,6 +15,8 @@ pub struct Proc {
     pub child: Child,
     /// The address from its `listening on` line.
     pub addr: String,
+    /// Its HTTP address (from `kvpool http listening on`).
+    pub http: String,
     pub role: &'static str,
     stderr_path: PathBuf,
 }
@@ -81,17 +83,22 @@ pub fn start(role: &'static str, args: &[&str]) -> Proc {
     let (tx, rx) = mpsc::channel();
     let want = format!("kvpool {role} listening on ");
     std::thread::spawn(move || {
+        let mut http = String::new();
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
+            if let Some(addr) = line.strip_prefix("kvpool http listening on ") {
+                http = addr.trim().to_string();
+            }
             if let Some(addr) = line.strip_prefix(&want) {
-                let _ = tx.send(addr.trim().to_string());
+                let _ = tx.send((addr.trim().to_string(), http.clone()));
             }
         }
     });
     match rx.recv_timeout(Duration::from_secs(30)) {
-        Ok(addr) => Proc {
+        Ok((addr, http)) => Proc {
             child,
             addr,
+            http,
             role,
             stderr_path,
         },
@@ -177,4 +184,25 @@ pub fn rt() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .expect("tokio runtime")
+}
+
+/// A plain HTTP/1.1 request; returns (status, body).
+pub fn http(addr: &str, method: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect http");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read http answer");
+    let (head, body) = out.split_once("\r\n\r\n").expect("http answer");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("status code");
+    (status, body.to_string())
 }

@@ -122,6 +122,53 @@ impl Default for PutOptions {
     }
 }
 
+/// One key of a `BatchPutStart`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct PutItem {
+    pub key: Vec<u8>,
+    pub len: u64,
+}
+
+/// One result of a batch call: the value, or why this key failed.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum ItemResult<T> {
+    Ok(T),
+    Err(WireError),
+}
+
+impl<T> From<Result<T, KvError>> for ItemResult<T> {
+    fn from(r: Result<T, KvError>) -> Self {
+        match r {
+            Ok(v) => ItemResult::Ok(v),
+            Err(e) => ItemResult::Err(WireError::from(&e)),
+        }
+    }
+}
+
+impl<T> From<ItemResult<T>> for Result<T, KvError> {
+    fn from(r: ItemResult<T>) -> Self {
+        match r {
+            ItemResult::Ok(v) => Ok(v),
+            ItemResult::Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// An object as the admin API describes it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct ObjectInfo {
+    pub key: Vec<u8>,
+    /// `false` while the object is being put (Processing).
+    pub complete: bool,
+    pub size: u64,
+    pub replicas: Vec<ReplicaDesc>,
+    /// Milliseconds left on the read lease (0: none live).
+    pub lease_remaining_ms: u64,
+    /// Milliseconds left on the soft pin (0: none).
+    pub soft_pin_remaining_ms: u64,
+    pub hard_pin: bool,
+}
+
 /// Requests to a master shard.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 pub enum MasterRequest {
@@ -138,6 +185,10 @@ pub enum MasterRequest {
         spec: SegmentSpec,
     },
     UnmountSegment {
+        segment_id: SegmentId,
+    },
+    /// Graceful leave: existing replicas stay readable, new puts go elsewhere.
+    DrainSegment {
         segment_id: SegmentId,
     },
     PutStart {
@@ -166,6 +217,34 @@ pub enum MasterRequest {
     },
     RemoveAll,
     Stat,
+    /// Metadata of one object (admin API); does not extend its lease.
+    Describe {
+        key: Vec<u8>,
+    },
+    BatchPutStart {
+        client_id: ClientId,
+        items: Vec<PutItem>,
+        opts: PutOptions,
+    },
+    BatchPutEnd {
+        client_id: ClientId,
+        keys: Vec<Vec<u8>>,
+    },
+    BatchPutRevoke {
+        client_id: ClientId,
+        keys: Vec<Vec<u8>>,
+    },
+    /// GetReplicaList of every key (grants leases).
+    BatchGet {
+        keys: Vec<Vec<u8>>,
+    },
+    BatchExist {
+        keys: Vec<Vec<u8>>,
+    },
+    BatchRemove {
+        keys: Vec<Vec<u8>>,
+        force: bool,
+    },
 }
 
 impl MasterRequest {
@@ -177,9 +256,23 @@ impl MasterRequest {
             | Self::PutRevoke { key, .. }
             | Self::GetReplicaList { key }
             | Self::Exist { key }
+            | Self::Describe { key }
             | Self::Remove { key, .. } => Some(key),
             _ => None,
         }
+    }
+
+    /// The keys of a batch request, in order.
+    pub fn batch_keys(&self) -> Option<Vec<&[u8]>> {
+        Some(match self {
+            Self::BatchPutStart { items, .. } => items.iter().map(|i| i.key.as_slice()).collect(),
+            Self::BatchPutEnd { keys, .. }
+            | Self::BatchPutRevoke { keys, .. }
+            | Self::BatchGet { keys }
+            | Self::BatchExist { keys }
+            | Self::BatchRemove { keys, .. } => keys.iter().map(Vec::as_slice).collect(),
+            _ => return None,
+        })
     }
 
     /// A short name for logs and metrics.
@@ -189,6 +282,7 @@ impl MasterRequest {
             Self::Ping { .. } => "ping",
             Self::MountSegment { .. } => "mount_segment",
             Self::UnmountSegment { .. } => "unmount_segment",
+            Self::DrainSegment { .. } => "drain_segment",
             Self::PutStart { .. } => "put_start",
             Self::PutEnd { .. } => "put_end",
             Self::PutRevoke { .. } => "put_revoke",
@@ -197,6 +291,13 @@ impl MasterRequest {
             Self::Remove { .. } => "remove",
             Self::RemoveAll => "remove_all",
             Self::Stat => "stat",
+            Self::Describe { .. } => "describe",
+            Self::BatchPutStart { .. } => "batch_put_start",
+            Self::BatchPutEnd { .. } => "batch_put_end",
+            Self::BatchPutRevoke { .. } => "batch_put_revoke",
+            Self::BatchGet { .. } => "batch_get",
+            Self::BatchExist { .. } => "batch_exist",
+            Self::BatchRemove { .. } => "batch_remove",
         }
     }
 }
@@ -220,6 +321,9 @@ pub struct PoolStat {
     pub keys: u64,
     pub capacity: u64,
     pub used: u64,
+    /// Replicas evicted since the master started, and their bytes.
+    pub evictions: u64,
+    pub evicted_bytes: u64,
 }
 
 /// Answers of a master shard.
@@ -240,6 +344,12 @@ pub enum MasterResponse {
     /// RemoveAll: how many objects went.
     Removed(u64),
     Stat(PoolStat),
+    Described(ObjectInfo),
+    /// BatchPutStart / BatchGet: replicas per key, in order.
+    BatchReplicas(Vec<ItemResult<Vec<ReplicaDesc>>>),
+    /// BatchPutEnd / BatchPutRevoke / BatchRemove: per key, in order.
+    BatchDone(Vec<ItemResult<()>>),
+    BatchExists(Vec<ItemResult<bool>>),
 }
 
 /// Requests to a storage node's data port. A `Write` is followed on the wire

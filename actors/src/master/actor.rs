@@ -59,8 +59,8 @@
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::ShardHandle;
 use kvpool_transport::proto::{
-    ClientId, MasterRequest, MasterResponse, PoolStat, PutOptions, ReplicaDesc, SegmentId,
-    SegmentSpec,
+    ClientId, ItemResult, MasterRequest, MasterResponse, ObjectInfo, PoolStat, PutItem, PutOptions,
+    ReplicaDesc, SegmentId, SegmentSpec,
 };
 use kvpool_transport::{ErrorCode, KvError};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -69,6 +69,8 @@ use super::service::{self, MasterHandle};
 use crate::config::MasterConfig;
 
 type R<T> = RpcReplyPort<Result<T, KvError>>;
+/// One result per key of a batch, in the order of the keys.
+pub type BatchResults<T> = Vec<Result<T, KvError>>;
 
 /// Messages of the [`Master`] actor; each carries its reply port.
 pub enum MasterMsg {
@@ -78,6 +80,11 @@ pub enum MasterMsg {
         reply: R<SegmentId>,
     },
     UnmountSegment {
+        segment_id: SegmentId,
+        reply: R<()>,
+    },
+    /// Graceful leave: replicas stay readable, new puts go elsewhere.
+    DrainSegment {
         segment_id: SegmentId,
         reply: R<()>,
     },
@@ -120,6 +127,40 @@ pub enum MasterMsg {
     Ping {
         client_id: ClientId,
         reply: R<()>,
+    },
+    /// Metadata of one object; does not extend its lease.
+    Describe {
+        key: Vec<u8>,
+        reply: R<ObjectInfo>,
+    },
+    BatchPutStart {
+        client_id: ClientId,
+        items: Vec<PutItem>,
+        opts: PutOptions,
+        reply: R<BatchResults<Vec<ReplicaDesc>>>,
+    },
+    BatchPutEnd {
+        client_id: ClientId,
+        keys: Vec<Vec<u8>>,
+        reply: R<BatchResults<()>>,
+    },
+    BatchPutRevoke {
+        client_id: ClientId,
+        keys: Vec<Vec<u8>>,
+        reply: R<BatchResults<()>>,
+    },
+    BatchGet {
+        keys: Vec<Vec<u8>>,
+        reply: R<BatchResults<Vec<ReplicaDesc>>>,
+    },
+    BatchExist {
+        keys: Vec<Vec<u8>>,
+        reply: R<BatchResults<bool>>,
+    },
+    BatchRemove {
+        keys: Vec<Vec<u8>>,
+        force: bool,
+        reply: R<BatchResults<()>>,
     },
     /// Any request, answered as it would be on the wire.
     Request {
@@ -170,6 +211,24 @@ fn done(r: MasterResponse) -> Result<(), KvError> {
     }
 }
 
+fn items<T>(v: Vec<ItemResult<T>>) -> BatchResults<T> {
+    v.into_iter().map(Into::into).collect()
+}
+
+fn batch_replicas(r: MasterResponse) -> Result<BatchResults<Vec<ReplicaDesc>>, KvError> {
+    match r {
+        MasterResponse::BatchReplicas(v) => Ok(items(v)),
+        other => Err(wrong(other)),
+    }
+}
+
+fn batch_done(r: MasterResponse) -> Result<BatchResults<()>, KvError> {
+    match r {
+        MasterResponse::BatchDone(v) => Ok(items(v)),
+        other => Err(wrong(other)),
+    }
+}
+
 fn replicas(r: MasterResponse) -> Result<Vec<ReplicaDesc>, KvError> {
     match r {
         MasterResponse::Replicas(v) => Ok(v),
@@ -211,6 +270,57 @@ impl Actor for Master {
             }
             MasterMsg::UnmountSegment { segment_id, reply } => {
                 forward(h, Q::UnmountSegment { segment_id }, reply, done).await
+            }
+            MasterMsg::DrainSegment { segment_id, reply } => {
+                forward(h, Q::DrainSegment { segment_id }, reply, done).await
+            }
+            MasterMsg::Describe { key, reply } => {
+                forward(h, Q::Describe { key }, reply, |r| match r {
+                    MasterResponse::Described(i) => Ok(i),
+                    other => Err(wrong(other)),
+                })
+                .await
+            }
+            MasterMsg::BatchPutStart {
+                client_id,
+                items,
+                opts,
+                reply,
+            } => {
+                forward(
+                    h,
+                    Q::BatchPutStart {
+                        client_id,
+                        items,
+                        opts,
+                    },
+                    reply,
+                    batch_replicas,
+                )
+                .await
+            }
+            MasterMsg::BatchPutEnd {
+                client_id,
+                keys,
+                reply,
+            } => forward(h, Q::BatchPutEnd { client_id, keys }, reply, batch_done).await,
+            MasterMsg::BatchPutRevoke {
+                client_id,
+                keys,
+                reply,
+            } => forward(h, Q::BatchPutRevoke { client_id, keys }, reply, batch_done).await,
+            MasterMsg::BatchGet { keys, reply } => {
+                forward(h, Q::BatchGet { keys }, reply, batch_replicas).await
+            }
+            MasterMsg::BatchExist { keys, reply } => {
+                forward(h, Q::BatchExist { keys }, reply, |r| match r {
+                    MasterResponse::BatchExists(v) => Ok(items(v)),
+                    other => Err(wrong(other)),
+                })
+                .await
+            }
+            MasterMsg::BatchRemove { keys, force, reply } => {
+                forward(h, Q::BatchRemove { keys, force }, reply, batch_done).await
             }
             MasterMsg::PutStart {
                 client_id,

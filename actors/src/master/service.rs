@@ -4,34 +4,37 @@
 //!  client --TCP--> shard i port (base+i)
 //!                    | key owned by i?  yes -> ShardState (local, no channel)
 //!                    |                  no  -> inbox of owner (flume, bounded) -> reply
-//!                    | admin op (mount, unmount, stat, remove_all, ping)
+//!                    | batch: split by owner, local part here, others by inbox, merged in order
+//!                    | admin op (mount, unmount, drain, stat, remove_all, ping)
 //!                    +-> coordinator on shard 0 (one op at a time) -> every inbox -> acks
+//!  every shard: tick every tick_ms (stale puts, due frees, watermark eviction)
+//!  coordinator: liveness every tick_ms (silent owners unmounted, writers revoked)
 //!  actor / HTTP (tokio) --MasterHandle::call--> same inboxes and coordinator
 //! ```
 //!
 //! Admin operations go through one coordinator so that every shard sees
 //! mounts and unmounts in the same order. No lock guards metadata: each
-//! shard's state lives in its own thread and is reached by message.
+//! shard's state lives in its own thread and is reached by message. The
+//! decisions are made by the same pure pieces [`super::core::MasterCore`]
+//! composes for tests ([`CoordState`], [`ShardState`], the batch helpers).
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use glommio::net::TcpStream;
 use kvpool_runtime::hash::{ShardMap, VSHARDS};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardCtx, ShardHandle};
 use kvpool_transport::frame::{self, FrameHeader, FrameKind};
-use kvpool_transport::proto::{
-    segment_id_for, ClientId, ClusterMap, MasterRequest, MasterResponse, MasterShardAddr, PoolStat,
-    SegmentId, SegmentSpec, SegmentStat,
-};
+use kvpool_transport::proto::{ClusterMap, MasterRequest, MasterResponse, MasterShardAddr};
 use kvpool_transport::{ErrorCode, KvError};
 
-use super::state::{Limits, ShardStat, ShardState};
+use super::coord::{merge_batch, split_batch, CommandResult, CoordState, Decision, ShardCommand};
+use super::core::check_batch;
+use super::state::{ShardConfig, ShardState};
 use crate::clock::now_ms;
 use crate::config::MasterConfig;
 use crate::metrics::MasterMetrics;
@@ -43,22 +46,12 @@ pub type Reply = Box<dyn FnOnce(Result<MasterResponse, KvError>) + Send>;
 
 /// Messages a master shard's inbox takes.
 enum ShardMsg {
-    /// A key request forwarded from another shard or the actor side.
-    Key { req: MasterRequest, reply: Reply },
-    AddSegment {
-        id: SegmentId,
-        spec: Arc<SegmentSpec>,
-        done: tokio::sync::oneshot::Sender<()>,
-    },
-    RemoveSegment {
-        id: SegmentId,
-        done: tokio::sync::oneshot::Sender<u64>,
-    },
-    Stat {
-        done: tokio::sync::oneshot::Sender<ShardStat>,
-    },
-    RemoveAll {
-        done: tokio::sync::oneshot::Sender<u64>,
+    /// A key or batch request forwarded from another shard or the actor side.
+    Request { req: MasterRequest, reply: Reply },
+    /// A coordinator command.
+    Command {
+        cmd: ShardCommand,
+        done: tokio::sync::oneshot::Sender<CommandResult>,
     },
 }
 
@@ -79,7 +72,12 @@ struct HandleInner {
     map: ShardMap,
     cluster: ClusterMap,
     addr: SocketAddr,
+    max_batch: usize,
     metrics: MasterMetrics,
+}
+
+fn unavailable() -> KvError {
+    KvError::new(ErrorCode::Unavailable, "the master is shutting down")
 }
 
 impl MasterHandle {
@@ -92,59 +90,73 @@ impl MasterHandle {
         &self.inner.cluster
     }
 
-    /// Routes a request to the shard that owns it; `reply` gets the answer.
-    /// Waits only for room in the target queue (back-pressure).
+    async fn to_shard(&self, shard: usize, req: MasterRequest, reply: Reply) {
+        if let Err(flume::SendError(ShardMsg::Request { reply, .. })) = self.inner.inboxes[shard]
+            .send_async(ShardMsg::Request { req, reply })
+            .await
+        {
+            reply(Err(unavailable()));
+        }
+    }
+
+    /// Routes a request to the shard that owns it (or the coordinator);
+    /// `reply` gets the answer. Waits only for room in the target queue
+    /// (back-pressure). A batch whose keys span shards is split and merged.
     pub async fn submit(&self, req: MasterRequest, reply: Reply) {
-        let unavailable = || KvError::new(ErrorCode::Unavailable, "the master is shutting down");
         if let MasterRequest::Hello { .. } = req {
             reply(Ok(MasterResponse::Hello {
                 cluster: self.inner.cluster.clone(),
             }));
             return;
         }
-        match req.key() {
-            Some(key) => {
-                let shard = self.inner.map.shard_of(key) as usize;
-                if let Err(flume::SendError(ShardMsg::Key { reply, .. })) = self.inner.inboxes
-                    [shard]
-                    .send_async(ShardMsg::Key { req, reply })
-                    .await
-                {
-                    reply(Err(unavailable()));
-                }
+        if let Some(key) = req.key() {
+            let shard = self.inner.map.shard_of(key) as usize;
+            return self.to_shard(shard, req, reply).await;
+        }
+        if req.batch_keys().is_some() {
+            match check_batch(&req, self.inner.max_batch) {
+                Err(e) => return reply(Err(e)),
+                Ok(Some(empty)) => return reply(Ok(empty)),
+                Ok(None) => {}
             }
-            None => {
-                if let Err(flume::SendError(m)) =
-                    self.inner.admin.send_async(AdminMsg { req, reply }).await
-                {
-                    (m.reply)(Err(unavailable()));
-                }
+            let mut parts = split_batch(req, &self.inner.map);
+            if parts.len() == 1 {
+                let p = parts.pop().expect("one part");
+                return self.to_shard(p.shard as usize, p.req, reply).await;
             }
+            let n = parts.iter().map(|p| p.positions.len()).sum();
+            let answers = self.forward_parts(parts).await;
+            return reply(merge_batch(n, answers));
+        }
+        if let Err(flume::SendError(m)) = self.inner.admin.send_async(AdminMsg { req, reply }).await
+        {
+            (m.reply)(Err(unavailable()));
         }
     }
 
-    /// Brings the pool gauges (keys, segment capacity and use) up to date;
-    /// called before `/metrics` is rendered.
-    pub async fn refresh_gauges(&self) -> Result<(), KvError> {
-        let MasterResponse::Stat(stat) = self.call(MasterRequest::Stat).await? else {
-            return Err(KvError::new(
-                ErrorCode::Internal,
-                "stat answered with something else",
-            ));
-        };
-        let m = &self.inner.metrics;
-        m.keys.set(stat.keys as i64);
-        m.segments.set(stat.segments.len() as i64);
-        m.segment_capacity.clear();
-        m.segment_used.clear();
-        for s in &stat.segments {
-            let l = crate::metrics::SegmentLabels {
-                segment: s.name.clone(),
-            };
-            m.segment_capacity.get_or_create(&l).set(s.capacity as i64);
-            m.segment_used.get_or_create(&l).set(s.used as i64);
+    /// Sends each part to its shard; the answers, with their positions.
+    async fn forward_parts(
+        &self,
+        parts: Vec<super::coord::BatchPart>,
+    ) -> Vec<(Vec<usize>, Result<MasterResponse, KvError>)> {
+        let mut waits = Vec::with_capacity(parts.len());
+        for p in parts {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            self.to_shard(
+                p.shard as usize,
+                p.req,
+                Box::new(move |r| {
+                    let _ = tx.send(r);
+                }),
+            )
+            .await;
+            waits.push((p.positions, rx));
         }
-        Ok(())
+        let mut answers = Vec::with_capacity(waits.len());
+        for (pos, rx) in waits {
+            answers.push((pos, rx.await.unwrap_or_else(|_| Err(unavailable()))));
+        }
+        answers
     }
 
     /// Sends a request and waits for its answer (no deadline of its own: the
@@ -164,6 +176,32 @@ impl MasterHandle {
                 "the master shard stopped before answering",
             ))
         })
+    }
+
+    /// Brings the pool gauges (keys, segment capacity and use) up to date;
+    /// called before `/metrics` is rendered.
+    pub async fn refresh_gauges(&self) -> Result<(), KvError> {
+        let MasterResponse::Stat(stat) = self.call(MasterRequest::Stat).await? else {
+            return Err(KvError::new(
+                ErrorCode::Internal,
+                "stat answered with something else",
+            ));
+        };
+        let m = &self.inner.metrics;
+        m.keys.set(stat.keys as i64);
+        m.segments.set(stat.segments.len() as i64);
+        m.evictions.set(stat.evictions as i64);
+        m.evicted_bytes.set(stat.evicted_bytes as i64);
+        m.segment_capacity.clear();
+        m.segment_used.clear();
+        for s in &stat.segments {
+            let l = crate::metrics::SegmentLabels {
+                segment: s.name.clone(),
+            };
+            m.segment_capacity.get_or_create(&l).set(s.capacity as i64);
+            m.segment_used.get_or_create(&l).set(s.used as i64);
+        }
+        Ok(())
     }
 }
 
@@ -212,37 +250,48 @@ pub async fn start(
             map,
             cluster,
             addr,
+            max_batch: cfg.max_batch,
             metrics: master_metrics.clone(),
         }),
     };
-    let limits = Limits {
-        max_key_bytes: cfg.max_key_bytes,
-        max_value_bytes: cfg.max_value_bytes.get(),
-        max_keys: cfg.max_keys.div_ceil(n as u64),
-    };
+    let shard_cfg = ShardConfig::from_master(cfg, n as u32);
     let server_limits = ServerLimits {
         max_connections: cfg.max_connections,
         idle_timeout: Duration::from_millis(cfg.idle_timeout_ms),
         io_timeout: Duration::from_millis(cfg.io_timeout_ms),
         max_frame_bytes: cfg.max_frame_bytes.get() as u32,
     };
+    let tick = Duration::from_millis(cfg.tick_ms);
+    let client_ttl_ms = cfg.client_ttl_ms;
+    let seed: u64 = rand::random();
     let mut admin_rx = Some(admin_rx);
     let mut ready = Vec::with_capacity(n);
     for (i, (listener, rx)) in listeners.into_iter().zip(inbox_rx).enumerate() {
         let handle = handle.clone();
-        let limits = limits.clone();
+        let shard_cfg = shard_cfg.clone();
         let admin_rx = admin_rx.take();
         let metrics = master_metrics.clone();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
         ready.push(ready_rx);
         shards
             .spawn_on(i, move |ctx: ShardCtx| async move {
-                let state = Rc::new(RefCell::new(ShardState::new(i as u32, n as u32, limits)));
+                let state = Rc::new(RefCell::new(ShardState::new(
+                    i as u32, n as u32, shard_cfg, seed,
+                )));
                 glommio::spawn_local(inbox_loop(ctx.clone(), state.clone(), rx, metrics.clone()))
                     .detach();
+                glommio::spawn_local(tick_loop(ctx.clone(), state.clone(), tick, metrics.clone()))
+                    .detach();
                 if let Some(admin_rx) = admin_rx {
-                    glommio::spawn_local(coordinator(ctx.clone(), handle.clone(), admin_rx))
-                        .detach();
+                    let coord = CoordState::new(client_ttl_ms);
+                    glommio::spawn_local(coordinator(
+                        ctx.clone(),
+                        handle.clone(),
+                        coord,
+                        admin_rx,
+                        tick,
+                    ))
+                    .detach();
                 }
                 let listener = server::into_glommio(listener);
                 let handler = Rc::new(MasterConn {
@@ -250,7 +299,6 @@ pub async fn start(
                     state,
                     handle,
                     io_timeout: server_limits.io_timeout,
-                    max_frame: server_limits.max_frame_bytes,
                     metrics,
                 });
                 let _ = ready_tx.send(());
@@ -275,7 +323,20 @@ fn vshard_range(map: &ShardMap, shard: u32) -> (u32, u32) {
     (start, end)
 }
 
-/// Applies forwarded requests and cross-shard commands to this shard's state.
+/// Applies a request to this shard's state, with metrics.
+fn apply_local(
+    state: &RefCell<ShardState>,
+    metrics: &MasterMetrics,
+    req: MasterRequest,
+) -> Result<MasterResponse, KvError> {
+    let op = req.op_name();
+    let started = Instant::now();
+    let res = state.borrow_mut().apply(req, now_ms());
+    metrics.observe(op, res.is_ok(), started.elapsed());
+    res
+}
+
+/// Applies forwarded requests and coordinator commands to this shard's state.
 async fn inbox_loop(
     ctx: ShardCtx,
     state: Rc<RefCell<ShardState>>,
@@ -290,226 +351,124 @@ async fn inbox_loop(
         .await;
         let Some(msg) = msg else { break };
         match msg {
-            ShardMsg::Key { req, reply } => {
-                let op = req.op_name();
-                let started = std::time::Instant::now();
-                let res = state.borrow_mut().apply(req, now_ms());
-                metrics.observe(op, res.is_ok(), started.elapsed());
-                reply(res);
-            }
-            ShardMsg::AddSegment { id, spec, done } => {
-                state.borrow_mut().add_segment(id, spec);
-                let _ = done.send(());
-            }
-            ShardMsg::RemoveSegment { id, done } => {
-                let _ = done.send(state.borrow_mut().remove_segment(id));
-            }
-            ShardMsg::Stat { done } => {
-                let _ = done.send(state.borrow().stat());
-            }
-            ShardMsg::RemoveAll { done } => {
-                let _ = done.send(state.borrow_mut().remove_all(now_ms()));
+            ShardMsg::Request { req, reply } => reply(apply_local(&state, &metrics, req)),
+            ShardMsg::Command { cmd, done } => {
+                let _ = done.send(state.borrow_mut().command(&cmd, now_ms()));
             }
         }
     }
 }
 
-/// A mounted segment as the coordinator knows it.
-struct MountedSegment {
-    id: SegmentId,
-    spec: Arc<SegmentSpec>,
-    owner: ClientId,
+/// Housekeeping of one shard every `tick`.
+async fn tick_loop(
+    ctx: ShardCtx,
+    state: Rc<RefCell<ShardState>>,
+    tick: Duration,
+    metrics: MasterMetrics,
+) {
+    loop {
+        let stop = futures_lite::future::or(
+            async {
+                glommio::timer::sleep(tick).await;
+                false
+            },
+            async {
+                ctx.shutdown().wait().await;
+                true
+            },
+        )
+        .await;
+        if stop {
+            break;
+        }
+        let r = state.borrow_mut().tick(now_ms());
+        if r.stale_discarded > 0 {
+            metrics.stale_puts.inc_by(r.stale_discarded);
+            tracing::info!(
+                shard = ctx.id(),
+                puts = r.stale_discarded,
+                "discarded stale puts"
+            );
+        }
+    }
 }
 
 /// Runs admin operations one at a time, so every shard applies them in the
-/// same order.
-async fn coordinator(ctx: ShardCtx, handle: MasterHandle, rx: flume::Receiver<AdminMsg>) {
-    let mut by_name: HashMap<String, MountedSegment> = HashMap::new();
-    let mut last_ping: HashMap<ClientId, u64> = HashMap::new();
+/// same order; checks liveness every `tick`.
+async fn coordinator(
+    ctx: ShardCtx,
+    handle: MasterHandle,
+    mut coord: CoordState,
+    rx: flume::Receiver<AdminMsg>,
+    tick: Duration,
+) {
+    let mut next_tick = Instant::now() + tick;
     loop {
-        let msg = futures_lite::future::or(async { rx.recv_async().await.ok() }, async {
-            ctx.shutdown().wait().await;
-            None
-        })
+        let wait = next_tick.saturating_duration_since(Instant::now());
+        let msg = futures_lite::future::or(
+            async { Some(rx.recv_async().await.map_err(|_| ())) },
+            futures_lite::future::or(
+                async {
+                    glommio::timer::sleep(wait).await;
+                    None
+                },
+                async {
+                    ctx.shutdown().wait().await;
+                    Some(Err(()))
+                },
+            ),
+        )
         .await;
-        let Some(AdminMsg { req, reply }) = msg else {
-            break;
-        };
-        let res = admin(&handle, &mut by_name, &mut last_ping, req).await;
-        reply(res);
+        match msg {
+            Some(Err(())) => break,
+            Some(Ok(AdminMsg { req, reply })) => {
+                let res = match coord.decide(req, now_ms()) {
+                    Err(e) => Err(e),
+                    Ok(Decision::Answer(r)) => Ok(r),
+                    Ok(Decision::Broadcast { cmd, finish }) => {
+                        match broadcast(&handle, cmd).await {
+                            Ok(results) => Ok(coord.finish(finish, results)),
+                            Err(e) => Err(e),
+                        }
+                    }
+                };
+                reply(res);
+            }
+            None => {}
+        }
+        if Instant::now() >= next_tick {
+            next_tick = Instant::now() + tick;
+            let expired = coord.expire(now_ms());
+            for cmd in expired.commands {
+                if let Err(e) = broadcast(&handle, cmd).await {
+                    tracing::warn!("liveness: {e}");
+                }
+            }
+        }
     }
 }
 
-async fn admin(
+async fn broadcast(
     handle: &MasterHandle,
-    by_name: &mut HashMap<String, MountedSegment>,
-    last_ping: &mut HashMap<ClientId, u64>,
-    req: MasterRequest,
-) -> Result<MasterResponse, KvError> {
+    cmd: ShardCommand,
+) -> Result<Vec<CommandResult>, KvError> {
     let inboxes = &handle.inner.inboxes;
-    let gone = || KvError::new(ErrorCode::Unavailable, "a master shard stopped");
-    match req {
-        MasterRequest::Ping { client_id } => {
-            last_ping.insert(client_id, now_ms());
-            Ok(MasterResponse::Pong)
-        }
-        MasterRequest::MountSegment { client_id, spec } => {
-            if spec.size == 0 || spec.name.is_empty() || spec.endpoint.nr_shards == 0 {
-                return Err(KvError::new(
-                    ErrorCode::InvalidParams,
-                    format!(
-                        "segment {:?}: size, name and shard count must be non-zero",
-                        spec.name
-                    ),
-                ));
-            }
-            if let Some(m) = by_name.get(&spec.name) {
-                if *m.spec == spec {
-                    return Ok(MasterResponse::Mounted { segment_id: m.id });
-                }
-                return Err(KvError::new(
-                    ErrorCode::InvalidParams,
-                    format!(
-                        "segment {:?} is mounted with another size or address",
-                        spec.name
-                    ),
-                ));
-            }
-            let id = segment_id_for(&spec.name);
-            if by_name.values().any(|m| m.id == id) {
-                return Err(KvError::new(
-                    ErrorCode::Internal,
-                    format!(
-                        "segment id collision for {:?}; mount it under another name",
-                        spec.name
-                    ),
-                ));
-            }
-            let spec = Arc::new(spec);
-            let mut acks = Vec::with_capacity(inboxes.len());
-            for tx in inboxes {
-                let (done, rx) = tokio::sync::oneshot::channel();
-                tx.send_async(ShardMsg::AddSegment {
-                    id,
-                    spec: spec.clone(),
-                    done,
-                })
-                .await
-                .map_err(|_| gone())?;
-                acks.push(rx);
-            }
-            for a in acks {
-                a.await.map_err(|_| gone())?;
-            }
-            tracing::info!(
-                segment = %spec.name,
-                id,
-                size = spec.size,
-                endpoint = %spec.endpoint.shard_addr(0),
-                "segment mounted"
-            );
-            last_ping.insert(client_id, now_ms());
-            by_name.insert(
-                spec.name.clone(),
-                MountedSegment {
-                    id,
-                    spec,
-                    owner: client_id,
-                },
-            );
-            Ok(MasterResponse::Mounted { segment_id: id })
-        }
-        MasterRequest::UnmountSegment { segment_id } => {
-            let Some(name) = by_name
-                .iter()
-                .find(|(_, m)| m.id == segment_id)
-                .map(|(n, _)| n.clone())
-            else {
-                // Idempotent: an unknown or already unmounted segment is done.
-                return Ok(MasterResponse::Done);
-            };
-            let mut acks = Vec::with_capacity(inboxes.len());
-            for tx in inboxes {
-                let (done, rx) = tokio::sync::oneshot::channel();
-                tx.send_async(ShardMsg::RemoveSegment {
-                    id: segment_id,
-                    done,
-                })
-                .await
-                .map_err(|_| gone())?;
-                acks.push(rx);
-            }
-            let mut dropped = 0;
-            for a in acks {
-                dropped += a.await.map_err(|_| gone())?;
-            }
-            let m = by_name.remove(&name).expect("found above");
-            tracing::info!(segment = %name, id = segment_id, owner = m.owner, objects_dropped = dropped, "segment unmounted");
-            Ok(MasterResponse::Done)
-        }
-        MasterRequest::Stat => {
-            let mut acks = Vec::with_capacity(inboxes.len());
-            for tx in inboxes {
-                let (done, rx) = tokio::sync::oneshot::channel();
-                tx.send_async(ShardMsg::Stat { done })
-                    .await
-                    .map_err(|_| gone())?;
-                acks.push(rx);
-            }
-            let mut keys = 0;
-            let mut per_seg: HashMap<SegmentId, (u64, u64)> = HashMap::new();
-            for a in acks {
-                let s = a.await.map_err(|_| gone())?;
-                keys += s.keys;
-                for (id, cap, used) in s.segments {
-                    let e = per_seg.entry(id).or_default();
-                    e.0 += cap;
-                    e.1 += used;
-                }
-            }
-            let mut segments: Vec<SegmentStat> = by_name
-                .values()
-                .map(|m| {
-                    let (capacity, used) = per_seg.get(&m.id).copied().unwrap_or_default();
-                    SegmentStat {
-                        id: m.id,
-                        name: m.spec.name.clone(),
-                        endpoint: m.spec.endpoint.clone(),
-                        host_id: m.spec.host_id.clone(),
-                        capacity,
-                        used,
-                        draining: false,
-                    }
-                })
-                .collect();
-            segments.sort_by(|a, b| a.name.cmp(&b.name));
-            Ok(MasterResponse::Stat(PoolStat {
-                keys,
-                capacity: segments.iter().map(|s| s.capacity).sum(),
-                used: segments.iter().map(|s| s.used).sum(),
-                segments,
-            }))
-        }
-        MasterRequest::RemoveAll => {
-            let mut acks = Vec::with_capacity(inboxes.len());
-            for tx in inboxes {
-                let (done, rx) = tokio::sync::oneshot::channel();
-                tx.send_async(ShardMsg::RemoveAll { done })
-                    .await
-                    .map_err(|_| gone())?;
-                acks.push(rx);
-            }
-            let mut n = 0;
-            for a in acks {
-                n += a.await.map_err(|_| gone())?;
-            }
-            Ok(MasterResponse::Removed(n))
-        }
-        other => Err(KvError::new(
-            ErrorCode::Internal,
-            format!("{} is not an admin request", other.op_name()),
-        )),
+    let mut acks = Vec::with_capacity(inboxes.len());
+    for tx in inboxes {
+        let (done, rx) = tokio::sync::oneshot::channel();
+        tx.send_async(ShardMsg::Command {
+            cmd: cmd.clone(),
+            done,
+        })
+        .await
+        .map_err(|_| unavailable())?;
+        acks.push(rx);
     }
+    let mut out = Vec::with_capacity(acks.len());
+    for a in acks {
+        out.push(a.await.map_err(|_| unavailable())?);
+    }
+    Ok(out)
 }
 
 /// Serves master RPC on one shard.
@@ -518,8 +477,37 @@ struct MasterConn {
     state: Rc<RefCell<ShardState>>,
     handle: MasterHandle,
     io_timeout: Duration,
-    max_frame: u32,
     metrics: MasterMetrics,
+}
+
+impl MasterConn {
+    async fn dispatch(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
+        let map = &self.handle.inner.map;
+        if req.key().is_some_and(|k| map.shard_of(k) == self.shard) {
+            return apply_local(&self.state, &self.metrics, req);
+        }
+        if req.batch_keys().is_some() {
+            if let Some(empty) = check_batch(&req, self.handle.inner.max_batch)? {
+                return Ok(empty);
+            }
+            let n = req.batch_keys().map(|k| k.len()).unwrap_or(0);
+            let parts = split_batch(req, map);
+            let mut answers = Vec::with_capacity(parts.len());
+            let mut remote = Vec::new();
+            for p in parts {
+                if p.shard == self.shard {
+                    answers.push((p.positions, apply_local(&self.state, &self.metrics, p.req)));
+                } else {
+                    remote.push(p);
+                }
+            }
+            if !remote.is_empty() {
+                answers.extend(self.handle.forward_parts(remote).await);
+            }
+            return merge_batch(n, answers);
+        }
+        self.handle.call(req).await
+    }
 }
 
 impl Handler for MasterConn {
@@ -532,7 +520,6 @@ impl Handler for MasterConn {
             server::reject(stream, hdr.request_id, &e, "master").await;
             return Next::Close;
         }
-        debug_assert!(hdr.len <= self.max_frame);
         let payload = match frame::read_payload(stream, &hdr).await {
             Ok(p) => p,
             Err(_) => return Next::Close,
@@ -545,27 +532,16 @@ impl Handler for MasterConn {
             }
         };
         let op = req.op_name();
-        let started = std::time::Instant::now();
-        let local = req
-            .key()
-            .is_some_and(|k| self.handle.inner.map.shard_of(k) == self.shard);
-        let res = if local {
-            let r = self.state.borrow_mut().apply(req, now_ms());
-            self.metrics.observe(op, r.is_ok(), started.elapsed());
-            r
-        } else {
-            match glommio::timer::timeout(self.io_timeout, async {
-                Ok(self.handle.call(req).await)
-            })
-            .await
+        let res =
+            match glommio::timer::timeout(self.io_timeout, async { Ok(self.dispatch(req).await) })
+                .await
             {
                 Ok(r) => r,
                 Err(_) => Err(KvError::new(
                     ErrorCode::Timeout,
                     format!("{op} was not answered within {:?}", self.io_timeout),
                 )),
-            }
-        };
+            };
         let bytes = match &res {
             Ok(resp) => frame::encode(FrameKind::MasterResponse, hdr.request_id, resp),
             Err(e) => frame::encode_error(hdr.request_id, e),

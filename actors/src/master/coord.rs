@@ -1,0 +1,505 @@
+//! The coordinator's state and the routing rules shared by the live service
+//! and the in-process [`super::core::MasterCore`].
+//!
+//! The coordinator (one per master, on shard 0) owns what spans shards:
+//! mounted segments by name, client liveness, draining. It never touches a
+//! shard's state; it decides and returns [`ShardCommand`]s that every shard
+//! then applies (by message in the service, by a loop in `MasterCore`), one
+//! operation at a time, so every shard sees the same order.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use kvpool_runtime::hash::ShardMap;
+use kvpool_transport::proto::{
+    segment_id_for, ClientId, ItemResult, MasterRequest, MasterResponse, PoolStat, SegmentId,
+    SegmentSpec, SegmentStat,
+};
+use kvpool_transport::{ErrorCode, KvError};
+
+use super::state::{ShardStat, ShardState};
+
+/// Most clients the coordinator tracks for liveness.
+pub const MAX_CLIENTS: usize = 1 << 20;
+
+/// A command every shard applies.
+#[derive(Debug, Clone)]
+pub enum ShardCommand {
+    AddSegment {
+        id: SegmentId,
+        spec: Arc<SegmentSpec>,
+    },
+    RemoveSegment {
+        id: SegmentId,
+    },
+    DrainSegment {
+        id: SegmentId,
+    },
+    RevokeClient {
+        client: ClientId,
+    },
+    Stat,
+    RemoveAll,
+}
+
+/// A shard's answer to a command.
+#[derive(Debug, Clone)]
+pub enum CommandResult {
+    /// Objects dropped or revoked, or nothing to report.
+    Count(u64),
+    Stat(ShardStat),
+}
+
+impl ShardState {
+    /// Applies a coordinator command.
+    pub fn command(&mut self, cmd: &ShardCommand, now_ms: u64) -> CommandResult {
+        match cmd {
+            ShardCommand::AddSegment { id, spec } => {
+                self.add_segment(*id, spec.clone());
+                CommandResult::Count(0)
+            }
+            ShardCommand::RemoveSegment { id } => CommandResult::Count(self.remove_segment(*id)),
+            ShardCommand::DrainSegment { id } => {
+                CommandResult::Count(u64::from(self.drain_segment(*id)))
+            }
+            ShardCommand::RevokeClient { client } => {
+                CommandResult::Count(self.revoke_client(*client, now_ms))
+            }
+            ShardCommand::Stat => CommandResult::Stat(self.stat()),
+            ShardCommand::RemoveAll => CommandResult::Count(self.remove_all(now_ms)),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Mounted {
+    spec: Arc<SegmentSpec>,
+    owner: ClientId,
+    draining: bool,
+}
+
+/// What the coordinator decided to do about an admin request.
+#[derive(Debug)]
+pub enum Decision {
+    /// Answer now; no shard needs to act.
+    Answer(MasterResponse),
+    /// Every shard applies `cmd`; `finish` turns their answers into the reply.
+    Broadcast { cmd: ShardCommand, finish: Finish },
+}
+
+/// How to answer once every shard has applied a broadcast command.
+#[derive(Debug, Clone, Copy)]
+pub enum Finish {
+    Mounted(SegmentId),
+    Done,
+    Stat,
+    Removed,
+}
+
+/// Clients and segments that fell silent, and what to do about them.
+#[derive(Debug, Default)]
+pub struct Expired {
+    pub clients: Vec<ClientId>,
+    pub commands: Vec<ShardCommand>,
+}
+
+/// The coordinator's state: segments, their owners, client liveness.
+#[derive(Debug)]
+pub struct CoordState {
+    segments: BTreeMap<SegmentId, Mounted>,
+    by_name: HashMap<String, SegmentId>,
+    last_seen: HashMap<ClientId, u64>,
+    client_ttl_ms: u64,
+}
+
+impl CoordState {
+    pub fn new(client_ttl_ms: u64) -> Self {
+        Self {
+            segments: BTreeMap::new(),
+            by_name: HashMap::new(),
+            last_seen: HashMap::new(),
+            client_ttl_ms,
+        }
+    }
+
+    fn seen(&mut self, client: ClientId, now_ms: u64) -> Result<(), KvError> {
+        if !self.last_seen.contains_key(&client) && self.last_seen.len() >= MAX_CLIENTS {
+            return Err(KvError::new(
+                ErrorCode::ResourceExhausted,
+                format!("the master tracks its maximum of {MAX_CLIENTS} clients"),
+            ));
+        }
+        self.last_seen.insert(client, now_ms);
+        Ok(())
+    }
+
+    /// Decides an admin request (mount, unmount, drain, ping, stat, remove all).
+    pub fn decide(&mut self, req: MasterRequest, now_ms: u64) -> Result<Decision, KvError> {
+        match req {
+            MasterRequest::Ping { client_id } => {
+                self.seen(client_id, now_ms)?;
+                Ok(Decision::Answer(MasterResponse::Pong))
+            }
+            MasterRequest::MountSegment { client_id, spec } => {
+                if spec.size == 0 || spec.name.is_empty() || spec.endpoint.nr_shards == 0 {
+                    return Err(KvError::new(
+                        ErrorCode::InvalidParams,
+                        format!(
+                            "segment {:?}: size, name and shard count must be non-zero",
+                            spec.name
+                        ),
+                    ));
+                }
+                if let Some(&id) = self.by_name.get(&spec.name) {
+                    let m = &self.segments[&id];
+                    if *m.spec == spec {
+                        // Idempotent: a retried mount is the same mount.
+                        self.seen(client_id, now_ms)?;
+                        return Ok(Decision::Answer(MasterResponse::Mounted { segment_id: id }));
+                    }
+                    return Err(KvError::new(
+                        ErrorCode::InvalidParams,
+                        format!(
+                            "segment {:?} is mounted with another size or address",
+                            spec.name
+                        ),
+                    ));
+                }
+                let id = segment_id_for(&spec.name);
+                if self.segments.contains_key(&id) {
+                    return Err(KvError::new(
+                        ErrorCode::Internal,
+                        format!(
+                            "segment id collision for {:?}; mount it under another name",
+                            spec.name
+                        ),
+                    ));
+                }
+                self.seen(client_id, now_ms)?;
+                let spec = Arc::new(spec);
+                self.by_name.insert(spec.name.clone(), id);
+                self.segments.insert(
+                    id,
+                    Mounted {
+                        spec: spec.clone(),
+                        owner: client_id,
+                        draining: false,
+                    },
+                );
+                Ok(Decision::Broadcast {
+                    cmd: ShardCommand::AddSegment { id, spec },
+                    finish: Finish::Mounted(id),
+                })
+            }
+            MasterRequest::UnmountSegment { segment_id } => match self.forget(segment_id) {
+                // Idempotent: an unknown or already unmounted segment is done.
+                None => Ok(Decision::Answer(MasterResponse::Done)),
+                Some(cmd) => Ok(Decision::Broadcast {
+                    cmd,
+                    finish: Finish::Done,
+                }),
+            },
+            MasterRequest::DrainSegment { segment_id } => {
+                let m = self.segments.get_mut(&segment_id).ok_or_else(|| {
+                    KvError::new(
+                        ErrorCode::SegmentNotFound,
+                        format!("segment {segment_id:016x} is not mounted"),
+                    )
+                })?;
+                m.draining = true;
+                Ok(Decision::Broadcast {
+                    cmd: ShardCommand::DrainSegment { id: segment_id },
+                    finish: Finish::Done,
+                })
+            }
+            MasterRequest::Stat => Ok(Decision::Broadcast {
+                cmd: ShardCommand::Stat,
+                finish: Finish::Stat,
+            }),
+            MasterRequest::RemoveAll => Ok(Decision::Broadcast {
+                cmd: ShardCommand::RemoveAll,
+                finish: Finish::Removed,
+            }),
+            other => Err(KvError::new(
+                ErrorCode::Internal,
+                format!("{} is not an admin request", other.op_name()),
+            )),
+        }
+    }
+
+    fn forget(&mut self, id: SegmentId) -> Option<ShardCommand> {
+        let m = self.segments.remove(&id)?;
+        self.by_name.remove(&m.spec.name);
+        tracing::info!(segment = %m.spec.name, id, owner = m.owner, "segment unmounted");
+        Some(ShardCommand::RemoveSegment { id })
+    }
+
+    /// Turns the shards' answers to a broadcast into the reply.
+    pub fn finish(&self, finish: Finish, results: Vec<CommandResult>) -> MasterResponse {
+        match finish {
+            Finish::Mounted(id) => {
+                if let Some(m) = self.segments.get(&id) {
+                    tracing::info!(
+                        segment = %m.spec.name,
+                        id,
+                        size = m.spec.size,
+                        endpoint = %m.spec.endpoint.shard_addr(0),
+                        "segment mounted"
+                    );
+                }
+                MasterResponse::Mounted { segment_id: id }
+            }
+            Finish::Done => MasterResponse::Done,
+            Finish::Removed => MasterResponse::Removed(
+                results
+                    .iter()
+                    .map(|r| match r {
+                        CommandResult::Count(n) => *n,
+                        CommandResult::Stat(_) => 0,
+                    })
+                    .sum(),
+            ),
+            Finish::Stat => MasterResponse::Stat(self.merge_stat(results)),
+        }
+    }
+
+    fn merge_stat(&self, results: Vec<CommandResult>) -> PoolStat {
+        let mut keys = 0;
+        let mut evictions = 0;
+        let mut evicted_bytes = 0;
+        let mut per_seg: HashMap<SegmentId, (u64, u64)> = HashMap::new();
+        for r in results {
+            if let CommandResult::Stat(s) = r {
+                keys += s.keys;
+                evictions += s.evictions;
+                evicted_bytes += s.evicted_bytes;
+                for (id, cap, used) in s.segments {
+                    let e = per_seg.entry(id).or_default();
+                    e.0 += cap;
+                    e.1 += used;
+                }
+            }
+        }
+        let mut segments: Vec<SegmentStat> = self
+            .segments
+            .iter()
+            .map(|(id, m)| {
+                let (capacity, used) = per_seg.get(id).copied().unwrap_or_default();
+                SegmentStat {
+                    id: *id,
+                    name: m.spec.name.clone(),
+                    endpoint: m.spec.endpoint.clone(),
+                    host_id: m.spec.host_id.clone(),
+                    capacity,
+                    used,
+                    draining: m.draining,
+                }
+            })
+            .collect();
+        segments.sort_by(|a, b| a.name.cmp(&b.name));
+        PoolStat {
+            keys,
+            capacity: segments.iter().map(|s| s.capacity).sum(),
+            used: segments.iter().map(|s| s.used).sum(),
+            evictions,
+            evicted_bytes,
+            segments,
+        }
+    }
+
+    /// Clients silent for `client_ttl_ms`: their segments are unmounted and
+    /// their Processing puts revoked.
+    pub fn expire(&mut self, now_ms: u64) -> Expired {
+        let ttl = self.client_ttl_ms;
+        let dead: Vec<ClientId> = self
+            .last_seen
+            .iter()
+            .filter(|(_, &t)| now_ms.saturating_sub(t) >= ttl)
+            .map(|(c, _)| *c)
+            .collect();
+        let mut out = Expired::default();
+        for c in dead {
+            self.last_seen.remove(&c);
+            let owned: Vec<SegmentId> = self
+                .segments
+                .iter()
+                .filter(|(_, m)| m.owner == c)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in owned {
+                tracing::warn!(
+                    client = c,
+                    segment = id,
+                    "owner silent past client_ttl_ms: unmounting"
+                );
+                if let Some(cmd) = self.forget(id) {
+                    out.commands.push(cmd);
+                }
+            }
+            out.commands.push(ShardCommand::RevokeClient { client: c });
+            out.clients.push(c);
+        }
+        out
+    }
+
+    /// Mounted segments (for the admin API).
+    pub fn segment_count(&self) -> usize {
+        self.segments.len()
+    }
+}
+
+/// One shard's part of a batch: the sub-request and where its results go.
+pub struct BatchPart {
+    pub shard: u32,
+    pub req: MasterRequest,
+    pub positions: Vec<usize>,
+}
+
+/// Splits a batch request by owning shard, keeping each part's order.
+pub fn split_batch(req: MasterRequest, map: &ShardMap) -> Vec<BatchPart> {
+    split_batch_by(req, |k| map.shard_of(k))
+}
+
+/// Like [`split_batch`] with any key -> shard function (clients use the
+/// cluster map's ranges).
+pub fn split_batch_by(req: MasterRequest, shard_of: impl Fn(&[u8]) -> u32) -> Vec<BatchPart> {
+    let keys = req.batch_keys().expect("a batch request");
+    let mut by_shard: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+    for (i, k) in keys.iter().enumerate() {
+        by_shard.entry(shard_of(k)).or_default().push(i);
+    }
+    if by_shard.len() == 1 {
+        let (shard, positions) = by_shard.into_iter().next().expect("one part");
+        return vec![BatchPart {
+            shard,
+            req,
+            positions,
+        }];
+    }
+    fn pick<T: Clone>(v: &[T], pos: &[usize]) -> Vec<T> {
+        pos.iter().map(|&i| v[i].clone()).collect()
+    }
+    by_shard
+        .into_iter()
+        .map(|(shard, positions)| {
+            let sub = match &req {
+                MasterRequest::BatchPutStart {
+                    client_id,
+                    items,
+                    opts,
+                } => MasterRequest::BatchPutStart {
+                    client_id: *client_id,
+                    items: pick(items, &positions),
+                    opts: opts.clone(),
+                },
+                MasterRequest::BatchPutEnd { client_id, keys } => MasterRequest::BatchPutEnd {
+                    client_id: *client_id,
+                    keys: pick(keys, &positions),
+                },
+                MasterRequest::BatchPutRevoke { client_id, keys } => {
+                    MasterRequest::BatchPutRevoke {
+                        client_id: *client_id,
+                        keys: pick(keys, &positions),
+                    }
+                }
+                MasterRequest::BatchGet { keys } => MasterRequest::BatchGet {
+                    keys: pick(keys, &positions),
+                },
+                MasterRequest::BatchExist { keys } => MasterRequest::BatchExist {
+                    keys: pick(keys, &positions),
+                },
+                MasterRequest::BatchRemove { keys, force } => MasterRequest::BatchRemove {
+                    keys: pick(keys, &positions),
+                    force: *force,
+                },
+                _ => unreachable!("batch_keys returned Some"),
+            };
+            BatchPart {
+                shard,
+                req: sub,
+                positions,
+            }
+        })
+        .collect()
+}
+
+/// Puts the parts' answers back in the order of the original batch of `n`.
+pub fn merge_batch(
+    n: usize,
+    parts: Vec<(Vec<usize>, Result<MasterResponse, KvError>)>,
+) -> Result<MasterResponse, KvError> {
+    fn place<T>(slots: &mut [Option<ItemResult<T>>], pos: &[usize], items: Vec<ItemResult<T>>) {
+        for (&p, it) in pos.iter().zip(items) {
+            slots[p] = Some(it);
+        }
+    }
+    fn fill<T>(slots: Vec<Option<ItemResult<T>>>, e: &KvError) -> Vec<ItemResult<T>> {
+        slots
+            .into_iter()
+            .map(|s| s.unwrap_or_else(|| ItemResult::from(Err::<T, _>(e.clone()))))
+            .collect()
+    }
+    let missing = KvError::new(
+        ErrorCode::Unavailable,
+        "the shard owning this key did not answer",
+    );
+    let mut replicas: Option<Vec<Option<_>>> = None;
+    let mut done: Option<Vec<Option<_>>> = None;
+    let mut exists: Option<Vec<Option<_>>> = None;
+    let mut failed: Vec<(Vec<usize>, KvError)> = Vec::new();
+    for (pos, res) in parts {
+        match res {
+            Ok(MasterResponse::BatchReplicas(v)) => place(
+                replicas.get_or_insert_with(|| (0..n).map(|_| None).collect()),
+                &pos,
+                v,
+            ),
+            Ok(MasterResponse::BatchDone(v)) => place(
+                done.get_or_insert_with(|| (0..n).map(|_| None).collect()),
+                &pos,
+                v,
+            ),
+            Ok(MasterResponse::BatchExists(v)) => place(
+                exists.get_or_insert_with(|| (0..n).map(|_| None).collect()),
+                &pos,
+                v,
+            ),
+            Ok(other) => {
+                return Err(KvError::new(
+                    ErrorCode::Internal,
+                    format!("a shard answered a batch with {other:?}"),
+                ))
+            }
+            Err(e) => failed.push((pos, e)),
+        }
+    }
+    // A part that failed as a whole fails each of its keys with its error.
+    let apply_failed = |e: &(Vec<usize>, KvError)| -> Vec<(usize, KvError)> {
+        e.0.iter().map(|&p| (p, e.1.clone())).collect()
+    };
+    let fails: Vec<(usize, KvError)> = failed.iter().flat_map(apply_failed).collect();
+    macro_rules! finish {
+        ($slots:expr, $variant:ident) => {{
+            let mut slots = $slots;
+            for (p, e) in &fails {
+                slots[*p] = Some(ItemResult::from(Err(e.clone())));
+            }
+            Ok(MasterResponse::$variant(fill(slots, &missing)))
+        }};
+    }
+    if let Some(s) = replicas {
+        return finish!(s, BatchReplicas);
+    }
+    if let Some(s) = done {
+        return finish!(s, BatchDone);
+    }
+    if let Some(s) = exists {
+        return finish!(s, BatchExists);
+    }
+    // Every part failed: the batch fails with the first error.
+    Err(failed
+        .into_iter()
+        .next()
+        .map(|(_, e)| e)
+        .unwrap_or_else(|| KvError::new(ErrorCode::InvalidParams, "empty batch")))
+}
