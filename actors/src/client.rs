@@ -650,6 +650,21 @@ impl Client {
         .await
     }
 
+    /// A raw master call, routed as the client routes its own: a key request
+    /// to the shard that owns the key, a batch split by owning shard and
+    /// merged back in order, anything else to shard 0. For tools and
+    /// benches; `put`/`get` are the calls that move data.
+    pub async fn call(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
+        self.deadline(req.op_name(), async {
+            if req.batch_keys().is_some() {
+                self.master_batch(req).await
+            } else {
+                self.master(&req).await
+            }
+        })
+        .await
+    }
+
     /// Stores several values; one result per item, in order. Keys are
     /// grouped by owning master shard (one call per shard), values are
     /// written `client.batch_parallelism` at a time.

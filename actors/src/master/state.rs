@@ -34,7 +34,36 @@ use kvpool_transport::{ErrorCode, KvError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use smallvec::SmallVec;
-use xxhash_rust::xxh3::Xxh3Builder;
+use std::hash::{BuildHasher, Hasher};
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Hashes keys with one-shot xxh3 (a key is hashed by a single `write`),
+/// seeded per shard at random so clients cannot aim at collisions.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyHashBuilder(u64);
+
+/// See [`KeyHashBuilder`].
+pub struct KeyHasher(u64);
+
+impl BuildHasher for KeyHashBuilder {
+    type Hasher = KeyHasher;
+    fn build_hasher(&self) -> KeyHasher {
+        KeyHasher(self.0)
+    }
+}
+
+impl Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        self.0 = xxh3_64_with_seed(bytes, self.0);
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (self.0 ^ n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
 
 use crate::config::{MasterConfig, Placement};
 
@@ -145,8 +174,8 @@ pub struct ShardState {
     cfg: ShardConfig,
     slots: Vec<Option<SegmentSlot>>,
     by_id: HashMap<SegmentId, u32>,
-    complete: HashMap<Box<[u8]>, Object, Xxh3Builder>,
-    processing: HashMap<Box<[u8]>, Object, Xxh3Builder>,
+    complete: HashMap<Box<[u8]>, Object, KeyHashBuilder>,
+    processing: HashMap<Box<[u8]>, Object, KeyHashBuilder>,
     pending: BinaryHeap<Reverse<PendingFree>>,
     rng: ChaCha8Rng,
     evictions: u64,
@@ -178,6 +207,27 @@ pub fn show_key(key: &[u8]) -> String {
     s
 }
 
+/// The replica descriptors of `obj` (what clients need to reach each replica).
+fn describe(slots: &[Option<SegmentSlot>], obj: &Object) -> Vec<ReplicaDesc> {
+    obj.replicas
+        .iter()
+        .map(|r| {
+            let slot = slots[r.slot as usize]
+                .as_ref()
+                .expect("replicas only point at mounted slots");
+            ReplicaDesc {
+                segment_id: slot.id,
+                endpoint: slot.spec.endpoint.clone(),
+                slice_bytes: slot.spec.slice_bytes,
+                host_id: slot.spec.host_id.clone(),
+                offset: r.offset,
+                len: obj.size,
+                tier: Tier::Dram,
+            }
+        })
+        .collect()
+}
+
 /// Candidates with the same class and lease end go together; a total order
 /// over (class, lease end) picks victims.
 type EvictRank = (u8, u64);
@@ -185,16 +235,18 @@ type EvictRank = (u8, u64);
 impl ShardState {
     pub fn new(shard: u32, nr_shards: u32, cfg: ShardConfig, seed: u64) -> Self {
         assert!(shard < nr_shards);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (shard as u64).wrapping_mul(0x9e37_79b9));
+        let hash = KeyHashBuilder(rng.random());
         Self {
             shard,
             nr_shards,
             cfg,
             slots: Vec::new(),
             by_id: HashMap::new(),
-            complete: HashMap::with_hasher(Xxh3Builder::new()),
-            processing: HashMap::with_hasher(Xxh3Builder::new()),
+            complete: HashMap::with_hasher(hash),
+            processing: HashMap::with_hasher(hash),
             pending: BinaryHeap::new(),
-            rng: ChaCha8Rng::seed_from_u64(seed ^ (shard as u64).wrapping_mul(0x9e37_79b9)),
+            rng,
             evictions: 0,
             evicted_bytes: 0,
         }
@@ -478,21 +530,7 @@ impl ShardState {
     }
 
     fn describe_replicas(&self, obj: &Object) -> Vec<ReplicaDesc> {
-        obj.replicas
-            .iter()
-            .map(|r| {
-                let slot = self.slot(r.slot);
-                ReplicaDesc {
-                    segment_id: slot.id,
-                    endpoint: slot.spec.endpoint.clone(),
-                    slice_bytes: slot.spec.slice_bytes,
-                    host_id: slot.spec.host_id.clone(),
-                    offset: r.offset,
-                    len: obj.size,
-                    tier: Tier::Dram,
-                }
-            })
-            .collect()
+        describe(&self.slots, obj)
     }
 
     pub fn put_start(
@@ -660,8 +698,7 @@ impl ShardState {
         self.check_key(key)?;
         if let Some(obj) = self.complete.get_mut(key) {
             obj.t = obj.t.max(now_ms + self.cfg.lease_ttl_ms);
-            let obj = self.complete.get(key).expect("present");
-            return Ok(self.describe_replicas(obj));
+            return Ok(describe(&self.slots, obj));
         }
         match self.processing.get(key) {
             Some(o) if self.is_stale(o, now_ms) => {
