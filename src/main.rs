@@ -109,6 +109,41 @@ enum Cmd {
     /// Replay a request trace against a modelled cluster, per scheduling
     /// policy (`kvpool sim cache`: the pool's prefix hit ratio alone).
     Sim(kvpool_actors::conductor::cli::SimCommand),
+    /// Measure a running pool.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Put and get latency and throughput per transport, value size, batch.
+    Transfer {
+        /// Transports to measure: tcp, shm (same host only), auto.
+        #[arg(long, value_delimiter = ',', default_value = "tcp,shm")]
+        transport: Vec<TransportArg>,
+        /// Value sizes.
+        #[arg(long, value_delimiter = ',', default_value = "4KiB,64KiB,1MiB,16MiB")]
+        sizes: Vec<Bytes>,
+        /// Batch sizes (1 = single calls).
+        #[arg(long, value_delimiter = ',', default_value = "1,32")]
+        batch: Vec<usize>,
+        /// Bytes moved per case, at most.
+        #[arg(long, default_value = "256MiB")]
+        bytes: Bytes,
+        /// Calls per case, at most.
+        #[arg(long, default_value_t = 5000)]
+        max_calls: usize,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum TransportArg {
+    Auto,
+    Tcp,
+    Shm,
 }
 
 fn load_config(path: Option<&PathBuf>) -> Result<NodeConfig, String> {
@@ -235,12 +270,51 @@ impl From<KvError> for CliError {
 }
 
 async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode, CliError> {
+    let cfg_client = cfg.client.clone();
     let mut ccfg = cfg.client;
     // One command is over in well under client_ttl: no liveness pings.
     ccfg.ping_interval_ms = 0;
     let client = Client::connect(master, ccfg).await?;
     match cmd {
         Cmd::Run { .. } | Cmd::Sim(_) => unreachable!("handled in main"),
+        Cmd::Bench(BenchCmd::Transfer {
+            transport,
+            sizes,
+            batch,
+            bytes,
+            max_calls,
+            json,
+        }) => {
+            use kvpool_actors::bench;
+            use kvpool_actors::config::Transport;
+            let b = bench::TransferBench {
+                transports: transport
+                    .iter()
+                    .map(|t| match t {
+                        TransportArg::Auto => Transport::Auto,
+                        TransportArg::Tcp => Transport::Tcp,
+                        TransportArg::Shm => Transport::Shm,
+                    })
+                    .collect(),
+                sizes: sizes.iter().map(|s| s.get() as usize).collect(),
+                batches: batch,
+                bytes_per_case: bytes.get(),
+                max_calls,
+                client: cfg_client,
+            };
+            if !json {
+                bench::print_header();
+            }
+            bench::run_transfer(master, &b, |r| {
+                if json {
+                    println!("{}", serde_json::to_string(r).expect("a row serializes"));
+                } else {
+                    bench::print_row(r);
+                }
+            })
+            .await?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Put {
             key,
             file,

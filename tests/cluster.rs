@@ -5,7 +5,7 @@ mod common;
 
 use futures_util::stream::{self, StreamExt};
 use kvpool_actors::client::Client;
-use kvpool_actors::config::ClientConfig;
+use kvpool_actors::config::{ClientConfig, Transport};
 use rand::{RngCore, SeedableRng};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -69,9 +69,13 @@ fn thousand_objects_of_random_sizes_round_trip_across_a_master_and_two_storage_p
 
     let rt = common::rt();
     rt.block_on(async {
-        let client = Client::connect(&master.addr, ClientConfig::default())
-            .await
-            .expect("connect");
+        // Over TCP: the storage processes serve every byte (a same-host
+        // client would otherwise use shared memory; tests/transfer.rs covers it).
+        let cfg = ClientConfig {
+            transport: Transport::Tcp,
+            ..Default::default()
+        };
+        let client = Client::connect(&master.addr, cfg).await.expect("connect");
         let stat = client.stat().await.unwrap();
         assert_eq!(stat.segments.len(), 2, "both storage nodes mounted");
 

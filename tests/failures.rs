@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use common::Signal;
 use kvpool_actors::client::Client;
-use kvpool_actors::config::ClientConfig;
+use kvpool_actors::config::{ClientConfig, Transport};
 use kvpool_actors::ErrorCode;
 
 const DEADLINE_MS: u64 = 3000;
@@ -32,9 +32,12 @@ fn cluster() -> (common::Proc, common::Proc) {
     (master, storage)
 }
 
+/// Over TCP: a same-host client would otherwise read the node's memory
+/// directly (shm), and a dead node's mapped memory outlives it.
 fn client_cfg() -> ClientConfig {
     ClientConfig {
         timeout_ms: DEADLINE_MS,
+        transport: Transport::Tcp,
         ..Default::default()
     }
 }
@@ -50,7 +53,7 @@ fn a_get_fails_within_its_deadline_when_its_storage_process_is_killed_mid_reques
         assert_eq!(client.get(b"big").await.unwrap().len(), value.len());
 
         // Freeze the node so the get is certainly in flight at it, then kill it.
-        storage.signal(Signal::STOP);
+        storage.freeze();
         let started = Instant::now();
         let get = tokio::spawn({
             let client = client.clone();
@@ -87,7 +90,7 @@ fn a_get_times_out_within_its_deadline_when_its_storage_process_hangs() {
     rt.block_on(async {
         let client = Client::connect(&master.addr, client_cfg()).await.unwrap();
         client.put(b"k", &[1u8; 100_000]).await.unwrap();
-        storage.signal(Signal::STOP);
+        storage.freeze();
         let started = Instant::now();
         let err = client
             .get(b"k")

@@ -1,10 +1,11 @@
 //! The store client: what embedders, the CLI and storage nodes use.
 //!
 //! `put` = master `PutStart` (allocates) -> write the bytes straight into each
-//! replica's storage node -> `PutEnd`. `get` = master `GetReplicaList` ->
-//! read the best replica (same host first), the next on failure. Every call
-//! runs under one deadline (`client.timeout_ms`); connections are pooled per
-//! endpoint and bounded (`client.max_connections_per_endpoint`).
+//! replica's segment -> `PutEnd`. `get` = master `GetReplicaList` (grants a
+//! read lease) -> read the best replica (same host first), the next on
+//! failure. Bytes move through the [`TransferEngine`]: shared memory when the
+//! replica is on this host, TCP lanes otherwise. Every call runs under one
+//! deadline (`client.timeout_ms`); connections are pooled and bounded.
 //!
 //! The client runs on tokio (it is what embedders have); requests go straight
 //! to the master shard that owns the key, using the cluster map from `Hello`.
@@ -17,118 +18,38 @@
 //! let client = Client::connect("127.0.0.1:7070", ClientConfig::default()).await?;
 //! client.put(b"model@0123@fp16@256", b"kv bytes").await?;
 //! assert_eq!(client.get(b"model@0123@fp16@256").await?, b"kv bytes");
-//! client.remove(b"model@0123@fp16@256").await?;
+//! let mut buf = vec![0u8; 64];
+//! let n = client.get_into(b"model@0123@fp16@256", &mut buf).await?;
+//! assert_eq!(&buf[..n], b"kv bytes");
+//! client.remove_with(b"model@0123@fp16@256", true).await?;
 //! # Ok(()) }
 //! ```
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvpool_runtime::hash::{vshard_of, ShardMap};
+use kvpool_transport::engine::{EngineConfig, Transfer, TransferEngine};
 use kvpool_transport::frame::{self, FrameKind};
+use kvpool_transport::pool::{ConnPool, Stream};
 use kvpool_transport::proto::{
-    ClientId, ClusterMap, DataRequest, DataResponse, MasterRequest, MasterResponse, ObjectInfo,
-    PoolStat, PutItem, PutOptions, ReplicaDesc, SegmentId, SegmentSpec,
+    ClientId, ClusterMap, Endpoint, MasterRequest, MasterResponse, ObjectInfo, PoolStat, PutItem,
+    PutOptions, ReplicaDesc, SegmentId, SegmentSpec,
 };
+use kvpool_transport::shm::ShmMap;
 use kvpool_transport::{ErrorCode, KvError};
-use tokio::net::TcpStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio_util::compat::{Compat, TokioAsyncReadCompatExt};
 
 use crate::config::ClientConfig;
 use crate::master::coord::{merge_batch, split_batch_by};
-
-type Stream = Compat<TcpStream>;
-
-/// Payloads up to this size go out in the same write as their frame.
-const COALESCE_BYTES: usize = 16 * 1024;
-
-/// A connection pool to one address, bounded by a semaphore.
-struct Pool {
-    addr: String,
-    idle: Mutex<Vec<Stream>>,
-    slots: Arc<Semaphore>,
-}
-
-/// A connection taken from a pool; dropped (closed) unless released.
-struct Conn {
-    stream: Option<Stream>,
-    pool: Arc<Pool>,
-    _slot: OwnedSemaphorePermit,
-}
-
-impl Conn {
-    fn stream(&mut self) -> &mut Stream {
-        self.stream.as_mut().expect("present until release")
-    }
-
-    /// Returns a healthy connection to its pool.
-    fn release(mut self) {
-        if let Some(s) = self.stream.take() {
-            self.pool
-                .idle
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(s);
-        }
-    }
-}
-
-impl Pool {
-    fn new(addr: String, max: usize) -> Self {
-        Self {
-            addr,
-            idle: Mutex::new(Vec::new()),
-            slots: Arc::new(Semaphore::new(max)),
-        }
-    }
-
-    async fn get(self: &Arc<Self>, connect_timeout: Duration) -> Result<Conn, KvError> {
-        let slot = self
-            .slots
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| KvError::new(ErrorCode::Internal, "connection pool closed"))?;
-        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let stream = match idle {
-            Some(s) => s,
-            None => {
-                let s = tokio::time::timeout(connect_timeout, TcpStream::connect(&self.addr))
-                    .await
-                    .map_err(|_| {
-                        KvError::new(
-                            ErrorCode::Timeout,
-                            format!("connecting to {} took over {connect_timeout:?}", self.addr),
-                        )
-                    })?
-                    .map_err(|e| {
-                        KvError::new(
-                            ErrorCode::Unavailable,
-                            format!("cannot connect to {}: {e}", self.addr),
-                        )
-                    })?;
-                let _ = s.set_nodelay(true);
-                s.compat()
-            }
-        };
-        Ok(Conn {
-            stream: Some(stream),
-            pool: self.clone(),
-            _slot: slot,
-        })
-    }
-}
 
 struct Inner {
     id: ClientId,
     cfg: ClientConfig,
     cluster: ClusterMap,
     map: ShardMap,
-    master_pools: Vec<Arc<Pool>>,
-    data_pools: Mutex<HashMap<String, Arc<Pool>>>,
+    master_pools: Vec<Arc<ConnPool>>,
+    engine: TransferEngine,
     req_ids: AtomicU64,
     host_id: String,
 }
@@ -153,6 +74,84 @@ fn host_of(addr: &str) -> String {
     }
 }
 
+/// A buffer registered with the client for zero-copy transfers. With TCP and
+/// shared memory, any buffer is used in place and registration only records
+/// it; with RDMA it registers the memory region with the NIC.
+pub struct RegisteredBuffer {
+    ptr: usize,
+    len: usize,
+}
+
+impl RegisteredBuffer {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether `buf` lies inside this registration.
+    pub fn covers(&self, buf: &[u8]) -> bool {
+        let p = buf.as_ptr() as usize;
+        p >= self.ptr && p + buf.len() <= self.ptr + self.len
+    }
+}
+
+/// A value read in place from a same-host segment, valid while its read lease
+/// lasts. [`ReadView::bytes`] refuses once the lease has (nearly) ended.
+pub struct ReadView {
+    map: Arc<ShmMap>,
+    offset: u64,
+    len: u64,
+    valid_until: Instant,
+}
+
+impl ReadView {
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// When the lease (less a safety margin) ends.
+    pub fn valid_until(&self) -> Instant {
+        self.valid_until
+    }
+
+    /// The value's bytes, in the storage node's memory. Do not keep the
+    /// slice past [`ReadView::valid_until`]: after the lease the space may be
+    /// given to another object.
+    pub fn bytes(&self) -> Result<&[u8], KvError> {
+        if Instant::now() >= self.valid_until {
+            return Err(KvError::new(
+                ErrorCode::Timeout,
+                "the view's read lease has ended: get a new view",
+            ));
+        }
+        // SAFETY: the lease checked just above is live, and the master does
+        // not reuse the space of a leased object.
+        unsafe { self.map.bytes(self.offset, self.len) }
+    }
+}
+
+impl std::fmt::Debug for ReadView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadView")
+            .field("segment", &format_args!("{:016x}", self.map.segment_id()))
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .field("valid_until", &self.valid_until)
+            .finish()
+    }
+}
+
+/// How long before the lease's end a view stops handing out bytes (clock
+/// skew between this process and the master, and time to use the slice).
+const VIEW_MARGIN: Duration = Duration::from_millis(500);
+
 impl Client {
     /// Connects to the master at `master` (`host:port` of its shard 0) and
     /// learns the cluster map.
@@ -169,16 +168,16 @@ impl Client {
         host_id: String,
     ) -> Result<Self, KvError> {
         let timeout = Duration::from_millis(cfg.timeout_ms);
-        let boot = Arc::new(Pool::new(master.to_string(), 1));
+        let connect_timeout = Duration::from_millis(cfg.connect_timeout_ms);
+        let max_frame = cfg.max_frame_bytes.get() as u32;
+        let boot = ConnPool::new(master.to_string(), 1);
         let (cluster, boot_conn) = tokio::time::timeout(timeout, async {
-            let mut conn = boot
-                .get(Duration::from_millis(cfg.connect_timeout_ms))
-                .await?;
+            let mut conn = boot.get(connect_timeout).await?;
             let resp = rpc(
                 conn.stream(),
                 1,
                 &MasterRequest::Hello { client_id: id },
-                cfg.max_frame_bytes.get() as u32,
+                max_frame,
             )
             .await??;
             match resp {
@@ -204,7 +203,7 @@ impl Client {
         })?;
         let master_host = host_of(master);
         let max = cfg.max_connections_per_endpoint;
-        let master_pools: Vec<Arc<Pool>> = cluster
+        let master_pools: Vec<Arc<ConnPool>> = cluster
             .shards
             .iter()
             .map(|s| {
@@ -213,24 +212,25 @@ impl Client {
                 } else {
                     s.host.clone()
                 };
-                let ep = kvpool_transport::proto::Endpoint {
+                let ep = Endpoint {
                     host,
                     port: s.port,
                     nr_shards: 1,
                 };
-                Arc::new(Pool::new(ep.shard_addr(0), max))
+                ConnPool::new(ep.shard_addr(0), max)
             })
             .collect();
-        // Keep the bootstrap connection if it is shard 0's.
-        if master_pools[0].addr == boot.addr {
-            if let Some(s) = { boot_conn }.stream.take() {
-                master_pools[0]
-                    .idle
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(s);
-            }
-        }
+        drop(boot_conn);
+        let engine = TransferEngine::new(EngineConfig {
+            transport: cfg.transport.choice(),
+            tcp_slice_bytes: cfg.tcp_slice_bytes.get(),
+            lanes: cfg.lanes,
+            max_in_flight: cfg.max_in_flight,
+            max_connections_per_endpoint: max,
+            connect_timeout,
+            max_frame_bytes: max_frame,
+            host_id: host_id.clone(),
+        });
         let ping_ms = cfg.ping_interval_ms;
         let client = Self {
             inner: Arc::new(Inner {
@@ -239,7 +239,7 @@ impl Client {
                 cluster,
                 map,
                 master_pools,
-                data_pools: Mutex::new(HashMap::new()),
+                engine,
                 req_ids: AtomicU64::new(1),
                 host_id,
             }),
@@ -275,6 +275,11 @@ impl Client {
         &self.inner.cluster
     }
 
+    /// The transfer engine (its counters, and batches of raw transfers).
+    pub fn engine(&self) -> &TransferEngine {
+        &self.inner.engine
+    }
+
     fn timeout(&self) -> Duration {
         Duration::from_millis(self.inner.cfg.timeout_ms)
     }
@@ -297,7 +302,6 @@ impl Client {
         })
     }
 
-    /// One master call on the shard that owns `req`'s key (shard 0 otherwise).
     /// The master shard that owns `key`, by the cluster map's ranges.
     fn shard_of(&self, key: &[u8]) -> usize {
         let v = vshard_of(key);
@@ -341,28 +345,46 @@ impl Client {
         // error) leaves it usable.
         let answer = rpc(conn.stream(), id, req, self.max_frame())
             .await
-            .map_err(|e| with_peer(e, &pool.addr))?;
+            .map_err(|e| KvError::new(e.code, format!("{}: {}", pool.addr(), e.message)))?;
         conn.release();
         answer
     }
 
-    fn data_pool(&self, addr: String) -> Arc<Pool> {
-        let mut pools = self
-            .inner
-            .data_pools
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        pools
-            .entry(addr.clone())
-            .or_insert_with(|| {
-                Arc::new(Pool::new(addr, self.inner.cfg.max_connections_per_endpoint))
-            })
-            .clone()
+    /// A raw master call, routed as the client routes its own: a key request
+    /// to the shard that owns the key, a batch split by owning shard and
+    /// merged back in order, anything else to shard 0. For tools and
+    /// benches; `put`/`get` are the calls that move data.
+    pub async fn call(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
+        self.deadline(req.op_name(), async {
+            if req.batch_keys().is_some() {
+                self.master_batch(req).await
+            } else {
+                self.master(&req).await
+            }
+        })
+        .await
+    }
+
+    fn call_deadline(&self) -> Instant {
+        Instant::now() + self.timeout()
+    }
+
+    /// Records `buf` for zero-copy transfers (see [`RegisteredBuffer`]).
+    pub fn register_buffer(&self, buf: &[u8]) -> RegisteredBuffer {
+        RegisteredBuffer {
+            ptr: buf.as_ptr() as usize,
+            len: buf.len(),
+        }
     }
 
     /// Stores `value` under `key` with one replica.
     pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
         self.put_with(key, value, &PutOptions::default()).await
+    }
+
+    /// Stores `src` under `key`, sent straight from `src` (zero copy).
+    pub async fn put_from(&self, key: &[u8], src: &[u8]) -> Result<(), KvError> {
+        self.put(key, src).await
     }
 
     /// Stores `value` under `key` with `opts` (replicas, pins).
@@ -372,7 +394,10 @@ impl Client {
         value: &[u8],
         opts: &PutOptions,
     ) -> Result<(), KvError> {
-        let res = self.deadline("put", self.put_inner(key, value, opts)).await;
+        let deadline = self.call_deadline();
+        let res = self
+            .deadline("put", self.put_inner(key, value, opts, deadline))
+            .await;
         if let Err(e) = &res {
             if e.code == ErrorCode::Timeout {
                 // The put may be half done: give its space back, best effort,
@@ -395,26 +420,35 @@ impl Client {
         res
     }
 
-    async fn put_inner(&self, key: &[u8], value: &[u8], opts: &PutOptions) -> Result<(), KvError> {
+    fn with_host(&self, opts: &PutOptions) -> PutOptions {
         let mut opts = opts.clone();
         if opts.preferred_host.is_empty() {
             opts.preferred_host = self.inner.host_id.clone();
         }
+        opts
+    }
+
+    async fn put_inner(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        opts: &PutOptions,
+        deadline: Instant,
+    ) -> Result<(), KvError> {
         let resp = self
             .master(&MasterRequest::PutStart {
                 client_id: self.inner.id,
                 key: key.to_vec(),
                 len: value.len() as u64,
-                opts,
+                opts: self.with_host(opts),
             })
             .await?;
         let replicas = match resp {
             MasterResponse::Replicas(r) => r,
             other => return Err(unexpected("put_start", &other)),
         };
-        let writes = replicas.iter().map(|r| self.write_replica(r, value));
-        match futures_util::future::try_join_all(writes).await {
-            Ok(_) => {
+        match self.inner.engine.write(&replicas, value, deadline).await {
+            Ok(()) => {
                 self.master(&MasterRequest::PutEnd {
                     client_id: self.inner.id,
                     key: key.to_vec(),
@@ -434,132 +468,63 @@ impl Client {
         }
     }
 
-    async fn write_replica(&self, r: &ReplicaDesc, value: &[u8]) -> Result<(), KvError> {
-        let addr = r.endpoint.shard_addr(r.data_shard());
-        let mut conn = self
-            .data_pool(addr)
-            .get(Duration::from_millis(self.inner.cfg.connect_timeout_ms))
-            .await?;
-        let id = self.inner.req_ids.fetch_add(1, Ordering::Relaxed);
-        let mut bytes = frame::encode(
-            FrameKind::DataRequest,
-            id,
-            &DataRequest::Write {
-                segment_id: r.segment_id,
-                offset: r.offset,
-                len: value.len() as u64,
-            },
-        );
-        let s = conn.stream();
-        if value.len() <= COALESCE_BYTES {
-            bytes.extend_from_slice(value);
-            frame::write_all(s, &bytes).await?;
-        } else {
-            frame::write_all(s, &bytes).await?;
-            frame::write_all(s, value).await?;
-        }
-        let (rid, answer) =
-            frame::read_reply::<DataResponse, _>(s, FrameKind::DataResponse, self.max_frame())
-                .await
-                .map_err(|e| with_peer(e.into(), &conn_addr(r)))?;
-        check_id(rid, id)?;
-        // A refused write may have left its payload unread: do not reuse.
-        match answer? {
-            DataResponse::Written => {
-                conn.release();
-                Ok(())
-            }
-            other => Err(KvError::new(
-                ErrorCode::Internal,
-                format!("storage answered a write with {other:?}"),
-            )),
-        }
-    }
-
-    async fn read_replica(&self, r: &ReplicaDesc, buf: &mut [u8]) -> Result<(), KvError> {
-        let addr = r.endpoint.shard_addr(r.data_shard());
-        let mut conn = self
-            .data_pool(addr)
-            .get(Duration::from_millis(self.inner.cfg.connect_timeout_ms))
-            .await?;
-        let id = self.inner.req_ids.fetch_add(1, Ordering::Relaxed);
-        let req = frame::encode(
-            FrameKind::DataRequest,
-            id,
-            &DataRequest::Read {
-                segment_id: r.segment_id,
-                offset: r.offset,
-                len: r.len,
-            },
-        );
-        let s = conn.stream();
-        frame::write_all(s, &req).await?;
-        let (rid, answer) =
-            frame::read_reply::<DataResponse, _>(s, FrameKind::DataResponse, self.max_frame())
-                .await
-                .map_err(|e| with_peer(e.into(), &conn_addr(r)))?;
-        check_id(rid, id)?;
-        let resp = match answer {
-            Ok(resp) => resp,
-            Err(e) => {
-                // The peer refused the read and sent nothing after: reusable.
-                conn.release();
-                return Err(e);
-            }
-        };
-        match resp {
-            DataResponse::Data { len } if len == buf.len() as u64 => {
-                futures_lite::AsyncReadExt::read_exact(s, buf)
-                    .await
-                    .map_err(|e| with_peer(e.into(), &conn_addr(r)))?;
-                conn.release();
-                Ok(())
-            }
-            other => Err(KvError::new(
-                ErrorCode::Internal,
-                format!(
-                    "storage answered a read of {} bytes with {other:?}",
-                    buf.len()
-                ),
-            )),
-        }
-    }
-
-    /// Replicas in the order to try: same host first, then the rest.
-    fn read_order(&self, mut replicas: Vec<ReplicaDesc>) -> Vec<ReplicaDesc> {
-        replicas.sort_by_key(|r| r.host_id != self.inner.host_id);
-        replicas
-    }
-
     /// Reads the value under `key`.
     pub async fn get(&self, key: &[u8]) -> Result<Vec<u8>, KvError> {
+        let deadline = self.call_deadline();
         self.deadline("get", async {
             let replicas = self.replicas(key).await?;
-            let len = replicas[0].len as usize;
-            let mut buf = vec![0u8; len];
-            self.read_any(&replicas, &mut buf).await?;
+            let mut buf = vec![0u8; replicas[0].len as usize];
+            self.inner
+                .engine
+                .read(&replicas, &mut buf, deadline)
+                .await?;
             Ok(buf)
         })
         .await
     }
 
-    /// Reads the value under `key` into `buf`; returns its length. A value
-    /// longer than `buf` is `InvalidParams` (nothing is read).
+    /// Reads the value under `key` straight into `buf`; returns its length.
+    /// A value longer than `buf` is `InvalidParams` (nothing is read).
     pub async fn get_into(&self, key: &[u8], buf: &mut [u8]) -> Result<usize, KvError> {
+        let deadline = self.call_deadline();
         self.deadline("get", async {
             let replicas = self.replicas(key).await?;
             let len = replicas[0].len as usize;
             if len > buf.len() {
-                return Err(KvError::new(
-                    ErrorCode::InvalidParams,
-                    format!(
-                        "value of {len} bytes does not fit a buffer of {}",
-                        buf.len()
-                    ),
-                ));
+                return Err(too_small(len, buf.len()));
             }
-            self.read_any(&replicas, &mut buf[..len]).await?;
+            self.inner
+                .engine
+                .read(&replicas, &mut buf[..len], deadline)
+                .await?;
             Ok(len)
+        })
+        .await
+    }
+
+    /// A view of the value under `key` in place, in the memory of a storage
+    /// node on this host (no copy), valid while its read lease lasts.
+    /// `Unavailable` when no replica is on this host or shared memory cannot
+    /// be used.
+    pub async fn get_view(&self, key: &[u8]) -> Result<ReadView, KvError> {
+        self.deadline("get_view", async {
+            let granted = Instant::now();
+            let replicas = self.replicas(key).await?;
+            for r in replicas.iter().filter(|r| r.host_id == self.inner.host_id) {
+                if let Some(map) = self.inner.engine.shm_map(r).await {
+                    let lease = Duration::from_millis(self.inner.cluster.lease_ttl_ms);
+                    return Ok(ReadView {
+                        map,
+                        offset: r.offset,
+                        len: r.len,
+                        valid_until: granted + lease.saturating_sub(VIEW_MARGIN),
+                    });
+                }
+            }
+            Err(KvError::new(
+                ErrorCode::Unavailable,
+                "no replica of this object can be mapped on this host",
+            ))
         })
         .await
     }
@@ -569,27 +534,13 @@ impl Client {
             .master(&MasterRequest::GetReplicaList { key: key.to_vec() })
             .await?
         {
-            MasterResponse::Replicas(r) if !r.is_empty() => Ok(self.read_order(r)),
+            MasterResponse::Replicas(r) if !r.is_empty() => Ok(r),
             MasterResponse::Replicas(_) => Err(KvError::new(
                 ErrorCode::ObjectNotFound,
                 "the object has no readable replica",
             )),
             other => Err(unexpected("get_replica_list", &other)),
         }
-    }
-
-    async fn read_any(&self, replicas: &[ReplicaDesc], buf: &mut [u8]) -> Result<(), KvError> {
-        let mut last = None;
-        for r in replicas {
-            match self.read_replica(r, buf).await {
-                Ok(()) => return Ok(()),
-                Err(e) => {
-                    tracing::debug!(segment = r.segment_id, "replica read failed: {e}");
-                    last = Some(e);
-                }
-            }
-        }
-        Err(last.expect("at least one replica"))
     }
 
     /// True if a complete object is stored under `key`. Does not extend leases.
@@ -650,34 +601,16 @@ impl Client {
         .await
     }
 
-    /// A raw master call, routed as the client routes its own: a key request
-    /// to the shard that owns the key, a batch split by owning shard and
-    /// merged back in order, anything else to shard 0. For tools and
-    /// benches; `put`/`get` are the calls that move data.
-    pub async fn call(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
-        self.deadline(req.op_name(), async {
-            if req.batch_keys().is_some() {
-                self.master_batch(req).await
-            } else {
-                self.master(&req).await
-            }
-        })
-        .await
-    }
-
     /// Stores several values; one result per item, in order. Keys are
-    /// grouped by owning master shard (one call per shard), values are
-    /// written `client.batch_parallelism` at a time.
+    /// grouped by owning master shard (one call per shard); all values move
+    /// in one engine batch (sent straight from the given slices).
     pub async fn batch_put(
         &self,
         items: &[(&[u8], &[u8])],
         opts: &PutOptions,
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let deadline = self.call_deadline();
         self.deadline("batch_put", async {
-            let mut opts = opts.clone();
-            if opts.preferred_host.is_empty() {
-                opts.preferred_host = self.inner.host_id.clone();
-            }
             let req = MasterRequest::BatchPutStart {
                 client_id: self.inner.id,
                 items: items
@@ -687,33 +620,36 @@ impl Client {
                         len: v.len() as u64,
                     })
                     .collect(),
-                opts,
+                opts: self.with_host(opts),
             };
-            let started = match self.master_batch(req).await? {
-                MasterResponse::BatchReplicas(v) => v,
-                other => return Err(unexpected("batch_put_start", &other)),
-            };
+            let started: Vec<Result<Vec<ReplicaDesc>, KvError>> =
+                match self.master_batch(req).await? {
+                    MasterResponse::BatchReplicas(v) => v.into_iter().map(Result::from).collect(),
+                    other => return Err(unexpected("batch_put_start", &other)),
+                };
             // Per item: Ok(()) written; Err((e, true)) allocated but not
             // written (its space must go back); Err((e, false)) refused.
-            let writes = started
-                .into_iter()
-                .zip(items)
-                .map(|(r, (_, v))| async move {
-                    let replicas: Vec<ReplicaDesc> = Result::from(r).map_err(|e| (e, false))?;
-                    let all = replicas.iter().map(|r| self.write_replica(r, v));
-                    futures_util::future::try_join_all(all)
-                        .await
-                        .map(|_| ())
-                        .map_err(|e| (e, true))
-                });
-            let written: Vec<Result<(), (KvError, bool)>> =
-                futures_util::stream::StreamExt::collect(
-                    futures_util::stream::StreamExt::buffered(
-                        futures_util::stream::iter(writes),
-                        self.inner.cfg.batch_parallelism,
-                    ),
-                )
-                .await;
+            let mut transfers: Vec<Transfer<'_>> = Vec::new();
+            let mut which: Vec<usize> = Vec::new();
+            for (i, (s, (_, v))) in started.iter().zip(items).enumerate() {
+                if let Ok(reps) = s {
+                    transfers.push(Transfer::write(v, reps));
+                    which.push(i);
+                }
+            }
+            self.inner.engine.run(&mut transfers, deadline, None).await;
+            let mut written: Vec<Result<(), (KvError, bool)>> = started
+                .iter()
+                .map(|s| match s {
+                    Ok(_) => Ok(()),
+                    Err(e) => Err((e.clone(), false)),
+                })
+                .collect();
+            for (t, &i) in transfers.into_iter().zip(&which) {
+                if let Some(Err(e)) = t.status {
+                    written[i] = Err((e, true));
+                }
+            }
             let keys_where = |pred: fn(&Result<(), (KvError, bool)>) -> bool| -> Vec<Vec<u8>> {
                 written
                     .iter()
@@ -759,41 +695,115 @@ impl Client {
         .await
     }
 
+    /// Zero-copy form of [`Client::batch_put`].
+    pub async fn batch_put_from(
+        &self,
+        items: &[(&[u8], &[u8])],
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        self.batch_put(items, &PutOptions::default()).await
+    }
+
+    /// Reads several values straight into the given buffers; one result per
+    /// item (the value's length), in order.
+    pub async fn batch_get_into(
+        &self,
+        items: &mut [(&[u8], &mut [u8])],
+    ) -> Result<Vec<Result<usize, KvError>>, KvError> {
+        let deadline = self.call_deadline();
+        self.deadline("batch_get", async {
+            let req = MasterRequest::BatchGet {
+                keys: items.iter().map(|(k, _)| k.to_vec()).collect(),
+            };
+            let lists: Vec<Result<Vec<ReplicaDesc>, KvError>> = match self.master_batch(req).await?
+            {
+                MasterResponse::BatchReplicas(v) => v.into_iter().map(Result::from).collect(),
+                other => return Err(unexpected("batch_get", &other)),
+            };
+            let mut out: Vec<Result<usize, KvError>> = Vec::with_capacity(items.len());
+            let mut transfers: Vec<Transfer<'_>> = Vec::new();
+            let mut which: Vec<usize> = Vec::new();
+            for (i, (list, (_, buf))) in lists.iter().zip(items.iter_mut()).enumerate() {
+                match list {
+                    Ok(reps) if reps.is_empty() => out.push(Err(KvError::new(
+                        ErrorCode::ObjectNotFound,
+                        "no readable replica",
+                    ))),
+                    Ok(reps) => {
+                        let len = reps[0].len as usize;
+                        if len > buf.len() {
+                            out.push(Err(too_small(len, buf.len())));
+                        } else {
+                            out.push(Ok(len));
+                            transfers.push(Transfer::read(&mut buf[..len], reps));
+                            which.push(i);
+                        }
+                    }
+                    Err(e) => out.push(Err(e.clone())),
+                }
+            }
+            self.inner.engine.run(&mut transfers, deadline, None).await;
+            for (t, &i) in transfers.into_iter().zip(&which) {
+                if let Some(Err(e)) = t.status {
+                    out[i] = Err(e);
+                }
+            }
+            Ok(out)
+        })
+        .await
+    }
+
     /// Reads several values; one result per key, in order.
     pub async fn batch_get(
         &self,
         keys: &[&[u8]],
     ) -> Result<Vec<Result<Vec<u8>, KvError>>, KvError> {
+        let deadline = self.call_deadline();
         self.deadline("batch_get", async {
             let req = MasterRequest::BatchGet {
                 keys: keys.iter().map(|k| k.to_vec()).collect(),
             };
-            let lists = match self.master_batch(req).await? {
-                MasterResponse::BatchReplicas(v) => v,
+            let lists: Vec<Result<Vec<ReplicaDesc>, KvError>> = match self.master_batch(req).await?
+            {
+                MasterResponse::BatchReplicas(v) => v.into_iter().map(Result::from).collect(),
                 other => return Err(unexpected("batch_get", &other)),
             };
-            let reads = lists.into_iter().map(|r| async move {
-                let replicas: Vec<ReplicaDesc> = Result::from(r)?;
-                if replicas.is_empty() {
-                    return Err(KvError::new(
+            let mut bufs: Vec<Vec<u8>> = lists
+                .iter()
+                .map(|l| match l {
+                    Ok(reps) if !reps.is_empty() => vec![0u8; reps[0].len as usize],
+                    _ => Vec::new(),
+                })
+                .collect();
+            let mut transfers: Vec<Transfer<'_>> = Vec::new();
+            let mut which: Vec<usize> = Vec::new();
+            for (i, (list, buf)) in lists.iter().zip(bufs.iter_mut()).enumerate() {
+                if let Ok(reps) = list {
+                    if !reps.is_empty() {
+                        transfers.push(Transfer::read(buf, reps));
+                        which.push(i);
+                    }
+                }
+            }
+            self.inner.engine.run(&mut transfers, deadline, None).await;
+            let mut status: Vec<Option<KvError>> = vec![None; keys.len()];
+            for (t, &i) in transfers.into_iter().zip(&which) {
+                if let Some(Err(e)) = t.status {
+                    status[i] = Some(e);
+                }
+            }
+            Ok(lists
+                .into_iter()
+                .zip(bufs)
+                .zip(status)
+                .map(|((list, buf), st)| match (list, st) {
+                    (Err(e), _) | (Ok(_), Some(e)) => Err(e),
+                    (Ok(reps), None) if reps.is_empty() => Err(KvError::new(
                         ErrorCode::ObjectNotFound,
                         "no readable replica",
-                    ));
-                }
-                let replicas = self.read_order(replicas);
-                let mut buf = vec![0u8; replicas[0].len as usize];
-                self.read_any(&replicas, &mut buf).await?;
-                Ok(buf)
-            });
-            Ok(
-                futures_util::stream::StreamExt::collect(
-                    futures_util::stream::StreamExt::buffered(
-                        futures_util::stream::iter(reads),
-                        self.inner.cfg.batch_parallelism,
-                    ),
-                )
-                .await,
-            )
+                    )),
+                    (Ok(_), None) => Ok(buf),
+                })
+                .collect())
         })
         .await
     }
@@ -910,20 +920,11 @@ impl Client {
     }
 }
 
-fn conn_addr(r: &ReplicaDesc) -> String {
-    r.endpoint.shard_addr(r.data_shard())
-}
-
-fn with_peer(e: KvError, addr: &str) -> KvError {
-    if matches!(
-        e.code,
-        ErrorCode::Unavailable | ErrorCode::Timeout | ErrorCode::Internal
-    ) && !e.message.contains(addr)
-    {
-        KvError::new(e.code, format!("{addr}: {}", e.message))
-    } else {
-        e
-    }
+fn too_small(len: usize, have: usize) -> KvError {
+    KvError::new(
+        ErrorCode::InvalidParams,
+        format!("value of {len} bytes does not fit a buffer of {have}"),
+    )
 }
 
 fn check_id(got: u64, want: u64) -> Result<(), KvError> {

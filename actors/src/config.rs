@@ -89,6 +89,9 @@ impl NodeConfig {
             "client.batch_parallelism",
             self.client.batch_parallelism as u64,
         )?;
+        nonzero("client.tcp_slice_bytes", self.client.tcp_slice_bytes.get())?;
+        nonzero("client.lanes", self.client.lanes as u64)?;
+        nonzero("client.max_in_flight", self.client.max_in_flight as u64)?;
         for (k, v) in [
             ("master.max_frame_bytes", self.master.max_frame_bytes),
             ("storage.max_frame_bytes", self.storage.max_frame_bytes),
@@ -264,6 +267,8 @@ pub struct StorageConfig {
     pub io_timeout_ms: u64,
     /// Largest control frame accepted.
     pub max_frame_bytes: Bytes,
+    /// Hand the segment to same-host clients (memfd over a unix socket).
+    pub shm: bool,
 }
 
 impl Default for StorageConfig {
@@ -281,6 +286,7 @@ impl Default for StorageConfig {
             idle_timeout_ms: 600_000,
             io_timeout_ms: 10_000,
             max_frame_bytes: Bytes::kib(64),
+            shm: true,
         }
     }
 }
@@ -303,6 +309,35 @@ pub struct ClientConfig {
     pub ping_interval_ms: u64,
     /// Data transfers one batch call runs at once.
     pub batch_parallelism: usize,
+    /// Data path: "auto" (shared memory for same-host replicas, TCP
+    /// otherwise), "tcp" or "shm".
+    pub transport: Transport,
+    /// A TCP transfer larger than this is cut into slices.
+    pub tcp_slice_bytes: Bytes,
+    /// Slices of one transfer in flight at once, over distinct connections.
+    pub lanes: usize,
+    /// Slices in flight over the whole client; more wait.
+    pub max_in_flight: usize,
+}
+
+/// The client's data path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Transport {
+    Auto,
+    Tcp,
+    Shm,
+}
+
+impl Transport {
+    pub fn choice(self) -> kvpool_transport::engine::TransportChoice {
+        use kvpool_transport::engine::TransportChoice as C;
+        match self {
+            Transport::Auto => C::Auto,
+            Transport::Tcp => C::Tcp,
+            Transport::Shm => C::Shm,
+        }
+    }
 }
 
 impl Default for ClientConfig {
@@ -314,6 +349,10 @@ impl Default for ClientConfig {
             max_frame_bytes: Bytes::mib(64),
             ping_interval_ms: 1000,
             batch_parallelism: 16,
+            transport: Transport::Auto,
+            tcp_slice_bytes: Bytes::mib(2),
+            lanes: 4,
+            max_in_flight: 64,
         }
     }
 }

@@ -8,6 +8,7 @@
 //!   trace-replay simulator (`kvpool sim`).
 //! * [`node`]: starts the roles of one process and stops them on a signal.
 
+pub mod bench;
 pub mod client;
 pub mod clock;
 pub mod conductor;

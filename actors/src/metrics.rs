@@ -147,6 +147,13 @@ impl StorageMetrics {
             "Size of this node's DRAM segment",
             m.segment_bytes.clone(),
         );
+        // Every series exists from the start (at 0), so dashboards and alerts
+        // see them before the first request.
+        for op in ["read", "write"] {
+            for result in ["ok", "error"] {
+                let _ = m.requests.get_or_create(&OpLabels { op, result });
+            }
+        }
         m
     }
 

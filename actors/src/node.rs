@@ -92,6 +92,9 @@ async fn run_roles(
     let mut storage_addr = None;
     if role.has_storage() {
         let svc = storage_node::start(&shards, &cfg.storage, &metrics).await?;
+        if cfg.storage.shm {
+            storage_node::spawn_shm_server(&svc, shutdown.clone())?;
+        }
         let master_addr = match &master {
             Some((_, h)) => h.addr().to_string(),
             None => cfg.storage.master.clone(),

@@ -120,6 +120,50 @@ pub async fn start(
     })
 }
 
+/// Hands the segment's memfd to same-host clients that connect to its
+/// abstract unix socket (the shm transport), until `shutdown`. Each answer is
+/// one small `sendmsg`; clients are served one at a time.
+pub fn spawn_shm_server(
+    svc: &StorageService,
+    shutdown: kvpool_runtime::Shutdown,
+) -> Result<(), NodeError> {
+    let std_listener = kvpool_transport::shm::listen(svc.segment_id).map_err(|e| {
+        NodeError::Start(format!(
+            "shm: cannot listen on {}: {e}",
+            kvpool_transport::shm::socket_name(svc.segment_id)
+        ))
+    })?;
+    std_listener.set_nonblocking(true)?;
+    let listener = tokio::net::UnixListener::from_std(std_listener)?;
+    let segment = svc.segment.clone();
+    let id = svc.segment_id;
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                _ = shutdown.wait() => break,
+            };
+            let stream = match accepted {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    tracing::warn!("shm accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            };
+            let sent = stream.into_std().and_then(|s| {
+                s.set_nonblocking(false)?;
+                s.set_write_timeout(Some(Duration::from_secs(1)))?;
+                kvpool_transport::shm::send_segment(&s, id, segment.len(), segment.fd())
+            });
+            if let Err(e) = sent {
+                tracing::warn!("shm: could not hand the segment to a client: {e}");
+            }
+        }
+    });
+    Ok(())
+}
+
 /// Serves the data plane on one shard.
 struct DataConn {
     segment: Arc<Segment>,

@@ -196,3 +196,90 @@ pub fn machine() -> String {
         .to_string();
     format!("{cores} cores, {cpu}, Linux {kernel}")
 }
+
+/// One redis-benchmark result: requests/s and p50 latency (ms) of SET and GET.
+pub struct RedisFigures {
+    pub size: usize,
+    pub set_rps: f64,
+    pub set_p50_ms: f64,
+    pub get_rps: f64,
+    pub get_p50_ms: f64,
+}
+
+/// Runs Debian's redis-server on a free port and redis-benchmark against it
+/// (one client, so its latency compares with a single kvpool caller), for
+/// each value size; None if redis is not installed.
+pub fn redis_benchmark(sizes: &[usize], requests: usize) -> Option<Vec<RedisFigures>> {
+    let port = 30_000 + (std::process::id() % 20_000) as u16;
+    let mut server = Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--proto-max-bulk-len",
+            "64mb",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if Instant::now() > deadline {
+            let _ = server.kill();
+            let _ = server.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut out = Vec::new();
+    for &size in sizes {
+        let n = requests.min(((1usize << 30) / size).max(100));
+        let o = Command::new("redis-benchmark")
+            .args([
+                "-p",
+                &port.to_string(),
+                "-t",
+                "set,get",
+                "-d",
+                &size.to_string(),
+                "-n",
+                &n.to_string(),
+                "-c",
+                "1",
+                "--csv",
+            ])
+            .output()
+            .ok()?;
+        // CSV: "test","rps","avg_latency_ms","min_latency_ms","p50_latency_ms",...
+        let text = String::from_utf8_lossy(&o.stdout);
+        let mut set = (0.0, 0.0);
+        let mut get = (0.0, 0.0);
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split(',').map(|x| x.trim_matches('"')).collect();
+            if f.len() < 5 {
+                continue;
+            }
+            let rps: f64 = f[1].parse().unwrap_or(0.0);
+            let p50: f64 = f[4].parse().unwrap_or(0.0);
+            match f[0] {
+                "SET" => set = (rps, p50),
+                "GET" => get = (rps, p50),
+                _ => {}
+            }
+        }
+        out.push(RedisFigures {
+            size,
+            set_rps: set.0,
+            set_p50_ms: set.1,
+            get_rps: get.0,
+            get_p50_ms: get.1,
+        });
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    Some(out)
+}

@@ -31,6 +31,31 @@ impl Proc {
         kill_process(pid, sig).unwrap_or_else(|e| panic!("kill({pid:?}, {sig:?}): {e}"));
     }
 
+    /// Stops the process (SIGSTOP) and waits until every thread of it is
+    /// stopped: signal delivery is asynchronous.
+    pub fn freeze(&self) {
+        self.signal(Signal::STOP);
+        let end = Instant::now() + Duration::from_secs(5);
+        let tasks = format!("/proc/{}/task", self.pid());
+        loop {
+            let all_stopped = std::fs::read_dir(&tasks)
+                .map(|d| {
+                    d.flatten().all(|t| {
+                        std::fs::read_to_string(t.path().join("stat"))
+                            .ok()
+                            .and_then(|s| s.rsplit_once(") ").map(|(_, r)| r.starts_with('T')))
+                            .unwrap_or(false)
+                    })
+                })
+                .unwrap_or(false);
+            if all_stopped {
+                return;
+            }
+            assert!(Instant::now() < end, "process {} did not stop", self.pid());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Waits for the process to exit, with a deadline.
     pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
         let end = Instant::now() + within;

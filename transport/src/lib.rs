@@ -5,13 +5,20 @@
 //!   payload an rkyv archive that is validated (bytecheck) before use.
 //! * [`proto`]: the messages: master RPC, data-plane requests, errors.
 //! * [`error`]: the stable error codes, the same on the wire and in Rust.
+//! * [`engine`]: the transfer engine (batches of reads and writes over shm
+//!   or TCP lanes, with deadlines and back-pressure).
+//! * [`pool`], [`shm`]: client TCP connection pools; the shared-memory
+//!   transport (memfd passed over a unix socket).
 //!
 //! Payload bytes of a put or get never go through rkyv: on TCP they follow the
 //! control frame and are read straight into the destination buffer.
 
+pub mod engine;
 pub mod error;
 pub mod frame;
+pub mod pool;
 pub mod proto;
+pub mod shm;
 
 pub use error::{ErrorCode, KvError};
 pub use frame::{FrameError, FrameHeader, FrameKind};

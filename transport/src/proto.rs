@@ -54,6 +54,8 @@ pub struct MasterShardAddr {
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 pub struct ClusterMap {
     pub shards: Vec<MasterShardAddr>,
+    /// The read lease GetReplicaList grants (a borrowed view lasts this long).
+    pub lease_ttl_ms: u64,
 }
 
 /// What a storage node contributes when it mounts a segment.

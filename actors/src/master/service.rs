@@ -222,6 +222,7 @@ pub async fn start(
         addr.ip().to_string()
     };
     let cluster = ClusterMap {
+        lease_ttl_ms: cfg.lease_ttl_ms,
         shards: (0..n as u32)
             .map(|i| {
                 let (start, end) = vshard_range(&map, i);

@@ -1,0 +1,208 @@
+//! The transfer engine across processes: odd sizes over TCP and shared
+//! memory, identical bytes either way, a peer killed mid-batch, back-pressure
+//! past the in-flight bound, borrowed views under a lease.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kvpool_actors::client::Client;
+use kvpool_actors::config::{ClientConfig, Transport};
+use kvpool_runtime::config::Bytes;
+use kvpool_transport::ErrorCode;
+use rand::{RngCore, SeedableRng};
+use xxhash_rust::xxh3::xxh3_64;
+
+const SLICE: u64 = 64 << 10;
+
+fn cfg(transport: Transport) -> ClientConfig {
+    ClientConfig {
+        transport,
+        tcp_slice_bytes: Bytes(SLICE),
+        lanes: 4,
+        timeout_ms: 60_000,
+        ..Default::default()
+    }
+}
+
+fn data(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut v);
+    v
+}
+
+#[test]
+fn odd_sizes_round_trip_over_tcp_and_shm_with_identical_bytes() {
+    // 5 GiB: two shards' ranges of 2.5 GiB each hold two 1 GiB objects even
+    // while the first one's space waits for its lease after removal.
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "5GiB"]));
+    let rt = common::rt();
+    rt.block_on(async {
+        let tcp = Client::connect(&node.addr, cfg(Transport::Tcp))
+            .await
+            .unwrap();
+        let shm = Client::connect(&node.addr, cfg(Transport::Shm))
+            .await
+            .unwrap();
+        let s = SLICE as usize;
+        let sizes = [1, 2, s - 1, s, s + 1, 3 * s + 7, (4 << 20) + 1];
+        for (i, &len) in sizes.iter().enumerate() {
+            let v = data(i as u64, len);
+            // Written over one transport, read over both.
+            let (writer, name) = if i % 2 == 0 {
+                (&tcp, "tcp")
+            } else {
+                (&shm, "shm")
+            };
+            let key = format!("odd-{len}");
+            writer
+                .put(key.as_bytes(), &v)
+                .await
+                .unwrap_or_else(|e| panic!("{name} put {len}: {e}"));
+            for (reader, rname) in [(&tcp, "tcp"), (&shm, "shm")] {
+                let got = reader.get(key.as_bytes()).await.unwrap();
+                assert_eq!(got.len(), len, "{rname} read of {len} written by {name}");
+                assert_eq!(
+                    xxh3_64(&got),
+                    xxh3_64(&v),
+                    "{rname} read of {len} written by {name}"
+                );
+            }
+        }
+        assert!(tcp.engine().stats().tcp_bytes.load(Ordering::Relaxed) > 0);
+        assert_eq!(tcp.engine().stats().shm_bytes.load(Ordering::Relaxed), 0);
+        assert!(shm.engine().stats().shm_bytes.load(Ordering::Relaxed) > 0);
+        assert_eq!(shm.engine().stats().tcp_bytes.load(Ordering::Relaxed), 0);
+
+        // 1 GiB, both ways.
+        let big = data(99, 1 << 30);
+        let sum = xxh3_64(&big);
+        tcp.put(b"one-gib", &big).await.unwrap();
+        let mut back = vec![0u8; 1 << 30];
+        assert_eq!(shm.get_into(b"one-gib", &mut back).await.unwrap(), 1 << 30);
+        assert_eq!(xxh3_64(&back), sum, "1 GiB written over tcp, read over shm");
+        back.fill(0);
+        assert_eq!(tcp.get_into(b"one-gib", &mut back).await.unwrap(), 1 << 30);
+        assert_eq!(xxh3_64(&back), sum, "1 GiB over tcp");
+        tcp.remove_with(b"one-gib", true).await.unwrap();
+        shm.put(b"one-gib-shm", &big).await.unwrap();
+        back.fill(0);
+        assert_eq!(
+            tcp.get_into(b"one-gib-shm", &mut back).await.unwrap(),
+            1 << 30
+        );
+        assert_eq!(xxh3_64(&back), sum, "1 GiB written over shm, read over tcp");
+    });
+}
+
+#[test]
+fn more_slices_than_the_in_flight_bound_wait_instead_of_piling_up() {
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "256MiB"]));
+    let rt = common::rt();
+    rt.block_on(async {
+        let bound = 3;
+        let c = Client::connect(
+            &node.addr,
+            ClientConfig {
+                max_in_flight: bound,
+                ..cfg(Transport::Tcp)
+            },
+        )
+        .await
+        .unwrap();
+        let v = data(3, 1 << 20); // 16 slices of 64 KiB each
+        let keys: Vec<String> = (0..48).map(|i| format!("bp{i}")).collect();
+        let items: Vec<(&[u8], &[u8])> =
+            keys.iter().map(|k| (k.as_bytes(), v.as_slice())).collect();
+        for r in c.batch_put(&items, &Default::default()).await.unwrap() {
+            r.unwrap();
+        }
+        let mut bufs: Vec<Vec<u8>> = (0..48).map(|_| vec![0u8; 1 << 20]).collect();
+        let mut items: Vec<(&[u8], &mut [u8])> = keys
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(k, b)| (k.as_bytes(), b.as_mut_slice()))
+            .collect();
+        for r in c.batch_get_into(&mut items).await.unwrap() {
+            assert_eq!(r.unwrap(), 1 << 20);
+        }
+        assert!(bufs.iter().all(|b| b == &v));
+        let s = c.engine().stats();
+        assert!(
+            s.slices.load(Ordering::Relaxed) >= 2 * 48 * 16,
+            "many slices went"
+        );
+        let peak = s.max_in_flight_seen.load(Ordering::Relaxed);
+        assert!(
+            peak <= bound,
+            "peak in flight {peak} over the bound {bound}"
+        );
+        assert_eq!(s.in_flight.load(Ordering::Relaxed), 0);
+    });
+}
+
+#[test]
+fn a_borrowed_view_reads_in_place_until_its_lease_ends() {
+    let dir = std::env::temp_dir().join(format!("kvpool-view-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("lease.toml");
+    std::fs::write(&f, "[master]\nlease_ttl_ms = 1500\n").unwrap();
+    let f = f.to_str().unwrap().to_string();
+    let mut args = common::ephemeral(&["--segment-size", "64MiB"]);
+    args.splice(0..0, ["--config", f.as_str()]);
+    let node = common::start("all", &args);
+    let rt = common::rt();
+    rt.block_on(async {
+        let c = Client::connect(&node.addr, cfg(Transport::Auto))
+            .await
+            .unwrap();
+        let v = data(5, 300_000);
+        c.put(b"viewed", &v).await.unwrap();
+        let view = c.get_view(b"viewed").await.unwrap();
+        assert_eq!(view.bytes().unwrap(), v.as_slice(), "the bytes, in place");
+        // Leased: removal is refused while the view is valid.
+        assert_eq!(
+            c.remove(b"viewed").await.unwrap_err().code,
+            ErrorCode::ObjectHasLease
+        );
+        while Instant::now() < view.valid_until() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(view.bytes().unwrap_err().code, ErrorCode::Timeout);
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn auto_uses_tcp_for_a_replica_on_another_host_and_shm_refuses_it() {
+    let dir = std::env::temp_dir().join(format!("kvpool-remote-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("elsewhere.toml");
+    std::fs::write(&f, "[storage]\nhost_id = \"some-other-host\"\n").unwrap();
+    let f = f.to_str().unwrap().to_string();
+    let mut args = common::ephemeral(&["--segment-size", "64MiB"]);
+    args.splice(0..0, ["--config", f.as_str()]);
+    let node = common::start("all", &args);
+    let rt = common::rt();
+    rt.block_on(async {
+        let auto = Client::connect(&node.addr, cfg(Transport::Auto))
+            .await
+            .unwrap();
+        auto.put(b"far", &[1u8; 1000]).await.unwrap();
+        assert_eq!(auto.get(b"far").await.unwrap(), vec![1u8; 1000]);
+        assert!(auto.engine().stats().tcp_bytes.load(Ordering::Relaxed) >= 2000);
+        assert_eq!(auto.engine().stats().shm_bytes.load(Ordering::Relaxed), 0);
+        let shm = Client::connect(&node.addr, cfg(Transport::Shm))
+            .await
+            .unwrap();
+        let e = shm.get(b"far").await.unwrap_err();
+        assert_eq!(e.code, ErrorCode::Unavailable, "{e}");
+        assert!(e.message.contains("not on this host"), "{e}");
+        assert_eq!(
+            auto.get_view(b"far").await.unwrap_err().code,
+            ErrorCode::Unavailable
+        );
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,692 @@
+//! The transfer engine: moves object bytes between a client's memory and
+//! storage nodes' segments.
+//!
+//! ```text
+//!  batch of Transfer {Read|Write, buffer, replicas}  -- one deadline, cancellable
+//!     |  per transfer: replicas in order (same host first)
+//!     |-- shm  (same host): memcpy to/from the mapped memfd segment
+//!     '-- tcp: object cut into slices (tcp_slice_bytes); slices spread over
+//!              the node's shard ports and several connections ("lanes");
+//!              each slice holds one permit of max_in_flight (back-pressure);
+//!              a failed slice is retried on another lane, then the whole
+//!              transfer moves to the next replica.
+//! ```
+//!
+//! Buffers are the caller's: a read lands straight in the destination slice,
+//! a write is sent straight from the source; the engine allocates nothing per
+//! byte. Dropping a batch's future (deadline, cancel) drops its in-flight
+//! slices; their connections close instead of going back to a pool, so
+//! nothing is left half-read.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::stream::{self, TryStreamExt};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{ErrorCode, KvError};
+use crate::frame::{self, FrameKind};
+use crate::pool::{ConnPool, Stream};
+use crate::proto::{DataRequest, DataResponse, ReplicaDesc, SegmentId};
+use crate::shm::ShmMap;
+
+/// Which data path to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// Shared memory for same-host replicas, TCP otherwise.
+    Auto,
+    /// TCP only.
+    Tcp,
+    /// Shared memory only (a replica on another host is an error).
+    Shm,
+}
+
+impl TransportChoice {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Tcp => "tcp",
+            Self::Shm => "shm",
+        }
+    }
+}
+
+/// Settings of a [`TransferEngine`].
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub transport: TransportChoice,
+    /// A TCP transfer larger than this is cut into slices of this size.
+    pub tcp_slice_bytes: u64,
+    /// Slices of one transfer in flight at once (over distinct connections).
+    pub lanes: usize,
+    /// Slices in flight over the whole engine; more wait (back-pressure).
+    pub max_in_flight: usize,
+    /// Connections kept per storage shard port.
+    pub max_connections_per_endpoint: usize,
+    pub connect_timeout: Duration,
+    pub max_frame_bytes: u32,
+    /// This machine, for picking same-host replicas.
+    pub host_id: String,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            transport: TransportChoice::Auto,
+            tcp_slice_bytes: 2 << 20,
+            lanes: 4,
+            max_in_flight: 64,
+            max_connections_per_endpoint: 16,
+            connect_timeout: Duration::from_secs(2),
+            max_frame_bytes: 64 << 20,
+            host_id: String::new(),
+        }
+    }
+}
+
+/// The bytes of one transfer.
+pub enum Buf<'a> {
+    /// Read into this buffer (its length is the object's).
+    Read(&'a mut [u8]),
+    /// Write this buffer.
+    Write(&'a [u8]),
+}
+
+impl Buf<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Buf::Read(b) => b.len(),
+            Buf::Write(b) => b.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One request of a batch. A read tries the replicas in order until one
+/// succeeds; a write goes to every replica.
+pub struct Transfer<'a> {
+    pub buf: Buf<'a>,
+    pub replicas: &'a [ReplicaDesc],
+    /// Set when the batch returns.
+    pub status: Option<Result<(), KvError>>,
+}
+
+impl<'a> Transfer<'a> {
+    pub fn read(dst: &'a mut [u8], replicas: &'a [ReplicaDesc]) -> Self {
+        Self {
+            buf: Buf::Read(dst),
+            replicas,
+            status: None,
+        }
+    }
+
+    pub fn write(src: &'a [u8], replicas: &'a [ReplicaDesc]) -> Self {
+        Self {
+            buf: Buf::Write(src),
+            replicas,
+            status: None,
+        }
+    }
+}
+
+/// Counters of the engine (for metrics, tests and leak checks).
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub in_flight: AtomicUsize,
+    pub max_in_flight_seen: AtomicUsize,
+    pub slices: AtomicU64,
+    pub slice_retries: AtomicU64,
+    pub replica_failovers: AtomicU64,
+    pub shm_bytes: AtomicU64,
+    pub tcp_bytes: AtomicU64,
+}
+
+/// Why shm is not used for a segment, remembered for a while.
+struct ShmRefused {
+    until: Instant,
+}
+
+enum ShmEntry {
+    Mapped(Arc<ShmMap>),
+    Refused(ShmRefused),
+}
+
+/// How long a failed shm set-up keeps a segment on TCP before trying again.
+const SHM_RETRY: Duration = Duration::from_secs(10);
+
+/// Moves bytes to and from storage nodes. Cheap to share (`Arc`).
+pub struct TransferEngine {
+    cfg: EngineConfig,
+    pools: Mutex<HashMap<String, Arc<ConnPool>>>,
+    shm: Mutex<HashMap<SegmentId, ShmEntry>>,
+    permits: Arc<Semaphore>,
+    req_ids: AtomicU64,
+    stats: EngineStats,
+}
+
+impl TransferEngine {
+    pub fn new(cfg: EngineConfig) -> Self {
+        let permits = Arc::new(Semaphore::new(cfg.max_in_flight.max(1)));
+        Self {
+            cfg,
+            pools: Mutex::new(HashMap::new()),
+            shm: Mutex::new(HashMap::new()),
+            permits,
+            req_ids: AtomicU64::new(1),
+            stats: EngineStats::default(),
+        }
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// Runs a batch until every transfer is done, the deadline passes, or
+    /// `cancel` fires; every transfer's `status` is set on return.
+    pub async fn run(
+        &self,
+        batch: &mut [Transfer<'_>],
+        deadline: Instant,
+        cancel: Option<&CancellationToken>,
+    ) {
+        let work = futures_util::future::join_all(batch.iter_mut().map(|t| async move {
+            let r = match &mut t.buf {
+                Buf::Read(dst) => self.read_any(t.replicas, dst).await,
+                Buf::Write(src) => self.write_all(t.replicas, src).await,
+            };
+            t.status = Some(r);
+        }));
+        let deadline = tokio::time::Instant::from_std(deadline);
+        let stopped = match cancel {
+            Some(c) => tokio::select! {
+                r = tokio::time::timeout_at(deadline, work) => r.err().map(|_| ErrorCode::Timeout),
+                _ = c.cancelled() => Some(ErrorCode::Unavailable),
+            },
+            None => tokio::time::timeout_at(deadline, work)
+                .await
+                .err()
+                .map(|_| ErrorCode::Timeout),
+        };
+        if let Some(code) = stopped {
+            let why = if code == ErrorCode::Timeout {
+                "the transfer did not finish before its deadline"
+            } else {
+                "the transfer was cancelled"
+            };
+            for t in batch.iter_mut().filter(|t| t.status.is_none()) {
+                t.status = Some(Err(KvError::new(code, why)));
+            }
+        }
+    }
+
+    /// Reads one object into `dst` from the first replica that answers.
+    pub async fn read(
+        &self,
+        replicas: &[ReplicaDesc],
+        dst: &mut [u8],
+        deadline: Instant,
+    ) -> Result<(), KvError> {
+        let mut t = [Transfer::read(dst, replicas)];
+        self.run(&mut t, deadline, None).await;
+        let [t] = t;
+        t.status.expect("set by run")
+    }
+
+    /// Writes `src` to every replica.
+    pub async fn write(
+        &self,
+        replicas: &[ReplicaDesc],
+        src: &[u8],
+        deadline: Instant,
+    ) -> Result<(), KvError> {
+        let mut t = [Transfer::write(src, replicas)];
+        self.run(&mut t, deadline, None).await;
+        let [t] = t;
+        t.status.expect("set by run")
+    }
+
+    /// Orders replicas: same host first when shm may be used.
+    fn ordered<'r>(&self, replicas: &'r [ReplicaDesc]) -> Vec<&'r ReplicaDesc> {
+        let mut v: Vec<&ReplicaDesc> = replicas.iter().collect();
+        if self.cfg.transport != TransportChoice::Tcp {
+            v.sort_by_key(|r| r.host_id != self.cfg.host_id);
+        }
+        v
+    }
+
+    async fn read_any(&self, replicas: &[ReplicaDesc], dst: &mut [u8]) -> Result<(), KvError> {
+        if replicas.is_empty() {
+            return Err(KvError::new(
+                ErrorCode::ObjectNotFound,
+                "no replica to read",
+            ));
+        }
+        let mut last = None;
+        for (i, r) in self.ordered(replicas).into_iter().enumerate() {
+            if r.len != dst.len() as u64 {
+                return Err(KvError::new(
+                    ErrorCode::InvalidParams,
+                    format!("buffer of {} bytes for an object of {}", dst.len(), r.len),
+                ));
+            }
+            if i > 0 {
+                self.stats.replica_failovers.fetch_add(1, Ordering::Relaxed);
+            }
+            let res = match self.shm_for(r).await {
+                Some(Ok(map)) => {
+                    let res = map.read_into(r.offset, dst);
+                    if res.is_ok() {
+                        self.stats
+                            .shm_bytes
+                            .fetch_add(dst.len() as u64, Ordering::Relaxed);
+                    }
+                    res
+                }
+                Some(Err(e)) => Err(e),
+                None => self.tcp_read(r, dst).await,
+            };
+            match res {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    tracing::debug!(segment = r.segment_id, "read from replica failed: {e}");
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.expect("at least one replica"))
+    }
+
+    async fn write_all(&self, replicas: &[ReplicaDesc], src: &[u8]) -> Result<(), KvError> {
+        if replicas.is_empty() {
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                "no replica to write",
+            ));
+        }
+        let writes = replicas.iter().map(|r| async move {
+            if r.len != src.len() as u64 {
+                return Err(KvError::new(
+                    ErrorCode::InvalidParams,
+                    format!("{} bytes for an allocation of {}", src.len(), r.len),
+                ));
+            }
+            match self.shm_for(r).await {
+                Some(Ok(map)) => {
+                    map.write_from(r.offset, src)?;
+                    self.stats
+                        .shm_bytes
+                        .fetch_add(src.len() as u64, Ordering::Relaxed);
+                    Ok(())
+                }
+                Some(Err(e)) => Err(e),
+                None => self.tcp_write(r, src).await,
+            }
+        });
+        futures_util::future::try_join_all(writes).await.map(|_| ())
+    }
+
+    /// The shm mapping to use for `r`: `None` means use TCP.
+    async fn shm_for(&self, r: &ReplicaDesc) -> Option<Result<Arc<ShmMap>, KvError>> {
+        let same_host = !self.cfg.host_id.is_empty() && r.host_id == self.cfg.host_id;
+        match self.cfg.transport {
+            TransportChoice::Tcp => return None,
+            TransportChoice::Auto if !same_host => return None,
+            TransportChoice::Shm if !same_host => {
+                return Some(Err(KvError::new(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "transport shm: replica on host {:?} is not on this host ({:?})",
+                        r.host_id, self.cfg.host_id
+                    ),
+                )))
+            }
+            _ => {}
+        }
+        {
+            let map = self.shm.lock().unwrap_or_else(|p| p.into_inner());
+            match map.get(&r.segment_id) {
+                Some(ShmEntry::Mapped(m)) => return Some(Ok(m.clone())),
+                Some(ShmEntry::Refused(f)) if f.until > Instant::now() => {
+                    return if self.cfg.transport == TransportChoice::Shm {
+                        Some(Err(KvError::new(
+                            ErrorCode::Unavailable,
+                            "shm unavailable for this segment",
+                        )))
+                    } else {
+                        None
+                    };
+                }
+                _ => {}
+            }
+        }
+        let seg = r.segment_id;
+        let timeout = self.cfg.connect_timeout;
+        let opened = tokio::task::spawn_blocking(move || ShmMap::open(seg, timeout))
+            .await
+            .unwrap_or_else(|e| {
+                Err(KvError::new(
+                    ErrorCode::Internal,
+                    format!("shm set-up: {e}"),
+                ))
+            });
+        let mut map = self.shm.lock().unwrap_or_else(|p| p.into_inner());
+        match opened {
+            Ok(m) => {
+                let m = Arc::new(m);
+                // Another task may have mapped it meanwhile: keep one mapping.
+                let kept = match map.get(&seg) {
+                    Some(ShmEntry::Mapped(other)) => other.clone(),
+                    _ => {
+                        map.insert(seg, ShmEntry::Mapped(m.clone()));
+                        tracing::info!(
+                            segment = format!("{seg:016x}"),
+                            "same-host segment mapped: using shm"
+                        );
+                        m
+                    }
+                };
+                Some(Ok(kept))
+            }
+            Err(e) => {
+                tracing::warn!(
+                    segment = format!("{seg:016x}"),
+                    "shm unavailable ({e}); using tcp for this segment"
+                );
+                map.insert(
+                    seg,
+                    ShmEntry::Refused(ShmRefused {
+                        until: Instant::now() + SHM_RETRY,
+                    }),
+                );
+                if self.cfg.transport == TransportChoice::Shm {
+                    Some(Err(e))
+                } else {
+                    None
+                }
+            }
+        }
+    }
+
+    /// The shm mapping of a segment, if one is open (for borrowed views).
+    pub async fn shm_map(&self, r: &ReplicaDesc) -> Option<Arc<ShmMap>> {
+        match self.shm_for(r).await {
+            Some(Ok(m)) => Some(m),
+            _ => None,
+        }
+    }
+
+    /// Forgets a segment's mapping (the segment went away).
+    pub fn forget_segment(&self, segment_id: SegmentId) {
+        self.shm
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&segment_id);
+    }
+
+    fn pool(&self, addr: String) -> Arc<ConnPool> {
+        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        pools
+            .entry(addr.clone())
+            .or_insert_with(|| ConnPool::new(addr, self.cfg.max_connections_per_endpoint))
+            .clone()
+    }
+
+    /// The port (shard) for slice `i` of a replica: slices rotate over the
+    /// node's shards starting at the one that holds the offset.
+    fn slice_addr(r: &ReplicaDesc, i: usize) -> String {
+        let nr = r.endpoint.nr_shards.max(1) as usize;
+        let shard = (r.data_shard() as usize + i) % nr;
+        r.endpoint.shard_addr(shard as u16)
+    }
+
+    fn slices(&self, len: usize) -> usize {
+        let s = self.cfg.tcp_slice_bytes.max(1) as usize;
+        len.div_ceil(s).max(1)
+    }
+
+    async fn permit(&self) -> Result<InFlight<'_>, KvError> {
+        let p = self
+            .permits
+            .acquire()
+            .await
+            .map_err(|_| KvError::new(ErrorCode::Internal, "engine closed"))?;
+        let now = self.stats.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        self.stats
+            .max_in_flight_seen
+            .fetch_max(now, Ordering::Relaxed);
+        self.stats.slices.fetch_add(1, Ordering::Relaxed);
+        Ok(InFlight {
+            _permit: p,
+            stats: &self.stats,
+        })
+    }
+
+    async fn tcp_read(&self, r: &ReplicaDesc, dst: &mut [u8]) -> Result<(), KvError> {
+        let slice = self.cfg.tcp_slice_bytes.max(1) as usize;
+        let n = self.slices(dst.len());
+        let chunks: Vec<(usize, &mut [u8])> = if dst.is_empty() {
+            Vec::new()
+        } else {
+            dst.chunks_mut(slice).enumerate().collect()
+        };
+        let lanes = self.cfg.lanes.max(1).min(n);
+        stream::iter(chunks.into_iter().map(Ok::<_, KvError>))
+            .try_for_each_concurrent(lanes, |(i, chunk)| async move {
+                let off = r.offset + (i * slice) as u64;
+                let _p = self.permit().await?;
+                let first = self
+                    .read_slice(&Self::slice_addr(r, i), r.segment_id, off, chunk)
+                    .await;
+                match first {
+                    Ok(()) => Ok(()),
+                    Err(e) if retryable(&e) => {
+                        // Another lane: the next shard port, a fresh connection.
+                        self.stats.slice_retries.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!("slice {i} failed ({e}); retrying on another lane");
+                        let addr = Self::slice_addr(r, i + 1);
+                        self.pool(addr.clone()).clear();
+                        self.read_slice(&addr, r.segment_id, off, chunk).await
+                    }
+                    Err(e) => Err(e),
+                }
+            })
+            .await?;
+        self.stats
+            .tcp_bytes
+            .fetch_add(dst.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn tcp_write(&self, r: &ReplicaDesc, src: &[u8]) -> Result<(), KvError> {
+        let slice = self.cfg.tcp_slice_bytes.max(1) as usize;
+        let n = self.slices(src.len());
+        let lanes = self.cfg.lanes.max(1).min(n);
+        stream::iter(src.chunks(slice).enumerate().map(Ok::<_, KvError>))
+            .try_for_each_concurrent(lanes, |(i, chunk)| async move {
+                let off = r.offset + (i * slice) as u64;
+                let _p = self.permit().await?;
+                match self
+                    .write_slice(&Self::slice_addr(r, i), r.segment_id, off, chunk)
+                    .await
+                {
+                    Ok(()) => Ok(()),
+                    Err(e) if retryable(&e) => {
+                        self.stats.slice_retries.fetch_add(1, Ordering::Relaxed);
+                        let addr = Self::slice_addr(r, i + 1);
+                        self.pool(addr.clone()).clear();
+                        self.write_slice(&addr, r.segment_id, off, chunk).await
+                    }
+                    Err(e) => Err(e),
+                }
+            })
+            .await?;
+        self.stats
+            .tcp_bytes
+            .fetch_add(src.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn read_slice(
+        &self,
+        addr: &str,
+        segment_id: SegmentId,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), KvError> {
+        let mut conn = self
+            .pool(addr.to_string())
+            .get(self.cfg.connect_timeout)
+            .await?;
+        let id = self.req_ids.fetch_add(1, Ordering::Relaxed);
+        let req = frame::encode(
+            FrameKind::DataRequest,
+            id,
+            &DataRequest::Read {
+                segment_id,
+                offset,
+                len: dst.len() as u64,
+            },
+        );
+        let s: &mut Stream = conn.stream();
+        frame::write_all(s, &req)
+            .await
+            .map_err(|e| peer(e.into(), addr))?;
+        let (rid, answer) = frame::read_reply::<DataResponse, _>(
+            s,
+            FrameKind::DataResponse,
+            self.cfg.max_frame_bytes,
+        )
+        .await
+        .map_err(|e| peer(e.into(), addr))?;
+        check_id(rid, id)?;
+        match answer {
+            Ok(DataResponse::Data { len }) if len == dst.len() as u64 => {
+                futures_lite::AsyncReadExt::read_exact(s, dst)
+                    .await
+                    .map_err(|e| peer(e.into(), addr))?;
+                conn.release();
+                Ok(())
+            }
+            Ok(other) => Err(KvError::new(
+                ErrorCode::Internal,
+                format!(
+                    "{addr} answered a read of {} bytes with {other:?}",
+                    dst.len()
+                ),
+            )),
+            Err(e) => {
+                // Refused: nothing follows the answer, the connection is fine.
+                conn.release();
+                Err(e)
+            }
+        }
+    }
+
+    async fn write_slice(
+        &self,
+        addr: &str,
+        segment_id: SegmentId,
+        offset: u64,
+        src: &[u8],
+    ) -> Result<(), KvError> {
+        /// Payloads up to this size go out in the same write as their frame.
+        const COALESCE: usize = 16 * 1024;
+        let mut conn = self
+            .pool(addr.to_string())
+            .get(self.cfg.connect_timeout)
+            .await?;
+        let id = self.req_ids.fetch_add(1, Ordering::Relaxed);
+        let mut bytes = frame::encode(
+            FrameKind::DataRequest,
+            id,
+            &DataRequest::Write {
+                segment_id,
+                offset,
+                len: src.len() as u64,
+            },
+        );
+        let s: &mut Stream = conn.stream();
+        if src.len() <= COALESCE {
+            bytes.extend_from_slice(src);
+            frame::write_all(s, &bytes)
+                .await
+                .map_err(|e| peer(e.into(), addr))?;
+        } else {
+            frame::write_all(s, &bytes)
+                .await
+                .map_err(|e| peer(e.into(), addr))?;
+            frame::write_all(s, src)
+                .await
+                .map_err(|e| peer(e.into(), addr))?;
+        }
+        let (rid, answer) = frame::read_reply::<DataResponse, _>(
+            s,
+            FrameKind::DataResponse,
+            self.cfg.max_frame_bytes,
+        )
+        .await
+        .map_err(|e| peer(e.into(), addr))?;
+        check_id(rid, id)?;
+        // A refused write may have left its payload unread: never reuse.
+        match answer? {
+            DataResponse::Written => {
+                conn.release();
+                Ok(())
+            }
+            other => Err(KvError::new(
+                ErrorCode::Internal,
+                format!("{addr} answered a write with {other:?}"),
+            )),
+        }
+    }
+}
+
+/// One slice in flight: holds a permit and keeps the gauge right on drop
+/// (also when the slice's future is dropped by a deadline or cancel).
+struct InFlight<'a> {
+    _permit: tokio::sync::SemaphorePermit<'a>,
+    stats: &'a EngineStats,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Failures worth another lane: the connection broke, not the request.
+fn retryable(e: &KvError) -> bool {
+    matches!(
+        e.code,
+        ErrorCode::Unavailable | ErrorCode::Timeout | ErrorCode::Malformed
+    )
+}
+
+fn peer(e: KvError, addr: &str) -> KvError {
+    if e.message.contains(addr) {
+        e
+    } else {
+        KvError::new(e.code, format!("{addr}: {}", e.message))
+    }
+}
+
+fn check_id(got: u64, want: u64) -> Result<(), KvError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(KvError::new(
+            ErrorCode::Malformed,
+            format!("answer to request {got} arrived for request {want}"),
+        ))
+    }
+}

@@ -1,0 +1,128 @@
+//! Client-side TCP connection pools (tokio), one per address, bounded.
+//!
+//! A call takes a connection, uses it, and gives it back only if it is in a
+//! known state (the whole answer was read). A connection dropped mid-request
+//! is closed, never reused. More concurrent calls than connections wait for
+//! one (under the caller's deadline): the bound is the back-pressure.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::compat::{Compat, TokioAsyncReadCompatExt};
+
+use crate::error::{ErrorCode, KvError};
+
+/// A pooled stream, seen through the `futures-io` traits the frame code uses.
+pub type Stream = Compat<TcpStream>;
+
+/// Open TCP connections of every pool in this process (for leak checks).
+static OPEN: AtomicU64 = AtomicU64::new(0);
+
+/// Connections currently open through pools in this process.
+pub fn open_connections() -> u64 {
+    OPEN.load(Ordering::Relaxed)
+}
+
+/// A counted stream: the count drops when the stream is closed.
+struct Counted(Stream);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        OPEN.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A connection pool to one address.
+pub struct ConnPool {
+    addr: String,
+    idle: Mutex<Vec<Counted>>,
+    slots: Arc<Semaphore>,
+}
+
+/// A connection taken from a pool; closed on drop unless released.
+pub struct Conn {
+    stream: Option<Counted>,
+    pool: Arc<ConnPool>,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Conn {
+    pub fn stream(&mut self) -> &mut Stream {
+        &mut self.stream.as_mut().expect("present until release").0
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.pool.addr
+    }
+
+    /// Returns a healthy connection to its pool.
+    pub fn release(mut self) {
+        if let Some(s) = self.stream.take() {
+            self.pool
+                .idle
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(s);
+        }
+    }
+}
+
+impl ConnPool {
+    pub fn new(addr: String, max_connections: usize) -> Arc<Self> {
+        Arc::new(Self {
+            addr,
+            idle: Mutex::new(Vec::new()),
+            slots: Arc::new(Semaphore::new(max_connections.max(1))),
+        })
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Takes an idle connection or opens one (within `connect_timeout`).
+    pub async fn get(self: &Arc<Self>, connect_timeout: Duration) -> Result<Conn, KvError> {
+        let slot = self
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| KvError::new(ErrorCode::Internal, "connection pool closed"))?;
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let stream = match idle {
+            Some(s) => s,
+            None => {
+                let s = tokio::time::timeout(connect_timeout, TcpStream::connect(&self.addr))
+                    .await
+                    .map_err(|_| {
+                        KvError::new(
+                            ErrorCode::Timeout,
+                            format!("connecting to {} took over {connect_timeout:?}", self.addr),
+                        )
+                    })?
+                    .map_err(|e| {
+                        KvError::new(
+                            ErrorCode::Unavailable,
+                            format!("cannot connect to {}: {e}", self.addr),
+                        )
+                    })?;
+                let _ = s.set_nodelay(true);
+                OPEN.fetch_add(1, Ordering::Relaxed);
+                Counted(s.compat())
+            }
+        };
+        Ok(Conn {
+            stream: Some(stream),
+            pool: self.clone(),
+            _slot: slot,
+        })
+    }
+
+    /// Closes every idle connection (after a peer failure).
+    pub fn clear(&self) {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}

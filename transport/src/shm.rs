@@ -1,0 +1,291 @@
+//! The shared-memory transport: same-host readers and writers map the
+//! storage node's segment.
+//!
+//! ```text
+//!  storage node                          client on the same host
+//!  memfd segment                         connect("\0kvpool-shm-<segment id>")
+//!  listens on the abstract unix socket -> header {magic, segment id, size}
+//!                                         + the memfd (SCM_RIGHTS)
+//!                                        mmap(fd, size, shared)  -> memcpy in and out
+//! ```
+//!
+//! The socket name is derived from the segment id, so a client needs nothing
+//! beyond the replica descriptor. Abstract sockets live in the network
+//! namespace: a client in another namespace (another container) fails to
+//! connect and falls back to TCP, with a log line saying why.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
+use rustix::net::{
+    recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+
+use crate::error::{ErrorCode, KvError};
+use crate::proto::SegmentId;
+
+const MAGIC: [u8; 4] = *b"KVSH";
+const HEADER: usize = 20;
+
+/// Segment mappings open in this process (for leak checks).
+static MAPPED: AtomicU64 = AtomicU64::new(0);
+
+/// Shared-memory mappings currently open in this process.
+pub fn open_mappings() -> u64 {
+    MAPPED.load(Ordering::Relaxed)
+}
+
+/// The abstract socket name of a segment.
+pub fn socket_name(segment_id: SegmentId) -> String {
+    format!("kvpool-shm-{segment_id:016x}")
+}
+
+fn io_err(what: &str, e: impl std::fmt::Display) -> KvError {
+    KvError::new(ErrorCode::Unavailable, format!("shm: {what}: {e}"))
+}
+
+/// Listens on the segment's abstract socket (storage node side).
+pub fn listen(segment_id: SegmentId) -> std::io::Result<UnixListener> {
+    let addr = SocketAddr::from_abstract_name(socket_name(segment_id).as_bytes())?;
+    UnixListener::bind_addr(&addr)
+}
+
+/// Sends the segment's memfd to a client that connected (storage node side).
+pub fn send_segment(
+    stream: &UnixStream,
+    segment_id: SegmentId,
+    size: u64,
+    fd: BorrowedFd<'_>,
+) -> std::io::Result<()> {
+    let mut head = [0u8; HEADER];
+    head[0..4].copy_from_slice(&MAGIC);
+    head[4..12].copy_from_slice(&segment_id.to_le_bytes());
+    head[12..20].copy_from_slice(&size.to_le_bytes());
+    let fds = [fd];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    control.push(SendAncillaryMessage::ScmRights(&fds));
+    let n = sendmsg(
+        stream,
+        &[IoSlice::new(&head)],
+        &mut control,
+        SendFlags::empty(),
+    )?;
+    if n != HEADER {
+        return Err(std::io::Error::other("short write of the shm header"));
+    }
+    Ok(())
+}
+
+/// A storage node's segment, mapped into this process.
+pub struct ShmMap {
+    ptr: NonNull<u8>,
+    len: usize,
+    segment_id: SegmentId,
+    _fd: OwnedFd,
+}
+
+// SAFETY: a plain shared mapping; the pointer is valid until drop on any
+// thread. Which bytes may be touched is decided by the master's allocations
+// and leases (see `read_into` / `write_from`).
+unsafe impl Send for ShmMap {}
+// SAFETY: as above; shared access goes through methods that copy bytes.
+unsafe impl Sync for ShmMap {}
+
+impl ShmMap {
+    /// Connects to the segment's socket, receives its memfd and maps it.
+    /// Blocking (a local round trip); `timeout` bounds every wait.
+    pub fn open(segment_id: SegmentId, timeout: Duration) -> Result<Self, KvError> {
+        let addr = SocketAddr::from_abstract_name(socket_name(segment_id).as_bytes())
+            .map_err(|e| io_err("socket name", e))?;
+        let stream = UnixStream::connect_addr(&addr).map_err(|e| io_err("connect", e))?;
+        stream
+            .set_read_timeout(Some(timeout))
+            .map_err(|e| io_err("set timeout", e))?;
+        let mut head = [0u8; HEADER];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let msg = recvmsg(
+            &stream,
+            &mut [IoSliceMut::new(&mut head)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        )
+        .map_err(|e| io_err("receive", e))?;
+        let mut fd = None;
+        for m in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(mut fds) = m {
+                fd = fds.next();
+            }
+        }
+        let fd = fd.ok_or_else(|| io_err("receive", "no file descriptor came"))?;
+        if msg.bytes != HEADER || head[0..4] != MAGIC {
+            return Err(io_err("receive", "bad header"));
+        }
+        let got_id = u64::from_le_bytes(head[4..12].try_into().expect("8 bytes"));
+        let size = u64::from_le_bytes(head[12..20].try_into().expect("8 bytes"));
+        if got_id != segment_id {
+            return Err(KvError::new(
+                ErrorCode::SegmentNotFound,
+                format!("shm: asked for segment {segment_id:016x}, got {got_id:016x}"),
+            ));
+        }
+        let stat = rustix::fs::fstat(&fd).map_err(|e| io_err("fstat", e))?;
+        if stat.st_size as u64 != size || size == 0 {
+            return Err(io_err(
+                "map",
+                format!("segment size {size} vs file {}", stat.st_size),
+            ));
+        }
+        // SAFETY: a fresh shared mapping of the whole file, which is exactly
+        // `size` bytes (checked with fstat); nothing else is aliased.
+        let raw = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                size as usize,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                fd.as_fd(),
+                0,
+            )
+        }
+        .map_err(|e| io_err("mmap", e))?;
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| io_err("mmap", "null"))?;
+        MAPPED.fetch_add(1, Ordering::Relaxed);
+        Ok(Self {
+            ptr,
+            len: size as usize,
+            segment_id,
+            _fd: fd,
+        })
+    }
+
+    pub fn segment_id(&self) -> SegmentId {
+        self.segment_id
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<(), KvError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len as u64 => Ok(()),
+            _ => Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!(
+                    "shm: {offset}+{len} is outside segment {:016x} of {} bytes",
+                    self.segment_id, self.len
+                ),
+            )),
+        }
+    }
+
+    /// Copies `dst.len()` bytes at `offset` out of the segment.
+    pub fn read_into(&self, offset: u64, dst: &mut [u8]) -> Result<(), KvError> {
+        self.check(offset, dst.len() as u64)?;
+        // SAFETY: in bounds (checked); the master gave the caller a replica
+        // list and a lease for this range, so no writer touches it meanwhile.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset as usize),
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copies `src` into the segment at `offset`.
+    pub fn write_from(&self, offset: u64, src: &[u8]) -> Result<(), KvError> {
+        self.check(offset, src.len() as u64)?;
+        // SAFETY: in bounds (checked); the master allocated this range to this
+        // writer alone (PutStart), and no reader is sent to it before PutEnd.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                self.ptr.as_ptr().add(offset as usize),
+                src.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// The bytes at `offset..offset+len`, borrowed.
+    ///
+    /// # Safety
+    /// The caller must hold a live lease on the object at this range for as
+    /// long as the slice lives: after the lease ends, the master may hand the
+    /// space to a writer.
+    pub unsafe fn bytes(&self, offset: u64, len: u64) -> Result<&[u8], KvError> {
+        self.check(offset, len)?;
+        // SAFETY: in bounds (checked); no writer while the lease holds (caller).
+        Ok(unsafe {
+            std::slice::from_raw_parts(self.ptr.as_ptr().add(offset as usize), len as usize)
+        })
+    }
+}
+
+impl Drop for ShmMap {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `open`, with this address and length; no
+        // borrowed slice can outlive `self`.
+        let _ = unsafe { munmap(self.ptr.as_ptr().cast(), self.len) };
+        MAPPED.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_memfd_passes_over_the_socket_and_both_sides_see_the_same_bytes() {
+        let id = 0x5eed_0000_0000_0000 ^ std::process::id() as u64;
+        let fd = rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, 8192).unwrap();
+        let listener = listen(id).unwrap();
+        let server = std::thread::spawn(move || {
+            let (s, _) = listener.accept().unwrap();
+            send_segment(&s, id, 8192, fd.as_fd()).unwrap();
+            fd
+        });
+        let a = ShmMap::open(id, Duration::from_secs(5)).unwrap();
+        let fd = server.join().unwrap();
+        assert_eq!(open_mappings(), 1);
+        a.write_from(100, b"hello").unwrap();
+        // The server's own view of the memfd sees the write.
+        let mut buf = [0u8; 5];
+        rustix::io::pread(&fd, &mut buf, 100).unwrap();
+        assert_eq!(&buf, b"hello");
+        let mut back = [0u8; 5];
+        a.read_into(100, &mut back).unwrap();
+        assert_eq!(&back, b"hello");
+        assert!(
+            a.read_into(8190, &mut [0u8; 5]).is_err(),
+            "bounds are checked"
+        );
+        drop(a);
+        assert_eq!(open_mappings(), 0);
+    }
+
+    #[test]
+    fn no_listener_is_unavailable() {
+        let e = ShmMap::open(0xdead_beef, Duration::from_secs(1))
+            .err()
+            .expect("nobody serves this segment");
+        assert_eq!(e.code, ErrorCode::Unavailable);
+    }
+}
