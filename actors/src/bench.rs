@@ -153,7 +153,9 @@ pub async fn run_transfer(
                 rows.push(r);
 
                 let mut h = hist();
-                let mut bufs: Vec<Vec<u8>> = (0..batch.min(n)).map(|_| vec![0u8; size]).collect();
+                // Touched before timing: first-touch page faults of fresh
+                // buffers are not the transfer's cost.
+                let mut bufs: Vec<Vec<u8>> = (0..batch.min(n)).map(|_| vec![1u8; size]).collect();
                 let t0 = Instant::now();
                 for chunk in keys.chunks(batch) {
                     let s = Instant::now();

@@ -96,6 +96,25 @@ pub fn memcpy_gbps(size: usize, rounds: usize) -> f64 {
     (size * rounds) as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
+/// Single-thread memcpy bandwidth (GB/s) of `size`-byte copies whose source
+/// rotates over `pool` bytes, so it comes from DRAM, not cache (like a get of
+/// a different object each time).
+pub fn memcpy_cold_gbps(size: usize, pool: usize, rounds: usize) -> f64 {
+    let src = vec![1u8; pool];
+    let mut dst = vec![0u8; size];
+    let n = (pool / size).max(1);
+    for i in 0..n {
+        dst.copy_from_slice(&src[i * size..(i + 1) * size]); // fault everything in
+    }
+    let t = Instant::now();
+    for i in 0..rounds {
+        let j = i % n;
+        dst.copy_from_slice(&src[j * size..(j + 1) * size]);
+        std::hint::black_box(&dst[i % size]);
+    }
+    (size * rounds) as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
 /// Loopback TCP bandwidth measured by iperf3 (`-l 1M`), in GB/s, if iperf3
 /// is installed.
 pub fn iperf3_gbps(seconds: u32) -> Option<f64> {
