@@ -88,6 +88,31 @@ impl RangeAllocator {
         Some(foff)
     }
 
+    /// Allocates the extent at exactly `offset` (recovery: space recorded on a
+    /// device is taken back). False if any of it is not free.
+    pub fn alloc_at(&mut self, offset: u64, size: u64) -> bool {
+        let need = self.rounded(size);
+        if !offset.is_multiple_of(self.align) {
+            return false;
+        }
+        let Some((&foff, &flen)) = self.by_offset.range(..=offset).next_back() else {
+            return false;
+        };
+        if foff + flen < offset + need {
+            return false;
+        }
+        self.remove_free(foff, flen);
+        if offset > foff {
+            self.insert_free(foff, offset - foff);
+        }
+        let end = offset + need;
+        if foff + flen > end {
+            self.insert_free(end, foff + flen - end);
+        }
+        self.used += need;
+        true
+    }
+
     /// Returns the extent at `offset` of `size` bytes (as passed to `alloc`).
     ///
     /// # Panics
@@ -186,6 +211,20 @@ mod tests {
         a.dealloc(p[6], 64); // hole of 3
         assert_eq!(a.alloc(64), Some(p[1]), "the 1-block hole fits best");
         assert_eq!(a.alloc(192), Some(p[4]));
+    }
+
+    #[test]
+    fn alloc_at_claims_exact_extents_and_refuses_taken_ones() {
+        let mut a = RangeAllocator::new(0, 64 * 10, 64);
+        assert!(a.alloc_at(128, 128));
+        assert!(!a.alloc_at(192, 64), "taken");
+        assert!(!a.alloc_at(100, 64), "unaligned");
+        assert!(a.alloc_at(0, 64));
+        assert_eq!(a.used(), 192);
+        // What is left is still allocatable around the claimed extents.
+        assert_eq!(a.alloc(64), Some(64));
+        a.dealloc(128, 128);
+        assert_eq!(a.alloc(128), Some(128));
     }
 
     #[test]

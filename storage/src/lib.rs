@@ -1,10 +1,11 @@
 //! kvpool's storage layer: DRAM segments, the range allocators that carve
-//! them, and (later) eviction and the NVMe tier.
+//! them, and the NVMe tier (O_DIRECT, io_uring through glommio).
 //!
 //! Nothing here talks to the network: the master uses the allocators to hand
 //! out space, the storage node owns the segment memory that space refers to.
 
 pub mod alloc;
+pub mod nvme;
 pub mod segment;
 
 pub use alloc::RangeAllocator;

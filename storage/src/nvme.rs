@@ -1,0 +1,925 @@
+//! The NVMe tier: objects on a file or block device, O_DIRECT, driven by
+//! io_uring through glommio's `DmaFile`, one region per shard.
+//!
+//! # On-device format (a compatibility contract)
+//!
+//! ```text
+//!  file:   [ region 0 ][ region 1 ] ... [ region n-1 ]        region = capacity / n, 4 KiB multiple
+//!  region: [ superblock 4 KiB ][ slot table: slots x 512 B ][ data area: 4 KiB blocks ]
+//!
+//!  superblock: "KVNV" | version u32 | region u32 | regions u32 | region_bytes u64 | slots u32 |
+//!              pad u32 | data_offset u64 | capacity u64 | xxh3(previous 48 bytes) u64
+//!  slot record (512 B, one sector):
+//!              "KVRC" | live u32 | seq u64 | offset u64 | extent u64 | value_len u64 |
+//!              value_sum u64 | key_hash u64 | zeros .. | xxh3(bytes 0..504) u64
+//!  object extent (at `offset` in the region):
+//!              header: "KVOB" | version u16 | key_len u16 | seq u64 | value_len u64 |
+//!                      value_sum u64 | header_sum u64 | zeros to 64 | key   (padded to 4 KiB)
+//!              value bytes (padded to 4 KiB)
+//! ```
+//!
+//! # Crash consistency
+//!
+//! A write puts the extent (header + value + checksums) on the device and
+//! syncs it, and only then writes the slot record that makes it part of the
+//! index, and syncs again. A crash before the record leaves free space behind,
+//! never an index entry pointing at missing bytes. Records are one sector
+//! each, so a torn write of a table block leaves every record either old or
+//! new; a record that fails its checksum is dropped at recovery. Values are
+//! checked against their checksum on every read: a torn or corrupt value is
+//! `Corrupt`, never returned as data.
+//!
+//! # Eviction contract
+//!
+//! Past `high_watermark` the tier picks victims (oldest write first for
+//! `Fifo`, least recently read first for `Lru`) until it would be back under
+//! `low_watermark`, and marks them evicting: no new read gets them, their
+//! space is not reused. The caller reports them to the master and then calls
+//! [`NvmeShard::release`], which removes them durably and frees the space.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::path::Path;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use glommio::io::{DmaFile, OpenOptions, ReadResult};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::alloc::RangeAllocator;
+
+/// The unit of every I/O and allocation (O_DIRECT alignment).
+pub const BLOCK: u64 = 4096;
+const _: () = assert!(BLOCK.is_multiple_of(4096));
+const RECORD: usize = 512;
+const RECORDS_PER_BLOCK: usize = BLOCK as usize / RECORD;
+const _: () = assert!((BLOCK as usize).is_multiple_of(RECORD));
+const HEADER_FIXED: usize = 64;
+/// Longest key the tier stores.
+pub const MAX_KEY_BYTES: usize = 4096;
+const SB_MAGIC: [u8; 4] = *b"KVNV";
+const REC_MAGIC: [u8; 4] = *b"KVRC";
+const OBJ_MAGIC: [u8; 4] = *b"KVOB";
+const VERSION: u32 = 1;
+/// Table blocks read or written per I/O at recovery and format.
+const TABLE_IO_BLOCKS: u64 = 256;
+
+/// How the tier picks what to evict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Eviction {
+    /// Oldest write first.
+    Fifo,
+    /// Least recently read first.
+    Lru,
+}
+
+/// Settings of the tier.
+#[derive(Debug, Clone)]
+pub struct NvmeConfig {
+    /// Bytes of the file or device the tier uses.
+    pub capacity: u64,
+    /// Regions (one per shard).
+    pub regions: u32,
+    /// Expected mean object size; sizes the slot table (objects per region).
+    pub avg_object_bytes: u64,
+    pub high_watermark: f64,
+    pub low_watermark: f64,
+    pub eviction: Eviction,
+    /// fdatasync after every data and record write (off: faster, but a power
+    /// loss may lose recent objects; a process crash loses nothing).
+    pub sync_writes: bool,
+}
+
+impl Default for NvmeConfig {
+    fn default() -> Self {
+        Self {
+            capacity: 1 << 30,
+            regions: 1,
+            avg_object_bytes: 256 << 10,
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+            eviction: Eviction::Fifo,
+            sync_writes: true,
+        }
+    }
+}
+
+/// Where an object lies: its region and slot. Packs into a u64 for the
+/// master's replica records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NvmeLoc {
+    pub region: u32,
+    pub slot: u32,
+}
+
+impl NvmeLoc {
+    pub fn pack(self) -> u64 {
+        ((self.region as u64) << 32) | self.slot as u64
+    }
+
+    pub fn unpack(v: u64) -> Self {
+        Self {
+            region: (v >> 32) as u32,
+            slot: v as u32,
+        }
+    }
+}
+
+/// An object found on the device at open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovered {
+    pub key: Vec<u8>,
+    pub loc: NvmeLoc,
+    pub len: u64,
+}
+
+/// Errors of the tier.
+#[derive(Debug, thiserror::Error)]
+pub enum NvmeError {
+    #[error("nvme io: {0}")]
+    Io(String),
+    #[error("nvme: object at {loc:?} is corrupt ({why})")]
+    Corrupt { loc: NvmeLoc, why: String },
+    #[error("nvme: no room ({0})")]
+    NoSpace(String),
+    #[error("nvme: no object at {0:?}")]
+    NotFound(NvmeLoc),
+    #[error("nvme: {0}")]
+    Invalid(String),
+}
+
+fn io(e: impl std::fmt::Display) -> NvmeError {
+    NvmeError::Io(e.to_string())
+}
+
+/// Geometry of one region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Geometry {
+    region_bytes: u64,
+    slots: u32,
+    data_offset: u64,
+}
+
+impl Geometry {
+    fn of(cfg: &NvmeConfig) -> Result<Self, NvmeError> {
+        if cfg.regions == 0 {
+            return Err(NvmeError::Invalid("regions must be at least 1".into()));
+        }
+        let region_bytes = (cfg.capacity / cfg.regions as u64) / BLOCK * BLOCK;
+        let want = (region_bytes / cfg.avg_object_bytes.max(BLOCK)).clamp(64, 1 << 20);
+        let slots = want.next_multiple_of(RECORDS_PER_BLOCK as u64) as u32;
+        let data_offset = BLOCK + slots as u64 * RECORD as u64;
+        if region_bytes < data_offset + 16 * BLOCK {
+            return Err(NvmeError::Invalid(format!(
+                "capacity {} over {} regions leaves no data area",
+                cfg.capacity, cfg.regions
+            )));
+        }
+        Ok(Self {
+            region_bytes,
+            slots,
+            data_offset,
+        })
+    }
+
+    fn table_blocks(&self) -> u64 {
+        self.slots as u64 * RECORD as u64 / BLOCK
+    }
+}
+
+struct Entry {
+    key: Box<[u8]>,
+    offset: u64,
+    extent: u64,
+    len: u64,
+    sum: u64,
+    seq: u64,
+    last_read: u64,
+    evicting: bool,
+}
+
+struct State {
+    alloc: RangeAllocator,
+    free_slots: Vec<u32>,
+    slots: Vec<Option<Entry>>,
+    by_key: HashMap<Box<[u8]>, u32>,
+    /// In-memory image of the slot table.
+    table: Vec<u8>,
+    seq: u64,
+    clock: u64,
+}
+
+/// Counters and latencies of one region.
+#[derive(Default)]
+pub struct NvmeStats {
+    pub writes: Cell<u64>,
+    pub reads: Cell<u64>,
+    pub written_bytes: Cell<u64>,
+    pub read_bytes: Cell<u64>,
+    pub corrupt: Cell<u64>,
+    pub evictions: Cell<u64>,
+    pub write_latency: RefCell<Option<hdrhistogram::Histogram<u64>>>,
+    pub read_latency: RefCell<Option<hdrhistogram::Histogram<u64>>>,
+}
+
+impl NvmeStats {
+    fn record(h: &RefCell<Option<hdrhistogram::Histogram<u64>>>, took: Duration) {
+        let mut h = h.borrow_mut();
+        let h = h.get_or_insert_with(|| {
+            hdrhistogram::Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("bounds")
+        });
+        h.saturating_record(took.as_nanos() as u64);
+    }
+}
+
+/// A value read from the tier: the DMA buffer and where the value lies in it.
+pub struct NvmeValue {
+    buf: ReadResult,
+    start: usize,
+    len: usize,
+}
+
+impl std::ops::Deref for NvmeValue {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[self.start..self.start + self.len]
+    }
+}
+
+/// One region of the tier, owned by one shard (not `Send`: it lives on the
+/// shard's glommio executor).
+pub struct NvmeShard {
+    file: Rc<DmaFile>,
+    region: u32,
+    base: u64,
+    geo: Geometry,
+    cfg: NvmeConfig,
+    state: RefCell<State>,
+    /// Serializes slot-table writes, so a later image never lands before an
+    /// earlier one.
+    table_lock: glommio::sync::Semaphore,
+    pub stats: NvmeStats,
+}
+
+/// Makes sure the first block of a new file is allocated before glommio
+/// opens it. glommio decides whether a device supports IOPOLL by reading
+/// offset 0 through the poll ring: on a new, sparse file that read hits a hole
+/// and succeeds without touching the device, glommio then turns the poll ring
+/// on for the whole device, and every later read of real data fails with
+/// EOPNOTSUPP on devices without polling (virtio disks, most file systems).
+/// An existing file (or a block device) already has data there.
+fn ensure_block_zero(path: &Path) -> Result<(), NvmeError> {
+    use std::io::Write;
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::metadata(path) {
+        Ok(m) if m.file_type().is_block_device() || m.len() >= BLOCK => return Ok(()),
+        Ok(_) | Err(_) => {}
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(|e| NvmeError::Io(format!("cannot create {}: {e}", path.display())))?;
+    // Not a superblock: `open` formats a region whose magic is missing.
+    f.write_all(&[0xa5; BLOCK as usize])
+        .and_then(|_| f.sync_all())
+        .map_err(|e| NvmeError::Io(format!("cannot write {}: {e}", path.display())))
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+fn header_len(key_len: usize) -> u64 {
+    ((HEADER_FIXED + key_len) as u64).next_multiple_of(BLOCK)
+}
+
+fn header_sum(h: &[u8], key: &[u8]) -> u64 {
+    let mut v = Vec::with_capacity(32 + key.len());
+    v.extend_from_slice(&h[0..32]);
+    v.extend_from_slice(key);
+    xxh3_64(&v)
+}
+
+impl NvmeShard {
+    /// Opens region `region` of the tier at `path` (creating and formatting
+    /// what is not there yet) and recovers the objects its index lists.
+    pub async fn open(
+        path: &Path,
+        cfg: NvmeConfig,
+        region: u32,
+    ) -> Result<(Self, Vec<Recovered>), NvmeError> {
+        let geo = Geometry::of(&cfg)?;
+        if region >= cfg.regions {
+            return Err(NvmeError::Invalid(format!(
+                "region {region} of {}",
+                cfg.regions
+            )));
+        }
+        ensure_block_zero(path)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .dma_open(path)
+            .await
+            .map_err(|e| NvmeError::Io(format!("cannot open {}: {e}", path.display())))?;
+        let size = file.file_size().await.map_err(io)?;
+        if size < cfg.capacity {
+            file.truncate(cfg.capacity).await.map_err(|e| {
+                NvmeError::Io(format!(
+                    "cannot size {} to {} bytes: {e}",
+                    path.display(),
+                    cfg.capacity
+                ))
+            })?;
+        }
+        let base = region as u64 * geo.region_bytes;
+        let data_bytes = geo.region_bytes - geo.data_offset;
+        let shard = Self {
+            file: Rc::new(file),
+            region,
+            base,
+            geo,
+            state: RefCell::new(State {
+                alloc: RangeAllocator::new(geo.data_offset, data_bytes, BLOCK),
+                free_slots: (0..geo.slots).rev().collect(),
+                slots: (0..geo.slots).map(|_| None).collect(),
+                by_key: HashMap::new(),
+                table: vec![0u8; geo.slots as usize * RECORD],
+                seq: 0,
+                clock: 0,
+            }),
+            table_lock: glommio::sync::Semaphore::new(1),
+            stats: NvmeStats::default(),
+            cfg,
+        };
+        let sb = shard
+            .file
+            .read_at_aligned(base, BLOCK as usize)
+            .await
+            .map_err(io)?;
+        let recovered = if sb.len() == BLOCK as usize && sb[0..4] == SB_MAGIC {
+            shard.check_superblock(&sb)?;
+            shard.recover().await?
+        } else {
+            shard.format().await?;
+            Vec::new()
+        };
+        Ok((shard, recovered))
+    }
+
+    fn superblock(&self) -> Vec<u8> {
+        let mut b = vec![0u8; BLOCK as usize];
+        b[0..4].copy_from_slice(&SB_MAGIC);
+        b[4..8].copy_from_slice(&VERSION.to_le_bytes());
+        b[8..12].copy_from_slice(&self.region.to_le_bytes());
+        b[12..16].copy_from_slice(&self.cfg.regions.to_le_bytes());
+        b[16..24].copy_from_slice(&self.geo.region_bytes.to_le_bytes());
+        b[24..28].copy_from_slice(&self.geo.slots.to_le_bytes());
+        b[32..40].copy_from_slice(&self.geo.data_offset.to_le_bytes());
+        b[40..48].copy_from_slice(&self.cfg.capacity.to_le_bytes());
+        let sum = xxh3_64(&b[0..48]);
+        b[48..56].copy_from_slice(&sum.to_le_bytes());
+        b
+    }
+
+    fn check_superblock(&self, sb: &[u8]) -> Result<(), NvmeError> {
+        let want = self.superblock();
+        if xxh3_64(&sb[0..48]) != u64_at(sb, 48) {
+            return Err(NvmeError::Invalid(format!(
+                "region {}: the superblock fails its checksum; refusing to reuse the file",
+                self.region
+            )));
+        }
+        if sb[0..48] != want[0..48] {
+            return Err(NvmeError::Invalid(format!(
+                "region {}: the file was formatted with another layout (capacity, regions or \
+                 slots differ); use a new path, or delete the file to start empty",
+                self.region
+            )));
+        }
+        Ok(())
+    }
+
+    async fn write_block(&self, pos: u64, bytes: &[u8]) -> Result<(), NvmeError> {
+        let mut buf = self.file.alloc_dma_buffer(bytes.len());
+        buf.as_bytes_mut().copy_from_slice(bytes);
+        // The buffer is moved into the operation: the kernel owns it until
+        // the write completes.
+        let n = self.file.write_at(buf, pos).await.map_err(io)?;
+        if n != bytes.len() {
+            return Err(NvmeError::Io(format!(
+                "short write at {pos}: {n} of {}",
+                bytes.len()
+            )));
+        }
+        Ok(())
+    }
+
+    async fn sync(&self) -> Result<(), NvmeError> {
+        if self.cfg.sync_writes {
+            self.file.fdatasync().await.map_err(io)?;
+        }
+        Ok(())
+    }
+
+    async fn format(&self) -> Result<(), NvmeError> {
+        let zeros = vec![0u8; (TABLE_IO_BLOCKS * BLOCK) as usize];
+        let blocks = self.geo.table_blocks();
+        let mut b = 0;
+        while b < blocks {
+            let n = (blocks - b).min(TABLE_IO_BLOCKS);
+            self.write_block(self.base + BLOCK * (1 + b), &zeros[..(n * BLOCK) as usize])
+                .await?;
+            b += n;
+        }
+        self.file.fdatasync().await.map_err(io)?;
+        self.write_block(self.base, &self.superblock()).await?;
+        self.file.fdatasync().await.map_err(io)?;
+        Ok(())
+    }
+
+    async fn recover(&self) -> Result<Vec<Recovered>, NvmeError> {
+        let blocks = self.geo.table_blocks();
+        let mut table = vec![0u8; self.geo.slots as usize * RECORD];
+        let mut b = 0;
+        while b < blocks {
+            let n = (blocks - b).min(TABLE_IO_BLOCKS);
+            let r = self
+                .file
+                .read_at_aligned(self.base + BLOCK * (1 + b), (n * BLOCK) as usize)
+                .await
+                .map_err(io)?;
+            let at = (b * BLOCK) as usize;
+            table[at..at + r.len()].copy_from_slice(&r);
+            b += n;
+        }
+        // Live records, newest first per key.
+        let mut live: Vec<(u32, u64, u64, u64, u64, u64, u64)> = Vec::new();
+        for slot in 0..self.geo.slots {
+            let r = &table[slot as usize * RECORD..(slot as usize + 1) * RECORD];
+            if r[0..4] != REC_MAGIC {
+                continue;
+            }
+            if xxh3_64(&r[0..504]) != u64_at(r, 504) {
+                tracing::warn!(
+                    region = self.region,
+                    slot,
+                    "nvme: slot record fails its checksum; dropped"
+                );
+                continue;
+            }
+            if u32_at(r, 4) != 1 {
+                continue;
+            }
+            live.push((
+                slot,
+                u64_at(r, 8),
+                u64_at(r, 16),
+                u64_at(r, 24),
+                u64_at(r, 32),
+                u64_at(r, 40),
+                u64_at(r, 48),
+            ));
+        }
+        live.sort_by_key(|l| std::cmp::Reverse(l.1));
+        let mut out = Vec::new();
+        let mut drop_slots = Vec::new();
+        for (slot, seq, offset, extent, len, sum, key_hash) in live {
+            let loc = NvmeLoc {
+                region: self.region,
+                slot,
+            };
+            let ok_geometry = offset >= self.geo.data_offset
+                && offset.is_multiple_of(BLOCK)
+                && offset
+                    .checked_add(extent)
+                    .is_some_and(|e| e <= self.geo.region_bytes)
+                && extent >= BLOCK + len.next_multiple_of(BLOCK);
+            let key = if ok_geometry {
+                self.read_header(offset, seq, len, sum, key_hash).await
+            } else {
+                None
+            };
+            let mut st = self.state.borrow_mut();
+            let Some(key) = key else {
+                tracing::warn!(
+                    region = self.region,
+                    slot,
+                    "nvme: object header is torn or corrupt; dropped"
+                );
+                drop_slots.push(slot);
+                continue;
+            };
+            if st.by_key.contains_key(key.as_slice()) {
+                // An older copy of a key stored again: the newest wins.
+                drop_slots.push(slot);
+                continue;
+            }
+            if !st.alloc.alloc_at(offset, extent) {
+                tracing::warn!(
+                    region = self.region,
+                    slot,
+                    "nvme: extent overlaps another object; dropped"
+                );
+                drop_slots.push(slot);
+                continue;
+            }
+            st.seq = st.seq.max(seq);
+            st.slots[slot as usize] = Some(Entry {
+                key: key.clone().into_boxed_slice(),
+                offset,
+                extent,
+                len,
+                sum,
+                seq,
+                last_read: 0,
+                evicting: false,
+            });
+            st.by_key.insert(key.clone().into_boxed_slice(), slot);
+            st.free_slots.retain(|s| *s != slot);
+            out.push(Recovered { key, loc, len });
+        }
+        {
+            let mut st = self.state.borrow_mut();
+            st.table = table;
+            // Dropped records become free slots; clearing them on the device
+            // waits for the next write of their table block.
+            for s in &drop_slots {
+                let at = *s as usize * RECORD;
+                st.table[at..at + RECORD].fill(0);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Reads and checks an extent's header; returns its key.
+    async fn read_header(
+        &self,
+        offset: u64,
+        seq: u64,
+        len: u64,
+        sum: u64,
+        key_hash: u64,
+    ) -> Option<Vec<u8>> {
+        let h = self
+            .file
+            .read_at_aligned(self.base + offset, BLOCK as usize)
+            .await
+            .ok()?;
+        if h.len() < BLOCK as usize || h[0..4] != OBJ_MAGIC {
+            return None;
+        }
+        let key_len = u16::from_le_bytes([h[6], h[7]]) as usize;
+        let hlen = header_len(key_len) as usize;
+        let full;
+        let hb: &[u8] = if hlen > BLOCK as usize {
+            full = self
+                .file
+                .read_at_aligned(self.base + offset, hlen)
+                .await
+                .ok()?;
+            &full
+        } else {
+            &h
+        };
+        if hb.len() < HEADER_FIXED + key_len {
+            return None;
+        }
+        let key = &hb[HEADER_FIXED..HEADER_FIXED + key_len];
+        let ok = u64_at(hb, 8) == seq
+            && u64_at(hb, 16) == len
+            && u64_at(hb, 24) == sum
+            && u64_at(hb, 32) == header_sum(hb, key)
+            && xxh3_64(key) == key_hash;
+        ok.then(|| key.to_vec())
+    }
+
+    fn record_bytes(live: bool, e: &Entry) -> [u8; RECORD] {
+        let mut r = [0u8; RECORD];
+        r[0..4].copy_from_slice(&REC_MAGIC);
+        r[4..8].copy_from_slice(&u32::from(live).to_le_bytes());
+        r[8..16].copy_from_slice(&e.seq.to_le_bytes());
+        r[16..24].copy_from_slice(&e.offset.to_le_bytes());
+        r[24..32].copy_from_slice(&e.extent.to_le_bytes());
+        r[32..40].copy_from_slice(&e.len.to_le_bytes());
+        r[40..48].copy_from_slice(&e.sum.to_le_bytes());
+        r[48..56].copy_from_slice(&xxh3_64(&e.key).to_le_bytes());
+        let s = xxh3_64(&r[0..504]);
+        r[504..512].copy_from_slice(&s.to_le_bytes());
+        r
+    }
+
+    /// Writes slot `slot`'s table block with `record` in it, durably.
+    async fn write_record(&self, slot: u32, record: &[u8; RECORD]) -> Result<(), NvmeError> {
+        let _g = self.table_lock.acquire_permit(1).await.map_err(io)?;
+        let block = slot as usize / RECORDS_PER_BLOCK;
+        let image = {
+            let mut st = self.state.borrow_mut();
+            let at = slot as usize * RECORD;
+            st.table[at..at + RECORD].copy_from_slice(record);
+            let b0 = block * BLOCK as usize;
+            st.table[b0..b0 + BLOCK as usize].to_vec()
+        };
+        self.write_block(self.base + BLOCK * (1 + block as u64), &image)
+            .await?;
+        self.sync().await
+    }
+
+    /// Stores `value` under `key`; durable when this returns.
+    pub async fn write(&self, key: &[u8], value: &[u8]) -> Result<NvmeLoc, NvmeError> {
+        if key.is_empty() || key.len() > MAX_KEY_BYTES {
+            return Err(NvmeError::Invalid(format!("key of {} bytes", key.len())));
+        }
+        let started = Instant::now();
+        let hlen = header_len(key.len());
+        let extent = hlen + (value.len() as u64).max(1).next_multiple_of(BLOCK);
+        let (slot, offset, seq) = {
+            let mut st = self.state.borrow_mut();
+            if st.by_key.contains_key(key) {
+                return Err(NvmeError::Invalid(
+                    "the key is already stored in this region".into(),
+                ));
+            }
+            let Some(slot) = st.free_slots.pop() else {
+                return Err(NvmeError::NoSpace(format!(
+                    "all {} slots in use",
+                    self.geo.slots
+                )));
+            };
+            let Some(offset) = st.alloc.alloc(extent) else {
+                st.free_slots.push(slot);
+                return Err(NvmeError::NoSpace(format!("no {extent}-byte extent free")));
+            };
+            st.seq += 1;
+            (slot, offset, st.seq)
+        };
+        let sum = xxh3_64(value);
+        let res = async {
+            let mut buf = self.file.alloc_dma_buffer(extent as usize);
+            let b = buf.as_bytes_mut();
+            b[..hlen as usize].fill(0);
+            b[0..4].copy_from_slice(&OBJ_MAGIC);
+            b[4..6].copy_from_slice(&(VERSION as u16).to_le_bytes());
+            b[6..8].copy_from_slice(&(key.len() as u16).to_le_bytes());
+            b[8..16].copy_from_slice(&seq.to_le_bytes());
+            b[16..24].copy_from_slice(&(value.len() as u64).to_le_bytes());
+            b[24..32].copy_from_slice(&sum.to_le_bytes());
+            b[HEADER_FIXED..HEADER_FIXED + key.len()].copy_from_slice(key);
+            let hs = header_sum(b, key);
+            b[32..40].copy_from_slice(&hs.to_le_bytes());
+            let v0 = hlen as usize;
+            b[v0..v0 + value.len()].copy_from_slice(value);
+            b[v0 + value.len()..].fill(0);
+            // The buffer is moved into the operation until it completes.
+            let n = self
+                .file
+                .write_at(buf, self.base + offset)
+                .await
+                .map_err(io)?;
+            if n as u64 != extent {
+                return Err(NvmeError::Io(format!("short write: {n} of {extent}")));
+            }
+            self.sync().await?;
+            let entry = Entry {
+                key: key.into(),
+                offset,
+                extent,
+                len: value.len() as u64,
+                sum,
+                seq,
+                last_read: 0,
+                evicting: false,
+            };
+            self.write_record(slot, &Self::record_bytes(true, &entry))
+                .await?;
+            Ok(entry)
+        }
+        .await;
+        let mut st = self.state.borrow_mut();
+        match res {
+            Ok(entry) => {
+                st.by_key.insert(key.into(), slot);
+                st.slots[slot as usize] = Some(entry);
+                self.stats.writes.set(self.stats.writes.get() + 1);
+                self.stats
+                    .written_bytes
+                    .set(self.stats.written_bytes.get() + value.len() as u64);
+                NvmeStats::record(&self.stats.write_latency, started.elapsed());
+                Ok(NvmeLoc {
+                    region: self.region,
+                    slot,
+                })
+            }
+            Err(e) => {
+                // Nothing points at the extent yet: give it back.
+                st.alloc.dealloc(offset, extent);
+                st.free_slots.push(slot);
+                Err(e)
+            }
+        }
+    }
+
+    fn check_loc(&self, loc: NvmeLoc) -> Result<(), NvmeError> {
+        if loc.region != self.region || loc.slot >= self.geo.slots {
+            return Err(NvmeError::NotFound(loc));
+        }
+        Ok(())
+    }
+
+    /// Reads the object at `loc`; its checksum is verified.
+    pub async fn read(&self, loc: NvmeLoc) -> Result<NvmeValue, NvmeError> {
+        self.check_loc(loc)?;
+        let started = Instant::now();
+        let (offset, extent, len, sum, seq, key) = {
+            let mut st = self.state.borrow_mut();
+            st.clock += 1;
+            let clock = st.clock;
+            let e = st.slots[loc.slot as usize]
+                .as_mut()
+                .filter(|e| !e.evicting)
+                .ok_or(NvmeError::NotFound(loc))?;
+            e.last_read = clock;
+            (e.offset, e.extent, e.len, e.sum, e.seq, e.key.clone())
+        };
+        let buf = self
+            .file
+            .read_at_aligned(self.base + offset, extent as usize)
+            .await
+            .map_err(io)?;
+        let corrupt = |why: &str| {
+            self.stats.corrupt.set(self.stats.corrupt.get() + 1);
+            NvmeError::Corrupt {
+                loc,
+                why: why.to_string(),
+            }
+        };
+        if buf.len() < extent as usize || buf[0..4] != OBJ_MAGIC {
+            return Err(corrupt("bad object header"));
+        }
+        let key_len = u16::from_le_bytes([buf[6], buf[7]]) as usize;
+        let hlen = header_len(key_len) as usize;
+        if key_len != key.len()
+            || buf[HEADER_FIXED..HEADER_FIXED + key_len] != *key
+            || u64_at(&buf, 8) != seq
+            || u64_at(&buf, 32) != header_sum(&buf, &key)
+        {
+            return Err(corrupt("header does not match the index"));
+        }
+        let value = &buf[hlen..hlen + len as usize];
+        if xxh3_64(value) != sum {
+            return Err(corrupt("value checksum mismatch"));
+        }
+        self.stats.reads.set(self.stats.reads.get() + 1);
+        self.stats.read_bytes.set(self.stats.read_bytes.get() + len);
+        NvmeStats::record(&self.stats.read_latency, started.elapsed());
+        Ok(NvmeValue {
+            buf,
+            start: hlen,
+            len: len as usize,
+        })
+    }
+
+    /// The location of `key` in this region, if stored and not evicting.
+    pub fn lookup(&self, key: &[u8]) -> Option<NvmeLoc> {
+        let st = self.state.borrow();
+        let slot = *st.by_key.get(key)?;
+        st.slots[slot as usize]
+            .as_ref()
+            .filter(|e| !e.evicting)
+            .map(|_| NvmeLoc {
+                region: self.region,
+                slot,
+            })
+    }
+
+    /// Removes the object at `loc` durably and frees its space.
+    pub async fn remove(&self, loc: NvmeLoc) -> Result<(), NvmeError> {
+        self.check_loc(loc)?;
+        let record = {
+            let mut st = self.state.borrow_mut();
+            st.seq += 1;
+            let seq = st.seq;
+            let e = st.slots[loc.slot as usize]
+                .as_ref()
+                .ok_or(NvmeError::NotFound(loc))?;
+            let tomb = Entry {
+                key: e.key.clone(),
+                offset: e.offset,
+                extent: e.extent,
+                len: e.len,
+                sum: e.sum,
+                seq,
+                last_read: 0,
+                evicting: true,
+            };
+            Self::record_bytes(false, &tomb)
+        };
+        self.write_record(loc.slot, &record).await?;
+        let mut st = self.state.borrow_mut();
+        if let Some(e) = st.slots[loc.slot as usize].take() {
+            st.by_key.remove(&e.key);
+            st.alloc.dealloc(e.offset, e.extent);
+            st.free_slots.push(loc.slot);
+        }
+        Ok(())
+    }
+
+    /// Bytes in use in the data area, and its size.
+    pub fn usage(&self) -> (u64, u64) {
+        let st = self.state.borrow();
+        (st.alloc.used(), st.alloc.capacity())
+    }
+
+    pub fn objects(&self) -> usize {
+        self.state.borrow().by_key.len()
+    }
+
+    /// Whether a write of `value_len` bytes under a `key_len`-byte key fits now.
+    pub fn fits(&self, key_len: usize, value_len: u64) -> bool {
+        let st = self.state.borrow();
+        let extent = header_len(key_len) + value_len.max(1).next_multiple_of(BLOCK);
+        !st.free_slots.is_empty() && st.alloc.largest_free() >= extent
+    }
+
+    /// Past the high watermark (or when `need` bytes are wanted and not
+    /// free): picks victims until use would be under the low watermark (and
+    /// `need` would fit), marks them evicting and returns them. The caller
+    /// reports them, then calls [`NvmeShard::release`] for each.
+    pub fn evict_candidates(&self, need: u64) -> Vec<(Vec<u8>, NvmeLoc)> {
+        let mut st = self.state.borrow_mut();
+        let (used, cap) = (st.alloc.used(), st.alloc.capacity());
+        let evicting: u64 = st
+            .slots
+            .iter()
+            .flatten()
+            .filter(|e| e.evicting)
+            .map(|e| e.extent)
+            .sum();
+        let high = (self.cfg.high_watermark * cap as f64) as u64;
+        let low = (self.cfg.low_watermark * cap as f64) as u64;
+        let short_of_slots = st.free_slots.is_empty();
+        let target_used = if used > high || short_of_slots {
+            low
+        } else if need > 0 && st.alloc.largest_free() < need {
+            used.saturating_sub(need)
+        } else {
+            return Vec::new();
+        };
+        let mut want = (used - evicting).saturating_sub(target_used);
+        if want == 0 && short_of_slots {
+            want = 1;
+        }
+        let mut cands: Vec<(u64, u32)> = st
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| {
+                let e = e.as_ref()?;
+                (!e.evicting).then_some((
+                    match self.cfg.eviction {
+                        Eviction::Fifo => e.seq,
+                        Eviction::Lru => e.last_read.max(e.seq.min(1)),
+                    },
+                    i as u32,
+                ))
+            })
+            .collect();
+        cands.sort_unstable();
+        let mut out = Vec::new();
+        for (_, slot) in cands {
+            if want == 0 {
+                break;
+            }
+            let e = st.slots[slot as usize].as_mut().expect("listed above");
+            e.evicting = true;
+            want = want.saturating_sub(e.extent);
+            out.push((
+                e.key.to_vec(),
+                NvmeLoc {
+                    region: self.region,
+                    slot,
+                },
+            ));
+        }
+        self.stats
+            .evictions
+            .set(self.stats.evictions.get() + out.len() as u64);
+        out
+    }
+
+    /// Frees an evicting object's space (after the master was told).
+    pub async fn release(&self, loc: NvmeLoc) -> Result<(), NvmeError> {
+        self.remove(loc).await
+    }
+
+    pub fn region(&self) -> u32 {
+        self.region
+    }
+}

@@ -1,0 +1,353 @@
+//! The NVMe tier on a real file (O_DIRECT, io_uring through glommio): round
+//! trips, eviction, recovery after a clean close and after kill -9,
+//! corruption detected by checksum.
+
+use std::future::Future;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvpool_storage::nvme::{Eviction, NvmeConfig, NvmeError, NvmeLoc, NvmeShard, BLOCK};
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Runs `f` on a fresh glommio executor (the tier lives on shards).
+fn on_shard<F, Fut, T>(f: F) -> T
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = T> + 'static,
+    T: Send + 'static,
+{
+    glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+        .spawn(f)
+        .expect("executor")
+        .join()
+        .expect("join")
+}
+
+/// A file on a real file system (O_DIRECT does not work on tmpfs).
+fn file(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nvme-tests");
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(format!("{name}-{}.kvnv", std::process::id()));
+    let _ = std::fs::remove_file(&p);
+    p
+}
+
+fn value(i: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|j| (xxh3_64(&(i * 1_000_003 + j as u64).to_le_bytes()) & 0xff) as u8)
+        .collect()
+}
+
+fn cfg(capacity: u64) -> NvmeConfig {
+    NvmeConfig {
+        capacity,
+        regions: 2,
+        avg_object_bytes: 16 << 10,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn odd_sizes_round_trip_byte_for_byte() {
+    let path = file("odd");
+    on_shard(move || async move {
+        let (t, rec) = NvmeShard::open(&path, cfg(64 << 20), 0).await.unwrap();
+        assert!(rec.is_empty());
+        let sizes = [1usize, 4095, 4096, 4097, (1 << 20) + 1, 16 << 20];
+        let mut locs = Vec::new();
+        for (i, &n) in sizes.iter().enumerate() {
+            let v = value(i as u64, n);
+            locs.push((t.write(format!("k{i}").as_bytes(), &v).await.unwrap(), v));
+        }
+        for (loc, v) in &locs {
+            let got = t.read(*loc).await.unwrap();
+            assert_eq!(got.len(), v.len());
+            assert!(*got == **v, "{} bytes", v.len());
+        }
+        assert_eq!(t.lookup(b"k3"), Some(locs[3].0));
+        assert!(t.write(b"k3", b"again").await.is_err(), "one copy per key");
+        let _ = std::fs::remove_file(&path);
+    });
+}
+
+#[test]
+fn eviction_marks_victims_unreadable_and_release_frees_their_space() {
+    let path = file("evict");
+    on_shard(move || async move {
+        let c = NvmeConfig {
+            eviction: Eviction::Fifo,
+            high_watermark: 0.8,
+            low_watermark: 0.5,
+            ..cfg(8 << 20)
+        };
+        let (t, _) = NvmeShard::open(&path, c, 1).await.unwrap();
+        let (_, cap) = t.usage();
+        let n = (cap / (64 << 10)) as usize;
+        let mut locs = Vec::new();
+        let mut i = 0;
+        while t.fits(8, 60 << 10) {
+            locs.push(
+                t.write(format!("obj-{i:03}").as_bytes(), &value(i, 60 << 10))
+                    .await
+                    .unwrap(),
+            );
+            i += 1;
+        }
+        assert!(locs.len() >= n / 2, "filled: {} objects", locs.len());
+        let victims = t.evict_candidates(0);
+        assert!(!victims.is_empty(), "past the high watermark");
+        // FIFO: the oldest writes go first.
+        assert_eq!(victims[0].0, b"obj-000");
+        for (k, loc) in &victims {
+            assert!(
+                matches!(t.read(*loc).await, Err(NvmeError::NotFound(_))),
+                "{k:?} unreadable"
+            );
+            assert_eq!(t.lookup(k), None);
+        }
+        let (used_before, _) = t.usage();
+        for (_, loc) in &victims {
+            t.release(*loc).await.unwrap();
+        }
+        let (used_after, cap) = t.usage();
+        assert!(used_after < used_before);
+        assert!((used_after as f64) <= 0.5 * cap as f64 + (64 << 10) as f64);
+        // The space is reused, and survivors still read back.
+        let l = t.write(b"new", &value(999, 60 << 10)).await.unwrap();
+        assert!(*t.read(l).await.unwrap() == *value(999, 60 << 10));
+        let last = *locs.last().unwrap();
+        assert!(*t.read(last).await.unwrap() == *value(i - 1, 60 << 10));
+        let _ = std::fs::remove_file(&path);
+    });
+}
+
+#[test]
+fn a_clean_restart_recovers_everything_and_removed_objects_stay_removed() {
+    let path = file("restart");
+    let p2 = path.clone();
+    on_shard(move || async move {
+        for region in 0..2 {
+            let (t, _) = NvmeShard::open(&p2, cfg(64 << 20), region).await.unwrap();
+            for i in 0..20 {
+                t.write(
+                    format!("r{region}-{i}").as_bytes(),
+                    &value(i, 10_000 + i as usize),
+                )
+                .await
+                .unwrap();
+            }
+            let gone = t.lookup(format!("r{region}-7").as_bytes()).unwrap();
+            t.remove(gone).await.unwrap();
+        }
+    });
+    on_shard(move || async move {
+        for region in 0..2 {
+            let (t, rec) = NvmeShard::open(&path, cfg(64 << 20), region).await.unwrap();
+            assert_eq!(rec.len(), 19, "region {region}");
+            assert!(!rec
+                .iter()
+                .any(|r| r.key == format!("r{region}-7").into_bytes()));
+            for r in &rec {
+                let i: u64 = String::from_utf8(r.key.clone())
+                    .unwrap()
+                    .rsplit('-')
+                    .next()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                assert_eq!(r.len, 10_000 + i);
+                assert!(*t.read(r.loc).await.unwrap() == *value(i, 10_000 + i as usize));
+            }
+        }
+        let _ = std::fs::remove_file(&path);
+    });
+}
+
+#[test]
+fn a_file_formatted_with_another_layout_is_refused_not_overwritten() {
+    let path = file("layout");
+    let p2 = path.clone();
+    on_shard(move || async move {
+        let (t, _) = NvmeShard::open(&p2, cfg(64 << 20), 0).await.unwrap();
+        t.write(b"keep", b"me").await.unwrap();
+    });
+    on_shard(move || async move {
+        let other = NvmeConfig {
+            regions: 4,
+            ..cfg(64 << 20)
+        };
+        let e = NvmeShard::open(&path, other, 0)
+            .await
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("another layout"), "{e}");
+        let (_, rec) = NvmeShard::open(&path, cfg(64 << 20), 0).await.unwrap();
+        assert_eq!(rec.len(), 1, "the data survived the refused open");
+        let _ = std::fs::remove_file(&path);
+    });
+}
+
+/// Where the test writes object `i` of the crash test.
+fn crash_value(i: u64) -> Vec<u8> {
+    value(i, 1000 + (i as usize * 7919) % 200_000)
+}
+
+/// Not a test of its own: the writer process of
+/// `acknowledged_objects_survive_kill_9_and_nothing_else_reads_as_valid`, run
+/// by that test (it re-executes this binary) with `KVPOOL_NVME_CRASH_FILE`
+/// set. Without it, there is nothing to do.
+#[test]
+fn crash_test_writer_process() {
+    let Ok(path) = std::env::var("KVPOOL_NVME_CRASH_FILE") else {
+        return;
+    };
+    on_shard(move || async move {
+        let (t, _) = NvmeShard::open(Path::new(&path), cfg(256 << 20), 0)
+            .await
+            .unwrap();
+        for i in 0u64.. {
+            let key = format!("crash-{i}");
+            if t.write(key.as_bytes(), &crash_value(i)).await.is_err() {
+                // Full: start over with removals so writes keep coming.
+                if let Some(l) = t.lookup(format!("crash-{}", i.saturating_sub(100)).as_bytes()) {
+                    let _ = t.remove(l).await;
+                }
+                continue;
+            }
+            println!("ack {i}");
+        }
+    });
+}
+
+#[test]
+fn acknowledged_objects_survive_kill_9_and_nothing_else_reads_as_valid() {
+    let path = file("crash");
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "crash_test_writer_process",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("KVPOOL_NVME_CRASH_FILE", &path)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if let Some(i) = line.strip_prefix("ack ") {
+                if tx.send(i.parse::<u64>().unwrap()).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let mut acked = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while acked.len() < 60 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        acked.push(
+            rx.recv_timeout(left)
+                .expect("the writer acknowledges writes"),
+        );
+    }
+    // Mid-stream: more writes are in flight when the kill lands.
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    child.wait().unwrap();
+    while let Ok(i) = rx.try_recv() {
+        acked.push(i);
+    }
+    on_shard(move || async move {
+        let (t, rec) = NvmeShard::open(&path, cfg(256 << 20), 0).await.unwrap();
+        let found: std::collections::HashMap<Vec<u8>, NvmeLoc> =
+            rec.iter().map(|r| (r.key.clone(), r.loc)).collect();
+        for i in &acked {
+            let key = format!("crash-{i}").into_bytes();
+            let loc = found
+                .get(&key)
+                .unwrap_or_else(|| panic!("acknowledged crash-{i} was lost"));
+            assert!(
+                *t.read(*loc).await.unwrap() == *crash_value(*i),
+                "crash-{i}"
+            );
+        }
+        // Anything else recovered (written but not yet acknowledged) is whole.
+        for r in &rec {
+            let i: u64 = String::from_utf8(r.key.clone()).unwrap()[6..]
+                .parse()
+                .unwrap();
+            match t.read(r.loc).await {
+                Ok(v) => assert!(
+                    *v == *crash_value(i),
+                    "recovered crash-{i} has the wrong bytes"
+                ),
+                Err(e) => panic!("recovered crash-{i} is listed but unreadable: {e}"),
+            }
+        }
+        let _ = std::fs::remove_file(&path);
+    });
+}
+
+#[test]
+fn flipped_bytes_in_a_value_are_a_checksum_error_for_that_object_only() {
+    let path = file("corrupt");
+    let p2 = path.clone();
+    let locs = on_shard(move || async move {
+        let (t, _) = NvmeShard::open(&p2, cfg(64 << 20), 0).await.unwrap();
+        let mut v = Vec::new();
+        for i in 0..5u64 {
+            v.push(
+                t.write(format!("c{i}").as_bytes(), &value(i, 50_000))
+                    .await
+                    .unwrap(),
+            );
+        }
+        v
+    });
+    // Find object c2's value on disk (its header names the key) and flip bytes.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let hdr = bytes
+        .windows(4 + 60 + 2)
+        .position(|w| w[0..4] == *b"KVOB" && &w[64..66] == b"c2")
+        .expect("c2's header");
+    let at = hdr + BLOCK as usize + 1234;
+    bytes[at] ^= 0xff;
+    bytes[at + 1] ^= 0x55;
+    std::fs::write(&path, &bytes).unwrap();
+    // And a slot record of c4: the record fails its checksum at recovery.
+    on_shard(move || async move {
+        let (t, rec) = NvmeShard::open(&path, cfg(64 << 20), 0).await.unwrap();
+        assert_eq!(rec.len(), 5);
+        for (i, loc) in locs.iter().enumerate() {
+            let r = t.read(*loc).await;
+            if i == 2 {
+                assert!(
+                    matches!(r, Err(NvmeError::Corrupt { .. })),
+                    "c2 must be Corrupt"
+                );
+            } else {
+                assert!(*r.unwrap() == *value(i as u64, 50_000), "c{i} is intact");
+            }
+        }
+        assert_eq!(t.stats.corrupt.get(), 1);
+        drop(t);
+        // Now damage c4's slot record in the table.
+        let mut bytes = std::fs::read(&path).unwrap();
+        let rec4 = BLOCK as usize + locs[4].slot as usize * 512;
+        assert_eq!(&bytes[rec4..rec4 + 4], b"KVRC");
+        bytes[rec4 + 20] ^= 0x01;
+        std::fs::write(&path, &bytes).unwrap();
+        let (t, rec) = NvmeShard::open(&path, cfg(64 << 20), 0).await.unwrap();
+        assert_eq!(rec.len(), 4, "the damaged record is dropped, not trusted");
+        assert!(!rec.iter().any(|r| r.key == b"c4"));
+        assert!(*t.read(locs[0]).await.unwrap() == *value(0, 50_000));
+        let _ = std::fs::remove_file(&path);
+    });
+}
