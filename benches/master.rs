@@ -37,6 +37,8 @@ fn fake_segment(name: &str) -> SegmentSpec {
         },
         slice_bytes: 1 << 40,
         host_id: "bench".into(),
+        tier: kvpool_transport::proto::Tier::Dram,
+        nvme: None,
     }
 }
 

@@ -53,7 +53,11 @@ fn main() {
 
     let memcpy = support::memcpy_gbps(16 << 20, if full { 200 } else { 10 });
     println!("reference memcpy 16MiB single thread, same buffers (cache-warm): {memcpy:.2} GB/s");
-    let cold = support::memcpy_cold_gbps(16 << 20, if full { 1 << 30 } else { 256 << 20 }, if full { 200 } else { 20 });
+    let cold = support::memcpy_cold_gbps(
+        16 << 20,
+        if full { 1 << 30 } else { 256 << 20 },
+        if full { 200 } else { 20 },
+    );
     println!("reference memcpy 16MiB single thread, source rotating over DRAM: {cold:.2} GB/s");
     match support::iperf3_gbps(if full { 5 } else { 1 }) {
         Some(g) => println!("reference iperf3 loopback TCP (-l 1M): {g:.2} GB/s"),

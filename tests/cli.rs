@@ -241,7 +241,22 @@ fn single_node_toml_spells_out_every_default() {
         "configs/single-node.toml differs from the embedded defaults"
     );
     for (section, keys) in b.as_object().unwrap() {
-        for key in keys.as_object().unwrap().keys() {
+        for (key, v) in keys.as_object().unwrap() {
+            if let Some(sub) = v.as_object() {
+                // A nested table, e.g. [storage.nvme].
+                assert!(
+                    text.contains(&format!("[{section}.{key}]")),
+                    "[{section}.{key}] missing"
+                );
+                for k in sub.keys() {
+                    assert!(
+                        text.lines()
+                            .any(|l| l.trim_start().starts_with(&format!("{k} ="))),
+                        "{section}.{key}.{k} is not in configs/single-node.toml"
+                    );
+                }
+                continue;
+            }
             assert!(
                 text.lines()
                     .any(|l| l.trim_start().starts_with(&format!("{key} ="))),

@@ -356,7 +356,15 @@ impl Client {
     /// benches; `put`/`get` are the calls that move data.
     pub async fn call(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
         self.deadline(req.op_name(), async {
-            if req.batch_keys().is_some() {
+            if let MasterRequest::NodeTasks { shard, .. } = req {
+                if shard as usize >= self.inner.master_pools.len() {
+                    return Err(KvError::new(
+                        ErrorCode::InvalidParams,
+                        format!("no master shard {shard}"),
+                    ));
+                }
+                self.master_on(shard as usize, &req).await
+            } else if req.batch_keys().is_some() {
                 self.master_batch(req).await
             } else {
                 self.master(&req).await

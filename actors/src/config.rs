@@ -79,6 +79,20 @@ impl NodeConfig {
             self.storage.max_connections as u64,
         )?;
         nonzero("storage.io_timeout_ms", self.storage.io_timeout_ms)?;
+        let n = &self.storage.nvme;
+        if !n.path.is_empty() {
+            nonzero("storage.nvme.capacity", n.capacity.get())?;
+            nonzero("storage.nvme.task_poll_ms", n.task_poll_ms)?;
+            if !(0.0 < n.low_watermark
+                && n.low_watermark < n.high_watermark
+                && n.high_watermark <= 1.0)
+            {
+                return Err(
+                    "keys `storage.nvme.low_watermark` and `storage.nvme.high_watermark`: need 0 < low < high <= 1"
+                        .into(),
+                );
+            }
+        }
         nonzero("client.timeout_ms", self.client.timeout_ms)?;
         nonzero("client.connect_timeout_ms", self.client.connect_timeout_ms)?;
         nonzero(
@@ -198,6 +212,9 @@ pub struct MasterConfig {
     /// Housekeeping period of each shard (stale puts, expired leases,
     /// liveness).
     pub tick_ms: u64,
+    /// Reads of an object held only on NVMe after which it is copied back
+    /// to DRAM (0: never).
+    pub promote_after_reads: u16,
 }
 
 /// How the master chooses segments for a put's replicas.
@@ -234,6 +251,7 @@ impl Default for MasterConfig {
             eviction_ratio: 0.05,
             placement: Placement::LocalFirst,
             tick_ms: 100,
+            promote_after_reads: 2,
         }
     }
 }
@@ -269,6 +287,65 @@ pub struct StorageConfig {
     pub max_frame_bytes: Bytes,
     /// Hand the segment to same-host clients (memfd over a unix socket).
     pub shm: bool,
+    /// `[storage.nvme]`: the NVMe tier under the DRAM segment.
+    pub nvme: NvmeTierConfig,
+}
+
+/// What happens to objects on the NVMe tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OffloadPolicy {
+    /// An object evicted from DRAM moves to NVMe instead of being dropped.
+    OnEvict,
+    /// Every object is copied to NVMe at PutEnd (and evicted DRAM copies go).
+    WriteThrough,
+}
+
+/// Which objects the NVMe tier evicts first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NvmeEvictionPolicy {
+    Fifo,
+    Lru,
+}
+
+/// `[storage.nvme]`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NvmeTierConfig {
+    /// A file or block device; "" = no NVMe tier.
+    pub path: String,
+    /// Bytes of it the tier uses.
+    pub capacity: Bytes,
+    pub policy: OffloadPolicy,
+    pub eviction: NvmeEvictionPolicy,
+    /// Evict past this fraction of the tier's data space...
+    pub high_watermark: f64,
+    /// ...down to this one.
+    pub low_watermark: f64,
+    /// Expected mean object size: sizes the on-device index.
+    pub avg_object_bytes: Bytes,
+    /// fdatasync every object and index write (off: a power loss may lose
+    /// the newest objects; a process crash still loses nothing).
+    pub sync_writes: bool,
+    /// How often the node asks the master for work (demotions, promotions).
+    pub task_poll_ms: u64,
+}
+
+impl Default for NvmeTierConfig {
+    fn default() -> Self {
+        Self {
+            path: String::new(),
+            capacity: Bytes::gib(16),
+            policy: OffloadPolicy::OnEvict,
+            eviction: NvmeEvictionPolicy::Fifo,
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+            avg_object_bytes: Bytes::kib(256),
+            sync_writes: true,
+            task_poll_ms: 100,
+        }
+    }
 }
 
 impl Default for StorageConfig {
@@ -287,6 +364,7 @@ impl Default for StorageConfig {
             io_timeout_ms: 10_000,
             max_frame_bytes: Bytes::kib(64),
             shm: true,
+            nvme: NvmeTierConfig::default(),
         }
     }
 }

@@ -17,6 +17,7 @@ pub mod http;
 pub mod master;
 pub mod metrics;
 pub mod node;
+pub mod nvme_tier;
 pub mod server;
 pub mod storage_node;
 

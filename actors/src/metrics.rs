@@ -38,6 +38,8 @@ pub struct MasterMetrics {
     pub segments: Gauge,
     pub evictions: Gauge,
     pub evicted_bytes: Gauge,
+    pub demotions: Gauge,
+    pub promotions: Gauge,
     pub stale_puts: Counter,
 }
 
@@ -52,6 +54,8 @@ impl MasterMetrics {
             segments: Gauge::default(),
             evictions: Gauge::default(),
             evicted_bytes: Gauge::default(),
+            demotions: Gauge::default(),
+            promotions: Gauge::default(),
             stale_puts: Counter::default(),
         };
         reg.register(
@@ -75,6 +79,16 @@ impl MasterMetrics {
             "master_evicted_bytes",
             "Bytes evicted since the master started",
             m.evicted_bytes.clone(),
+        );
+        reg.register(
+            "master_demotions",
+            "Objects moved from DRAM to NVMe by eviction since start",
+            m.demotions.clone(),
+        );
+        reg.register(
+            "master_promotions",
+            "Objects copied back from NVMe to DRAM since start",
+            m.promotions.clone(),
         );
         reg.register(
             "master_stale_puts",
@@ -111,6 +125,14 @@ pub struct StorageMetrics {
     pub bytes_written: Counter,
     latency: HistFamily,
     pub segment_bytes: Gauge,
+    pub nvme_capacity: Gauge,
+    pub nvme_used: Gauge,
+    pub nvme_objects: Gauge,
+    pub nvme_evictions: Counter,
+    pub nvme_demotions: Counter,
+    pub nvme_promotions: Counter,
+    pub nvme_read_seconds: Histogram,
+    pub nvme_write_seconds: Histogram,
 }
 
 impl StorageMetrics {
@@ -121,6 +143,14 @@ impl StorageMetrics {
             bytes_written: Counter::default(),
             latency: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
             segment_bytes: Gauge::default(),
+            nvme_capacity: Gauge::default(),
+            nvme_used: Gauge::default(),
+            nvme_objects: Gauge::default(),
+            nvme_evictions: Counter::default(),
+            nvme_demotions: Counter::default(),
+            nvme_promotions: Counter::default(),
+            nvme_read_seconds: latency_histogram(),
+            nvme_write_seconds: latency_histogram(),
         };
         reg.register(
             "storage_requests",
@@ -146,6 +176,46 @@ impl StorageMetrics {
             "storage_segment_bytes",
             "Size of this node's DRAM segment",
             m.segment_bytes.clone(),
+        );
+        reg.register(
+            "storage_nvme_capacity_bytes",
+            "Bytes of the NVMe tier (0: none)",
+            m.nvme_capacity.clone(),
+        );
+        reg.register(
+            "storage_nvme_used_bytes",
+            "Bytes of the NVMe tier in use",
+            m.nvme_used.clone(),
+        );
+        reg.register(
+            "storage_nvme_objects",
+            "Objects on the NVMe tier",
+            m.nvme_objects.clone(),
+        );
+        reg.register(
+            "storage_nvme_evictions",
+            "Objects the NVMe tier evicted",
+            m.nvme_evictions.clone(),
+        );
+        reg.register(
+            "storage_nvme_demotions",
+            "Objects moved from DRAM to NVMe by eviction",
+            m.nvme_demotions.clone(),
+        );
+        reg.register(
+            "storage_nvme_promotions",
+            "Objects copied back from NVMe to DRAM",
+            m.nvme_promotions.clone(),
+        );
+        reg.register(
+            "storage_nvme_read_seconds",
+            "NVMe object read latency",
+            m.nvme_read_seconds.clone(),
+        );
+        reg.register(
+            "storage_nvme_write_seconds",
+            "NVMe object write latency (durable)",
+            m.nvme_write_seconds.clone(),
         );
         // Every series exists from the start (at 0), so dashboards and alerts
         // see them before the first request.

@@ -90,6 +90,7 @@ async fn run_roles(
 
     let mut storage: Option<ActorRef<StorageNodeMsg>> = None;
     let mut storage_addr = None;
+    let mut nvme: Option<(crate::client::Client, kvpool_transport::proto::SegmentId)> = None;
     if role.has_storage() {
         let svc = storage_node::start(&shards, &cfg.storage, &metrics).await?;
         if cfg.storage.shm {
@@ -106,9 +107,24 @@ async fn run_roles(
             ping_interval: Duration::from_millis(cfg.storage.ping_interval_ms),
             mount_deadline: MOUNT_DEADLINE,
         };
+        let node_client = args.client.clone();
         let (actor, _) = Actor::spawn(Some("storage".into()), StorageNode, args)
             .await
             .map_err(|e| NodeError::Start(format!("storage: {e}")))?;
+        if let Some(tier) = &svc.nvme {
+            // The tier is mounted (or mounted again, after a restart), what
+            // survived on it is reported back, then its work loop starts.
+            node_client
+                .mount_segment(tier.spec.clone())
+                .await
+                .map_err(|e| NodeError::Start(format!("NVMe tier: {e}")))?;
+            tier.report_recovered(&node_client)
+                .await
+                .map_err(|e| NodeError::Start(format!("NVMe tier: {e}")))?;
+            tier.clone()
+                .spawn_loop(node_client.clone(), shutdown.clone());
+            nvme = Some((node_client, tier.segment_id));
+        }
         storage_addr = Some(svc.addr);
         storage = Some(actor);
     }
@@ -157,6 +173,12 @@ async fn run_roles(
             Err(e) => tracing::warn!("unmount did not complete: {e}"),
         }
         node.stop(None);
+    }
+    if let Some((client, id)) = nvme {
+        // Its objects come back when the node restarts on the same path.
+        if let Err(e) = client.unmount_segment(id).await {
+            tracing::warn!("NVMe tier unmount failed: {e}");
+        }
     }
     shutdown.trigger();
     if let Some((actor, _)) = master {

@@ -23,7 +23,7 @@ use kvpool_runtime::{ShardCtx, ShardHandle};
 use kvpool_storage::Segment;
 use kvpool_transport::frame::{self, FrameHeader, FrameKind};
 use kvpool_transport::proto::{
-    segment_id_for, DataRequest, DataResponse, Endpoint, SegmentId, SegmentSpec,
+    segment_id_for, DataRequest, DataResponse, Endpoint, NvmeAttach, SegmentId, SegmentSpec, Tier,
 };
 use kvpool_transport::{ErrorCode, KvError};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -40,6 +40,8 @@ pub struct StorageService {
     pub segment_id: SegmentId,
     pub addr: SocketAddr,
     pub segment: Arc<Segment>,
+    /// The NVMe tier, when configured.
+    pub nvme: Option<Arc<crate::nvme_tier::NodeNvme>>,
 }
 
 /// Creates the segment and starts serving it on every shard.
@@ -69,26 +71,49 @@ pub async fn start(
             .map_err(|e| NodeError::Start(format!("segment: {e}")))?,
     );
     let slice_bytes = size.div_ceil(n as u64);
+    let endpoint = Endpoint {
+        host,
+        port: addr.port(),
+        nr_shards: n as u16,
+    };
+    let segment_id = segment_id_for(&name);
+    let m = StorageMetrics::register(metrics);
+    let nvme = if cfg.nvme.path.is_empty() {
+        None
+    } else {
+        Some(Arc::new(
+            crate::nvme_tier::open(
+                shards,
+                &cfg.nvme,
+                &host_id,
+                endpoint.clone(),
+                segment.clone(),
+                segment_id,
+                m.clone(),
+            )
+            .await?,
+        ))
+    };
     let spec = SegmentSpec {
         name,
         size,
-        endpoint: Endpoint {
-            host,
-            port: addr.port(),
-            nr_shards: n as u16,
-        },
+        endpoint,
         slice_bytes,
         host_id,
+        tier: Tier::Dram,
+        nvme: nvme.as_ref().map(|t| NvmeAttach {
+            segment_id: t.segment_id,
+            write_through: cfg.nvme.policy == crate::config::OffloadPolicy::WriteThrough,
+        }),
     };
-    let segment_id = segment_id_for(&spec.name);
     let limits = ServerLimits {
         max_connections: cfg.max_connections,
         idle_timeout: Duration::from_millis(cfg.idle_timeout_ms),
         io_timeout: Duration::from_millis(cfg.io_timeout_ms),
         max_frame_bytes: cfg.max_frame_bytes.get() as u32,
     };
-    let m = StorageMetrics::register(metrics);
     m.segment_bytes.set(size as i64);
+    let nvme_id = nvme.as_ref().map(|t| t.segment_id);
     let mut ready = Vec::with_capacity(n);
     for (i, listener) in listeners.into_iter().enumerate() {
         let segment = segment.clone();
@@ -98,8 +123,10 @@ pub async fn start(
         shards
             .spawn_on(i, move |ctx: ShardCtx| async move {
                 let handler = Rc::new(DataConn {
+                    shard: ctx.id() as u32,
                     segment,
                     segment_id,
+                    nvme_id,
                     metrics,
                 });
                 let listener = server::into_glommio(listener);
@@ -117,6 +144,7 @@ pub async fn start(
         segment_id,
         addr,
         segment,
+        nvme,
     })
 }
 
@@ -166,8 +194,10 @@ pub fn spawn_shm_server(
 
 /// Serves the data plane on one shard.
 struct DataConn {
+    shard: u32,
     segment: Arc<Segment>,
     segment_id: SegmentId,
+    nvme_id: Option<SegmentId>,
     metrics: StorageMetrics,
 }
 
@@ -269,6 +299,63 @@ impl Handler for DataConn {
                     self.metrics.bytes_read.inc_by(len);
                 }
                 self.metrics.observe("read", ok, started.elapsed());
+                next
+            }
+            DataRequest::ReadNvme {
+                segment_id,
+                loc,
+                len,
+            } => {
+                let loc = kvpool_storage::nvme::NvmeLoc::unpack(loc);
+                let value = if Some(segment_id) != self.nvme_id {
+                    Err(KvError::new(
+                        ErrorCode::SegmentNotFound,
+                        format!("NVMe tier {segment_id:016x} is not served here"),
+                    ))
+                } else if loc.region != self.shard {
+                    Err(KvError::new(
+                        ErrorCode::InvalidParams,
+                        format!(
+                            "NVMe region {} is served by shard {}, not {}",
+                            loc.region, loc.region, self.shard
+                        ),
+                    ))
+                } else {
+                    crate::nvme_tier::read_local(loc, &self.metrics)
+                        .await
+                        .and_then(|v| {
+                            if v.len() as u64 == len {
+                                Ok(v)
+                            } else {
+                                Err(KvError::new(
+                                    ErrorCode::InvalidParams,
+                                    "length differs from the object's",
+                                ))
+                            }
+                        })
+                };
+                let v = match value {
+                    Ok(v) => v,
+                    Err(e) => {
+                        self.metrics.observe("read_nvme", false, started.elapsed());
+                        return server::answer(stream, &frame::encode_error(hdr.request_id, &e))
+                            .await;
+                    }
+                };
+                let head = frame::encode(
+                    FrameKind::DataResponse,
+                    hdr.request_id,
+                    &DataResponse::Data { len },
+                );
+                if let Next::Close = server::answer(stream, &head).await {
+                    return Next::Close;
+                }
+                let next = server::answer(stream, &v).await;
+                let ok = matches!(next, Next::Continue);
+                if ok {
+                    self.metrics.bytes_read.inc_by(len);
+                }
+                self.metrics.observe("read_nvme", ok, started.elapsed());
                 next
             }
         }

@@ -46,6 +46,8 @@ fn spec(name: &str, size: u64, host: &str) -> SegmentSpec {
         },
         slice_bytes: size,
         host_id: host.into(),
+        tier: kvpool_transport::proto::Tier::Dram,
+        nvme: None,
     }
 }
 
@@ -1184,4 +1186,328 @@ fn shard_state_size_stays_within_the_budget() {
         m.put(&format!("{i:08}"), 64);
     }
     assert_eq!(m.stat().keys, 10_000);
+}
+
+// ---- NVMe tier ------------------------------------------------------------------
+
+use kvpool_transport::proto::{NodeTask, NvmeAttach, NvmeUpdate, Tier};
+
+const NVME: SegmentId = 0x4e56_4d45;
+
+/// One shard; a 10 KiB DRAM segment whose node has an NVMe tier.
+fn tiered(write_through: bool) -> (M, SegmentId) {
+    let mut c = cfg();
+    c.promote_after_reads = 2;
+    let mut m = M::with(1, c);
+    m.live.push(NODE);
+    let mut nv = spec("nvme:host-a:/dev/x", 1 << 30, "host-a");
+    nv.tier = Tier::Nvme;
+    let r = m
+        .call(Q::MountSegment {
+            client_id: NODE,
+            spec: nv,
+        })
+        .unwrap();
+    assert!(
+        matches!(r, A::Mounted { segment_id } if segment_id == kvpool_transport::proto::segment_id_for("nvme:host-a:/dev/x"))
+    );
+    let mut dram = spec("dram", 10 * KIB, "host-a");
+    dram.nvme = Some(NvmeAttach {
+        segment_id: kvpool_transport::proto::segment_id_for("nvme:host-a:/dev/x"),
+        write_through,
+    });
+    let id = match m
+        .call(Q::MountSegment {
+            client_id: NODE,
+            spec: dram,
+        })
+        .unwrap()
+    {
+        A::Mounted { segment_id } => segment_id,
+        other => panic!("{other:?}"),
+    };
+    (m, id)
+}
+
+fn nvme_id() -> SegmentId {
+    let _ = NVME;
+    kvpool_transport::proto::segment_id_for("nvme:host-a:/dev/x")
+}
+
+fn tasks(m: &mut M, seg: SegmentId) -> Vec<NodeTask> {
+    match m
+        .call(Q::NodeTasks {
+            client_id: NODE,
+            shard: 0,
+            segments: vec![seg, nvme_id()],
+            max: 100,
+        })
+        .unwrap()
+    {
+        A::Tasks(t) => t,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn update(m: &mut M, u: NvmeUpdate) -> Result<(), KvError> {
+    match m
+        .call(Q::NvmeUpdates {
+            client_id: NODE,
+            updates: vec![u],
+        })
+        .unwrap()
+    {
+        A::BatchDone(mut v) => Result::from(v.remove(0)),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn eviction_demotes_to_the_nodes_nvme_tier_instead_of_dropping() {
+    let (mut m, dram) = tiered(false);
+    fill(&mut m, "k", 10, opts(1)); // 100%: the last put schedules demotions
+    let t = tasks(&mut m, dram);
+    assert!(!t.is_empty(), "demotions were asked for");
+    let NodeTask::Persist {
+        key,
+        offset,
+        len,
+        demote,
+        ..
+    } = t[0].clone()
+    else {
+        panic!("{t:?}")
+    };
+    assert!(demote);
+    assert_eq!(key, b"k0", "oldest first");
+    let used = m.used();
+    assert!(m.exist("k0"), "still there while the copy is made");
+    update(
+        &mut m,
+        NvmeUpdate::Stored {
+            key: key.clone(),
+            nvme: nvme_id(),
+            loc: 7,
+            len,
+            dram,
+            offset,
+            demote: true,
+        },
+    )
+    .unwrap();
+    assert!(m.used() < used, "the DRAM copy's space came back");
+    let r = m.get("k0").unwrap();
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].tier, Tier::Nvme);
+    assert_eq!(r[0].offset, 7);
+    assert!(m.stat().demotions >= 1);
+}
+
+#[test]
+fn write_through_asks_for_a_copy_at_put_end_and_keeps_the_dram_replica() {
+    let (mut m, dram) = tiered(true);
+    m.put("k", 100);
+    let t = tasks(&mut m, dram);
+    let Some(NodeTask::Persist {
+        key,
+        offset,
+        len,
+        demote,
+        ..
+    }) = t.first().cloned()
+    else {
+        panic!("{t:?}")
+    };
+    assert!(!demote);
+    update(
+        &mut m,
+        NvmeUpdate::Stored {
+            key,
+            nvme: nvme_id(),
+            loc: 3,
+            len,
+            dram,
+            offset,
+            demote: false,
+        },
+    )
+    .unwrap();
+    let r = m.get("k").unwrap();
+    assert_eq!(r.len(), 2);
+    assert_eq!(r[0].tier, Tier::Dram, "DRAM first");
+    assert_eq!(r[1].tier, Tier::Nvme);
+}
+
+#[test]
+fn a_stored_report_for_an_object_removed_meanwhile_is_refused_so_the_node_deletes_its_copy() {
+    let (mut m, dram) = tiered(true);
+    m.put("k", 100);
+    let Some(NodeTask::Persist {
+        key, offset, len, ..
+    }) = tasks(&mut m, dram).first().cloned()
+    else {
+        panic!()
+    };
+    m.remove("k", false).unwrap();
+    let e = update(
+        &mut m,
+        NvmeUpdate::Stored {
+            key,
+            nvme: nvme_id(),
+            loc: 3,
+            len,
+            dram,
+            offset,
+            demote: false,
+        },
+    )
+    .unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectNotFound);
+}
+
+#[test]
+fn an_nvme_eviction_report_drops_that_replica_and_an_object_left_without_one() {
+    let (mut m, _) = tiered(false);
+    update(
+        &mut m,
+        NvmeUpdate::Recovered {
+            key: b"only-nvme".to_vec(),
+            nvme: nvme_id(),
+            loc: 9,
+            len: 500,
+        },
+    )
+    .unwrap();
+    assert!(m.exist("only-nvme"));
+    update(
+        &mut m,
+        NvmeUpdate::Evicted {
+            key: b"only-nvme".to_vec(),
+            nvme: nvme_id(),
+            loc: 9,
+        },
+    )
+    .unwrap();
+    assert!(!m.exist("only-nvme"));
+}
+
+#[test]
+fn recovered_objects_come_back_and_stale_copies_are_refused() {
+    let (mut m, _) = tiered(false);
+    update(
+        &mut m,
+        NvmeUpdate::Recovered {
+            key: b"back".to_vec(),
+            nvme: nvme_id(),
+            loc: 1,
+            len: 4096,
+        },
+    )
+    .unwrap();
+    let r = m.get("back").unwrap();
+    assert_eq!((r[0].tier, r[0].len), (Tier::Nvme, 4096));
+    // A newer object under a key the device still has: the device copy is stale.
+    m.put("newer", 100);
+    let e = update(
+        &mut m,
+        NvmeUpdate::Recovered {
+            key: b"newer".to_vec(),
+            nvme: nvme_id(),
+            loc: 2,
+            len: 555,
+        },
+    )
+    .unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectAlreadyExists);
+}
+
+#[test]
+fn reads_of_an_nvme_only_object_promote_it_back_to_dram() {
+    let (mut m, dram) = tiered(false);
+    update(
+        &mut m,
+        NvmeUpdate::Recovered {
+            key: b"hot".to_vec(),
+            nvme: nvme_id(),
+            loc: 5,
+            len: 1000,
+        },
+    )
+    .unwrap();
+    m.get("hot").unwrap();
+    assert!(tasks(&mut m, dram).is_empty(), "one read is not enough");
+    m.get("hot").unwrap();
+    let t = tasks(&mut m, dram);
+    let Some(NodeTask::Promote {
+        key,
+        loc,
+        dram: d,
+        offset,
+        ..
+    }) = t.first().cloned()
+    else {
+        panic!("{t:?}")
+    };
+    assert_eq!((key.as_slice(), loc, d), (b"hot".as_slice(), 5, dram));
+    // Until the node reports the copy, readers still get NVMe only.
+    assert_eq!(m.get("hot").unwrap().len(), 1);
+    update(
+        &mut m,
+        NvmeUpdate::Promoted {
+            key,
+            dram,
+            offset,
+            ok: true,
+        },
+    )
+    .unwrap();
+    let r = m.get("hot").unwrap();
+    assert_eq!(r.len(), 2);
+    assert_eq!(r[0].tier, Tier::Dram);
+    assert_eq!(m.stat().promotions, 1);
+}
+
+#[test]
+fn a_failed_persist_of_a_demotion_evicts_the_dram_copy_anyway() {
+    let (mut m, dram) = tiered(false);
+    fill(&mut m, "k", 10, opts(1));
+    let Some(NodeTask::Persist { key, offset, .. }) = tasks(&mut m, dram).first().cloned() else {
+        panic!()
+    };
+    update(
+        &mut m,
+        NvmeUpdate::PersistFailed {
+            key: key.clone(),
+            dram,
+            offset,
+            demote: true,
+        },
+    )
+    .unwrap();
+    assert!(!m.exist(std::str::from_utf8(&key).unwrap()));
+}
+
+#[test]
+fn an_nvme_tier_mounted_again_after_a_restart_keeps_its_replicas() {
+    let (mut m, _) = tiered(false);
+    update(
+        &mut m,
+        NvmeUpdate::Recovered {
+            key: b"kept".to_vec(),
+            nvme: nvme_id(),
+            loc: 4,
+            len: 100,
+        },
+    )
+    .unwrap();
+    let mut nv = spec("nvme:host-a:/dev/x", 1 << 30, "host-a");
+    nv.tier = Tier::Nvme;
+    nv.endpoint.port = 9999; // the restarted node's new port
+    m.call(Q::MountSegment {
+        client_id: NODE + 5,
+        spec: nv,
+    })
+    .unwrap();
+    let r = m.get("kept").unwrap();
+    assert_eq!(r[0].endpoint.port, 9999);
 }

@@ -96,6 +96,8 @@ fn spec(name: &str, size: u64) -> SegmentSpec {
         },
         slice_bytes: size,
         host_id: "h".into(),
+        tier: kvpool_transport::proto::Tier::Dram,
+        nvme: None,
     }
 }
 

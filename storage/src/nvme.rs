@@ -14,8 +14,10 @@
 //!              value_sum u64 | key_hash u64 | zeros .. | xxh3(bytes 0..504) u64
 //!  object extent (at `offset` in the region):
 //!              header: "KVOB" | version u16 | key_len u16 | seq u64 | value_len u64 |
-//!                      value_sum u64 | header_sum u64 | zeros to 64 | key   (padded to 4 KiB)
-//!              value bytes (padded to 4 KiB)
+//!                      value_sum u64 | header_sum u64 | zeros to 64 | key
+//!              value: right after the key when 64 + key + value fit one block
+//!                     (a small object is one 4 KiB I/O); otherwise from the next
+//!                     block boundary; the extent is padded to 4 KiB
 //! ```
 //!
 //! # Crash consistency
@@ -299,11 +301,21 @@ fn header_len(key_len: usize) -> u64 {
     ((HEADER_FIXED + key_len) as u64).next_multiple_of(BLOCK)
 }
 
+/// Where an object's value starts in its extent, and the extent's size.
+fn layout(key_len: usize, value_len: u64) -> (u64, u64) {
+    let inline = (HEADER_FIXED + key_len) as u64;
+    if inline + value_len <= BLOCK {
+        (inline, BLOCK)
+    } else {
+        let start = header_len(key_len);
+        (start, start + value_len.max(1).next_multiple_of(BLOCK))
+    }
+}
+
+/// The header's checksum: its first 32 bytes, then the key (no copy: the
+/// key is hashed with the first part's hash as its seed).
 fn header_sum(h: &[u8], key: &[u8]) -> u64 {
-    let mut v = Vec::with_capacity(32 + key.len());
-    v.extend_from_slice(&h[0..32]);
-    v.extend_from_slice(key);
-    xxh3_64(&v)
+    xxhash_rust::xxh3::xxh3_64_with_seed(key, xxh3_64(&h[0..32]))
 }
 
 impl NvmeShard {
@@ -331,13 +343,18 @@ impl NvmeShard {
             .map_err(|e| NvmeError::Io(format!("cannot open {}: {e}", path.display())))?;
         let size = file.file_size().await.map_err(io)?;
         if size < cfg.capacity {
-            file.truncate(cfg.capacity).await.map_err(|e| {
-                NvmeError::Io(format!(
-                    "cannot size {} to {} bytes: {e}",
-                    path.display(),
-                    cfg.capacity
-                ))
-            })?;
+            // Allocate the blocks now (fallocate): writes then never wait on
+            // the file system's block allocation. A file system without
+            // fallocate gets a sparse file instead.
+            if file.pre_allocate(cfg.capacity, false).await.is_err() {
+                file.truncate(cfg.capacity).await.map_err(|e| {
+                    NvmeError::Io(format!(
+                        "cannot size {} to {} bytes: {e}",
+                        path.display(),
+                        cfg.capacity
+                    ))
+                })?;
+            }
         }
         let base = region as u64 * geo.region_bytes;
         let data_bytes = geo.region_bytes - geo.data_offset;
@@ -501,9 +518,11 @@ impl NvmeShard {
                 && offset
                     .checked_add(extent)
                     .is_some_and(|e| e <= self.geo.region_bytes)
-                && extent >= BLOCK + len.next_multiple_of(BLOCK);
+                && extent >= BLOCK
+                && extent.is_multiple_of(BLOCK);
             let key = if ok_geometry {
-                self.read_header(offset, seq, len, sum, key_hash).await
+                self.read_header(offset, extent, seq, len, sum, key_hash)
+                    .await
             } else {
                 None
             };
@@ -563,6 +582,7 @@ impl NvmeShard {
     async fn read_header(
         &self,
         offset: u64,
+        extent: u64,
         seq: u64,
         len: u64,
         sum: u64,
@@ -593,7 +613,8 @@ impl NvmeShard {
             return None;
         }
         let key = &hb[HEADER_FIXED..HEADER_FIXED + key_len];
-        let ok = u64_at(hb, 8) == seq
+        let ok = layout(key_len, len).1 == extent
+            && u64_at(hb, 8) == seq
             && u64_at(hb, 16) == len
             && u64_at(hb, 24) == sum
             && u64_at(hb, 32) == header_sum(hb, key)
@@ -638,8 +659,7 @@ impl NvmeShard {
             return Err(NvmeError::Invalid(format!("key of {} bytes", key.len())));
         }
         let started = Instant::now();
-        let hlen = header_len(key.len());
-        let extent = hlen + (value.len() as u64).max(1).next_multiple_of(BLOCK);
+        let (vstart, extent) = layout(key.len(), value.len() as u64);
         let (slot, offset, seq) = {
             let mut st = self.state.borrow_mut();
             if st.by_key.contains_key(key) {
@@ -664,7 +684,7 @@ impl NvmeShard {
         let res = async {
             let mut buf = self.file.alloc_dma_buffer(extent as usize);
             let b = buf.as_bytes_mut();
-            b[..hlen as usize].fill(0);
+            b[..vstart as usize].fill(0);
             b[0..4].copy_from_slice(&OBJ_MAGIC);
             b[4..6].copy_from_slice(&(VERSION as u16).to_le_bytes());
             b[6..8].copy_from_slice(&(key.len() as u16).to_le_bytes());
@@ -674,7 +694,7 @@ impl NvmeShard {
             b[HEADER_FIXED..HEADER_FIXED + key.len()].copy_from_slice(key);
             let hs = header_sum(b, key);
             b[32..40].copy_from_slice(&hs.to_le_bytes());
-            let v0 = hlen as usize;
+            let v0 = vstart as usize;
             b[v0..v0 + value.len()].copy_from_slice(value);
             b[v0 + value.len()..].fill(0);
             // The buffer is moved into the operation until it completes.
@@ -737,7 +757,7 @@ impl NvmeShard {
     pub async fn read(&self, loc: NvmeLoc) -> Result<NvmeValue, NvmeError> {
         self.check_loc(loc)?;
         let started = Instant::now();
-        let (offset, extent, len, sum, seq, key) = {
+        let (offset, extent, len, sum, seq) = {
             let mut st = self.state.borrow_mut();
             st.clock += 1;
             let clock = st.clock;
@@ -746,7 +766,7 @@ impl NvmeShard {
                 .filter(|e| !e.evicting)
                 .ok_or(NvmeError::NotFound(loc))?;
             e.last_read = clock;
-            (e.offset, e.extent, e.len, e.sum, e.seq, e.key.clone())
+            (e.offset, e.extent, e.len, e.sum, e.seq)
         };
         let buf = self
             .file
@@ -764,11 +784,19 @@ impl NvmeShard {
             return Err(corrupt("bad object header"));
         }
         let key_len = u16::from_le_bytes([buf[6], buf[7]]) as usize;
-        let hlen = header_len(key_len) as usize;
-        if key_len != key.len()
-            || buf[HEADER_FIXED..HEADER_FIXED + key_len] != *key
+        let (vstart, want_extent) = layout(key_len, len);
+        let hlen = vstart as usize;
+        let key_matches = {
+            // The slot may have been reused while the read was in flight.
+            let st = self.state.borrow();
+            st.slots[loc.slot as usize].as_ref().is_some_and(|e| {
+                e.seq == seq && buf.get(HEADER_FIXED..HEADER_FIXED + key_len) == Some(&e.key[..])
+            })
+        };
+        if !key_matches
+            || want_extent != extent
             || u64_at(&buf, 8) != seq
-            || u64_at(&buf, 32) != header_sum(&buf, &key)
+            || u64_at(&buf, 32) != header_sum(&buf, &buf[HEADER_FIXED..HEADER_FIXED + key_len])
         {
             return Err(corrupt("header does not match the index"));
         }

@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{ErrorCode, KvError};
 use crate::frame::{self, FrameKind};
 use crate::pool::{ConnPool, Stream};
-use crate::proto::{DataRequest, DataResponse, ReplicaDesc, SegmentId};
+use crate::proto::{DataRequest, DataResponse, ReplicaDesc, SegmentId, Tier};
 use crate::shm::ShmMap;
 
 /// Which data path to use.
@@ -255,13 +255,66 @@ impl TransferEngine {
         t.status.expect("set by run")
     }
 
-    /// Orders replicas: same host first when shm may be used.
+    /// Orders replicas: DRAM before NVMe, then same host first when shm
+    /// may be used.
     fn ordered<'r>(&self, replicas: &'r [ReplicaDesc]) -> Vec<&'r ReplicaDesc> {
         let mut v: Vec<&ReplicaDesc> = replicas.iter().collect();
-        if self.cfg.transport != TransportChoice::Tcp {
-            v.sort_by_key(|r| r.host_id != self.cfg.host_id);
-        }
+        let shm = self.cfg.transport != TransportChoice::Tcp;
+        v.sort_by_key(|r| (r.tier == Tier::Nvme, shm && r.host_id != self.cfg.host_id));
         v
+    }
+
+    /// Reads an NVMe replica: the node reads it from its device (checksum
+    /// verified) and sends it like a DRAM read; one request, no slicing.
+    async fn nvme_read(&self, r: &ReplicaDesc, dst: &mut [u8]) -> Result<(), KvError> {
+        let _p = self.permit().await?;
+        let addr = r.endpoint.shard_addr(r.data_shard());
+        let mut conn = self
+            .pool(addr.clone())
+            .get(self.cfg.connect_timeout)
+            .await?;
+        let id = self.req_ids.fetch_add(1, Ordering::Relaxed);
+        let req = frame::encode(
+            FrameKind::DataRequest,
+            id,
+            &DataRequest::ReadNvme {
+                segment_id: r.segment_id,
+                loc: r.offset,
+                len: dst.len() as u64,
+            },
+        );
+        let s: &mut Stream = conn.stream();
+        frame::write_all(s, &req)
+            .await
+            .map_err(|e| peer(e.into(), &addr))?;
+        let (rid, answer) = frame::read_reply::<DataResponse, _>(
+            s,
+            FrameKind::DataResponse,
+            self.cfg.max_frame_bytes,
+        )
+        .await
+        .map_err(|e| peer(e.into(), &addr))?;
+        check_id(rid, id)?;
+        match answer {
+            Ok(DataResponse::Data { len }) if len == dst.len() as u64 => {
+                futures_lite::AsyncReadExt::read_exact(s, dst)
+                    .await
+                    .map_err(|e| peer(e.into(), &addr))?;
+                conn.release();
+                self.stats
+                    .tcp_bytes
+                    .fetch_add(dst.len() as u64, Ordering::Relaxed);
+                Ok(())
+            }
+            Ok(other) => Err(KvError::new(
+                ErrorCode::Internal,
+                format!("{addr} answered an NVMe read with {other:?}"),
+            )),
+            Err(e) => {
+                conn.release();
+                Err(e)
+            }
+        }
     }
 
     async fn read_any(&self, replicas: &[ReplicaDesc], dst: &mut [u8]) -> Result<(), KvError> {
@@ -282,18 +335,22 @@ impl TransferEngine {
             if i > 0 {
                 self.stats.replica_failovers.fetch_add(1, Ordering::Relaxed);
             }
-            let res = match self.shm_for(r).await {
-                Some(Ok(map)) => {
-                    let res = map.read_into(r.offset, dst);
-                    if res.is_ok() {
-                        self.stats
-                            .shm_bytes
-                            .fetch_add(dst.len() as u64, Ordering::Relaxed);
+            let res = if r.tier == Tier::Nvme {
+                self.nvme_read(r, dst).await
+            } else {
+                match self.shm_for(r).await {
+                    Some(Ok(map)) => {
+                        let res = map.read_into(r.offset, dst);
+                        if res.is_ok() {
+                            self.stats
+                                .shm_bytes
+                                .fetch_add(dst.len() as u64, Ordering::Relaxed);
+                        }
+                        res
                     }
-                    res
+                    Some(Err(e)) => Err(e),
+                    None => self.tcp_read(r, dst).await,
                 }
-                Some(Err(e)) => Err(e),
-                None => self.tcp_read(r, dst).await,
             };
             match res {
                 Ok(()) => return Ok(()),

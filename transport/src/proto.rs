@@ -70,6 +70,97 @@ pub struct SegmentSpec {
     pub slice_bytes: u64,
     /// Names the machine, for same-host (shm) reads and `local_first` placement.
     pub host_id: String,
+    /// DRAM (the master allocates in it) or NVMe (the node manages it; the
+    /// master only records what lives there).
+    pub tier: Tier,
+    /// For a DRAM segment: the same node's NVMe tier, if it has one.
+    pub nvme: Option<NvmeAttach>,
+}
+
+/// A DRAM segment's NVMe tier on the same node.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct NvmeAttach {
+    /// The NVMe tier's segment id.
+    pub segment_id: SegmentId,
+    /// Copy every object to NVMe at PutEnd (otherwise only when evicted).
+    pub write_through: bool,
+}
+
+/// Work the master asks a storage node to do (it polls for it).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum NodeTask {
+    /// Copy the object at `offset` of DRAM segment `dram` to the NVMe tier.
+    /// `demote`: the DRAM copy goes once the NVMe copy is in (eviction).
+    Persist {
+        key: Vec<u8>,
+        dram: SegmentId,
+        offset: u64,
+        len: u64,
+        demote: bool,
+    },
+    /// Copy the NVMe object at `loc` into DRAM segment `dram` at `offset`.
+    Promote {
+        key: Vec<u8>,
+        loc: u64,
+        dram: SegmentId,
+        offset: u64,
+        len: u64,
+    },
+}
+
+/// What a storage node reports about its NVMe tier (batched, by key).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum NvmeUpdate {
+    /// A Persist task is done.
+    Stored {
+        key: Vec<u8>,
+        nvme: SegmentId,
+        loc: u64,
+        len: u64,
+        dram: SegmentId,
+        offset: u64,
+        demote: bool,
+    },
+    /// A Promote task is done (or failed: `ok` false).
+    Promoted {
+        key: Vec<u8>,
+        dram: SegmentId,
+        offset: u64,
+        ok: bool,
+    },
+    /// A Persist task failed (the tier is full or broken): a demotion then
+    /// simply evicts the DRAM copy.
+    PersistFailed {
+        key: Vec<u8>,
+        dram: SegmentId,
+        offset: u64,
+        demote: bool,
+    },
+    /// The tier evicted this object; its space is reused once answered.
+    Evicted {
+        key: Vec<u8>,
+        nvme: SegmentId,
+        loc: u64,
+    },
+    /// Found on the device at start (after a restart).
+    Recovered {
+        key: Vec<u8>,
+        nvme: SegmentId,
+        loc: u64,
+        len: u64,
+    },
+}
+
+impl NvmeUpdate {
+    pub fn key(&self) -> &[u8] {
+        match self {
+            Self::Stored { key, .. }
+            | Self::PersistFailed { key, .. }
+            | Self::Promoted { key, .. }
+            | Self::Evicted { key, .. }
+            | Self::Recovered { key, .. } => key,
+        }
+    }
 }
 
 /// Which tier holds a replica.
@@ -95,8 +186,15 @@ impl ReplicaDesc {
     /// The storage shard that serves this replica's offset.
     pub fn data_shard(&self) -> u16 {
         let nr = self.endpoint.nr_shards.max(1) as u64;
-        let slice = self.slice_bytes.max(1);
-        (self.offset / slice).min(nr - 1) as u16
+        match self.tier {
+            // An NVMe replica's offset is its packed location: region << 32
+            // | slot; region i is served by shard i.
+            Tier::Nvme => ((self.offset >> 32) % nr) as u16,
+            Tier::Dram => {
+                let slice = self.slice_bytes.max(1);
+                (self.offset / slice).min(nr - 1) as u16
+            }
+        }
     }
 }
 
@@ -247,6 +345,18 @@ pub enum MasterRequest {
         keys: Vec<Vec<u8>>,
         force: bool,
     },
+    /// A storage node asks master shard `shard` for its pending work.
+    NodeTasks {
+        client_id: ClientId,
+        shard: u32,
+        segments: Vec<SegmentId>,
+        max: u32,
+    },
+    /// A storage node reports on its NVMe tier (one result per update).
+    NvmeUpdates {
+        client_id: ClientId,
+        updates: Vec<NvmeUpdate>,
+    },
 }
 
 impl MasterRequest {
@@ -273,6 +383,7 @@ impl MasterRequest {
             | Self::BatchGet { keys }
             | Self::BatchExist { keys }
             | Self::BatchRemove { keys, .. } => keys.iter().map(Vec::as_slice).collect(),
+            Self::NvmeUpdates { updates, .. } => updates.iter().map(NvmeUpdate::key).collect(),
             _ => return None,
         })
     }
@@ -300,6 +411,8 @@ impl MasterRequest {
             Self::BatchGet { .. } => "batch_get",
             Self::BatchExist { .. } => "batch_exist",
             Self::BatchRemove { .. } => "batch_remove",
+            Self::NodeTasks { .. } => "node_tasks",
+            Self::NvmeUpdates { .. } => "nvme_updates",
         }
     }
 }
@@ -326,6 +439,9 @@ pub struct PoolStat {
     /// Replicas evicted since the master started, and their bytes.
     pub evictions: u64,
     pub evicted_bytes: u64,
+    /// Objects moved to NVMe by eviction, and copied back to DRAM on reads.
+    pub demotions: u64,
+    pub promotions: u64,
 }
 
 /// Answers of a master shard.
@@ -352,6 +468,7 @@ pub enum MasterResponse {
     /// BatchPutEnd / BatchPutRevoke / BatchRemove: per key, in order.
     BatchDone(Vec<ItemResult<()>>),
     BatchExists(Vec<ItemResult<bool>>),
+    Tasks(Vec<NodeTask>),
 }
 
 /// Requests to a storage node's data port. A `Write` is followed on the wire
@@ -366,6 +483,13 @@ pub enum DataRequest {
     Read {
         segment_id: SegmentId,
         offset: u64,
+        len: u64,
+    },
+    /// Read an object of the node's NVMe tier (at packed location `loc`);
+    /// must reach the shard that owns the location's region.
+    ReadNvme {
+        segment_id: SegmentId,
+        loc: u64,
         len: u64,
     },
 }
@@ -421,6 +545,10 @@ mod tests {
         assert_eq!(r.data_shard(), 2);
         r.offset = 10_000;
         assert_eq!(r.data_shard(), 3);
+        // NVMe: the region in the packed location picks the shard.
+        r.tier = Tier::Nvme;
+        r.offset = (2u64 << 32) | 77;
+        assert_eq!(r.data_shard(), 2);
     }
 
     #[test]

@@ -33,6 +33,8 @@
 //!         endpoint: Endpoint { host: "127.0.0.1".into(), port: 7300, nr_shards: 1 },
 //!         slice_bytes: 1 << 20,
 //!         host_id: "node-a".into(),
+//!         tier: kvpool_transport::proto::Tier::Dram,
+//!         nvme: None,
 //!     };
 //!     let seg = call!(master, |reply| MasterMsg::MountSegment { client_id: 1, spec, reply })
 //!         .unwrap()

@@ -157,6 +157,20 @@ impl CoordState {
                         self.seen(client_id, now_ms)?;
                         return Ok(Decision::Answer(MasterResponse::Mounted { segment_id: id }));
                     }
+                    if spec.tier == kvpool_transport::proto::Tier::Nvme && m.spec.size == spec.size
+                    {
+                        // The same NVMe tier, back after its node restarted
+                        // (new ports, new owner): its replicas stay valid.
+                        self.seen(client_id, now_ms)?;
+                        let spec = Arc::new(spec);
+                        let m = self.segments.get_mut(&id).expect("present");
+                        m.spec = spec.clone();
+                        m.owner = client_id;
+                        return Ok(Decision::Broadcast {
+                            cmd: ShardCommand::AddSegment { id, spec },
+                            finish: Finish::Mounted(id),
+                        });
+                    }
                     return Err(KvError::new(
                         ErrorCode::InvalidParams,
                         format!(
@@ -267,12 +281,16 @@ impl CoordState {
         let mut keys = 0;
         let mut evictions = 0;
         let mut evicted_bytes = 0;
+        let mut demotions = 0;
+        let mut promotions = 0;
         let mut per_seg: HashMap<SegmentId, (u64, u64)> = HashMap::new();
         for r in results {
             if let CommandResult::Stat(s) = r {
                 keys += s.keys;
                 evictions += s.evictions;
                 evicted_bytes += s.evicted_bytes;
+                demotions += s.demotions;
+                promotions += s.promotions;
                 for (id, cap, used) in s.segments {
                     let e = per_seg.entry(id).or_default();
                     e.0 += cap;
@@ -303,6 +321,8 @@ impl CoordState {
             used: segments.iter().map(|s| s.used).sum(),
             evictions,
             evicted_bytes,
+            demotions,
+            promotions,
             segments,
         }
     }
@@ -411,6 +431,10 @@ pub fn split_batch_by(req: MasterRequest, shard_of: impl Fn(&[u8]) -> u32) -> Ve
                 MasterRequest::BatchRemove { keys, force } => MasterRequest::BatchRemove {
                     keys: pick(keys, &positions),
                     force: *force,
+                },
+                MasterRequest::NvmeUpdates { client_id, updates } => MasterRequest::NvmeUpdates {
+                    client_id: *client_id,
+                    updates: pick(updates, &positions),
                 },
                 _ => unreachable!("batch_keys returned Some"),
             };

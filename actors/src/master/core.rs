@@ -73,6 +73,12 @@ impl MasterCore {
 
     /// Handles one request at `now_ms`.
     pub fn call(&mut self, req: MasterRequest, now_ms: u64) -> Result<MasterResponse, KvError> {
+        if let MasterRequest::NodeTasks { shard, .. } = req {
+            let s = self.shards.get_mut(shard as usize).ok_or_else(|| {
+                KvError::new(ErrorCode::InvalidParams, format!("no master shard {shard}"))
+            })?;
+            return s.apply(req, now_ms);
+        }
         if let Some(key) = req.key() {
             let shard = self.shard_of(key);
             return self.shards[shard].apply(req, now_ms);

@@ -109,6 +109,15 @@ impl MasterHandle {
             }));
             return;
         }
+        if let MasterRequest::NodeTasks { shard, .. } = req {
+            if shard as usize >= self.inner.inboxes.len() {
+                return reply(Err(KvError::new(
+                    ErrorCode::InvalidParams,
+                    format!("no master shard {shard}"),
+                )));
+            }
+            return self.to_shard(shard as usize, req, reply).await;
+        }
         if let Some(key) = req.key() {
             let shard = self.inner.map.shard_of(key) as usize;
             return self.to_shard(shard, req, reply).await;
@@ -192,6 +201,8 @@ impl MasterHandle {
         m.segments.set(stat.segments.len() as i64);
         m.evictions.set(stat.evictions as i64);
         m.evicted_bytes.set(stat.evicted_bytes as i64);
+        m.demotions.set(stat.demotions as i64);
+        m.promotions.set(stat.promotions as i64);
         m.segment_capacity.clear();
         m.segment_used.clear();
         for s in &stat.segments {
@@ -484,7 +495,9 @@ struct MasterConn {
 impl MasterConn {
     async fn dispatch(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
         let map = &self.handle.inner.map;
-        if req.key().is_some_and(|k| map.shard_of(k) == self.shard) {
+        if req.key().is_some_and(|k| map.shard_of(k) == self.shard)
+            || matches!(req, MasterRequest::NodeTasks { shard, .. } if shard == self.shard)
+        {
             return apply_local(&self.state, &self.metrics, req);
         }
         if req.batch_keys().is_some() {

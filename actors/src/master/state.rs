@@ -21,14 +21,14 @@
 //! sweep for stale puts scans only puts in flight, not the whole pool.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use kvpool_storage::alloc::RangeAllocator;
 use kvpool_storage::segment::SEGMENT_ALIGN;
 use kvpool_transport::proto::{
-    ClientId, ItemResult, MasterRequest, MasterResponse, ObjectInfo, PutItem, PutOptions,
-    ReplicaDesc, SegmentId, SegmentSpec, Tier,
+    ClientId, ItemResult, MasterRequest, MasterResponse, NodeTask, NvmeUpdate, ObjectInfo, PutItem,
+    PutOptions, ReplicaDesc, SegmentId, SegmentSpec, Tier,
 };
 use kvpool_transport::{ErrorCode, KvError};
 use rand::{Rng, SeedableRng};
@@ -80,7 +80,13 @@ pub struct ShardConfig {
     pub high_watermark: f64,
     pub eviction_ratio: f64,
     pub placement: Placement,
+    /// Reads of an NVMe-only object after which it is copied back to DRAM
+    /// (0: never).
+    pub promote_after_reads: u16,
 }
+
+/// Tasks queued for one segment's node, at most.
+pub const MAX_TASKS_PER_SEGMENT: usize = 16_384;
 
 impl ShardConfig {
     pub fn from_master(cfg: &MasterConfig, nr_shards: u32) -> Self {
@@ -94,6 +100,7 @@ impl ShardConfig {
             high_watermark: cfg.high_watermark,
             eviction_ratio: cfg.eviction_ratio,
             placement: cfg.placement,
+            promote_after_reads: cfg.promote_after_reads,
         }
     }
 }
@@ -103,15 +110,39 @@ impl ShardConfig {
 struct SegmentSlot {
     id: SegmentId,
     spec: Arc<SegmentSpec>,
+    /// DRAM: this shard's range. NVMe: empty (the node manages that space).
     alloc: RangeAllocator,
     draining: bool,
+}
+
+impl SegmentSlot {
+    fn tier(&self) -> Tier {
+        self.spec.tier
+    }
 }
 
 /// Where one replica lies: a slot index (into `ShardState::slots`) and offset.
 #[derive(Debug, Clone, Copy)]
 struct Replica {
     slot: u32,
+    /// `PENDING`: a promotion is copying the bytes in (not readable yet).
+    /// `DEMOTING`: an eviction is copying the bytes to NVMe.
+    flags: u8,
+    /// DRAM: offset in the segment. NVMe: the packed location.
     offset: u64,
+}
+
+const PENDING: u8 = 1;
+const DEMOTING: u8 = 2;
+
+impl Replica {
+    fn dram(slot: u32, offset: u64) -> Self {
+        Self {
+            slot,
+            flags: 0,
+            offset,
+        }
+    }
 }
 
 const HARD_PIN: u8 = 1;
@@ -129,6 +160,8 @@ struct Object {
     /// Soft-pin TTL asked for at PutStart, applied at PutEnd.
     soft_pin_ttl_ms: u32,
     flags: u8,
+    /// Reads served from NVMe only since the last promotion decision.
+    nvme_reads: u16,
     replicas: SmallVec<[Replica; 1]>,
 }
 
@@ -156,6 +189,8 @@ pub struct ShardStat {
     pub segments: Vec<(SegmentId, u64, u64)>,
     pub evictions: u64,
     pub evicted_bytes: u64,
+    pub demotions: u64,
+    pub promotions: u64,
 }
 
 /// What one housekeeping pass did.
@@ -180,6 +215,10 @@ pub struct ShardState {
     rng: ChaCha8Rng,
     evictions: u64,
     evicted_bytes: u64,
+    /// Work for storage nodes, by the segment whose node does it.
+    tasks: HashMap<SegmentId, VecDeque<NodeTask>>,
+    demotions: u64,
+    promotions: u64,
 }
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> KvError {
@@ -208,9 +247,13 @@ pub fn show_key(key: &[u8]) -> String {
 }
 
 /// The replica descriptors of `obj` (what clients need to reach each replica).
+/// The readable replicas of `obj` (DRAM first, then NVMe; replicas still
+/// being filled by a promotion are left out).
 fn describe(slots: &[Option<SegmentSlot>], obj: &Object) -> Vec<ReplicaDesc> {
-    obj.replicas
+    let mut v: Vec<ReplicaDesc> = obj
+        .replicas
         .iter()
+        .filter(|r| r.flags & PENDING == 0)
         .map(|r| {
             let slot = slots[r.slot as usize]
                 .as_ref()
@@ -222,10 +265,22 @@ fn describe(slots: &[Option<SegmentSlot>], obj: &Object) -> Vec<ReplicaDesc> {
                 host_id: slot.spec.host_id.clone(),
                 offset: r.offset,
                 len: obj.size,
-                tier: Tier::Dram,
+                tier: slot.tier(),
             }
         })
-        .collect()
+        .collect();
+    v.sort_by_key(|r| r.tier == Tier::Nvme);
+    v
+}
+
+/// Whether `obj` has a readable NVMe replica.
+fn has_nvme(slots: &[Option<SegmentSlot>], obj: &Object) -> bool {
+    obj.replicas.iter().any(|r| {
+        r.flags & PENDING == 0
+            && slots[r.slot as usize]
+                .as_ref()
+                .is_some_and(|s| s.tier() == Tier::Nvme)
+    })
 }
 
 /// Candidates with the same class and lease end go together; a total order
@@ -249,6 +304,9 @@ impl ShardState {
             rng,
             evictions: 0,
             evicted_bytes: 0,
+            tasks: HashMap::new(),
+            demotions: 0,
+            promotions: 0,
         }
     }
 
@@ -265,15 +323,26 @@ impl ShardState {
 
     // ---- segments ---------------------------------------------------------
 
-    /// Adds a segment (idempotent for the same id).
+    /// Adds a segment (idempotent for the same id; a known NVMe tier that
+    /// mounts again after its node restarted gets its new address).
     pub fn add_segment(&mut self, id: SegmentId, spec: Arc<SegmentSpec>) {
-        if self.by_id.contains_key(&id) {
+        if let Some(&idx) = self.by_id.get(&id) {
+            if let Some(slot) = self.slots[idx as usize].as_mut() {
+                slot.spec = spec;
+            }
             return;
         }
-        let (lo, len) = self.range_of(spec.size);
+        let alloc = match spec.tier {
+            Tier::Dram => {
+                let (lo, len) = self.range_of(spec.size);
+                RangeAllocator::new(lo, len, SEGMENT_ALIGN)
+            }
+            // The node manages NVMe space; the master only records replicas.
+            Tier::Nvme => RangeAllocator::new(0, 0, SEGMENT_ALIGN),
+        };
         let slot = SegmentSlot {
             id,
-            alloc: RangeAllocator::new(lo, len, SEGMENT_ALIGN),
+            alloc,
             spec,
             draining: false,
         };
@@ -297,6 +366,7 @@ impl ShardState {
             return 0;
         };
         self.slots[idx as usize] = None;
+        self.tasks.remove(&id);
         let mut gone = 0;
         for map in [&mut self.complete, &mut self.processing] {
             let before = map.len();
@@ -339,17 +409,36 @@ impl ShardState {
 
     fn free_now(&mut self, obj: &Object) {
         for r in &obj.replicas {
-            self.slot_mut(r.slot).alloc.dealloc(r.offset, obj.size);
+            self.free_replica_now(r, obj.size);
         }
     }
 
-    /// Frees `obj`'s space at `at_ms` (now, if that has passed).
+    /// Frees one replica's DRAM space (NVMe space is the node's).
+    fn free_replica_now(&mut self, r: &Replica, size: u64) {
+        let slot = self.slot_mut(r.slot);
+        if slot.tier() == Tier::Dram {
+            slot.alloc.dealloc(r.offset, size);
+        }
+    }
+
+    /// Frees `obj`'s space at `at_ms` (now, if that has passed). A replica
+    /// that a node may still be copying to NVMe (demotion) waits at least
+    /// `stale_put_grace_ms`.
     fn free_at(&mut self, obj: &Object, at_ms: u64, now_ms: u64) {
-        if at_ms <= now_ms {
+        let demoting = obj.replicas.iter().any(|r| r.flags & DEMOTING != 0);
+        if at_ms <= now_ms && !demoting {
             self.free_now(obj);
             return;
         }
         for r in &obj.replicas {
+            if self.slot(r.slot).tier() != Tier::Dram {
+                continue;
+            }
+            let at_ms = if r.flags & DEMOTING != 0 {
+                at_ms.max(now_ms + self.cfg.stale_put_grace_ms)
+            } else {
+                at_ms
+            };
             let segment = self.slot(r.slot).id;
             self.pending.push(Reverse(PendingFree {
                 at_ms,
@@ -398,7 +487,9 @@ impl ShardState {
             .enumerate()
             .filter_map(|(i, s)| {
                 let s = s.as_ref()?;
-                let fits = !s.draining && s.alloc.largest_free() >= s.alloc.rounded(size);
+                let fits = s.tier() == Tier::Dram
+                    && !s.draining
+                    && s.alloc.largest_free() >= s.alloc.rounded(size);
                 fits.then(|| {
                     let ratio = s.alloc.free() as f64 / s.alloc.capacity().max(1) as f64;
                     let local = !preferred_host.is_empty() && s.spec.host_id == preferred_host;
@@ -426,12 +517,19 @@ impl ShardState {
         cands.into_iter().take(n).map(|c| c.0).collect()
     }
 
-    /// Evicts replicas in slot `idx` until `target` bytes are freed or no
-    /// candidate is left. Candidates: complete, lease ended, not hard-pinned;
-    /// unpinned before soft-pinned, oldest lease first. Returns bytes freed.
+    /// Evicts replicas in slot `idx` until `target` bytes are freed (or will
+    /// be, once scheduled demotions land) or no candidate is left.
+    /// Candidates: complete, lease ended, not hard-pinned, not already being
+    /// demoted; unpinned before soft-pinned, oldest lease first. A victim
+    /// with an NVMe copy loses its DRAM replica at once; one whose node has an
+    /// NVMe tier is demoted (copied there first); others are dropped.
+    /// Returns the bytes freed now.
     fn evict_slot(&mut self, idx: u32, target: u64, now_ms: u64) -> u64 {
         let rank = |o: &Object| -> Option<EvictRank> {
-            if o.t > now_ms || o.hard_pinned() || !o.replicas.iter().any(|r| r.slot == idx) {
+            if o.t > now_ms
+                || o.hard_pinned()
+                || !o.replicas.iter().any(|r| r.slot == idx && r.flags == 0)
+            {
                 return None;
             }
             Some((u8::from(o.aux > now_ms), o.t))
@@ -474,18 +572,43 @@ impl ShardState {
                 _ => {}
             }
         }
+        let (seg_id, attach) = {
+            let s = self.slot(idx);
+            (s.id, s.spec.nvme.clone())
+        };
         let mut freed = 0;
         for k in victims {
-            let obj = self.complete.get_mut(&k).expect("collected above");
+            let obj = self.complete.get(&k).expect("collected above");
+            let size = obj.size;
             let pos = obj
                 .replicas
                 .iter()
-                .position(|r| r.slot == idx)
+                .position(|r| r.slot == idx && r.flags == 0)
                 .expect("ranked by having a replica here");
+            let on_nvme = has_nvme(&self.slots, obj);
+            let queue_room = self
+                .tasks
+                .get(&seg_id)
+                .is_none_or(|q| q.len() < MAX_TASKS_PER_SEGMENT);
+            if !on_nvme && attach.is_some() && queue_room {
+                // Demote: the node copies it to NVMe, then the DRAM replica goes.
+                let offset = obj.replicas[pos].offset;
+                self.complete.get_mut(&k).expect("present").replicas[pos].flags |= DEMOTING;
+                self.tasks
+                    .entry(seg_id)
+                    .or_default()
+                    .push_back(NodeTask::Persist {
+                        key: k.to_vec(),
+                        dram: seg_id,
+                        offset,
+                        len: size,
+                        demote: true,
+                    });
+                continue;
+            }
+            let obj = self.complete.get_mut(&k).expect("present");
             let r = obj.replicas.remove(pos);
-            let size = obj.size;
-            let last = obj.replicas.is_empty();
-            if last {
+            if obj.replicas.is_empty() {
                 self.complete.remove(&k);
             }
             let slot = self.slot_mut(idx);
@@ -498,6 +621,19 @@ impl ShardState {
         freed
     }
 
+    /// DRAM bytes of slot `idx` whose demotion to NVMe is under way.
+    fn demoting_bytes(&self, idx: u32) -> u64 {
+        self.complete
+            .values()
+            .filter(|o| {
+                o.replicas
+                    .iter()
+                    .any(|r| r.slot == idx && r.flags & DEMOTING != 0)
+            })
+            .map(|o| o.size.max(1).next_multiple_of(SEGMENT_ALIGN))
+            .sum()
+    }
+
     /// Evicts `eviction_ratio` of the slot's range if its use is past the
     /// high watermark.
     fn evict_if_high(&mut self, idx: u32, now_ms: u64) -> u64 {
@@ -505,6 +641,14 @@ impl ShardState {
         let cap = s.alloc.capacity();
         if cap == 0 || (s.alloc.used() as f64) <= self.cfg.high_watermark * cap as f64 {
             return 0;
+        }
+        let has_tier = s.spec.nvme.is_some();
+        // Space already on its way out (demotions) counts as freed.
+        if has_tier {
+            let left = s.alloc.used().saturating_sub(self.demoting_bytes(idx));
+            if (left as f64) <= self.cfg.high_watermark * cap as f64 {
+                return 0;
+            }
         }
         let target = (self.cfg.eviction_ratio * cap as f64).ceil() as u64;
         self.evict_slot(idx, target, now_ms)
@@ -617,7 +761,7 @@ impl ShardState {
                 .alloc
                 .alloc(len)
                 .expect("placement checked the largest free extent");
-            replicas.push(Replica { slot: idx, offset });
+            replicas.push(Replica::dram(idx, offset));
         }
         let obj = Object {
             size: len,
@@ -625,6 +769,7 @@ impl ShardState {
             aux: client,
             soft_pin_ttl_ms: opts.soft_pin_ttl_ms.min(u32::MAX as u64) as u32,
             flags: if opts.hard_pin { HARD_PIN } else { 0 },
+            nvme_reads: 0,
             replicas,
         };
         let descs = self.describe_replicas(&obj);
@@ -677,6 +822,27 @@ impl ShardState {
         } else {
             0
         };
+        // Write-through: the first replica on a node with an NVMe tier is
+        // copied there now (the node does it when it next asks for work).
+        let through = obj.replicas.iter().find_map(|r| {
+            let s = self.slot(r.slot);
+            match &s.spec.nvme {
+                Some(a) if a.write_through => Some((s.id, r.offset)),
+                _ => None,
+            }
+        });
+        if let Some((seg, offset)) = through {
+            let q = self.tasks.entry(seg).or_default();
+            if q.len() < MAX_TASKS_PER_SEGMENT {
+                q.push_back(NodeTask::Persist {
+                    key: k.to_vec(),
+                    dram: seg,
+                    offset,
+                    len: obj.size,
+                    demote: false,
+                });
+            }
+        }
         self.complete.insert(k, obj);
         Ok(())
     }
@@ -698,7 +864,11 @@ impl ShardState {
         self.check_key(key)?;
         if let Some(obj) = self.complete.get_mut(key) {
             obj.t = obj.t.max(now_ms + self.cfg.lease_ttl_ms);
-            return Ok(describe(&self.slots, obj));
+            let descs = describe(&self.slots, obj);
+            if descs.first().is_some_and(|d| d.tier == Tier::Nvme) {
+                self.count_nvme_read(key, now_ms);
+            }
+            return Ok(descs);
         }
         match self.processing.get(key) {
             Some(o) if self.is_stale(o, now_ms) => {
@@ -710,6 +880,293 @@ impl ShardState {
                 format!("key {} is still being put", show_key(key)),
             )),
             None => Err(not_found(key)),
+        }
+    }
+
+    /// An NVMe-only object was read: after `promote_after_reads` reads, give
+    /// it a DRAM replica (pending until its node has copied the bytes in).
+    fn count_nvme_read(&mut self, key: &[u8], now_ms: u64) {
+        let n = self.cfg.promote_after_reads;
+        let Some(obj) = self.complete.get_mut(key) else {
+            return;
+        };
+        obj.nvme_reads = obj.nvme_reads.saturating_add(1);
+        if n == 0 || obj.nvme_reads < n || obj.replicas.iter().any(|r| r.flags & PENDING != 0) {
+            return;
+        }
+        obj.nvme_reads = 0;
+        let size = obj.size;
+        let Some(nvme) = obj
+            .replicas
+            .iter()
+            .find(|r| {
+                self.slots[r.slot as usize]
+                    .as_ref()
+                    .is_some_and(|s| s.tier() == Tier::Nvme)
+            })
+            .copied()
+        else {
+            return;
+        };
+        let nvme_seg = self.slot(nvme.slot).id;
+        // Prefer the DRAM segment of the node that holds the NVMe copy.
+        let host = self.slot(nvme.slot).spec.host_id.clone();
+        let targets = self.place(size, 1, &host);
+        let Some(&idx) = targets.first() else { return };
+        let Some(offset) = self.slot_mut(idx).alloc.alloc(size) else {
+            return;
+        };
+        let dram = self.slot(idx).id;
+        let q = self.tasks.entry(nvme_seg).or_default();
+        if q.len() >= MAX_TASKS_PER_SEGMENT {
+            self.slot_mut(idx).alloc.dealloc(offset, size);
+            return;
+        }
+        q.push_back(NodeTask::Promote {
+            key: key.to_vec(),
+            loc: nvme.offset,
+            dram,
+            offset,
+            len: size,
+        });
+        let obj = self.complete.get_mut(key).expect("present");
+        obj.replicas.push(Replica {
+            slot: idx,
+            flags: PENDING,
+            offset,
+        });
+        let _ = now_ms;
+    }
+
+    /// Up to `max` queued tasks for the given segments' node.
+    pub fn node_tasks(&mut self, segments: &[SegmentId], max: usize) -> Vec<NodeTask> {
+        let mut out = Vec::new();
+        for seg in segments {
+            let Some(q) = self.tasks.get_mut(seg) else {
+                continue;
+            };
+            while out.len() < max {
+                match q.pop_front() {
+                    Some(t) => out.push(t),
+                    None => break,
+                }
+            }
+        }
+        out
+    }
+
+    /// Applies one report of a node about its NVMe tier.
+    pub fn nvme_update(&mut self, u: &NvmeUpdate, now_ms: u64) -> Result<(), KvError> {
+        let slot_of = |this: &Self, seg: SegmentId| -> Result<u32, KvError> {
+            this.by_id.get(&seg).copied().ok_or_else(|| {
+                err(
+                    ErrorCode::SegmentNotFound,
+                    format!("segment {seg:016x} is not mounted"),
+                )
+            })
+        };
+        match u {
+            NvmeUpdate::Stored {
+                key,
+                nvme,
+                loc,
+                len,
+                dram,
+                offset,
+                demote,
+            } => {
+                let nslot = slot_of(self, *nvme)?;
+                let dslot = self.by_id.get(dram).copied();
+                let obj = self
+                    .complete
+                    .get_mut(key.as_slice())
+                    .filter(|o| o.size == *len);
+                let Some(obj) = obj else {
+                    return Err(not_found(key));
+                };
+                let existing = obj
+                    .replicas
+                    .iter()
+                    .find(|r| r.slot == nslot)
+                    .map(|r| r.offset);
+                match existing {
+                    Some(l) if l != *loc => {
+                        return Err(err(
+                            ErrorCode::ObjectAlreadyExists,
+                            "another NVMe copy is recorded",
+                        ))
+                    }
+                    Some(_) => {}
+                    None => obj.replicas.push(Replica {
+                        slot: nslot,
+                        flags: 0,
+                        offset: *loc,
+                    }),
+                }
+                let pos = dslot.and_then(|d| {
+                    obj.replicas
+                        .iter()
+                        .position(|r| r.slot == d && r.offset == *offset && r.flags & PENDING == 0)
+                });
+                if let Some(pos) = pos {
+                    if *demote {
+                        let mut r = obj.replicas.remove(pos);
+                        r.flags &= !DEMOTING; // the node is done with it
+                        let (size, lease_end) = (obj.size, obj.t);
+                        self.demotions += 1;
+                        self.evictions += 1;
+                        self.evicted_bytes += size.max(1).next_multiple_of(SEGMENT_ALIGN);
+                        // A reader may still be reading the DRAM copy.
+                        let one = Object {
+                            size,
+                            t: lease_end,
+                            aux: 0,
+                            soft_pin_ttl_ms: 0,
+                            flags: 0,
+                            nvme_reads: 0,
+                            replicas: smallvec::smallvec![r],
+                        };
+                        self.free_at(&one, lease_end, now_ms);
+                    } else {
+                        obj.replicas[pos].flags &= !DEMOTING;
+                    }
+                }
+                Ok(())
+            }
+            NvmeUpdate::PersistFailed {
+                key,
+                dram,
+                offset,
+                demote,
+            } => {
+                let dslot = slot_of(self, *dram)?;
+                let obj = self
+                    .complete
+                    .get_mut(key.as_slice())
+                    .ok_or_else(|| not_found(key))?;
+                let Some(pos) = obj.replicas.iter().position(|r| {
+                    r.slot == dslot && r.offset == *offset && r.flags & DEMOTING != 0
+                }) else {
+                    return Ok(());
+                };
+                if !*demote {
+                    obj.replicas[pos].flags &= !DEMOTING;
+                    return Ok(());
+                }
+                // The eviction goes ahead without an NVMe copy.
+                let mut r = obj.replicas.remove(pos);
+                r.flags &= !DEMOTING; // the node is done with it
+                let (size, lease_end) = (obj.size, obj.t);
+                if obj.replicas.is_empty() {
+                    self.complete.remove(key.as_slice());
+                }
+                self.evictions += 1;
+                self.evicted_bytes += size.max(1).next_multiple_of(SEGMENT_ALIGN);
+                let one = Object {
+                    size,
+                    t: lease_end,
+                    aux: 0,
+                    soft_pin_ttl_ms: 0,
+                    flags: 0,
+                    nvme_reads: 0,
+                    replicas: smallvec::smallvec![r],
+                };
+                self.free_at(&one, lease_end, now_ms);
+                Ok(())
+            }
+            NvmeUpdate::Promoted {
+                key,
+                dram,
+                offset,
+                ok,
+            } => {
+                let dslot = slot_of(self, *dram)?;
+                let obj = self
+                    .complete
+                    .get_mut(key.as_slice())
+                    .ok_or_else(|| not_found(key))?;
+                let pos = obj
+                    .replicas
+                    .iter()
+                    .position(|r| r.slot == dslot && r.offset == *offset && r.flags & PENDING != 0)
+                    .ok_or_else(|| {
+                        err(ErrorCode::ObjectNotFound, "no promotion under way there")
+                    })?;
+                if *ok {
+                    obj.replicas[pos].flags &= !PENDING;
+                    self.promotions += 1;
+                } else {
+                    let r = obj.replicas.remove(pos);
+                    let size = obj.size;
+                    self.free_replica_now(&r, size);
+                }
+                Ok(())
+            }
+            NvmeUpdate::Evicted { key, nvme, loc } => {
+                let Ok(nslot) = slot_of(self, *nvme) else {
+                    return Ok(());
+                };
+                if let Some(obj) = self.complete.get_mut(key.as_slice()) {
+                    obj.replicas
+                        .retain(|r| !(r.slot == nslot && r.offset == *loc));
+                    if obj.replicas.is_empty() {
+                        self.complete.remove(key.as_slice());
+                    }
+                }
+                Ok(())
+            }
+            NvmeUpdate::Recovered {
+                key,
+                nvme,
+                loc,
+                len,
+            } => {
+                let nslot = slot_of(self, *nvme)?;
+                self.check_key(key)?;
+                if self.processing.contains_key(key.as_slice()) {
+                    return Err(err(ErrorCode::ObjectAlreadyExists, "the key is being put"));
+                }
+                match self.complete.get_mut(key.as_slice()) {
+                    Some(o) if o.size != *len => Err(err(
+                        ErrorCode::ObjectAlreadyExists,
+                        "a different object is stored under this key now",
+                    )),
+                    Some(o) => {
+                        o.replicas.retain(|r| r.slot != nslot);
+                        o.replicas.push(Replica {
+                            slot: nslot,
+                            flags: 0,
+                            offset: *loc,
+                        });
+                        Ok(())
+                    }
+                    None => {
+                        if self.key_count() >= self.cfg.max_keys {
+                            return Err(err(
+                                ErrorCode::ResourceExhausted,
+                                "the pool holds its maximum of keys",
+                            ));
+                        }
+                        self.complete.insert(
+                            key.as_slice().into(),
+                            Object {
+                                size: *len,
+                                t: now_ms,
+                                aux: 0,
+                                soft_pin_ttl_ms: 0,
+                                flags: 0,
+                                nvme_reads: 0,
+                                replicas: smallvec::smallvec![Replica {
+                                    slot: nslot,
+                                    flags: 0,
+                                    offset: *loc,
+                                }],
+                            },
+                        );
+                        Ok(())
+                    }
+                }
+            }
         }
     }
 
@@ -842,6 +1299,8 @@ impl ShardState {
                 .collect(),
             evictions: self.evictions,
             evicted_bytes: self.evicted_bytes,
+            demotions: self.demotions,
+            promotions: self.promotions,
         }
     }
 
@@ -917,6 +1376,15 @@ impl ShardState {
             R::BatchRemove { keys, force } => MasterResponse::BatchDone(
                 keys.iter()
                     .map(|k| self.remove(k, force, now_ms).into())
+                    .collect(),
+            ),
+            R::NodeTasks { segments, max, .. } => {
+                MasterResponse::Tasks(self.node_tasks(&segments, max as usize))
+            }
+            R::NvmeUpdates { updates, .. } => MasterResponse::BatchDone(
+                updates
+                    .iter()
+                    .map(|u| self.nvme_update(u, now_ms).into())
                     .collect(),
             ),
             other => {

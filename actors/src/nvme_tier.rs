@@ -1,0 +1,506 @@
+//! A storage node's NVMe tier at work.
+//!
+//! ```text
+//!  shard i: NvmeShard for region i (thread-local: it is !Send), serves
+//!           ReadNvme for its region; runs the persist / promote jobs the
+//!           loop sends it (its region holds the keys that hash to it)
+//!  loop (tokio): every task_poll_ms
+//!     NodeTasks from every master shard -> jobs on the owning shards
+//!       Persist  (demotion or write-through): DRAM bytes -> NVMe -> Stored
+//!       Promote: NVMe bytes -> the DRAM range the master allocated -> Promoted
+//!     eviction past the tier's watermark: mark -> report Evicted -> release
+//!  start: every region recovers its index; the objects are re-reported
+//! ```
+
+use std::cell::RefCell;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpool_runtime::{ShardHandle, Shutdown};
+use kvpool_storage::nvme::{
+    Eviction, NvmeConfig, NvmeError, NvmeLoc, NvmeShard, NvmeValue, Recovered,
+};
+use kvpool_storage::Segment;
+use kvpool_transport::proto::{
+    segment_id_for, Endpoint, MasterRequest, MasterResponse, NodeTask, NvmeUpdate, SegmentId,
+    SegmentSpec, Tier,
+};
+use kvpool_transport::{ErrorCode, KvError};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::client::Client;
+use crate::config::{NvmeEvictionPolicy, NvmeTierConfig};
+use crate::metrics::StorageMetrics;
+use crate::NodeError;
+
+thread_local! {
+    /// This shard's region of the tier (set at start on every shard).
+    static TIER: RefCell<Option<Rc<NvmeShard>>> = const { RefCell::new(None) };
+}
+
+fn tier() -> Result<Rc<NvmeShard>, KvError> {
+    TIER.with(|t| t.borrow().clone())
+        .ok_or_else(|| KvError::new(ErrorCode::Unavailable, "this node has no NVMe tier"))
+}
+
+/// Maps the tier's errors to the protocol's codes.
+pub fn kv(e: NvmeError) -> KvError {
+    let code = match &e {
+        NvmeError::Corrupt { .. } => ErrorCode::Corrupt,
+        NvmeError::NoSpace(_) => ErrorCode::NoSpace,
+        NvmeError::NotFound(_) => ErrorCode::ObjectNotFound,
+        NvmeError::Invalid(_) => ErrorCode::InvalidParams,
+        NvmeError::Io(_) => ErrorCode::Internal,
+    };
+    KvError::new(code, e.to_string())
+}
+
+/// The region (and so the shard) that holds `key`.
+pub fn region_of(key: &[u8], regions: usize) -> usize {
+    (xxh3_64(key) % regions.max(1) as u64) as usize
+}
+
+/// The node's handle on its tier (the tokio side).
+pub struct NodeNvme {
+    pub segment_id: SegmentId,
+    pub spec: SegmentSpec,
+    pub recovered: Vec<Recovered>,
+    regions: usize,
+    shards: ShardHandle,
+    dram: Arc<Segment>,
+    dram_id: SegmentId,
+    metrics: StorageMetrics,
+    poll: Duration,
+}
+
+/// Opens the tier's region on every shard and recovers their indexes.
+pub async fn open(
+    shards: &ShardHandle,
+    cfg: &NvmeTierConfig,
+    host_id: &str,
+    endpoint: Endpoint,
+    dram: Arc<Segment>,
+    dram_id: SegmentId,
+    metrics: StorageMetrics,
+) -> Result<NodeNvme, NodeError> {
+    let path = canonical(&cfg.path)?;
+    let regions = shards.nr_shards();
+    let ncfg = NvmeConfig {
+        capacity: cfg.capacity.get(),
+        regions: regions as u32,
+        avg_object_bytes: cfg.avg_object_bytes.get(),
+        high_watermark: cfg.high_watermark,
+        low_watermark: cfg.low_watermark,
+        eviction: match cfg.eviction {
+            NvmeEvictionPolicy::Fifo => Eviction::Fifo,
+            NvmeEvictionPolicy::Lru => Eviction::Lru,
+        },
+        sync_writes: cfg.sync_writes,
+    };
+    let mut recovered = Vec::new();
+    for i in 0..regions {
+        let (p, c) = (path.clone(), ncfg.clone());
+        let rec = shards
+            .run_on(i, move |_ctx| async move {
+                let (t, rec) = NvmeShard::open(&p, c, i as u32).await?;
+                TIER.with(|s| *s.borrow_mut() = Some(Rc::new(t)));
+                Ok::<_, NvmeError>(rec)
+            })
+            .await?
+            .map_err(|e| NodeError::Start(format!("NVMe tier {}: {e}", path.display())))?;
+        recovered.extend(rec);
+    }
+    let name = format!("nvme:{host_id}:{}", path.display());
+    let segment_id = segment_id_for(&name);
+    tracing::info!(
+        path = %path.display(),
+        capacity = cfg.capacity.get(),
+        regions,
+        recovered = recovered.len(),
+        "NVMe tier open"
+    );
+    metrics.nvme_capacity.set(cfg.capacity.get() as i64);
+    Ok(NodeNvme {
+        segment_id,
+        spec: SegmentSpec {
+            name,
+            size: cfg.capacity.get(),
+            endpoint,
+            slice_bytes: 0,
+            host_id: host_id.to_string(),
+            tier: Tier::Nvme,
+            nvme: None,
+        },
+        recovered,
+        regions,
+        shards: shards.clone(),
+        dram,
+        dram_id,
+        metrics,
+        poll: Duration::from_millis(cfg.task_poll_ms),
+    })
+}
+
+fn canonical(p: &str) -> Result<PathBuf, NodeError> {
+    let path = PathBuf::from(p);
+    if path.exists() {
+        return std::fs::canonicalize(&path)
+            .map_err(|e| NodeError::Start(format!("NVMe path {p}: {e}")));
+    }
+    let parent = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let dir = std::fs::canonicalize(parent)
+        .map_err(|e| NodeError::Start(format!("NVMe path {p}: its directory: {e}")))?;
+    Ok(dir.join(path.file_name().unwrap_or_default()))
+}
+
+/// Reads an object of this shard's region (for the data plane).
+pub async fn read_local(loc: NvmeLoc, metrics: &StorageMetrics) -> Result<NvmeValue, KvError> {
+    let t = tier()?;
+    let started = Instant::now();
+    let v = t.read(loc).await.map_err(kv)?;
+    metrics
+        .nvme_read_seconds
+        .observe(started.elapsed().as_secs_f64());
+    Ok(v)
+}
+
+impl NodeNvme {
+    /// Re-reports what the tier recovered at start; stale copies the master
+    /// no longer wants are removed.
+    pub async fn report_recovered(&self, client: &Client) -> Result<(), KvError> {
+        let updates: Vec<NvmeUpdate> = self
+            .recovered
+            .iter()
+            .map(|r| NvmeUpdate::Recovered {
+                key: r.key.clone(),
+                nvme: self.segment_id,
+                loc: r.loc.pack(),
+                len: r.len,
+            })
+            .collect();
+        let results = self.report(client, updates).await?;
+        let mut stale = 0;
+        for (r, res) in self.recovered.iter().zip(results) {
+            if res.is_err() {
+                stale += 1;
+                self.remove(r.loc).await;
+            }
+        }
+        tracing::info!(
+            objects = self.recovered.len(),
+            stale,
+            "NVMe objects re-reported to the master"
+        );
+        Ok(())
+    }
+
+    /// Sends updates in batches; one result per update.
+    async fn report(
+        &self,
+        client: &Client,
+        updates: Vec<NvmeUpdate>,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let mut out = Vec::with_capacity(updates.len());
+        for chunk in updates.chunks(1024) {
+            let req = MasterRequest::NvmeUpdates {
+                client_id: client.id(),
+                updates: chunk.to_vec(),
+            };
+            match client.call(req).await? {
+                MasterResponse::BatchDone(v) => out.extend(v.into_iter().map(Result::from)),
+                other => {
+                    return Err(KvError::new(
+                        ErrorCode::Internal,
+                        format!("master answered NVMe updates with {other:?}"),
+                    ))
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn remove(&self, loc: NvmeLoc) {
+        let r = self
+            .shards
+            .run_on(loc.region as usize, move |_| async move {
+                match tier() {
+                    Ok(t) => t.remove(loc).await.map_err(kv),
+                    Err(e) => Err(e),
+                }
+            })
+            .await;
+        if let Ok(Err(e)) | Err(e) = r.map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))
+        {
+            tracing::warn!("NVMe: could not remove {loc:?}: {e}");
+        }
+    }
+
+    /// Copies DRAM bytes to the tier (a demotion or write-through).
+    async fn persist(
+        &self,
+        client: &Client,
+        key: Vec<u8>,
+        offset: u64,
+        len: u64,
+    ) -> Result<NvmeLoc, KvError> {
+        let region = region_of(&key, self.regions);
+        for attempt in 0..2 {
+            let (k, seg, m) = (key.clone(), self.dram.clone(), self.metrics.clone());
+            let r: Result<NvmeLoc, KvError> = self
+                .shards
+                .run_on(region, move |_| async move {
+                    let t = tier()?;
+                    if let Some(loc) = t.lookup(&k) {
+                        return Ok(loc); // already there (write-through, then demotion)
+                    }
+                    seg.check_range(offset, len)
+                        .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))?;
+                    // SAFETY: in bounds (checked). The master keeps this range
+                    // allocated to the object until it has the Stored report
+                    // (a removal meanwhile quarantines it), so no writer is
+                    // sent to it while we copy.
+                    let bytes = unsafe { seg.slice(offset, len) };
+                    let started = Instant::now();
+                    let loc = t.write(&k, bytes).await.map_err(kv)?;
+                    m.nvme_write_seconds
+                        .observe(started.elapsed().as_secs_f64());
+                    Ok(loc)
+                })
+                .await
+                .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))?;
+            match r {
+                Err(e) if e.code == ErrorCode::NoSpace && attempt == 0 => {
+                    // Make room in that region, then try once more.
+                    self.evict_region(client, region, len + 8192).await;
+                }
+                other => return other,
+            }
+        }
+        unreachable!("the loop returns on its second attempt")
+    }
+
+    /// Copies an NVMe object into the DRAM range the master allocated.
+    async fn promote(&self, loc: NvmeLoc, offset: u64, len: u64) -> Result<(), KvError> {
+        let (seg, m) = (self.dram.clone(), self.metrics.clone());
+        self.shards
+            .run_on(loc.region as usize, move |_| async move {
+                let v = read_local(loc, &m).await?;
+                if v.len() as u64 != len {
+                    return Err(KvError::new(
+                        ErrorCode::Corrupt,
+                        "promoted object has another size",
+                    ));
+                }
+                seg.check_range(offset, len)
+                    .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))?;
+                // SAFETY: in bounds; the master allocated this range for the
+                // promotion and sends no reader or writer to it until it gets
+                // the Promoted report.
+                unsafe { seg.slice_mut(offset, len) }.copy_from_slice(&v);
+                Ok(())
+            })
+            .await
+            .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))?
+    }
+
+    /// Evicts in one region: mark, report to the master, then release.
+    async fn evict_region(&self, client: &Client, region: usize, need: u64) {
+        let cands = self
+            .shards
+            .run_on(region, move |_| async move {
+                tier().map(|t| t.evict_candidates(need)).unwrap_or_default()
+            })
+            .await
+            .unwrap_or_default();
+        if cands.is_empty() {
+            return;
+        }
+        let updates = cands
+            .iter()
+            .map(|(k, loc)| NvmeUpdate::Evicted {
+                key: k.clone(),
+                nvme: self.segment_id,
+                loc: loc.pack(),
+            })
+            .collect();
+        // Reported first: the master stops handing out these replicas; only
+        // then is their space released.
+        if let Err(e) = self.report(client, updates).await {
+            tracing::warn!("NVMe eviction not reported ({e}); space kept until it is");
+            return;
+        }
+        self.metrics.nvme_evictions.inc_by(cands.len() as u64);
+        for (_, loc) in cands {
+            self.remove(loc).await;
+        }
+    }
+
+    /// Runs one task; the update to report.
+    async fn run_task(
+        &self,
+        client: &Client,
+        task: NodeTask,
+    ) -> Option<(NvmeUpdate, Option<NvmeLoc>)> {
+        match task {
+            NodeTask::Persist {
+                key,
+                dram,
+                offset,
+                len,
+                demote,
+            } => {
+                if dram != self.dram_id {
+                    return None;
+                }
+                match self.persist(client, key.clone(), offset, len).await {
+                    Ok(loc) => {
+                        if demote {
+                            self.metrics.nvme_demotions.inc();
+                        }
+                        Some((
+                            NvmeUpdate::Stored {
+                                key,
+                                nvme: self.segment_id,
+                                loc: loc.pack(),
+                                len,
+                                dram,
+                                offset,
+                                demote,
+                            },
+                            Some(loc),
+                        ))
+                    }
+                    Err(e) => {
+                        tracing::warn!("NVMe persist failed: {e}");
+                        Some((
+                            NvmeUpdate::PersistFailed {
+                                key,
+                                dram,
+                                offset,
+                                demote,
+                            },
+                            None,
+                        ))
+                    }
+                }
+            }
+            NodeTask::Promote {
+                key,
+                loc,
+                dram,
+                offset,
+                len,
+            } => {
+                let ok = match self.promote(NvmeLoc::unpack(loc), offset, len).await {
+                    Ok(()) => {
+                        self.metrics.nvme_promotions.inc();
+                        true
+                    }
+                    Err(e) => {
+                        tracing::warn!("NVMe promotion failed: {e}");
+                        false
+                    }
+                };
+                Some((
+                    NvmeUpdate::Promoted {
+                        key,
+                        dram,
+                        offset,
+                        ok,
+                    },
+                    None,
+                ))
+            }
+        }
+    }
+
+    /// One round: tasks from every master shard, then eviction, then gauges.
+    /// Returns how many tasks ran.
+    pub async fn round(&self, client: &Client) -> Result<usize, KvError> {
+        let mut ran = 0;
+        for shard in 0..client.cluster_map().shards.len() as u32 {
+            let req = MasterRequest::NodeTasks {
+                client_id: client.id(),
+                shard,
+                segments: vec![self.dram_id, self.segment_id],
+                max: 256,
+            };
+            let tasks = match client.call(req).await? {
+                MasterResponse::Tasks(t) => t,
+                other => {
+                    return Err(KvError::new(
+                        ErrorCode::Internal,
+                        format!("master answered NodeTasks with {other:?}"),
+                    ))
+                }
+            };
+            let mut updates = Vec::new();
+            let mut written = Vec::new();
+            for t in tasks {
+                ran += 1;
+                if let Some((u, loc)) = self.run_task(client, t).await {
+                    updates.push(u);
+                    written.push(loc);
+                }
+            }
+            if updates.is_empty() {
+                continue;
+            }
+            let results = self.report(client, updates).await?;
+            for (res, loc) in results.into_iter().zip(written) {
+                if let (Err(_), Some(loc)) = (res, loc) {
+                    // The master no longer wants this copy (object gone).
+                    self.remove(loc).await;
+                }
+            }
+        }
+        for region in 0..self.regions {
+            self.evict_region(client, region, 0).await;
+        }
+        let mut used = 0u64;
+        let mut objects = 0u64;
+        for region in 0..self.regions {
+            if let Ok(Some((u, n))) = self
+                .shards
+                .run_on(region, move |_| async move {
+                    tier().ok().map(|t| (t.usage().0, t.objects() as u64))
+                })
+                .await
+            {
+                used += u;
+                objects += n;
+            }
+        }
+        self.metrics.nvme_used.set(used as i64);
+        self.metrics.nvme_objects.set(objects as i64);
+        Ok(ran)
+    }
+
+    /// Runs rounds until shutdown.
+    pub fn spawn_loop(self: Arc<Self>, client: Client, shutdown: Shutdown) {
+        tokio::spawn(async move {
+            loop {
+                let busy = match self.round(&client).await {
+                    Ok(n) => n > 0,
+                    Err(e) => {
+                        tracing::warn!("NVMe tier round failed: {e}");
+                        false
+                    }
+                };
+                if !busy {
+                    tokio::select! {
+                        _ = tokio::time::sleep(self.poll) => {}
+                        _ = shutdown.wait() => break,
+                    }
+                } else if shutdown.is_triggered() {
+                    break;
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,267 @@
+//! The NVMe tier through real processes: DRAM filled to 3x its size stays
+//! readable (objects demoted to NVMe, promoted back on reads), and a storage
+//! node killed with SIGKILL and restarted on the same NVMe path brings its
+//! objects back through the master, with a corrupted one reported as such.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kvpool_actors::client::Client;
+use kvpool_actors::config::ClientConfig;
+use kvpool_transport::proto::Tier;
+use kvpool_transport::{ErrorCode, KvError};
+use xxhash_rust::xxh3::xxh3_64;
+
+fn value(i: u64, len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len);
+    let mut x = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+/// A directory on a real file system (O_DIRECT does not work on tmpfs).
+fn dir(name: &str) -> PathBuf {
+    let d =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn write_config(dir: &Path, name: &str, text: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+/// A put that waits while the pool is full and demotions catch up, as a
+/// client of a cache does (bounded by a deadline).
+async fn put_patiently(c: &Client, key: &str, v: &[u8]) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match c.put(key.as_bytes(), v).await {
+            Ok(()) => return,
+            Err(e) if e.code == ErrorCode::NoSpace && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("put {key}: {e}"),
+        }
+    }
+}
+
+#[test]
+fn dram_filled_to_three_times_its_size_stays_readable_through_the_nvme_tier() {
+    let d = dir("nvme-fill");
+    let nvme = d.join("tier.kvnv");
+    let cfg = write_config(
+        &d,
+        "node.toml",
+        &format!(
+            "[master]\npromote_after_reads = 2\nlease_ttl_ms = 500\n\
+             [storage.nvme]\npath = \"{}\"\ncapacity = \"512 MiB\"\npolicy = \"on_evict\"\n\
+             avg_object_bytes = \"1 MiB\"\nsync_writes = false\ntask_poll_ms = 20\n",
+            nvme.display()
+        ),
+    );
+    let mut args = common::ephemeral(&["--segment-size", "64MiB"]);
+    args.splice(0..0, ["--config", cfg.as_str()]);
+    let node = common::start("all", &args);
+    let rt = common::rt();
+    rt.block_on(async {
+        let c = Client::connect(&node.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        let n = 192u64; // 192 MiB through a 64 MiB DRAM segment
+        let len = 1 << 20;
+        for i in 0..n {
+            put_patiently(&c, &format!("obj-{i}"), &value(i, len)).await;
+        }
+        let stat = c.stat().await.unwrap();
+        assert_eq!(stat.keys, n, "nothing was dropped: {stat:?}");
+        assert!(
+            stat.demotions >= n - 64,
+            "most objects went to NVMe: {stat:?}"
+        );
+        let mut on_nvme = 0;
+        for i in 0..n {
+            let got = c
+                .get(format!("obj-{i}").as_bytes())
+                .await
+                .unwrap_or_else(|e| panic!("obj-{i}: {e}"));
+            assert_eq!(
+                xxh3_64(&got),
+                xxh3_64(&value(i, len)),
+                "obj-{i} byte for byte"
+            );
+            let info = c.describe(format!("obj-{i}").as_bytes()).await.unwrap();
+            if info.replicas.iter().all(|r| r.tier == Tier::Nvme) {
+                on_nvme += 1;
+            }
+        }
+        assert!(
+            on_nvme > n / 2,
+            "{on_nvme} of {n} objects were served from NVMe"
+        );
+        // A second read of NVMe-only objects promotes them back to DRAM.
+        let probe: Vec<u64> = (0..n).take(8).collect();
+        for &i in &probe {
+            let _ = c.get(format!("obj-{i}").as_bytes()).await.unwrap();
+            let _ = c.get(format!("obj-{i}").as_bytes()).await.unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = c.stat().await.unwrap();
+            if s.promotions > 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "no promotion happened: {s:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let promoted = {
+            let mut k = 0;
+            for &i in &probe {
+                let info = c.describe(format!("obj-{i}").as_bytes()).await.unwrap();
+                if info.replicas.iter().any(|r| r.tier == Tier::Dram) {
+                    k += 1;
+                    let got = c.get(format!("obj-{i}").as_bytes()).await.unwrap();
+                    assert_eq!(xxh3_64(&got), xxh3_64(&value(i, len)), "promoted obj-{i}");
+                }
+            }
+            k
+        };
+        assert!(promoted > 0, "promoted objects read from DRAM again");
+    });
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Flips bytes in the value of `key` in the tier's file.
+fn corrupt_value(file: &Path, key: &str) {
+    let mut bytes = std::fs::read(file).unwrap();
+    let needle = key.as_bytes();
+    let hdr = (0..bytes.len() - 4096)
+        .step_by(4096)
+        .find(|&at| {
+            &bytes[at..at + 4] == b"KVOB"
+                && bytes[at + 64..].starts_with(needle)
+                && bytes[at + 64 + needle.len()] == 0
+        })
+        .unwrap_or_else(|| panic!("{key}'s header in the tier's file"));
+    let at = hdr + 4096 + 100;
+    bytes[at] ^= 0xff;
+    bytes[at + 1] ^= 0x0f;
+    std::fs::write(file, &bytes).unwrap();
+    std::fs::File::open(file).unwrap().sync_all().unwrap();
+}
+
+#[test]
+fn a_storage_node_killed_and_restarted_on_the_same_nvme_path_serves_its_objects_again() {
+    let d = dir("nvme-restart");
+    let nvme = d.join("tier.kvnv");
+    let mcfg = write_config(&d, "master.toml", "[master]\nclient_ttl_ms = 2000\n");
+    let scfg = write_config(
+        &d,
+        "storage.toml",
+        &format!(
+            "[storage.nvme]\npath = \"{}\"\ncapacity = \"256 MiB\"\npolicy = \"write_through\"\n\
+             avg_object_bytes = \"64 KiB\"\ntask_poll_ms = 20\n",
+            nvme.display()
+        ),
+    );
+    let mut margs = common::ephemeral(&[]);
+    margs.splice(0..0, ["--config", mcfg.as_str()]);
+    let master = common::start("master", &margs);
+    let storage_args = |cfg: &str| -> Vec<String> {
+        [
+            "--config",
+            cfg,
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+            "--master",
+            &master.addr,
+            "--segment-size",
+            "128MiB",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let a = storage_args(&scfg);
+    let first = common::start("storage", &a.iter().map(String::as_str).collect::<Vec<_>>());
+    let rt = common::rt();
+    let n = 40u64;
+    let len = |i: u64| 10_000 + (i as usize * 7919) % 90_000;
+    rt.block_on(async {
+        let c = Client::connect(&master.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        for i in 0..n {
+            c.put(format!("obj-{i}").as_bytes(), &value(i, len(i)))
+                .await
+                .unwrap();
+        }
+        // Write-through: wait until every object has its NVMe copy.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for i in 0..n {
+            loop {
+                let info = c.describe(format!("obj-{i}").as_bytes()).await.unwrap();
+                if info.replicas.iter().any(|r| r.tier == Tier::Nvme) {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "obj-{i} never reached NVMe");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    });
+    first.signal(common::Signal::KILL);
+    let mut first = first;
+    first.wait_exit(Duration::from_secs(10)).expect("killed");
+    corrupt_value(&nvme, "obj-7");
+    let second = common::start("storage", &a.iter().map(String::as_str).collect::<Vec<_>>());
+    rt.block_on(async {
+        let c = Client::connect(&master.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        // The dead node's DRAM segment goes after client_ttl; then only the
+        // restarted node's DRAM segment and its NVMe tier remain.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = c.stat().await.unwrap();
+            if s.segments.len() == 2 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the dead node is still mounted: {s:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        for i in 0..n {
+            let r: Result<Vec<u8>, KvError> = c.get(format!("obj-{i}").as_bytes()).await;
+            if i == 7 {
+                let e = r.expect_err("the corrupted object is not returned as data");
+                assert_eq!(e.code, ErrorCode::Corrupt, "{e}");
+            } else {
+                let v = r.unwrap_or_else(|e| panic!("obj-{i} after the restart: {e}"));
+                assert_eq!(
+                    xxh3_64(&v),
+                    xxh3_64(&value(i, len(i))),
+                    "obj-{i} byte for byte"
+                );
+            }
+        }
+    });
+    drop(second);
+    let _ = std::fs::remove_dir_all(&d);
+}
