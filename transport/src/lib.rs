@@ -5,6 +5,8 @@
 //!   payload an rkyv archive that is validated (bytecheck) before use.
 //! * [`proto`]: the messages: master RPC, data-plane requests, errors.
 //! * [`error`]: the stable error codes, the same on the wire and in Rust.
+//! * [`rdma_wire`]: the RDMA connection set-up messages (always compiled, so
+//!   the protocol does not depend on the `rdma` feature).
 //!
 //! Payload bytes of a put or get never go through rkyv: on TCP they follow the
 //! control frame and are read straight into the destination buffer.
@@ -12,6 +14,11 @@
 pub mod error;
 pub mod frame;
 pub mod proto;
+pub mod rdma_wire;
 
 pub use error::{ErrorCode, KvError};
 pub use frame::{FrameError, FrameHeader, FrameKind};
+pub use rdma_wire::{
+    RdmaCaps, RdmaConnectReply, RdmaConnectRequest, RdmaLaneRequest, RdmaLinkLayer, RdmaPortInfo,
+    RdmaQpEndpoint, RdmaRegion, RdmaRequest, RdmaResponse,
+};
