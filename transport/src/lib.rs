@@ -7,6 +7,8 @@
 //! * [`error`]: the stable error codes, the same on the wire and in Rust.
 //! * [`rdma_wire`]: the RDMA connection set-up messages (always compiled, so
 //!   the protocol does not depend on the `rdma` feature).
+//! * `rdma` (feature `rdma`): the verbs layer: devices, memory registration,
+//!   RC queue pairs, one-sided READ/WRITE with slicing, lanes and retry.
 //!
 //! Payload bytes of a put or get never go through rkyv: on TCP they follow the
 //! control frame and are read straight into the destination buffer.
@@ -14,6 +16,8 @@
 pub mod error;
 pub mod frame;
 pub mod proto;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod rdma_wire;
 
 pub use error::{ErrorCode, KvError};
