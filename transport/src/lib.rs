@@ -9,6 +9,10 @@
 //!   or TCP lanes, with deadlines and back-pressure).
 //! * [`pool`], [`shm`]: client TCP connection pools; the shared-memory
 //!   transport (memfd passed over a unix socket).
+//! * [`rdma_wire`]: the RDMA connection set-up messages (always compiled, so
+//!   the protocol does not depend on the `rdma` feature).
+//! * `rdma` (feature `rdma`): the verbs layer: devices, memory registration,
+//!   RC queue pairs, one-sided READ/WRITE with slicing, lanes and retry.
 //!
 //! Payload bytes of a put or get never go through rkyv: on TCP they follow the
 //! control frame and are read straight into the destination buffer.
@@ -18,7 +22,14 @@ pub mod error;
 pub mod frame;
 pub mod pool;
 pub mod proto;
+#[cfg(feature = "rdma")]
+pub mod rdma;
+pub mod rdma_wire;
 pub mod shm;
 
 pub use error::{ErrorCode, KvError};
 pub use frame::{FrameError, FrameHeader, FrameKind};
+pub use rdma_wire::{
+    RdmaCaps, RdmaConnectReply, RdmaConnectRequest, RdmaLaneRequest, RdmaLinkLayer, RdmaPortInfo,
+    RdmaQpEndpoint, RdmaRegion, RdmaRequest, RdmaResponse,
+};
