@@ -118,7 +118,8 @@ enum Cmd {
 enum BenchCmd {
     /// Put and get latency and throughput per transport, value size, batch.
     Transfer {
-        /// Transports to measure: tcp, shm (same host only), auto.
+        /// Transports to measure: tcp, shm (same host only), auto, rdma
+        /// (a build with the rdma feature and a device).
         #[arg(long, value_delimiter = ',', default_value = "tcp,shm")]
         transport: Vec<TransportArg>,
         /// Value sizes.
@@ -144,6 +145,7 @@ enum TransportArg {
     Auto,
     Tcp,
     Shm,
+    Rdma,
 }
 
 fn load_config(path: Option<&PathBuf>) -> Result<NodeConfig, String> {
@@ -294,6 +296,7 @@ async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode,
                         TransportArg::Auto => Transport::Auto,
                         TransportArg::Tcp => Transport::Tcp,
                         TransportArg::Shm => Transport::Shm,
+                        TransportArg::Rdma => Transport::Rdma,
                     })
                     .collect(),
                 sizes: sizes.iter().map(|s| s.get() as usize).collect(),

@@ -265,3 +265,30 @@ fn single_node_toml_spells_out_every_default() {
         }
     }
 }
+
+#[test]
+fn rdma_required_but_unavailable_stops_a_storage_node_at_start_up() {
+    // Built without the rdma feature, or with it but without this device:
+    // either way `required` is an error, never a silent fall back to tcp.
+    let dir = std::env::temp_dir().join(format!("kvpool-rdma-req-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("rdma.toml");
+    std::fs::write(
+        &cfg,
+        "[storage]\nsegment_size = \"16 MiB\"\nlisten = \"127.0.0.1:0\"\nhttp = \"127.0.0.1:0\"\n\
+         [master]\nlisten = \"127.0.0.1:0\"\nhttp = \"127.0.0.1:0\"\n\
+         [storage.rdma]\nenabled = \"required\"\ndevices = [\"no_such_rdma_dev\"]\n",
+    )
+    .unwrap();
+    let child = std::process::Command::new(common::BIN)
+        .args(["run", "--config", cfg.to_str().unwrap(), "--shards", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = common::wait_output(child, Duration::from_secs(30));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("rdma is required but"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -59,6 +59,7 @@ fn name(t: Transport) -> &'static str {
         Transport::Auto => "auto",
         Transport::Tcp => "tcp",
         Transport::Shm => "shm",
+        Transport::Rdma => "rdma",
     }
 }
 

@@ -221,7 +221,8 @@ impl Client {
             })
             .collect();
         drop(boot_conn);
-        let engine = TransferEngine::new(EngineConfig {
+        #[allow(unused_mut)]
+        let mut engine = TransferEngine::new(EngineConfig {
             transport: cfg.transport.choice(),
             tcp_slice_bytes: cfg.tcp_slice_bytes.get(),
             lanes: cfg.lanes,
@@ -231,6 +232,16 @@ impl Client {
             max_frame_bytes: max_frame,
             host_id: host_id.clone(),
         });
+        let rdma_required = cfg.transport == crate::config::Transport::Rdma;
+        if rdma_required || matches!(cfg.transport, crate::config::Transport::Auto) {
+            match crate::rdma::open(&cfg.rdma, rdma_required, "client")
+                .map_err(|why| KvError::new(ErrorCode::Unsupported, why))?
+            {
+                #[cfg(feature = "rdma")]
+                crate::rdma::Opened::Rdma(ctx) => engine.enable_rdma(ctx),
+                crate::rdma::Opened::Tcp(_) => {}
+            }
+        }
         let ping_ms = cfg.ping_interval_ms;
         let client = Self {
             inner: Arc::new(Inner {

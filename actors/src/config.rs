@@ -106,6 +106,8 @@ impl NodeConfig {
         nonzero("client.tcp_slice_bytes", self.client.tcp_slice_bytes.get())?;
         nonzero("client.lanes", self.client.lanes as u64)?;
         nonzero("client.max_in_flight", self.client.max_in_flight as u64)?;
+        self.storage.rdma.validate("storage.rdma")?;
+        self.client.rdma.validate("client.rdma")?;
         for (k, v) in [
             ("master.max_frame_bytes", self.master.max_frame_bytes),
             ("storage.max_frame_bytes", self.storage.max_frame_bytes),
@@ -289,6 +291,99 @@ pub struct StorageConfig {
     pub shm: bool,
     /// `[storage.nvme]`: the NVMe tier under the DRAM segment.
     pub nvme: NvmeTierConfig,
+    /// `[storage.rdma]`: serving the segment over RDMA.
+    pub rdma: RdmaSettings,
+}
+
+/// Whether a role uses RDMA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RdmaMode {
+    /// Use RDMA when this build has it and a device opens; otherwise say why
+    /// (one log line) and use TCP.
+    Auto,
+    /// Never use RDMA.
+    Off,
+    /// RDMA or refuse to start.
+    Required,
+}
+
+/// `[storage.rdma]` / `[client.rdma]`: the RDMA transport (cargo feature
+/// `rdma`). Device settings follow `kvpool_transport::rdma::RdmaConfig`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RdmaSettings {
+    /// auto | off | required. A client's `transport = "rdma"` means required.
+    pub enabled: RdmaMode,
+    /// Devices by name (`mlx5_0`); empty: every device with an active port.
+    pub devices: Vec<String>,
+    /// Port number on every device (from 1).
+    pub port: u8,
+    /// Source GID index; -1: the first RoCE v2 IPv4-mapped GID (RoCE), 0 (IB).
+    pub gid_index: i32,
+    /// Queue pairs per connection to a segment.
+    pub lanes: usize,
+    /// Bytes per work request.
+    pub slice_bytes: Bytes,
+    /// Work requests in flight per queue pair.
+    pub max_outstanding_per_lane: u32,
+    /// Transfers one connection tracks at once; more wait.
+    pub max_requests_per_connection: usize,
+}
+
+impl RdmaSettings {
+    /// Checks the values; the message names the key under `prefix`.
+    pub fn validate(&self, prefix: &str) -> Result<(), String> {
+        if self.port == 0 {
+            return Err(format!("key `{prefix}.port`: verbs ports count from 1"));
+        }
+        if !(-1..=255).contains(&self.gid_index) {
+            return Err(format!(
+                "key `{prefix}.gid_index`: {} is not in -1..=255",
+                self.gid_index
+            ));
+        }
+        if !(1..=16).contains(&self.lanes) {
+            return Err(format!(
+                "key `{prefix}.lanes`: {} is not in 1..=16",
+                self.lanes
+            ));
+        }
+        let s = self.slice_bytes.get();
+        if s == 0 || s > 1 << 30 {
+            return Err(format!(
+                "key `{prefix}.slice_bytes`: {s} is not in 1..=1 GiB"
+            ));
+        }
+        if !(1..=4096).contains(&self.max_outstanding_per_lane) {
+            return Err(format!(
+                "key `{prefix}.max_outstanding_per_lane`: {} is not in 1..=4096",
+                self.max_outstanding_per_lane
+            ));
+        }
+        if !(1..=65536).contains(&self.max_requests_per_connection) {
+            return Err(format!(
+                "key `{prefix}.max_requests_per_connection`: {} is not in 1..=65536",
+                self.max_requests_per_connection
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Default for RdmaSettings {
+    fn default() -> Self {
+        Self {
+            enabled: RdmaMode::Auto,
+            devices: Vec::new(),
+            port: 1,
+            gid_index: -1,
+            lanes: 2,
+            slice_bytes: Bytes::kib(64),
+            max_outstanding_per_lane: 32,
+            max_requests_per_connection: 256,
+        }
+    }
 }
 
 /// What happens to objects on the NVMe tier.
@@ -365,6 +460,7 @@ impl Default for StorageConfig {
             max_frame_bytes: Bytes::kib(64),
             shm: true,
             nvme: NvmeTierConfig::default(),
+            rdma: RdmaSettings::default(),
         }
     }
 }
@@ -387,8 +483,9 @@ pub struct ClientConfig {
     pub ping_interval_ms: u64,
     /// Data transfers one batch call runs at once.
     pub batch_parallelism: usize,
-    /// Data path: "auto" (shared memory for same-host replicas, TCP
-    /// otherwise), "tcp" or "shm".
+    /// Data path: "auto" (shared memory for same-host replicas, RDMA when
+    /// both sides have it, TCP otherwise), "tcp", "shm" or "rdma" (RDMA for
+    /// every node that has it; no local device is a start-up error).
     pub transport: Transport,
     /// A TCP transfer larger than this is cut into slices.
     pub tcp_slice_bytes: Bytes,
@@ -396,6 +493,8 @@ pub struct ClientConfig {
     pub lanes: usize,
     /// Slices in flight over the whole client; more wait.
     pub max_in_flight: usize,
+    /// `[client.rdma]`: the client's RDMA devices.
+    pub rdma: RdmaSettings,
 }
 
 /// The client's data path.
@@ -405,6 +504,7 @@ pub enum Transport {
     Auto,
     Tcp,
     Shm,
+    Rdma,
 }
 
 impl Transport {
@@ -414,6 +514,7 @@ impl Transport {
             Transport::Auto => C::Auto,
             Transport::Tcp => C::Tcp,
             Transport::Shm => C::Shm,
+            Transport::Rdma => C::Rdma,
         }
     }
 }
@@ -431,6 +532,7 @@ impl Default for ClientConfig {
             tcp_slice_bytes: Bytes::mib(2),
             lanes: 4,
             max_in_flight: 64,
+            rdma: RdmaSettings::default(),
         }
     }
 }

@@ -2,7 +2,9 @@
 //! process that runs them (`node`).
 //!
 //! * [`master`]: metadata, allocation and liveness, sharded per core.
-//! * [`storage_node`]: a DRAM segment served over TCP, mounted at the master.
+//! * [`storage_node`]: a DRAM segment served over TCP (and RDMA, feature
+//!   `rdma`), mounted at the master.
+//! * [`rdma`]: whether a role uses RDMA, and why not.
 //! * [`client`]: `put`/`get`/`exists`/`remove` for embedders and the CLI.
 //! * [`conductor`]: cache-aware scheduling with early rejection, and the
 //!   trace-replay simulator (`kvpool sim`).
@@ -18,6 +20,7 @@ pub mod master;
 pub mod metrics;
 pub mod node;
 pub mod nvme_tier;
+pub mod rdma;
 pub mod server;
 pub mod storage_node;
 

@@ -133,6 +133,8 @@ pub struct StorageMetrics {
     pub nvme_promotions: Counter,
     pub nvme_read_seconds: Histogram,
     pub nvme_write_seconds: Histogram,
+    /// Live RDMA peer connections (queue-pair sets) to this node's segment.
+    pub rdma_connections: Gauge,
 }
 
 impl StorageMetrics {
@@ -151,7 +153,13 @@ impl StorageMetrics {
             nvme_promotions: Counter::default(),
             nvme_read_seconds: latency_histogram(),
             nvme_write_seconds: latency_histogram(),
+            rdma_connections: Gauge::default(),
         };
+        reg.register(
+            "storage_rdma_connections",
+            "Live RDMA peer connections to this node's segment",
+            m.rdma_connections.clone(),
+        );
         reg.register(
             "storage_requests",
             "Data-plane requests by operation and result",

@@ -25,7 +25,7 @@ use kvpool_transport::frame::{self, FrameHeader, FrameKind};
 use kvpool_transport::proto::{
     segment_id_for, DataRequest, DataResponse, Endpoint, NvmeAttach, SegmentId, SegmentSpec, Tier,
 };
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_transport::{ErrorCode, KvError, RdmaCaps, RdmaRequest, RdmaResponse};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use crate::client::Client;
@@ -42,6 +42,8 @@ pub struct StorageService {
     pub segment: Arc<Segment>,
     /// The NVMe tier, when configured.
     pub nvme: Option<Arc<crate::nvme_tier::NodeNvme>>,
+    /// RDMA: the registered segment, or why clients get TCP.
+    pub rdma: crate::rdma::NodeRdma,
 }
 
 /// Creates the segment and starts serving it on every shard.
@@ -77,6 +79,7 @@ pub async fn start(
         nr_shards: n as u16,
     };
     let segment_id = segment_id_for(&name);
+    let rdma = crate::rdma::NodeRdma::start(&cfg.rdma, &segment).map_err(NodeError::Start)?;
     let m = StorageMetrics::register(metrics);
     let nvme = if cfg.nvme.path.is_empty() {
         None
@@ -118,12 +121,15 @@ pub async fn start(
     for (i, listener) in listeners.into_iter().enumerate() {
         let segment = segment.clone();
         let metrics = m.clone();
+        let rdma = rdma.clone();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         ready.push(rx);
         shards
             .spawn_on(i, move |ctx: ShardCtx| async move {
                 let handler = Rc::new(DataConn {
                     shard: ctx.id() as u32,
+                    shutdown: ctx.shutdown().clone(),
+                    rdma,
                     segment,
                     segment_id,
                     nvme_id,
@@ -145,6 +151,7 @@ pub async fn start(
         addr,
         segment,
         nvme,
+        rdma,
     })
 }
 
@@ -195,6 +202,10 @@ pub fn spawn_shm_server(
 /// Serves the data plane on one shard.
 struct DataConn {
     shard: u32,
+    /// Ends the wait of an RDMA control connection at shutdown.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    shutdown: kvpool_runtime::Shutdown,
+    rdma: crate::rdma::NodeRdma,
     segment: Arc<Segment>,
     segment_id: SegmentId,
     nvme_id: Option<SegmentId>,
@@ -358,7 +369,89 @@ impl Handler for DataConn {
                 self.metrics.observe("read_nvme", ok, started.elapsed());
                 next
             }
+            DataRequest::Rdma(req) => self.rdma(req, hdr.request_id, stream).await,
         }
+    }
+}
+
+impl DataConn {
+    /// RDMA set-up. After `Connect`, the node's queue pairs live as long as
+    /// this TCP connection: the handler holds them until the client closes
+    /// it (or the node shuts down), then closes it too.
+    async fn rdma(&self, req: RdmaRequest, id: u64, stream: &mut TcpStream) -> Next {
+        let reply =
+            |r: RdmaResponse| frame::encode(FrameKind::DataResponse, id, &DataResponse::Rdma(r));
+        match req {
+            RdmaRequest::Caps => {
+                let caps = match &self.rdma {
+                    #[cfg(feature = "rdma")]
+                    crate::rdma::NodeRdma::On { ctx, .. } => ctx.caps(),
+                    crate::rdma::NodeRdma::Off(why) => RdmaCaps::unavailable(why.clone()),
+                };
+                server::answer(stream, &reply(RdmaResponse::Caps(caps))).await
+            }
+            RdmaRequest::Connect(req) => {
+                if req.segment_id != self.segment_id {
+                    let e = KvError::new(
+                        ErrorCode::SegmentNotFound,
+                        format!(
+                            "segment {:016x} is not served here (this node serves {:016x})",
+                            req.segment_id, self.segment_id
+                        ),
+                    );
+                    return server::answer(stream, &frame::encode_error(id, &e)).await;
+                }
+                match &self.rdma {
+                    #[cfg(feature = "rdma")]
+                    crate::rdma::NodeRdma::On { ctx, region } => match ctx.accept(&req, region) {
+                        Ok((r, passive)) => {
+                            if let Next::Close =
+                                server::answer(stream, &reply(RdmaResponse::Connected(r))).await
+                            {
+                                return Next::Close;
+                            }
+                            self.metrics.rdma_connections.inc();
+                            tracing::debug!(lanes = passive.lanes(), "rdma peer connected");
+                            self.hold_until_closed(stream).await;
+                            drop(passive);
+                            self.metrics.rdma_connections.dec();
+                            Next::Close
+                        }
+                        Err(e) => {
+                            let e = KvError::from(e);
+                            tracing::warn!("rdma connect from a client failed: {e}");
+                            server::answer(stream, &frame::encode_error(id, &e)).await
+                        }
+                    },
+                    crate::rdma::NodeRdma::Off(why) => {
+                        let e = KvError::new(
+                            ErrorCode::Unsupported,
+                            format!("this node has no RDMA: {why}"),
+                        );
+                        server::answer(stream, &frame::encode_error(id, &e)).await
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waits until the peer closes `stream` (anything it sends is
+    /// ignored) or the node shuts down.
+    #[cfg(feature = "rdma")]
+    async fn hold_until_closed(&self, stream: &mut TcpStream) {
+        let _ = stream.set_read_timeout(None);
+        futures_lite::future::or(
+            async {
+                let mut b = [0u8; 256];
+                while let Ok(n) = futures_lite::AsyncReadExt::read(stream, &mut b).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            },
+            self.shutdown.wait(),
+        )
+        .await;
     }
 }
 

@@ -42,6 +42,9 @@ pub enum TransportChoice {
     Tcp,
     /// Shared memory only (a replica on another host is an error).
     Shm,
+    /// RDMA for every DRAM replica whose node supports it (same host
+    /// included); TCP, with a logged reason, for a node that does not.
+    Rdma,
 }
 
 impl TransportChoice {
@@ -50,6 +53,7 @@ impl TransportChoice {
             Self::Auto => "auto",
             Self::Tcp => "tcp",
             Self::Shm => "shm",
+            Self::Rdma => "rdma",
         }
     }
 }
@@ -145,6 +149,15 @@ pub struct EngineStats {
     pub replica_failovers: AtomicU64,
     pub shm_bytes: AtomicU64,
     pub tcp_bytes: AtomicU64,
+    /// Bytes moved by RDMA READ/WRITE (zero copy or staged).
+    pub rdma_bytes: AtomicU64,
+    /// Of those, bytes that went through a registered bounce buffer because
+    /// the caller's buffer was not registered.
+    pub rdma_staged_bytes: AtomicU64,
+    /// RDMA connections set up.
+    pub rdma_connects: AtomicU64,
+    /// Nodes put on TCP because RDMA could not be set up (each logged).
+    pub rdma_fallbacks: AtomicU64,
 }
 
 /// Why shm is not used for a segment, remembered for a while.
@@ -168,6 +181,8 @@ pub struct TransferEngine {
     permits: Arc<Semaphore>,
     req_ids: AtomicU64,
     stats: EngineStats,
+    #[cfg(feature = "rdma")]
+    rdma: Option<crate::engine_rdma::RdmaPath>,
 }
 
 impl TransferEngine {
@@ -180,6 +195,109 @@ impl TransferEngine {
             permits,
             req_ids: AtomicU64::new(1),
             stats: EngineStats::default(),
+            #[cfg(feature = "rdma")]
+            rdma: None,
+        }
+    }
+
+    /// Uses RDMA (through `ctx`) for DRAM replicas whose node supports it.
+    #[cfg(feature = "rdma")]
+    pub fn enable_rdma(&mut self, ctx: Arc<crate::rdma::RdmaContext>) {
+        self.rdma = Some(crate::engine_rdma::RdmaPath::new(ctx));
+    }
+
+    /// The RDMA context, when RDMA is enabled.
+    #[cfg(feature = "rdma")]
+    pub fn rdma_context(&self) -> Option<&Arc<crate::rdma::RdmaContext>> {
+        self.rdma.as_ref().map(|r| r.context())
+    }
+
+    /// A zeroed buffer registered with this engine's RDMA devices: gets into
+    /// it and puts from it are zero copy. `Unsupported` without RDMA.
+    #[cfg(feature = "rdma")]
+    pub fn alloc_rdma_buffer(&self, len: usize) -> Result<Arc<crate::rdma::RdmaBuffer>, KvError> {
+        match &self.rdma {
+            Some(r) => r.alloc(len),
+            None => Err(KvError::new(
+                ErrorCode::Unsupported,
+                "RDMA is not enabled in this client",
+            )),
+        }
+    }
+
+    /// Whether RDMA is enabled (built in and a device opened).
+    pub fn rdma_enabled(&self) -> bool {
+        #[cfg(feature = "rdma")]
+        {
+            self.rdma.is_some()
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            false
+        }
+    }
+
+    /// Reads a DRAM replica over RDMA; `None`: use TCP for it.
+    async fn rdma_read(
+        &self,
+        r: &ReplicaDesc,
+        dst: &mut [u8],
+        deadline: Instant,
+    ) -> Option<Result<(), KvError>> {
+        #[cfg(feature = "rdma")]
+        {
+            let path = self.rdma.as_ref()?;
+            if self.cfg.transport == TransportChoice::Tcp {
+                return None;
+            }
+            let pool = self.pool(r.endpoint.shard_addr(r.data_shard()));
+            path.read(
+                r,
+                dst,
+                deadline,
+                pool,
+                self.cfg.connect_timeout,
+                self.cfg.max_frame_bytes,
+                &self.stats,
+            )
+            .await
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            let _ = (r, dst, deadline);
+            None
+        }
+    }
+
+    /// Writes a DRAM replica over RDMA; `None`: use TCP for it.
+    async fn rdma_write(
+        &self,
+        r: &ReplicaDesc,
+        src: &[u8],
+        deadline: Instant,
+    ) -> Option<Result<(), KvError>> {
+        #[cfg(feature = "rdma")]
+        {
+            let path = self.rdma.as_ref()?;
+            if self.cfg.transport == TransportChoice::Tcp {
+                return None;
+            }
+            let pool = self.pool(r.endpoint.shard_addr(r.data_shard()));
+            path.write(
+                r,
+                src,
+                deadline,
+                pool,
+                self.cfg.connect_timeout,
+                self.cfg.max_frame_bytes,
+                &self.stats,
+            )
+            .await
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            let _ = (r, src, deadline);
+            None
         }
     }
 
@@ -201,8 +319,8 @@ impl TransferEngine {
     ) {
         let work = futures_util::future::join_all(batch.iter_mut().map(|t| async move {
             let r = match &mut t.buf {
-                Buf::Read(dst) => self.read_any(t.replicas, dst).await,
-                Buf::Write(src) => self.write_all(t.replicas, src).await,
+                Buf::Read(dst) => self.read_any(t.replicas, dst, deadline).await,
+                Buf::Write(src) => self.write_all(t.replicas, src, deadline).await,
             };
             t.status = Some(r);
         }));
@@ -317,7 +435,12 @@ impl TransferEngine {
         }
     }
 
-    async fn read_any(&self, replicas: &[ReplicaDesc], dst: &mut [u8]) -> Result<(), KvError> {
+    async fn read_any(
+        &self,
+        replicas: &[ReplicaDesc],
+        dst: &mut [u8],
+        deadline: Instant,
+    ) -> Result<(), KvError> {
         if replicas.is_empty() {
             return Err(KvError::new(
                 ErrorCode::ObjectNotFound,
@@ -349,7 +472,10 @@ impl TransferEngine {
                         res
                     }
                     Some(Err(e)) => Err(e),
-                    None => self.tcp_read(r, dst).await,
+                    None => match self.rdma_read(r, dst, deadline).await {
+                        Some(res) => res,
+                        None => self.tcp_read(r, dst).await,
+                    },
                 }
             };
             match res {
@@ -363,7 +489,12 @@ impl TransferEngine {
         Err(last.expect("at least one replica"))
     }
 
-    async fn write_all(&self, replicas: &[ReplicaDesc], src: &[u8]) -> Result<(), KvError> {
+    async fn write_all(
+        &self,
+        replicas: &[ReplicaDesc],
+        src: &[u8],
+        deadline: Instant,
+    ) -> Result<(), KvError> {
         if replicas.is_empty() {
             return Err(KvError::new(
                 ErrorCode::InvalidParams,
@@ -386,7 +517,10 @@ impl TransferEngine {
                     Ok(())
                 }
                 Some(Err(e)) => Err(e),
-                None => self.tcp_write(r, src).await,
+                None => match self.rdma_write(r, src, deadline).await {
+                    Some(res) => res,
+                    None => self.tcp_write(r, src).await,
+                },
             }
         });
         futures_util::future::try_join_all(writes).await.map(|_| ())
@@ -396,7 +530,7 @@ impl TransferEngine {
     async fn shm_for(&self, r: &ReplicaDesc) -> Option<Result<Arc<ShmMap>, KvError>> {
         let same_host = !self.cfg.host_id.is_empty() && r.host_id == self.cfg.host_id;
         match self.cfg.transport {
-            TransportChoice::Tcp => return None,
+            TransportChoice::Tcp | TransportChoice::Rdma => return None,
             TransportChoice::Auto if !same_host => return None,
             TransportChoice::Shm if !same_host => {
                 return Some(Err(KvError::new(
@@ -488,6 +622,10 @@ impl TransferEngine {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&segment_id);
+        #[cfg(feature = "rdma")]
+        if let Some(r) = &self.rdma {
+            r.forget_segment(segment_id);
+        }
     }
 
     fn pool(&self, addr: String) -> Arc<ConnPool> {

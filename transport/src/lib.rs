@@ -18,6 +18,8 @@
 //! control frame and are read straight into the destination buffer.
 
 pub mod engine;
+#[cfg(feature = "rdma")]
+mod engine_rdma;
 pub mod error;
 pub mod frame;
 pub mod pool;

@@ -492,6 +492,9 @@ pub enum DataRequest {
         loc: u64,
         len: u64,
     },
+    /// RDMA set-up: the node's capabilities, or queue pairs to its segment.
+    /// The queue pairs live as long as the TCP connection that set them up.
+    Rdma(crate::rdma_wire::RdmaRequest),
 }
 
 /// Answers of a storage node. `Data` is followed by exactly `len` bytes.
@@ -499,6 +502,7 @@ pub enum DataRequest {
 pub enum DataResponse {
     Written,
     Data { len: u64 },
+    Rdma(crate::rdma_wire::RdmaResponse),
 }
 
 /// The payload of an error frame.
