@@ -5,6 +5,14 @@
 //!
 //!     cargo bench --bench transfer           # full run
 //!     cargo test --release --bench transfer  # small run (part of the suite)
+//!
+//! RDMA mode (`--rdma`, a build with `--features rdma`, where a device is):
+//! TCP and RDMA rows through the client, and perftest's `ib_write_bw` /
+//! `ib_read_bw` on the same device in the same run as the reference. On the
+//! soft-RoCE guest:
+//!
+//!     cargo bench --features rdma --bench transfer --no-run   # prints the binary
+//!     ../shared/tools/rxe-vm/run.sh target/release/deps/transfer-* --bench --rdma
 
 mod support;
 
@@ -12,6 +20,10 @@ use kvpool_actors::bench::{self, TransferBench};
 
 fn main() {
     let full = support::full_mode();
+    if std::env::args().any(|a| a == "--rdma") {
+        rdma_mode(full);
+        return;
+    }
     println!(
         "kvpool transfer bench ({} mode)",
         if full { "full" } else { "small" }
@@ -83,4 +95,84 @@ fn main() {
             "reference redis-benchmark: not installed (apt install redis-server redis-tools)"
         ),
     }
+}
+
+/// TCP and RDMA through the client against a node serving its segment over
+/// RDMA, beside perftest on the same device (RDMA_DEVICE, default: the first
+/// device; RDMA_GID_INDEX, default 1: the soft-RoCE guest's RoCE v2 IPv4 GID).
+#[cfg(feature = "rdma")]
+fn rdma_mode(full: bool) {
+    use kvpool_actors::config::Transport;
+    use kvpool_transport::rdma::{RdmaConfig, RdmaContext};
+    println!("machine: {}", support::machine());
+    let dev = match RdmaContext::open(RdmaConfig::default()) {
+        Ok(ctx) => std::env::var("RDMA_DEVICE")
+            .unwrap_or_else(|_| ctx.device_names().first().cloned().unwrap_or_default()),
+        Err(e) => {
+            println!("skip: no RDMA device ({e})");
+            return;
+        }
+    };
+    let gid: u8 = std::env::var("RDMA_GID_INDEX")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    println!("rdma device {dev}, gid index {gid}");
+    let cfg = std::env::temp_dir().join(format!("kvpool-bench-rdma-{}.toml", std::process::id()));
+    std::fs::write(
+        &cfg,
+        "[master]\nlease_ttl_ms = 1000\n[storage.rdma]\nenabled = \"required\"\n",
+    )
+    .expect("bench config");
+    let node = support::start(
+        "all",
+        &[
+            "--config",
+            cfg.to_str().expect("utf-8 path"),
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--segment-size",
+            "512MiB",
+        ],
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut b = TransferBench::standard(full);
+    b.transports = vec![Transport::Tcp, Transport::Rdma];
+    b.sizes = vec![4 << 10, 64 << 10, 1 << 20, 16 << 20];
+    b.batches = vec![1, 32];
+    b.bytes_per_case = if full { 128 << 20 } else { 16 << 20 };
+    b.max_calls = if full { 2000 } else { 100 };
+    bench::print_header();
+    rt.block_on(bench::run_transfer(&node.addr, &b, bench::print_row))
+        .expect("transfer bench");
+    drop(node);
+    let _ = std::fs::remove_file(&cfg);
+    let moved: usize = if full { 128 << 20 } else { 16 << 20 };
+    for op in ["write", "read"] {
+        for size in [64usize << 10, 1 << 20, 16 << 20] {
+            let iters = (moved / size).max(8);
+            let depth = ((4 << 20) / size).clamp(2, 64);
+            match support::perftest_gbps(op, &dev, gid, size, iters, depth) {
+                Some(g) => println!(
+                    "reference ib_{op}_bw {:>7} depth {depth:>2}: {g:.3} GB/s",
+                    support::size_name(size)
+                ),
+                None => println!(
+                    "reference ib_{op}_bw {}: failed or not installed (perftest)",
+                    support::size_name(size)
+                ),
+            }
+        }
+    }
+}
+
+#[cfg(not(feature = "rdma"))]
+fn rdma_mode(_full: bool) {
+    println!("skip: this bench was built without the rdma feature (cargo bench --features rdma)");
 }

@@ -39,6 +39,50 @@ impl TransferBench {
     }
 }
 
+/// A bench buffer: registered with the client's RDMA devices when it has
+/// them (transfers are then zero copy, as a serving engine's KV buffers
+/// would be), else an ordinary heap buffer.
+enum BenchBuf {
+    Heap(Vec<u8>),
+    #[cfg(feature = "rdma")]
+    Rdma(std::sync::Arc<kvpool_transport::rdma::RdmaBuffer>, usize),
+}
+
+impl BenchBuf {
+    fn new(c: &Client, len: usize, fill: impl Fn(usize) -> u8) -> Result<Self, KvError> {
+        #[cfg(feature = "rdma")]
+        if c.engine().rdma_enabled() {
+            let b = c.engine().alloc_rdma_buffer(len)?;
+            let mut me = BenchBuf::Rdma(b, len);
+            for (i, x) in me.bytes_mut().iter_mut().enumerate() {
+                *x = fill(i);
+            }
+            return Ok(me);
+        }
+        let _ = c;
+        Ok(BenchBuf::Heap((0..len).map(fill).collect()))
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            BenchBuf::Heap(v) => v,
+            // SAFETY: a bench buffer is used by one transfer at a time, which
+            // is awaited before the buffer is touched again.
+            #[cfg(feature = "rdma")]
+            BenchBuf::Rdma(b, len) => unsafe { b.bytes(0, *len) },
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            BenchBuf::Heap(v) => v,
+            // SAFETY: as in `bytes`; `&mut self` makes this the only view.
+            #[cfg(feature = "rdma")]
+            BenchBuf::Rdma(b, len) => unsafe { b.bytes_mut(0, *len) },
+        }
+    }
+}
+
 /// One line of results.
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
@@ -109,7 +153,8 @@ pub async fn run_transfer(
         )
         .await?;
         for &size in &bench.sizes {
-            let value: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+            let value = BenchBuf::new(&c, size, |i| (i % 251) as u8)?;
+            let value = value.bytes();
             for &batch in &bench.batches {
                 // Values per case: the byte budget, at least one call's worth
                 // of small values and at least one value, capped by the calls.
@@ -119,9 +164,9 @@ pub async fn run_transfer(
                     .map(|i| format!("bench/{}/{size}/{batch}/{i}", name(t)).into_bytes())
                     .collect();
                 // Warm the connections and the shm mapping.
-                c.put(b"bench/warm", &value).await?;
-                let mut buf = vec![0u8; size];
-                c.get_into(b"bench/warm", &mut buf).await?;
+                c.put(b"bench/warm", value).await?;
+                let mut buf = BenchBuf::new(&c, size, |_| 0)?;
+                c.get_into(b"bench/warm", buf.bytes_mut()).await?;
                 c.remove_with(b"bench/warm", true).await?;
 
                 let mut h = hist();
@@ -129,12 +174,10 @@ pub async fn run_transfer(
                 for chunk in keys.chunks(batch) {
                     let s = Instant::now();
                     if batch == 1 {
-                        c.put(&chunk[0], &value).await?;
+                        c.put(&chunk[0], value).await?;
                     } else {
-                        let items: Vec<(&[u8], &[u8])> = chunk
-                            .iter()
-                            .map(|k| (k.as_slice(), value.as_slice()))
-                            .collect();
+                        let items: Vec<(&[u8], &[u8])> =
+                            chunk.iter().map(|k| (k.as_slice(), value)).collect();
                         for r in c.batch_put(&items, &Default::default()).await? {
                             r?;
                         }
@@ -156,17 +199,19 @@ pub async fn run_transfer(
                 let mut h = hist();
                 // Touched before timing: first-touch page faults of fresh
                 // buffers are not the transfer's cost.
-                let mut bufs: Vec<Vec<u8>> = (0..batch.min(n)).map(|_| vec![1u8; size]).collect();
+                let mut bufs = (0..batch.min(n))
+                    .map(|_| BenchBuf::new(&c, size, |_| 1))
+                    .collect::<Result<Vec<_>, _>>()?;
                 let t0 = Instant::now();
                 for chunk in keys.chunks(batch) {
                     let s = Instant::now();
                     if batch == 1 {
-                        c.get_into(&chunk[0], &mut bufs[0]).await?;
+                        c.get_into(&chunk[0], bufs[0].bytes_mut()).await?;
                     } else {
                         let mut items: Vec<(&[u8], &mut [u8])> = chunk
                             .iter()
                             .zip(bufs.iter_mut())
-                            .map(|(k, b)| (k.as_slice(), b.as_mut_slice()))
+                            .map(|(k, b)| (k.as_slice(), b.bytes_mut()))
                             .collect();
                         for r in c.batch_get_into(&mut items).await? {
                             r?;
@@ -175,7 +220,7 @@ pub async fn run_transfer(
                     h.saturating_record(s.elapsed().as_nanos() as u64);
                 }
                 let wall = t0.elapsed();
-                if bufs[0] != value {
+                if bufs[0].bytes() != value {
                     return Err(KvError::new(
                         kvpool_transport::ErrorCode::Corrupt,
                         "bench: bytes read differ from bytes written",

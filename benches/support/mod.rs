@@ -302,3 +302,68 @@ pub fn redis_benchmark(sizes: &[usize], requests: usize) -> Option<Vec<RedisFigu
     let _ = server.wait();
     Some(out)
 }
+
+/// perftest's `ib_write_bw` / `ib_read_bw` (`op`: "write" or "read") on
+/// `device`, server and client on this machine over 127.0.0.1: the average
+/// bandwidth in GB/s for `size`-byte messages, about `depth` in flight on one
+/// queue pair. `None` if perftest is not installed or the run failed.
+#[allow(dead_code)] // only the rdma mode of benches/transfer.rs uses it
+pub fn perftest_gbps(
+    op: &str,
+    device: &str,
+    gid_index: u8,
+    size: usize,
+    iters: usize,
+    depth: usize,
+) -> Option<f64> {
+    let tool = format!("ib_{op}_bw");
+    let port =
+        (18_600 + (size.trailing_zeros() as u16) + if op == "read" { 40 } else { 0 }).to_string();
+    let args = [
+        "-d".to_string(),
+        device.to_string(),
+        "-x".into(),
+        gid_index.to_string(),
+        "-s".into(),
+        size.to_string(),
+        "-n".into(),
+        iters.to_string(),
+        "-t".into(),
+        depth.to_string(),
+        "-F".into(),
+        "-p".into(),
+        port.clone(),
+    ];
+    // Both sides run under coreutils `timeout`: a peer that never shows up
+    // ends the run instead of hanging the bench.
+    let mut server = Command::new("timeout")
+        .arg("120")
+        .arg(&tool)
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    // The server listens within a moment; the client retries its connect.
+    std::thread::sleep(Duration::from_millis(500));
+    let out = Command::new("timeout")
+        .arg("120")
+        .arg(&tool)
+        .args(&args)
+        .arg("127.0.0.1")
+        .output();
+    let _ = server.kill();
+    let _ = server.wait();
+    let out = out.ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    // The result row: #bytes #iterations BW-peak BW-average MsgRate (MB/s).
+    text.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() >= 5 && f[0] == size.to_string())
+                .then(|| f[3].parse::<f64>().ok())
+                .flatten()
+        })
+        .next_back()
+        .map(|mbps| mbps * 1e6 / 1e9)
+}
