@@ -8,10 +8,17 @@ use common::Signal;
 
 #[test]
 fn cli_puts_gets_checks_removes_and_reports_against_role_all() {
-    let node = common::start("all", &common::ephemeral(&["--segment-size", "64MiB"]));
-    let m = node.addr.as_str();
     let dir = std::env::temp_dir().join(format!("kvpool-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
+    // Leases that outlive the test: the end checks that a forced removal's
+    // space waits for its readers' leases, which the default 10 s TTL does
+    // not guarantee on a slow machine (the emulated RDMA guest).
+    let cfg = dir.join("long-leases.toml");
+    std::fs::write(&cfg, "[master]\nlease_ttl_ms = 600000\n").unwrap();
+    let mut args = common::ephemeral(&["--segment-size", "64MiB"]);
+    args.extend(["--config", cfg.to_str().unwrap()]);
+    let node = common::start("all", &args);
+    let m = node.addr.as_str();
 
     // put from a file, get to stdout
     let input = dir.join("in.bin");
