@@ -12,7 +12,7 @@
 //! soft-RoCE guest:
 //!
 //!     cargo bench --features rdma --bench transfer --no-run   # prints the binary
-//!     ../shared/tools/rxe-vm/run.sh target/release/deps/transfer-* --bench --rdma
+//!     RXE_VM_TIMEOUT=1200 ../shared/tools/rxe-vm/run.sh target/release/deps/transfer-* --bench --rdma
 
 mod support;
 
@@ -99,7 +99,8 @@ fn main() {
 
 /// TCP and RDMA through the client against a node serving its segment over
 /// RDMA, beside perftest on the same device (RDMA_DEVICE, default: the first
-/// device; RDMA_GID_INDEX, default 1: the soft-RoCE guest's RoCE v2 IPv4 GID).
+/// device, used by the node and the client too; RDMA_GID_INDEX, perftest's
+/// GID index, default 1: the soft-RoCE guest's RoCE v2 IPv4 GID).
 #[cfg(feature = "rdma")]
 fn rdma_mode(full: bool) {
     use kvpool_actors::config::Transport;
@@ -119,9 +120,13 @@ fn rdma_mode(full: bool) {
         .unwrap_or(1);
     println!("rdma device {dev}, gid index {gid}");
     let cfg = std::env::temp_dir().join(format!("kvpool-bench-rdma-{}.toml", std::process::id()));
+    // The node, the client and perftest all use the one device `dev`.
     std::fs::write(
         &cfg,
-        "[master]\nlease_ttl_ms = 1000\n[storage.rdma]\nenabled = \"required\"\n",
+        format!(
+            "[master]\nlease_ttl_ms = 1000\n[storage.rdma]\nenabled = \"required\"\n\
+             devices = [\"{dev}\"]\n"
+        ),
     )
     .expect("bench config");
     let node = support::start(
@@ -144,6 +149,7 @@ fn rdma_mode(full: bool) {
         .expect("runtime");
     let mut b = TransferBench::standard(full);
     b.transports = vec![Transport::Tcp, Transport::Rdma];
+    b.client.rdma.devices = vec![dev.clone()];
     b.sizes = vec![4 << 10, 64 << 10, 1 << 20, 16 << 20];
     b.batches = vec![1, 32];
     b.bytes_per_case = if full { 128 << 20 } else { 16 << 20 };

@@ -28,7 +28,7 @@
 //!   function until the final status; [`RdmaConnection::poll`] is the
 //!   non-blocking progress call.
 //!
-//! Design decisions and their reasons: `docs/ARCHITECTURE-rdma.md`.
+//! Design decisions and their reasons: `docs/ARCHITECTURE.md` ("RDMA transport").
 
 mod config;
 mod connection;
