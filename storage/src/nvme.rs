@@ -55,6 +55,8 @@ pub const BLOCK: u64 = 4096;
 const _: () = assert!(BLOCK.is_multiple_of(4096));
 const RECORD: usize = 512;
 const RECORDS_PER_BLOCK: usize = BLOCK as usize / RECORD;
+/// Locks striping the slot-table blocks (see `NvmeShard::write_record`).
+const TABLE_LOCKS: usize = 16;
 const _: () = assert!((BLOCK as usize).is_multiple_of(RECORD));
 const HEADER_FIXED: usize = 64;
 /// Longest key the tier stores.
@@ -207,6 +209,10 @@ struct State {
     by_key: HashMap<Box<[u8]>, u32>,
     /// In-memory image of the slot table.
     table: Vec<u8>,
+    /// Per table block: how many record changes it has had in memory, and
+    /// how many of those are on the device (group commit, `write_record`).
+    block_changes: Vec<u64>,
+    block_on_device: Vec<u64>,
     seq: u64,
     clock: u64,
 }
@@ -257,9 +263,10 @@ pub struct NvmeShard {
     geo: Geometry,
     cfg: NvmeConfig,
     state: RefCell<State>,
-    /// Serializes slot-table writes, so a later image never lands before an
-    /// earlier one.
-    table_lock: glommio::sync::Semaphore,
+    /// Serialize writes of one slot-table block (block % TABLE_LOCKS picks
+    /// the lock), so a later image of a block never lands before an earlier
+    /// one; writes of different blocks proceed side by side.
+    table_locks: Vec<glommio::sync::Semaphore>,
     pub stats: NvmeStats,
 }
 
@@ -369,10 +376,14 @@ impl NvmeShard {
                 slots: (0..geo.slots).map(|_| None).collect(),
                 by_key: HashMap::new(),
                 table: vec![0u8; geo.slots as usize * RECORD],
+                block_changes: vec![0; geo.table_blocks() as usize],
+                block_on_device: vec![0; geo.table_blocks() as usize],
                 seq: 0,
                 clock: 0,
             }),
-            table_lock: glommio::sync::Semaphore::new(1),
+            table_locks: (0..TABLE_LOCKS)
+                .map(|_| glommio::sync::Semaphore::new(1))
+                .collect(),
             stats: NvmeStats::default(),
             cfg,
         };
@@ -638,19 +649,62 @@ impl NvmeShard {
     }
 
     /// Writes slot `slot`'s table block with `record` in it, durably.
+    ///
+    /// Group commit: the record goes into the in-memory table first; the
+    /// writer then takes its block's lock and writes the block's whole image,
+    /// which carries every record changed in that block so far. A writer
+    /// that finds its change already on the device (an earlier holder's
+    /// image carried it) returns without an I/O. Only records whose object
+    /// bytes are already durable enter the table, so an image never puts an
+    /// index entry on the device before its object.
     async fn write_record(&self, slot: u32, record: &[u8; RECORD]) -> Result<(), NvmeError> {
-        let _g = self.table_lock.acquire_permit(1).await.map_err(io)?;
         let block = slot as usize / RECORDS_PER_BLOCK;
-        let image = {
+        let at = slot as usize * RECORD;
+        let (mine, before) = {
             let mut st = self.state.borrow_mut();
-            let at = slot as usize * RECORD;
+            let mut before = [0u8; RECORD];
+            before.copy_from_slice(&st.table[at..at + RECORD]);
             st.table[at..at + RECORD].copy_from_slice(record);
-            let b0 = block * BLOCK as usize;
-            st.table[b0..b0 + BLOCK as usize].to_vec()
+            st.block_changes[block] += 1;
+            (st.block_changes[block], before)
         };
-        self.write_block(self.base + BLOCK * (1 + block as u64), &image)
-            .await?;
-        self.sync().await
+        let _g = self.table_locks[block % TABLE_LOCKS]
+            .acquire_permit(1)
+            .await
+            .map_err(io)?;
+        let (image, upto) = {
+            let st = self.state.borrow();
+            if st.block_on_device[block] >= mine {
+                return Ok(());
+            }
+            let b0 = block * BLOCK as usize;
+            (
+                st.table[b0..b0 + BLOCK as usize].to_vec(),
+                st.block_changes[block],
+            )
+        };
+        let res = async {
+            self.write_block(self.base + BLOCK * (1 + block as u64), &image)
+                .await?;
+            self.sync().await
+        }
+        .await;
+        let mut st = self.state.borrow_mut();
+        match res {
+            Ok(()) => {
+                let d = &mut st.block_on_device[block];
+                *d = (*d).max(upto);
+                Ok(())
+            }
+            Err(e) => {
+                // Not on the device: take the record back out of the image
+                // (unless a later change of the slot replaced it already).
+                if st.table[at..at + RECORD] == record[..] {
+                    st.table[at..at + RECORD].copy_from_slice(&before);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Stores `value` under `key`; durable when this returns.

@@ -190,6 +190,68 @@ fn a_file_formatted_with_another_layout_is_refused_not_overwritten() {
 }
 
 /// Where the test writes object `i` of the crash test.
+/// Records of one table block are written by one image (group commit):
+/// 64 writes and 16 removals in flight at once, their records sharing
+/// blocks, must all be on the device when each call has returned.
+#[test]
+fn concurrent_writes_and_removals_sharing_table_blocks_all_reach_the_index() {
+    let path = file("group-commit");
+    let p2 = path.clone();
+    on_shard(move || async move {
+        let (t, _) = NvmeShard::open(&p2, cfg(64 << 20), 0).await.unwrap();
+        let t = std::rc::Rc::new(t);
+        // 16 objects to remove later, written one by one.
+        for i in 0..16u64 {
+            t.write(format!("old-{i}").as_bytes(), &value(i, 3000))
+                .await
+                .unwrap();
+        }
+        let mut tasks = Vec::new();
+        for i in 0..64u64 {
+            let t = t.clone();
+            tasks.push(glommio::spawn_local(async move {
+                t.write(
+                    format!("new-{i}").as_bytes(),
+                    &value(100 + i, 5000 + i as usize),
+                )
+                .await
+                .unwrap();
+            }));
+        }
+        for i in 0..16u64 {
+            let t = t.clone();
+            tasks.push(glommio::spawn_local(async move {
+                let loc = t.lookup(format!("old-{i}").as_bytes()).unwrap();
+                t.remove(loc).await.unwrap();
+            }));
+        }
+        for task in tasks {
+            task.await;
+        }
+    });
+    on_shard(move || async move {
+        let (t, rec) = NvmeShard::open(&path, cfg(64 << 20), 0).await.unwrap();
+        let mut keys: Vec<String> = rec
+            .iter()
+            .map(|r| String::from_utf8(r.key.clone()).unwrap())
+            .collect();
+        keys.sort();
+        let mut want: Vec<String> = (0..64).map(|i| format!("new-{i}")).collect();
+        want.sort();
+        assert_eq!(
+            keys, want,
+            "exactly the 64 new objects, none of the removed"
+        );
+        for r in &rec {
+            let i: u64 = String::from_utf8(r.key.clone()).unwrap()[4..]
+                .parse()
+                .unwrap();
+            assert!(*t.read(r.loc).await.unwrap() == *value(100 + i, 5000 + i as usize));
+        }
+        let _ = std::fs::remove_file(&path);
+    });
+}
+
 fn crash_value(i: u64) -> Vec<u8> {
     value(i, 1000 + (i as usize * 7919) % 200_000)
 }
