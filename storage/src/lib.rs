@@ -5,6 +5,7 @@
 //! out space, the storage node owns the segment memory that space refers to.
 
 pub mod alloc;
+mod fast_read;
 pub mod nvme;
 pub mod segment;
 

@@ -49,6 +49,7 @@ use glommio::io::{DmaFile, OpenOptions, ReadResult};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::alloc::RangeAllocator;
+use crate::fast_read::{self, FastReader};
 
 /// The unit of every I/O and allocation (O_DIRECT alignment).
 pub const BLOCK: u64 = 4096;
@@ -240,11 +241,27 @@ impl NvmeStats {
     }
 }
 
-/// A value read from the tier: the DMA buffer and where the value lies in it.
+/// A value read from the tier: the read buffer and where the value lies in it.
 pub struct NvmeValue {
-    buf: ReadResult,
+    buf: ReadBuf,
     start: usize,
     len: usize,
+}
+
+/// A read's bytes: glommio's DMA buffer, or a copy out of a fast-read slot.
+enum ReadBuf {
+    Dma(ReadResult),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for ReadBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            ReadBuf::Dma(b) => b,
+            ReadBuf::Owned(v) => v,
+        }
+    }
 }
 
 impl std::ops::Deref for NvmeValue {
@@ -267,6 +284,9 @@ pub struct NvmeShard {
     /// the lock), so a later image of a block never lands before an earlier
     /// one; writes of different blocks proceed side by side.
     table_locks: Vec<glommio::sync::Semaphore>,
+    /// The ring for reads of up to `fast_read::SLOT_BYTES` (made on first
+    /// use; `None` inside if it could not be, then glommio reads them).
+    fast: std::cell::OnceCell<Option<FastReader>>,
     pub stats: NvmeStats,
 }
 
@@ -384,6 +404,7 @@ impl NvmeShard {
             table_locks: (0..TABLE_LOCKS)
                 .map(|_| glommio::sync::Semaphore::new(1))
                 .collect(),
+            fast: std::cell::OnceCell::new(),
             stats: NvmeStats::default(),
             cfg,
         };
@@ -822,11 +843,19 @@ impl NvmeShard {
             e.last_read = clock;
             (e.offset, e.extent, e.len, e.sum, e.seq)
         };
-        let buf = self
-            .file
-            .read_at_aligned(self.base + offset, extent as usize)
-            .await
-            .map_err(io)?;
+        let buf = match self.fast_reader(extent) {
+            Some(f) => ReadBuf::Owned(
+                f.read(self.base + offset, extent as usize)
+                    .await
+                    .map_err(io)?,
+            ),
+            None => ReadBuf::Dma(
+                self.file
+                    .read_at_aligned(self.base + offset, extent as usize)
+                    .await
+                    .map_err(io)?,
+            ),
+        };
         let corrupt = |why: &str| {
             self.stats.corrupt.set(self.stats.corrupt.get() + 1);
             NvmeError::Corrupt {
@@ -866,6 +895,25 @@ impl NvmeShard {
             start: hlen,
             len: len as usize,
         })
+    }
+
+    /// The fast-read ring, for an extent it serves.
+    fn fast_reader(&self, extent: u64) -> Option<&FastReader> {
+        if extent as usize > fast_read::SLOT_BYTES {
+            return None;
+        }
+        self.fast
+            .get_or_init(|| match FastReader::new(self.file.clone()) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    tracing::warn!(
+                        region = self.region,
+                        "nvme: no io_uring ring for small reads ({e}); reading them through glommio"
+                    );
+                    None
+                }
+            })
+            .as_ref()
     }
 
     /// The location of `key` in this region, if stored and not evicting.
