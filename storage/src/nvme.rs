@@ -594,11 +594,18 @@ impl NvmeShard {
                 evicting: false,
             });
             st.by_key.insert(key.clone().into_boxed_slice(), slot);
-            st.free_slots.retain(|s| *s != slot);
             out.push(Recovered { key, loc, len });
         }
         {
             let mut st = self.state.borrow_mut();
+            let st = &mut *st;
+            // Free slots in one pass (not one scan of the list per object:
+            // a region holds millions of slots).
+            let slots = &st.slots;
+            st.free_slots = (0..self.geo.slots)
+                .rev()
+                .filter(|s| slots[*s as usize].is_none())
+                .collect();
             st.table = table;
             // Dropped records become free slots; clearing them on the device
             // waits for the next write of their table block.

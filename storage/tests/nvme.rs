@@ -123,10 +123,22 @@ fn eviction_marks_victims_unreadable_and_release_frees_their_space() {
     });
 }
 
+/// The number after the last '-' of a test key.
+fn key_number(key: &[u8]) -> u64 {
+    std::str::from_utf8(key)
+        .unwrap()
+        .rsplit('-')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
 #[test]
 fn a_clean_restart_recovers_everything_and_removed_objects_stay_removed() {
     let path = file("restart");
     let p2 = path.clone();
+    let path2 = path.clone();
     on_shard(move || async move {
         for region in 0..2 {
             let (t, _) = NvmeShard::open(&p2, cfg(64 << 20), region).await.unwrap();
@@ -150,18 +162,42 @@ fn a_clean_restart_recovers_everything_and_removed_objects_stay_removed() {
                 .iter()
                 .any(|r| r.key == format!("r{region}-7").into_bytes()));
             for r in &rec {
-                let i: u64 = String::from_utf8(r.key.clone())
-                    .unwrap()
-                    .rsplit('-')
-                    .next()
-                    .unwrap()
-                    .parse()
-                    .unwrap();
+                let i = key_number(&r.key);
                 assert_eq!(r.len, 10_000 + i);
                 assert!(*t.read(r.loc).await.unwrap() == *value(i, 10_000 + i as usize));
             }
+            // New objects after the restart take free slots only: none of
+            // the recovered ones is overwritten.
+            for i in 100..120 {
+                t.write(format!("r{region}-{i}").as_bytes(), &value(i, 3000))
+                    .await
+                    .unwrap();
+            }
+            for r in &rec {
+                assert!(
+                    t.lookup(&r.key) == Some(r.loc),
+                    "recovered object moved or lost"
+                );
+            }
         }
-        let _ = std::fs::remove_file(&path);
+    });
+    on_shard(move || async move {
+        for region in 0..2 {
+            let (t, rec) = NvmeShard::open(&path2, cfg(64 << 20), region)
+                .await
+                .unwrap();
+            assert_eq!(rec.len(), 39, "region {region}: 19 old and 20 new");
+            for r in &rec {
+                let i = key_number(&r.key);
+                let want = if i >= 100 {
+                    value(i, 3000)
+                } else {
+                    value(i, 10_000 + i as usize)
+                };
+                assert!(*t.read(r.loc).await.unwrap() == *want);
+            }
+        }
+        let _ = std::fs::remove_file(&path2);
     });
 }
 
