@@ -7,15 +7,20 @@
 //! (docs/BENCHMARKS.md). Reads of up to [`SLOT_BYTES`] go here; larger ones
 //! are bandwidth-bound and stay on glommio.
 //!
+//! Each read is submitted as soon as it is queued (one `io_uring_enter`
+//! each), as fio does. Submitting the reads that one batch of completions
+//! freed all together kept them in lock step on the (virtio) device: 32
+//! requests in, 32 completions out at once, and 0.68 of fio's IOPS against
+//! 0.75-0.85 submitted one by one, with no more CPU per read.
+//!
 //! * One ring per region, created on first use on the region's executor
 //!   (not `Send`, like the region). [`SLOTS`] buffers of [`SLOT_BYTES`] in
 //!   one anonymous mapping, registered with the ring: a read borrows a slot,
 //!   its bytes are copied out when it completes, and the slot goes back.
 //!   More readers than slots wait for one (the bound).
-//! * A pump task on the executor submits queued reads (one `io_uring_enter`
-//!   for all of them) and reaps completions, waking their readers. While
-//!   reads are in flight it polls every [`POLL_EVERY`] (a new read ends the
-//!   wait at once, so it is submitted without delay); with none it parks.
+//! * A pump task on the executor reaps completions and wakes their readers.
+//!   While reads are in flight it polls every [`POLL_EVERY`]; with none it
+//!   parks. It also submits what a failed submit left queued (EAGAIN).
 //!   Polling the ring every few microseconds instead of spinning measured
 //!   the same IOPS and leaves the core to the shard's other work.
 //! * A reader dropped mid-read leaves its slot in flight; the pump frees it
@@ -34,7 +39,7 @@ use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use glommio::io::DmaFile;
-use io_uring::{opcode, types, IoUring};
+use io_uring::{opcode, squeue, types, IoUring};
 
 /// Largest read served by the ring.
 pub const SLOT_BYTES: usize = 16 << 10;
@@ -107,6 +112,8 @@ struct Inner {
     in_flight: usize,
     unsubmitted: bool,
     pump: Option<Waker>,
+    /// The pump is parked with nothing in flight (a new read wakes it).
+    pump_idle: bool,
     pump_running: bool,
     closed: bool,
 }
@@ -123,16 +130,23 @@ impl Inner {
         self.slot_waiters.drain(..).collect()
     }
 
-    /// Submits what is queued and hands out what completed: the number of
-    /// completions and the wakers to call once the borrow of `self` ends.
-    fn poll_ring(&mut self) -> (usize, Vec<Waker>) {
-        if self.unsubmitted {
-            match self.ring.submit() {
-                Ok(_) => self.unsubmitted = false,
-                // EAGAIN/EBUSY: the kernel is short of resources; the SQEs
-                // stay queued and the next poll submits them.
-                Err(e) => tracing::debug!("nvme fast read: submit: {e}"),
+    fn submit(&mut self) {
+        match self.ring.submit() {
+            Ok(_) => self.unsubmitted = false,
+            // EAGAIN/EBUSY: the kernel is short of resources; the SQEs stay
+            // queued and the pump's next poll submits them.
+            Err(e) => {
+                self.unsubmitted = true;
+                tracing::debug!("nvme fast read: submit: {e}");
             }
+        }
+    }
+
+    /// Submits what is left queued and hands out what completed: the
+    /// wakers to call once the borrow of `self` ends.
+    fn poll_ring(&mut self) -> Vec<Waker> {
+        if self.unsubmitted {
+            self.submit();
         }
         let done: Vec<(usize, i32)> = self
             .ring
@@ -140,7 +154,7 @@ impl Inner {
             .map(|c| (c.user_data() as usize, c.result()))
             .collect();
         let mut wake = Vec::new();
-        for &(slot, res) in &done {
+        for (slot, res) in done {
             self.in_flight -= 1;
             match std::mem::replace(&mut self.slots[slot], Slot::Done(res)) {
                 Slot::InFlight {
@@ -152,7 +166,7 @@ impl Inner {
                 }
             }
         }
-        (done.len(), wake)
+        wake
     }
 }
 
@@ -186,6 +200,7 @@ impl FastReader {
                 in_flight: 0,
                 unsubmitted: false,
                 pump: None,
+                pump_idle: false,
                 pump_running: false,
                 closed: false,
             })),
@@ -195,8 +210,34 @@ impl FastReader {
     /// Reads `len` bytes (a multiple of 4 KiB, at most [`SLOT_BYTES`]) at
     /// `offset` (4 KiB-aligned) of the file.
     pub async fn read(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
-        assert!(len <= SLOT_BYTES && len.is_multiple_of(4096) && offset.is_multiple_of(4096));
-        let slot = poll_fn(|cx| {
+        check(offset, len);
+        let slot = self.take_slot().await;
+        let res = self
+            .run(slot, |g| {
+                let fd = types::Fd(g.file.as_raw_fd());
+                opcode::ReadFixed::new(fd, g.mem.slot_ptr(slot), len as u32, slot as u16)
+                    .offset(offset)
+                    .build()
+            })
+            .await;
+        let mut g = self.inner.borrow_mut();
+        let out = res.and_then(|n| {
+            if n != len {
+                return Err(io::Error::other(format!(
+                    "short read at {offset}: {n} of {len} bytes"
+                )));
+            }
+            // SAFETY: the read completed; the slot is ours until released.
+            Ok(unsafe { std::slice::from_raw_parts(g.mem.slot_ptr(slot), len) }.to_vec())
+        });
+        let wake = g.release(slot);
+        drop(g);
+        wake.into_iter().for_each(Waker::wake);
+        out
+    }
+
+    async fn take_slot(&self) -> usize {
+        poll_fn(|cx| {
             let mut g = self.inner.borrow_mut();
             match g.free.pop() {
                 Some(s) => Poll::Ready(s),
@@ -206,21 +247,24 @@ impl FastReader {
                 }
             }
         })
-        .await;
+        .await
+    }
+
+    /// Submits the read `sqe` builds for `slot` (which the caller holds) and
+    /// waits for it: the bytes read, or the error. The caller releases the
+    /// slot after.
+    async fn run(
+        &self,
+        slot: usize,
+        sqe: impl FnOnce(&Inner) -> squeue::Entry,
+    ) -> io::Result<usize> {
         let (spawn, wake_pump) = {
             let mut g = self.inner.borrow_mut();
-            let fd = types::Fd(g.file.as_raw_fd());
-            let sqe = opcode::ReadFixed::new(fd, g.mem.slot_ptr(slot), len as u32, slot as u16)
-                .offset(offset)
-                .build()
-                .user_data(slot as u64);
+            let sqe = sqe(&g).user_data(slot as u64);
             // SAFETY: the buffer is registered slot `slot`, which no one else
             // uses until its completion is reaped; the file stays open while
             // `Inner` (which the pump holds) lives.
             if unsafe { g.ring.submission().push(&sqe) }.is_err() {
-                let wake = g.release(slot);
-                drop(g);
-                wake.into_iter().for_each(Waker::wake);
                 return Err(io::Error::other("nvme fast read: submission queue full"));
             }
             g.slots[slot] = Slot::InFlight {
@@ -228,10 +272,17 @@ impl FastReader {
                 abandoned: false,
             };
             g.in_flight += 1;
-            g.unsubmitted = true;
+            g.submit();
             let spawn = !g.pump_running;
             g.pump_running = true;
-            (spawn, g.pump.take())
+            // A pump waiting on its timer reaps this in time; one parked
+            // with nothing in flight, or one that must resubmit, is woken.
+            let wake = if g.pump_idle || g.unsubmitted {
+                g.pump.take()
+            } else {
+                None
+            };
+            (spawn, wake)
         };
         if spawn {
             glommio::spawn_local(pump(self.inner.clone())).detach();
@@ -257,22 +308,19 @@ impl FastReader {
         })
         .await;
         guard.armed = false;
-        let mut g = self.inner.borrow_mut();
-        let out = if res < 0 {
+        if res < 0 {
             Err(io::Error::from_raw_os_error(-res))
-        } else if res as usize != len {
-            Err(io::Error::other(format!(
-                "short read at {offset}: {res} of {len} bytes"
-            )))
         } else {
-            // SAFETY: the read completed; the slot is ours until released.
-            Ok(unsafe { std::slice::from_raw_parts(g.mem.slot_ptr(slot), len) }.to_vec())
-        };
-        let wake = g.release(slot);
-        drop(g);
-        wake.into_iter().for_each(Waker::wake);
-        out
+            Ok(res as usize)
+        }
     }
+}
+
+fn check(offset: u64, len: usize) {
+    assert!(
+        len > 0 && len <= SLOT_BYTES && len.is_multiple_of(4096) && offset.is_multiple_of(4096),
+        "fast read of {len} bytes at {offset}"
+    );
 }
 
 impl Drop for FastReader {
@@ -319,7 +367,7 @@ async fn pump(inner: Rc<RefCell<Inner>>) {
     loop {
         let (in_flight, wake) = {
             let mut g = inner.borrow_mut();
-            let (_, wake) = g.poll_ring();
+            let wake = g.poll_ring();
             (g.in_flight, wake)
         };
         wake.into_iter().for_each(Waker::wake);
@@ -327,12 +375,15 @@ async fn pump(inner: Rc<RefCell<Inner>>) {
             let stop = poll_fn(|cx| {
                 let mut g = inner.borrow_mut();
                 if g.in_flight > 0 || g.unsubmitted {
+                    g.pump_idle = false;
                     Poll::Ready(false)
                 } else if g.closed {
+                    g.pump_idle = false;
                     g.pump_running = false;
                     Poll::Ready(true)
                 } else {
                     g.pump = Some(cx.waker().clone());
+                    g.pump_idle = true;
                     Poll::Pending
                 }
             })
@@ -342,7 +393,7 @@ async fn pump(inner: Rc<RefCell<Inner>>) {
             }
             continue;
         }
-        // Wait, unless a read comes to be submitted.
+        // Wait, unless something is left to submit.
         let mut timer = glommio::timer::Timer::new(POLL_EVERY);
         poll_fn(|cx| {
             if Pin::new(&mut timer).poll(cx).is_ready() {
