@@ -1,8 +1,13 @@
 //! The NVMe tier against fio on the same file system, in the same run:
 //! 1 MiB sequential writes and reads, 4 KiB random reads, through
 //! `kvpool_storage::nvme::NvmeShard` (one region on one glommio executor,
-//! several operations in flight), then fio with ioengine=io_uring, direct=1
-//! at the same block size and queue depth.
+//! several operations in flight), and fio with ioengine=io_uring, direct=1
+//! at the same block size, queue depth and amount of work.
+//!
+//! The two sides alternate in rounds (ours, then fio, each measure, each
+//! round) and the ratio is taken per round, then the median over rounds:
+//! the shared VM disk's speed drifts by a factor of two or three within a
+//! minute, so only measurements taken seconds apart compare.
 //!
 //!     cargo bench --bench nvme           # full run
 //!     cargo test --release --bench nvme  # small run (part of the suite)
@@ -12,7 +17,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::rc::Rc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvpool_storage::nvme::{NvmeConfig, NvmeLoc, NvmeShard};
 use support::{header, row, Lat};
@@ -75,84 +80,86 @@ fn key(i: usize) -> Vec<u8> {
     format!("bench-{i:010}").into_bytes()
 }
 
-struct Figures {
-    seq_write_gbps: f64,
-    seq_write_sync_gbps: f64,
-    seq_read_gbps: f64,
-    rand_read_iops: f64,
+/// CPU time of the calling thread, in seconds.
+fn thread_cpu() -> f64 {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
-fn tier(path: &Path, total: u64, full: bool) -> Figures {
-    let path = path.to_path_buf();
-    run(move || async move {
-        let n = (total >> 20) as usize;
-        let mut f = Figures {
-            seq_write_gbps: 0.0,
-            seq_write_sync_gbps: 0.0,
-            seq_read_gbps: 0.0,
-            rand_read_iops: 0.0,
-        };
-        header();
-        for sync in [false, true] {
-            let p = path.with_extension(if sync { "sync" } else { "nosync" });
-            let _ = std::fs::remove_file(&p);
-            let cfg = NvmeConfig {
-                capacity: total + total / 2,
-                regions: 1,
-                avg_object_bytes: 1 << 20,
-                sync_writes: sync,
-                ..Default::default()
-            };
-            let (t, _) = NvmeShard::open(&p, cfg, 0).await.expect("open tier");
-            let t = Rc::new(t);
-            let value = Rc::new(vec![0x5au8; 1 << 20]);
-            let writes = if sync { n / 4 } else { n };
-            let tw = t.clone();
-            let v = value.clone();
-            let w = concurrent(writes, 8, move |i| {
-                let (t, v) = (tw.clone(), v.clone());
-                async move {
-                    t.write(&key(i), &v).await.expect("write");
-                    1 << 20
-                }
-            })
-            .await;
-            row(if sync { "write-sync" } else { "write" }, "1MiB", &w);
-            if sync {
-                f.seq_write_sync_gbps = w.gbps();
-            } else {
-                f.seq_write_gbps = w.gbps();
-                let locs: Rc<Vec<NvmeLoc>> =
-                    Rc::new((0..n).map(|i| t.lookup(&key(i)).expect("stored")).collect());
-                let tr = t.clone();
-                let r = concurrent(n, 8, move |i| {
-                    let (t, locs) = (tr.clone(), locs.clone());
-                    async move { t.read(locs[i]).await.expect("read").len() as u64 }
-                })
-                .await;
-                row("read", "1MiB", &r);
-                f.seq_read_gbps = r.gbps();
-            }
-            drop(t);
-            let _ = std::fs::remove_file(&p);
+/// One round's figures: ours, then fio's.
+#[derive(Default, Clone, Copy)]
+struct Round {
+    write: f64,
+    write_sync: f64,
+    read: f64,
+    rand_iops: f64,
+    rand_cpu_us: f64,
+    fio_write: f64,
+    fio_read: f64,
+    fio_rand_iops: f64,
+}
+
+struct Plan {
+    rounds: usize,
+    /// 1 MiB objects written and read per round.
+    seq_objects: usize,
+    /// One-block objects in the random-read set.
+    small_objects: usize,
+    /// Random reads per round (fio does as many).
+    rand_reads: usize,
+}
+
+async fn open(path: &Path, capacity: u64, avg: u64, sync: bool) -> Rc<NvmeShard> {
+    let _ = std::fs::remove_file(path);
+    let cfg = NvmeConfig {
+        capacity,
+        regions: 1,
+        avg_object_bytes: avg,
+        sync_writes: sync,
+        ..Default::default()
+    };
+    Rc::new(NvmeShard::open(path, cfg, 0).await.expect("open tier").0)
+}
+
+/// 1 MiB writes at queue depth 8, keys `0..n`.
+async fn write_seq(t: &Rc<NvmeShard>, n: usize) -> Lat {
+    let value = Rc::new(vec![0x5au8; 1 << 20]);
+    let t = t.clone();
+    concurrent(n, 8, move |i| {
+        let (t, v) = (t.clone(), value.clone());
+        async move {
+            t.write(&key(i), &v).await.expect("write");
+            1 << 20
         }
-        // Random 4 KiB reads over a set of one-block objects.
-        let p = path.with_extension("small");
-        let _ = std::fs::remove_file(&p);
-        let count = if full { 200_000 } else { 5_000 };
-        let cfg = NvmeConfig {
-            capacity: (count as u64 * 4096) * 2 + (64 << 20),
-            regions: 1,
-            avg_object_bytes: 4096,
-            sync_writes: false,
-            ..Default::default()
-        };
-        let (t, _) = NvmeShard::open(&p, cfg, 0).await.expect("open tier");
-        let t = Rc::new(t);
-        let small = Rc::new(vec![7u8; SMALL]);
-        let tw = t.clone();
-        concurrent(count, 32, move |i| {
-            let (t, v) = (tw.clone(), small.clone());
+    })
+    .await
+}
+
+/// All rounds, on one glommio executor; fio runs (blocking this thread,
+/// with nothing of ours in flight) between our measures.
+fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
+    let dir = dir.to_path_buf();
+    run(move || async move {
+        let mut out = Vec::new();
+        let mut lats = [Lat::new(), Lat::new(), Lat::new(), Lat::new()];
+        let seq_bytes = (plan.seq_objects as u64) << 20;
+        let fio_seq = dir.join("fio-seq.dat");
+        let fio_rand = dir.join("fio-rand.dat");
+        let rand_bytes = plan.small_objects as u64 * 4096;
+
+        // The random-read set, written once: ours as one-block objects,
+        // fio's as a laid-out file of the same size.
+        let small = open(
+            &dir.join("tier.small"),
+            rand_bytes * 2 + (64 << 20),
+            4096,
+            false,
+        )
+        .await;
+        let value = Rc::new(vec![7u8; SMALL]);
+        let tw = small.clone();
+        concurrent(plan.small_objects, 32, move |i| {
+            let (t, v) = (tw.clone(), value.clone());
             async move {
                 t.write(&key(i), &v).await.expect("write");
                 0
@@ -160,35 +167,107 @@ fn tier(path: &Path, total: u64, full: bool) -> Figures {
         })
         .await;
         let locs: Rc<Vec<NvmeLoc>> = Rc::new(
-            (0..count)
-                .map(|i| t.lookup(&key(i)).expect("stored"))
+            (0..plan.small_objects)
+                .map(|i| small.lookup(&key(i)).expect("stored"))
                 .collect(),
         );
-        let reads = if full { 400_000 } else { 10_000 };
-        let tr = t.clone();
-        let r = concurrent(reads, 32, move |i| {
-            let (t, locs) = (tr.clone(), locs.clone());
-            // A fixed pseudo-random walk over the objects.
-            let j = (i.wrapping_mul(2_654_435_761) ^ (i >> 7)) % locs.len();
-            async move { t.read(locs[j]).await.expect("read").len() as u64 }
-        })
-        .await;
-        row("randread", "4KiB", &r);
-        f.rand_read_iops = r.h.len() as f64 / r.busy.as_secs_f64();
-        drop(t);
-        let _ = std::fs::remove_file(&p);
-        f
+        let _ = std::fs::remove_file(&fio_rand);
+        fio(&fio_rand, "write", "1M", rand_bytes, 8, None);
+
+        for round in 0..plan.rounds {
+            let mut r = Round::default();
+
+            // 1 MiB sequential: a fresh tier file each round, as fio's.
+            let seq = dir.join("tier.seq");
+            let t = open(&seq, seq_bytes + seq_bytes / 2, 1 << 20, false).await;
+            let w = write_seq(&t, plan.seq_objects).await;
+            r.write = w.gbps();
+            lats[0].add(&w);
+            let locs_seq: Rc<Vec<NvmeLoc>> = Rc::new(
+                (0..plan.seq_objects)
+                    .map(|i| t.lookup(&key(i)).expect("stored"))
+                    .collect(),
+            );
+            let tr = t.clone();
+            let rd = concurrent(plan.seq_objects, 8, move |i| {
+                let (t, locs) = (tr.clone(), locs_seq.clone());
+                async move { t.read(locs[i]).await.expect("read").len() as u64 }
+            })
+            .await;
+            r.read = rd.gbps();
+            lats[1].add(&rd);
+            drop(t);
+            let _ = std::fs::remove_file(&seq);
+            let _ = std::fs::remove_file(&fio_seq);
+            let fw = fio(&fio_seq, "write", "1M", seq_bytes, 8, None);
+            let fr = fio(&fio_seq, "read", "1M", seq_bytes, 8, None);
+            let _ = std::fs::remove_file(&fio_seq);
+            r.fio_write = fw.map_or(0.0, |f| f.0 / 1e9);
+            r.fio_read = fr.map_or(0.0, |f| f.0 / 1e9);
+
+            // With an fdatasync per object (the tier's default); fio's
+            // figure is its plain write.
+            let t = open(&seq, seq_bytes + seq_bytes / 2, 1 << 20, true).await;
+            let ws = write_seq(&t, (plan.seq_objects / 4).max(1)).await;
+            r.write_sync = ws.gbps();
+            lats[2].add(&ws);
+            drop(t);
+            let _ = std::fs::remove_file(&seq);
+
+            // 4 KiB random reads, a different walk each round.
+            let tr = small.clone();
+            let l = locs.clone();
+            let cpu0 = thread_cpu();
+            let rr = concurrent(plan.rand_reads, 32, move |i| {
+                let (t, locs) = (tr.clone(), l.clone());
+                let i = i + round * plan.rand_reads;
+                let j = (i.wrapping_mul(2_654_435_761) ^ (i >> 7)) % locs.len();
+                async move { t.read(locs[j]).await.expect("read").len() as u64 }
+            })
+            .await;
+            r.rand_cpu_us = (thread_cpu() - cpu0) * 1e6 / plan.rand_reads as f64;
+            r.rand_iops = rr.h.len() as f64 / rr.busy.as_secs_f64();
+            lats[3].add(&rr);
+            let frr = fio(
+                &fio_rand,
+                "randread",
+                "4k",
+                rand_bytes,
+                32,
+                Some(plan.rand_reads),
+            );
+            r.fio_rand_iops = frr.map_or(0.0, |f| f.1);
+
+            println!(
+                "round {}: write {:.2}/{:.2} GB/s, read {:.2}/{:.2} GB/s, 4k randread {:.0}/{:.0} IOPS \
+                 ({:.1} us CPU per read) (ours/fio)",
+                round + 1,
+                r.write,
+                r.fio_write,
+                r.read,
+                r.fio_read,
+                r.rand_iops,
+                r.fio_rand_iops,
+                r.rand_cpu_us
+            );
+            out.push(r);
+        }
+        drop(small);
+        let _ = std::fs::remove_file(dir.join("tier.small"));
+        let _ = std::fs::remove_file(&fio_rand);
+        (out, lats)
     })
 }
 
-/// fio with io_uring and O_DIRECT; (bytes/s, IOPS) of the job.
+/// fio with io_uring and O_DIRECT over `bytes` of `file`, `ios` operations
+/// if given; (bytes/s, IOPS) of the job, None without fio.
 fn fio(
     file: &Path,
     rw: &str,
     bs: &str,
-    size: &str,
+    bytes: u64,
     qd: u32,
-    seconds: Option<u32>,
+    ios: Option<usize>,
 ) -> Option<(f64, f64)> {
     let mut c = Command::new("fio");
     c.args([
@@ -196,15 +275,15 @@ fn fio(
         &format!("--filename={}", file.display()),
         &format!("--rw={rw}"),
         &format!("--bs={bs}"),
-        &format!("--size={size}"),
+        &format!("--size={bytes}"),
         "--ioengine=io_uring",
         "--direct=1",
         &format!("--iodepth={qd}"),
         "--numjobs=1",
         "--output-format=json",
     ]);
-    if let Some(s) = seconds {
-        c.args(["--time_based", &format!("--runtime={s}")]);
+    if let Some(n) = ios {
+        c.arg(format!("--number_ios={n}"));
     }
     let out = c.output().ok()?;
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
@@ -215,6 +294,16 @@ fn fio(
         "read"
     };
     Some((job[side]["bw_bytes"].as_f64()?, job[side]["iops"].as_f64()?))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 fn main() {
@@ -238,33 +327,68 @@ fn main() {
         })
         .unwrap_or_default();
     println!("file system: {fs} ({})", dir.display());
-    let total: u64 = if full { 1 << 30 } else { 64 << 20 };
-    let ours = tier(&dir.join("tier"), total, full);
-
-    let f = dir.join("fio.dat");
-    let size = format!("{}M", total >> 20);
-    let secs = if full { 10 } else { 2 };
-    let w = fio(&f, "write", "1M", &size, 8, None);
-    let r = fio(&f, "read", "1M", &size, 8, None);
-    let rr = fio(&f, "randread", "4k", &size, 32, Some(secs));
-    let _ = std::fs::remove_file(&f);
-    match (w, r, rr) {
-        (Some(w), Some(r), Some(rr)) => {
-            println!(
-                "reference fio io_uring direct=1: 1M write {:.2} GB/s, 1M read {:.2} GB/s, 4k randread {:.0} IOPS",
-                w.0 / 1e9,
-                r.0 / 1e9,
-                rr.1
-            );
-            println!(
-                "ratio to fio: seq write {:.2} (with fdatasync per object: {:.2}), seq read {:.2}, 4k randread IOPS {:.2}",
-                ours.seq_write_gbps / (w.0 / 1e9),
-                ours.seq_write_sync_gbps / (w.0 / 1e9),
-                ours.seq_read_gbps / (r.0 / 1e9),
-                ours.rand_read_iops / rr.1
-            );
-        }
-        _ => println!("reference fio: not installed (apt install fio)"),
+    let have_fio = Command::new("fio").arg("--version").output().is_ok();
+    if !have_fio {
+        println!("reference fio: not installed (apt install fio); our side only");
     }
-    let _ = Duration::ZERO;
+    let plan = if full {
+        Plan {
+            rounds: 5,
+            seq_objects: 512,
+            small_objects: 200_000,
+            rand_reads: 100_000,
+        }
+    } else {
+        Plan {
+            rounds: 1,
+            seq_objects: 64,
+            small_objects: 5_000,
+            rand_reads: 10_000,
+        }
+    };
+    let n = plan.rounds;
+    let (rounds, lats) = rounds(&dir, plan);
+    header();
+    for (name, size, l) in [
+        ("write", "1MiB", &lats[0]),
+        ("read", "1MiB", &lats[1]),
+        ("write-sync", "1MiB", &lats[2]),
+        ("randread", "4KiB", &lats[3]),
+    ] {
+        row(name, size, l);
+    }
+    let ratio = |f: fn(&Round) -> f64, g: fn(&Round) -> f64| {
+        median(rounds.iter().map(|r| f(r) / g(r)).collect())
+    };
+    let med = |f: fn(&Round) -> f64| median(rounds.iter().map(f).collect());
+    println!(
+        "ours, median of {n} rounds: 1M write {:.2} GB/s (with fdatasync per object {:.2}), \
+         1M read {:.2} GB/s, 4k randread {:.0} IOPS, {:.1} us CPU per random read",
+        med(|r| r.write),
+        med(|r| r.write_sync),
+        med(|r| r.read),
+        med(|r| r.rand_iops),
+        med(|r| r.rand_cpu_us)
+    );
+    if have_fio
+        && rounds
+            .iter()
+            .all(|r| r.fio_write > 0.0 && r.fio_rand_iops > 0.0)
+    {
+        println!(
+            "reference fio io_uring direct=1, median of {n} rounds: 1M write {:.2} GB/s, \
+             1M read {:.2} GB/s, 4k randread {:.0} IOPS",
+            med(|r| r.fio_write),
+            med(|r| r.fio_read),
+            med(|r| r.fio_rand_iops)
+        );
+        println!(
+            "ratio to fio, median of per-round ratios: seq write {:.2} (with fdatasync per \
+             object: {:.2}), seq read {:.2}, 4k randread IOPS {:.2}",
+            ratio(|r| r.write, |r| r.fio_write),
+            ratio(|r| r.write_sync, |r| r.fio_write),
+            ratio(|r| r.read, |r| r.fio_read),
+            ratio(|r| r.rand_iops, |r| r.fio_rand_iops)
+        );
+    }
 }

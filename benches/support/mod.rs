@@ -42,6 +42,13 @@ impl Lat {
         self.busy += took;
     }
 
+    /// Folds `other` (another run of the same measure) into this one.
+    pub fn add(&mut self, other: &Lat) {
+        self.h.add(&other.h).expect("same histogram bounds");
+        self.bytes += other.bytes;
+        self.busy += other.busy;
+    }
+
     /// Throughput over the time spent inside the measured calls.
     pub fn gbps(&self) -> f64 {
         self.bytes as f64 / self.busy.as_secs_f64().max(1e-9) / 1e9
