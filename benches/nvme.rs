@@ -87,7 +87,7 @@ fn thread_cpu() -> f64 {
 }
 
 /// One round's figures: ours, then fio's.
-#[derive(Default, Clone, Copy)]
+#[derive(Default)]
 struct Round {
     write: f64,
     write_sync: f64,
@@ -135,6 +135,11 @@ async fn write_seq(t: &Rc<NvmeShard>, n: usize) -> Lat {
     .await
 }
 
+/// Where keys `0..n` are stored.
+fn locations(t: &NvmeShard, n: usize) -> Rc<Vec<NvmeLoc>> {
+    Rc::new((0..n).map(|i| t.lookup(&key(i)).expect("stored")).collect())
+}
+
 /// All rounds, on one glommio executor; fio runs (blocking this thread,
 /// with nothing of ours in flight) between our measures.
 fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
@@ -166,11 +171,7 @@ fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
             }
         })
         .await;
-        let locs: Rc<Vec<NvmeLoc>> = Rc::new(
-            (0..plan.small_objects)
-                .map(|i| small.lookup(&key(i)).expect("stored"))
-                .collect(),
-        );
+        let locs = locations(&small, plan.small_objects);
         let _ = std::fs::remove_file(&fio_rand);
         fio(&fio_rand, "write", "1M", rand_bytes, 8, None);
 
@@ -183,11 +184,7 @@ fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
             let w = write_seq(&t, plan.seq_objects).await;
             r.write = w.gbps();
             lats[0].add(&w);
-            let locs_seq: Rc<Vec<NvmeLoc>> = Rc::new(
-                (0..plan.seq_objects)
-                    .map(|i| t.lookup(&key(i)).expect("stored"))
-                    .collect(),
-            );
+            let locs_seq = locations(&t, plan.seq_objects);
             let tr = t.clone();
             let rd = concurrent(plan.seq_objects, 8, move |i| {
                 let (t, locs) = (tr.clone(), locs_seq.clone());

@@ -39,7 +39,7 @@ use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use glommio::io::DmaFile;
-use io_uring::{opcode, squeue, types, IoUring};
+use io_uring::{opcode, types, IoUring};
 
 /// Largest read served by the ring.
 pub const SLOT_BYTES: usize = 16 << 10;
@@ -112,8 +112,6 @@ struct Inner {
     in_flight: usize,
     unsubmitted: bool,
     pump: Option<Waker>,
-    /// The pump is parked with nothing in flight (a new read wakes it).
-    pump_idle: bool,
     pump_running: bool,
     closed: bool,
 }
@@ -200,7 +198,6 @@ impl FastReader {
                 in_flight: 0,
                 unsubmitted: false,
                 pump: None,
-                pump_idle: false,
                 pump_running: false,
                 closed: false,
             })),
@@ -210,16 +207,9 @@ impl FastReader {
     /// Reads `len` bytes (a multiple of 4 KiB, at most [`SLOT_BYTES`]) at
     /// `offset` (4 KiB-aligned) of the file.
     pub async fn read(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
-        check(offset, len);
+        assert!(len <= SLOT_BYTES && len.is_multiple_of(4096) && offset.is_multiple_of(4096));
         let slot = self.take_slot().await;
-        let res = self
-            .run(slot, |g| {
-                let fd = types::Fd(g.file.as_raw_fd());
-                opcode::ReadFixed::new(fd, g.mem.slot_ptr(slot), len as u32, slot as u16)
-                    .offset(offset)
-                    .build()
-            })
-            .await;
+        let res = self.run(slot, offset, len).await;
         let mut g = self.inner.borrow_mut();
         let out = res.and_then(|n| {
             if n != len {
@@ -250,17 +240,16 @@ impl FastReader {
         .await
     }
 
-    /// Submits the read `sqe` builds for `slot` (which the caller holds) and
-    /// waits for it: the bytes read, or the error. The caller releases the
-    /// slot after.
-    async fn run(
-        &self,
-        slot: usize,
-        sqe: impl FnOnce(&Inner) -> squeue::Entry,
-    ) -> io::Result<usize> {
+    /// Submits the read into `slot` (which the caller holds) and waits for
+    /// it: the bytes read, or the error. The caller releases the slot after.
+    async fn run(&self, slot: usize, offset: u64, len: usize) -> io::Result<usize> {
         let (spawn, wake_pump) = {
             let mut g = self.inner.borrow_mut();
-            let sqe = sqe(&g).user_data(slot as u64);
+            let fd = types::Fd(g.file.as_raw_fd());
+            let sqe = opcode::ReadFixed::new(fd, g.mem.slot_ptr(slot), len as u32, slot as u16)
+                .offset(offset)
+                .build()
+                .user_data(slot as u64);
             // SAFETY: the buffer is registered slot `slot`, which no one else
             // uses until its completion is reaped; the file stays open while
             // `Inner` (which the pump holds) lives.
@@ -271,13 +260,16 @@ impl FastReader {
                 waker: None,
                 abandoned: false,
             };
+            // Only the pump reaps, so with nothing in flight it is parked
+            // (or not yet started), never waiting on its timer.
+            let pump_idle = g.in_flight == 0;
             g.in_flight += 1;
             g.submit();
             let spawn = !g.pump_running;
             g.pump_running = true;
             // A pump waiting on its timer reaps this in time; one parked
             // with nothing in flight, or one that must resubmit, is woken.
-            let wake = if g.pump_idle || g.unsubmitted {
+            let wake = if pump_idle || g.unsubmitted {
                 g.pump.take()
             } else {
                 None
@@ -314,13 +306,6 @@ impl FastReader {
             Ok(res as usize)
         }
     }
-}
-
-fn check(offset: u64, len: usize) {
-    assert!(
-        len > 0 && len <= SLOT_BYTES && len.is_multiple_of(4096) && offset.is_multiple_of(4096),
-        "fast read of {len} bytes at {offset}"
-    );
 }
 
 impl Drop for FastReader {
@@ -375,15 +360,12 @@ async fn pump(inner: Rc<RefCell<Inner>>) {
             let stop = poll_fn(|cx| {
                 let mut g = inner.borrow_mut();
                 if g.in_flight > 0 || g.unsubmitted {
-                    g.pump_idle = false;
                     Poll::Ready(false)
                 } else if g.closed {
-                    g.pump_idle = false;
                     g.pump_running = false;
                     Poll::Ready(true)
                 } else {
                     g.pump = Some(cx.waker().clone());
-                    g.pump_idle = true;
                     Poll::Pending
                 }
             })
