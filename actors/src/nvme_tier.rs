@@ -419,6 +419,50 @@ impl NodeNvme {
         }
     }
 
+    /// Puts the index records of `written` objects on the device before the
+    /// master hears of them (a write returns before its record is durable),
+    /// so every NVMe copy the master lists survives a crash. A region whose
+    /// flush fails reports its writes as failed and drops them.
+    async fn flush_written(&self, updates: &mut [NvmeUpdate], written: &mut [Option<NvmeLoc>]) {
+        let mut regions: Vec<u32> = written.iter().flatten().map(|l| l.region).collect();
+        regions.sort_unstable();
+        regions.dedup();
+        for region in regions {
+            let r = self
+                .shards
+                .run_on(region as usize, move |_| async move {
+                    tier()?.flush().await.map_err(kv)
+                })
+                .await
+                .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))
+                .and_then(|r| r);
+            let Err(e) = r else { continue };
+            tracing::warn!("NVMe: index records of region {region} not durable: {e}");
+            for (u, w) in updates.iter_mut().zip(written.iter_mut()) {
+                let Some(loc) = w.filter(|l| l.region == region) else {
+                    continue;
+                };
+                if let NvmeUpdate::Stored {
+                    key,
+                    dram,
+                    offset,
+                    demote,
+                    ..
+                } = u
+                {
+                    *u = NvmeUpdate::PersistFailed {
+                        key: std::mem::take(key),
+                        dram: *dram,
+                        offset: *offset,
+                        demote: *demote,
+                    };
+                }
+                *w = None;
+                self.remove(loc).await;
+            }
+        }
+    }
+
     /// One round: tasks from every master shard, then eviction, then gauges.
     /// Returns how many tasks ran.
     pub async fn round(&self, client: &Client) -> Result<usize, KvError> {
@@ -451,6 +495,7 @@ impl NodeNvme {
             if updates.is_empty() {
                 continue;
             }
+            self.flush_written(&mut updates, &mut written).await;
             let results = self.report(client, updates).await?;
             for (res, loc) in results.into_iter().zip(written) {
                 if let (Err(_), Some(loc)) = (res, loc) {

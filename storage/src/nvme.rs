@@ -23,9 +23,15 @@
 //! # Crash consistency
 //!
 //! A write puts the extent (header + value + checksums) on the device and
-//! syncs it, and only then writes the slot record that makes it part of the
-//! index, and syncs again. A crash before the record leaves free space behind,
-//! never an index entry pointing at missing bytes. Records are one sector
+//! syncs it, and only then puts the slot record that makes it part of the
+//! index into the table's image; the image's block is written (and synced)
+//! in the background, group-committed with its neighbours' records, and
+//! `flush` waits for every record so far. A write returns after its data
+//! write: the record's write does not add a second device round trip to
+//! every put. A crash before the record leaves free space behind, never an
+//! index entry pointing at missing bytes; the storage node flushes before it
+//! tells the master an object is on NVMe, so what the master lists survives
+//! a crash. Records are one sector
 //! each, so a torn write of a table block leaves every record either old or
 //! new; a record that fails its checksum is dropped at recovery. Values are
 //! checked against their checksum on every read: a torn or corrupt value is
@@ -56,7 +62,7 @@ pub const BLOCK: u64 = 4096;
 const _: () = assert!(BLOCK.is_multiple_of(4096));
 const RECORD: usize = 512;
 const RECORDS_PER_BLOCK: usize = BLOCK as usize / RECORD;
-/// Locks striping the slot-table blocks (see `NvmeShard::write_record`).
+/// Locks striping the slot-table blocks (see `SlotTable::commit`).
 const TABLE_LOCKS: usize = 16;
 const _: () = assert!((BLOCK as usize).is_multiple_of(RECORD));
 const HEADER_FIXED: usize = 64;
@@ -208,14 +214,114 @@ struct State {
     free_slots: Vec<u32>,
     slots: Vec<Option<Entry>>,
     by_key: HashMap<Box<[u8]>, u32>,
-    /// In-memory image of the slot table.
-    table: Vec<u8>,
-    /// Per table block: how many record changes it has had in memory, and
-    /// how many of those are on the device (group commit, `write_record`).
-    block_changes: Vec<u64>,
-    block_on_device: Vec<u64>,
     seq: u64,
     clock: u64,
+}
+
+/// The slot table's in-memory image and what of it is on the device.
+struct TableImage {
+    bytes: Vec<u8>,
+    /// Per table block: how many record changes it has had in memory, and
+    /// how many of those are on the device.
+    changes: Vec<u64>,
+    on_device: Vec<u64>,
+    /// Blocks with changes not yet on the device.
+    dirty: std::collections::BTreeSet<usize>,
+}
+
+/// A region's slot table: the image, and the writes that put it on the
+/// device (group commit, see [`SlotTable::commit`]). Shared with the
+/// background commits of [`NvmeShard::write`].
+struct SlotTable {
+    file: Rc<DmaFile>,
+    /// Offset of the table in the file.
+    at: u64,
+    sync: bool,
+    /// Serialize writes of one table block (block % TABLE_LOCKS picks the
+    /// lock), so a later image of a block never lands before an earlier
+    /// one; writes of different blocks proceed side by side.
+    locks: Vec<glommio::sync::Semaphore>,
+    image: RefCell<TableImage>,
+}
+
+impl SlotTable {
+    /// Puts `record` in slot `slot`'s place in the image: the block, the
+    /// block's change number, and the record it replaced.
+    fn set(&self, slot: u32, record: &[u8; RECORD]) -> (usize, u64, [u8; RECORD]) {
+        let block = slot as usize / RECORDS_PER_BLOCK;
+        let at = slot as usize * RECORD;
+        let mut im = self.image.borrow_mut();
+        let mut before = [0u8; RECORD];
+        before.copy_from_slice(&im.bytes[at..at + RECORD]);
+        im.bytes[at..at + RECORD].copy_from_slice(record);
+        im.changes[block] += 1;
+        im.dirty.insert(block);
+        (block, im.changes[block], before)
+    }
+
+    /// Puts change `upto` of `block` on the device, durably.
+    ///
+    /// Group commit: the writer takes the block's lock and writes the
+    /// block's whole image, which carries every record changed in it so
+    /// far. One that finds its change already on the device (an earlier
+    /// holder's image carried it) returns without an I/O. Only records whose
+    /// object bytes are already durable enter the image, so an image never
+    /// puts an index entry on the device before its object.
+    async fn commit(&self, block: usize, upto: u64) -> Result<(), NvmeError> {
+        let _g = self.locks[block % TABLE_LOCKS]
+            .acquire_permit(1)
+            .await
+            .map_err(io)?;
+        let (image, changes) = {
+            let im = self.image.borrow();
+            if im.on_device[block] >= upto {
+                return Ok(());
+            }
+            let b0 = block * BLOCK as usize;
+            (
+                im.bytes[b0..b0 + BLOCK as usize].to_vec(),
+                im.changes[block],
+            )
+        };
+        write_at(&self.file, self.at + BLOCK * block as u64, &image).await?;
+        if self.sync {
+            self.file.fdatasync().await.map_err(io)?;
+        }
+        let mut im = self.image.borrow_mut();
+        let d = &mut im.on_device[block];
+        *d = (*d).max(changes);
+        if im.on_device[block] >= im.changes[block] {
+            im.dirty.remove(&block);
+        }
+        Ok(())
+    }
+
+    /// Puts every change made so far on the device.
+    async fn flush(&self) -> Result<(), NvmeError> {
+        let todo: Vec<(usize, u64)> = {
+            let im = self.image.borrow();
+            im.dirty.iter().map(|b| (*b, im.changes[*b])).collect()
+        };
+        for (block, upto) in todo {
+            self.commit(block, upto).await?;
+        }
+        Ok(())
+    }
+}
+
+async fn write_at(file: &DmaFile, pos: u64, bytes: &[u8]) -> Result<(), NvmeError> {
+    let mut buf = file.alloc_dma_buffer(bytes.len());
+    buf.as_bytes_mut().copy_from_slice(bytes);
+    // The buffer is moved into the operation: the kernel owns it until the
+    // write completes.
+    let n = file.write_at(buf, pos).await.map_err(io)?;
+    if n != bytes.len() {
+        return Err(NvmeError::Io(format!(
+            "short write at {pos}: {n} of {}",
+            bytes.len()
+        )));
+    }
+    Ok(())
 }
 
 /// Counters and latencies of one region.
@@ -280,10 +386,7 @@ pub struct NvmeShard {
     geo: Geometry,
     cfg: NvmeConfig,
     state: RefCell<State>,
-    /// Serialize writes of one slot-table block (block % TABLE_LOCKS picks
-    /// the lock), so a later image of a block never lands before an earlier
-    /// one; writes of different blocks proceed side by side.
-    table_locks: Vec<glommio::sync::Semaphore>,
+    table: Rc<SlotTable>,
     /// The ring for reads of up to `fast_read::SLOT_BYTES` (made on first
     /// use; `None` inside if it could not be, then glommio reads them).
     fast: std::cell::OnceCell<Option<FastReader>>,
@@ -385,8 +488,24 @@ impl NvmeShard {
         }
         let base = region as u64 * geo.region_bytes;
         let data_bytes = geo.region_bytes - geo.data_offset;
+        let file = Rc::new(file);
+        let blocks = geo.table_blocks() as usize;
         let shard = Self {
-            file: Rc::new(file),
+            table: Rc::new(SlotTable {
+                file: file.clone(),
+                at: base + BLOCK,
+                sync: cfg.sync_writes,
+                locks: (0..TABLE_LOCKS)
+                    .map(|_| glommio::sync::Semaphore::new(1))
+                    .collect(),
+                image: RefCell::new(TableImage {
+                    bytes: vec![0u8; geo.slots as usize * RECORD],
+                    changes: vec![0; blocks],
+                    on_device: vec![0; blocks],
+                    dirty: Default::default(),
+                }),
+            }),
+            file,
             region,
             base,
             geo,
@@ -395,15 +514,9 @@ impl NvmeShard {
                 free_slots: (0..geo.slots).rev().collect(),
                 slots: (0..geo.slots).map(|_| None).collect(),
                 by_key: HashMap::new(),
-                table: vec![0u8; geo.slots as usize * RECORD],
-                block_changes: vec![0; geo.table_blocks() as usize],
-                block_on_device: vec![0; geo.table_blocks() as usize],
                 seq: 0,
                 clock: 0,
             }),
-            table_locks: (0..TABLE_LOCKS)
-                .map(|_| glommio::sync::Semaphore::new(1))
-                .collect(),
             fast: std::cell::OnceCell::new(),
             stats: NvmeStats::default(),
             cfg,
@@ -456,21 +569,6 @@ impl NvmeShard {
         Ok(())
     }
 
-    async fn write_block(&self, pos: u64, bytes: &[u8]) -> Result<(), NvmeError> {
-        let mut buf = self.file.alloc_dma_buffer(bytes.len());
-        buf.as_bytes_mut().copy_from_slice(bytes);
-        // The buffer is moved into the operation: the kernel owns it until
-        // the write completes.
-        let n = self.file.write_at(buf, pos).await.map_err(io)?;
-        if n != bytes.len() {
-            return Err(NvmeError::Io(format!(
-                "short write at {pos}: {n} of {}",
-                bytes.len()
-            )));
-        }
-        Ok(())
-    }
-
     async fn sync(&self) -> Result<(), NvmeError> {
         if self.cfg.sync_writes {
             self.file.fdatasync().await.map_err(io)?;
@@ -484,12 +582,16 @@ impl NvmeShard {
         let mut b = 0;
         while b < blocks {
             let n = (blocks - b).min(TABLE_IO_BLOCKS);
-            self.write_block(self.base + BLOCK * (1 + b), &zeros[..(n * BLOCK) as usize])
-                .await?;
+            write_at(
+                &self.file,
+                self.base + BLOCK * (1 + b),
+                &zeros[..(n * BLOCK) as usize],
+            )
+            .await?;
             b += n;
         }
         self.file.fdatasync().await.map_err(io)?;
-        self.write_block(self.base, &self.superblock()).await?;
+        write_at(&self.file, self.base, &self.superblock()).await?;
         self.file.fdatasync().await.map_err(io)?;
         Ok(())
     }
@@ -606,12 +708,13 @@ impl NvmeShard {
                 .rev()
                 .filter(|s| slots[*s as usize].is_none())
                 .collect();
-            st.table = table;
+            let mut im = self.table.image.borrow_mut();
+            im.bytes = table;
             // Dropped records become free slots; clearing them on the device
             // waits for the next write of their table block.
             for s in &drop_slots {
                 let at = *s as usize * RECORD;
-                st.table[at..at + RECORD].fill(0);
+                im.bytes[at..at + RECORD].fill(0);
             }
         }
         Ok(out)
@@ -677,65 +780,37 @@ impl NvmeShard {
     }
 
     /// Writes slot `slot`'s table block with `record` in it, durably.
-    ///
-    /// Group commit: the record goes into the in-memory table first; the
-    /// writer then takes its block's lock and writes the block's whole image,
-    /// which carries every record changed in that block so far. A writer
-    /// that finds its change already on the device (an earlier holder's
-    /// image carried it) returns without an I/O. Only records whose object
-    /// bytes are already durable enter the table, so an image never puts an
-    /// index entry on the device before its object.
     async fn write_record(&self, slot: u32, record: &[u8; RECORD]) -> Result<(), NvmeError> {
-        let block = slot as usize / RECORDS_PER_BLOCK;
-        let at = slot as usize * RECORD;
-        let (mine, before) = {
-            let mut st = self.state.borrow_mut();
-            let mut before = [0u8; RECORD];
-            before.copy_from_slice(&st.table[at..at + RECORD]);
-            st.table[at..at + RECORD].copy_from_slice(record);
-            st.block_changes[block] += 1;
-            (st.block_changes[block], before)
-        };
-        let _g = self.table_locks[block % TABLE_LOCKS]
-            .acquire_permit(1)
-            .await
-            .map_err(io)?;
-        let (image, upto) = {
-            let st = self.state.borrow();
-            if st.block_on_device[block] >= mine {
-                return Ok(());
-            }
-            let b0 = block * BLOCK as usize;
-            (
-                st.table[b0..b0 + BLOCK as usize].to_vec(),
-                st.block_changes[block],
-            )
-        };
-        let res = async {
-            self.write_block(self.base + BLOCK * (1 + block as u64), &image)
-                .await?;
-            self.sync().await
-        }
-        .await;
-        let mut st = self.state.borrow_mut();
-        match res {
-            Ok(()) => {
-                let d = &mut st.block_on_device[block];
-                *d = (*d).max(upto);
-                Ok(())
-            }
-            Err(e) => {
-                // Not on the device: take the record back out of the image
-                // (unless a later change of the slot replaced it already).
-                if st.table[at..at + RECORD] == record[..] {
-                    st.table[at..at + RECORD].copy_from_slice(&before);
-                }
-                Err(e)
+        let (block, mine, before) = self.table.set(slot, record);
+        let res = self.table.commit(block, mine).await;
+        if res.is_err() {
+            // Not on the device: take the record back out of the image
+            // (unless a later change of the slot replaced it already).
+            let at = slot as usize * RECORD;
+            let mut im = self.table.image.borrow_mut();
+            if im.bytes[at..at + RECORD] == record[..] {
+                im.bytes[at..at + RECORD].copy_from_slice(&before);
             }
         }
+        res
     }
 
-    /// Stores `value` under `key`; durable when this returns.
+    /// Puts the index records of every write so far on the device: objects
+    /// written before this call are found again by a restart after it
+    /// returns.
+    pub async fn flush(&self) -> Result<(), NvmeError> {
+        self.table.flush().await
+    }
+
+    /// Slot-table blocks with records not yet on the device.
+    pub fn unflushed_blocks(&self) -> usize {
+        self.table.image.borrow().dirty.len()
+    }
+
+    /// Stores `value` under `key`. When this returns the object is readable
+    /// and its bytes are on the device (synced with `sync_writes`); its
+    /// index record follows in the background, and a restart finds the
+    /// object once it is there: [`NvmeShard::flush`] waits for that.
     pub async fn write(&self, key: &[u8], value: &[u8]) -> Result<NvmeLoc, NvmeError> {
         if key.is_empty() || key.len() > MAX_KEY_BYTES {
             return Err(NvmeError::Invalid(format!("key of {} bytes", key.len())));
@@ -799,8 +874,21 @@ impl NvmeShard {
                 last_read: 0,
                 evicting: false,
             };
-            self.write_record(slot, &Self::record_bytes(true, &entry))
-                .await?;
+            // The record enters the image now (the bytes are on the device)
+            // and reaches the device in the background: the write returns
+            // after one device write, not two in a row. `flush` waits for it.
+            let (block, change, _) = self.table.set(slot, &Self::record_bytes(true, &entry));
+            let (table, region) = (self.table.clone(), self.region);
+            glommio::spawn_local(async move {
+                if let Err(e) = table.commit(block, change).await {
+                    tracing::warn!(
+                        region,
+                        "nvme: an index record did not reach the device ({e}); the next \
+                         write of its block or flush retries"
+                    );
+                }
+            })
+            .detach();
             Ok(entry)
         }
         .await;
