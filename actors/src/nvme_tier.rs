@@ -240,23 +240,25 @@ impl NodeNvme {
         }
     }
 
-    /// Copies DRAM bytes to the tier (a demotion or write-through).
+    /// Copies DRAM bytes to the tier (a demotion or write-through): where,
+    /// and whether this call wrote it (false: a copy was there already).
     async fn persist(
         &self,
         client: &Client,
         key: Vec<u8>,
         offset: u64,
         len: u64,
-    ) -> Result<NvmeLoc, KvError> {
+    ) -> Result<(NvmeLoc, bool), KvError> {
         let region = region_of(&key, self.regions);
         for attempt in 0..2 {
             let (k, seg, m) = (key.clone(), self.dram.clone(), self.metrics.clone());
-            let r: Result<NvmeLoc, KvError> = self
+            let r: Result<(NvmeLoc, bool), KvError> = self
                 .shards
                 .run_on(region, move |_| async move {
                     let t = tier()?;
                     if let Some(loc) = t.lookup(&k) {
-                        return Ok(loc); // already there (write-through, then demotion)
+                        // Already there (write-through, then demotion).
+                        return Ok((loc, false));
                     }
                     seg.check_range(offset, len)
                         .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))?;
@@ -269,7 +271,7 @@ impl NodeNvme {
                     let loc = t.write(&k, bytes).await.map_err(kv)?;
                     m.nvme_write_seconds
                         .observe(started.elapsed().as_secs_f64());
-                    Ok(loc)
+                    Ok((loc, true))
                 })
                 .await
                 .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))?;
@@ -345,7 +347,7 @@ impl NodeNvme {
         &self,
         client: &Client,
         task: NodeTask,
-    ) -> Option<(NvmeUpdate, Option<NvmeLoc>)> {
+    ) -> Option<(NvmeUpdate, Option<NvmeLoc>, bool)> {
         match task {
             NodeTask::Persist {
                 key,
@@ -358,7 +360,7 @@ impl NodeNvme {
                     return None;
                 }
                 match self.persist(client, key.clone(), offset, len).await {
-                    Ok(loc) => {
+                    Ok((loc, fresh)) => {
                         if demote {
                             self.metrics.nvme_demotions.inc();
                         }
@@ -373,6 +375,7 @@ impl NodeNvme {
                                 demote,
                             },
                             Some(loc),
+                            fresh,
                         ))
                     }
                     Err(e) => {
@@ -385,6 +388,7 @@ impl NodeNvme {
                                 demote,
                             },
                             None,
+                            false,
                         ))
                     }
                 }
@@ -414,17 +418,26 @@ impl NodeNvme {
                         ok,
                     },
                     None,
+                    false,
                 ))
             }
         }
     }
 
-    /// Puts the index records of `written` objects on the device before the
-    /// master hears of them (a write returns before its record is durable),
-    /// so every NVMe copy the master lists survives a crash. A region whose
-    /// flush fails reports its writes as failed and drops them.
-    async fn flush_written(&self, updates: &mut [NvmeUpdate], written: &mut [Option<NvmeLoc>]) {
-        let mut regions: Vec<u32> = written.iter().flatten().map(|l| l.region).collect();
+    /// Puts the index records of the objects this round wrote (`fresh`) on
+    /// the device before the master hears of them (a write returns before
+    /// its record is durable), so every NVMe copy the master lists survives
+    /// a crash. Where a region's flush fails, the updates naming its fresh
+    /// copies become `PersistFailed` and those copies are dropped, each
+    /// once; copies found already there (written and reported in an earlier
+    /// round) stay, the master lists them.
+    async fn flush_written(
+        &self,
+        updates: &mut [NvmeUpdate],
+        written: &mut [Option<NvmeLoc>],
+        fresh: &[NvmeLoc],
+    ) {
+        let mut regions: Vec<u32> = fresh.iter().map(|l| l.region).collect();
         regions.sort_unstable();
         regions.dedup();
         for region in regions {
@@ -438,10 +451,17 @@ impl NodeNvme {
                 .and_then(|r| r);
             let Err(e) = r else { continue };
             tracing::warn!("NVMe: index records of region {region} not durable: {e}");
+            let mut lost: Vec<NvmeLoc> = fresh
+                .iter()
+                .filter(|l| l.region == region)
+                .copied()
+                .collect();
+            lost.sort_unstable_by_key(|l| l.slot);
+            lost.dedup();
             for (u, w) in updates.iter_mut().zip(written.iter_mut()) {
-                let Some(loc) = w.filter(|l| l.region == region) else {
+                if !w.is_some_and(|l| lost.contains(&l)) {
                     continue;
-                };
+                }
                 if let NvmeUpdate::Stored {
                     key,
                     dram,
@@ -458,6 +478,8 @@ impl NodeNvme {
                     };
                 }
                 *w = None;
+            }
+            for loc in lost {
                 self.remove(loc).await;
             }
         }
@@ -485,17 +507,21 @@ impl NodeNvme {
             };
             let mut updates = Vec::new();
             let mut written = Vec::new();
+            let mut fresh = Vec::new();
             for t in tasks {
                 ran += 1;
-                if let Some((u, loc)) = self.run_task(client, t).await {
+                if let Some((u, loc, new)) = self.run_task(client, t).await {
                     updates.push(u);
                     written.push(loc);
+                    if new {
+                        fresh.extend(loc);
+                    }
                 }
             }
             if updates.is_empty() {
                 continue;
             }
-            self.flush_written(&mut updates, &mut written).await;
+            self.flush_written(&mut updates, &mut written, &fresh).await;
             let results = self.report(client, updates).await?;
             for (res, loc) in results.into_iter().zip(written) {
                 if let (Err(_), Some(loc)) = (res, loc) {
