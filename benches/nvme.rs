@@ -111,8 +111,8 @@ struct Plan {
     rand_reads: usize,
 }
 
+/// Opens a tier on `path`; a file without a tier's superblock is formatted.
 async fn open(path: &Path, capacity: u64, avg: u64, sync: bool) -> Rc<NvmeShard> {
-    let _ = std::fs::remove_file(path);
     let cfg = NvmeConfig {
         capacity,
         regions: 1,
@@ -155,12 +155,20 @@ fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
         let mut out = Vec::new();
         let mut lats = [Lat::new(), Lat::new(), Lat::new(), Lat::new()];
         let seq_bytes = (plan.seq_objects as u64) << 20;
-        let fio_seq = dir.join("fio-seq.dat");
+        // Both sides' 1 MiB measures use this one file, written through
+        // once first: the disk is a file on the host, and blocks the host
+        // has not allocated yet write slower than ones it has, so two files
+        // (which ext4 may place on either) compare placements, not writers.
+        let seq = dir.join("seq.dat");
+        let seq_file = seq_bytes + seq_bytes / 2;
+        let _ = std::fs::remove_file(&seq);
+        fio(&seq, "write", "1M", seq_file, 8, None);
         let fio_rand = dir.join("fio-rand.dat");
         let rand_bytes = plan.small_objects as u64 * 4096;
 
         // The random-read set, written once: ours as one-block objects,
         // fio's as a laid-out file of the same size.
+        let _ = std::fs::remove_file(dir.join("tier.small"));
         let small = open(
             &dir.join("tier.small"),
             rand_bytes * 2 + (64 << 20),
@@ -189,11 +197,10 @@ fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
             // Which side goes first alternates, and each write starts on a
             // settled disk: a write right after another one's 512 MiB pays
             // for the host flushing them (seen: 0.46 GB/s after, 1.5 before).
-            let seq = dir.join("tier.seq");
             for side in [round % 2, 1 - round % 2] {
                 settle();
                 if side == 0 {
-                    let t = open(&seq, seq_bytes + seq_bytes / 2, 1 << 20, false).await;
+                    let t = open(unformatted(&seq), seq_file, 1 << 20, false).await;
                     let w = write_seq(&t, plan.seq_objects).await;
                     r.write = w.gbps();
                     lats[0].add(&w);
@@ -207,12 +214,9 @@ fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
                     r.read = rd.gbps();
                     lats[1].add(&rd);
                     drop(t);
-                    let _ = std::fs::remove_file(&seq);
                 } else {
-                    let _ = std::fs::remove_file(&fio_seq);
-                    let fw = fio(&fio_seq, "write", "1M", seq_bytes, 8, None);
-                    let fr = fio(&fio_seq, "read", "1M", seq_bytes, 8, None);
-                    let _ = std::fs::remove_file(&fio_seq);
+                    let fw = fio(&seq, "write", "1M", seq_bytes, 8, None);
+                    let fr = fio(&seq, "read", "1M", seq_bytes, 8, None);
                     r.fio_write = fw.map_or(0.0, |f| f.0 / 1e9);
                     r.fio_read = fr.map_or(0.0, |f| f.0 / 1e9);
                 }
@@ -221,12 +225,11 @@ fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
             // With an fdatasync per object (the tier's default); fio's
             // figure is its plain write.
             settle();
-            let t = open(&seq, seq_bytes + seq_bytes / 2, 1 << 20, true).await;
+            let t = open(unformatted(&seq), seq_file, 1 << 20, true).await;
             let ws = write_seq(&t, (plan.seq_objects / 4).max(1)).await;
             r.write_sync = ws.gbps();
             lats[2].add(&ws);
             drop(t);
-            let _ = std::fs::remove_file(&seq);
 
             // 4 KiB random reads, a different walk each round.
             let tr = small.clone();
@@ -269,8 +272,22 @@ fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
         drop(small);
         let _ = std::fs::remove_file(dir.join("tier.small"));
         let _ = std::fs::remove_file(&fio_rand);
+        let _ = std::fs::remove_file(&seq);
         (out, lats)
     })
+}
+
+/// Zeroes the first block of `path` (a tier's superblock, or fio's data),
+/// so the tier opened on it next formats it anew; returns `path`.
+fn unformatted(path: &Path) -> &Path {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .expect("the shared file exists");
+    f.write_all_at(&[0u8; 4096], 0).expect("zero block 0");
+    f.sync_all().expect("sync");
+    path
 }
 
 /// Lets the disk settle before a write measure: the guest's dirty data
