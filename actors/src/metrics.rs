@@ -131,6 +131,7 @@ pub struct StorageMetrics {
     pub nvme_evictions: Counter,
     pub nvme_demotions: Counter,
     pub nvme_promotions: Counter,
+    pub nvme_drops: Counter,
     pub nvme_read_seconds: Histogram,
     pub nvme_write_seconds: Histogram,
     /// Live RDMA peer connections (queue-pair sets) to this node's segment.
@@ -151,6 +152,7 @@ impl StorageMetrics {
             nvme_evictions: Counter::default(),
             nvme_demotions: Counter::default(),
             nvme_promotions: Counter::default(),
+            nvme_drops: Counter::default(),
             nvme_read_seconds: latency_histogram(),
             nvme_write_seconds: latency_histogram(),
             rdma_connections: Gauge::default(),
@@ -216,13 +218,18 @@ impl StorageMetrics {
             m.nvme_promotions.clone(),
         );
         reg.register(
+            "storage_nvme_drops",
+            "NVMe copies dropped because their object was removed",
+            m.nvme_drops.clone(),
+        );
+        reg.register(
             "storage_nvme_read_seconds",
             "NVMe object read latency",
             m.nvme_read_seconds.clone(),
         );
         reg.register(
             "storage_nvme_write_seconds",
-            "NVMe object write latency (durable)",
+            "NVMe object write latency (data on the device)",
             m.nvme_write_seconds.clone(),
         );
         // Every series exists from the start (at 0), so dashboards and alerts

@@ -256,10 +256,6 @@ impl NodeNvme {
                 .shards
                 .run_on(region, move |_| async move {
                     let t = tier()?;
-                    if let Some(loc) = t.lookup(&k) {
-                        // Already there (write-through, then demotion).
-                        return Ok((loc, false));
-                    }
                     seg.check_range(offset, len)
                         .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))?;
                     // SAFETY: in bounds (checked). The master keeps this range
@@ -267,6 +263,16 @@ impl NodeNvme {
                     // (a removal meanwhile quarantines it), so no writer is
                     // sent to it while we copy.
                     let bytes = unsafe { seg.slice(offset, len) };
+                    if let Some(loc) = t.lookup(&k) {
+                        if t.value_sum(loc) == Some((len, xxh3_64(bytes))) {
+                            // Already there (write-through, then demotion).
+                            return Ok((loc, false));
+                        }
+                        // A copy of an earlier object under this key (removed
+                        // at the master, its Drop not yet seen): never report
+                        // its bytes as this object's.
+                        t.remove(loc).await.map_err(kv)?;
+                    }
                     let started = Instant::now();
                     let loc = t.write(&k, bytes).await.map_err(kv)?;
                     m.nvme_write_seconds
@@ -393,6 +399,33 @@ impl NodeNvme {
                     }
                 }
             }
+            NodeTask::Drop { key, loc } => {
+                let loc = NvmeLoc::unpack(loc);
+                if loc.region as usize >= self.regions {
+                    tracing::warn!("NVMe: Drop for {loc:?}, which is no region of this tier");
+                    return None;
+                }
+                let r = self
+                    .shards
+                    .run_on(loc.region as usize, move |_| async move {
+                        tier()?.remove_key(loc, &key).await.map_err(kv)
+                    })
+                    .await;
+                match r {
+                    Ok(Ok(true)) => {
+                        self.metrics.nvme_drops.inc();
+                    }
+                    // Gone already, or the slot holds another key now.
+                    Ok(Ok(false)) => {}
+                    Ok(Err(e)) => {
+                        tracing::warn!("NVMe: could not drop {loc:?}: {e}");
+                    }
+                    Err(e) => {
+                        tracing::warn!("NVMe: could not drop {loc:?}: {e}");
+                    }
+                }
+                None
+            }
             NodeTask::Promote {
                 key,
                 loc,
@@ -424,8 +457,8 @@ impl NodeNvme {
         }
     }
 
-    /// Puts the index records of the objects this round wrote (`fresh`) on
-    /// the device before the master hears of them (a write returns before
+    /// Puts the index records of the copies this round reports on the
+    /// device before the master hears of them (a write returns before
     /// its record is durable), so every NVMe copy the master lists survives
     /// a crash. Where a region's flush fails, the updates naming its fresh
     /// copies become `PersistFailed` and those copies are dropped, each
@@ -437,7 +470,10 @@ impl NodeNvme {
         written: &mut [Option<NvmeLoc>],
         fresh: &[NvmeLoc],
     ) {
-        let mut regions: Vec<u32> = fresh.iter().map(|l| l.region).collect();
+        // Every region a copy was reported from, not only the fresh ones: a
+        // copy found already there may be one whose record an earlier,
+        // failed flush left behind (a flush with nothing dirty is free).
+        let mut regions: Vec<u32> = written.iter().flatten().map(|l| l.region).collect();
         regions.sort_unstable();
         regions.dedup();
         for region in regions {

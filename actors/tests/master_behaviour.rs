@@ -1303,11 +1303,10 @@ fn eviction_demotes_to_the_nodes_nvme_tier_instead_of_dropping() {
     assert!(m.stat().demotions >= 1);
 }
 
-#[test]
-fn write_through_asks_for_a_copy_at_put_end_and_keeps_the_dram_replica() {
-    let (mut m, dram) = tiered(true);
-    m.put("k", 100);
-    let t = tasks(&mut m, dram);
+/// Runs the write-through Persist task the master asks for first (it must
+/// be one, not a demotion) as a node would: reports the copy `Stored` at `loc`.
+fn write_through_copy(m: &mut M, dram: SegmentId, loc: u64) {
+    let t = tasks(m, dram);
     let Some(NodeTask::Persist {
         key,
         offset,
@@ -1320,11 +1319,11 @@ fn write_through_asks_for_a_copy_at_put_end_and_keeps_the_dram_replica() {
     };
     assert!(!demote);
     update(
-        &mut m,
+        m,
         NvmeUpdate::Stored {
             key,
             nvme: nvme_id(),
-            loc: 3,
+            loc,
             len,
             dram,
             offset,
@@ -1332,6 +1331,13 @@ fn write_through_asks_for_a_copy_at_put_end_and_keeps_the_dram_replica() {
         },
     )
     .unwrap();
+}
+
+#[test]
+fn write_through_asks_for_a_copy_at_put_end_and_keeps_the_dram_replica() {
+    let (mut m, dram) = tiered(true);
+    m.put("k", 100);
+    write_through_copy(&mut m, dram, 3);
     let r = m.get("k").unwrap();
     assert_eq!(r.len(), 2);
     assert_eq!(r[0].tier, Tier::Dram, "DRAM first");
@@ -1510,4 +1516,28 @@ fn an_nvme_tier_mounted_again_after_a_restart_keeps_its_replicas() {
     .unwrap();
     let r = m.get("kept").unwrap();
     assert_eq!(r[0].endpoint.port, 9999);
+}
+
+#[test]
+fn removing_an_object_asks_its_node_to_drop_the_nvme_copy_before_a_new_put_of_the_key() {
+    let (mut m, dram) = tiered(true);
+    m.put("k", 100);
+    write_through_copy(&mut m, dram, 3);
+    m.remove("k", true).unwrap();
+    // The same key, put again: its copy must not be confused with the old one.
+    m.put("k", 100);
+    let t = tasks(&mut m, dram);
+    assert_eq!(
+        t.first(),
+        Some(&NodeTask::Drop {
+            key: b"k".to_vec(),
+            loc: 3
+        }),
+        "the removed object's NVMe copy is dropped first: {t:?}"
+    );
+    assert!(
+        matches!(t.get(1), Some(NodeTask::Persist { key, .. }) if key == b"k"),
+        "then the new object's copy is made: {t:?}"
+    );
+    assert_eq!(t.len(), 2, "{t:?}");
 }

@@ -1024,6 +1024,29 @@ impl NvmeShard {
             })
     }
 
+    /// Length and checksum of the value at `loc`, if an object is there.
+    pub fn value_sum(&self, loc: NvmeLoc) -> Option<(u64, u64)> {
+        self.check_loc(loc).ok()?;
+        let st = self.state.borrow();
+        st.slots[loc.slot as usize].as_ref().map(|e| (e.len, e.sum))
+    }
+
+    /// Removes the object at `loc` if it is stored under `key` (a slot can
+    /// hold another key's object once its own was removed); whether it was.
+    pub async fn remove_key(&self, loc: NvmeLoc, key: &[u8]) -> Result<bool, NvmeError> {
+        self.check_loc(loc)?;
+        let ours = {
+            let st = self.state.borrow();
+            st.slots[loc.slot as usize]
+                .as_ref()
+                .is_some_and(|e| &e.key[..] == key)
+        };
+        if ours {
+            self.remove(loc).await?;
+        }
+        Ok(ours)
+    }
+
     /// Removes the object at `loc` durably and frees its space.
     pub async fn remove(&self, loc: NvmeLoc) -> Result<(), NvmeError> {
         self.check_loc(loc)?;

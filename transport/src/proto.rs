@@ -106,6 +106,9 @@ pub enum NodeTask {
         offset: u64,
         len: u64,
     },
+    /// The object `key` was removed: drop its NVMe copy at `loc` (if that
+    /// copy is still `key`'s). Queued with the node's other tasks, in order.
+    Drop { key: Vec<u8>, loc: u64 },
 }
 
 /// What a storage node reports about its NVMe tier (batched, by key).

@@ -421,6 +421,44 @@ impl ShardState {
         }
     }
 
+    /// Tells the nodes holding NVMe copies of a removed object to drop them.
+    /// NVMe space is the node's: without this a copy would outlive its
+    /// object, until NVMe eviction, and come back as `Recovered` when the
+    /// node restarts. The task goes on the queue of the DRAM segment the
+    /// tier is attached to, behind that node's Persist tasks, so the node
+    /// sees the removal and a later put of the same key in the order they
+    /// happened. With that queue full, the copy stays (logged).
+    fn drop_nvme_copies(&mut self, key: &[u8], obj: &Object) {
+        for r in &obj.replicas {
+            let s = self.slot(r.slot);
+            if s.tier() != Tier::Nvme {
+                continue;
+            }
+            let nvme = s.id;
+            let Some(dram) = self.slots.iter().flatten().find_map(|d| {
+                d.spec
+                    .nvme
+                    .as_ref()
+                    .is_some_and(|a| a.segment_id == nvme)
+                    .then_some(d.id)
+            }) else {
+                continue; // the node's DRAM segment is gone: nobody to ask
+            };
+            let q = self.tasks.entry(dram).or_default();
+            if q.len() < MAX_TASKS_PER_SEGMENT {
+                q.push_back(NodeTask::Drop {
+                    key: key.to_vec(),
+                    loc: r.offset,
+                });
+            } else {
+                tracing::warn!(
+                    key = %show_key(key),
+                    "node task queue full: the removed object's NVMe copy stays until evicted"
+                );
+            }
+        }
+    }
+
     /// Frees `obj`'s space at `at_ms` (now, if that has passed). A replica
     /// that a node may still be copying to NVMe (demotion) waits at least
     /// `stale_put_grace_ms`.
@@ -1202,6 +1240,7 @@ impl ShardState {
             ));
         }
         let obj = self.complete.remove(key).expect("present");
+        self.drop_nvme_copies(key, &obj);
         // A reader may still hold a lease: the space waits for it to end.
         self.free_at(&obj, obj.t, now_ms);
         Ok(())
@@ -1217,6 +1256,7 @@ impl ShardState {
             .collect();
         for k in &keys {
             let obj = self.complete.remove(k).expect("present");
+            self.drop_nvme_copies(k, &obj);
             self.free_now(&obj);
         }
         keys.len() as u64
