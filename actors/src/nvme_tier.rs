@@ -169,6 +169,25 @@ pub async fn read_local(loc: NvmeLoc, metrics: &StorageMetrics) -> Result<NvmeVa
     Ok(v)
 }
 
+/// Turns a Stored report into PersistFailed (the copy is not to be listed).
+fn persist_failed(u: &mut NvmeUpdate) {
+    if let NvmeUpdate::Stored {
+        key,
+        dram,
+        offset,
+        demote,
+        ..
+    } = u
+    {
+        *u = NvmeUpdate::PersistFailed {
+            key: std::mem::take(key),
+            dram: *dram,
+            offset: *offset,
+            demote: *demote,
+        };
+    }
+}
+
 impl NodeNvme {
     /// Re-reports what the tier recovered at start; stale copies the master
     /// no longer wants are removed.
@@ -463,7 +482,8 @@ impl NodeNvme {
     /// a crash. Where a region's flush fails, the updates naming its fresh
     /// copies become `PersistFailed` and those copies are dropped, each
     /// once; copies found already there (written and reported in an earlier
-    /// round) stay, the master lists them.
+    /// round) stay, the master lists them. A copy no longer in its place
+    /// after the flush is reported `PersistFailed` too.
     async fn flush_written(
         &self,
         updates: &mut [NvmeUpdate],
@@ -477,46 +497,64 @@ impl NodeNvme {
         regions.sort_unstable();
         regions.dedup();
         for region in regions {
+            // The Stored copies of this region, checked after the flush: a
+            // copy this round wrote can have been evicted again by a later
+            // task's NoSpace retry (LRU ranks unread copies first), and its
+            // slot reused; the master must not hear of it.
+            let copies: Vec<(usize, Vec<u8>, NvmeLoc)> = updates
+                .iter()
+                .zip(written.iter())
+                .enumerate()
+                .filter_map(|(i, (u, w))| match (u, w) {
+                    (NvmeUpdate::Stored { key, .. }, Some(l)) if l.region == region => {
+                        Some((i, key.clone(), *l))
+                    }
+                    _ => None,
+                })
+                .collect();
+            let check: Vec<(Vec<u8>, NvmeLoc)> =
+                copies.iter().map(|(_, k, l)| (k.clone(), *l)).collect();
             let r = self
                 .shards
                 .run_on(region as usize, move |_| async move {
-                    tier()?.flush().await.map_err(kv)
+                    let t = tier()?;
+                    t.flush().await.map_err(kv)?;
+                    Ok::<Vec<bool>, KvError>(
+                        check.iter().map(|(k, l)| t.lookup(k) == Some(*l)).collect(),
+                    )
                 })
                 .await
                 .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))
                 .and_then(|r| r);
-            let Err(e) = r else { continue };
-            tracing::warn!("NVMe: index records of region {region} not durable: {e}");
-            let mut lost: Vec<NvmeLoc> = fresh
-                .iter()
-                .filter(|l| l.region == region)
-                .copied()
-                .collect();
-            lost.sort_unstable_by_key(|l| l.slot);
-            lost.dedup();
-            for (u, w) in updates.iter_mut().zip(written.iter_mut()) {
-                if !w.is_some_and(|l| lost.contains(&l)) {
-                    continue;
+            match r {
+                Ok(present) => {
+                    for ((i, _, l), here) in copies.iter().zip(present) {
+                        if !here {
+                            tracing::warn!("NVMe: copy at {l:?} gone before it was reported");
+                            persist_failed(&mut updates[*i]);
+                            written[*i] = None;
+                        }
+                    }
                 }
-                if let NvmeUpdate::Stored {
-                    key,
-                    dram,
-                    offset,
-                    demote,
-                    ..
-                } = u
-                {
-                    *u = NvmeUpdate::PersistFailed {
-                        key: std::mem::take(key),
-                        dram: *dram,
-                        offset: *offset,
-                        demote: *demote,
-                    };
+                Err(e) => {
+                    tracing::warn!("NVMe: index records of region {region} not durable: {e}");
+                    let mut lost: Vec<NvmeLoc> = fresh
+                        .iter()
+                        .filter(|l| l.region == region)
+                        .copied()
+                        .collect();
+                    lost.sort_unstable_by_key(|l| l.slot);
+                    lost.dedup();
+                    for (u, w) in updates.iter_mut().zip(written.iter_mut()) {
+                        if w.is_some_and(|l| lost.contains(&l)) {
+                            persist_failed(u);
+                            *w = None;
+                        }
+                    }
+                    for loc in lost {
+                        self.remove(loc).await;
+                    }
                 }
-                *w = None;
-            }
-            for loc in lost {
-                self.remove(loc).await;
             }
         }
     }
