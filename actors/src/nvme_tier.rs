@@ -429,19 +429,16 @@ impl NodeNvme {
                     .run_on(loc.region as usize, move |_| async move {
                         tier()?.remove_key(loc, &key).await.map_err(kv)
                     })
-                    .await;
+                    .await
+                    .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))
+                    .and_then(|r| r);
                 match r {
-                    Ok(Ok(true)) => {
+                    Ok(true) => {
                         self.metrics.nvme_drops.inc();
                     }
                     // Gone already, or the slot holds another key now.
-                    Ok(Ok(false)) => {}
-                    Ok(Err(e)) => {
-                        tracing::warn!("NVMe: could not drop {loc:?}: {e}");
-                    }
-                    Err(e) => {
-                        tracing::warn!("NVMe: could not drop {loc:?}: {e}");
-                    }
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!("NVMe: could not drop {loc:?}: {e}"),
                 }
                 None
             }
@@ -501,19 +498,17 @@ impl NodeNvme {
             // copy this round wrote can have been evicted again by a later
             // task's NoSpace retry (LRU ranks unread copies first), and its
             // slot reused; the master must not hear of it.
-            let copies: Vec<(usize, Vec<u8>, NvmeLoc)> = updates
+            let (at, check): (Vec<usize>, Vec<(Vec<u8>, NvmeLoc)>) = updates
                 .iter()
                 .zip(written.iter())
                 .enumerate()
                 .filter_map(|(i, (u, w))| match (u, w) {
                     (NvmeUpdate::Stored { key, .. }, Some(l)) if l.region == region => {
-                        Some((i, key.clone(), *l))
+                        Some((i, (key.clone(), *l)))
                     }
                     _ => None,
                 })
-                .collect();
-            let check: Vec<(Vec<u8>, NvmeLoc)> =
-                copies.iter().map(|(_, k, l)| (k.clone(), *l)).collect();
+                .unzip();
             let r = self
                 .shards
                 .run_on(region as usize, move |_| async move {
@@ -528,11 +523,14 @@ impl NodeNvme {
                 .and_then(|r| r);
             match r {
                 Ok(present) => {
-                    for ((i, _, l), here) in copies.iter().zip(present) {
+                    for (i, here) in at.into_iter().zip(present) {
                         if !here {
-                            tracing::warn!("NVMe: copy at {l:?} gone before it was reported");
-                            persist_failed(&mut updates[*i]);
-                            written[*i] = None;
+                            tracing::warn!(
+                                "NVMe: copy at {:?} gone before it was reported",
+                                written[i]
+                            );
+                            persist_failed(&mut updates[i]);
+                            written[i] = None;
                         }
                     }
                 }

@@ -31,9 +31,9 @@
 //! every put. A crash before the record leaves free space behind, never an
 //! index entry pointing at missing bytes; the storage node flushes before it
 //! tells the master an object is on NVMe, so what the master lists survives
-//! a crash. Records are one sector
-//! each, so a torn write of a table block leaves every record either old or
-//! new; a record that fails its checksum is dropped at recovery. Values are
+//! a crash. Records are one sector each, so a torn write of a table block
+//! leaves every record either old or new; a record that fails its checksum
+//! is dropped at recovery. Values are
 //! checked against their checksum on every read: a torn or corrupt value is
 //! `Corrupt`, never returned as data.
 //!
