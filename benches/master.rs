@@ -139,6 +139,7 @@ fn bench_state_machine(n: usize) {
             Q::PutEnd {
                 client_id: 2,
                 key: k.clone(),
+                checksum: None,
             },
             1,
         )
@@ -178,6 +179,7 @@ fn bench_actor(shards: usize, n: usize, rt: &tokio::runtime::Runtime) {
             None,
             Master,
             MasterArgs {
+                key: None,
                 shards: pool.handle(),
                 config: master_cfg(),
                 metrics: MetricsRegistry::new(),
@@ -236,6 +238,7 @@ async fn actor_put(m: ActorRef<MasterMsg>, prefix: &'static str, batch: usize, t
         call!(m, |reply| MasterMsg::PutEnd {
             client_id: 2,
             key: k,
+            checksum: None,
             reply
         })
         .expect("call")
@@ -259,7 +262,7 @@ async fn actor_put(m: ActorRef<MasterMsg>, prefix: &'static str, batch: usize, t
         .expect("batch_put_start");
         call!(m, |reply| MasterMsg::BatchPutEnd {
             client_id: 2,
-            keys,
+            items: done(keys),
             reply
         })
         .expect("call")
@@ -361,6 +364,7 @@ async fn tcp_put(c: Client, prefix: &'static str, batch: usize, t: usize, i: usi
         c.call(Q::PutEnd {
             client_id: c.id(),
             key: k,
+            checksum: None,
         })
         .await
         .expect("put_end");
@@ -382,7 +386,7 @@ async fn tcp_put(c: Client, prefix: &'static str, batch: usize, t: usize, i: usi
         .expect("batch_put_start");
         c.call(Q::BatchPutEnd {
             client_id: c.id(),
-            keys,
+            items: done(keys),
         })
         .await
         .expect("batch_put_end");
@@ -472,7 +476,7 @@ fn bench_rss(marks: &[usize], rt: &tokio::runtime::Runtime) {
                         let r = c
                             .call(Q::BatchPutEnd {
                                 client_id: c.id(),
-                                keys,
+                                items: done(keys),
                             })
                             .await
                             .expect("batch_put_end");
@@ -533,4 +537,15 @@ fn main() {
         };
         bench_rss(&marks, &rt);
     }
+}
+
+/// Keys as a `BatchPutEnd`'s items (no checksums: the bench measures the
+/// master's metadata path alone).
+fn done(keys: Vec<Vec<u8>>) -> Vec<kvpool_transport::proto::PutDone> {
+    keys.into_iter()
+        .map(|key| kvpool_transport::proto::PutDone {
+            key,
+            checksum: None,
+        })
+        .collect()
 }

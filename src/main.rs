@@ -159,9 +159,27 @@ fn load_config(path: Option<&PathBuf>) -> Result<NodeConfig, String> {
     }
 }
 
+/// A panic anywhere (a shard, an actor, the HTTP server) ends the process
+/// with the reason logged: a supervisor restarts it whole, instead of a
+/// process that still answers `/healthz` with a dead shard inside.
+fn die_on_panic() {
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default_hook(info);
+        let thread = std::thread::current();
+        tracing::error!(
+            thread = thread.name().unwrap_or("?"),
+            "panic: {info}; the process exits so that it can be restarted whole"
+        );
+        eprintln!("kvpool: a thread panicked; aborting the process");
+        std::process::abort();
+    }));
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     kvpool_runtime::telemetry::init();
+    die_on_panic();
     let mut cfg = match load_config(cli.config.as_ref()) {
         Ok(c) => c,
         Err(e) => {
@@ -169,6 +187,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    cfg.apply_env();
+    if let Err(e) = cfg.validate() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     match cli.cmd {
         Cmd::Sim(cmd) => match kvpool_actors::conductor::cli::run_sim_command(&cmd) {
             Ok(()) => ExitCode::SUCCESS,
@@ -272,8 +295,8 @@ impl From<KvError> for CliError {
 }
 
 async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode, CliError> {
-    let cfg_client = cfg.client.clone();
-    let mut ccfg = cfg.client;
+    let cfg_client = cfg.client_config();
+    let mut ccfg = cfg.client_config();
     // One command is over in well under client_ttl: no liveness pings.
     ccfg.ping_interval_ms = 0;
     let client = Client::connect(master, ccfg).await?;

@@ -168,13 +168,14 @@ fn a_stalled_frame_is_dropped_after_the_io_deadline() {
     let mut args = common::ephemeral(&["--segment-size", "64MiB"]);
     args.splice(0..0, ["--config", cfg.as_str()]);
     let node = common::start("all", &args);
-    // Half a frame, then silence (no close): the master must not wait forever.
+    // Half a frame, then silence (no close): the master must not wait
+    // forever; it says why and closes.
     let mut f = header(FrameKind::MasterRequest, 100);
     f.extend_from_slice(&[0u8; 10]);
     let started = Instant::now();
     assert_eq!(
         poke(&node.addr, &f, false, Duration::from_secs(5)),
-        Outcome::Closed
+        Outcome::Error(ErrorCode::Timeout)
     );
     assert!(started.elapsed() < Duration::from_secs(3));
     let _ = std::fs::remove_dir_all(&dir);

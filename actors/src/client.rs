@@ -30,12 +30,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpool_runtime::hash::{vshard_of, ShardMap};
+use kvpool_transport::auth::{self, ClusterKey};
 use kvpool_transport::engine::{EngineConfig, Transfer, TransferEngine};
 use kvpool_transport::frame::{self, FrameKind};
 use kvpool_transport::pool::{ConnPool, Stream};
 use kvpool_transport::proto::{
-    ClientId, ClusterMap, Endpoint, MasterRequest, MasterResponse, ObjectInfo, PoolStat, PutItem,
-    PutOptions, ReplicaDesc, SegmentId, SegmentSpec,
+    ClientId, ClusterMap, Endpoint, MasterRequest, MasterResponse, ObjectInfo, PoolStat, PutDone,
+    PutItem, PutOptions, ReplicaDesc, SegmentId, SegmentSpec,
 };
 use kvpool_transport::shm::ShmMap;
 use kvpool_transport::{ErrorCode, KvError};
@@ -52,6 +53,8 @@ struct Inner {
     engine: TransferEngine,
     req_ids: AtomicU64,
     host_id: String,
+    /// The cluster secret: master connections authenticate with it.
+    key: Option<ClusterKey>,
 }
 
 /// A connection to a kvpool pool. Cheap to clone; share one per process.
@@ -151,6 +154,8 @@ impl std::fmt::Debug for ReadView {
 /// How long before the lease's end a view stops handing out bytes (clock
 /// skew between this process and the master, and time to use the slice).
 const VIEW_MARGIN: Duration = Duration::from_millis(500);
+/// Times one put may be placed again after its node proved unreachable.
+const MAX_PLACEMENTS: u32 = 3;
 
 impl Client {
     /// Connects to the master at `master` (`host:port` of its shard 0) and
@@ -170,9 +175,22 @@ impl Client {
         let timeout = Duration::from_millis(cfg.timeout_ms);
         let connect_timeout = Duration::from_millis(cfg.connect_timeout_ms);
         let max_frame = cfg.max_frame_bytes.get() as u32;
+        let key = if cfg.secret.is_empty() {
+            None
+        } else {
+            Some(
+                ClusterKey::new(cfg.secret.expose().as_bytes())
+                    .map_err(|e| KvError::new(ErrorCode::InvalidParams, e))?,
+            )
+        };
         let boot = ConnPool::new(master.to_string(), 1);
         let (cluster, boot_conn) = tokio::time::timeout(timeout, async {
             let mut conn = boot.get(connect_timeout).await?;
+            if let Some(k) = &key {
+                authenticate(conn.stream(), k, id, 2, max_frame)
+                    .await
+                    .map_err(|e| KvError::new(e.code, format!("{master}: {}", e.message)))?;
+            }
             let resp = rpc(
                 conn.stream(),
                 1,
@@ -231,6 +249,7 @@ impl Client {
             connect_timeout,
             max_frame_bytes: max_frame,
             host_id: host_id.clone(),
+            verify_checksums: cfg.checksums,
         });
         let rdma_required = cfg.transport == crate::config::Transport::Rdma;
         if rdma_required || matches!(cfg.transport, crate::config::Transport::Auto) {
@@ -253,6 +272,7 @@ impl Client {
                 engine,
                 req_ids: AtomicU64::new(1),
                 host_id,
+                key,
             }),
         };
         if ping_ms > 0 {
@@ -347,18 +367,55 @@ impl Client {
         shard: usize,
         req: &MasterRequest,
     ) -> Result<MasterResponse, KvError> {
+        match self.master_once(shard, req).await {
+            // A pooled connection the master closed while it sat idle (the
+            // master restarted, or timed it out): once more on a new one,
+            // for requests that may safely be sent twice.
+            Err((e, true))
+                if req.is_idempotent()
+                    && matches!(e.code, ErrorCode::Unavailable | ErrorCode::Timeout) =>
+            {
+                tracing::debug!("a pooled master connection was stale ({e}); retrying");
+                self.master_once(shard, req).await.map_err(|(e, _)| e)
+            }
+            r => r.map_err(|(e, _)| e),
+        }
+    }
+
+    /// One try; the error says whether it broke a reused connection.
+    async fn master_once(
+        &self,
+        shard: usize,
+        req: &MasterRequest,
+    ) -> Result<MasterResponse, (KvError, bool)> {
         let pool = &self.inner.master_pools[shard];
         let mut conn = pool
             .get(Duration::from_millis(self.inner.cfg.connect_timeout_ms))
-            .await?;
+            .await
+            .map_err(|e| (e, false))?;
+        let reused = !conn.is_new();
+        if !reused {
+            if let Some(k) = &self.inner.key {
+                let id = self.inner.req_ids.fetch_add(2, Ordering::Relaxed);
+                authenticate(conn.stream(), k, self.inner.id, id, self.max_frame())
+                    .await
+                    .map_err(|e| {
+                        let e = KvError::new(e.code, format!("{}: {}", pool.addr(), e.message));
+                        (e, false)
+                    })?;
+            }
+        }
         let id = self.inner.req_ids.fetch_add(1, Ordering::Relaxed);
         // A transport failure drops the connection; an answer (even an
         // error) leaves it usable.
         let answer = rpc(conn.stream(), id, req, self.max_frame())
             .await
-            .map_err(|e| KvError::new(e.code, format!("{}: {}", pool.addr(), e.message)))?;
+            .map_err(|e| {
+                let e = KvError::new(e.code, format!("{}: {}", pool.addr(), e.message));
+                (e, reused)
+            })?;
         conn.release();
-        answer
+        answer.map_err(|e| (e, false))
     }
 
     /// A raw master call, routed as the client routes its own: a key request
@@ -406,7 +463,10 @@ impl Client {
         self.put(key, src).await
     }
 
-    /// Stores `value` under `key` with `opts` (replicas, pins).
+    /// Stores `value` under `key` with `opts` (replicas, pins). Within the
+    /// call's deadline, a put that meets space still being freed (demotions
+    /// to NVMe) waits for it, and one whose node turns out unreachable is
+    /// reported to the master and placed again elsewhere.
     pub async fn put_with(
         &self,
         key: &[u8],
@@ -414,8 +474,36 @@ impl Client {
         opts: &PutOptions,
     ) -> Result<(), KvError> {
         let deadline = self.call_deadline();
+        let sum = self
+            .inner
+            .cfg
+            .checksums
+            .then(|| xxhash_rust::xxh3::xxh3_64(value));
         let res = self
-            .deadline("put", self.put_inner(key, value, opts, deadline))
+            .deadline("put", async {
+                let mut backoff = Duration::from_millis(1);
+                let mut placements = 0;
+                loop {
+                    match self.put_inner(key, value, sum, opts, deadline).await {
+                        Err(e) if e.code == ErrorCode::TryAgain => {
+                            // Space is on its way out: wait for it, bounded
+                            // by the call's deadline (then it is a Timeout).
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(Duration::from_millis(50));
+                        }
+                        Err(e) if placements < MAX_PLACEMENTS => {
+                            // A node that could not be reached: the master
+                            // hears of it and places the put elsewhere.
+                            if self.report_unreachable().await == 0 {
+                                return Err(e);
+                            }
+                            placements += 1;
+                            tracing::debug!("a put is placed again: {e}");
+                        }
+                        other => return other,
+                    }
+                }
+            })
             .await;
         if let Err(e) = &res {
             if e.code == ErrorCode::Timeout {
@@ -447,10 +535,45 @@ impl Client {
         opts
     }
 
+    /// Tells the master about the segments the engine could not reach (it
+    /// stops placing there until their node pings); how many there were.
+    async fn report_unreachable(&self) -> usize {
+        let segs = self.inner.engine.take_unreachable();
+        for &segment_id in &segs {
+            let r = self
+                .master(&MasterRequest::ReportUnreachable {
+                    client_id: self.inner.id,
+                    segment_id,
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::debug!("could not report segment {segment_id:016x} unreachable: {e}");
+            }
+        }
+        segs.len()
+    }
+
+    /// Reports unreachable segments in the background (after a read that
+    /// failed over: other clients' puts should not go there).
+    fn report_unreachable_later(&self) {
+        if self.inner.engine.has_unreachable() {
+            let me = self.clone();
+            tokio::spawn(async move {
+                let _ = me
+                    .deadline("report_unreachable", async {
+                        me.report_unreachable().await;
+                        Ok(())
+                    })
+                    .await;
+            });
+        }
+    }
+
     async fn put_inner(
         &self,
         key: &[u8],
         value: &[u8],
+        checksum: Option<u64>,
         opts: &PutOptions,
         deadline: Instant,
     ) -> Result<(), KvError> {
@@ -471,6 +594,7 @@ impl Client {
                 self.master(&MasterRequest::PutEnd {
                     client_id: self.inner.id,
                     key: key.to_vec(),
+                    checksum,
                 })
                 .await?;
                 Ok(())
@@ -490,35 +614,41 @@ impl Client {
     /// Reads the value under `key`.
     pub async fn get(&self, key: &[u8]) -> Result<Vec<u8>, KvError> {
         let deadline = self.call_deadline();
-        self.deadline("get", async {
-            let replicas = self.replicas(key).await?;
-            let mut buf = vec![0u8; replicas[0].len as usize];
-            self.inner
-                .engine
-                .read(&replicas, &mut buf, deadline)
-                .await?;
-            Ok(buf)
-        })
-        .await
+        let r = self
+            .deadline("get", async {
+                let replicas = self.replicas(key).await?;
+                let mut buf = vec![0u8; replicas[0].len as usize];
+                self.inner
+                    .engine
+                    .read(&replicas, &mut buf, deadline)
+                    .await?;
+                Ok(buf)
+            })
+            .await;
+        self.report_unreachable_later();
+        r
     }
 
     /// Reads the value under `key` straight into `buf`; returns its length.
     /// A value longer than `buf` is `InvalidParams` (nothing is read).
     pub async fn get_into(&self, key: &[u8], buf: &mut [u8]) -> Result<usize, KvError> {
         let deadline = self.call_deadline();
-        self.deadline("get", async {
-            let replicas = self.replicas(key).await?;
-            let len = replicas[0].len as usize;
-            if len > buf.len() {
-                return Err(too_small(len, buf.len()));
-            }
-            self.inner
-                .engine
-                .read(&replicas, &mut buf[..len], deadline)
-                .await?;
-            Ok(len)
-        })
-        .await
+        let r = self
+            .deadline("get", async {
+                let replicas = self.replicas(key).await?;
+                let len = replicas[0].len as usize;
+                if len > buf.len() {
+                    return Err(too_small(len, buf.len()));
+                }
+                self.inner
+                    .engine
+                    .read(&replicas, &mut buf[..len], deadline)
+                    .await?;
+                Ok(len)
+            })
+            .await;
+        self.report_unreachable_later();
+        r
     }
 
     /// A view of the value under `key` in place, in the memory of a storage
@@ -622,14 +752,61 @@ impl Client {
 
     /// Stores several values; one result per item, in order. Keys are
     /// grouped by owning master shard (one call per shard); all values move
-    /// in one engine batch (sent straight from the given slices).
+    /// in one engine batch (sent straight from the given slices). Items
+    /// that meet space still being freed wait for it within the deadline.
     pub async fn batch_put(
         &self,
         items: &[(&[u8], &[u8])],
         opts: &PutOptions,
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
         let deadline = self.call_deadline();
+        let sums: Vec<Option<u64>> = items
+            .iter()
+            .map(|(_, v)| {
+                self.inner
+                    .cfg
+                    .checksums
+                    .then(|| xxhash_rust::xxh3::xxh3_64(v))
+            })
+            .collect();
         self.deadline("batch_put", async {
+            let mut out: Vec<Option<Result<(), KvError>>> = vec![None; items.len()];
+            let mut todo: Vec<usize> = (0..items.len()).collect();
+            let mut backoff = Duration::from_millis(1);
+            loop {
+                let sub: Vec<(&[u8], &[u8])> = todo.iter().map(|&i| items[i]).collect();
+                let sub_sums: Vec<Option<u64>> = todo.iter().map(|&i| sums[i]).collect();
+                let res = self.batch_put_once(&sub, &sub_sums, opts, deadline).await?;
+                let mut again = Vec::new();
+                for (&i, r) in todo.iter().zip(res) {
+                    match r {
+                        Err(e) if e.code == ErrorCode::TryAgain => again.push(i),
+                        r => out[i] = Some(r),
+                    }
+                }
+                if again.is_empty() {
+                    break;
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(50));
+                todo = again;
+            }
+            Ok(out
+                .into_iter()
+                .map(|o| o.expect("every item has its result"))
+                .collect())
+        })
+        .await
+    }
+
+    async fn batch_put_once(
+        &self,
+        items: &[(&[u8], &[u8])],
+        sums: &[Option<u64>],
+        opts: &PutOptions,
+        deadline: Instant,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        {
             let req = MasterRequest::BatchPutStart {
                 client_id: self.inner.id,
                 items: items
@@ -677,7 +854,15 @@ impl Client {
                     .map(|(_, (k, _))| k.to_vec())
                     .collect()
             };
-            let ok_keys = keys_where(|w| w.is_ok());
+            let ok_items: Vec<PutDone> = written
+                .iter()
+                .zip(items.iter().zip(sums))
+                .filter(|(w, _)| w.is_ok())
+                .map(|(_, ((k, _), sum))| PutDone {
+                    key: k.to_vec(),
+                    checksum: *sum,
+                })
+                .collect();
             let failed_keys = keys_where(|w| matches!(w, Err((_, true))));
             if !failed_keys.is_empty() {
                 let _ = self
@@ -687,13 +872,13 @@ impl Client {
                     })
                     .await;
             }
-            let mut ended = if ok_keys.is_empty() {
+            let mut ended = if ok_items.is_empty() {
                 Vec::new().into_iter()
             } else {
                 match self
                     .master_batch(MasterRequest::BatchPutEnd {
                         client_id: self.inner.id,
-                        keys: ok_keys,
+                        items: ok_items,
                     })
                     .await?
                 {
@@ -710,8 +895,7 @@ impl Client {
                     Err((e, _)) => Err(e),
                 })
                 .collect())
-        })
-        .await
+        }
     }
 
     /// Zero-copy form of [`Client::batch_put`].
@@ -893,14 +1077,22 @@ impl Client {
 
     /// Tells the master this client is alive.
     pub async fn ping(&self) -> Result<(), KvError> {
+        self.ping_segments(&[]).await.map(|_| ())
+    }
+
+    /// Tells the master this client (a storage node) is alive and owns
+    /// `segments`; returns those the master does not know (it restarted,
+    /// or declared the node dead): the node mounts them again.
+    pub async fn ping_segments(&self, segments: &[SegmentId]) -> Result<Vec<SegmentId>, KvError> {
         self.deadline("ping", async {
             match self
                 .master(&MasterRequest::Ping {
                     client_id: self.inner.id,
+                    segments: segments.to_vec(),
                 })
                 .await?
             {
-                MasterResponse::Pong => Ok(()),
+                MasterResponse::Pong { unknown } => Ok(unknown),
                 other => Err(unexpected("ping", &other)),
             }
         })
@@ -924,11 +1116,14 @@ impl Client {
         .await
     }
 
-    /// Unmounts a segment (idempotent).
+    /// Unmounts a segment this client mounted (idempotent).
     pub async fn unmount_segment(&self, segment_id: SegmentId) -> Result<(), KvError> {
         self.deadline("unmount_segment", async {
             match self
-                .master(&MasterRequest::UnmountSegment { segment_id })
+                .master(&MasterRequest::UnmountSegment {
+                    client_id: self.inner.id,
+                    segment_id,
+                })
                 .await?
             {
                 MasterResponse::Done => Ok(()),
@@ -946,19 +1141,9 @@ fn too_small(len: usize, have: usize) -> KvError {
     )
 }
 
-fn check_id(got: u64, want: u64) -> Result<(), KvError> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(KvError::new(
-            ErrorCode::Malformed,
-            format!("answer to request {got} arrived for request {want}"),
-        ))
-    }
-}
-
-/// One request and its answer. Outer error: the connection failed; inner:
-/// the master's answer.
+/// One request and its answer. Outer error: the connection failed (or the
+/// master refused the connection itself, e.g. at its connection cap, with
+/// that error's code); inner: the master's answer.
 async fn rpc(
     s: &mut Stream,
     id: u64,
@@ -968,8 +1153,53 @@ async fn rpc(
     frame::write_all(s, &frame::encode(FrameKind::MasterRequest, id, req)).await?;
     let (rid, answer) =
         frame::read_reply::<MasterResponse, _>(s, FrameKind::MasterResponse, max_frame).await?;
-    check_id(rid, id)?;
-    Ok(answer)
+    kvpool_transport::engine::check_answer(rid, id, answer)
+}
+
+/// Proves to the master that this connection holds the cluster secret, and
+/// checks the master's proof in turn (a master without the secret is not
+/// trusted with this client's requests). Uses request ids `id` and `id + 1`.
+async fn authenticate(
+    s: &mut Stream,
+    key: &ClusterKey,
+    client_id: ClientId,
+    id: u64,
+    max_frame: u32,
+) -> Result<(), KvError> {
+    let nc = auth::nonce();
+    let begin = MasterRequest::AuthBegin {
+        client_id,
+        nonce: nc,
+    };
+    let ns = match rpc(s, id, &begin, max_frame).await? {
+        Ok(MasterResponse::AuthChallenge { nonce }) => nonce,
+        Ok(other) => return Err(unexpected("auth_begin", &other)),
+        Err(e) if e.code == ErrorCode::Unsupported => {
+            return Err(KvError::new(
+                ErrorCode::Unauthenticated,
+                format!(
+                    "this client has a cluster secret but the master has none ({}); \
+                     refusing to trust it",
+                    e.message
+                ),
+            ))
+        }
+        Err(e) => return Err(e),
+    };
+    let prove = MasterRequest::AuthProve {
+        proof: key.client_proof(client_id, &nc, &ns),
+    };
+    match rpc(s, id + 1, &prove, max_frame).await?? {
+        MasterResponse::AuthOk { proof } => key
+            .verify_server_proof(client_id, &nc, &ns, &proof)
+            .map_err(|_| {
+                KvError::new(
+                    ErrorCode::Unauthenticated,
+                    "the master could not prove it holds the cluster secret",
+                )
+            }),
+        other => Err(unexpected("auth_prove", &other)),
+    }
 }
 
 /// This machine's name, for same-host decisions.

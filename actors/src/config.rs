@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use kvpool_runtime::config::Bytes;
 use kvpool_runtime::ShardPoolConfig;
+use kvpool_transport::auth::ClusterKey;
 use serde::{Deserialize, Serialize};
 
 /// The whole config file.
@@ -16,9 +17,55 @@ pub struct NodeConfig {
     pub master: MasterConfig,
     pub storage: StorageConfig,
     pub client: ClientConfig,
+    pub security: SecurityConfig,
 }
 
+/// The environment variable that holds the cluster secret (it overrides
+/// `[security] secret`).
+pub const SECRET_ENV: &str = "KVPOOL_SECRET";
+
 impl NodeConfig {
+    /// Takes the cluster secret from `KVPOOL_SECRET` when it is set (and not
+    /// empty): a secret is better kept out of config files.
+    pub fn apply_env(&mut self) {
+        if let Ok(v) = std::env::var(SECRET_ENV) {
+            if !v.is_empty() {
+                self.security.secret = v;
+            }
+        }
+    }
+
+    /// The cluster key, when a secret is configured.
+    pub fn cluster_key(&self) -> Result<Option<ClusterKey>, String> {
+        self.security.key()
+    }
+
+    /// The `[client]` settings with the cluster secret filled in: what this
+    /// process's pool clients (the CLI, a storage node's own) use.
+    pub fn client_config(&self) -> ClientConfig {
+        let mut c = self.client.clone();
+        c.secret = Secret::new(self.security.secret.clone());
+        c
+    }
+
+    /// The addresses this process would listen on beyond loopback for
+    /// `has_master` / `has_storage` roles (to warn about an open cluster).
+    pub fn wide_listens(&self, has_master: bool, has_storage: bool) -> Vec<String> {
+        let mut v = Vec::new();
+        if has_master {
+            v.push(self.master.listen.clone());
+            v.push(self.master.http.clone());
+        }
+        if has_storage {
+            v.push(self.storage.listen.clone());
+            if !has_master {
+                v.push(self.storage.http.clone());
+            }
+        }
+        v.retain(|a| !is_loopback(a));
+        v
+    }
+
     pub fn from_toml(text: &str, origin: &str) -> Result<Self, kvpool_runtime::RuntimeError> {
         let cfg: Self = kvpool_runtime::config::from_toml_str(text, origin)?;
         cfg.validate()
@@ -92,6 +139,50 @@ impl NodeConfig {
                         .into(),
                 );
             }
+        }
+        for (k, v) in [
+            (
+                "master.first_frame_timeout_ms",
+                self.master.first_frame_timeout_ms,
+            ),
+            (
+                "storage.first_frame_timeout_ms",
+                self.storage.first_frame_timeout_ms,
+            ),
+            (
+                "master.max_frame_memory",
+                self.master.max_frame_memory.get(),
+            ),
+            (
+                "storage.max_frame_memory",
+                self.storage.max_frame_memory.get(),
+            ),
+        ] {
+            nonzero(k, v)?;
+        }
+        for (k, mem, frame) in [
+            (
+                "master.max_frame_memory",
+                self.master.max_frame_memory,
+                self.master.max_frame_bytes,
+            ),
+            (
+                "storage.max_frame_memory",
+                self.storage.max_frame_memory,
+                self.storage.max_frame_bytes,
+            ),
+        ] {
+            if mem.get() < frame.get() {
+                return Err(format!(
+                    "key `{k}`: {} is less than one frame of max_frame_bytes ({})",
+                    mem.get(),
+                    frame.get()
+                ));
+            }
+        }
+        self.security.key()?;
+        if self.security.clock_skew_ms > 600_000 {
+            return Err("key `security.clock_skew_ms`: at most 600000 (10 minutes)".into());
         }
         nonzero("client.timeout_ms", self.client.timeout_ms)?;
         nonzero("client.connect_timeout_ms", self.client.connect_timeout_ms)?;
@@ -187,6 +278,11 @@ pub struct MasterConfig {
     pub idle_timeout_ms: u64,
     /// Deadline of one frame's read or write once it has started.
     pub io_timeout_ms: u64,
+    /// A new connection must send a whole frame (and, with a cluster
+    /// secret, authenticate) within this long, or it is closed.
+    pub first_frame_timeout_ms: u64,
+    /// Memory for control frames being read, over all connections.
+    pub max_frame_memory: Bytes,
     /// Longest key.
     pub max_key_bytes: usize,
     /// Largest value.
@@ -241,6 +337,8 @@ impl Default for MasterConfig {
             inbox_depth: 4096,
             idle_timeout_ms: 600_000,
             io_timeout_ms: 10_000,
+            first_frame_timeout_ms: 5_000,
+            max_frame_memory: Bytes::mib(256),
             max_key_bytes: 4096,
             max_value_bytes: Bytes::gib(1),
             max_keys: 100_000_000,
@@ -283,8 +381,12 @@ pub struct StorageConfig {
     pub max_connections: usize,
     /// Close a data connection idle this long.
     pub idle_timeout_ms: u64,
-    /// Deadline of one read or write once it has started (no progress -> error).
+    /// Deadline of one request's frame, payload and answer once started.
     pub io_timeout_ms: u64,
+    /// A new connection must send a whole frame within this long.
+    pub first_frame_timeout_ms: u64,
+    /// Memory for control frames being read, over all connections.
+    pub max_frame_memory: Bytes,
     /// Largest control frame accepted.
     pub max_frame_bytes: Bytes,
     /// Hand the segment to same-host clients (memfd over a unix socket).
@@ -457,6 +559,8 @@ impl Default for StorageConfig {
             max_connections: 4096,
             idle_timeout_ms: 600_000,
             io_timeout_ms: 10_000,
+            first_frame_timeout_ms: 5_000,
+            max_frame_memory: Bytes::mib(64),
             max_frame_bytes: Bytes::kib(64),
             shm: true,
             nvme: NvmeTierConfig::default(),
@@ -493,8 +597,40 @@ pub struct ClientConfig {
     pub lanes: usize,
     /// Slices in flight over the whole client; more wait.
     pub max_in_flight: usize,
+    /// Compute a checksum of every value put and check it on every get
+    /// (a mismatch is `Corrupt` and the next replica is tried). Off only
+    /// for those who trust their memory, NICs and disks.
+    pub checksums: bool,
     /// `[client.rdma]`: the client's RDMA devices.
     pub rdma: RdmaSettings,
+    /// The cluster secret; not a key of `[client]`: a process takes it from
+    /// `[security] secret` or `KVPOOL_SECRET`, an embedder sets it here.
+    #[serde(skip)]
+    pub secret: Secret,
+}
+
+/// A secret string whose `Debug` does not show it.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_empty() { "\"\"" } else { "<set>" })
+    }
 }
 
 /// The client's data path.
@@ -532,14 +668,100 @@ impl Default for ClientConfig {
             tcp_slice_bytes: Bytes::mib(2),
             lanes: 4,
             max_in_flight: 64,
+            checksums: true,
             rdma: RdmaSettings::default(),
+            secret: Secret::default(),
         }
+    }
+}
+
+/// `[security]`: who may do what.
+#[derive(Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SecurityConfig {
+    /// The cluster secret (at least 16 bytes); "" = an open cluster, for
+    /// loopback. `KVPOOL_SECRET` overrides it.
+    pub secret: String,
+    /// How long after its expiry a storage node still accepts a grant: the
+    /// master's clock may be this far ahead of the node's.
+    pub clock_skew_ms: u64,
+}
+
+impl std::fmt::Debug for SecurityConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecurityConfig")
+            .field("secret", &if self.secret.is_empty() { "" } else { "<set>" })
+            .field("clock_skew_ms", &self.clock_skew_ms)
+            .finish()
+    }
+}
+
+impl Default for SecurityConfig {
+    fn default() -> Self {
+        Self {
+            secret: String::new(),
+            clock_skew_ms: 5_000,
+        }
+    }
+}
+
+impl SecurityConfig {
+    /// The keyed secret, or `None` for an open cluster; a secret that is too
+    /// short is an error naming the key.
+    pub fn key(&self) -> Result<Option<ClusterKey>, String> {
+        if self.secret.is_empty() {
+            return Ok(None);
+        }
+        ClusterKey::new(self.secret.as_bytes())
+            .map(Some)
+            .map_err(|e| format!("key `security.secret` (or {SECRET_ENV}): {e}"))
+    }
+}
+
+/// Whether `addr` (`host:port`) is a loopback address.
+pub fn is_loopback(addr: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    let host = addr.rsplit_once(':').map(|(h, _)| h).unwrap_or(addr);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host == "localhost" {
+        return true;
+    }
+    match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => addr
+            .to_socket_addrs()
+            .map(|mut a| a.all(|s| s.ip().is_loopback()))
+            .unwrap_or(false),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loopback_addresses_are_told_from_wider_ones() {
+        assert!(is_loopback("127.0.0.1:7070"));
+        assert!(is_loopback("[::1]:7070"));
+        assert!(is_loopback("localhost:7070"));
+        assert!(!is_loopback("0.0.0.0:7070"));
+        assert!(!is_loopback("[::]:7070"));
+        assert!(!is_loopback("10.1.2.3:7070"));
+    }
+
+    #[test]
+    fn a_short_secret_is_an_error_naming_the_key() {
+        let e = NodeConfig::from_toml("[security]\nsecret = \"short\"\n", "t").unwrap_err();
+        assert!(e.to_string().contains("security.secret"), "{e}");
+        let c = NodeConfig::from_toml("[security]\nsecret = \"0123456789abcdef\"\n", "t").unwrap();
+        assert!(c.cluster_key().unwrap().is_some());
+        assert_eq!(c.client_config().secret.expose(), "0123456789abcdef");
+        assert!(!format!("{:?}", c.client_config()).contains("0123456789abcdef"));
+        assert!(
+            !format!("{c:?}").contains("0123456789abcdef"),
+            "Debug hides the secret"
+        );
+    }
 
     #[test]
     fn empty_file_gives_the_defaults() {

@@ -1,10 +1,12 @@
-//! The HTTP side of every role: `GET /healthz`, `GET /metrics` (Prometheus
-//! text), and the master's admin routes.
+//! The HTTP side of every role: `GET /healthz` (answered only when every
+//! shard answers), `GET /metrics` (Prometheus text), and the master's admin
+//! routes. With a cluster secret, routes that change state need
+//! `Authorization: Bearer <secret>`.
 
 use std::net::SocketAddr;
 
 use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -21,6 +23,51 @@ use crate::NodeError;
 pub struct HttpState {
     pub metrics: MetricsRegistry,
     pub master: Option<MasterHandle>,
+    /// The process's shards: `/healthz` asks each of them.
+    pub shards: kvpool_runtime::ShardHandle,
+    /// The cluster secret ("" = open): writing admin routes need it.
+    pub secret: String,
+}
+
+/// How long `/healthz` waits for each shard.
+const HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Refusals of the admin routes, logged at most once a second.
+static ADMIN_REFUSALS: std::sync::Mutex<(Option<std::time::Instant>, u64)> =
+    std::sync::Mutex::new((None, 0));
+
+/// With a secret: the request must carry `Authorization: Bearer <secret>`.
+fn authorize(st: &HttpState, headers: &HeaderMap, route: &str) -> Result<(), KvError> {
+    if st.secret.is_empty() {
+        return Ok(());
+    }
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if kvpool_transport::auth::constant_time_eq(given.as_bytes(), st.secret.as_bytes()) {
+        return Ok(());
+    }
+    {
+        let mut r = ADMIN_REFUSALS.lock().unwrap_or_else(|p| p.into_inner());
+        r.1 += 1;
+        let now = std::time::Instant::now();
+        if r.0
+            .is_none_or(|t| now.duration_since(t) >= std::time::Duration::from_secs(1))
+        {
+            tracing::warn!(
+                route,
+                refused = r.1,
+                "admin HTTP: refused a request without the cluster secret"
+            );
+            *r = (Some(now), 0);
+        }
+    }
+    Err(KvError::new(
+        ErrorCode::Unauthenticated,
+        "this route needs the cluster secret: Authorization: Bearer <secret>",
+    ))
 }
 
 /// Binds `addr` and serves until `shutdown`; returns the bound address.
@@ -51,8 +98,43 @@ pub async fn serve(
     Ok(bound)
 }
 
-async fn healthz() -> &'static str {
-    "ok\n"
+/// `ok` only when every shard (and, with a master, every master shard's
+/// inbox) answers within a deadline; 503 naming the one that did not.
+async fn healthz(State(st): State<HttpState>) -> Response {
+    for i in 0..st.shards.nr_shards() {
+        let probe = st.shards.run_on(i, |_| async {});
+        match tokio::time::timeout(HEALTH_TIMEOUT, probe).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return unhealthy(format!("shard {i}: {e}")),
+            Err(_) => {
+                return unhealthy(format!(
+                    "shard {i} did not answer within {HEALTH_TIMEOUT:?}"
+                ))
+            }
+        }
+    }
+    if let Some(m) = &st.master {
+        if let Err(e) = tokio::time::timeout(HEALTH_TIMEOUT, m.probe())
+            .await
+            .unwrap_or_else(|_| {
+                Err(format!(
+                    "the master did not answer within {HEALTH_TIMEOUT:?}"
+                ))
+            })
+        {
+            return unhealthy(e);
+        }
+    }
+    (StatusCode::OK, "ok\n").into_response()
+}
+
+fn unhealthy(why: String) -> Response {
+    tracing::warn!("healthz: {why}");
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("unhealthy: {why}\n"),
+    )
+        .into_response()
 }
 
 async fn metrics(State(st): State<HttpState>) -> Response {
@@ -83,6 +165,7 @@ fn error_response(e: &KvError) -> Response {
         ErrorCode::ObjectNotFound | ErrorCode::SegmentNotFound => StatusCode::NOT_FOUND,
         ErrorCode::InvalidParams => StatusCode::BAD_REQUEST,
         ErrorCode::Timeout => StatusCode::GATEWAY_TIMEOUT,
+        ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
         ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
@@ -173,7 +256,10 @@ async fn segments(State(st): State<HttpState>) -> Response {
 }
 
 /// `POST /api/v1/remove_all`: removes every object without a live lease.
-async fn remove_all(State(st): State<HttpState>) -> Response {
+async fn remove_all(State(st): State<HttpState>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&st, &headers, "/api/v1/remove_all") {
+        return error_response(&e);
+    }
     match admin_call(&st, MasterRequest::RemoveAll).await {
         Ok(MasterResponse::Removed(n)) => Json(json!({ "removed": n })).into_response(),
         Ok(other) => error_response(&KvError::new(

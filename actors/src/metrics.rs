@@ -41,6 +41,8 @@ pub struct MasterMetrics {
     pub demotions: Gauge,
     pub promotions: Gauge,
     pub stale_puts: Counter,
+    /// Requests refused for want of the cluster secret.
+    pub auth_refusals: Counter,
 }
 
 impl MasterMetrics {
@@ -57,7 +59,13 @@ impl MasterMetrics {
             demotions: Gauge::default(),
             promotions: Gauge::default(),
             stale_puts: Counter::default(),
+            auth_refusals: Counter::default(),
         };
+        reg.register(
+            "master_auth_refusals",
+            "Requests or connections refused for want of the cluster secret",
+            m.auth_refusals.clone(),
+        );
         reg.register(
             "master_calls",
             "Master calls by operation and result (ok or error)",
@@ -136,6 +144,11 @@ pub struct StorageMetrics {
     pub nvme_write_seconds: Histogram,
     /// Live RDMA peer connections (queue-pair sets) to this node's segment.
     pub rdma_connections: Gauge,
+    /// Data-plane requests refused: no valid grant from the master.
+    pub auth_refusals: Counter,
+    /// Copies (demotion, write-through, promotion) refused because the
+    /// bytes did not match the object's checksum.
+    pub checksum_mismatches: Counter,
 }
 
 impl StorageMetrics {
@@ -156,7 +169,19 @@ impl StorageMetrics {
             nvme_read_seconds: latency_histogram(),
             nvme_write_seconds: latency_histogram(),
             rdma_connections: Gauge::default(),
+            auth_refusals: Counter::default(),
+            checksum_mismatches: Counter::default(),
         };
+        reg.register(
+            "storage_auth_refusals",
+            "Data-plane requests refused for want of a valid grant",
+            m.auth_refusals.clone(),
+        );
+        reg.register(
+            "storage_checksum_mismatches",
+            "Demotions and promotions refused: bytes did not match the object's checksum",
+            m.checksum_mismatches.clone(),
+        );
         reg.register(
             "storage_rdma_connections",
             "Live RDMA peer connections to this node's segment",

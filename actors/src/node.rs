@@ -66,6 +66,29 @@ pub fn run(role: Role, cfg: NodeConfig, shutdown: Shutdown) -> Result<(), NodeEr
     Ok(())
 }
 
+/// Says loudly, on stderr and in the log, that a cluster without a secret
+/// listens beyond loopback: anyone who reaches its ports may write, remove
+/// and mount.
+fn warn_if_open(role: Role, cfg: &NodeConfig) {
+    if !cfg.security.secret.is_empty() {
+        return;
+    }
+    let wide = cfg.wide_listens(role.has_master(), role.has_storage());
+    if wide.is_empty() {
+        return;
+    }
+    let msg = format!(
+        "THIS CLUSTER IS OPEN: no cluster secret is set and kvpool listens on {} \
+         (beyond loopback). Anyone who can reach these ports can read, write, \
+         remove and mount. Set {} (or [security] secret) on every role, or \
+         listen on 127.0.0.1 only.",
+        wide.join(", "),
+        crate::config::SECRET_ENV
+    );
+    eprintln!("kvpool: WARNING: {msg}");
+    tracing::warn!("{msg}");
+}
+
 async fn run_roles(
     role: Role,
     cfg: &NodeConfig,
@@ -73,11 +96,14 @@ async fn run_roles(
     shutdown: Shutdown,
 ) -> Result<(), NodeError> {
     let metrics = MetricsRegistry::new();
+    let key = cfg.cluster_key().map_err(NodeError::Config)?;
+    warn_if_open(role, cfg);
     let mut master: Option<(ActorRef<MasterMsg>, MasterHandle)> = None;
     if role.has_master() {
         let args = MasterArgs {
             shards: shards.clone(),
             config: cfg.master.clone(),
+            key: key.clone(),
             metrics: metrics.clone(),
         };
         let (actor, _) = Actor::spawn(Some("master".into()), Master, args)
@@ -92,7 +118,14 @@ async fn run_roles(
     let mut storage_addr = None;
     let mut nvme: Option<(crate::client::Client, kvpool_transport::proto::SegmentId)> = None;
     if role.has_storage() {
-        let svc = storage_node::start(&shards, &cfg.storage, &metrics).await?;
+        let svc = storage_node::start(
+            &shards,
+            &cfg.storage,
+            key.clone(),
+            cfg.security.clock_skew_ms,
+            &metrics,
+        )
+        .await?;
         if cfg.storage.shm {
             storage_node::spawn_shm_server(&svc, shutdown.clone())?;
         }
@@ -104,23 +137,17 @@ async fn run_roles(
         let args = StorageNodeArgs {
             client,
             spec: svc.spec.clone(),
+            nvme: svc.nvme.clone(),
             ping_interval: Duration::from_millis(cfg.storage.ping_interval_ms),
             mount_deadline: MOUNT_DEADLINE,
         };
         let node_client = args.client.clone();
+        // The actor mounts the segment and the tier (reporting what
+        // survived on it) before it counts as started.
         let (actor, _) = Actor::spawn(Some("storage".into()), StorageNode, args)
             .await
             .map_err(|e| NodeError::Start(format!("storage: {e}")))?;
         if let Some(tier) = &svc.nvme {
-            // The tier is mounted (or mounted again, after a restart), what
-            // survived on it is reported back, then its work loop starts.
-            node_client
-                .mount_segment(tier.spec.clone())
-                .await
-                .map_err(|e| NodeError::Start(format!("NVMe tier: {e}")))?;
-            tier.report_recovered(&node_client)
-                .await
-                .map_err(|e| NodeError::Start(format!("NVMe tier: {e}")))?;
             tier.clone()
                 .spawn_loop(node_client.clone(), shutdown.clone());
             nvme = Some((node_client, tier.segment_id));
@@ -138,6 +165,8 @@ async fn run_roles(
         HttpState {
             metrics: metrics.clone(),
             master: master.as_ref().map(|(_, h)| h.clone()),
+            shards: shards.clone(),
+            secret: cfg.security.secret.clone(),
         },
         shutdown.clone(),
     )
@@ -195,7 +224,7 @@ async fn connect_with_retry(
     let deadline = tokio::time::Instant::now() + MOUNT_DEADLINE;
     let id = rand::random::<u64>().max(1);
     loop {
-        match Client::connect_as(master, cfg.client.clone(), id, host_id.to_string()).await {
+        match Client::connect_as(master, cfg.client_config(), id, host_id.to_string()).await {
             Ok(c) => return Ok(c),
             Err(e)
                 if tokio::time::Instant::now() < deadline

@@ -19,9 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpool_runtime::{ShardHandle, Shutdown};
-use kvpool_storage::nvme::{
-    Eviction, NvmeConfig, NvmeError, NvmeLoc, NvmeShard, NvmeValue, Recovered,
-};
+use kvpool_storage::nvme::{Eviction, NvmeConfig, NvmeError, NvmeLoc, NvmeShard, NvmeValue};
 use kvpool_storage::Segment;
 use kvpool_transport::proto::{
     segment_id_for, Endpoint, MasterRequest, MasterResponse, NodeTask, NvmeUpdate, SegmentId,
@@ -66,7 +64,8 @@ pub fn region_of(key: &[u8], regions: usize) -> usize {
 pub struct NodeNvme {
     pub segment_id: SegmentId,
     pub spec: SegmentSpec,
-    pub recovered: Vec<Recovered>,
+    /// Objects the tier found on the device at start.
+    pub recovered: usize,
     regions: usize,
     shards: ShardHandle,
     dram: Arc<Segment>,
@@ -99,7 +98,7 @@ pub async fn open(
         },
         sync_writes: cfg.sync_writes,
     };
-    let mut recovered = Vec::new();
+    let mut recovered = 0;
     for i in 0..regions {
         let (p, c) = (path.clone(), ncfg.clone());
         let rec = shards
@@ -110,7 +109,7 @@ pub async fn open(
             })
             .await?
             .map_err(|e| NodeError::Start(format!("NVMe tier {}: {e}", path.display())))?;
-        recovered.extend(rec);
+        recovered += rec.len();
     }
     let name = format!("nvme:{host_id}:{}", path.display());
     let segment_id = segment_id_for(&name);
@@ -118,7 +117,7 @@ pub async fn open(
         path = %path.display(),
         capacity = cfg.capacity.get(),
         regions,
-        recovered = recovered.len(),
+        recovered,
         "NVMe tier open"
     );
     metrics.nvme_capacity.set(cfg.capacity.get() as i64);
@@ -189,31 +188,56 @@ fn persist_failed(u: &mut NvmeUpdate) {
 }
 
 impl NodeNvme {
-    /// Re-reports what the tier recovered at start; stale copies the master
-    /// no longer wants are removed.
-    pub async fn report_recovered(&self, client: &Client) -> Result<(), KvError> {
-        let updates: Vec<NvmeUpdate> = self
-            .recovered
+    /// Reports every object the tier holds now (after a start, or to a
+    /// master that restarted and forgot them); copies the master refuses as
+    /// stale (another object lives under the key now) are removed. Index
+    /// records are flushed first: what the master hears of survives a crash.
+    pub async fn report_all(&self, client: &Client) -> Result<(), KvError> {
+        let mut held = Vec::new();
+        for region in 0..self.regions {
+            let r = self
+                .shards
+                .run_on(region, move |_| async move {
+                    let t = tier()?;
+                    t.flush().await.map_err(kv)?;
+                    Ok::<_, KvError>(t.entries())
+                })
+                .await
+                .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))??;
+            held.extend(r);
+        }
+        let updates: Vec<NvmeUpdate> = held
             .iter()
             .map(|r| NvmeUpdate::Recovered {
                 key: r.key.clone(),
                 nvme: self.segment_id,
                 loc: r.loc.pack(),
                 len: r.len,
+                sum: r.sum,
             })
             .collect();
         let results = self.report(client, updates).await?;
         let mut stale = 0;
-        for (r, res) in self.recovered.iter().zip(results) {
-            if res.is_err() {
-                stale += 1;
-                self.remove(r.loc).await;
+        let mut refused = 0;
+        for (r, res) in held.iter().zip(results) {
+            match res {
+                Ok(()) => {}
+                Err(e) if e.code == ErrorCode::ObjectAlreadyExists => {
+                    stale += 1;
+                    self.remove(r.loc).await;
+                }
+                Err(e) => {
+                    // Not stale, just not taken now: the copy stays.
+                    refused += 1;
+                    tracing::debug!("NVMe: the master did not take a recovered copy: {e}");
+                }
             }
         }
         tracing::info!(
-            objects = self.recovered.len(),
+            objects = held.len(),
             stale,
-            "NVMe objects re-reported to the master"
+            refused,
+            "NVMe objects reported to the master"
         );
         Ok(())
     }
@@ -261,17 +285,22 @@ impl NodeNvme {
 
     /// Copies DRAM bytes to the tier (a demotion or write-through): where,
     /// and whether this call wrote it (false: a copy was there already).
+    /// Copies DRAM bytes to the tier (a demotion or write-through): where,
+    /// their checksum, and whether this call wrote it (false: a copy was
+    /// there already). Bytes that do not match the object's `checksum` are
+    /// not copied (`Corrupt`).
     async fn persist(
         &self,
         client: &Client,
         key: Vec<u8>,
         offset: u64,
         len: u64,
-    ) -> Result<(NvmeLoc, bool), KvError> {
+        checksum: Option<u64>,
+    ) -> Result<(NvmeLoc, u64, bool), KvError> {
         let region = region_of(&key, self.regions);
         for attempt in 0..2 {
             let (k, seg, m) = (key.clone(), self.dram.clone(), self.metrics.clone());
-            let r: Result<(NvmeLoc, bool), KvError> = self
+            let r: Result<(NvmeLoc, u64, bool), KvError> = self
                 .shards
                 .run_on(region, move |_| async move {
                     let t = tier()?;
@@ -282,10 +311,21 @@ impl NodeNvme {
                     // (a removal meanwhile quarantines it), so no writer is
                     // sent to it while we copy.
                     let bytes = unsafe { seg.slice(offset, len) };
+                    let sum = xxh3_64(bytes);
+                    if checksum.is_some_and(|c| c != sum) {
+                        m.checksum_mismatches.inc();
+                        return Err(KvError::new(
+                            ErrorCode::Corrupt,
+                            format!(
+                                "the DRAM bytes of {} do not match the object's checksum",
+                                crate::master::state::show_key(&k)
+                            ),
+                        ));
+                    }
                     if let Some(loc) = t.lookup(&k) {
-                        if t.value_sum(loc) == Some((len, xxh3_64(bytes))) {
+                        if t.value_sum(loc) == Some((len, sum)) {
                             // Already there (write-through, then demotion).
-                            return Ok((loc, false));
+                            return Ok((loc, sum, false));
                         }
                         // A copy of an earlier object under this key (removed
                         // at the master, its Drop not yet seen): never report
@@ -296,7 +336,7 @@ impl NodeNvme {
                     let loc = t.write(&k, bytes).await.map_err(kv)?;
                     m.nvme_write_seconds
                         .observe(started.elapsed().as_secs_f64());
-                    Ok((loc, true))
+                    Ok((loc, sum, true))
                 })
                 .await
                 .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))?;
@@ -311,8 +351,34 @@ impl NodeNvme {
         unreachable!("the loop returns on its second attempt")
     }
 
-    /// Copies an NVMe object into the DRAM range the master allocated.
-    async fn promote(&self, loc: NvmeLoc, offset: u64, len: u64) -> Result<(), KvError> {
+    /// Copies an NVMe object into the DRAM range the master allocated in
+    /// this node's own segment `dram`; only bytes that match the object's
+    /// `checksum` are copied.
+    async fn promote(
+        &self,
+        loc: NvmeLoc,
+        dram: SegmentId,
+        offset: u64,
+        len: u64,
+        checksum: Option<u64>,
+    ) -> Result<(), KvError> {
+        if dram != self.dram_id {
+            // The range is in another node's memory: writing our segment at
+            // that offset would overwrite unrelated objects.
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!(
+                    "a promotion into segment {dram:016x}, which is not this node's ({:016x})",
+                    self.dram_id
+                ),
+            ));
+        }
+        if loc.region as usize >= self.regions {
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!("{loc:?} is no region of this tier"),
+            ));
+        }
         let (seg, m) = (self.dram.clone(), self.metrics.clone());
         self.shards
             .run_on(loc.region as usize, move |_| async move {
@@ -321,6 +387,13 @@ impl NodeNvme {
                     return Err(KvError::new(
                         ErrorCode::Corrupt,
                         "promoted object has another size",
+                    ));
+                }
+                if checksum.is_some_and(|c| c != xxh3_64(&v)) {
+                    m.checksum_mismatches.inc();
+                    return Err(KvError::new(
+                        ErrorCode::Corrupt,
+                        "the NVMe copy does not match the object's checksum",
                     ));
                 }
                 seg.check_range(offset, len)
@@ -380,12 +453,16 @@ impl NodeNvme {
                 offset,
                 len,
                 demote,
+                checksum,
             } => {
                 if dram != self.dram_id {
                     return None;
                 }
-                match self.persist(client, key.clone(), offset, len).await {
-                    Ok((loc, fresh)) => {
+                match self
+                    .persist(client, key.clone(), offset, len, checksum)
+                    .await
+                {
+                    Ok((loc, sum, fresh)) => {
                         if demote {
                             self.metrics.nvme_demotions.inc();
                         }
@@ -398,6 +475,7 @@ impl NodeNvme {
                                 dram,
                                 offset,
                                 demote,
+                                sum,
                             },
                             Some(loc),
                             fresh,
@@ -448,8 +526,12 @@ impl NodeNvme {
                 dram,
                 offset,
                 len,
+                checksum,
             } => {
-                let ok = match self.promote(NvmeLoc::unpack(loc), offset, len).await {
+                let ok = match self
+                    .promote(NvmeLoc::unpack(loc), dram, offset, len, checksum)
+                    .await
+                {
                     Ok(()) => {
                         self.metrics.nvme_promotions.inc();
                         true
@@ -627,17 +709,33 @@ impl NodeNvme {
     /// Runs rounds until shutdown.
     pub fn spawn_loop(self: Arc<Self>, client: Client, shutdown: Shutdown) {
         tokio::spawn(async move {
+            // A failing round (the master away, or not knowing the tier
+            // until the node mounts it again) is retried every second and
+            // logged once per ERROR_LOG_EVERY while it keeps failing.
+            const ERROR_LOG_EVERY: Duration = Duration::from_secs(10);
+            let mut last_logged: Option<Instant> = None;
             loop {
-                let busy = match self.round(&client).await {
-                    Ok(n) => n > 0,
+                let (busy, failed) = match self.round(&client).await {
+                    Ok(n) => {
+                        last_logged = None;
+                        (n > 0, false)
+                    }
                     Err(e) => {
-                        tracing::warn!("NVMe tier round failed: {e}");
-                        false
+                        if last_logged.is_none_or(|t| t.elapsed() >= ERROR_LOG_EVERY) {
+                            tracing::warn!("NVMe tier round failed: {e}");
+                            last_logged = Some(Instant::now());
+                        }
+                        (false, true)
                     }
                 };
                 if !busy {
+                    let wait = if failed {
+                        self.poll.max(Duration::from_secs(1))
+                    } else {
+                        self.poll
+                    };
                     tokio::select! {
-                        _ = tokio::time::sleep(self.poll) => {}
+                        _ = tokio::time::sleep(wait) => {}
                         _ = shutdown.wait() => break,
                     }
                 } else if shutdown.is_triggered() {

@@ -21,6 +21,7 @@ use glommio::net::TcpStream;
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardCtx, ShardHandle};
 use kvpool_storage::Segment;
+use kvpool_transport::auth::{ClusterKey, Grant, GrantClock, GrantOp};
 use kvpool_transport::frame::{self, FrameHeader, FrameKind};
 use kvpool_transport::proto::{
     segment_id_for, DataRequest, DataResponse, Endpoint, NvmeAttach, SegmentId, SegmentSpec, Tier,
@@ -31,7 +32,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use crate::client::Client;
 use crate::config::StorageConfig;
 use crate::metrics::StorageMetrics;
-use crate::server::{self, Handler, Next, ServerLimits};
+use crate::server::{self, ConnState, Handler, Next, RefusalLog, ServerLimits};
 use crate::NodeError;
 
 /// A started storage node's data plane.
@@ -44,12 +45,19 @@ pub struct StorageService {
     pub nvme: Option<Arc<crate::nvme_tier::NodeNvme>>,
     /// RDMA: the registered segment, or why clients get TCP.
     pub rdma: crate::rdma::NodeRdma,
+    /// The cluster secret: data requests and shm mappings need grants.
+    pub key: Option<ClusterKey>,
+    pub skew_ms: u64,
 }
 
-/// Creates the segment and starts serving it on every shard.
+/// Creates the segment and starts serving it on every shard. With `key`
+/// (the cluster secret), every data request needs a grant the master
+/// signed; `skew_ms` is how long after its expiry one is still accepted.
 pub async fn start(
     shards: &ShardHandle,
     cfg: &StorageConfig,
+    key: Option<ClusterKey>,
+    skew_ms: u64,
     metrics: &MetricsRegistry,
 ) -> Result<StorageService, NodeError> {
     let n = shards.nr_shards();
@@ -113,7 +121,11 @@ pub async fn start(
         max_connections: cfg.max_connections,
         idle_timeout: Duration::from_millis(cfg.idle_timeout_ms),
         io_timeout: Duration::from_millis(cfg.io_timeout_ms),
+        first_frame_timeout: Duration::from_millis(cfg.first_frame_timeout_ms),
         max_frame_bytes: cfg.max_frame_bytes.get() as u32,
+        frame_budget: kvpool_transport::frame::FrameBudget::new(cfg.max_frame_memory.get()),
+        // Data requests carry grants; the connection itself needs no proof.
+        require_auth: false,
     };
     m.segment_bytes.set(size as i64);
     let nvme_id = nvme.as_ref().map(|t| t.segment_id);
@@ -122,6 +134,8 @@ pub async fn start(
         let segment = segment.clone();
         let metrics = m.clone();
         let rdma = rdma.clone();
+        let key = key.clone();
+        let limits = limits.clone();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         ready.push(rx);
         shards
@@ -134,6 +148,10 @@ pub async fn start(
                     segment_id,
                     nvme_id,
                     metrics,
+                    key,
+                    skew_ms,
+                    io_timeout: limits.io_timeout,
+                    refusals: RefusalLog::default(),
                 });
                 let listener = server::into_glommio(listener);
                 let _ = tx.send(());
@@ -152,6 +170,8 @@ pub async fn start(
         segment,
         nvme,
         rdma,
+        key,
+        skew_ms,
     })
 }
 
@@ -172,13 +192,16 @@ pub fn spawn_shm_server(
     let listener = tokio::net::UnixListener::from_std(std_listener)?;
     let segment = svc.segment.clone();
     let id = svc.segment_id;
+    let key = svc.key.clone();
+    let skew_ms = svc.skew_ms;
+    let refusals = std::sync::Arc::new(std::sync::Mutex::new(RefusalCount::default()));
     tokio::spawn(async move {
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
                 _ = shutdown.wait() => break,
             };
-            let stream = match accepted {
+            let mut stream = match accepted {
                 Ok((s, _)) => s,
                 Err(e) => {
                     tracing::warn!("shm accept failed: {e}");
@@ -186,6 +209,27 @@ pub fn spawn_shm_server(
                     continue;
                 }
             };
+            // The client's request (segment and grant) first, briefly.
+            let asked = tokio::time::timeout(
+                Duration::from_secs(1),
+                kvpool_transport::shm::read_request(&mut stream),
+            )
+            .await;
+            let grant = match asked {
+                Ok(Ok((seg, grant))) if seg == id => grant,
+                Ok(Ok((seg, _))) => {
+                    tracing::debug!("shm: a client asked for segment {seg:016x}");
+                    continue;
+                }
+                _ => continue,
+            };
+            if let Some(k) = &key {
+                if let Err(e) = k.check_segment_access(&grant, id, GrantClock::now(skew_ms)) {
+                    let mut r = refusals.lock().unwrap_or_else(|p| p.into_inner());
+                    r.refused(&e);
+                    continue;
+                }
+            }
             let sent = stream.into_std().and_then(|s| {
                 s.set_nonblocking(false)?;
                 s.set_write_timeout(Some(Duration::from_secs(1)))?;
@@ -199,6 +243,32 @@ pub fn spawn_shm_server(
     Ok(())
 }
 
+/// Refused shm requests, logged at most once a second.
+#[derive(Default)]
+struct RefusalCount {
+    last: Option<Instant>,
+    since: u64,
+}
+
+impl RefusalCount {
+    fn refused(&mut self, e: &KvError) {
+        self.since += 1;
+        if self
+            .last
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return;
+        }
+        tracing::warn!(
+            refused = self.since,
+            "shm: refused a mapping: {}",
+            e.message
+        );
+        self.since = 0;
+        self.last = Some(Instant::now());
+    }
+}
+
 /// Serves the data plane on one shard.
 struct DataConn {
     shard: u32,
@@ -210,6 +280,11 @@ struct DataConn {
     segment_id: SegmentId,
     nvme_id: Option<SegmentId>,
     metrics: StorageMetrics,
+    /// The cluster secret: every request needs a grant.
+    key: Option<ClusterKey>,
+    skew_ms: u64,
+    io_timeout: Duration,
+    refusals: RefusalLog,
 }
 
 impl DataConn {
@@ -227,10 +302,57 @@ impl DataConn {
             .check_range(offset, len)
             .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))
     }
+
+    /// With a cluster secret: `grant` must be the master's, live, for `op`
+    /// on this range of `segment_id`.
+    fn authorize(
+        &self,
+        grant: &Grant,
+        op: GrantOp,
+        segment_id: SegmentId,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), KvError> {
+        let Some(k) = &self.key else { return Ok(()) };
+        k.check_grant(
+            grant,
+            op,
+            segment_id,
+            (offset, len),
+            GrantClock::now(self.skew_ms),
+        )
+        .inspect_err(|e| {
+            self.metrics.auth_refusals.inc();
+            self.refusals.refused("storage", &format!("a {op:?}"), e);
+        })
+    }
+
+    /// A frame and the payload after it, both within `io_timeout`.
+    async fn send_two(&self, stream: &mut TcpStream, head: &[u8], body: &[u8]) -> Next {
+        match glommio::timer::timeout(self.io_timeout, async {
+            let r = async {
+                frame::write_all(stream, head).await?;
+                frame::write_all(stream, body).await
+            }
+            .await;
+            Ok(r)
+        })
+        .await
+        {
+            Ok(Ok(())) => Next::Continue,
+            _ => Next::Close,
+        }
+    }
 }
 
 impl Handler for DataConn {
-    async fn handle(&self, hdr: FrameHeader, stream: &mut TcpStream) -> Next {
+    async fn handle(
+        &self,
+        hdr: FrameHeader,
+        payload: kvpool_transport::frame::AlignedVec,
+        stream: &mut TcpStream,
+        _conn: &mut ConnState,
+    ) -> Next {
         if hdr.kind != FrameKind::DataRequest {
             let e = frame::FrameError::UnexpectedKind {
                 expected: FrameKind::DataRequest,
@@ -239,9 +361,6 @@ impl Handler for DataConn {
             server::reject(stream, hdr.request_id, &e, "storage").await;
             return Next::Close;
         }
-        let Ok(payload) = frame::read_payload(stream, &hdr).await else {
-            return Next::Close;
-        };
         let req: DataRequest = match frame::decode(&payload) {
             Ok(r) => r,
             Err(e) => {
@@ -249,14 +368,19 @@ impl Handler for DataConn {
                 return Next::Close;
             }
         };
+        drop(payload);
         let started = Instant::now();
         match req {
             DataRequest::Write {
                 segment_id,
                 offset,
                 len,
+                grant,
             } => {
-                if let Err(e) = self.check(segment_id, offset, len) {
+                let ok = self
+                    .check(segment_id, offset, len)
+                    .and_then(|()| self.authorize(&grant, GrantOp::Write, segment_id, offset, len));
+                if let Err(e) = ok {
                     self.metrics.observe("write", false, started.elapsed());
                     // The payload that follows is unread: answer, then close.
                     let _ = server::answer(stream, &frame::encode_error(hdr.request_id, &e)).await;
@@ -264,12 +388,14 @@ impl Handler for DataConn {
                 }
                 // SAFETY: the range is inside the segment (checked above), and
                 // the master gave it to this writer alone between PutStart and
-                // PutEnd; no reader is directed to it before PutEnd.
+                // PutEnd (with a cluster secret, the grant checked above says
+                // so); no reader is directed to it before PutEnd.
                 let dst = unsafe { self.segment.slice_mut(offset, len) };
-                if futures_lite::AsyncReadExt::read_exact(stream, dst)
-                    .await
-                    .is_err()
-                {
+                let read = glommio::timer::timeout(self.io_timeout, async {
+                    Ok(futures_lite::AsyncReadExt::read_exact(stream, dst).await)
+                })
+                .await;
+                if !matches!(read, Ok(Ok(()))) {
                     self.metrics.observe("write", false, started.elapsed());
                     return Next::Close;
                 }
@@ -280,14 +406,18 @@ impl Handler for DataConn {
                     hdr.request_id,
                     &DataResponse::Written,
                 );
-                server::answer(stream, &ok).await
+                server::answer_within(stream, &ok, self.io_timeout).await
             }
             DataRequest::Read {
                 segment_id,
                 offset,
                 len,
+                grant,
             } => {
-                if let Err(e) = self.check(segment_id, offset, len) {
+                let ok = self
+                    .check(segment_id, offset, len)
+                    .and_then(|()| self.authorize(&grant, GrantOp::Read, segment_id, offset, len));
+                if let Err(e) = ok {
                     self.metrics.observe("read", false, started.elapsed());
                     return server::answer(stream, &frame::encode_error(hdr.request_id, &e)).await;
                 }
@@ -296,15 +426,12 @@ impl Handler for DataConn {
                     hdr.request_id,
                     &DataResponse::Data { len },
                 );
-                if let Next::Close = server::answer(stream, &head).await {
-                    return Next::Close;
-                }
                 // SAFETY: in bounds (checked above); the reader holds the
                 // object's replica list, and the master does not hand its
                 // space to a writer while the object exists (and, with
                 // leases, while any lease on it is live).
                 let src = unsafe { self.segment.slice(offset, len) };
-                let next = server::answer(stream, src).await;
+                let next = self.send_two(stream, &head, src).await;
                 let ok = matches!(next, Next::Continue);
                 if ok {
                     self.metrics.bytes_read.inc_by(len);
@@ -316,13 +443,19 @@ impl Handler for DataConn {
                 segment_id,
                 loc,
                 len,
+                grant,
             } => {
+                let packed = loc;
                 let loc = kvpool_storage::nvme::NvmeLoc::unpack(loc);
                 let value = if Some(segment_id) != self.nvme_id {
                     Err(KvError::new(
                         ErrorCode::SegmentNotFound,
                         format!("NVMe tier {segment_id:016x} is not served here"),
                     ))
+                } else if let Err(e) =
+                    self.authorize(&grant, GrantOp::ReadNvme, segment_id, packed, len)
+                {
+                    Err(e)
                 } else if loc.region != self.shard {
                     Err(KvError::new(
                         ErrorCode::InvalidParams,
@@ -358,10 +491,7 @@ impl Handler for DataConn {
                     hdr.request_id,
                     &DataResponse::Data { len },
                 );
-                if let Next::Close = server::answer(stream, &head).await {
-                    return Next::Close;
-                }
-                let next = server::answer(stream, &v).await;
+                let next = self.send_two(stream, &head, &v).await;
                 let ok = matches!(next, Next::Continue);
                 if ok {
                     self.metrics.bytes_read.inc_by(len);
@@ -369,7 +499,7 @@ impl Handler for DataConn {
                 self.metrics.observe("read_nvme", ok, started.elapsed());
                 next
             }
-            DataRequest::Rdma(req) => self.rdma(req, hdr.request_id, stream).await,
+            DataRequest::Rdma { req, grant } => self.rdma(req, grant, hdr.request_id, stream).await,
         }
     }
 }
@@ -378,7 +508,7 @@ impl DataConn {
     /// RDMA set-up. After `Connect`, the node's queue pairs live as long as
     /// this TCP connection: the handler holds them until the client closes
     /// it (or the node shuts down), then closes it too.
-    async fn rdma(&self, req: RdmaRequest, id: u64, stream: &mut TcpStream) -> Next {
+    async fn rdma(&self, req: RdmaRequest, grant: Grant, id: u64, stream: &mut TcpStream) -> Next {
         let reply =
             |r: RdmaResponse| frame::encode(FrameKind::DataResponse, id, &DataResponse::Rdma(r));
         match req {
@@ -391,6 +521,19 @@ impl DataConn {
                 server::answer(stream, &reply(RdmaResponse::Caps(caps))).await
             }
             RdmaRequest::Connect(req) => {
+                // Queue pairs to the segment reach all of it: the client must
+                // show a live grant the master signed for this segment.
+                if let Some(k) = &self.key {
+                    if let Err(e) = k.check_segment_access(
+                        &grant,
+                        req.segment_id,
+                        GrantClock::now(self.skew_ms),
+                    ) {
+                        self.metrics.auth_refusals.inc();
+                        self.refusals.refused("storage", "an RDMA connect", &e);
+                        return server::answer(stream, &frame::encode_error(id, &e)).await;
+                    }
+                }
                 if req.segment_id != self.segment_id {
                     let e = KvError::new(
                         ErrorCode::SegmentNotFound,
@@ -469,20 +612,84 @@ pub enum StorageNodeMsg {
 pub struct StorageNodeArgs {
     pub client: Client,
     pub spec: SegmentSpec,
+    /// The node's NVMe tier: mounted after the DRAM segment, its objects
+    /// reported, and both mounted again whenever the master forgets them.
+    pub nvme: Option<Arc<crate::nvme_tier::NodeNvme>>,
     pub ping_interval: Duration,
     /// How long to keep trying the first mount (the master may start later).
     pub mount_deadline: Duration,
 }
 
-/// The control side of a storage node: mounts its segment at the master,
-/// keeps it alive with pings, unmounts it on request.
+/// The control side of a storage node: mounts its segment (and NVMe tier)
+/// at the master, keeps them alive with pings that name them, mounts them
+/// again when a ping's answer says the master does not know them (it
+/// restarted, or declared the node dead), unmounts on request.
 pub struct StorageNode;
 
 pub struct StorageNodeState {
     client: Client,
     spec: SegmentSpec,
     segment_id: SegmentId,
+    nvme: Option<Arc<crate::nvme_tier::NodeNvme>>,
     mounted: bool,
+    /// The tier is mounted but the master has not heard all it holds yet
+    /// (a report failed): the next tick reports again.
+    unreported: bool,
+}
+
+impl StorageNodeState {
+    fn owned(&self) -> Vec<SegmentId> {
+        let mut v = vec![self.segment_id];
+        v.extend(self.nvme.as_ref().map(|t| t.segment_id));
+        v
+    }
+
+    /// Mounts the NVMe tier and reports everything on it.
+    async fn mount_tier(&self) -> Result<(), KvError> {
+        let Some(tier) = &self.nvme else {
+            return Ok(());
+        };
+        self.client.mount_segment(tier.spec.clone()).await?;
+        tier.report_all(&self.client).await
+    }
+
+    /// Mounts again what the master does not know.
+    async fn remount(&mut self, unknown: &[SegmentId]) {
+        tracing::warn!(
+            segments = ?unknown.iter().map(|s| format!("{s:016x}")).collect::<Vec<_>>(),
+            "the master does not know this node's segments (it restarted, or declared the node dead): mounting again"
+        );
+        if unknown.contains(&self.segment_id) {
+            if let Err(e) = self.client.mount_segment(self.spec.clone()).await {
+                tracing::warn!("mounting the DRAM segment again failed: {e}");
+                return;
+            }
+        }
+        if self
+            .nvme
+            .as_ref()
+            .is_some_and(|t| unknown.contains(&t.segment_id))
+        {
+            self.unreported = true;
+            self.mount_tier_and_report().await;
+        }
+    }
+
+    /// Mounts the tier and reports it; on failure, the next tick tries again.
+    async fn mount_tier_and_report(&mut self) {
+        match self.mount_tier().await {
+            Ok(()) => {
+                if self.unreported {
+                    tracing::info!("NVMe tier mounted again and its objects reported");
+                }
+                self.unreported = false;
+            }
+            Err(e) => {
+                self.unreported = true;
+                tracing::warn!("NVMe tier not mounted and reported yet (retrying): {e}");
+            }
+        }
+    }
 }
 
 impl Actor for StorageNode {
@@ -506,13 +713,22 @@ impl Actor for StorageNode {
                 Err(e) => return Err(format!("cannot mount segment: {e}").into()),
             }
         };
-        myself.send_interval(args.ping_interval, || StorageNodeMsg::Tick);
-        Ok(StorageNodeState {
+        let state = StorageNodeState {
             client: args.client,
             spec: args.spec,
             segment_id,
+            nvme: args.nvme,
             mounted: true,
-        })
+            unreported: false,
+        };
+        // The tier is mounted (or mounted again, after a restart) and what
+        // it holds is reported back before the node counts as started.
+        state
+            .mount_tier()
+            .await
+            .map_err(|e| format!("NVMe tier: {e}"))?;
+        myself.send_interval(args.ping_interval, || StorageNodeMsg::Tick);
+        Ok(state)
     }
 
     async fn handle(
@@ -524,8 +740,11 @@ impl Actor for StorageNode {
         match msg {
             StorageNodeMsg::Tick => {
                 if state.mounted {
-                    if let Err(e) = state.client.ping().await {
-                        tracing::warn!("ping to the master failed: {e}");
+                    match state.client.ping_segments(&state.owned()).await {
+                        Ok(unknown) if !unknown.is_empty() => state.remount(&unknown).await,
+                        Ok(_) if state.unreported => state.mount_tier_and_report().await,
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!("ping to the master failed: {e}"),
                     }
                 }
             }

@@ -302,7 +302,8 @@ impl Run {
                     self.fail(format!("put_start of new {key}: {e}"));
                 }
             }
-            Err(e) if e.code == ErrorCode::NoSpace => {
+            // TryAgain: no room now, but demotions under way will make some.
+            Err(e) if e.code == ErrorCode::NoSpace || e.code == ErrorCode::TryAgain => {
                 self.seen.no_space += 1;
                 if exists {
                     self.fail(format!("put_start of existing {key} gave NoSpace"));
@@ -326,6 +327,7 @@ impl Run {
             Q::PutEnd {
                 client_id: client,
                 key: key.clone().into_bytes(),
+                checksum: None,
             },
             self.now,
         );
@@ -509,7 +511,13 @@ impl Run {
         let i = self.rng.random_range(0..self.model.segments.len());
         let seg = self.model.segments.remove(i);
         self.m
-            .call(Q::UnmountSegment { segment_id: seg }, self.now)
+            .call(
+                Q::UnmountSegment {
+                    client_id: OWNER,
+                    segment_id: seg,
+                },
+                self.now,
+            )
             .unwrap_or_else(|e| self.fail(format!("unmount: {e}")));
         self.model.objs.retain(|_, o| {
             o.replicas.retain(|r| r.0 != seg);
@@ -525,7 +533,13 @@ impl Run {
         while self.now < target {
             self.now = (self.now + 1000).min(target);
             self.m
-                .call(Q::Ping { client_id: OWNER }, self.now)
+                .call(
+                    Q::Ping {
+                        client_id: OWNER,
+                        segments: Vec::new(),
+                    },
+                    self.now,
+                )
                 .unwrap_or_else(|e| self.fail(format!("ping: {e}")));
             // Stale puts are discarded at housekeeping; their space is held
             // for the grace, since the writer may still be sending.

@@ -186,7 +186,14 @@ impl ShardPool {
                 builder = builder.spin_before_park(cfg.spin_before_park);
             }
             let handle = builder
-                .spawn(move || shard_main(id, nr, rx, shutdown, drain))
+                .spawn(move || {
+                    // Dropped only by a panic unwinding the shard thread.
+                    let guard = AbortOnPanic(id);
+                    async move {
+                        shard_main(id, nr, rx, shutdown, drain).await;
+                        std::mem::forget(guard);
+                    }
+                })
                 .map_err(|e| RuntimeError::Shard(format!("cannot start shard {id}: {e}")))?;
             jobs.push(tx);
             threads.push(handle);
@@ -283,6 +290,22 @@ impl ShardHandle {
         })
         .await?;
         rx.await.map_err(|_| RuntimeError::ShardGone(shard))
+    }
+}
+
+/// Ends the process when a panic unwinds a shard's thread: a shard that
+/// died while the others serve would leave a half-alive process whose calls
+/// to that shard time out forever. The panic message is printed by the
+/// panic hook before this runs; a supervisor restarts the process whole.
+struct AbortOnPanic(usize);
+
+impl Drop for AbortOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            tracing::error!(shard = self.0, "a shard panicked; aborting the process");
+            eprintln!("kvpool: shard {} panicked; aborting the process", self.0);
+            std::process::abort();
+        }
     }
 }
 

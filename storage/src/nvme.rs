@@ -142,6 +142,8 @@ pub struct Recovered {
     pub key: Vec<u8>,
     pub loc: NvmeLoc,
     pub len: u64,
+    /// xxh3-64 of the value, as its record and header hold it.
+    pub sum: u64,
 }
 
 /// Errors of the tier.
@@ -696,7 +698,7 @@ impl NvmeShard {
                 evicting: false,
             });
             st.by_key.insert(key.clone().into_boxed_slice(), slot);
-            out.push(Recovered { key, loc, len });
+            out.push(Recovered { key, loc, len, sum });
         }
         {
             let mut st = self.state.borrow_mut();
@@ -1087,6 +1089,29 @@ impl NvmeShard {
 
     pub fn objects(&self) -> usize {
         self.state.borrow().by_key.len()
+    }
+
+    /// Every object the region holds now (not those being evicted), in
+    /// the form recovery reports them: what a node tells a master that
+    /// has forgotten it.
+    pub fn entries(&self) -> Vec<Recovered> {
+        let st = self.state.borrow();
+        st.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, e)| {
+                let e = e.as_ref().filter(|e| !e.evicting)?;
+                Some(Recovered {
+                    key: e.key.to_vec(),
+                    loc: NvmeLoc {
+                        region: self.region,
+                        slot: slot as u32,
+                    },
+                    len: e.len,
+                    sum: e.sum,
+                })
+            })
+            .collect()
     }
 
     /// Whether a write of `value_len` bytes under a `key_len`-byte key fits now.

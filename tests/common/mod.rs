@@ -87,6 +87,11 @@ use rustix::process::{kill_process, Pid};
 /// Starts `kvpool run --role <role> <args>` and waits (bounded) for its
 /// `kvpool <role> listening on ADDR` line.
 pub fn start(role: &'static str, args: &[&str]) -> Proc {
+    start_env(role, args, &[])
+}
+
+/// [`start`] with extra environment variables.
+pub fn start_env(role: &'static str, args: &[&str], env: &[(&str, &str)]) -> Proc {
     let stderr_path = std::env::temp_dir().join(format!(
         "kvpool-test-{}-{}-{}.log",
         role,
@@ -102,6 +107,8 @@ pub fn start(role: &'static str, args: &[&str]) -> Proc {
         .stdout(Stdio::piped())
         .stderr(stderr)
         .env("RUST_LOG", "info")
+        .env_remove("KVPOOL_SECRET")
+        .envs(env.iter().copied())
         .spawn()
         .expect("spawn kvpool");
     let stdout = child.stdout.take().expect("stdout");
@@ -158,8 +165,20 @@ pub fn ephemeral(extra: &[&'static str]) -> Vec<&'static str> {
 
 /// Runs a CLI command against `master`; returns (exit code, stdout, stderr).
 pub fn cli(master: &str, args: &[&str], stdin: Option<&[u8]>) -> (i32, Vec<u8>, String) {
+    cli_env(master, args, stdin, &[])
+}
+
+/// [`cli`] with extra environment variables.
+pub fn cli_env(
+    master: &str,
+    args: &[&str],
+    stdin: Option<&[u8]>,
+    env: &[(&str, &str)],
+) -> (i32, Vec<u8>, String) {
     use std::io::Write;
     let mut child = Command::new(BIN)
+        .env_remove("KVPOOL_SECRET")
+        .envs(env.iter().copied())
         .arg("--master")
         .arg(master)
         .args(args)
@@ -213,12 +232,17 @@ pub fn rt() -> tokio::runtime::Runtime {
 
 /// A plain HTTP/1.1 request; returns (status, body).
 pub fn http(addr: &str, method: &str, path: &str) -> (u16, String) {
+    http_with(addr, method, path, "")
+}
+
+/// [`http`] with extra header lines (each ending in `\r\n`).
+pub fn http_with(addr: &str, method: &str, path: &str, headers: &str) -> (u16, String) {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).expect("connect http");
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Content-Length: 0\r\nConnection: close\r\n\r\n"
     )
     .unwrap();
     let mut out = String::new();

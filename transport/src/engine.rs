@@ -74,6 +74,9 @@ pub struct EngineConfig {
     pub max_frame_bytes: u32,
     /// This machine, for picking same-host replicas.
     pub host_id: String,
+    /// Check every read against the object's checksum (when it has one): a
+    /// mismatch is `Corrupt` and the next replica is tried.
+    pub verify_checksums: bool,
 }
 
 impl Default for EngineConfig {
@@ -87,6 +90,7 @@ impl Default for EngineConfig {
             connect_timeout: Duration::from_secs(2),
             max_frame_bytes: 64 << 20,
             host_id: String::new(),
+            verify_checksums: true,
         }
     }
 }
@@ -158,6 +162,8 @@ pub struct EngineStats {
     pub rdma_connects: AtomicU64,
     /// Nodes put on TCP because RDMA could not be set up (each logged).
     pub rdma_fallbacks: AtomicU64,
+    /// Reads whose bytes did not match the object's checksum.
+    pub corrupt_reads: AtomicU64,
 }
 
 /// Why shm is not used for a segment, remembered for a while.
@@ -172,6 +178,8 @@ enum ShmEntry {
 
 /// How long a failed shm set-up keeps a segment on TCP before trying again.
 const SHM_RETRY: Duration = Duration::from_secs(10);
+/// Segments remembered as unreachable until a caller takes them.
+const MAX_UNREACHABLE: usize = 64;
 
 /// Moves bytes to and from storage nodes. Cheap to share (`Arc`).
 pub struct TransferEngine {
@@ -181,6 +189,8 @@ pub struct TransferEngine {
     permits: Arc<Semaphore>,
     req_ids: AtomicU64,
     stats: EngineStats,
+    /// Segments whose node could not be reached, for the caller to report.
+    unreachable: Mutex<Vec<SegmentId>>,
     #[cfg(feature = "rdma")]
     rdma: Option<crate::engine_rdma::RdmaPath>,
 }
@@ -195,9 +205,59 @@ impl TransferEngine {
             permits,
             req_ids: AtomicU64::new(1),
             stats: EngineStats::default(),
+            unreachable: Mutex::new(Vec::new()),
             #[cfg(feature = "rdma")]
             rdma: None,
         }
+    }
+
+    /// Segments whose node this engine could not reach since the last call
+    /// (connection refused, reset or timed out), each once.
+    pub fn take_unreachable(&self) -> Vec<SegmentId> {
+        std::mem::take(&mut *self.unreachable.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Whether some segment was unreachable since the last `take_unreachable`.
+    pub fn has_unreachable(&self) -> bool {
+        !self
+            .unreachable
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
+    }
+
+    fn note_unreachable(&self, segment: SegmentId, e: &KvError) {
+        if !matches!(e.code, ErrorCode::Unavailable | ErrorCode::Timeout) {
+            return;
+        }
+        let mut v = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+        if !v.contains(&segment) && v.len() < MAX_UNREACHABLE {
+            v.push(segment);
+        }
+    }
+
+    /// Whether `dst` holds the bytes `r`'s object was written with.
+    fn verify(&self, r: &ReplicaDesc, dst: &[u8]) -> Result<(), KvError> {
+        let Some(want) = r.checksum.filter(|_| self.cfg.verify_checksums) else {
+            return Ok(());
+        };
+        if xxhash_rust::xxh3::xxh3_64(dst) == want {
+            return Ok(());
+        }
+        self.stats.corrupt_reads.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            segment = format!("{:016x}", r.segment_id),
+            offset = r.offset,
+            len = r.len,
+            "a replica's bytes do not match the object's checksum"
+        );
+        Err(KvError::new(
+            ErrorCode::Corrupt,
+            format!(
+                "the bytes read from segment {:016x} at {} do not match the object's checksum",
+                r.segment_id, r.offset
+            ),
+        ))
     }
 
     /// Uses RDMA (through `ctx`) for DRAM replicas whose node supports it.
@@ -399,6 +459,7 @@ impl TransferEngine {
                 segment_id: r.segment_id,
                 loc: r.offset,
                 len: dst.len() as u64,
+                grant: r.grant,
             },
         );
         let s: &mut Stream = conn.stream();
@@ -412,7 +473,7 @@ impl TransferEngine {
         )
         .await
         .map_err(|e| peer(e.into(), &addr))?;
-        check_id(rid, id)?;
+        let answer = check_answer(rid, id, answer)?;
         match answer {
             Ok(DataResponse::Data { len }) if len == dst.len() as u64 => {
                 futures_lite::AsyncReadExt::read_exact(s, dst)
@@ -478,10 +539,11 @@ impl TransferEngine {
                     },
                 }
             };
-            match res {
+            match res.and_then(|()| self.verify(r, dst)) {
                 Ok(()) => return Ok(()),
                 Err(e) => {
                     tracing::debug!(segment = r.segment_id, "read from replica failed: {e}");
+                    self.note_unreachable(r.segment_id, &e);
                     last = Some(e);
                 }
             }
@@ -508,7 +570,7 @@ impl TransferEngine {
                     format!("{} bytes for an allocation of {}", src.len(), r.len),
                 ));
             }
-            match self.shm_for(r).await {
+            let res = match self.shm_for(r).await {
                 Some(Ok(map)) => {
                     map.write_from(r.offset, src)?;
                     self.stats
@@ -521,7 +583,11 @@ impl TransferEngine {
                     Some(res) => res,
                     None => self.tcp_write(r, src).await,
                 },
+            };
+            if let Err(e) = &res {
+                self.note_unreachable(r.segment_id, e);
             }
+            res
         });
         futures_util::future::try_join_all(writes).await.map(|_| ())
     }
@@ -561,8 +627,9 @@ impl TransferEngine {
             }
         }
         let seg = r.segment_id;
+        let grant = r.grant;
         let timeout = self.cfg.connect_timeout;
-        let opened = tokio::task::spawn_blocking(move || ShmMap::open(seg, timeout))
+        let opened = tokio::task::spawn_blocking(move || ShmMap::open(seg, &grant, timeout))
             .await
             .unwrap_or_else(|e| {
                 Err(KvError::new(
@@ -680,7 +747,7 @@ impl TransferEngine {
                 let off = r.offset + (i * slice) as u64;
                 let _p = self.permit().await?;
                 let first = self
-                    .read_slice(&Self::slice_addr(r, i), r.segment_id, off, chunk)
+                    .read_slice(&Self::slice_addr(r, i), r, off, chunk)
                     .await;
                 match first {
                     Ok(()) => Ok(()),
@@ -690,7 +757,7 @@ impl TransferEngine {
                         tracing::debug!("slice {i} failed ({e}); retrying on another lane");
                         let addr = Self::slice_addr(r, i + 1);
                         self.pool(addr.clone()).clear();
-                        self.read_slice(&addr, r.segment_id, off, chunk).await
+                        self.read_slice(&addr, r, off, chunk).await
                     }
                     Err(e) => Err(e),
                 }
@@ -711,7 +778,7 @@ impl TransferEngine {
                 let off = r.offset + (i * slice) as u64;
                 let _p = self.permit().await?;
                 match self
-                    .write_slice(&Self::slice_addr(r, i), r.segment_id, off, chunk)
+                    .write_slice(&Self::slice_addr(r, i), r, off, chunk)
                     .await
                 {
                     Ok(()) => Ok(()),
@@ -719,7 +786,7 @@ impl TransferEngine {
                         self.stats.slice_retries.fetch_add(1, Ordering::Relaxed);
                         let addr = Self::slice_addr(r, i + 1);
                         self.pool(addr.clone()).clear();
-                        self.write_slice(&addr, r.segment_id, off, chunk).await
+                        self.write_slice(&addr, r, off, chunk).await
                     }
                     Err(e) => Err(e),
                 }
@@ -734,7 +801,7 @@ impl TransferEngine {
     async fn read_slice(
         &self,
         addr: &str,
-        segment_id: SegmentId,
+        r: &ReplicaDesc,
         offset: u64,
         dst: &mut [u8],
     ) -> Result<(), KvError> {
@@ -747,9 +814,10 @@ impl TransferEngine {
             FrameKind::DataRequest,
             id,
             &DataRequest::Read {
-                segment_id,
+                segment_id: r.segment_id,
                 offset,
                 len: dst.len() as u64,
+                grant: r.grant,
             },
         );
         let s: &mut Stream = conn.stream();
@@ -763,7 +831,7 @@ impl TransferEngine {
         )
         .await
         .map_err(|e| peer(e.into(), addr))?;
-        check_id(rid, id)?;
+        let answer = check_answer(rid, id, answer)?;
         match answer {
             Ok(DataResponse::Data { len }) if len == dst.len() as u64 => {
                 futures_lite::AsyncReadExt::read_exact(s, dst)
@@ -790,7 +858,7 @@ impl TransferEngine {
     async fn write_slice(
         &self,
         addr: &str,
-        segment_id: SegmentId,
+        r: &ReplicaDesc,
         offset: u64,
         src: &[u8],
     ) -> Result<(), KvError> {
@@ -805,9 +873,10 @@ impl TransferEngine {
             FrameKind::DataRequest,
             id,
             &DataRequest::Write {
-                segment_id,
+                segment_id: r.segment_id,
                 offset,
                 len: src.len() as u64,
+                grant: r.grant,
             },
         );
         let s: &mut Stream = conn.stream();
@@ -831,9 +900,8 @@ impl TransferEngine {
         )
         .await
         .map_err(|e| peer(e.into(), addr))?;
-        check_id(rid, id)?;
         // A refused write may have left its payload unread: never reuse.
-        match answer? {
+        match check_answer(rid, id, answer)?? {
             DataResponse::Written => {
                 conn.release();
                 Ok(())
@@ -875,13 +943,23 @@ fn peer(e: KvError, addr: &str) -> KvError {
     }
 }
 
-fn check_id(got: u64, want: u64) -> Result<(), KvError> {
+/// The answer to request `want`, as the outer result (the connection can
+/// be used again) or an outer error (it cannot). An error frame with id 0
+/// answers the connection, not a request (a server at its connection cap
+/// says `ResourceExhausted` so): that error is the outer one, as it is.
+pub fn check_answer<T>(
+    got: u64,
+    want: u64,
+    answer: Result<T, KvError>,
+) -> Result<Result<T, KvError>, KvError> {
     if got == want {
-        Ok(())
-    } else {
-        Err(KvError::new(
+        return Ok(answer);
+    }
+    match answer {
+        Err(e) if got == 0 => Err(e),
+        _ => Err(KvError::new(
             ErrorCode::Malformed,
             format!("answer to request {got} arrived for request {want}"),
-        ))
+        )),
     }
 }

@@ -154,7 +154,7 @@ impl RdmaPath {
         let addr = pool.addr().to_string();
         let set_up = tokio::time::timeout(
             connect_timeout,
-            self.connect(r.segment_id, pool, connect_timeout, max_frame),
+            self.connect(r.segment_id, &r.grant, pool, connect_timeout, max_frame),
         )
         .await
         .unwrap_or_else(|_| {
@@ -202,12 +202,13 @@ impl RdmaPath {
     async fn connect(
         &self,
         segment_id: SegmentId,
+        grant: &crate::auth::Grant,
         pool: Arc<ConnPool>,
         connect_timeout: Duration,
         max_frame: u32,
     ) -> Result<Peer, KvError> {
         let mut control = pool.get(connect_timeout).await?;
-        let caps = match ask(&mut control, 1, RdmaRequest::Caps, max_frame).await? {
+        let caps = match ask(&mut control, 1, RdmaRequest::Caps, grant, max_frame).await? {
             RdmaResponse::Caps(c) => c,
             other => {
                 return Err(KvError::new(
@@ -227,6 +228,7 @@ impl RdmaPath {
             &mut control,
             2,
             RdmaRequest::Connect(pending.request().clone()),
+            grant,
             max_frame,
         )
         .await?
@@ -408,15 +410,14 @@ async fn ask(
     control: &mut Conn,
     id: u64,
     req: RdmaRequest,
+    grant: &crate::auth::Grant,
     max_frame: u32,
 ) -> Result<RdmaResponse, KvError> {
     let s = control.stream();
-    frame::write_all(
-        s,
-        &frame::encode(FrameKind::DataRequest, id, &DataRequest::Rdma(req)),
-    )
-    .await
-    .map_err(KvError::from)?;
+    let req = DataRequest::Rdma { req, grant: *grant };
+    frame::write_all(s, &frame::encode(FrameKind::DataRequest, id, &req))
+        .await
+        .map_err(KvError::from)?;
     let (rid, answer) =
         frame::read_reply::<DataResponse, _>(s, FrameKind::DataResponse, max_frame).await?;
     if rid != id {

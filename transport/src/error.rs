@@ -41,10 +41,15 @@ pub enum ErrorCode {
     Internal = 15,
     /// Stored bytes failed their checksum.
     Corrupt = 16,
+    /// The peer requires the cluster secret: no valid proof or grant came.
+    Unauthenticated = 17,
+    /// Not possible now, but soon: space is on its way out (demotions to
+    /// NVMe, ending leases). Retry within the deadline.
+    TryAgain = 18,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 16] = [
+    pub const ALL: [ErrorCode; 18] = [
         Self::InvalidParams,
         Self::ObjectNotFound,
         Self::ObjectAlreadyExists,
@@ -61,6 +66,8 @@ impl ErrorCode {
         Self::ResourceExhausted,
         Self::Internal,
         Self::Corrupt,
+        Self::Unauthenticated,
+        Self::TryAgain,
     ];
 
     pub fn code(self) -> u16 {
@@ -95,6 +102,8 @@ impl ErrorCode {
             Self::ResourceExhausted => "ResourceExhausted",
             Self::Internal => "Internal",
             Self::Corrupt => "Corrupt",
+            Self::Unauthenticated => "Unauthenticated",
+            Self::TryAgain => "TryAgain",
         }
     }
 }
@@ -164,5 +173,7 @@ mod tests {
         assert_eq!(ErrorCode::NoSpace.code(), 7);
         assert_eq!(ErrorCode::Timeout.code(), 9);
         assert_eq!(ErrorCode::Corrupt.code(), 16);
+        assert_eq!(ErrorCode::Unauthenticated.code(), 17);
+        assert_eq!(ErrorCode::TryAgain.code(), 18);
     }
 }

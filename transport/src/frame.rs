@@ -15,19 +15,23 @@
 //! servers answer it with an error frame and close the connection.
 //! Writers set `flags` and `reserved` to zero; readers ignore them.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 use futures_lite::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use rkyv::api::high::{HighDeserializer, HighSerializer, HighValidator};
 use rkyv::bytecheck::CheckBytes;
 use rkyv::rancor;
 use rkyv::ser::allocator::ArenaHandle;
-use rkyv::util::AlignedVec;
+pub use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::error::{ErrorCode, KvError};
 use crate::proto::WireError;
 
 pub const MAGIC: [u8; 4] = *b"KVPL";
-pub const VERSION: u8 = 1;
+/// 2: checksums, grants, the auth handshake, Ping's segments (issue 12).
+pub const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 24;
 /// Default bound on a control payload (keys are <= 4 KiB; batches are bounded).
 pub const DEFAULT_MAX_FRAME_BYTES: u32 = 4 << 20;
@@ -116,6 +120,9 @@ pub enum FrameError {
     UnexpectedKind { expected: FrameKind, got: FrameKind },
     #[error("connection closed")]
     Closed,
+    /// The process's memory for frames being read is spent.
+    #[error("{0}")]
+    Exhausted(String),
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -129,6 +136,7 @@ impl FrameError {
             }
             Self::BadVersion(_) | Self::BadKind(_) => ErrorCode::Unsupported,
             Self::TooLarge { .. } => ErrorCode::TooLarge,
+            Self::Exhausted(_) => ErrorCode::ResourceExhausted,
             Self::Closed => ErrorCode::Unavailable,
             Self::Io(e) => KvError::from(std::io::Error::new(e.kind(), "")).code,
         }
@@ -219,14 +227,124 @@ pub async fn read_header<R: AsyncRead + Unpin>(
     FrameHeader::decode(&b, max_len)
 }
 
-/// Reads the payload announced by `hdr` into an aligned buffer.
+/// The first step of a payload buffer; it then doubles with what arrived.
+const GROW_FROM: usize = 64 << 10;
+
+/// Memory for control frames being read, shared by every connection of a
+/// process: a frame's buffer grows as its bytes arrive (never to the length
+/// its header announces before they do), and each step is taken from this
+/// budget. A frame that finds it spent is refused with `ResourceExhausted`.
+#[derive(Debug)]
+pub struct FrameBudget {
+    used: AtomicU64,
+    max: u64,
+}
+
+impl FrameBudget {
+    pub fn new(max_bytes: u64) -> Arc<Self> {
+        Arc::new(Self {
+            used: AtomicU64::new(0),
+            max: max_bytes,
+        })
+    }
+
+    /// Bytes taken now.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    fn take(self: &Arc<Self>, n: u64, held: &mut Reservation) -> Result<(), FrameError> {
+        let mut cur = self.used.load(Ordering::Relaxed);
+        loop {
+            let next = cur.saturating_add(n);
+            if next > self.max {
+                return Err(FrameError::Exhausted(format!(
+                    "frames being read hold {cur} bytes of the process's {} (frame memory limit)",
+                    self.max
+                )));
+            }
+            match self
+                .used
+                .compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Relaxed)
+            {
+                Ok(_) => break,
+                Err(now) => cur = now,
+            }
+        }
+        held.bytes += n;
+        Ok(())
+    }
+}
+
+/// Bytes a frame holds of a [`FrameBudget`]; given back on drop.
+#[derive(Debug)]
+pub struct Reservation {
+    budget: Option<Arc<FrameBudget>>,
+    bytes: u64,
+}
+
+impl Reservation {
+    /// A reservation of nothing (frames read without a budget).
+    pub fn none() -> Self {
+        Self {
+            budget: None,
+            bytes: 0,
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if let Some(b) = &self.budget {
+            b.used.fetch_sub(self.bytes, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Reads the payload announced by `hdr` into an aligned buffer that grows
+/// as bytes arrive (a peer that announces a large frame and sends little
+/// pins little memory).
 pub async fn read_payload<R: AsyncRead + Unpin>(
     r: &mut R,
     hdr: &FrameHeader,
 ) -> Result<AlignedVec, FrameError> {
-    let mut buf = AlignedVec::<16>::with_capacity(hdr.len as usize);
-    buf.resize(hdr.len as usize, 0);
-    r.read_exact(&mut buf).await?;
+    let mut held = Reservation::none();
+    read_payload_into(r, hdr, None, &mut held).await
+}
+
+/// Like [`read_payload`], taking every step of the buffer's growth from
+/// `budget`; the returned reservation holds it until dropped.
+pub async fn read_payload_budgeted<R: AsyncRead + Unpin>(
+    r: &mut R,
+    hdr: &FrameHeader,
+    budget: &Arc<FrameBudget>,
+) -> Result<(AlignedVec, Reservation), FrameError> {
+    let mut held = Reservation {
+        budget: Some(budget.clone()),
+        bytes: 0,
+    };
+    let buf = read_payload_into(r, hdr, Some(budget), &mut held).await?;
+    Ok((buf, held))
+}
+
+async fn read_payload_into<R: AsyncRead + Unpin>(
+    r: &mut R,
+    hdr: &FrameHeader,
+    budget: Option<&Arc<FrameBudget>>,
+    held: &mut Reservation,
+) -> Result<AlignedVec, FrameError> {
+    let len = hdr.len as usize;
+    let mut buf = AlignedVec::<16>::new();
+    let mut got = 0;
+    while got < len {
+        let step = (len - got).min(got.max(GROW_FROM));
+        if let Some(b) = budget {
+            b.take(step as u64, held)?;
+        }
+        buf.resize(got + step, 0);
+        r.read_exact(&mut buf[got..got + step]).await?;
+        got += step;
+    }
     Ok(buf)
 }
 
@@ -370,6 +488,54 @@ mod tests {
         ))
         .unwrap_err();
         assert_eq!(err.code, ErrorCode::Malformed, "{err}");
+    }
+
+    #[test]
+    fn a_budget_refuses_past_its_bound_and_is_given_back() {
+        let budget = FrameBudget::new(100 << 10);
+        let msg = MasterRequest::Exist {
+            key: vec![7u8; 90 << 10],
+        };
+        let bytes = encode(FrameKind::MasterRequest, 1, &msg);
+        let read = |b: &Arc<FrameBudget>| {
+            let mut r = futures_lite::io::Cursor::new(bytes.clone());
+            block_on(async {
+                let h = read_header(&mut r, u32::MAX).await?;
+                read_payload_budgeted(&mut r, &h, b).await
+            })
+        };
+        let (p, held) = read(&budget).unwrap();
+        assert!(budget.used() >= p.len() as u64);
+        // A second frame while the first is held does not fit.
+        let e = read(&budget).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::ResourceExhausted, "{e}");
+        drop(held);
+        assert_eq!(budget.used(), 0);
+        let (p2, _held) = read(&budget).unwrap();
+        assert_eq!(decode::<MasterRequest>(&p2).unwrap(), msg);
+    }
+
+    #[test]
+    fn a_payload_buffer_grows_with_what_arrives() {
+        // 4 MiB announced against a 1 MiB budget, 10 bytes sent: the read
+        // ends at the missing bytes (EOF), not at the budget, because the
+        // buffer only grows with what arrives.
+        let budget = FrameBudget::new(1 << 20);
+        let mut bytes = FrameHeader {
+            kind: FrameKind::MasterRequest,
+            request_id: 1,
+            len: 4 << 20,
+        }
+        .encode()
+        .to_vec();
+        bytes.extend_from_slice(&[0u8; 10]);
+        let mut r = futures_lite::io::Cursor::new(bytes);
+        let res = block_on(async {
+            let h = read_header(&mut r, u32::MAX).await?;
+            read_payload_budgeted(&mut r, &h, &budget).await
+        });
+        assert!(matches!(res, Err(FrameError::Io(_))), "{res:?}");
+        assert_eq!(budget.used(), 0, "the failed read gave its memory back");
     }
 
     #[test]

@@ -17,6 +17,7 @@
 //! Payload bytes of a put or get never go through rkyv: on TCP they follow the
 //! control frame and are read straight into the destination buffer.
 
+pub mod auth;
 pub mod engine;
 #[cfg(feature = "rdma")]
 mod engine_rdma;

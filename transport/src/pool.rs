@@ -47,9 +47,16 @@ pub struct Conn {
     stream: Option<Counted>,
     pool: Arc<ConnPool>,
     _slot: OwnedSemaphorePermit,
+    fresh: bool,
 }
 
 impl Conn {
+    /// Whether this connection was opened by this `get` (not reused): a
+    /// connection that must introduce itself (authenticate) does it now.
+    pub fn is_new(&self) -> bool {
+        self.fresh
+    }
+
     pub fn stream(&mut self) -> &mut Stream {
         &mut self.stream.as_mut().expect("present until release").0
     }
@@ -92,6 +99,7 @@ impl ConnPool {
             .await
             .map_err(|_| KvError::new(ErrorCode::Internal, "connection pool closed"))?;
         let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let fresh = idle.is_none();
         let stream = match idle {
             Some(s) => s,
             None => {
@@ -118,6 +126,7 @@ impl ConnPool {
             stream: Some(stream),
             pool: self.clone(),
             _slot: slot,
+            fresh,
         })
     }
 

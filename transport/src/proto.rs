@@ -7,6 +7,7 @@
 
 use rkyv::{Archive, Deserialize, Serialize};
 
+use crate::auth::Grant;
 use crate::error::{ErrorCode, KvError};
 
 /// A mounted segment's id, assigned by the master (stable for a segment name).
@@ -97,6 +98,8 @@ pub enum NodeTask {
         offset: u64,
         len: u64,
         demote: bool,
+        /// The object's checksum: the node copies only bytes that match it.
+        checksum: Option<u64>,
     },
     /// Copy the NVMe object at `loc` into DRAM segment `dram` at `offset`.
     Promote {
@@ -105,6 +108,8 @@ pub enum NodeTask {
         dram: SegmentId,
         offset: u64,
         len: u64,
+        /// The object's checksum: the node copies only bytes that match it.
+        checksum: Option<u64>,
     },
     /// The object `key` was removed: drop its NVMe copy at `loc` (if that
     /// copy is still `key`'s). Queued with the node's other tasks, in order.
@@ -123,6 +128,8 @@ pub enum NvmeUpdate {
         dram: SegmentId,
         offset: u64,
         demote: bool,
+        /// xxh3-64 of the bytes the copy holds.
+        sum: u64,
     },
     /// A Promote task is done (or failed: `ok` false).
     Promoted {
@@ -151,6 +158,8 @@ pub enum NvmeUpdate {
         nvme: SegmentId,
         loc: u64,
         len: u64,
+        /// xxh3-64 of the value, as the tier's index records it.
+        sum: u64,
     },
 }
 
@@ -183,6 +192,12 @@ pub struct ReplicaDesc {
     pub offset: u64,
     pub len: u64,
     pub tier: Tier,
+    /// The object's checksum (xxh3-64 of its bytes, computed by its writer);
+    /// `None` while it is being put, or when its writer did not compute one.
+    pub checksum: Option<u64>,
+    /// The master's permission to read (GetReplicaList) or write (PutStart)
+    /// this replica's range; empty in an open cluster.
+    pub grant: Grant,
 }
 
 impl ReplicaDesc {
@@ -232,6 +247,13 @@ pub struct PutItem {
     pub len: u64,
 }
 
+/// One key of a `BatchPutEnd`, with the checksum of what was written.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct PutDone {
+    pub key: Vec<u8>,
+    pub checksum: Option<u64>,
+}
+
 /// One result of a batch call: the value, or why this key failed.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 pub enum ItemResult<T> {
@@ -279,15 +301,31 @@ pub enum MasterRequest {
     Hello {
         client_id: ClientId,
     },
-    /// Liveness; every second from clients and storage nodes.
+    /// With a cluster secret, the first request on a connection: the
+    /// client's id and nonce (see `auth`).
+    AuthBegin {
+        client_id: ClientId,
+        nonce: [u8; 16],
+    },
+    /// The client's proof over both nonces; the connection then speaks for
+    /// the client id of `AuthBegin`.
+    AuthProve {
+        proof: [u8; 32],
+    },
+    /// Liveness; every second from clients and storage nodes. `segments`:
+    /// the segments the sender owns (a storage node), so the master can say
+    /// which it does not know (after a restart) and the node mounts again.
     Ping {
         client_id: ClientId,
+        segments: Vec<SegmentId>,
     },
     MountSegment {
         client_id: ClientId,
         spec: SegmentSpec,
     },
+    /// By the segment's owner.
     UnmountSegment {
+        client_id: ClientId,
         segment_id: SegmentId,
     },
     /// Graceful leave: existing replicas stay readable, new puts go elsewhere.
@@ -303,6 +341,8 @@ pub enum MasterRequest {
     PutEnd {
         client_id: ClientId,
         key: Vec<u8>,
+        /// xxh3-64 of the bytes written; readers check it.
+        checksum: Option<u64>,
     },
     PutRevoke {
         client_id: ClientId,
@@ -331,7 +371,7 @@ pub enum MasterRequest {
     },
     BatchPutEnd {
         client_id: ClientId,
-        keys: Vec<Vec<u8>>,
+        items: Vec<PutDone>,
     },
     BatchPutRevoke {
         client_id: ClientId,
@@ -360,6 +400,12 @@ pub enum MasterRequest {
         client_id: ClientId,
         updates: Vec<NvmeUpdate>,
     },
+    /// A client could not reach a segment's node: the master stops placing
+    /// new replicas there until the node's next ping.
+    ReportUnreachable {
+        client_id: ClientId,
+        segment_id: SegmentId,
+    },
 }
 
 impl MasterRequest {
@@ -381,8 +427,8 @@ impl MasterRequest {
     pub fn batch_keys(&self) -> Option<Vec<&[u8]>> {
         Some(match self {
             Self::BatchPutStart { items, .. } => items.iter().map(|i| i.key.as_slice()).collect(),
-            Self::BatchPutEnd { keys, .. }
-            | Self::BatchPutRevoke { keys, .. }
+            Self::BatchPutEnd { items, .. } => items.iter().map(|i| i.key.as_slice()).collect(),
+            Self::BatchPutRevoke { keys, .. }
             | Self::BatchGet { keys }
             | Self::BatchExist { keys }
             | Self::BatchRemove { keys, .. } => keys.iter().map(Vec::as_slice).collect(),
@@ -391,10 +437,59 @@ impl MasterRequest {
         })
     }
 
+    /// The client a request speaks for, if it names one (with a cluster
+    /// secret it must be the one its connection authenticated as).
+    pub fn client_id(&self) -> Option<ClientId> {
+        match self {
+            Self::Hello { client_id }
+            | Self::AuthBegin { client_id, .. }
+            | Self::Ping { client_id, .. }
+            | Self::MountSegment { client_id, .. }
+            | Self::UnmountSegment { client_id, .. }
+            | Self::PutStart { client_id, .. }
+            | Self::PutEnd { client_id, .. }
+            | Self::PutRevoke { client_id, .. }
+            | Self::BatchPutStart { client_id, .. }
+            | Self::BatchPutEnd { client_id, .. }
+            | Self::BatchPutRevoke { client_id, .. }
+            | Self::NodeTasks { client_id, .. }
+            | Self::NvmeUpdates { client_id, .. }
+            | Self::ReportUnreachable { client_id, .. } => Some(*client_id),
+            _ => None,
+        }
+    }
+
+    /// Whether sending the request twice has the effect of sending it once
+    /// (a client may then retry it on a fresh connection when a pooled one
+    /// turns out to have been closed under it).
+    pub fn is_idempotent(&self) -> bool {
+        match self {
+            Self::Hello { .. }
+            | Self::Ping { .. }
+            | Self::MountSegment { .. }
+            | Self::UnmountSegment { .. }
+            | Self::DrainSegment { .. }
+            | Self::GetReplicaList { .. }
+            | Self::BatchGet { .. }
+            | Self::Exist { .. }
+            | Self::BatchExist { .. }
+            | Self::Stat
+            | Self::Describe { .. }
+            | Self::ReportUnreachable { .. } => true,
+            Self::NvmeUpdates { updates, .. } => updates
+                .iter()
+                .all(|u| matches!(u, NvmeUpdate::Recovered { .. } | NvmeUpdate::Evicted { .. })),
+            _ => false,
+        }
+    }
+
     /// A short name for logs and metrics.
     pub fn op_name(&self) -> &'static str {
         match self {
             Self::Hello { .. } => "hello",
+            Self::AuthBegin { .. } => "auth_begin",
+            Self::AuthProve { .. } => "auth_prove",
+            Self::ReportUnreachable { .. } => "report_unreachable",
             Self::Ping { .. } => "ping",
             Self::MountSegment { .. } => "mount_segment",
             Self::UnmountSegment { .. } => "unmount_segment",
@@ -430,6 +525,9 @@ pub struct SegmentStat {
     pub capacity: u64,
     pub used: u64,
     pub draining: bool,
+    /// A client reported its node unreachable; no new replicas go there
+    /// until the node pings again.
+    pub suspect: bool,
 }
 
 /// The pool as `Stat` reports it.
@@ -453,7 +551,17 @@ pub enum MasterResponse {
     Hello {
         cluster: ClusterMap,
     },
-    Pong,
+    /// `unknown`: the pinged segments the master has not mounted.
+    Pong {
+        unknown: Vec<SegmentId>,
+    },
+    AuthChallenge {
+        nonce: [u8; 16],
+    },
+    /// The master's own proof: it holds the secret too.
+    AuthOk {
+        proof: [u8; 32],
+    },
     Mounted {
         segment_id: SegmentId,
     },
@@ -482,11 +590,13 @@ pub enum DataRequest {
         segment_id: SegmentId,
         offset: u64,
         len: u64,
+        grant: Grant,
     },
     Read {
         segment_id: SegmentId,
         offset: u64,
         len: u64,
+        grant: Grant,
     },
     /// Read an object of the node's NVMe tier (at packed location `loc`);
     /// must reach the shard that owns the location's region.
@@ -494,10 +604,16 @@ pub enum DataRequest {
         segment_id: SegmentId,
         loc: u64,
         len: u64,
+        grant: Grant,
     },
     /// RDMA set-up: the node's capabilities, or queue pairs to its segment.
     /// The queue pairs live as long as the TCP connection that set them up.
-    Rdma(crate::rdma_wire::RdmaRequest),
+    /// `Connect` needs a grant on the segment (any live read or write
+    /// grant) when the node has a cluster secret.
+    Rdma {
+        req: crate::rdma_wire::RdmaRequest,
+        grant: Grant,
+    },
 }
 
 /// Answers of a storage node. `Data` is followed by exactly `len` bytes.
@@ -548,6 +664,8 @@ mod tests {
             offset: 250,
             len: 10,
             tier: Tier::Dram,
+            checksum: None,
+            grant: Grant::default(),
         };
         assert_eq!(r.data_shard(), 2);
         r.offset = 10_000;

@@ -4,7 +4,11 @@
 //! ```text
 //!  storage node                          client on the same host
 //!  memfd segment                         connect("\0kvpool-shm-<segment id>")
-//!  listens on the abstract unix socket -> header {magic, segment id, size}
+//!                                   <-   request {magic, segment id, grant}
+//!  listens on the abstract unix socket   (with a cluster secret the grant must
+//!   checks the grant                      be a live one the master signed for
+//!                                   ->    this segment)
+//!                                        header {magic, segment id, size}
 //!                                         + the memfd (SCM_RIGHTS)
 //!                                        mmap(fd, size, shared)  -> memcpy in and out
 //! ```
@@ -29,11 +33,53 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
+use crate::auth::Grant;
 use crate::error::{ErrorCode, KvError};
 use crate::proto::SegmentId;
 
 const MAGIC: [u8; 4] = *b"KVSH";
 const HEADER: usize = 20;
+const REQUEST_MAGIC: [u8; 4] = *b"KVSQ";
+/// magic, segment id, grant (op, offset, len, expires, mac).
+const REQUEST: usize = 4 + 8 + 1 + 8 + 8 + 8 + 16;
+
+fn encode_request(segment_id: SegmentId, g: &Grant) -> [u8; REQUEST] {
+    let mut b = [0u8; REQUEST];
+    b[0..4].copy_from_slice(&REQUEST_MAGIC);
+    b[4..12].copy_from_slice(&segment_id.to_le_bytes());
+    b[12] = g.op;
+    b[13..21].copy_from_slice(&g.offset.to_le_bytes());
+    b[21..29].copy_from_slice(&g.len.to_le_bytes());
+    b[29..37].copy_from_slice(&g.expires_ms.to_le_bytes());
+    b[37..53].copy_from_slice(&g.mac);
+    b
+}
+
+/// Reads a client's request for a segment (storage node side): the segment
+/// id it asks for and the grant it shows.
+pub async fn read_request(
+    stream: &mut tokio::net::UnixStream,
+) -> std::io::Result<(SegmentId, Grant)> {
+    use tokio::io::AsyncReadExt;
+    let mut b = [0u8; REQUEST];
+    stream.read_exact(&mut b).await?;
+    if b[0..4] != REQUEST_MAGIC {
+        return Err(std::io::Error::other("not a kvpool shm request"));
+    }
+    let u = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+    let mut mac = [0u8; 16];
+    mac.copy_from_slice(&b[37..53]);
+    Ok((
+        u(4),
+        Grant {
+            op: b[12],
+            offset: u(13),
+            len: u(21),
+            expires_ms: u(29),
+            mac,
+        },
+    ))
+}
 
 /// Segment mappings open in this process (for leak checks).
 static MAPPED: AtomicU64 = AtomicU64::new(0);
@@ -101,15 +147,24 @@ unsafe impl Send for ShmMap {}
 unsafe impl Sync for ShmMap {}
 
 impl ShmMap {
-    /// Connects to the segment's socket, receives its memfd and maps it.
-    /// Blocking (a local round trip); `timeout` bounds every wait.
-    pub fn open(segment_id: SegmentId, timeout: Duration) -> Result<Self, KvError> {
+    /// Connects to the segment's socket, shows `grant` (a grant the master
+    /// issued for a range of this segment; empty in an open cluster),
+    /// receives its memfd and maps it. Blocking (a local round trip);
+    /// `timeout` bounds every wait.
+    pub fn open(segment_id: SegmentId, grant: &Grant, timeout: Duration) -> Result<Self, KvError> {
+        use std::io::Write;
         let addr = SocketAddr::from_abstract_name(socket_name(segment_id).as_bytes())
             .map_err(|e| io_err("socket name", e))?;
-        let stream = UnixStream::connect_addr(&addr).map_err(|e| io_err("connect", e))?;
+        let mut stream = UnixStream::connect_addr(&addr).map_err(|e| io_err("connect", e))?;
         stream
             .set_read_timeout(Some(timeout))
             .map_err(|e| io_err("set timeout", e))?;
+        stream
+            .set_write_timeout(Some(timeout))
+            .map_err(|e| io_err("set timeout", e))?;
+        stream
+            .write_all(&encode_request(segment_id, grant))
+            .map_err(|e| io_err("request", e))?;
         let mut head = [0u8; HEADER];
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
@@ -258,11 +313,15 @@ mod tests {
         rustix::fs::ftruncate(&fd, 8192).unwrap();
         let listener = listen(id).unwrap();
         let server = std::thread::spawn(move || {
-            let (s, _) = listener.accept().unwrap();
+            let (mut s, _) = listener.accept().unwrap();
+            let mut req = [0u8; REQUEST];
+            std::io::Read::read_exact(&mut s, &mut req).unwrap();
+            assert_eq!(req[0..4], REQUEST_MAGIC);
+            assert_eq!(u64::from_le_bytes(req[4..12].try_into().unwrap()), id);
             send_segment(&s, id, 8192, fd.as_fd()).unwrap();
             fd
         });
-        let a = ShmMap::open(id, Duration::from_secs(5)).unwrap();
+        let a = ShmMap::open(id, &Grant::default(), Duration::from_secs(5)).unwrap();
         let fd = server.join().unwrap();
         assert_eq!(open_mappings(), 1);
         a.write_from(100, b"hello").unwrap();
@@ -283,7 +342,7 @@ mod tests {
 
     #[test]
     fn no_listener_is_unavailable() {
-        let e = ShmMap::open(0xdead_beef, Duration::from_secs(1))
+        let e = ShmMap::open(0xdead_beef, &Grant::default(), Duration::from_secs(1))
             .err()
             .expect("nobody serves this segment");
         assert_eq!(e.code, ErrorCode::Unavailable);

@@ -22,6 +22,7 @@
 //!     let args = MasterArgs {
 //!         shards: pool.handle(),
 //!         config: MasterConfig { listen: "127.0.0.1:0".into(), ..Default::default() },
+//!         key: None,
 //!         metrics: MetricsRegistry::new(),
 //!     };
 //!     let (master, _join) = Actor::spawn(None, Master, args).await.unwrap();
@@ -46,7 +47,9 @@
 //!         client_id: 7, key: key.clone(), len: 4096, opts: Default::default(), reply
 //!     }).unwrap().unwrap();
 //!     assert_eq!(replicas[0].segment_id, seg);
-//!     call!(master, |reply| MasterMsg::PutEnd { client_id: 7, key: key.clone(), reply })
+//!     call!(master, |reply| MasterMsg::PutEnd {
+//!         client_id: 7, key: key.clone(), checksum: None, reply
+//!     })
 //!         .unwrap()
 //!         .unwrap();
 //!     let found = call!(master, |reply| MasterMsg::Exist { key: key.clone(), reply })
@@ -61,8 +64,8 @@
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::ShardHandle;
 use kvpool_transport::proto::{
-    ClientId, ItemResult, MasterRequest, MasterResponse, ObjectInfo, PoolStat, PutItem, PutOptions,
-    ReplicaDesc, SegmentId, SegmentSpec,
+    ClientId, ItemResult, MasterRequest, MasterResponse, ObjectInfo, PoolStat, PutDone, PutItem,
+    PutOptions, ReplicaDesc, SegmentId, SegmentSpec,
 };
 use kvpool_transport::{ErrorCode, KvError};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -81,7 +84,9 @@ pub enum MasterMsg {
         spec: SegmentSpec,
         reply: R<SegmentId>,
     },
+    /// By the segment's owner.
     UnmountSegment {
+        client_id: ClientId,
         segment_id: SegmentId,
         reply: R<()>,
     },
@@ -100,6 +105,8 @@ pub enum MasterMsg {
     PutEnd {
         client_id: ClientId,
         key: Vec<u8>,
+        /// xxh3-64 of the bytes written (readers check it), if computed.
+        checksum: Option<u64>,
         reply: R<()>,
     },
     PutRevoke {
@@ -143,7 +150,7 @@ pub enum MasterMsg {
     },
     BatchPutEnd {
         client_id: ClientId,
-        keys: Vec<Vec<u8>>,
+        items: Vec<PutDone>,
         reply: R<BatchResults<()>>,
     },
     BatchPutRevoke {
@@ -177,6 +184,8 @@ pub enum MasterMsg {
 pub struct MasterArgs {
     pub shards: ShardHandle,
     pub config: MasterConfig,
+    /// The cluster secret (`None`: an open cluster).
+    pub key: Option<kvpool_transport::auth::ClusterKey>,
     pub metrics: MetricsRegistry,
 }
 
@@ -208,7 +217,7 @@ async fn forward<T: Send + 'static>(
 
 fn done(r: MasterResponse) -> Result<(), KvError> {
     match r {
-        MasterResponse::Done | MasterResponse::Pong => Ok(()),
+        MasterResponse::Done | MasterResponse::Pong { .. } => Ok(()),
         other => Err(wrong(other)),
     }
 }
@@ -248,7 +257,7 @@ impl Actor for Master {
         _myself: ActorRef<Self::Msg>,
         args: MasterArgs,
     ) -> Result<MasterHandle, ActorProcessingErr> {
-        Ok(service::start(&args.shards, &args.config, &args.metrics).await?)
+        Ok(service::start(&args.shards, &args.config, args.key, &args.metrics).await?)
     }
 
     async fn handle(
@@ -270,8 +279,21 @@ impl Actor for Master {
                 })
                 .await
             }
-            MasterMsg::UnmountSegment { segment_id, reply } => {
-                forward(h, Q::UnmountSegment { segment_id }, reply, done).await
+            MasterMsg::UnmountSegment {
+                client_id,
+                segment_id,
+                reply,
+            } => {
+                forward(
+                    h,
+                    Q::UnmountSegment {
+                        client_id,
+                        segment_id,
+                    },
+                    reply,
+                    done,
+                )
+                .await
             }
             MasterMsg::DrainSegment { segment_id, reply } => {
                 forward(h, Q::DrainSegment { segment_id }, reply, done).await
@@ -303,9 +325,9 @@ impl Actor for Master {
             }
             MasterMsg::BatchPutEnd {
                 client_id,
-                keys,
+                items,
                 reply,
-            } => forward(h, Q::BatchPutEnd { client_id, keys }, reply, batch_done).await,
+            } => forward(h, Q::BatchPutEnd { client_id, items }, reply, batch_done).await,
             MasterMsg::BatchPutRevoke {
                 client_id,
                 keys,
@@ -347,8 +369,21 @@ impl Actor for Master {
             MasterMsg::PutEnd {
                 client_id,
                 key,
+                checksum,
                 reply,
-            } => forward(h, Q::PutEnd { client_id, key }, reply, done).await,
+            } => {
+                forward(
+                    h,
+                    Q::PutEnd {
+                        client_id,
+                        key,
+                        checksum,
+                    },
+                    reply,
+                    done,
+                )
+                .await
+            }
             MasterMsg::PutRevoke {
                 client_id,
                 key,
@@ -382,7 +417,11 @@ impl Actor for Master {
                 .await
             }
             MasterMsg::Ping { client_id, reply } => {
-                forward(h, Q::Ping { client_id }, reply, done).await
+                let ping = Q::Ping {
+                    client_id,
+                    segments: Vec::new(),
+                };
+                forward(h, ping, reply, done).await
             }
             MasterMsg::Request { req, reply } => forward(h, req, reply, Ok).await,
             MasterMsg::Handle(reply) => {

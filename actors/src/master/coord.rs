@@ -21,6 +21,15 @@ use super::state::{ShardStat, ShardState};
 
 /// Most clients the coordinator tracks for liveness.
 pub const MAX_CLIENTS: usize = 1 << 20;
+/// Largest segment a node may mount (256 TiB): bounds what a report or an
+/// allocation can name.
+pub const MAX_SEGMENT_BYTES: u64 = 1 << 48;
+/// Most shards a node may announce.
+pub const MAX_NODE_SHARDS: u16 = 1024;
+/// Longest segment name, host id or endpoint host.
+pub const MAX_NAME_BYTES: usize = 256;
+/// Most segments one ping may name.
+pub const MAX_PING_SEGMENTS: usize = 64;
 
 /// A command every shard applies.
 #[derive(Debug, Clone)]
@@ -28,6 +37,12 @@ pub enum ShardCommand {
     AddSegment {
         id: SegmentId,
         spec: Arc<SegmentSpec>,
+        owner: ClientId,
+    },
+    /// Placement skips suspect segments (a client could not reach them).
+    SetSuspect {
+        ids: Vec<SegmentId>,
+        suspect: bool,
     },
     RemoveSegment {
         id: SegmentId,
@@ -54,8 +69,14 @@ impl ShardState {
     /// Applies a coordinator command.
     pub fn command(&mut self, cmd: &ShardCommand, now_ms: u64) -> CommandResult {
         match cmd {
-            ShardCommand::AddSegment { id, spec } => {
-                self.add_segment(*id, spec.clone());
+            ShardCommand::AddSegment { id, spec, owner } => {
+                self.add_segment(*id, spec.clone(), *owner);
+                CommandResult::Count(0)
+            }
+            ShardCommand::SetSuspect { ids, suspect } => {
+                for id in ids {
+                    self.set_suspect(*id, *suspect);
+                }
                 CommandResult::Count(0)
             }
             ShardCommand::RemoveSegment { id } => CommandResult::Count(self.remove_segment(*id)),
@@ -76,6 +97,7 @@ struct Mounted {
     spec: Arc<SegmentSpec>,
     owner: ClientId,
     draining: bool,
+    suspect: bool,
 }
 
 /// What the coordinator decided to do about an admin request.
@@ -88,12 +110,62 @@ pub enum Decision {
 }
 
 /// How to answer once every shard has applied a broadcast command.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub enum Finish {
     Mounted(SegmentId),
     Done,
     Stat,
     Removed,
+    /// A ping that cleared suspect marks: `Pong` with these unknown ids.
+    Pong(Vec<SegmentId>),
+}
+
+/// Checks a segment spec from the network before anything is mounted.
+fn check_spec(spec: &SegmentSpec) -> Result<(), KvError> {
+    let bad = |why: String| {
+        Err(KvError::new(
+            ErrorCode::InvalidParams,
+            format!("segment {:?}: {why}", spec.name),
+        ))
+    };
+    if spec.name.is_empty() || spec.size == 0 || spec.endpoint.nr_shards == 0 {
+        return bad("size, name and shard count must be non-zero".into());
+    }
+    for (what, v) in [
+        ("name", &spec.name),
+        ("host id", &spec.host_id),
+        ("endpoint host", &spec.endpoint.host),
+    ] {
+        if v.len() > MAX_NAME_BYTES {
+            return bad(format!("{what} longer than {MAX_NAME_BYTES} bytes"));
+        }
+    }
+    if spec.size > MAX_SEGMENT_BYTES {
+        return bad(format!(
+            "{} bytes is more than the largest segment, {MAX_SEGMENT_BYTES}",
+            spec.size
+        ));
+    }
+    if spec.endpoint.nr_shards > MAX_NODE_SHARDS {
+        return bad(format!("more than {MAX_NODE_SHARDS} shards"));
+    }
+    if spec.endpoint.port == 0 || spec.endpoint.host.is_empty() {
+        return bad("no endpoint to reach it at".into());
+    }
+    match spec.tier {
+        kvpool_transport::proto::Tier::Dram => {
+            let slices = spec.slice_bytes.checked_mul(spec.endpoint.nr_shards as u64);
+            if spec.slice_bytes == 0 || slices.is_none_or(|b| b < spec.size) {
+                return bad("its shards' slices do not cover it".into());
+            }
+        }
+        kvpool_transport::proto::Tier::Nvme => {
+            if spec.nvme.is_some() {
+                return bad("an NVMe tier has no tier of its own".into());
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Clients and segments that fell silent, and what to do about them.
@@ -136,38 +208,105 @@ impl CoordState {
     /// Decides an admin request (mount, unmount, drain, ping, stat, remove all).
     pub fn decide(&mut self, req: MasterRequest, now_ms: u64) -> Result<Decision, KvError> {
         match req {
-            MasterRequest::Ping { client_id } => {
-                self.seen(client_id, now_ms)?;
-                Ok(Decision::Answer(MasterResponse::Pong))
-            }
-            MasterRequest::MountSegment { client_id, spec } => {
-                if spec.size == 0 || spec.name.is_empty() || spec.endpoint.nr_shards == 0 {
+            MasterRequest::Ping {
+                client_id,
+                segments,
+            } => {
+                if segments.len() > MAX_PING_SEGMENTS {
                     return Err(KvError::new(
                         ErrorCode::InvalidParams,
-                        format!(
-                            "segment {:?}: size, name and shard count must be non-zero",
-                            spec.name
-                        ),
+                        format!("a ping names at most {MAX_PING_SEGMENTS} segments"),
                     ));
                 }
+                self.seen(client_id, now_ms)?;
+                let mut unknown = Vec::new();
+                let mut cleared = Vec::new();
+                for id in segments {
+                    match self.segments.get_mut(&id) {
+                        None => unknown.push(id),
+                        Some(m) if m.owner == client_id && m.suspect => {
+                            // Its node is alive after all.
+                            m.suspect = false;
+                            cleared.push(id);
+                        }
+                        Some(_) => {}
+                    }
+                }
+                if cleared.is_empty() {
+                    return Ok(Decision::Answer(MasterResponse::Pong { unknown }));
+                }
+                tracing::info!(segments = ?cleared, "owner pinged: no longer suspect");
+                Ok(Decision::Broadcast {
+                    cmd: ShardCommand::SetSuspect {
+                        ids: cleared,
+                        suspect: false,
+                    },
+                    finish: Finish::Pong(unknown),
+                })
+            }
+            MasterRequest::ReportUnreachable {
+                client_id,
+                segment_id,
+            } => {
+                self.seen(client_id, now_ms)?;
+                match self.segments.get_mut(&segment_id) {
+                    Some(m) if !m.suspect && m.owner != client_id => {
+                        m.suspect = true;
+                        tracing::warn!(
+                            segment = %m.spec.name,
+                            reporter = client_id,
+                            "a client could not reach this segment's node: no new replicas there until it pings"
+                        );
+                        Ok(Decision::Broadcast {
+                            cmd: ShardCommand::SetSuspect {
+                                ids: vec![segment_id],
+                                suspect: true,
+                            },
+                            finish: Finish::Done,
+                        })
+                    }
+                    _ => Ok(Decision::Answer(MasterResponse::Done)),
+                }
+            }
+            MasterRequest::MountSegment { client_id, spec } => {
+                check_spec(&spec)?;
                 if let Some(&id) = self.by_name.get(&spec.name) {
                     let m = &self.segments[&id];
-                    if *m.spec == spec {
-                        // Idempotent: a retried mount is the same mount.
+                    let same = *m.spec == spec;
+                    let old_owner = m.owner;
+                    let same_tier_back = spec.tier == kvpool_transport::proto::Tier::Nvme
+                        && m.spec.size == spec.size;
+                    if same || same_tier_back {
+                        // A retried mount is the same mount. Mounted by
+                        // another client (its node restarted on the same
+                        // ports, or an NVMe tier back at a new address),
+                        // it changes hands: the old registration's expiry
+                        // must not take it away. Its replicas stay valid.
                         self.seen(client_id, now_ms)?;
-                        return Ok(Decision::Answer(MasterResponse::Mounted { segment_id: id }));
-                    }
-                    if spec.tier == kvpool_transport::proto::Tier::Nvme && m.spec.size == spec.size
-                    {
-                        // The same NVMe tier, back after its node restarted
-                        // (new ports, new owner): its replicas stay valid.
-                        self.seen(client_id, now_ms)?;
+                        if same && old_owner == client_id {
+                            return Ok(Decision::Answer(MasterResponse::Mounted {
+                                segment_id: id,
+                            }));
+                        }
+                        if old_owner != client_id {
+                            tracing::info!(
+                                segment = %spec.name,
+                                from = old_owner,
+                                to = client_id,
+                                "segment mounted again by a new owner"
+                            );
+                        }
                         let spec = Arc::new(spec);
                         let m = self.segments.get_mut(&id).expect("present");
                         m.spec = spec.clone();
                         m.owner = client_id;
+                        m.suspect = false;
                         return Ok(Decision::Broadcast {
-                            cmd: ShardCommand::AddSegment { id, spec },
+                            cmd: ShardCommand::AddSegment {
+                                id,
+                                spec,
+                                owner: client_id,
+                            },
                             finish: Finish::Mounted(id),
                         });
                     }
@@ -198,21 +337,42 @@ impl CoordState {
                         spec: spec.clone(),
                         owner: client_id,
                         draining: false,
+                        suspect: false,
                     },
                 );
                 Ok(Decision::Broadcast {
-                    cmd: ShardCommand::AddSegment { id, spec },
+                    cmd: ShardCommand::AddSegment {
+                        id,
+                        spec,
+                        owner: client_id,
+                    },
                     finish: Finish::Mounted(id),
                 })
             }
-            MasterRequest::UnmountSegment { segment_id } => match self.forget(segment_id) {
-                // Idempotent: an unknown or already unmounted segment is done.
-                None => Ok(Decision::Answer(MasterResponse::Done)),
-                Some(cmd) => Ok(Decision::Broadcast {
-                    cmd,
-                    finish: Finish::Done,
-                }),
-            },
+            MasterRequest::UnmountSegment {
+                client_id,
+                segment_id,
+            } => {
+                if let Some(m) = self.segments.get(&segment_id) {
+                    if m.owner != client_id {
+                        return Err(KvError::new(
+                            ErrorCode::IllegalClient,
+                            format!(
+                                "segment {:?} belongs to another client; only its node unmounts it",
+                                m.spec.name
+                            ),
+                        ));
+                    }
+                }
+                match self.forget(segment_id) {
+                    // Idempotent: an unknown or already unmounted segment is done.
+                    None => Ok(Decision::Answer(MasterResponse::Done)),
+                    Some(cmd) => Ok(Decision::Broadcast {
+                        cmd,
+                        finish: Finish::Done,
+                    }),
+                }
+            }
             MasterRequest::DrainSegment { segment_id } => {
                 let m = self.segments.get_mut(&segment_id).ok_or_else(|| {
                     KvError::new(
@@ -274,6 +434,7 @@ impl CoordState {
                     .sum(),
             ),
             Finish::Stat => MasterResponse::Stat(self.merge_stat(results)),
+            Finish::Pong(unknown) => MasterResponse::Pong { unknown },
         }
     }
 
@@ -311,6 +472,7 @@ impl CoordState {
                     capacity,
                     used,
                     draining: m.draining,
+                    suspect: m.suspect,
                 }
             })
             .collect();
@@ -412,9 +574,9 @@ pub fn split_batch_by(req: MasterRequest, shard_of: impl Fn(&[u8]) -> u32) -> Ve
                     items: pick(items, &positions),
                     opts: opts.clone(),
                 },
-                MasterRequest::BatchPutEnd { client_id, keys } => MasterRequest::BatchPutEnd {
+                MasterRequest::BatchPutEnd { client_id, items } => MasterRequest::BatchPutEnd {
                     client_id: *client_id,
-                    keys: pick(keys, &positions),
+                    items: pick(items, &positions),
                 },
                 MasterRequest::BatchPutRevoke { client_id, keys } => {
                     MasterRequest::BatchPutRevoke {

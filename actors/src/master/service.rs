@@ -28,17 +28,18 @@ use glommio::net::TcpStream;
 use kvpool_runtime::hash::{ShardMap, VSHARDS};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardCtx, ShardHandle};
+use kvpool_transport::auth::ClusterKey;
 use kvpool_transport::frame::{self, FrameHeader, FrameKind};
 use kvpool_transport::proto::{ClusterMap, MasterRequest, MasterResponse, MasterShardAddr};
 use kvpool_transport::{ErrorCode, KvError};
 
 use super::coord::{merge_batch, split_batch, CommandResult, CoordState, Decision, ShardCommand};
 use super::core::check_batch;
-use super::state::{ShardConfig, ShardState};
+use super::state::{GrantSigner, ShardConfig, ShardState};
 use crate::clock::now_ms;
 use crate::config::MasterConfig;
 use crate::metrics::MasterMetrics;
-use crate::server::{self, Handler, Next, ServerLimits};
+use crate::server::{self, ConnState, Handler, Next, RefusalLog, ServerLimits};
 use crate::NodeError;
 
 /// A reply sink for a request routed to a shard; called exactly once.
@@ -53,6 +54,8 @@ enum ShardMsg {
         cmd: ShardCommand,
         done: tokio::sync::oneshot::Sender<CommandResult>,
     },
+    /// Health: answered at once by a shard that is serving its inbox.
+    Probe(tokio::sync::oneshot::Sender<()>),
 }
 
 struct AdminMsg {
@@ -187,6 +190,20 @@ impl MasterHandle {
         })
     }
 
+    /// Whether every master shard is serving its inbox (no deadline of its
+    /// own: the caller bounds it). The error names the shard that is not.
+    pub async fn probe(&self) -> Result<(), String> {
+        for (i, tx) in self.inner.inboxes.iter().enumerate() {
+            let (done, rx) = tokio::sync::oneshot::channel();
+            tx.send_async(ShardMsg::Probe(done))
+                .await
+                .map_err(|_| format!("master shard {i} has stopped"))?;
+            rx.await
+                .map_err(|_| format!("master shard {i} dropped the probe"))?;
+        }
+        Ok(())
+    }
+
     /// Brings the pool gauges (keys, segment capacity and use) up to date;
     /// called before `/metrics` is rendered.
     pub async fn refresh_gauges(&self) -> Result<(), KvError> {
@@ -217,9 +234,12 @@ impl MasterHandle {
 }
 
 /// Starts the master on every shard. Returns once every shard listens.
+/// With `key` (the cluster secret), every connection must authenticate
+/// before its first request, and grants are signed for the data plane.
 pub async fn start(
     shards: &ShardHandle,
     cfg: &MasterConfig,
+    key: Option<ClusterKey>,
     metrics: &MetricsRegistry,
 ) -> Result<MasterHandle, NodeError> {
     let n = shards.nr_shards();
@@ -271,8 +291,15 @@ pub async fn start(
         max_connections: cfg.max_connections,
         idle_timeout: Duration::from_millis(cfg.idle_timeout_ms),
         io_timeout: Duration::from_millis(cfg.io_timeout_ms),
+        first_frame_timeout: Duration::from_millis(cfg.first_frame_timeout_ms),
         max_frame_bytes: cfg.max_frame_bytes.get() as u32,
+        frame_budget: kvpool_transport::frame::FrameBudget::new(cfg.max_frame_memory.get()),
+        require_auth: key.is_some(),
     };
+    let signer = key.as_ref().map(|k| GrantSigner {
+        key: k.clone(),
+        unix_at_zero_ms: kvpool_transport::auth::unix_ms().saturating_sub(now_ms()),
+    });
     let tick = Duration::from_millis(cfg.tick_ms);
     let client_ttl_ms = cfg.client_ttl_ms;
     let seed: u64 = rand::random();
@@ -283,13 +310,16 @@ pub async fn start(
         let shard_cfg = shard_cfg.clone();
         let admin_rx = admin_rx.take();
         let metrics = master_metrics.clone();
+        let signer = signer.clone();
+        let key = key.clone();
+        let server_limits = server_limits.clone();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
         ready.push(ready_rx);
         shards
             .spawn_on(i, move |ctx: ShardCtx| async move {
-                let state = Rc::new(RefCell::new(ShardState::new(
-                    i as u32, n as u32, shard_cfg, seed,
-                )));
+                let state = Rc::new(RefCell::new(
+                    ShardState::new(i as u32, n as u32, shard_cfg, seed).with_signer(signer),
+                ));
                 glommio::spawn_local(inbox_loop(ctx.clone(), state.clone(), rx, metrics.clone()))
                     .detach();
                 glommio::spawn_local(tick_loop(ctx.clone(), state.clone(), tick, metrics.clone()))
@@ -312,6 +342,8 @@ pub async fn start(
                     handle,
                     io_timeout: server_limits.io_timeout,
                     metrics,
+                    key,
+                    refusals: RefusalLog::default(),
                 });
                 let _ = ready_tx.send(());
                 server::serve(ctx, listener, server_limits, "master", handler).await;
@@ -366,6 +398,9 @@ async fn inbox_loop(
             ShardMsg::Request { req, reply } => reply(apply_local(&state, &metrics, req)),
             ShardMsg::Command { cmd, done } => {
                 let _ = done.send(state.borrow_mut().command(&cmd, now_ms()));
+            }
+            ShardMsg::Probe(done) => {
+                let _ = done.send(());
             }
         }
     }
@@ -490,6 +525,9 @@ struct MasterConn {
     handle: MasterHandle,
     io_timeout: Duration,
     metrics: MasterMetrics,
+    /// The cluster secret: connections authenticate before anything else.
+    key: Option<ClusterKey>,
+    refusals: RefusalLog,
 }
 
 impl MasterConn {
@@ -522,10 +560,103 @@ impl MasterConn {
         }
         self.handle.call(req).await
     }
+
+    /// The handshake, and the gate in front of every other request. `Ok`:
+    /// dispatch the request; `Err`: answer this instead (and whether to
+    /// close the connection).
+    fn admit(
+        &self,
+        req: &MasterRequest,
+        conn: &mut ConnState,
+    ) -> Result<(), (Result<MasterResponse, KvError>, bool)> {
+        use kvpool_transport::auth;
+        let refuse = |e: KvError| Err((Err(e), true));
+        let Some(key) = &self.key else {
+            return match req {
+                MasterRequest::AuthBegin { .. } | MasterRequest::AuthProve { .. } => {
+                    refuse(KvError::new(
+                        ErrorCode::Unsupported,
+                        "this master runs without a cluster secret: it cannot prove itself",
+                    ))
+                }
+                _ => Ok(()),
+            };
+        };
+        match req {
+            MasterRequest::AuthBegin { client_id, nonce } => {
+                if conn.authenticated || conn.challenge.is_some() {
+                    return refuse(KvError::new(
+                        ErrorCode::InvalidParams,
+                        "a connection authenticates once",
+                    ));
+                }
+                let ns = auth::nonce();
+                conn.challenge = Some((*client_id, *nonce, ns));
+                Err((Ok(MasterResponse::AuthChallenge { nonce: ns }), false))
+            }
+            MasterRequest::AuthProve { proof } => {
+                let Some((id, nc, ns)) = conn.challenge.take() else {
+                    return refuse(KvError::new(
+                        ErrorCode::InvalidParams,
+                        "AuthProve without AuthBegin",
+                    ));
+                };
+                if let Err(e) = key.verify_client_proof(id, &nc, &ns, proof) {
+                    self.metrics.auth_refusals.inc();
+                    self.refusals.refused("master", "a connection's proof", &e);
+                    return refuse(e);
+                }
+                conn.authenticated = true;
+                conn.client_id = Some(id);
+                Err((
+                    Ok(MasterResponse::AuthOk {
+                        proof: key.server_proof(id, &nc, &ns),
+                    }),
+                    false,
+                ))
+            }
+            _ if !conn.authenticated => {
+                let e = KvError::new(
+                    ErrorCode::Unauthenticated,
+                    format!(
+                        "{} refused: this cluster requires the cluster secret \
+                         (set KVPOOL_SECRET or [security] secret)",
+                        req.op_name()
+                    ),
+                );
+                self.metrics.auth_refusals.inc();
+                self.refusals.refused(
+                    "master",
+                    &format!("an unauthenticated {}", req.op_name()),
+                    &e,
+                );
+                refuse(e)
+            }
+            _ => match (req.client_id(), conn.client_id) {
+                (Some(named), Some(own)) if named != own => Err((
+                    Err(KvError::new(
+                        ErrorCode::IllegalClient,
+                        format!(
+                            "{} names client {named:#x}; this connection is client {own:#x}",
+                            req.op_name()
+                        ),
+                    )),
+                    false,
+                )),
+                _ => Ok(()),
+            },
+        }
+    }
 }
 
 impl Handler for MasterConn {
-    async fn handle(&self, hdr: FrameHeader, stream: &mut TcpStream) -> Next {
+    async fn handle(
+        &self,
+        hdr: FrameHeader,
+        payload: kvpool_transport::frame::AlignedVec,
+        stream: &mut TcpStream,
+        conn: &mut ConnState,
+    ) -> Next {
         if hdr.kind != FrameKind::MasterRequest {
             let e = frame::FrameError::UnexpectedKind {
                 expected: FrameKind::MasterRequest,
@@ -534,10 +665,6 @@ impl Handler for MasterConn {
             server::reject(stream, hdr.request_id, &e, "master").await;
             return Next::Close;
         }
-        let payload = match frame::read_payload(stream, &hdr).await {
-            Ok(p) => p,
-            Err(_) => return Next::Close,
-        };
         let req: MasterRequest = match frame::decode(&payload) {
             Ok(r) => r,
             Err(e) => {
@@ -545,21 +672,32 @@ impl Handler for MasterConn {
                 return Next::Close;
             }
         };
+        drop(payload);
         let op = req.op_name();
-        let res =
-            match glommio::timer::timeout(self.io_timeout, async { Ok(self.dispatch(req).await) })
+        let (res, close) = match self.admit(&req, conn) {
+            Err(answer) => answer,
+            Ok(()) => {
+                let r = match glommio::timer::timeout(self.io_timeout, async {
+                    Ok(self.dispatch(req).await)
+                })
                 .await
-            {
-                Ok(r) => r,
-                Err(_) => Err(KvError::new(
-                    ErrorCode::Timeout,
-                    format!("{op} was not answered within {:?}", self.io_timeout),
-                )),
-            };
+                {
+                    Ok(r) => r,
+                    Err(_) => Err(KvError::new(
+                        ErrorCode::Timeout,
+                        format!("{op} was not answered within {:?}", self.io_timeout),
+                    )),
+                };
+                (r, false)
+            }
+        };
         let bytes = match &res {
             Ok(resp) => frame::encode(FrameKind::MasterResponse, hdr.request_id, resp),
             Err(e) => frame::encode_error(hdr.request_id, e),
         };
-        server::answer(stream, &bytes).await
+        match server::answer_within(stream, &bytes, self.io_timeout).await {
+            Next::Continue if !close => Next::Continue,
+            _ => Next::Close,
+        }
     }
 }

@@ -26,6 +26,7 @@ use std::sync::Arc;
 
 use kvpool_storage::alloc::RangeAllocator;
 use kvpool_storage::segment::SEGMENT_ALIGN;
+use kvpool_transport::auth::{ClusterKey, Grant, GrantOp};
 use kvpool_transport::proto::{
     ClientId, ItemResult, MasterRequest, MasterResponse, NodeTask, NvmeUpdate, ObjectInfo, PutItem,
     PutOptions, ReplicaDesc, SegmentId, SegmentSpec, Tier,
@@ -88,6 +89,38 @@ pub struct ShardConfig {
 /// Tasks queued for one segment's node, at most.
 pub const MAX_TASKS_PER_SEGMENT: usize = 16_384;
 
+/// Signs data-plane grants (when the cluster has a secret).
+#[derive(Debug, Clone)]
+pub struct GrantSigner {
+    pub key: ClusterKey,
+    /// Unix time (ms) at `now_ms == 0` of the clock the state is driven by:
+    /// grants expire in Unix time, which storage nodes can check.
+    pub unix_at_zero_ms: u64,
+}
+
+impl GrantSigner {
+    fn sign(&self, op: GrantOp, r: &ReplicaDesc, expires_now_ms: u64) -> Grant {
+        self.key.grant(
+            op,
+            r.segment_id,
+            r.offset,
+            r.len,
+            self.unix_at_zero_ms.saturating_add(expires_now_ms),
+        )
+    }
+}
+
+/// What a list of replica descriptors is for: which grants it carries.
+#[derive(Debug, Clone, Copy)]
+enum Access {
+    /// The admin view: no grants.
+    Describe,
+    /// PutStart: write grants until `until_ms`.
+    Write { until_ms: u64 },
+    /// GetReplicaList: read grants until `until_ms` (the lease's end).
+    Read { until_ms: u64 },
+}
+
 impl ShardConfig {
     pub fn from_master(cfg: &MasterConfig, nr_shards: u32) -> Self {
         Self {
@@ -113,6 +146,12 @@ struct SegmentSlot {
     /// DRAM: this shard's range. NVMe: empty (the node manages that space).
     alloc: RangeAllocator,
     draining: bool,
+    /// The client (storage node) that mounted it: only it may report on it
+    /// or take its tasks.
+    owner: ClientId,
+    /// A client could not reach its node: no new replicas go there until the
+    /// owner's next ping.
+    suspect: bool,
 }
 
 impl SegmentSlot {
@@ -146,6 +185,8 @@ impl Replica {
 }
 
 const HARD_PIN: u8 = 1;
+/// `Object::sum` holds the writer's checksum.
+const HAS_SUM: u8 = 2;
 
 /// One object's metadata. Kept small: the master holds tens of millions.
 #[derive(Debug)]
@@ -162,12 +203,19 @@ struct Object {
     flags: u8,
     /// Reads served from NVMe only since the last promotion decision.
     nvme_reads: u16,
+    /// xxh3-64 of the value (when `HAS_SUM`): set by the writer at PutEnd,
+    /// or by the tier's index for a recovered object.
+    sum: u64,
     replicas: SmallVec<[Replica; 1]>,
 }
 
 impl Object {
     fn hard_pinned(&self) -> bool {
         self.flags & HARD_PIN != 0
+    }
+
+    fn checksum(&self) -> Option<u64> {
+        (self.flags & HAS_SUM != 0).then_some(self.sum)
     }
 }
 
@@ -219,6 +267,8 @@ pub struct ShardState {
     tasks: HashMap<SegmentId, VecDeque<NodeTask>>,
     demotions: u64,
     promotions: u64,
+    /// Signs data-plane grants; `None` in an open cluster.
+    signer: Option<GrantSigner>,
 }
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> KvError {
@@ -246,10 +296,16 @@ pub fn show_key(key: &[u8]) -> String {
     s
 }
 
-/// The replica descriptors of `obj` (what clients need to reach each replica).
-/// The readable replicas of `obj` (DRAM first, then NVMe; replicas still
-/// being filled by a promotion are left out).
-fn describe(slots: &[Option<SegmentSlot>], obj: &Object) -> Vec<ReplicaDesc> {
+/// The readable replicas of `obj` as clients need them (DRAM first, then
+/// NVMe; replicas still being filled by a promotion are left out), with the
+/// object's checksum and, when the cluster has a secret, the grants `access`
+/// asks for.
+fn describe(
+    slots: &[Option<SegmentSlot>],
+    obj: &Object,
+    signer: Option<&GrantSigner>,
+    access: Access,
+) -> Vec<ReplicaDesc> {
     let mut v: Vec<ReplicaDesc> = obj
         .replicas
         .iter()
@@ -258,7 +314,7 @@ fn describe(slots: &[Option<SegmentSlot>], obj: &Object) -> Vec<ReplicaDesc> {
             let slot = slots[r.slot as usize]
                 .as_ref()
                 .expect("replicas only point at mounted slots");
-            ReplicaDesc {
+            let mut d = ReplicaDesc {
                 segment_id: slot.id,
                 endpoint: slot.spec.endpoint.clone(),
                 slice_bytes: slot.spec.slice_bytes,
@@ -266,7 +322,20 @@ fn describe(slots: &[Option<SegmentSlot>], obj: &Object) -> Vec<ReplicaDesc> {
                 offset: r.offset,
                 len: obj.size,
                 tier: slot.tier(),
+                checksum: obj.checksum(),
+                grant: Grant::default(),
+            };
+            if let Some(s) = signer {
+                d.grant = match (access, d.tier) {
+                    (Access::Describe, _) => Grant::default(),
+                    (Access::Write { until_ms }, _) => s.sign(GrantOp::Write, &d, until_ms),
+                    (Access::Read { until_ms }, Tier::Dram) => s.sign(GrantOp::Read, &d, until_ms),
+                    (Access::Read { until_ms }, Tier::Nvme) => {
+                        s.sign(GrantOp::ReadNvme, &d, until_ms)
+                    }
+                };
             }
+            d
         })
         .collect();
     v.sort_by_key(|r| r.tier == Tier::Nvme);
@@ -307,7 +376,14 @@ impl ShardState {
             tasks: HashMap::new(),
             demotions: 0,
             promotions: 0,
+            signer: None,
         }
+    }
+
+    /// Signs data-plane grants with `signer` from now on (a cluster secret).
+    pub fn with_signer(mut self, signer: Option<GrantSigner>) -> Self {
+        self.signer = signer;
+        self
     }
 
     pub fn key_count(&self) -> u64 {
@@ -324,11 +400,13 @@ impl ShardState {
     // ---- segments ---------------------------------------------------------
 
     /// Adds a segment (idempotent for the same id; a known NVMe tier that
-    /// mounts again after its node restarted gets its new address).
-    pub fn add_segment(&mut self, id: SegmentId, spec: Arc<SegmentSpec>) {
+    /// mounts again after its node restarted gets its new address and owner).
+    pub fn add_segment(&mut self, id: SegmentId, spec: Arc<SegmentSpec>, owner: ClientId) {
         if let Some(&idx) = self.by_id.get(&id) {
             if let Some(slot) = self.slots[idx as usize].as_mut() {
                 slot.spec = spec;
+                slot.owner = owner;
+                slot.suspect = false;
             }
             return;
         }
@@ -345,6 +423,8 @@ impl ShardState {
             alloc,
             spec,
             draining: false,
+            owner,
+            suspect: false,
         };
         let idx = match self.slots.iter().position(Option::is_none) {
             Some(i) => {
@@ -377,6 +457,16 @@ impl ShardState {
             gone += (before - map.len()) as u64;
         }
         gone
+    }
+
+    /// Marks a segment suspect (a client could not reach its node) or clears
+    /// the mark (its owner pinged): placement skips suspect segments.
+    pub fn set_suspect(&mut self, id: SegmentId, suspect: bool) {
+        if let Some(&idx) = self.by_id.get(&id) {
+            if let Some(s) = self.slots[idx as usize].as_mut() {
+                s.suspect = suspect;
+            }
+        }
     }
 
     /// Marks a segment draining: its replicas stay readable, no new puts go
@@ -527,6 +617,7 @@ impl ShardState {
                 let s = s.as_ref()?;
                 let fits = s.tier() == Tier::Dram
                     && !s.draining
+                    && !s.suspect
                     && s.alloc.largest_free() >= s.alloc.rounded(size);
                 fits.then(|| {
                     let ratio = s.alloc.free() as f64 / s.alloc.capacity().max(1) as f64;
@@ -631,6 +722,7 @@ impl ShardState {
             if !on_nvme && attach.is_some() && queue_room {
                 // Demote: the node copies it to NVMe, then the DRAM replica goes.
                 let offset = obj.replicas[pos].offset;
+                let checksum = obj.checksum();
                 self.complete.get_mut(&k).expect("present").replicas[pos].flags |= DEMOTING;
                 self.tasks
                     .entry(seg_id)
@@ -641,6 +733,7 @@ impl ShardState {
                         offset,
                         len: size,
                         demote: true,
+                        checksum,
                     });
                 continue;
             }
@@ -712,7 +805,7 @@ impl ShardState {
     }
 
     fn describe_replicas(&self, obj: &Object) -> Vec<ReplicaDesc> {
-        describe(&self.slots, obj)
+        describe(&self.slots, obj, None, Access::Describe)
     }
 
     pub fn put_start(
@@ -775,16 +868,35 @@ impl ShardState {
                 .enumerate()
                 .filter_map(|(i, s)| {
                     let s = s.as_ref()?;
-                    (!s.draining && s.alloc.capacity() >= s.alloc.rounded(len)).then_some(i as u32)
+                    (s.tier() == Tier::Dram
+                        && !s.draining
+                        && s.alloc.capacity() >= s.alloc.rounded(len))
+                    .then_some(i as u32)
                 })
                 .collect();
-            for idx in idxs {
+            for &idx in &idxs {
                 let cap = self.slot(idx).alloc.capacity();
                 let target = ((self.cfg.eviction_ratio * cap as f64).ceil() as u64)
                     .max(self.slot(idx).alloc.rounded(len));
                 self.evict_slot(idx, target, now_ms);
             }
             targets = self.place(len, want, &opts.preferred_host);
+            if targets.is_empty() {
+                // Space on its way out to the NVMe tier (demotions under
+                // way) that would make room: the writer waits for it. Space
+                // held by leases or quarantine is not counted: it may stay
+                // held for longer than a put's deadline.
+                let coming = idxs.iter().any(|&idx| {
+                    let s = self.slot(idx);
+                    !s.suspect && s.alloc.free() + self.demoting_bytes(idx) >= s.alloc.rounded(len)
+                });
+                if coming {
+                    return Err(err(
+                        ErrorCode::TryAgain,
+                        format!("no room for {len} bytes yet; demotions to NVMe are freeing space"),
+                    ));
+                }
+            }
         }
         if targets.is_empty() {
             return Err(err(
@@ -808,9 +920,17 @@ impl ShardState {
             soft_pin_ttl_ms: opts.soft_pin_ttl_ms.min(u32::MAX as u64) as u32,
             flags: if opts.hard_pin { HARD_PIN } else { 0 },
             nvme_reads: 0,
+            sum: 0,
             replicas,
         };
-        let descs = self.describe_replicas(&obj);
+        let descs = describe(
+            &self.slots,
+            &obj,
+            self.signer.as_ref(),
+            Access::Write {
+                until_ms: now_ms + self.cfg.put_timeout_ms,
+            },
+        );
         self.processing.insert(key.into(), obj);
         for idx in targets {
             self.evict_if_high(idx, now_ms);
@@ -851,9 +971,21 @@ impl ShardState {
         Ok(())
     }
 
-    pub fn put_end(&mut self, client: ClientId, key: &[u8], now_ms: u64) -> Result<(), KvError> {
+    /// Completes a put; `checksum` is what the writer computed over the
+    /// bytes it wrote (readers check it).
+    pub fn put_end(
+        &mut self,
+        client: ClientId,
+        key: &[u8],
+        checksum: Option<u64>,
+        now_ms: u64,
+    ) -> Result<(), KvError> {
         self.own_processing(client, key, now_ms)?;
         let (k, mut obj) = self.processing.remove_entry(key).expect("checked above");
+        if let Some(sum) = checksum {
+            obj.sum = sum;
+            obj.flags |= HAS_SUM;
+        }
         obj.t = now_ms;
         obj.aux = if obj.soft_pin_ttl_ms > 0 {
             now_ms + obj.soft_pin_ttl_ms as u64
@@ -878,6 +1010,7 @@ impl ShardState {
                     offset,
                     len: obj.size,
                     demote: false,
+                    checksum: obj.checksum(),
                 });
             }
         }
@@ -902,7 +1035,12 @@ impl ShardState {
         self.check_key(key)?;
         if let Some(obj) = self.complete.get_mut(key) {
             obj.t = obj.t.max(now_ms + self.cfg.lease_ttl_ms);
-            let descs = describe(&self.slots, obj);
+            let descs = describe(
+                &self.slots,
+                obj,
+                self.signer.as_ref(),
+                Access::Read { until_ms: obj.t },
+            );
             if descs.first().is_some_and(|d| d.tier == Tier::Nvme) {
                 self.count_nvme_read(key, now_ms);
             }
@@ -947,13 +1085,25 @@ impl ShardState {
             return;
         };
         let nvme_seg = self.slot(nvme.slot).id;
-        // Prefer the DRAM segment of the node that holds the NVMe copy.
-        let host = self.slot(nvme.slot).spec.host_id.clone();
-        let targets = self.place(size, 1, &host);
-        let Some(&idx) = targets.first() else { return };
+        let owner = self.slot(nvme.slot).owner;
+        // Only the DRAM segment the tier is attached to: the node copies
+        // the bytes into its own memory, so the range must be in it.
+        let Some(idx) = self.slots.iter().enumerate().find_map(|(i, s)| {
+            let s = s.as_ref()?;
+            let attached = s.tier() == Tier::Dram
+                && s.owner == owner
+                && s.spec
+                    .nvme
+                    .as_ref()
+                    .is_some_and(|a| a.segment_id == nvme_seg);
+            (attached && !s.draining && !s.suspect).then_some(i as u32)
+        }) else {
+            return;
+        };
         let Some(offset) = self.slot_mut(idx).alloc.alloc(size) else {
             return;
         };
+        let checksum = self.complete.get(key).and_then(Object::checksum);
         let dram = self.slot(idx).id;
         let q = self.tasks.entry(nvme_seg).or_default();
         if q.len() >= MAX_TASKS_PER_SEGMENT {
@@ -966,6 +1116,7 @@ impl ShardState {
             dram,
             offset,
             len: size,
+            checksum,
         });
         let obj = self.complete.get_mut(key).expect("present");
         obj.replicas.push(Replica {
@@ -976,8 +1127,65 @@ impl ShardState {
         let _ = now_ms;
     }
 
-    /// Up to `max` queued tasks for the given segments' node.
-    pub fn node_tasks(&mut self, segments: &[SegmentId], max: usize) -> Vec<NodeTask> {
+    /// The slot of segment `seg` if it is mounted, of tier `tier`, and owned
+    /// by `client`: what a node may report on or take work for.
+    fn owned_slot(&self, client: ClientId, seg: SegmentId, tier: Tier) -> Result<u32, KvError> {
+        let idx = *self.by_id.get(&seg).ok_or_else(|| {
+            err(
+                ErrorCode::SegmentNotFound,
+                format!("segment {seg:016x} is not mounted"),
+            )
+        })?;
+        let s = self.slot(idx);
+        if s.owner != client {
+            return Err(err(
+                ErrorCode::IllegalClient,
+                format!("segment {seg:016x} belongs to another client"),
+            ));
+        }
+        if s.tier() != tier {
+            return Err(err(
+                ErrorCode::InvalidParams,
+                format!("segment {seg:016x} is not a {tier:?} segment"),
+            ));
+        }
+        Ok(idx)
+    }
+
+    /// Checks that an NVMe location names a region the tier has.
+    fn check_loc(&self, nslot: u32, loc: u64) -> Result<(), KvError> {
+        let regions = self.slot(nslot).spec.endpoint.nr_shards.max(1) as u64;
+        if loc >> 32 >= regions {
+            return Err(err(
+                ErrorCode::InvalidParams,
+                format!("NVMe location {loc:#x} names a region the tier does not have"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Up to `max` queued tasks for the given segments' node; every segment
+    /// named must be mounted and owned by `client`.
+    pub fn node_tasks(
+        &mut self,
+        client: ClientId,
+        segments: &[SegmentId],
+        max: usize,
+    ) -> Result<Vec<NodeTask>, KvError> {
+        for seg in segments {
+            let idx = *self.by_id.get(seg).ok_or_else(|| {
+                err(
+                    ErrorCode::SegmentNotFound,
+                    format!("segment {seg:016x} is not mounted"),
+                )
+            })?;
+            if self.slot(idx).owner != client {
+                return Err(err(
+                    ErrorCode::IllegalClient,
+                    format!("segment {seg:016x} belongs to another client"),
+                ));
+            }
+        }
         let mut out = Vec::new();
         for seg in segments {
             let Some(q) = self.tasks.get_mut(seg) else {
@@ -990,19 +1198,21 @@ impl ShardState {
                 }
             }
         }
-        out
+        Ok(out)
     }
 
-    /// Applies one report of a node about its NVMe tier.
-    pub fn nvme_update(&mut self, u: &NvmeUpdate, now_ms: u64) -> Result<(), KvError> {
-        let slot_of = |this: &Self, seg: SegmentId| -> Result<u32, KvError> {
-            this.by_id.get(&seg).copied().ok_or_else(|| {
-                err(
-                    ErrorCode::SegmentNotFound,
-                    format!("segment {seg:016x} is not mounted"),
-                )
-            })
-        };
+    /// Applies one report of node `client` about its NVMe tier. Everything
+    /// the report names is checked before anything changes: its segments
+    /// must be mounted, of the right tier and the reporter's own; NVMe
+    /// locations must name a region of the tier; DRAM ranges must be the
+    /// ones the master itself handed out for that object.
+    pub fn nvme_update(
+        &mut self,
+        client: ClientId,
+        u: &NvmeUpdate,
+        now_ms: u64,
+    ) -> Result<(), KvError> {
+        self.check_key(u.key())?;
         match u {
             NvmeUpdate::Stored {
                 key,
@@ -1012,9 +1222,17 @@ impl ShardState {
                 dram,
                 offset,
                 demote,
+                sum,
             } => {
-                let nslot = slot_of(self, *nvme)?;
-                let dslot = self.by_id.get(dram).copied();
+                let nslot = self.owned_slot(client, *nvme, Tier::Nvme)?;
+                self.check_loc(nslot, *loc)?;
+                let dslot = match self.owned_slot(client, *dram, Tier::Dram) {
+                    Ok(d) => Some(d),
+                    // The DRAM segment went away meanwhile: the NVMe copy
+                    // still counts.
+                    Err(e) if e.code == ErrorCode::SegmentNotFound => None,
+                    Err(e) => return Err(e),
+                };
                 let obj = self
                     .complete
                     .get_mut(key.as_slice())
@@ -1022,6 +1240,15 @@ impl ShardState {
                 let Some(obj) = obj else {
                     return Err(not_found(key));
                 };
+                if obj.checksum().is_some_and(|s| s != *sum) {
+                    return Err(err(
+                        ErrorCode::Corrupt,
+                        format!(
+                            "the NVMe copy of {} does not match the object's checksum",
+                            show_key(key)
+                        ),
+                    ));
+                }
                 let existing = obj
                     .replicas
                     .iter()
@@ -1062,6 +1289,7 @@ impl ShardState {
                             soft_pin_ttl_ms: 0,
                             flags: 0,
                             nvme_reads: 0,
+                            sum: 0,
                             replicas: smallvec::smallvec![r],
                         };
                         self.free_at(&one, lease_end, now_ms);
@@ -1077,7 +1305,7 @@ impl ShardState {
                 offset,
                 demote,
             } => {
-                let dslot = slot_of(self, *dram)?;
+                let dslot = self.owned_slot(client, *dram, Tier::Dram)?;
                 let obj = self
                     .complete
                     .get_mut(key.as_slice())
@@ -1107,6 +1335,7 @@ impl ShardState {
                     soft_pin_ttl_ms: 0,
                     flags: 0,
                     nvme_reads: 0,
+                    sum: 0,
                     replicas: smallvec::smallvec![r],
                 };
                 self.free_at(&one, lease_end, now_ms);
@@ -1118,7 +1347,7 @@ impl ShardState {
                 offset,
                 ok,
             } => {
-                let dslot = slot_of(self, *dram)?;
+                let dslot = self.owned_slot(client, *dram, Tier::Dram)?;
                 let obj = self
                     .complete
                     .get_mut(key.as_slice())
@@ -1141,8 +1370,11 @@ impl ShardState {
                 Ok(())
             }
             NvmeUpdate::Evicted { key, nvme, loc } => {
-                let Ok(nslot) = slot_of(self, *nvme) else {
-                    return Ok(());
+                let nslot = match self.owned_slot(client, *nvme, Tier::Nvme) {
+                    Ok(n) => n,
+                    // Unmounted meanwhile: nothing lists the copy any more.
+                    Err(e) if e.code == ErrorCode::SegmentNotFound => return Ok(()),
+                    Err(e) => return Err(e),
                 };
                 if let Some(obj) = self.complete.get_mut(key.as_slice()) {
                     obj.replicas
@@ -1158,17 +1390,26 @@ impl ShardState {
                 nvme,
                 loc,
                 len,
+                sum,
             } => {
-                let nslot = slot_of(self, *nvme)?;
-                self.check_key(key)?;
+                let nslot = self.owned_slot(client, *nvme, Tier::Nvme)?;
+                self.check_loc(nslot, *loc)?;
+                if *len == 0 || *len > self.cfg.max_value_bytes {
+                    return Err(err(
+                        ErrorCode::InvalidParams,
+                        format!("a recovered object of {len} bytes"),
+                    ));
+                }
                 if self.processing.contains_key(key.as_slice()) {
                     return Err(err(ErrorCode::ObjectAlreadyExists, "the key is being put"));
                 }
                 match self.complete.get_mut(key.as_slice()) {
-                    Some(o) if o.size != *len => Err(err(
-                        ErrorCode::ObjectAlreadyExists,
-                        "a different object is stored under this key now",
-                    )),
+                    Some(o) if o.size != *len || o.checksum().is_some_and(|s| s != *sum) => {
+                        Err(err(
+                            ErrorCode::ObjectAlreadyExists,
+                            "a different object is stored under this key now",
+                        ))
+                    }
                     Some(o) => {
                         o.replicas.retain(|r| r.slot != nslot);
                         o.replicas.push(Replica {
@@ -1192,8 +1433,9 @@ impl ShardState {
                                 t: now_ms,
                                 aux: 0,
                                 soft_pin_ttl_ms: 0,
-                                flags: 0,
+                                flags: HAS_SUM,
                                 nvme_reads: 0,
+                                sum: *sum,
                                 replicas: smallvec::smallvec![Replica {
                                     slot: nslot,
                                     flags: 0,
@@ -1371,8 +1613,12 @@ impl ShardState {
                 len,
                 opts,
             } => MasterResponse::Replicas(self.put_start(client_id, &key, len, &opts, now_ms)?),
-            R::PutEnd { client_id, key } => {
-                self.put_end(client_id, &key, now_ms)?;
+            R::PutEnd {
+                client_id,
+                key,
+                checksum,
+            } => {
+                self.put_end(client_id, &key, checksum, now_ms)?;
                 MasterResponse::Done
             }
             R::PutRevoke { client_id, key } => {
@@ -1395,9 +1641,10 @@ impl ShardState {
             } => MasterResponse::BatchReplicas(
                 self.batch_put_start(client_id, &items, &opts, now_ms),
             ),
-            R::BatchPutEnd { client_id, keys } => MasterResponse::BatchDone(
-                keys.iter()
-                    .map(|k| self.put_end(client_id, k, now_ms).into())
+            R::BatchPutEnd { client_id, items } => MasterResponse::BatchDone(
+                items
+                    .iter()
+                    .map(|i| self.put_end(client_id, &i.key, i.checksum, now_ms).into())
                     .collect(),
             ),
             R::BatchPutRevoke { client_id, keys } => MasterResponse::BatchDone(
@@ -1418,13 +1665,16 @@ impl ShardState {
                     .map(|k| self.remove(k, force, now_ms).into())
                     .collect(),
             ),
-            R::NodeTasks { segments, max, .. } => {
-                MasterResponse::Tasks(self.node_tasks(&segments, max as usize))
-            }
-            R::NvmeUpdates { updates, .. } => MasterResponse::BatchDone(
+            R::NodeTasks {
+                client_id,
+                segments,
+                max,
+                ..
+            } => MasterResponse::Tasks(self.node_tasks(client_id, &segments, max as usize)?),
+            R::NvmeUpdates { client_id, updates } => MasterResponse::BatchDone(
                 updates
                     .iter()
-                    .map(|u| self.nvme_update(u, now_ms).into())
+                    .map(|u| self.nvme_update(client_id, u, now_ms).into())
                     .collect(),
             ),
             other => {

@@ -1,0 +1,859 @@
+//! The defects hostile testing found (issue 12), each through real processes
+//! or raw sockets: wrong bytes after a promotion, amnesia after a master
+//! restart, a dead node kept in placement, a forged report that killed a
+//! shard, connections that pinned memory or locked clients out, and puts
+//! refused while space was on its way out.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kvpool_actors::client::Client;
+use kvpool_actors::config::ClientConfig;
+use kvpool_transport::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
+use kvpool_transport::proto::{MasterRequest, MasterResponse, Tier, WireError};
+use kvpool_transport::ErrorCode;
+use xxhash_rust::xxh3::xxh3_64;
+
+fn value(i: u64, len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len);
+    let mut x = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+/// A directory on a real file system (O_DIRECT does not work on tmpfs).
+fn dir(name: &str) -> PathBuf {
+    let d =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn write_config(dir: &Path, name: &str, text: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+fn args(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+fn start(role: &'static str, a: &[String]) -> common::Proc {
+    common::start(role, &a.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// Polls `f` until it is true or `within` passes (then panics with `what`).
+async fn eventually<F, Fut>(within: Duration, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = Instant::now() + within;
+    loop {
+        if f().await {
+            return;
+        }
+        assert!(Instant::now() < end, "{what} (waited {within:?})");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// ---- 1. wrong bytes after a promotion -------------------------------------
+
+#[test]
+fn promotions_never_return_other_bytes_when_a_second_node_joins() {
+    let d = dir("hostile-promote");
+    let nvme = d.join("tier.kvnv");
+    let cfg = write_config(
+        &d,
+        "a.toml",
+        &format!(
+            "[master]\nlease_ttl_ms = 500\n\
+             [storage.nvme]\npath = \"{}\"\ncapacity = \"512 MiB\"\npolicy = \"on_evict\"\n\
+             avg_object_bytes = \"1 MiB\"\nsync_writes = false\ntask_poll_ms = 20\n",
+            nvme.display()
+        ),
+    );
+    let a = start(
+        "all",
+        &args(&[
+            "--config",
+            &cfg,
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+            "--segment-size",
+            "64MiB",
+        ]),
+    );
+    let rt = common::rt();
+    let n = 100u64;
+    let len = |i: u64| (1 << 20) - 4096 + (i as usize * 37) % 4096;
+    rt.block_on(async {
+        let c = Client::connect(&a.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        for i in 0..n {
+            let key = format!("obj-{i}");
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                match c.put(key.as_bytes(), &value(i, len(i))).await {
+                    Ok(()) => break,
+                    Err(e) if e.code == ErrorCode::NoSpace && Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(20)).await
+                    }
+                    Err(e) => panic!("put {key}: {e}"),
+                }
+            }
+        }
+    });
+    // Node B joins: larger and empty, so placement prefers it.
+    let b = start(
+        "storage",
+        &args(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+            "--master",
+            &a.addr,
+            "--segment-size",
+            "512MiB",
+        ]),
+    );
+    rt.block_on(async {
+        let c = Client::connect(&a.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        eventually(Duration::from_secs(10), "node B mounted", || async {
+            c.stat().await.unwrap().segments.len() == 3
+        })
+        .await;
+        let mut wrong = Vec::new();
+        for round in 0..3 {
+            for i in 0..n {
+                let key = format!("obj-{i}");
+                match c.get(key.as_bytes()).await {
+                    Ok(v) if xxh3_64(&v) == xxh3_64(&value(i, len(i))) => {}
+                    Ok(_) => wrong.push(format!("round {round} {key}: other bytes")),
+                    Err(e) if e.code == ErrorCode::ObjectNotFound => {
+                        wrong.push(format!("round {round} {key}: lost ({e})"))
+                    }
+                    // An error is allowed (never other bytes), but there is
+                    // no reason for one here.
+                    Err(e) => wrong.push(format!("round {round} {key}: {e}")),
+                }
+            }
+            // Let the promotions queued by this round land.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        assert!(
+            wrong.is_empty(),
+            "{} of {} reads went wrong: {wrong:#?}",
+            wrong.len(),
+            3 * n
+        );
+        let s = c.stat().await.unwrap();
+        assert!(s.promotions > 0, "the test exercised promotions: {s:?}");
+    });
+    drop(b);
+    drop(a);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+// ---- 2. amnesia after a master restart ------------------------------------
+
+#[test]
+fn storage_nodes_mount_again_and_report_their_nvme_objects_when_the_master_restarts() {
+    let d = dir("hostile-master-restart");
+    let nvme = d.join("tier.kvnv");
+    let mcfg = write_config(&d, "master.toml", "[master]\nclient_ttl_ms = 2000\n");
+    let scfg = write_config(
+        &d,
+        "storage.toml",
+        &format!(
+            "[storage.nvme]\npath = \"{}\"\ncapacity = \"256 MiB\"\npolicy = \"write_through\"\n\
+             avg_object_bytes = \"64 KiB\"\ntask_poll_ms = 20\n",
+            nvme.display()
+        ),
+    );
+    let mut master = start(
+        "master",
+        &args(&[
+            "--config",
+            &mcfg,
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+        ]),
+    );
+    let maddr = master.addr.clone();
+    let storage = start(
+        "storage",
+        &args(&[
+            "--config",
+            &scfg,
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+            "--master",
+            &maddr,
+            "--segment-size",
+            "128MiB",
+        ]),
+    );
+    let rt = common::rt();
+    let n = 30u64;
+    let len = |i: u64| 5_000 + (i as usize * 7919) % 60_000;
+    rt.block_on(async {
+        let c = Client::connect(&maddr, ClientConfig::default())
+            .await
+            .unwrap();
+        for i in 0..n {
+            c.put(format!("obj-{i}").as_bytes(), &value(i, len(i)))
+                .await
+                .unwrap();
+        }
+        for i in 0..n {
+            eventually(Duration::from_secs(20), "write-through to NVMe", || async {
+                let info = c.describe(format!("obj-{i}").as_bytes()).await.unwrap();
+                info.replicas.iter().any(|r| r.tier == Tier::Nvme)
+            })
+            .await;
+        }
+    });
+    master.signal(common::Signal::KILL);
+    master.wait_exit(Duration::from_secs(10)).expect("killed");
+    let master = start(
+        "master",
+        &args(&[
+            "--config",
+            &mcfg,
+            "--listen",
+            &maddr,
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+        ]),
+    );
+    rt.block_on(async {
+        let c = Client::connect(&master.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        // The node mounts its DRAM segment and its NVMe tier again and
+        // reports every object on the tier.
+        eventually(Duration::from_secs(15), "the pool is back", || async {
+            let s = c.stat().await.unwrap();
+            s.segments.len() == 2 && s.keys == n
+        })
+        .await;
+        for i in 0..n {
+            let v = c
+                .get(format!("obj-{i}").as_bytes())
+                .await
+                .unwrap_or_else(|e| panic!("obj-{i} after the master restart: {e}"));
+            assert_eq!(xxh3_64(&v), xxh3_64(&value(i, len(i))), "obj-{i}");
+        }
+        c.put(b"after-restart", b"new bytes").await.unwrap();
+        assert_eq!(c.get(b"after-restart").await.unwrap(), b"new bytes");
+    });
+    drop(storage);
+    drop(master);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_storage_node_restarted_on_the_same_ports_and_nvme_path_keeps_its_tier() {
+    let d = dir("hostile-node-restart");
+    let nvme = d.join("tier.kvnv");
+    let mcfg = write_config(&d, "master.toml", "[master]\nclient_ttl_ms = 2000\n");
+    let scfg = write_config(
+        &d,
+        "storage.toml",
+        &format!(
+            "[storage.nvme]\npath = \"{}\"\ncapacity = \"256 MiB\"\npolicy = \"write_through\"\n\
+             avg_object_bytes = \"64 KiB\"\ntask_poll_ms = 20\n",
+            nvme.display()
+        ),
+    );
+    let master = start(
+        "master",
+        &args(&[
+            "--config",
+            &mcfg,
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+        ]),
+    );
+    let node_args = |listen: &str| {
+        args(&[
+            "--config",
+            &scfg,
+            "--listen",
+            listen,
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+            "--master",
+            &master.addr,
+            "--segment-size",
+            "64MiB",
+        ])
+    };
+    let mut first = start("storage", &node_args("127.0.0.1:0"));
+    let listen = first.addr.clone();
+    let rt = common::rt();
+    let n = 20u64;
+    rt.block_on(async {
+        let c = Client::connect(&master.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        for i in 0..n {
+            c.put(format!("obj-{i}").as_bytes(), &value(i, 20_000))
+                .await
+                .unwrap();
+        }
+        for i in 0..n {
+            eventually(Duration::from_secs(20), "write-through to NVMe", || async {
+                let info = c.describe(format!("obj-{i}").as_bytes()).await.unwrap();
+                info.replicas.iter().any(|r| r.tier == Tier::Nvme)
+            })
+            .await;
+        }
+    });
+    first.signal(common::Signal::KILL);
+    first.wait_exit(Duration::from_secs(10)).expect("killed");
+    let second = start("storage", &node_args(&listen));
+    rt.block_on(async {
+        let c = Client::connect(&master.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        // The dead registration expires (client_ttl 2 s); the tier, now the
+        // restarted node's, must stay mounted with every object.
+        tokio::time::sleep(Duration::from_millis(4_000)).await;
+        let s = c.stat().await.unwrap();
+        assert_eq!(
+            s.keys, n,
+            "objects after the old registration expired: {s:?}"
+        );
+        assert!(
+            s.segments.iter().any(|g| g.name.starts_with("nvme:")),
+            "the tier is still mounted: {s:?}"
+        );
+        for i in 0..n {
+            let v = c
+                .get(format!("obj-{i}").as_bytes())
+                .await
+                .unwrap_or_else(|e| panic!("obj-{i}: {e}"));
+            assert_eq!(v, value(i, 20_000), "obj-{i}");
+        }
+    });
+    drop(second);
+    drop(master);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+// ---- 3. a dead node kept in placement -------------------------------------
+
+#[test]
+fn puts_succeed_right_after_the_emptiest_node_is_killed() {
+    let d = dir("hostile-dead-node");
+    // A long client_ttl: the master must not need it to stop placing there.
+    let mcfg = write_config(&d, "master.toml", "[master]\nclient_ttl_ms = 30000\n");
+    let master = start(
+        "master",
+        &args(&[
+            "--config",
+            &mcfg,
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+        ]),
+    );
+    let node = |size: &str| {
+        start(
+            "storage",
+            &args(&[
+                "--listen",
+                "127.0.0.1:0",
+                "--http",
+                "127.0.0.1:0",
+                "--shards",
+                "2",
+                "--master",
+                &master.addr,
+                "--segment-size",
+                size,
+            ]),
+        )
+    };
+    let survivor = node("64MiB");
+    let mut victim = node("512MiB");
+    let rt = common::rt();
+    rt.block_on(async {
+        let c = Client::connect(&master.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        eventually(Duration::from_secs(10), "both nodes mounted", || async {
+            c.stat().await.unwrap().segments.len() == 2
+        })
+        .await;
+        victim.signal(common::Signal::KILL);
+        victim.wait_exit(Duration::from_secs(10)).expect("killed");
+        let started = Instant::now();
+        for i in 0..20u64 {
+            c.put(format!("after-{i}").as_bytes(), &value(i, 100_000))
+                .await
+                .unwrap_or_else(|e| panic!("put {i} after the kill: {e}"));
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "20 puts took {:?}",
+            started.elapsed()
+        );
+        for i in 0..20u64 {
+            assert_eq!(
+                c.get(format!("after-{i}").as_bytes()).await.unwrap(),
+                value(i, 100_000)
+            );
+        }
+    });
+    drop(survivor);
+    drop(master);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+// ---- 5. a forged report must not kill a shard -----------------------------
+
+/// One request on a fresh connection; the answer frame (or why none came).
+fn raw_call(addr: &str, req: &MasterRequest) -> Result<MasterResponse, ErrorCode> {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    s.write_all(&frame::encode(FrameKind::MasterRequest, 7, req))
+        .unwrap();
+    let mut head = [0u8; HEADER_LEN];
+    s.read_exact(&mut head)
+        .map_err(|_| ErrorCode::Unavailable)?;
+    let hdr = FrameHeader::decode(&head, u32::MAX).unwrap();
+    let mut payload = rkyv::util::AlignedVec::<16>::new();
+    payload.resize(hdr.len as usize, 0);
+    s.read_exact(&mut payload).unwrap();
+    match hdr.kind {
+        FrameKind::MasterResponse => Ok(frame::decode(&payload).unwrap()),
+        FrameKind::Error => {
+            let e: WireError = frame::decode(&payload).unwrap();
+            Err(ErrorCode::from_code(e.code))
+        }
+        k => panic!("unexpected frame kind {k:?}"),
+    }
+}
+
+/// A key that the master's shard 0 owns (of 2).
+fn key_on_shard_0(prefix: &str) -> Vec<u8> {
+    let map = kvpool_runtime::hash::ShardMap::new(2).unwrap();
+    (0..)
+        .map(|i| format!("{prefix}-{i}").into_bytes())
+        .find(|k| map.shard_of(k) == 0)
+        .unwrap()
+}
+
+#[test]
+fn a_forged_nvme_report_is_refused_and_every_shard_keeps_answering() {
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "64MiB"]));
+    let rt = common::rt();
+    let c = rt
+        .block_on(Client::connect(&node.addr, ClientConfig::default()))
+        .unwrap();
+    let dram = rt.block_on(c.stat()).unwrap().segments[0].id;
+    let key = key_on_shard_0("forged");
+    // A report that names the DRAM segment as an NVMe tier, at an offset far
+    // outside it, from a client that owns nothing.
+    let forged = MasterRequest::NvmeUpdates {
+        client_id: 0x0bad,
+        updates: vec![kvpool_transport::proto::NvmeUpdate::Recovered {
+            key: key.clone(),
+            nvme: dram,
+            loc: 1 << 40,
+            len: 4096,
+            sum: 0,
+        }],
+    };
+    let shard0 = node.addr.clone();
+    match raw_call(&shard0, &forged) {
+        Ok(MasterResponse::BatchDone(v)) => assert!(
+            matches!(v[0], kvpool_transport::proto::ItemResult::Err(_)),
+            "the forged update was accepted: {v:?}"
+        ),
+        Err(_) => {}
+        Ok(other) => panic!("unexpected answer {other:?}"),
+    }
+    let _ = raw_call(
+        &shard0,
+        &MasterRequest::Remove {
+            key: key.clone(),
+            force: true,
+        },
+    );
+    // Shard 0 still answers, within far less than any deadline.
+    let probe = key_on_shard_0("probe");
+    let t = Instant::now();
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(3), c.put(&probe, b"still here"))
+            .await
+            .expect("shard 0 answers a put")
+            .unwrap();
+        assert_eq!(c.get(&probe).await.unwrap(), b"still here");
+    });
+    assert!(t.elapsed() < Duration::from_secs(3));
+    let (status, body) = common::http(&node.http, "GET", "/healthz");
+    assert_eq!((status, body.trim()), (200, "ok"));
+}
+
+// ---- 6. connections -------------------------------------------------------
+
+fn rss_kib(pid: i32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
+/// True once the peer has closed `s` (EOF or reset) within `within`.
+fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut b = [0u8; 256];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return true,
+            Ok(_) => continue, // an error frame, then the close
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+#[test]
+fn a_frame_trickled_byte_by_byte_is_cut_off_at_its_deadline() {
+    let d = dir("hostile-trickle");
+    let cfg = write_config(&d, "m.toml", "[master]\nio_timeout_ms = 1000\n");
+    let mut a = common::ephemeral(&["--segment-size", "64MiB"]);
+    a.splice(0..0, ["--config", cfg.as_str()]);
+    let node = common::start("all", &a);
+    let bytes = frame::encode(
+        FrameKind::MasterRequest,
+        1,
+        &MasterRequest::Exist { key: b"k".to_vec() },
+    );
+    let mut s = TcpStream::connect(&node.addr).unwrap();
+    let started = Instant::now();
+    // One byte every 200 ms: every read makes progress, the frame never ends
+    // within its 1 s deadline.
+    let mut cut = false;
+    for b in &bytes {
+        if s.write_all(&[*b]).is_err() {
+            cut = true;
+            break;
+        }
+        if closed_within(&mut s, Duration::from_millis(200)) {
+            cut = true;
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(4) {
+            break;
+        }
+    }
+    assert!(
+        cut,
+        "a trickled frame was still open after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn frames_being_read_do_not_pin_unbounded_memory() {
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "64MiB"]));
+    let before = rss_kib(node.pid());
+    let (h, p) = node.addr.rsplit_once(':').unwrap();
+    let p: u16 = p.parse().unwrap();
+    // 400 connections each announce a 4 MiB frame and send half of it,
+    // then hold: 1.6 GB if each frame's announced length were allocated.
+    let half = vec![0x5au8; 2 << 20];
+    let mut conns = Vec::new();
+    for i in 0..400u16 {
+        let mut s = TcpStream::connect(format!("{h}:{}", p + i % 2)).unwrap();
+        s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+        let hdr = FrameHeader {
+            kind: FrameKind::MasterRequest,
+            request_id: 1,
+            len: (4 << 20) - 64,
+        }
+        .encode();
+        // A refused frame closes the connection: the rest of the writes fail.
+        let _ = s.write_all(&hdr).and_then(|_| s.write_all(&half));
+        conns.push(s);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let held = rss_kib(node.pid());
+    assert!(
+        held < before + 512 * 1024,
+        "RSS went from {before} KiB to {held} KiB with 400 half-sent 4 MiB frames"
+    );
+    // The server still answers.
+    let rt = common::rt();
+    rt.block_on(async {
+        let c = Client::connect(&node.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        c.put(b"k", b"v").await.unwrap();
+    });
+    drop(conns);
+}
+
+#[test]
+fn idle_connections_at_the_cap_get_a_clear_answer_and_do_not_lock_clients_out() {
+    let d = dir("hostile-idle");
+    let cfg = write_config(&d, "m.toml", "[master]\nmax_connections = 40\n");
+    let mut a = common::ephemeral(&["--segment-size", "64MiB"]);
+    a.splice(0..0, ["--config", cfg.as_str()]);
+    let node = common::start("all", &a);
+    let (h, p) = node.addr.rsplit_once(':').unwrap();
+    let p: u16 = p.parse().unwrap();
+    // Fill both shards with connections that never send a byte.
+    let mut idle = Vec::new();
+    for i in 0..80u16 {
+        idle.push(TcpStream::connect(format!("{h}:{}", p + i % 2)).unwrap());
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let rt = common::rt();
+    rt.block_on(async {
+        let cfg = ClientConfig {
+            timeout_ms: 2_000,
+            ..Default::default()
+        };
+        match Client::connect(&node.addr, cfg.clone()).await {
+            Ok(_) => panic!("a connection past the cap was served"),
+            Err(e) => assert_eq!(e.code, ErrorCode::ResourceExhausted, "{e}"),
+        }
+        // The silent connections are closed at the first-frame deadline, and
+        // clients get in again well before any idle timeout.
+        let started = Instant::now();
+        loop {
+            match Client::connect(&node.addr, cfg.clone()).await {
+                Ok(c) => {
+                    c.put(b"in", b"again").await.unwrap();
+                    break;
+                }
+                Err(e) => assert!(
+                    started.elapsed() < Duration::from_secs(15),
+                    "still locked out after {:?}: {e}",
+                    started.elapsed()
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    drop(idle);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+// ---- 7. a put waits for space on its way out ------------------------------
+
+#[test]
+fn puts_into_a_full_tiered_node_wait_for_demotions_instead_of_failing() {
+    let d = dir("hostile-demote-wait");
+    let nvme = d.join("tier.kvnv");
+    let cfg = write_config(
+        &d,
+        "node.toml",
+        &format!(
+            "[storage.nvme]\npath = \"{}\"\ncapacity = \"512 MiB\"\npolicy = \"on_evict\"\n\
+             avg_object_bytes = \"1 MiB\"\nsync_writes = false\ntask_poll_ms = 20\n",
+            nvme.display()
+        ),
+    );
+    let mut a = common::ephemeral(&["--segment-size", "64MiB"]);
+    a.splice(0..0, ["--config", cfg.as_str()]);
+    let node = common::start("all", &a);
+    let rt = common::rt();
+    rt.block_on(async {
+        let c = Client::connect(&node.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        let n = 192u64;
+        let mut failed = Vec::new();
+        for i in 0..n {
+            if let Err(e) = c
+                .put(format!("obj-{i}").as_bytes(), &value(i, 1 << 20))
+                .await
+            {
+                failed.push(format!("obj-{i}: {e}"));
+            }
+        }
+        assert!(
+            failed.is_empty(),
+            "{} puts failed: {failed:#?}",
+            failed.len()
+        );
+        for i in 0..n {
+            let v = c.get(format!("obj-{i}").as_bytes()).await.unwrap();
+            assert_eq!(xxh3_64(&v), xxh3_64(&value(i, 1 << 20)), "obj-{i}");
+        }
+    });
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+// ---- integrity: bytes written behind the master's back --------------------
+
+/// Overwrites `len` bytes at `offset` of a segment with a raw data-plane
+/// write (an open cluster takes it; what matters is what readers then get).
+fn scribble(addr: &str, segment_id: u64, offset: u64, len: usize) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut bytes = frame::encode(
+        FrameKind::DataRequest,
+        3,
+        &kvpool_transport::proto::DataRequest::Write {
+            segment_id,
+            offset,
+            len: len as u64,
+            grant: Default::default(),
+        },
+    );
+    bytes.extend(std::iter::repeat_n(0xeeu8, len));
+    s.write_all(&bytes).unwrap();
+    let mut head = [0u8; HEADER_LEN];
+    s.read_exact(&mut head).unwrap();
+    let hdr = FrameHeader::decode(&head, u32::MAX).unwrap();
+    assert_eq!(hdr.kind, FrameKind::DataResponse, "the raw write landed");
+}
+
+#[test]
+fn bytes_changed_behind_the_masters_back_are_corrupt_never_returned() {
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "64MiB"]));
+    let second = start(
+        "storage",
+        &args(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+            "--master",
+            &node.addr,
+            "--segment-size",
+            "64MiB",
+        ]),
+    );
+    let rt = common::rt();
+    rt.block_on(async {
+        let setup = Client::connect(&node.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        eventually(Duration::from_secs(10), "both nodes mounted", || async {
+            setup.stat().await.unwrap().segments.len() == 2
+        })
+        .await;
+        let two = kvpool_transport::proto::PutOptions {
+            replicas: 2,
+            ..Default::default()
+        };
+        for transport in [
+            kvpool_actors::config::Transport::Tcp,
+            kvpool_actors::config::Transport::Auto,
+        ] {
+            let c = Client::connect(
+                &node.addr,
+                ClientConfig {
+                    transport,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+            let key = format!("precious-{transport:?}");
+            let v = value(7, 300_000);
+            c.put_with(key.as_bytes(), &v, &two).await.unwrap();
+            let reps = c.describe(key.as_bytes()).await.unwrap().replicas;
+            assert_eq!(reps.len(), 2);
+            // The first replica a reader tries goes bad: the reader notices,
+            // counts it, and returns the other replica's (right) bytes.
+            let first = &reps[0];
+            scribble(
+                &first.endpoint.shard_addr(first.data_shard()),
+                first.segment_id,
+                first.offset + 1000,
+                64,
+            );
+            assert_eq!(c.get(key.as_bytes()).await.unwrap(), v, "{transport:?}");
+            let corrupt = c
+                .engine()
+                .stats()
+                .corrupt_reads
+                .load(std::sync::atomic::Ordering::Relaxed);
+            assert!(corrupt >= 1, "{transport:?}: the bad replica was noticed");
+            // Both bad: an error, never the bytes.
+            let second = &reps[1];
+            scribble(
+                &second.endpoint.shard_addr(second.data_shard()),
+                second.segment_id,
+                second.offset,
+                8,
+            );
+            let e = c
+                .get(key.as_bytes())
+                .await
+                .expect_err("no good replica left");
+            assert_eq!(e.code, ErrorCode::Corrupt, "{transport:?}: {e}");
+            let mut buf = vec![0u8; v.len()];
+            let e = c.get_into(key.as_bytes(), &mut buf).await.unwrap_err();
+            assert_eq!(e.code, ErrorCode::Corrupt);
+            // The CLI says so too.
+            let (code, out, err) = common::cli(&node.addr, &["get", &key], None);
+            assert_eq!(code, 2, "{err}");
+            assert!(out.is_empty());
+            assert!(err.contains("Corrupt (16)"), "{err}");
+        }
+    });
+    drop(second);
+}

@@ -1,0 +1,509 @@
+//! The cluster secret through real processes: the roles of a cluster with a
+//! secret work together (client library, CLI, shm and TCP data paths), and
+//! the raw frames and HTTP calls that any peer could send to an open cluster
+//! (remove everything, mount a fake segment, unmount a live node, forge NVMe
+//! reports, write into a node's memory, map its segment) are refused and
+//! logged. An open cluster that listens beyond loopback says so loudly.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use kvpool_actors::client::Client;
+use kvpool_actors::config::{ClientConfig, Secret, Transport};
+use kvpool_transport::auth::{self, ClusterKey, Grant};
+use kvpool_transport::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
+use kvpool_transport::proto::{
+    DataRequest, DataResponse, Endpoint, MasterRequest, MasterResponse, NvmeUpdate, ReplicaDesc,
+    SegmentSpec, Tier, WireError,
+};
+use kvpool_transport::ErrorCode;
+
+const SECRET: &str = "a-test-cluster-secret-0123456789";
+
+fn cfg_file(name: &str, text: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("kvpool-security-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+fn client_cfg(secret: &str, transport: Transport) -> ClientConfig {
+    ClientConfig {
+        secret: Secret::new(secret),
+        transport,
+        timeout_ms: 5_000,
+        ..Default::default()
+    }
+}
+
+/// A master (secret from the environment) and a storage node (secret from
+/// its config file), in two processes.
+fn secured_cluster() -> (common::Proc, common::Proc) {
+    let master = common::start_env(
+        "master",
+        &common::ephemeral(&[]),
+        &[("KVPOOL_SECRET", SECRET)],
+    );
+    let scfg = cfg_file(
+        "storage.toml",
+        &format!("[security]\nsecret = \"{SECRET}\"\n"),
+    );
+    let storage = common::start(
+        "storage",
+        &[
+            "--config",
+            &scfg,
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+            "--master",
+            &master.addr,
+            "--segment-size",
+            "64MiB",
+        ],
+    );
+    (master, storage)
+}
+
+/// Writes one frame on `s`; reads the answer: the response, or the error
+/// code of an error frame, or `Unavailable` when the peer closed instead.
+fn exchange<Q: frame::Payload, A: frame::Payload>(
+    s: &mut TcpStream,
+    kind: FrameKind,
+    id: u64,
+    req: &Q,
+    payload: &[u8],
+) -> Result<A, ErrorCode> {
+    let mut bytes = frame::encode(kind, id, req);
+    bytes.extend_from_slice(payload);
+    if s.write_all(&bytes).is_err() {
+        return Err(ErrorCode::Unavailable);
+    }
+    let mut head = [0u8; HEADER_LEN];
+    s.read_exact(&mut head)
+        .map_err(|_| ErrorCode::Unavailable)?;
+    let hdr = FrameHeader::decode(&head, u32::MAX).unwrap();
+    let mut p = frame::AlignedVec::<16>::new();
+    p.resize(hdr.len as usize, 0);
+    s.read_exact(&mut p).unwrap();
+    if hdr.kind == FrameKind::Error {
+        let e: WireError = frame::decode(&p).unwrap();
+        return Err(ErrorCode::from_code(e.code));
+    }
+    Ok(frame::decode(&p).unwrap())
+}
+
+fn connect(addr: &str) -> TcpStream {
+    let s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+/// One master request on a fresh, unauthenticated connection.
+fn raw_master(addr: &str, req: &MasterRequest) -> Result<MasterResponse, ErrorCode> {
+    exchange(&mut connect(addr), FrameKind::MasterRequest, 9, req, &[])
+}
+
+/// A connection that proved it holds `secret` (as client `id`).
+fn authenticated(addr: &str, secret: &str, id: u64) -> TcpStream {
+    let key = ClusterKey::new(secret.as_bytes()).unwrap();
+    let mut s = connect(addr);
+    let nc = auth::nonce();
+    let ns = match exchange(
+        &mut s,
+        FrameKind::MasterRequest,
+        1,
+        &MasterRequest::AuthBegin {
+            client_id: id,
+            nonce: nc,
+        },
+        &[],
+    ) {
+        Ok(MasterResponse::AuthChallenge { nonce }) => nonce,
+        other => panic!("AuthBegin: {other:?}"),
+    };
+    let proof = key.client_proof(id, &nc, &ns);
+    match exchange(
+        &mut s,
+        FrameKind::MasterRequest,
+        2,
+        &MasterRequest::AuthProve { proof },
+        &[],
+    ) {
+        Ok(MasterResponse::AuthOk { proof }) => {
+            key.verify_server_proof(id, &nc, &ns, &proof).unwrap()
+        }
+        other => panic!("AuthProve: {other:?}"),
+    }
+    s
+}
+
+fn fake_spec() -> SegmentSpec {
+    SegmentSpec {
+        name: "attacker:1:fake".into(),
+        size: 1 << 40,
+        endpoint: Endpoint {
+            host: "127.0.0.1".into(),
+            port: 1,
+            nr_shards: 1,
+        },
+        slice_bytes: 1 << 40,
+        host_id: "attacker".into(),
+        tier: Tier::Dram,
+        nvme: None,
+    }
+}
+
+#[test]
+fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
+    let (master, storage) = secured_cluster();
+    let rt = common::rt();
+    let (segment_id, data_addr) = rt.block_on(async {
+        // The client library, over TCP (grants on every slice) and over
+        // shared memory (a grant to map the segment).
+        for transport in [Transport::Tcp, Transport::Auto] {
+            let c = Client::connect(&master.addr, client_cfg(SECRET, transport))
+                .await
+                .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+            let big = vec![0xabu8; 5 << 20]; // several TCP slices
+            c.put(b"big", &big).await.unwrap();
+            assert_eq!(c.get(b"big").await.unwrap(), big);
+            c.put(b"small", b"hello").await.unwrap();
+            assert_eq!(c.get(b"small").await.unwrap(), b"hello");
+            let got = c.batch_get(&[b"big".as_slice(), b"small"]).await.unwrap();
+            assert_eq!(got[1].as_ref().unwrap(), b"hello");
+            c.remove_with(b"big", true).await.unwrap();
+            c.remove_with(b"small", true).await.unwrap();
+        }
+        let c = Client::connect(&master.addr, client_cfg(SECRET, Transport::Tcp))
+            .await
+            .unwrap();
+        c.put(b"kept", b"precious").await.unwrap();
+        let seg = c.stat().await.unwrap().segments[0].clone();
+        (seg.id, seg.endpoint.shard_addr(0))
+    });
+
+    // The CLI takes the secret from the environment.
+    let env = [("KVPOOL_SECRET", SECRET)];
+    let (code, _, err) = common::cli_env(&master.addr, &["put", "cli-key", "-"], Some(b"v"), &env);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = common::cli_env(&master.addr, &["get", "cli-key"], None, &env);
+    assert_eq!((code, out.as_slice()), (0, b"v".as_slice()), "{err}");
+    // Without it, or with another one: refused, with the code that says why.
+    let (code, _, err) = common::cli(&master.addr, &["get", "cli-key"], None);
+    assert_eq!(code, 2);
+    assert!(err.contains("Unauthenticated (17)"), "{err}");
+    let wrong = [("KVPOOL_SECRET", "another-secret-of-enough-bytes")];
+    let (code, _, err) = common::cli_env(&master.addr, &["stat"], None, &wrong);
+    assert_eq!(code, 2);
+    assert!(err.contains("Unauthenticated (17)"), "{err}");
+
+    // Raw master frames from a peer without the secret.
+    let attempts = [
+        MasterRequest::RemoveAll,
+        MasterRequest::MountSegment {
+            client_id: 1,
+            spec: fake_spec(),
+        },
+        MasterRequest::UnmountSegment {
+            client_id: 1,
+            segment_id,
+        },
+        MasterRequest::NvmeUpdates {
+            client_id: 1,
+            updates: vec![NvmeUpdate::Recovered {
+                key: b"kept".to_vec(),
+                nvme: segment_id,
+                loc: 0,
+                len: 8,
+                sum: 0,
+            }],
+        },
+        MasterRequest::Stat,
+        MasterRequest::Hello { client_id: 1 },
+    ];
+    for req in &attempts {
+        assert_eq!(
+            raw_master(&master.addr, req).map(|_| ()),
+            Err(ErrorCode::Unauthenticated),
+            "{}",
+            req.op_name()
+        );
+    }
+    // A wrong proof is refused too.
+    let mut s = connect(&master.addr);
+    let r: Result<MasterResponse, _> = exchange(
+        &mut s,
+        FrameKind::MasterRequest,
+        1,
+        &MasterRequest::AuthBegin {
+            client_id: 5,
+            nonce: auth::nonce(),
+        },
+        &[],
+    );
+    assert!(matches!(r, Ok(MasterResponse::AuthChallenge { .. })));
+    let r: Result<MasterResponse, _> = exchange(
+        &mut s,
+        FrameKind::MasterRequest,
+        2,
+        &MasterRequest::AuthProve { proof: [7; 32] },
+        &[],
+    );
+    assert_eq!(r.map(|_| ()), Err(ErrorCode::Unauthenticated));
+
+    // An authenticated connection speaks for its own client id only.
+    let mut s = authenticated(&master.addr, SECRET, 42);
+    let r: Result<MasterResponse, _> = exchange(
+        &mut s,
+        FrameKind::MasterRequest,
+        3,
+        &MasterRequest::Ping {
+            client_id: 43,
+            segments: vec![],
+        },
+        &[],
+    );
+    assert_eq!(r.map(|_| ()), Err(ErrorCode::IllegalClient));
+    // ...and may not unmount a node's segment.
+    let r: Result<MasterResponse, _> = exchange(
+        &mut s,
+        FrameKind::MasterRequest,
+        4,
+        &MasterRequest::UnmountSegment {
+            client_id: 42,
+            segment_id,
+        },
+        &[],
+    );
+    assert_eq!(r.map(|_| ()), Err(ErrorCode::IllegalClient));
+
+    // The data plane: no grant, no bytes in or out.
+    let data = |req: &DataRequest, payload: &[u8]| -> Result<DataResponse, ErrorCode> {
+        exchange(
+            &mut connect(&data_addr),
+            FrameKind::DataRequest,
+            5,
+            req,
+            payload,
+        )
+    };
+    let none = Grant::default();
+    assert_eq!(
+        data(
+            &DataRequest::Write {
+                segment_id,
+                offset: 0,
+                len: 8,
+                grant: none,
+            },
+            b"poisoned",
+        )
+        .map(|_| ()),
+        Err(ErrorCode::Unauthenticated)
+    );
+    assert_eq!(
+        data(
+            &DataRequest::Read {
+                segment_id,
+                offset: 0,
+                len: 8,
+                grant: none,
+            },
+            &[],
+        )
+        .map(|_| ()),
+        Err(ErrorCode::Unauthenticated)
+    );
+    // A real grant works only for its own range and operation.
+    let r: Result<MasterResponse, _> = exchange(
+        &mut s,
+        FrameKind::MasterRequest,
+        6,
+        &MasterRequest::PutStart {
+            client_id: 42,
+            key: b"granted".to_vec(),
+            len: 4096,
+            opts: Default::default(),
+        },
+        &[],
+    );
+    let Ok(MasterResponse::Replicas(reps)) = r else {
+        panic!("{r:?}")
+    };
+    let rep: &ReplicaDesc = &reps[0];
+    let write = |offset: u64| {
+        data(
+            &DataRequest::Write {
+                segment_id,
+                offset,
+                len: 4096,
+                grant: rep.grant,
+            },
+            &[1u8; 4096],
+        )
+    };
+    assert_eq!(write(rep.offset), Ok(DataResponse::Written));
+    assert_eq!(
+        write(rep.offset + 4096).map(|_| ()),
+        Err(ErrorCode::Unauthenticated),
+        "outside the granted range"
+    );
+    assert_eq!(
+        data(
+            &DataRequest::Read {
+                segment_id,
+                offset: rep.offset,
+                len: 4096,
+                grant: rep.grant,
+            },
+            &[],
+        )
+        .map(|_| ()),
+        Err(ErrorCode::Unauthenticated),
+        "a write grant is no read grant"
+    );
+
+    // The segment is not handed to a local process without a grant.
+    let mut un = {
+        use std::os::linux::net::SocketAddrExt;
+        let name = kvpool_transport::shm::socket_name(segment_id);
+        let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        std::os::unix::net::UnixStream::connect_addr(&a).unwrap()
+    };
+    un.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut req = Vec::from(*b"KVSQ");
+    req.extend_from_slice(&segment_id.to_le_bytes());
+    req.extend_from_slice(&[0u8; 41]);
+    un.write_all(&req).unwrap();
+    let mut b = [0u8; 64];
+    assert_eq!(un.read(&mut b).unwrap(), 0, "closed without the segment");
+
+    // Admin HTTP: removing everything needs the secret.
+    let (status, body) = common::http(&master.http, "POST", "/api/v1/remove_all");
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("Unauthenticated"), "{body}");
+    let (status, _) = common::http_with(
+        &master.http,
+        "POST",
+        "/api/v1/remove_all",
+        "Authorization: Bearer not-the-secret\r\n",
+    );
+    assert_eq!(status, 401);
+
+    // Nothing above changed the pool.
+    rt.block_on(async {
+        let c = Client::connect(&master.addr, client_cfg(SECRET, Transport::Tcp))
+            .await
+            .unwrap();
+        assert_eq!(c.get(b"kept").await.unwrap(), b"precious");
+        let s = c.stat().await.unwrap();
+        assert_eq!(s.segments.len(), 1, "no fake segment: {s:?}");
+    });
+    let (status, body) = common::http_with(
+        &master.http,
+        "POST",
+        "/api/v1/remove_all",
+        &format!("Authorization: Bearer {SECRET}\r\n"),
+    );
+    assert_eq!(status, 200, "{body}");
+
+    // The refusals were logged, and counted.
+    assert!(master.stderr().contains("refused"), "{}", master.stderr());
+    assert!(storage.stderr().contains("refused"), "{}", storage.stderr());
+    let (_, m) = common::http(&master.http, "GET", "/metrics");
+    assert!(
+        m.lines()
+            .any(|l| l.starts_with("kvpool_master_auth_refusals_total ") && !l.ends_with(" 0")),
+        "{m}"
+    );
+}
+
+#[test]
+fn a_client_without_the_secret_or_with_another_is_refused_at_connect() {
+    let (master, _storage) = secured_cluster();
+    let rt = common::rt();
+    rt.block_on(async {
+        let e = Client::connect(&master.addr, client_cfg("", Transport::Tcp))
+            .await
+            .err()
+            .expect("no secret");
+        assert_eq!(e.code, ErrorCode::Unauthenticated, "{e}");
+        let e = Client::connect(
+            &master.addr,
+            client_cfg("another-secret-of-enough-bytes", Transport::Tcp),
+        )
+        .await
+        .err()
+        .expect("another secret");
+        assert_eq!(e.code, ErrorCode::Unauthenticated, "{e}");
+    });
+}
+
+#[test]
+fn a_client_with_a_secret_does_not_trust_an_open_master() {
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "64MiB"]));
+    let rt = common::rt();
+    let e = rt
+        .block_on(Client::connect(
+            &node.addr,
+            client_cfg(SECRET, Transport::Tcp),
+        ))
+        .err()
+        .expect("an open master cannot prove the secret");
+    assert_eq!(e.code, ErrorCode::Unauthenticated, "{e}");
+}
+
+#[test]
+fn an_open_cluster_listening_beyond_loopback_says_so_loudly() {
+    let mut open = common::start(
+        "master",
+        &[
+            "--listen",
+            "0.0.0.0:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "1",
+        ],
+    );
+    assert!(
+        open.stderr().contains("THIS CLUSTER IS OPEN"),
+        "{}",
+        open.stderr()
+    );
+    open.signal(common::Signal::TERM);
+    open.wait_exit(Duration::from_secs(10)).expect("stopped");
+    let closed = common::start_env(
+        "master",
+        &[
+            "--listen",
+            "0.0.0.0:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "1",
+        ],
+        &[("KVPOOL_SECRET", SECRET)],
+    );
+    assert!(!closed.stderr().contains("THIS CLUSTER IS OPEN"));
+    let local = common::start(
+        "master",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "1",
+        ],
+    );
+    assert!(!local.stderr().contains("THIS CLUSTER IS OPEN"));
+}
