@@ -8,7 +8,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kvpool_actors::client::Client;
@@ -18,33 +18,7 @@ use kvpool_transport::proto::{MasterRequest, MasterResponse, Tier, WireError};
 use kvpool_transport::ErrorCode;
 use xxhash_rust::xxh3::xxh3_64;
 
-fn value(i: u64, len: usize) -> Vec<u8> {
-    let mut v = Vec::with_capacity(len);
-    let mut x = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    while v.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(len);
-    v
-}
-
-/// A directory on a real file system (O_DIRECT does not work on tmpfs).
-fn dir(name: &str) -> PathBuf {
-    let d =
-        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn write_config(dir: &Path, name: &str, text: &str) -> String {
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p.to_str().unwrap().to_string()
-}
+use common::{scratch_dir as dir, start_storage, value, write_config};
 
 fn args(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
@@ -52,6 +26,30 @@ fn args(v: &[&str]) -> Vec<String> {
 
 fn start(role: &'static str, a: &[String]) -> common::Proc {
     common::start(role, &a.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// A storage config with a write-through NVMe tier at `dir/tier.kvnv`.
+fn write_through_tier(d: &Path) -> String {
+    write_config(
+        d,
+        "storage.toml",
+        &format!(
+            "[storage.nvme]\npath = \"{}\"\ncapacity = \"256 MiB\"\npolicy = \"write_through\"\n\
+             avg_object_bytes = \"64 KiB\"\ntask_poll_ms = 20\n",
+            d.join("tier.kvnv").display()
+        ),
+    )
+}
+
+/// Waits until every object `obj-0..n` has an NVMe copy.
+async fn all_on_nvme(c: &Client, n: u64) {
+    for i in 0..n {
+        eventually(Duration::from_secs(20), "write-through to NVMe", || async {
+            let info = c.describe(format!("obj-{i}").as_bytes()).await.unwrap();
+            info.replicas.iter().any(|r| r.tier == Tier::Nvme)
+        })
+        .await;
+    }
 }
 
 /// Polls `f` until it is true or `within` passes (then panics with `what`).
@@ -123,21 +121,7 @@ fn promotions_never_return_other_bytes_when_a_second_node_joins() {
         }
     });
     // Node B joins: larger and empty, so placement prefers it.
-    let b = start(
-        "storage",
-        &args(&[
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--shards",
-            "2",
-            "--master",
-            &a.addr,
-            "--segment-size",
-            "512MiB",
-        ]),
-    );
+    let b = start_storage(&a.addr, "512MiB", &[]);
     rt.block_on(async {
         let c = Client::connect(&a.addr, ClientConfig::default())
             .await
@@ -183,24 +167,16 @@ fn promotions_never_return_other_bytes_when_a_second_node_joins() {
 #[test]
 fn storage_nodes_mount_again_and_report_their_nvme_objects_when_the_master_restarts() {
     let d = dir("hostile-master-restart");
-    let nvme = d.join("tier.kvnv");
     let mcfg = write_config(&d, "master.toml", "[master]\nclient_ttl_ms = 2000\n");
-    let scfg = write_config(
-        &d,
-        "storage.toml",
-        &format!(
-            "[storage.nvme]\npath = \"{}\"\ncapacity = \"256 MiB\"\npolicy = \"write_through\"\n\
-             avg_object_bytes = \"64 KiB\"\ntask_poll_ms = 20\n",
-            nvme.display()
-        ),
-    );
+    let scfg = write_through_tier(&d);
+    let fixed = common::fixed_addr(2);
     let mut master = start(
         "master",
         &args(&[
             "--config",
             &mcfg,
             "--listen",
-            "127.0.0.1:0",
+            &fixed,
             "--http",
             "127.0.0.1:0",
             "--shards",
@@ -208,23 +184,7 @@ fn storage_nodes_mount_again_and_report_their_nvme_objects_when_the_master_resta
         ]),
     );
     let maddr = master.addr.clone();
-    let storage = start(
-        "storage",
-        &args(&[
-            "--config",
-            &scfg,
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--shards",
-            "2",
-            "--master",
-            &maddr,
-            "--segment-size",
-            "128MiB",
-        ]),
-    );
+    let storage = start_storage(&maddr, "128MiB", &["--config", &scfg]);
     let rt = common::rt();
     let n = 30u64;
     let len = |i: u64| 5_000 + (i as usize * 7919) % 60_000;
@@ -237,13 +197,7 @@ fn storage_nodes_mount_again_and_report_their_nvme_objects_when_the_master_resta
                 .await
                 .unwrap();
         }
-        for i in 0..n {
-            eventually(Duration::from_secs(20), "write-through to NVMe", || async {
-                let info = c.describe(format!("obj-{i}").as_bytes()).await.unwrap();
-                info.replicas.iter().any(|r| r.tier == Tier::Nvme)
-            })
-            .await;
-        }
+        all_on_nvme(&c, n).await;
     });
     master.signal(common::Signal::KILL);
     master.wait_exit(Duration::from_secs(10)).expect("killed");
@@ -289,17 +243,8 @@ fn storage_nodes_mount_again_and_report_their_nvme_objects_when_the_master_resta
 #[test]
 fn a_storage_node_restarted_on_the_same_ports_and_nvme_path_keeps_its_tier() {
     let d = dir("hostile-node-restart");
-    let nvme = d.join("tier.kvnv");
     let mcfg = write_config(&d, "master.toml", "[master]\nclient_ttl_ms = 2000\n");
-    let scfg = write_config(
-        &d,
-        "storage.toml",
-        &format!(
-            "[storage.nvme]\npath = \"{}\"\ncapacity = \"256 MiB\"\npolicy = \"write_through\"\n\
-             avg_object_bytes = \"64 KiB\"\ntask_poll_ms = 20\n",
-            nvme.display()
-        ),
-    );
+    let scfg = write_through_tier(&d);
     let master = start(
         "master",
         &args(&[
@@ -329,8 +274,8 @@ fn a_storage_node_restarted_on_the_same_ports_and_nvme_path_keeps_its_tier() {
             "64MiB",
         ])
     };
-    let mut first = start("storage", &node_args("127.0.0.1:0"));
-    let listen = first.addr.clone();
+    let listen = common::fixed_addr(2);
+    let mut first = start("storage", &node_args(&listen));
     let rt = common::rt();
     let n = 20u64;
     rt.block_on(async {
@@ -342,13 +287,7 @@ fn a_storage_node_restarted_on_the_same_ports_and_nvme_path_keeps_its_tier() {
                 .await
                 .unwrap();
         }
-        for i in 0..n {
-            eventually(Duration::from_secs(20), "write-through to NVMe", || async {
-                let info = c.describe(format!("obj-{i}").as_bytes()).await.unwrap();
-                info.replicas.iter().any(|r| r.tier == Tier::Nvme)
-            })
-            .await;
-        }
+        all_on_nvme(&c, n).await;
     });
     first.signal(common::Signal::KILL);
     first.wait_exit(Duration::from_secs(10)).expect("killed");
@@ -402,25 +341,8 @@ fn puts_succeed_right_after_the_emptiest_node_is_killed() {
             "2",
         ]),
     );
-    let node = |size: &str| {
-        start(
-            "storage",
-            &args(&[
-                "--listen",
-                "127.0.0.1:0",
-                "--http",
-                "127.0.0.1:0",
-                "--shards",
-                "2",
-                "--master",
-                &master.addr,
-                "--segment-size",
-                size,
-            ]),
-        )
-    };
-    let survivor = node("64MiB");
-    let mut victim = node("512MiB");
+    let survivor = start_storage(&master.addr, "64MiB", &[]);
+    let mut victim = start_storage(&master.addr, "512MiB", &[]);
     let rt = common::rt();
     rt.block_on(async {
         let c = Client::connect(&master.addr, ClientConfig::default())
@@ -770,21 +692,7 @@ fn scribble(addr: &str, segment_id: u64, offset: u64, len: usize) {
 #[test]
 fn bytes_changed_behind_the_masters_back_are_corrupt_never_returned() {
     let node = common::start("all", &common::ephemeral(&["--segment-size", "64MiB"]));
-    let second = start(
-        "storage",
-        &args(&[
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--shards",
-            "2",
-            "--master",
-            &node.addr,
-            "--segment-size",
-            "64MiB",
-        ]),
-    );
+    let second = start_storage(&node.addr, "64MiB", &[]);
     let rt = common::rt();
     rt.block_on(async {
         let setup = Client::connect(&node.addr, ClientConfig::default())

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kvpool_actors::client::Client;
@@ -14,33 +14,7 @@ use kvpool_transport::proto::Tier;
 use kvpool_transport::{ErrorCode, KvError};
 use xxhash_rust::xxh3::xxh3_64;
 
-fn value(i: u64, len: usize) -> Vec<u8> {
-    let mut v = Vec::with_capacity(len);
-    let mut x = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    while v.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(len);
-    v
-}
-
-/// A directory on a real file system (O_DIRECT does not work on tmpfs).
-fn dir(name: &str) -> PathBuf {
-    let d =
-        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn write_config(dir: &Path, name: &str, text: &str) -> String {
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p.to_str().unwrap().to_string()
-}
+use common::{scratch_dir as dir, value, write_config};
 
 /// A put that waits while the pool is full and demotions catch up, as a
 /// client of a cache does (bounded by a deadline).

@@ -52,23 +52,7 @@ fn secured_cluster() -> (common::Proc, common::Proc) {
         "storage.toml",
         &format!("[security]\nsecret = \"{SECRET}\"\n"),
     );
-    let storage = common::start(
-        "storage",
-        &[
-            "--config",
-            &scfg,
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--shards",
-            "2",
-            "--master",
-            &master.addr,
-            "--segment-size",
-            "64MiB",
-        ],
-    );
+    let storage = common::start_storage(&master.addr, "64MiB", &["--config", &scfg]);
     (master, storage)
 }
 

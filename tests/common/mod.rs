@@ -255,3 +255,68 @@ pub fn http_with(addr: &str, method: &str, path: &str, headers: &str) -> (u16, S
         .expect("status code");
     (status, body.to_string())
 }
+
+/// A value of `len` bytes that differs for every `i` (xorshift).
+pub fn value(i: u64, len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len);
+    let mut x = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+/// A fresh directory on a real file system (O_DIRECT does not work on tmpfs).
+pub fn scratch_dir(name: &str) -> PathBuf {
+    let d =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Writes a config file into `dir`; returns its path.
+pub fn write_config(dir: &std::path::Path, name: &str, text: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+/// `kvpool run --role storage` on ephemeral ports, 2 shards, `size` of DRAM,
+/// mounted at `master`; `extra` flags first (e.g. `--config FILE`).
+pub fn start_storage(master: &str, size: &str, extra: &[&str]) -> Proc {
+    let mut a: Vec<&str> = extra.to_vec();
+    a.extend_from_slice(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--http",
+        "127.0.0.1:0",
+        "--shards",
+        "2",
+        "--master",
+        master,
+        "--segment-size",
+        size,
+    ]);
+    start("storage", &a)
+}
+
+/// `127.0.0.1:PORT` with `n` free ports from PORT on, outside the kernel's
+/// ephemeral range (32768..), so that a process restarted on the same
+/// address does not find it taken by another test's outgoing connection.
+pub fn fixed_addr(n: u16) -> String {
+    for _ in 0..200 {
+        let base = 20_000 + (rand::random::<u16>() % 10_000);
+        let held: Vec<_> = (0..n)
+            .map_while(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).ok())
+            .collect();
+        if held.len() == n as usize {
+            return format!("127.0.0.1:{base}");
+        }
+    }
+    panic!("no block of {n} free ports in 20000..30000");
+}
