@@ -198,6 +198,10 @@ fn main() -> ExitCode {
                 RoleArg::Storage => Role::Storage,
                 RoleArg::Engine => return run_engine(model, listen, cli.master, cfg),
             };
+            if model.is_some() {
+                eprintln!("error: --model is for --role engine");
+                return ExitCode::from(2);
+            }
             if let Some(l) = listen {
                 if role == Role::All && data_listen.is_none() {
                     if let Some(host) = l.strip_suffix(":0") {

@@ -39,7 +39,7 @@ compile_error!("the KV chunk format is little-endian and stored as native f32");
 /// Bytes of a chunk header.
 pub const HEADER_BYTES: usize = 64;
 const HEADER_FLOATS: usize = HEADER_BYTES / 4;
-const _: () = assert!(HEADER_BYTES % 4 == 0 && HEADER_BYTES >= 64);
+const _: () = assert!(HEADER_BYTES.is_multiple_of(4) && HEADER_BYTES >= 64);
 /// First bytes of every KV chunk object.
 pub const MAGIC: [u8; 8] = *b"KVPOOLKV";
 /// Version of the chunk format (header and payload layout).

@@ -116,7 +116,11 @@ fn builtin(name: &str, cfg: ModelConfig, device: &Device) -> Result<LoadedModel,
     shapes.push(("model.norm.weight".into(), vec![h], 0.0));
     // An untied head: with tied embeddings of std 1, a token's own
     // embedding dominates its logits and the model only repeats its input.
-    shapes.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], 4.0 * inv(h)));
+    shapes.push((
+        "lm_head.weight".into(),
+        vec![cfg.vocab_size, h],
+        4.0 * inv(h),
+    ));
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(BUILTIN_SEED);
     let mut fp = Fingerprint::new(&cfg);
     let mut weights = Weights::new();

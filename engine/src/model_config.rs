@@ -81,7 +81,7 @@ impl ModelConfig {
                 return bad(field, "must be greater than 0".into());
             }
         }
-        if self.hidden_size % self.num_attention_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return bad(
                 "num_attention_heads",
                 format!(
@@ -90,7 +90,10 @@ impl ModelConfig {
                 ),
             );
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return bad(
                 "num_key_value_heads",
                 format!(
@@ -99,7 +102,7 @@ impl ModelConfig {
                 ),
             );
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return bad(
                 "hidden_size",
                 format!("head dimension {} must be even for RoPE", self.head_dim()),
@@ -108,14 +111,15 @@ impl ModelConfig {
         if self.vocab_size > u32::MAX as usize {
             return bad("vocab_size", "does not fit token ids of 32 bits".into());
         }
-        if !(self.rms_norm_eps > 0.0) {
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return bad("rms_norm_eps", "must be greater than 0".into());
         }
-        if !(self.rope_theta > 0.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return bad("rope_theta", "must be greater than 0".into());
         }
         if let Some(s) = &self.rope_scaling {
-            if !(s.factor > 0.0) || !(s.high_freq_factor > s.low_freq_factor) {
+            let positive = s.factor > 0.0 && s.high_freq_factor > s.low_freq_factor;
+            if !positive {
                 return bad(
                     "rope_scaling",
                     "llama3 scaling needs factor > 0 and high_freq_factor > low_freq_factor".into(),

@@ -521,6 +521,10 @@ struct CommonFields {
     #[serde(default)]
     return_token_ids: bool,
     kv_transfer_params: Option<KvTransferParams>,
+    /// Only 1 is supported.
+    n: Option<usize>,
+    /// Not supported: refused when set.
+    logprobs: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -594,7 +598,16 @@ impl AppState {
         prompt: Vec<u32>,
         c: &CommonFields,
         default_max: Option<usize>,
-    ) -> GenRequest {
+    ) -> Result<GenRequest, ApiError> {
+        if c.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::bad("n other than 1 is not supported"));
+        }
+        if c.logprobs
+            .as_ref()
+            .is_some_and(|l| !l.is_null() && *l != Value::Bool(false))
+        {
+            return Err(ApiError::bad("logprobs are not supported"));
+        }
         let e = &self.engine.inner;
         let room = e.max_model_len.saturating_sub(prompt.len());
         let max_tokens = c
@@ -602,7 +615,7 @@ impl AppState {
             .or(c.max_completion_tokens)
             .or(default_max)
             .unwrap_or(room);
-        GenRequest {
+        Ok(GenRequest {
             prompt,
             params: SamplingParams {
                 temperature: c.temperature.unwrap_or(1.0),
@@ -612,7 +625,7 @@ impl AppState {
                 ignore_eos: c.ignore_eos,
             },
             kv_transfer: c.kv_transfer_params.clone(),
-        }
+        })
     }
 }
 
@@ -621,7 +634,7 @@ async fn completions(State(st): State<AppState>, body: Bytes) -> Response {
         let b: CompletionBody = parse(&body)?;
         st.check_model(&b.common.model)?;
         let prompt = st.prompt_tokens(b.prompt)?;
-        let g = st.gen_request(prompt, &b.common, Some(16));
+        let g = st.gen_request(prompt, &b.common, Some(16))?;
         respond(&st, g, b.common, false).await
     }
     .await;
@@ -634,7 +647,7 @@ async fn chat_completions(State(st): State<AppState>, body: Bytes) -> Response {
         st.check_model(&b.common.model)?;
         let text = chat_text(&b.messages)?;
         let prompt = st.engine.tokenizer().encode(&text)?;
-        let g = st.gen_request(prompt, &b.common, None);
+        let g = st.gen_request(prompt, &b.common, None)?;
         respond(&st, g, b.common, true).await
     }
     .await;

@@ -138,8 +138,7 @@ fn theirs(dir: &Path, prompt: &[u32], decode: usize) -> Vec<Vec<f32>> {
         .unwrap()
         .to_vec1::<f32>()
         .unwrap()];
-    let mut pos = prompt.len();
-    for _ in 0..decode {
+    for pos in prompt.len()..prompt.len() + decode {
         let next = Llama::argmax(out.last().unwrap());
         let input = Tensor::new(&[next], &dev).unwrap().unsqueeze(0).unwrap();
         out.push(
@@ -151,7 +150,6 @@ fn theirs(dir: &Path, prompt: &[u32], decode: usize) -> Vec<Vec<f32>> {
                 .to_vec1::<f32>()
                 .unwrap(),
         );
-        pos += 1;
     }
     out
 }
