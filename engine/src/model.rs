@@ -223,6 +223,29 @@ impl Llama {
         let sin = self.sin.index_select(&positions, 0)?;
         let mut x = self.embed.index_select(&ids, 0)?;
         let scale = (hd as f64).sqrt();
+        // Causal masks, one per step of more than one token (the same for
+        // every layer): position start + i sees positions 0..=start + i.
+        let masks: Vec<Option<Tensor>> = rows
+            .iter()
+            .map(|&(_, n, start)| {
+                if n == 1 {
+                    return Ok(None);
+                }
+                let len = start + n;
+                let mask: Vec<f32> = (0..n)
+                    .flat_map(|i| {
+                        (0..len).map(move |j| {
+                            if j > start + i {
+                                f32::NEG_INFINITY
+                            } else {
+                                0.0
+                            }
+                        })
+                    })
+                    .collect();
+                Tensor::from_vec(mask, (n, len), &self.device).map(Some)
+            })
+            .collect::<candle_core::Result<_>>()?;
         for (li, layer) in self.layers.iter().enumerate() {
             let residual = &x;
             let hn = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
@@ -237,7 +260,7 @@ impl Llama {
             let k_all = k.flatten_all()?.to_vec1::<f32>()?;
             let v_all = v.flatten_all()?.to_vec1::<f32>()?;
             let mut ys = Vec::with_capacity(steps.len());
-            for (s, &(off, n, start)) in steps.iter_mut().zip(&rows) {
+            for ((s, &(off, n, start)), mask) in steps.iter_mut().zip(&rows).zip(&masks) {
                 let pick = |all: &[f32]| -> Vec<f32> {
                     let mut out = Vec::with_capacity(kvh * n * hd);
                     for h in 0..kvh {
@@ -257,24 +280,12 @@ impl Llama {
                     .contiguous()?
                     .reshape((kvh, groups * n, hd))?;
                 let att = (qs.matmul(&keys.t()?)? / scale)?;
-                let att = if n > 1 {
-                    let mask: Vec<f32> = (0..n)
-                        .flat_map(|i| {
-                            (0..len).map(move |j| {
-                                if j > start + i {
-                                    f32::NEG_INFINITY
-                                } else {
-                                    0.0
-                                }
-                            })
-                        })
-                        .collect();
-                    let mask = Tensor::from_vec(mask, (n, len), &self.device)?;
-                    att.reshape((kvh, groups, n, len))?
-                        .broadcast_add(&mask)?
-                        .reshape((kvh, groups * n, len))?
-                } else {
-                    att
+                let att = match mask {
+                    Some(mask) => att
+                        .reshape((kvh, groups, n, len))?
+                        .broadcast_add(mask)?
+                        .reshape((kvh, groups * n, len))?,
+                    None => att,
                 };
                 let att = candle_nn::ops::softmax_last_dim(&att)?;
                 let y = att
