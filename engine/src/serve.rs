@@ -964,3 +964,21 @@ async fn metrics_route(State(st): State<AppState>) -> Response {
     )
         .into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use kvpool_actors::config::NodeConfig;
+
+    #[test]
+    fn engine_config_file_parses_and_bad_keys_are_named() {
+        let cfg = NodeConfig::from_toml(include_str!("../../configs/engine.toml"), "engine.toml")
+            .expect("configs/engine.toml parses");
+        cfg.engine.validate().expect("and is valid");
+        assert_eq!(cfg.engine.chunk_tokens, 256);
+        let e = NodeConfig::from_toml("[engine]\nchunk_tokns = 8\n", "t").unwrap_err();
+        assert!(e.to_string().contains("chunk_tokns"), "{e}");
+        let cfg = NodeConfig::from_toml("[engine]\nmax_num_seqs = 0\n", "t").unwrap();
+        let e = cfg.engine.validate().unwrap_err();
+        assert!(e.contains("engine.max_num_seqs"), "{e}");
+    }
+}
