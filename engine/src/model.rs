@@ -322,13 +322,14 @@ impl Llama {
     }
 
     /// Index of the largest logit (greedy decoding; the first on ties).
+    /// NaN logits are skipped; all NaN (or none) gives 0.
     pub fn argmax(logits: &[f32]) -> u32 {
-        let mut best = 0;
+        let mut best: Option<(usize, f32)> = None;
         for (i, &l) in logits.iter().enumerate() {
-            if l > logits[best] {
-                best = i;
+            if !l.is_nan() && best.is_none_or(|(_, b)| l > b) {
+                best = Some((i, l));
             }
         }
-        best as u32
+        best.map_or(0, |(i, _)| i as u32)
     }
 }

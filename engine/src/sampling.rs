@@ -70,16 +70,25 @@ impl Sampler {
         }
     }
 
-    /// The next token for `logits`.
+    /// The next token for `logits`. Logits come from KV that crossed the
+    /// network, so they may hold NaN or infinities: a NaN logit is never
+    /// drawn, and logits with no finite maximum (all NaN or -inf, or a +inf)
+    /// fall back to greedy; nothing here panics.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.temperature < GREEDY_BELOW {
             return crate::model::Llama::argmax(logits);
         }
+        // f32::max skips NaN.
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if !max.is_finite() {
+            return crate::model::Llama::argmax(logits);
+        }
         self.scratch.clear();
         let mut sum = 0f32;
         for (i, &l) in logits.iter().enumerate() {
+            // NaN -> 0: never drawn. Finite l - max <= 0, so p is in [0, 1].
             let p = ((l - max) / self.temperature).exp();
+            let p = if p.is_nan() { 0.0 } else { p };
             sum += p;
             self.scratch.push((p, i as u32));
         }
@@ -97,6 +106,10 @@ impl Sampler {
                 }
             }
             sum = self.scratch[..keep].iter().map(|x| x.0).sum();
+        }
+        // The maximum's own p is 1, so sum >= 1 and the range is not empty.
+        if !(sum > 0.0 && sum.is_finite()) {
+            return crate::model::Llama::argmax(logits);
         }
         let mut r = self.rng.random_range(0.0..sum);
         for &(p, t) in &self.scratch[..keep] {
@@ -144,6 +157,29 @@ mod tests {
         // Without the cut, the others show up.
         let mut s = Sampler::new(&params(1.0, 1.0, 3));
         assert!((0..2000).any(|_| s.sample(&peaked) != 0));
+    }
+
+    #[test]
+    fn non_finite_logits_never_panic_and_nan_is_never_drawn() {
+        let mut s = Sampler::new(&params(1.0, 1.0, 5));
+        // NaN beside finite logits: only the finite ones are drawn.
+        let mixed = [f32::NAN, 1.0, f32::NAN, 0.5];
+        for _ in 0..500 {
+            let t = s.sample(&mixed);
+            assert!(t == 1 || t == 3, "drew token {t}");
+        }
+        // No finite maximum: greedy fallback, no panic.
+        assert_eq!(s.sample(&[f32::NAN; 4]), 0);
+        assert_eq!(s.sample(&[f32::NEG_INFINITY; 3]), 0);
+        assert_eq!(s.sample(&[0.0, f32::INFINITY, 1.0]), 1);
+        let mut s = Sampler::new(&params(1.0, 0.5, 5));
+        assert_eq!(s.sample(&[f32::NAN, f32::INFINITY]), 1);
+        // Greedy skips NaN too.
+        let mut g = Sampler::new(&params(0.0, 1.0, 5));
+        assert_eq!(g.sample(&[f32::NAN, 1.0, 2.0, f32::NAN]), 2);
+        for _ in 0..100 {
+            assert_eq!(s.sample(&[f32::NAN, 9.0, 0.0, f32::NAN]), 1);
+        }
     }
 
     #[test]
