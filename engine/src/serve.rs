@@ -678,13 +678,45 @@ impl TextState {
         }
     }
 
-    /// The decoded text, up to the last complete UTF-8 character.
-    fn text(&self, tok: &Tokenizer) -> String {
+    /// The decoded text. Invalid UTF-8 inside it reads as U+FFFD; unless
+    /// `last`, a tail that may still become a character as more tokens come
+    /// is held back: an incomplete UTF-8 sequence (byte-level tokens) or
+    /// trailing U+FFFD (what a Hugging Face decoder makes of one).
+    fn text(&self, tok: &Tokenizer, last: bool) -> String {
         let bytes = tok.decode_bytes(&self.ids);
-        match std::str::from_utf8(&bytes) {
-            Ok(s) => s.to_string(),
-            Err(e) => String::from_utf8_lossy(&bytes[..e.valid_up_to()]).into_owned(),
+        let mut out = String::with_capacity(bytes.len());
+        let mut rest = &bytes[..];
+        loop {
+            match std::str::from_utf8(rest) {
+                Ok(s) => {
+                    out.push_str(s);
+                    break;
+                }
+                Err(e) => {
+                    let (valid, after) = rest.split_at(e.valid_up_to());
+                    // `valid` is UTF-8 by the error's own account (no copy).
+                    out.push_str(&String::from_utf8_lossy(valid));
+                    match e.error_len() {
+                        Some(n) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            rest = &after[n..];
+                        }
+                        // An incomplete sequence at the end.
+                        None => {
+                            if last {
+                                out.push(char::REPLACEMENT_CHARACTER);
+                            }
+                            break;
+                        }
+                    }
+                }
+            }
         }
+        if !last && matches!(tok, Tokenizer::Hf(_)) {
+            let kept = out.trim_end_matches(char::REPLACEMENT_CHARACTER).len();
+            out.truncate(kept);
+        }
+        out
     }
 
     /// Adds a token; true when a stop string matched.
@@ -693,7 +725,7 @@ impl TextState {
         if self.stop.is_empty() {
             return false;
         }
-        let text = self.text(tok);
+        let text = self.text(tok, false);
         let hit = self.stop.iter().filter_map(|s| text.find(s.as_str())).min();
         if let Some(i) = hit {
             self.stopped = Some(text[..i].to_string());
@@ -705,7 +737,16 @@ impl TextState {
     /// Text not yet streamed that can be sent now (a possible stop-string
     /// prefix at the end is held back unless `last`).
     fn delta(&mut self, tok: &Tokenizer, last: bool) -> String {
-        let text = self.stopped.clone().unwrap_or_else(|| self.text(tok));
+        let text = self
+            .stopped
+            .clone()
+            .unwrap_or_else(|| self.text(tok, last));
+        // A decoder need not be prefix-stable: what was sent may no longer
+        // end on a character boundary of the new text. Never slice inside
+        // a character.
+        while self.sent < text.len() && !text.is_char_boundary(self.sent) {
+            self.sent += 1;
+        }
         let mut upto = text.len();
         if !last {
             let hold = self
@@ -777,7 +818,7 @@ async fn respond(
     let out_text = text
         .stopped
         .clone()
-        .unwrap_or_else(|| text.text(st.engine.tokenizer()));
+        .unwrap_or_else(|| text.text(st.engine.tokenizer(), true));
     let kvp = if gen.remote_decode {
         st.engine.transfer_params(&mut gen).await
     } else {
@@ -967,7 +1008,84 @@ async fn metrics_route(State(st): State<AppState>) -> Response {
 
 #[cfg(test)]
 mod tests {
+    use super::{Stop, TextState};
+    use crate::tokenizer::Tokenizer;
     use kvpool_actors::config::NodeConfig;
+
+    fn bytes(s: &[u8]) -> Vec<u32> {
+        s.iter().map(|&b| u32::from(b)).collect()
+    }
+
+    #[test]
+    fn invalid_utf8_reads_as_replacement_and_only_an_incomplete_tail_waits() {
+        let tok = Tokenizer::Bytes;
+        let mut t = TextState::new(None);
+        for id in bytes(b"ab\xffcd") {
+            t.push(id, &tok);
+        }
+        // Text after an invalid byte is not lost.
+        assert_eq!(t.text(&tok, false), "ab\u{fffd}cd");
+        assert_eq!(t.delta(&tok, false), "ab\u{fffd}cd");
+        // The first two bytes of the euro sign wait for the third.
+        for id in bytes(&[0xe2, 0x82]) {
+            t.push(id, &tok);
+        }
+        assert_eq!(t.delta(&tok, false), "");
+        assert_eq!(t.text(&tok, true), "ab\u{fffd}cd\u{fffd}");
+        t.push(0xac, &tok);
+        assert_eq!(t.delta(&tok, false), "\u{20ac}");
+    }
+
+    #[test]
+    fn stop_strings_cut_the_text_and_a_held_back_prefix_is_never_sent() {
+        let tok = Tokenizer::Bytes;
+        let mut t = TextState::new(Some(Stop::Many(vec!["XY".into(), String::new()])));
+        let mut sent = String::new();
+        for id in bytes(b"abX") {
+            assert!(!t.push(id, &tok));
+            sent.push_str(&t.delta(&tok, false));
+        }
+        assert_eq!(sent, "ab", "the X may start the stop string");
+        assert!(t.push(u32::from(b'Y'), &tok));
+        sent.push_str(&t.delta(&tok, true));
+        assert_eq!(sent, "ab");
+        assert_eq!(t.stopped.as_deref(), Some("ab"));
+        // A possible prefix that turns out not to be one is sent at the end.
+        let mut t = TextState::new(Some(Stop::One("XY".into())));
+        for id in bytes(b"abX") {
+            t.push(id, &tok);
+        }
+        assert_eq!(t.delta(&tok, false), "ab");
+        assert_eq!(t.delta(&tok, true), "X");
+    }
+
+    /// A byte-level BPE decoder (as Llama 3's) turns a token ending inside a
+    /// character into U+FFFD, which the next token replaces: the streamed
+    /// text must hold it back and never slice inside the character.
+    #[test]
+    fn a_character_split_across_hf_tokens_streams_whole() {
+        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+"normalizer":null,"pre_tokenizer":null,"post_processor":null,
+"decoder":{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":false,"use_regex":false},
+"model":{"type":"WordLevel","vocab":{"[UNK]":0,"a":1,"\u00f0\u0141\u013a":2,"\u0122":3},"unk_token":"[UNK]"}}"#;
+        let hf: tokenizers::Tokenizer = json.parse().expect("tokenizer json");
+        let tok = Tokenizer::Hf(Box::new(hf));
+        assert_eq!(tok.decode_bytes(&[1, 2, 3]), "a\u{1f600}".as_bytes());
+        let mut t = TextState::new(None);
+        let mut sent = String::new();
+        for id in [1, 2, 3, 1] {
+            t.push(id, &tok);
+            sent.push_str(&t.delta(&tok, false));
+        }
+        sent.push_str(&t.delta(&tok, true));
+        assert_eq!(sent, "a\u{1f600}a");
+        // Even text that changes under what was sent is never cut inside a
+        // character.
+        let mut t = TextState::new(None);
+        t.sent = "a\u{fffd}".len();
+        t.stopped = Some("a\u{1f600}b".into());
+        assert_eq!(t.delta(&tok, true), "b");
+    }
 
     #[test]
     fn engine_config_file_parses_and_bad_keys_are_named() {
