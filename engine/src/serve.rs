@@ -460,17 +460,34 @@ impl From<EngineError> for ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+impl ApiError {
+    /// The error object, as vLLM writes it.
+    fn body(&self) -> Value {
         let kind = match self.status {
             StatusCode::BAD_REQUEST => "BadRequestError",
             StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::PAYLOAD_TOO_LARGE => "PayloadTooLargeError",
             StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
+            StatusCode::GATEWAY_TIMEOUT => "TimeoutError",
             _ => "InternalServerError",
         };
-        let body = json!({"object": "error", "message": self.message, "type": kind,
-            "param": null, "code": self.status.as_u16()});
-        (self.status, Json(body)).into_response()
+        json!({"object": "error", "message": self.message, "type": kind,
+            "param": null, "code": self.status.as_u16()})
+    }
+
+    /// The SSE event that ends a stream that failed after its 200 was sent:
+    /// vLLM's `data: {"error": {...}}` (what OpenAI clients raise on), then
+    /// `data: [DONE]`.
+    fn sse_event(&self) -> Bytes {
+        let mut out = sse(&json!({"error": self.body()})).to_vec();
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        Bytes::from(out)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
     }
 }
 
@@ -914,9 +931,7 @@ fn stream_response(
                 Ok(ev) => ev,
                 Err(e) => {
                     s.done = true;
-                    let v =
-                        json!({"object": "error", "message": e.message, "code": e.status.as_u16()});
-                    return Some((Ok::<Bytes, Infallible>(sse(&v)), s));
+                    return Some((Ok::<Bytes, Infallible>(e.sse_event()), s));
                 }
             };
             let tok = s.st.engine.tokenizer();
@@ -938,12 +953,14 @@ fn stream_response(
                 Some(Event::Done(f)) => Some(f),
                 Some(Event::Failed(m)) => {
                     s.done = true;
-                    let v = json!({"object": "error", "message": m, "code": 500});
-                    return Some((Ok(sse(&v)), s));
+                    return Some((Ok(ApiError::internal(m).sse_event()), s));
                 }
+                // The engine let the request go without saying how it
+                // ended: that is an error, not a finished stream.
                 None => {
                     s.done = true;
-                    return Some((Ok(Bytes::from_static(b"data: [DONE]\n\n")), s));
+                    let e = ApiError::internal("the engine dropped the request");
+                    return Some((Ok(e.sse_event()), s));
                 }
             };
             let d = s.text.delta(tok, true);
@@ -1085,6 +1102,24 @@ mod tests {
         t.sent = "a\u{fffd}".len();
         t.stopped = Some("a\u{1f600}b".into());
         assert_eq!(t.delta(&tok, true), "b");
+    }
+
+    /// A stream that fails after its 200 ends with vLLM's error event (the
+    /// shape OpenAI clients raise on), then [DONE].
+    #[test]
+    fn a_failed_stream_ends_with_an_error_event() {
+        let raw = super::ApiError::internal("boom").sse_event();
+        let text = std::str::from_utf8(&raw).unwrap();
+        let events: Vec<&str> = text
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .collect();
+        assert_eq!(events.len(), 2, "{text}");
+        let v: serde_json::Value = serde_json::from_str(events[0]).unwrap();
+        assert_eq!(v["error"]["message"], "boom");
+        assert_eq!(v["error"]["code"], 500);
+        assert_eq!(v["error"]["type"], "InternalServerError");
+        assert_eq!(events[1], "[DONE]");
     }
 
     #[test]
