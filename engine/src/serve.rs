@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -565,8 +566,14 @@ struct TokenizeBody {
     messages: Option<Vec<Message>>,
 }
 
-fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("invalid request body: {e}")))
+/// The JSON body of a request; a body over `engine.max_body_bytes` (413) or
+/// one that cannot be read gets an error in vLLM's shape too.
+fn parse<T: for<'de> Deserialize<'de>>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.map_err(|r| ApiError {
+        status: r.status(),
+        message: format!("request body: {}", r.body_text()),
+    })?;
+    serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("invalid request body: {e}")))
 }
 
 /// The chat template: `<|role|>\ncontent\n` per message, then
@@ -646,9 +653,9 @@ impl AppState {
     }
 }
 
-async fn completions(State(st): State<AppState>, body: Bytes) -> Response {
+async fn completions(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let r: Result<Response, ApiError> = async {
-        let b: CompletionBody = parse(&body)?;
+        let b: CompletionBody = parse(body)?;
         st.check_model(&b.common.model)?;
         let prompt = st.prompt_tokens(b.prompt)?;
         let g = st.gen_request(prompt, &b.common, Some(16))?;
@@ -658,9 +665,12 @@ async fn completions(State(st): State<AppState>, body: Bytes) -> Response {
     r.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn chat_completions(State(st): State<AppState>, body: Bytes) -> Response {
+async fn chat_completions(
+    State(st): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let r: Result<Response, ApiError> = async {
-        let b: ChatBody = parse(&body)?;
+        let b: ChatBody = parse(body)?;
         st.check_model(&b.common.model)?;
         let text = chat_text(&b.messages)?;
         let prompt = st.engine.tokenizer().encode(&text)?;
@@ -988,9 +998,9 @@ async fn models(State(st): State<AppState>) -> Response {
     .into_response()
 }
 
-async fn tokenize(State(st): State<AppState>, body: Bytes) -> Response {
+async fn tokenize(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let r: Result<Response, ApiError> = async {
-        let b: TokenizeBody = parse(&body)?;
+        let b: TokenizeBody = parse(body)?;
         st.check_model(&b.model)?;
         let tokens = match (b.prompt, b.messages) {
             (Some(p), None) => st.prompt_tokens(p)?,
