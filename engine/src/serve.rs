@@ -764,10 +764,7 @@ impl TextState {
     /// Text not yet streamed that can be sent now (a possible stop-string
     /// prefix at the end is held back unless `last`).
     fn delta(&mut self, tok: &Tokenizer, last: bool) -> String {
-        let text = self
-            .stopped
-            .clone()
-            .unwrap_or_else(|| self.text(tok, last));
+        let text = self.stopped.clone().unwrap_or_else(|| self.text(tok, last));
         // A decoder need not be prefix-stable: what was sent may no longer
         // end on a character boundary of the new text. Never slice inside
         // a character.
