@@ -230,6 +230,49 @@ fn a_second_request_sharing_k_chunks_computes_only_the_rest() {
 }
 
 #[test]
+fn an_engine_whose_pool_is_down_serves_and_uses_the_pool_once_it_is_up() {
+    // An address with nothing behind it yet.
+    let master = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let cfg = config_file("down", TCP_CONFIG);
+    let e = engine(Some(&master), &cfg);
+    let p = prompt(600, 5);
+    let out = greedy(&e, &p, 4, None);
+    assert_eq!(token_ids(&out).len(), 4);
+    assert_eq!(out["kvpool"]["prompt_tokens_computed"], 600);
+    // A P/D prefill answers too, naming no chunk (none is in the pool).
+    let pre = greedy(&e, &p, 1, Some(json!({"do_remote_decode": true})));
+    assert_eq!(pre["kv_transfer_params"]["chunk_keys"], json!([]), "{pre}");
+    assert_eq!(pre["kv_transfer_params"]["pool"], master.as_str());
+
+    // The pool comes up at that address: the engine reaches it on its own
+    // and its prefills store their chunks there.
+    let _pool = start(
+        "all",
+        &[
+            "--listen",
+            &master,
+            "--data-listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "1",
+            "--segment-size",
+            "256MiB",
+        ],
+    );
+    wait_for("the engine to store its chunks in the pool", || {
+        let pre = greedy(&e, &p, 1, Some(json!({"do_remote_decode": true})));
+        pre["kv_transfer_params"]["chunk_keys"]
+            .as_array()
+            .is_some_and(|k| k.len() == 2)
+    });
+}
+
+#[test]
 fn http_api_streams_tokenizes_and_refuses_bad_requests() {
     let cfg = config_file("api", "[engine]\nmax_num_seqs = 4\n");
     let e = engine(None, &cfg);

@@ -21,7 +21,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
@@ -35,6 +35,7 @@ use kvpool_actors::client::Client;
 use kvpool_actors::conductor::chunk_hash::{chunk_hashes, ChunkHash};
 use kvpool_actors::config::{EngineConfig, NodeConfig};
 use kvpool_runtime::metrics::MetricsRegistry;
+use kvpool_transport::ErrorCode;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
@@ -123,7 +124,11 @@ struct Inner {
     vocab_size: usize,
     eos: Vec<u32>,
     submit: flume::Sender<Request>,
-    pool: Option<Arc<KvPool>>,
+    /// The pool's master (`--master`), if any.
+    master: Option<String>,
+    /// The pool, once reached; empty while it is down (requests are then
+    /// computed whole and nothing is stored).
+    pool: Arc<OnceLock<Arc<KvPool>>>,
     metrics: EngineMetrics,
     ids: AtomicU64,
     created: u64,
@@ -138,7 +143,9 @@ fn now_s() -> u64 {
 
 impl Engine {
     /// Starts the model thread and, with a `master`, the pool client and
-    /// the store task. Must run inside a tokio runtime.
+    /// the store task. Must run inside a tokio runtime. A pool that cannot
+    /// be reached does not stop the engine: it serves without it (computing
+    /// every prompt whole) and keeps trying to connect in the background.
     pub async fn start(
         model: LoadedModel,
         node: &NodeConfig,
@@ -160,19 +167,42 @@ impl Engine {
             0 => mc.max_position_embeddings,
             n => n.min(mc.max_position_embeddings),
         };
-        let (pool, store_tx) = match master {
+        let pool = Arc::new(OnceLock::new());
+        let store_tx = match master {
             Some(m) => {
-                let client = Client::connect(m, node.client.clone()).await.map_err(|e| {
-                    EngineError::Start(format!("cannot reach the pool at {m}: {e}"))
-                })?;
-                let pool = Arc::new(KvPool::new(client, m.to_string(), metrics.clone()));
+                let first = match Client::connect(m, node.client.clone()).await {
+                    Ok(c) => Some(c),
+                    // A refused configuration (e.g. RDMA required and absent)
+                    // is a start-up error; an unreachable pool is not.
+                    Err(e)
+                        if matches!(e.code, ErrorCode::Unsupported | ErrorCode::InvalidParams) =>
+                    {
+                        return Err(EngineError::Start(format!(
+                            "cannot use the pool at {m}: {e}"
+                        )));
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            "cannot reach the pool at {m} ({e}): serving without it, computing \
+                             every prompt, and retrying in the background"
+                        );
+                        None
+                    }
+                };
                 let (tx, rx) = flume::bounded(cfg.store_queue_depth);
-                tokio::spawn(pool.clone().run_store(rx));
-                (Some(pool), Some(tx))
+                tokio::spawn(connect_and_store(
+                    first,
+                    m.to_string(),
+                    node.client.clone(),
+                    pool.clone(),
+                    metrics.clone(),
+                    rx,
+                ));
+                Some(tx)
             }
             None => {
                 tracing::info!("no --master: the engine runs without a pool");
-                (None, None)
+                None
             }
         };
         let (submit, rx) = flume::bounded(cfg.max_waiting);
@@ -202,6 +232,7 @@ impl Engine {
                 vocab_size: mc.vocab_size,
                 eos: mc.eos_token_ids.clone(),
                 submit,
+                master: master.map(str::to_string),
                 pool,
                 metrics,
                 ids: AtomicU64::new(1),
@@ -258,6 +289,7 @@ impl Engine {
         // generation), so at most (len - 1) / chunk chunks are loaded.
         let loadable = (prompt.len() - 1) / chunk;
         let kvp = g.kv_transfer.unwrap_or_default();
+        let pool = e.pool.get().cloned();
         let mut loaded = crate::pool::Loaded::default();
         if kvp.do_remote_prefill {
             if let Some(n) = kvp.num_tokens {
@@ -276,30 +308,30 @@ impl Engine {
                     )));
                 }
             }
-            match (&e.pool, kvp.pool.as_deref()) {
-                (Some(p), Some(named)) if named != p.master() => {
+            if let (Some(m), Some(named)) = (&e.master, kvp.pool.as_deref()) {
+                if named != m {
                     return Err(ApiError::bad(format!(
-                        "kv_transfer_params.pool {named:?} is not this engine's pool {:?}",
-                        p.master()
-                    )))
+                        "kv_transfer_params.pool {named:?} is not this engine's pool {m:?}"
+                    )));
                 }
-                (Some(p), _) => {
+            }
+            match &pool {
+                Some(p) => {
                     let n = kvp.chunk_keys.len().min(loadable);
                     loaded = p.load_prefix(&e.layout, &hashes[..n], false).await;
                 }
-                (None, _) => {
-                    tracing::warn!(
-                        "do_remote_prefill without a pool (--master): computing the whole prompt"
-                    )
-                }
+                None => tracing::warn!(
+                    "do_remote_prefill without a pool (no --master, or it is down): \
+                     computing the whole prompt"
+                ),
             }
-        } else if let (Some(p), true) = (&e.pool, e.cfg.load_from_pool) {
+        } else if let (Some(p), true) = (&pool, e.cfg.load_from_pool) {
             loaded = p.load_prefix(&e.layout, &hashes[..loadable], true).await;
         }
         let loaded_tokens = loaded.blocks.len() * chunk;
         let kv = SeqKv::with_loaded(e.layout, loaded.blocks);
         let remote_decode = kvp.do_remote_decode;
-        let (store, stored) = if e.pool.is_some() && (e.cfg.store_to_pool || remote_decode) {
+        let (store, stored) = if pool.is_some() && (e.cfg.store_to_pool || remote_decode) {
             if remote_decode {
                 let (tx, rx) = oneshot::channel();
                 (Some(Some(tx)), Some(rx))
@@ -348,7 +380,7 @@ impl Engine {
     /// The `kv_transfer_params` of a prefill answer: the leading chunks now in the pool.
     async fn transfer_params(&self, g: &mut Generation) -> Value {
         let e = &self.inner;
-        let Some(pool) = &e.pool else {
+        let Some(master) = &e.master else {
             return json!({"do_remote_prefill": true, "do_remote_decode": false, "chunk_keys": [],
                 "num_tokens": g.prompt.len(), "chunk_tokens": e.cfg.chunk_tokens, "pool": null});
         };
@@ -364,12 +396,53 @@ impl Engine {
             .map(|h| e.layout.key(*h))
             .collect();
         json!({"do_remote_prefill": true, "do_remote_decode": false, "chunk_keys": keys,
-            "num_tokens": g.prompt.len(), "chunk_tokens": e.cfg.chunk_tokens, "pool": pool.master()})
+            "num_tokens": g.prompt.len(), "chunk_tokens": e.cfg.chunk_tokens, "pool": master})
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.inner.tokenizer
     }
+}
+
+/// Longest wait between two attempts to reach a pool that is down.
+const POOL_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// Connects to the pool (unless `first` already did), retrying with backoff
+/// until it answers, publishes it in `slot`, then runs the store task.
+/// Until then, store jobs are not queued (requests see no pool).
+async fn connect_and_store(
+    first: Option<Client>,
+    master: String,
+    cfg: kvpool_actors::config::ClientConfig,
+    slot: Arc<OnceLock<Arc<KvPool>>>,
+    metrics: EngineMetrics,
+    rx: flume::Receiver<scheduler::StoreJob>,
+) {
+    let client = match first {
+        Some(c) => c,
+        None => {
+            let mut wait = Duration::from_millis(500);
+            loop {
+                tokio::time::sleep(wait).await;
+                match Client::connect(&master, cfg.clone()).await {
+                    Ok(c) => {
+                        tracing::info!("reached the pool at {master}: loading and storing KV");
+                        break c;
+                    }
+                    Err(e) => {
+                        tracing::warn!("pool at {master} still unreachable: {e}");
+                        wait = (wait * 2).min(POOL_RETRY_MAX);
+                    }
+                }
+                if rx.is_disconnected() {
+                    return;
+                }
+            }
+        }
+    };
+    let pool = Arc::new(KvPool::new(client, master, metrics));
+    let _ = slot.set(pool.clone());
+    pool.run_store(rx).await;
 }
 
 /// A generation request, after parsing.
