@@ -190,6 +190,26 @@ fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed()
     assert_eq!(token_ids(&out), want);
     assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 512);
     assert_eq!(out["kvpool"]["chunks_refused"], 0);
+
+    // An object longer than any chunk under the key (it does not even fit
+    // the block) is refused and replaced the same way.
+    let mut long = bytes.clone();
+    long.push(0);
+    assert_eq!(cli(&pool.addr, &["rm", "--force", &keys[1]], None).0, 0);
+    let (code, _, err) = cli(&pool.addr, &["put", &keys[1]], Some(&long));
+    assert_eq!(code, 0, "{err}");
+    let stored_before = metric(&decode, "chunks_stored_total");
+    let out = greedy(&decode, &p, 32, Some(kvp.clone()));
+    assert_eq!(token_ids(&out), want, "decode after an oversized chunk");
+    assert_eq!(out["kvpool"]["chunks_refused"], 1);
+    assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 256);
+    assert_eq!(metric(&decode, "chunks_refused_total"), 2.0);
+    wait_for("the recomputed chunk to be stored again", || {
+        metric(&decode, "chunks_stored_total") > stored_before
+    });
+    let (code, again, _) = cli(&pool.addr, &["get", &keys[1]], None);
+    assert_eq!(code, 0);
+    assert_eq!(again, bytes);
 }
 
 #[test]

@@ -4,7 +4,8 @@
 //!   loadable chunk keys, then one batch get of the leading run present,
 //!   read straight into fresh KV blocks. Each block's header and checksum
 //!   are checked; the run stops at the first chunk that is missing or
-//!   refused. A refused chunk is counted, removed from the pool (so the
+//!   refused (header or checksum mismatch, or an object longer than a
+//!   chunk). A refused chunk is counted, removed from the pool (so the
 //!   recomputed one can take its key) and recomputed; it is never used.
 //! * Export ([`KvPool::run_store`]): the store task puts sealed blocks,
 //!   straight from the sequence's memory, one batch put per prompt. A chunk
@@ -114,23 +115,31 @@ impl KvPool {
         };
         let mut out = Loaded::default();
         for (i, (res, block)) in results.into_iter().zip(blocks).enumerate() {
-            match res {
+            let why = match res {
                 Ok(len) => match verify(layout, hashes[i], &block, len) {
-                    Ok(()) => out.blocks.push(block),
-                    Err(why) => {
-                        out.refused += 1;
-                        tracing::warn!("KV chunk {} refused ({why}); recomputing it", keys[i]);
-                        if let Err(e) = self.client.remove_with(keys[i].as_bytes(), true).await {
-                            tracing::warn!("could not remove refused chunk {}: {e}", keys[i]);
-                        }
-                        break;
+                    Ok(()) => {
+                        out.blocks.push(block);
+                        continue;
                     }
+                    Err(why) => why.to_string(),
                 },
+                // Our keys are valid, so InvalidParams here is the client
+                // saying the object does not fit the block: it is longer
+                // than any chunk of this layout.
+                Err(e) if e.code == ErrorCode::InvalidParams => {
+                    format!("longer than a chunk of this layout ({e})")
+                }
                 Err(e) => {
                     tracing::debug!("KV chunk {} not loaded: {e}", keys[i]);
                     break;
                 }
+            };
+            out.refused += 1;
+            tracing::warn!("KV chunk {} refused ({why}); recomputing it", keys[i]);
+            if let Err(e) = self.client.remove_with(keys[i].as_bytes(), true).await {
+                tracing::warn!("could not remove refused chunk {}: {e}", keys[i]);
             }
+            break;
         }
         out
     }
