@@ -63,7 +63,17 @@ pub struct ServeOptions {
 
 /// Loads the model, connects to the pool and serves until SIGINT/SIGTERM.
 /// Prints `kvpool engine listening on HOST:PORT` once it serves.
+///
+/// A panic anywhere in the process aborts it (after the usual message):
+/// the model thread dying would otherwise leave an engine that answers
+/// `/health` but fails every request, and a handler task's panic would cut
+/// its connection silently while the rest goes on.
 pub fn run(opts: ServeOptions) -> Result<(), EngineError> {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        std::process::abort();
+    }));
     opts.config.engine.validate().map_err(EngineError::Start)?;
     let threads = opts.config.runtime.actor_threads.max(1);
     let rt = tokio::runtime::Builder::new_multi_thread()
