@@ -30,7 +30,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use kvpool_actors::client::Client;
 use kvpool_actors::conductor::chunk_hash::{chunk_hashes, ChunkHash};
 use kvpool_actors::config::{EngineConfig, NodeConfig};
@@ -38,7 +38,7 @@ use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_transport::ErrorCode;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use crate::error::EngineError;
 use crate::kv::{KvLayout, SeqKv};
@@ -134,6 +134,8 @@ struct Inner {
     vocab_size: usize,
     eos: Vec<u32>,
     submit: flume::Sender<Request>,
+    /// Requests in flight (see [`admit`]).
+    admission: Arc<Semaphore>,
     /// The pool's master (`--master`), if any.
     master: Option<String>,
     /// The pool, once reached; empty while it is down (requests are then
@@ -232,6 +234,7 @@ impl Engine {
             .name("kvpool-engine".into())
             .spawn(move || scheduler::run(model, loop_cfg, rx, store_tx, m2))
             .map_err(|e| EngineError::Start(format!("cannot start the engine thread: {e}")))?;
+        let admission = Arc::new(Semaphore::new(cfg.max_num_seqs + cfg.max_waiting));
         Ok(Self {
             inner: Arc::new(Inner {
                 name,
@@ -242,6 +245,7 @@ impl Engine {
                 vocab_size: mc.vocab_size,
                 eos: mc.eos_token_ids.clone(),
                 submit,
+                admission,
                 master: master.map(str::to_string),
                 pool,
                 metrics,
@@ -251,22 +255,28 @@ impl Engine {
         })
     }
 
-    /// The HTTP routes, serving `registry` on `/metrics`.
+    /// The HTTP routes, serving `registry` on `/metrics`. The POST routes
+    /// are admitted first ([`admit`]): at most `engine.max_num_seqs +
+    /// engine.max_waiting` of them at once, the rest get 503.
     pub fn router(&self, registry: MetricsRegistry) -> Router {
         let body_limit = self.inner.cfg.max_body_bytes.get() as usize;
-        Router::new()
+        let state = AppState {
+            engine: self.clone(),
+            registry,
+        };
+        let admitted = Router::new()
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
-            .route("/v1/models", get(models))
             .route("/tokenize", post(tokenize))
+            .route_layer(axum::middleware::from_fn_with_state(state.clone(), admit));
+        Router::new()
+            .merge(admitted)
+            .route("/v1/models", get(models))
             .route("/health", get(health))
             .route("/healthz", get(health))
             .route("/metrics", get(metrics_route))
             .layer(DefaultBodyLimit::max(body_limit))
-            .with_state(AppState {
-                engine: self.clone(),
-                registry,
-            })
+            .with_state(state)
     }
 
     /// Runs a request: imports the prompt's cached KV, hands it to the model
@@ -384,6 +394,7 @@ impl Engine {
             stored,
             events: rx,
             deadline: tokio::time::Instant::now() + Duration::from_millis(e.cfg.request_timeout_ms),
+            admission: None,
         })
     }
 
@@ -475,6 +486,8 @@ pub struct Generation {
     stored: Option<oneshot::Receiver<usize>>,
     events: mpsc::Receiver<Event>,
     deadline: tokio::time::Instant,
+    /// The request's admission, held as long as its events are read.
+    admission: Option<Admission>,
 }
 
 impl Generation {
@@ -579,6 +592,39 @@ impl IntoResponse for ApiError {
 struct AppState {
     engine: Engine,
     registry: MetricsRegistry,
+}
+
+/// A request's place among those the engine holds at once: one of
+/// `engine.max_num_seqs + engine.max_waiting` permits.
+#[derive(Clone)]
+struct Admission {
+    _permit: Arc<OwnedSemaphorePermit>,
+}
+
+/// Admits a POST request before its body is read, or answers 503. The
+/// permit goes with the request and is held until its answer is complete
+/// (a stream holds it until its last event), so request bodies, prompts,
+/// KV loaded from the pool and queued work are bounded by the engine's
+/// limits, not by how many clients connect.
+async fn admit(
+    State(st): State<AppState>,
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let e = &st.engine.inner;
+    match e.admission.clone().try_acquire_owned() {
+        Ok(permit) => {
+            req.extensions_mut().insert(Admission {
+                _permit: Arc::new(permit),
+            });
+            next.run(req).await
+        }
+        Err(_) => ApiError::busy(format!(
+            "{} requests are already in flight (engine.max_num_seqs + engine.max_waiting)",
+            e.cfg.max_num_seqs + e.cfg.max_waiting
+        ))
+        .into_response(),
+    }
 }
 
 /// A prompt as text, or as token ids.
@@ -736,13 +782,17 @@ impl AppState {
     }
 }
 
-async fn completions(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(
+    State(st): State<AppState>,
+    Extension(admission): Extension<Admission>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let r: Result<Response, ApiError> = async {
         let b: CompletionBody = parse(body)?;
         st.check_model(&b.common.model)?;
         let prompt = st.prompt_tokens(b.prompt)?;
         let g = st.gen_request(prompt, &b.common, Some(16))?;
-        respond(&st, g, b.common, false).await
+        respond(&st, g, b.common, false, admission).await
     }
     .await;
     r.unwrap_or_else(IntoResponse::into_response)
@@ -750,6 +800,7 @@ async fn completions(State(st): State<AppState>, body: Result<Bytes, BytesReject
 
 async fn chat_completions(
     State(st): State<AppState>,
+    Extension(admission): Extension<Admission>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let r: Result<Response, ApiError> = async {
@@ -758,7 +809,7 @@ async fn chat_completions(
         let text = chat_text(&b.messages)?;
         let prompt = st.engine.tokenizer().encode(&text)?;
         let g = st.gen_request(prompt, &b.common, None)?;
-        respond(&st, g, b.common, true).await
+        respond(&st, g, b.common, true, admission).await
     }
     .await;
     r.unwrap_or_else(IntoResponse::into_response)
@@ -881,9 +932,11 @@ async fn respond(
     g: GenRequest,
     c: CommonFields,
     chat: bool,
+    admission: Admission,
 ) -> Result<Response, ApiError> {
     let prompt_ids = g.prompt.clone();
     let mut gen = st.engine.generate(g).await?;
+    gen.admission = Some(admission);
     let name = st.engine.inner.name.clone();
     let prefix = if chat { "chatcmpl" } else { "cmpl" };
     let id = format!("{prefix}-{}", gen.id);
@@ -1078,7 +1131,11 @@ async fn models(State(st): State<AppState>) -> Response {
     .into_response()
 }
 
-async fn tokenize(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn tokenize(
+    State(st): State<AppState>,
+    Extension(_admission): Extension<Admission>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let r: Result<Response, ApiError> = async {
         let b: TokenizeBody = parse(body)?;
         st.check_model(&b.model)?;
@@ -1210,6 +1267,101 @@ mod tests {
         assert_eq!(v["error"]["code"], 500);
         assert_eq!(v["error"]["type"], "InternalServerError");
         assert_eq!(events[1], "[DONE]");
+    }
+
+    /// builtin:tiny behind the real router, no pool, in this process.
+    fn served(config: &str) -> (tokio::runtime::Runtime, axum::Router) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let node = NodeConfig::from_toml(config, "test.toml").unwrap();
+        let model = crate::loader::load("builtin:tiny").unwrap();
+        let reg = kvpool_runtime::metrics::MetricsRegistry::new();
+        let engine = rt
+            .block_on(super::Engine::start(model, &node, None, &reg))
+            .unwrap();
+        (rt, engine.router(reg))
+    }
+
+    fn request(
+        method: &str,
+        path: &str,
+        body: impl Into<axum::body::Body>,
+    ) -> axum::extract::Request {
+        axum::http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("content-type", "application/json")
+            .body(body.into())
+            .unwrap()
+    }
+
+    async fn call(app: &axum::Router, req: axum::extract::Request) -> axum::response::Response {
+        use tower::ServiceExt;
+        app.clone().oneshot(req).await.unwrap()
+    }
+
+    async fn json_of(resp: axum::response::Response) -> serde_json::Value {
+        let b = axum::body::to_bytes(resp.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        serde_json::from_slice(&b).unwrap()
+    }
+
+    #[test]
+    fn requests_past_the_engine_limits_get_503_until_one_ends() {
+        use futures_util::StreamExt;
+        let (rt, app) = served("[engine]\nmax_num_seqs = 1\nmax_waiting = 1\n");
+        rt.block_on(async {
+            let body = r#"{"prompt": "a", "max_tokens": 1, "temperature": 0, "stream": true}"#;
+            // Two streams (the limit: 1 running + 1 waiting) that have sent
+            // their last event but are not closed yet: they still count.
+            let mut open = Vec::new();
+            for _ in 0..2 {
+                let resp = call(&app, request("POST", "/v1/completions", body)).await;
+                assert_eq!(resp.status(), 200);
+                let mut events = resp.into_body().into_data_stream();
+                let mut seen = Vec::new();
+                while !seen.ends_with(b"data: [DONE]\n\n") {
+                    let chunk = events.next().await.expect("an event").unwrap();
+                    seen.extend_from_slice(&chunk);
+                }
+                open.push(events);
+            }
+            let plain = r#"{"prompt": "a", "max_tokens": 2, "temperature": 0}"#;
+            for path in ["/v1/completions", "/v1/chat/completions", "/tokenize"] {
+                let resp = call(&app, request("POST", path, plain)).await;
+                assert_eq!(resp.status(), 503, "{path}");
+                let v = json_of(resp).await;
+                assert_eq!(v["type"], "ServiceUnavailableError", "{v}");
+                assert!(v["message"].as_str().unwrap().contains("in flight"), "{v}");
+            }
+            // Routes that hold nothing are not admitted.
+            let resp = call(&app, request("GET", "/health", "")).await;
+            assert_eq!(resp.status(), 200);
+            // One stream closes: a request is admitted again.
+            drop(open.pop());
+            let resp = call(&app, request("POST", "/v1/completions", plain)).await;
+            assert_eq!(resp.status(), 200);
+            // A plain answer does not keep its place once sent.
+            let resp = call(&app, request("POST", "/v1/completions", plain)).await;
+            assert_eq!(resp.status(), 200);
+        });
+    }
+
+    #[test]
+    fn a_body_over_the_limit_gets_413_in_vllms_error_shape() {
+        let (rt, app) = served("[engine]\nmax_body_bytes = \"1 KiB\"\n");
+        rt.block_on(async {
+            let big = format!(r#"{{"prompt": "{}"}}"#, "x".repeat(2048));
+            let resp = call(&app, request("POST", "/v1/completions", big)).await;
+            assert_eq!(resp.status(), 413);
+            let v = json_of(resp).await;
+            assert_eq!(v["object"], "error", "{v}");
+            assert_eq!(v["type"], "PayloadTooLargeError", "{v}");
+            assert_eq!(v["code"], 413, "{v}");
+        });
     }
 
     #[test]
