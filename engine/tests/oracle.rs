@@ -66,12 +66,14 @@ fn write_folder(dir: &Path, config: &serde_json::Value, seed: u64) {
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
 }
 
+/// Largest |a - b|; NaN if any difference is NaN (f32::max would skip it,
+/// and NaN logits on either side would then pass as equal).
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)
         .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+        .fold(0.0, |m, d| if d.is_nan() || d > m { d } else { m })
 }
 
 /// Prefill in the engine's chunk-aligned pieces, then `decode` greedy steps;
@@ -164,6 +166,11 @@ fn check(config: serde_json::Value, seed: u64, tag: &str) {
         let prompt: Vec<u32> = (0..len).map(|_| rng.random_range(0..vocab)).collect();
         let a = ours(&loaded.model, &prompt, 3);
         let b = theirs(&dir, &prompt, 3);
+        assert_eq!(
+            (a.len(), b.len()),
+            (4, 4),
+            "prompt logits and three decode steps"
+        );
         for (step, (x, y)) in a.iter().zip(&b).enumerate() {
             let d = max_diff(x, y);
             assert!(
