@@ -1,7 +1,8 @@
 //! `kvpool`: one binary, every role, and the CLI.
 //!
 //! * `kvpool run [--role all|master|storage]` serves (all roles in one process
-//!   by default, with the embedded default config).
+//!   by default, with the embedded default config); `--role engine --model M`
+//!   runs the inference engine (crate kvpool-engine).
 //! * `kvpool put|get|exists|rm|stat` talk to a running pool.
 //! * `kvpool sim` replays a request trace against a modelled cluster.
 //!
@@ -43,6 +44,7 @@ enum RoleArg {
     All,
     Master,
     Storage,
+    Engine,
 }
 
 #[derive(Subcommand)]
@@ -71,6 +73,10 @@ enum Cmd {
         /// Shards (cores) to run; 0 = all cores.
         #[arg(long, value_name = "N")]
         shards: Option<usize>,
+        /// Role engine: a Hugging Face model folder, `builtin:tiny` or
+        /// `builtin:small`.
+        #[arg(long, value_name = "DIR|builtin:tiny|builtin:small")]
+        model: Option<String>,
     },
     /// Store a value: from FILE, or stdin when FILE is `-` or absent.
     Put {
@@ -207,12 +213,18 @@ fn main() -> ExitCode {
             data_listen,
             segment_size,
             shards,
+            model,
         } => {
             let role = match role {
                 RoleArg::All => Role::All,
                 RoleArg::Master => Role::Master,
                 RoleArg::Storage => Role::Storage,
+                RoleArg::Engine => return run_engine(model, listen, cli.master, cfg),
             };
+            if model.is_some() {
+                eprintln!("error: --model is for --role engine");
+                return ExitCode::from(2);
+            }
             if let Some(l) = listen {
                 if role == Role::All && data_listen.is_none() {
                     if let Some(host) = l.strip_suffix(":0") {
@@ -269,6 +281,33 @@ fn main() -> ExitCode {
                     ExitCode::from(2)
                 }
             }
+        }
+    }
+}
+
+/// `kvpool run --role engine`: serves the model on `--listen` (default
+/// 127.0.0.1:8000), with the pool at `--master` when given.
+fn run_engine(
+    model: Option<String>,
+    listen: Option<String>,
+    master: Option<String>,
+    cfg: NodeConfig,
+) -> ExitCode {
+    let Some(model) = model else {
+        eprintln!("error: --role engine needs --model DIR|builtin:tiny|builtin:small");
+        return ExitCode::from(2);
+    };
+    let opts = kvpool_engine::serve::ServeOptions {
+        model,
+        listen: listen.unwrap_or_else(|| "127.0.0.1:8000".into()),
+        master,
+        config: cfg,
+    };
+    match kvpool_engine::serve::run(opts) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
         }
     }
 }

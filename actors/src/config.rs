@@ -18,6 +18,7 @@ pub struct NodeConfig {
     pub storage: StorageConfig,
     pub client: ClientConfig,
     pub security: SecurityConfig,
+    pub engine: EngineConfig,
 }
 
 /// The environment variable that holds the cluster secret (it overrides
@@ -786,5 +787,74 @@ mod tests {
         assert!(e.to_string().contains("master.max_keys"), "{e}");
         let e = NodeConfig::from_toml("[storage]\nsegment_size = 5000\n", "t").unwrap_err();
         assert!(e.to_string().contains("storage.segment_size"), "{e}");
+    }
+}
+
+/// `[engine]`: the inference engine role (`kvpool run --role engine`). Its
+/// pool client uses `[client]` and `--master`. Checked by
+/// [`EngineConfig::validate`] when the engine starts.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    /// Tokens per KV chunk (one pool object per full chunk). Every engine and
+    /// the conductor sharing a pool must use the same value.
+    pub chunk_tokens: usize,
+    /// Sequences decoding at once (one batched decode step covers them all).
+    pub max_num_seqs: usize,
+    /// Requests admitted but not yet running; more are refused with 503.
+    pub max_waiting: usize,
+    /// Longest prompt + generation in tokens (0: the model's
+    /// max_position_embeddings).
+    pub max_model_len: usize,
+    /// Look a prompt's leading chunks up in the pool and load them.
+    pub load_from_pool: bool,
+    /// Store the prompt's new full chunks in the pool after prefill.
+    pub store_to_pool: bool,
+    /// Store jobs queued for the pool; a full queue drops the job (counted).
+    pub store_queue_depth: usize,
+    /// Deadline of one request, end to end.
+    pub request_timeout_ms: u64,
+    /// Largest HTTP request body.
+    pub max_body_bytes: Bytes,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            chunk_tokens: 256,
+            max_num_seqs: 16,
+            max_waiting: 64,
+            max_model_len: 0,
+            load_from_pool: true,
+            store_to_pool: true,
+            store_queue_depth: 64,
+            request_timeout_ms: 600_000,
+            max_body_bytes: Bytes::mib(16),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Checks values that parse but make no sense; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        for (k, v) in [
+            ("engine.chunk_tokens", self.chunk_tokens as u64),
+            ("engine.max_num_seqs", self.max_num_seqs as u64),
+            ("engine.max_waiting", self.max_waiting as u64),
+            ("engine.store_queue_depth", self.store_queue_depth as u64),
+            ("engine.request_timeout_ms", self.request_timeout_ms),
+            ("engine.max_body_bytes", self.max_body_bytes.get()),
+        ] {
+            if v == 0 {
+                return Err(format!("key `{k}`: must be greater than 0"));
+            }
+        }
+        if self.chunk_tokens > 65_536 {
+            return Err("key `engine.chunk_tokens`: at most 65536".into());
+        }
+        if self.max_num_seqs > 1024 {
+            return Err("key `engine.max_num_seqs`: at most 1024".into());
+        }
+        Ok(())
     }
 }

@@ -1,0 +1,127 @@
+//! The engine's metrics (Prometheus text on `GET /metrics`).
+
+use std::sync::atomic::AtomicU64;
+
+use kvpool_runtime::metrics::{latency_histogram, MetricsRegistry};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+
+/// Handles to every engine metric; clones share the values.
+#[derive(Clone)]
+pub struct EngineMetrics {
+    pub requests: Counter,
+    pub prompt_tokens_computed: Counter,
+    pub prompt_tokens_loaded: Counter,
+    pub generated_tokens: Counter,
+    pub chunks_loaded: Counter,
+    pub chunks_refused: Counter,
+    pub chunks_stored: Counter,
+    pub chunks_store_failed: Counter,
+    pub kv_load_seconds: Histogram,
+    pub prefill_seconds: Counter<f64, AtomicU64>,
+    pub decode_seconds: Counter<f64, AtomicU64>,
+    pub prefill_tokens_per_second: Gauge<f64, AtomicU64>,
+    pub decode_tokens_per_second: Gauge<f64, AtomicU64>,
+    pub running: Gauge,
+    pub waiting: Gauge,
+}
+
+impl EngineMetrics {
+    /// Creates the metrics and registers them in `reg`.
+    pub fn new(reg: &MetricsRegistry) -> Self {
+        let m = Self {
+            requests: Counter::default(),
+            prompt_tokens_computed: Counter::default(),
+            prompt_tokens_loaded: Counter::default(),
+            generated_tokens: Counter::default(),
+            chunks_loaded: Counter::default(),
+            chunks_refused: Counter::default(),
+            chunks_stored: Counter::default(),
+            chunks_store_failed: Counter::default(),
+            kv_load_seconds: latency_histogram(),
+            prefill_seconds: Counter::default(),
+            decode_seconds: Counter::default(),
+            prefill_tokens_per_second: Gauge::default(),
+            decode_tokens_per_second: Gauge::default(),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+        };
+        reg.register(
+            "engine_requests",
+            "Generation requests accepted",
+            m.requests.clone(),
+        );
+        reg.register(
+            "engine_prompt_tokens_computed",
+            "Prompt tokens run through the model",
+            m.prompt_tokens_computed.clone(),
+        );
+        reg.register(
+            "engine_prompt_tokens_loaded",
+            "Prompt tokens whose KV was loaded from the pool",
+            m.prompt_tokens_loaded.clone(),
+        );
+        reg.register(
+            "engine_generated_tokens",
+            "Tokens generated",
+            m.generated_tokens.clone(),
+        );
+        reg.register(
+            "engine_chunks_loaded",
+            "KV chunks loaded from the pool and used",
+            m.chunks_loaded.clone(),
+        );
+        reg.register(
+            "engine_chunks_refused",
+            "KV chunks read from the pool whose header or checksum did not match (recomputed)",
+            m.chunks_refused.clone(),
+        );
+        reg.register(
+            "engine_chunks_stored",
+            "KV chunks stored in the pool",
+            m.chunks_stored.clone(),
+        );
+        reg.register(
+            "engine_chunks_store_failed",
+            "KV chunks that could not be stored (logged; the request went on)",
+            m.chunks_store_failed.clone(),
+        );
+        reg.register(
+            "engine_kv_load_seconds",
+            "Time to look up and load a prompt's cached chunks",
+            m.kv_load_seconds.clone(),
+        );
+        reg.register(
+            "engine_prefill_seconds",
+            "Time spent in prefill forward passes",
+            m.prefill_seconds.clone(),
+        );
+        reg.register(
+            "engine_decode_seconds",
+            "Time spent in decode steps",
+            m.decode_seconds.clone(),
+        );
+        reg.register(
+            "engine_prefill_tokens_per_second",
+            "Prompt tokens per second of the last prefill piece",
+            m.prefill_tokens_per_second.clone(),
+        );
+        reg.register(
+            "engine_decode_tokens_per_second",
+            "Tokens per second of the last decode step (all running sequences)",
+            m.decode_tokens_per_second.clone(),
+        );
+        reg.register(
+            "engine_running_sequences",
+            "Sequences being prefilled or decoded",
+            m.running.clone(),
+        );
+        reg.register(
+            "engine_waiting_sequences",
+            "Requests admitted and waiting to run",
+            m.waiting.clone(),
+        );
+        m
+    }
+}

@@ -1,0 +1,611 @@
+//! The engine loop: one thread owns the model and every running sequence.
+//!
+//! ```text
+//!  HTTP handlers (tokio) --submit (bounded: max_waiting)--> engine thread
+//!       ^   events per request (bounded: max_tokens + 2)        |  step:
+//!       +---------------------------------------------------- <-+   1. admit up to max_num_seqs
+//!                                                               |   2. one prefill piece (<= one chunk)
+//!  store task (tokio) <--store jobs (bounded)------------------ +   3. one decode step, all decoding seqs
+//! ```
+//!
+//! Each step runs at most one prefill piece, cut at the next chunk boundary,
+//! then one batched decode step over every decoding sequence: a long prompt
+//! delays running decodes by at most one chunk of prefill per token. Pieces
+//! end on chunk boundaries, so every full chunk's KV is computed by the same
+//! sequence of passes whether or not an earlier chunk came from the pool,
+//! and a loaded prefix gives bit-identical results to a computed one.
+//!
+//! When a sequence's prompt is done, its new full chunks are sealed (header,
+//! checksum) and handed to the store task, shared with the sequence (a full
+//! block is never written again).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpool_actors::conductor::chunk_hash::ChunkHash;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::kv::SeqKv;
+use crate::metrics::EngineMetrics;
+use crate::model::{Llama, Step};
+use crate::sampling::{Sampler, SamplingParams};
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-sequence token (or, decided by the caller, a stop string).
+    Stop,
+    /// `max_tokens` or the model's length limit.
+    Length,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// What a running request hears from the engine.
+#[derive(Debug)]
+pub enum Event {
+    /// The prompt is done: how many of its tokens were computed.
+    Prefilled { computed: usize },
+    /// A generated token.
+    Token(u32),
+    /// The sequence ended.
+    Done(Finish),
+    /// The engine failed this sequence.
+    Failed(String),
+}
+
+/// A chunk to store: its pool key and its sealed block.
+pub type StoreItem = (String, Arc<[f32]>);
+
+/// A batch of chunks for the store task: the prompt's chunks
+/// `loaded_before..` (the earlier ones came from the pool). `done` (when
+/// set) hears how many leading chunks of the prompt are in the pool
+/// afterwards: `loaded_before` plus the leading run of `items` stored.
+pub struct StoreJob {
+    pub items: Vec<StoreItem>,
+    pub loaded_before: usize,
+    pub done: Option<oneshot::Sender<usize>>,
+}
+
+/// A request handed to the engine.
+pub struct Request {
+    pub prompt: Vec<u32>,
+    /// Chunk hashes of the prompt's full chunks.
+    pub hashes: Vec<ChunkHash>,
+    /// KV with the loaded prefix (whole chunks) already in place.
+    pub kv: SeqKv,
+    pub params: SamplingParams,
+    /// Token ids that end the sequence (unless `params.ignore_eos`).
+    pub eos: Vec<u32>,
+    /// Position limit (prompt + generated).
+    pub max_len: usize,
+    /// Store the prompt's new full chunks; `Some(tx)` also reports when stored.
+    pub store: Option<Option<oneshot::Sender<usize>>>,
+    /// Key of chunk `i` (for stores).
+    pub key_of: Arc<dyn Fn(ChunkHash) -> String + Send + Sync>,
+    pub events: mpsc::Sender<Event>,
+}
+
+struct Running {
+    req: Request,
+    sampler: Sampler,
+    loaded_blocks: usize,
+    /// The token to feed next (decode phase), if any.
+    next: Option<u32>,
+    generated: usize,
+    computed: usize,
+}
+
+impl Running {
+    fn prefilling(&self) -> bool {
+        self.req.kv.len() < self.req.prompt.len()
+    }
+
+    fn send(&self, e: Event) -> bool {
+        self.req.events.try_send(e).is_ok()
+    }
+}
+
+/// Limits of the loop.
+#[derive(Debug, Clone)]
+pub struct LoopConfig {
+    pub chunk_tokens: usize,
+    pub max_num_seqs: usize,
+}
+
+/// What one [`Scheduler::step`] did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct StepReport {
+    /// Prompt tokens computed by this step's prefill piece (at most one chunk).
+    pub prefill_tokens: usize,
+    /// Sequences that decoded one token in this step's batch.
+    pub decoded: usize,
+}
+
+/// The running sequences and what steps them.
+pub struct Scheduler {
+    model: Arc<Llama>,
+    cfg: LoopConfig,
+    store_tx: Option<flume::Sender<StoreJob>>,
+    metrics: EngineMetrics,
+    running: VecDeque<Running>,
+}
+
+impl Scheduler {
+    pub fn new(
+        model: Arc<Llama>,
+        cfg: LoopConfig,
+        store_tx: Option<flume::Sender<StoreJob>>,
+        metrics: EngineMetrics,
+    ) -> Self {
+        Self {
+            model,
+            cfg,
+            store_tx,
+            metrics,
+            running: VecDeque::new(),
+        }
+    }
+
+    /// Sequences admitted and not finished.
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Whether another sequence may be admitted.
+    pub fn has_room(&self) -> bool {
+        self.running.len() < self.cfg.max_num_seqs
+    }
+
+    /// Starts a sequence (the caller checks [`Scheduler::has_room`]).
+    pub fn admit(&mut self, req: Request) {
+        self.running.push_back(admit(req));
+        self.metrics.running.set(self.running.len() as i64);
+    }
+
+    /// One prefill piece (the oldest sequence still in its prompt, up to the
+    /// next chunk boundary), then one decode step over every sequence past
+    /// its prompt.
+    pub fn step(&mut self) -> StepReport {
+        let mut report = StepReport::default();
+        if let Some(i) = self.running.iter().position(Running::prefilling) {
+            let before = self.running[i].req.kv.len();
+            let keep = prefill_piece(
+                &self.model,
+                &self.cfg,
+                &mut self.running[i],
+                self.store_tx.as_ref(),
+                &self.metrics,
+            );
+            report.prefill_tokens = self.running[i].req.kv.len() - before;
+            if !keep {
+                self.running.remove(i);
+            }
+        }
+        let decoding: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].next.is_some())
+            .collect();
+        if !decoding.is_empty() {
+            report.decoded = decoding.len();
+            let ended = decode_step(&self.model, &mut self.running, &decoding, &self.metrics);
+            for i in ended.into_iter().rev() {
+                self.running.remove(i);
+            }
+        }
+        // Drop sequences whose caller went away.
+        self.running.retain(|r| !r.req.events.is_closed());
+        self.metrics.running.set(self.running.len() as i64);
+        report
+    }
+}
+
+/// Runs the engine loop until every sender of `rx` is gone and no sequence
+/// is left.
+pub fn run(
+    model: Arc<Llama>,
+    cfg: LoopConfig,
+    rx: flume::Receiver<Request>,
+    store_tx: Option<flume::Sender<StoreJob>>,
+    metrics: EngineMetrics,
+) {
+    let mut s = Scheduler::new(model, cfg, store_tx, metrics.clone());
+    loop {
+        if s.running() == 0 {
+            match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(r) => s.admit(r),
+                Err(flume::RecvTimeoutError::Timeout) => {
+                    metrics.waiting.set(rx.len() as i64);
+                    continue;
+                }
+                Err(flume::RecvTimeoutError::Disconnected) => return,
+            }
+        }
+        while s.has_room() {
+            match rx.try_recv() {
+                Ok(r) => s.admit(r),
+                Err(_) => break,
+            }
+        }
+        metrics.waiting.set(rx.len() as i64);
+        s.step();
+    }
+}
+
+fn admit(req: Request) -> Running {
+    let sampler = Sampler::new(&req.params);
+    let loaded_blocks = req.kv.len() / req.kv.layout().chunk_tokens;
+    Running {
+        req,
+        sampler,
+        loaded_blocks,
+        next: None,
+        generated: 0,
+        computed: 0,
+    }
+}
+
+/// Runs the next piece of `r`'s prompt; false when the sequence is over.
+fn prefill_piece(
+    model: &Llama,
+    cfg: &LoopConfig,
+    r: &mut Running,
+    store_tx: Option<&flume::Sender<StoreJob>>,
+    metrics: &EngineMetrics,
+) -> bool {
+    let pos = r.req.kv.len();
+    let len = r.req.prompt.len();
+    let end = ((pos / cfg.chunk_tokens + 1) * cfg.chunk_tokens).min(len);
+    let last = end == len;
+    let t0 = Instant::now();
+    let out = {
+        let mut steps = [Step {
+            tokens: &r.req.prompt[pos..end],
+            kv: &mut r.req.kv,
+            want_logits: last,
+        }];
+        model.forward(&mut steps)
+    };
+    let secs = t0.elapsed().as_secs_f64();
+    let logits = match out {
+        Ok(l) => l,
+        Err(e) => {
+            r.send(Event::Failed(format!("prefill failed: {e}")));
+            return false;
+        }
+    };
+    let n = end - pos;
+    r.computed += n;
+    metrics.prompt_tokens_computed.inc_by(n as u64);
+    metrics.prefill_seconds.inc_by(secs);
+    if secs > 0.0 {
+        metrics.prefill_tokens_per_second.set(n as f64 / secs);
+    }
+    if !last {
+        return !r.req.events.is_closed();
+    }
+    store_new_chunks(r, store_tx, metrics);
+    if !r.send(Event::Prefilled {
+        computed: r.computed,
+    }) {
+        return false;
+    }
+    let token = r.sampler.sample(&logits[0]);
+    emit(r, token)
+}
+
+/// Seals the prompt's full chunks computed here and queues them for the pool.
+fn store_new_chunks(
+    r: &mut Running,
+    store_tx: Option<&flume::Sender<StoreJob>>,
+    metrics: &EngineMetrics,
+) {
+    let Some(done) = r.req.store.take() else {
+        return;
+    };
+    let loaded = r.loaded_blocks;
+    let full = r.req.prompt.len() / r.req.kv.layout().chunk_tokens;
+    let Some(tx) = store_tx.filter(|_| full > loaded) else {
+        if let Some(done) = done {
+            let _ = done.send(loaded);
+        }
+        return;
+    };
+    let mut items = Vec::with_capacity(full - loaded);
+    for i in loaded..full {
+        let hash = r.req.hashes[i];
+        items.push(((r.req.key_of)(hash), r.req.kv.seal_block(i, hash)));
+    }
+    let n = items.len() as u64;
+    let job = StoreJob {
+        items,
+        loaded_before: loaded,
+        done,
+    };
+    if let Err(e) = tx.try_send(job) {
+        metrics.chunks_store_failed.inc_by(n);
+        tracing::warn!("KV store queue is full or closed: {n} chunks not stored");
+        if let Some(done) = e.into_inner().done {
+            let _ = done.send(loaded);
+        }
+    }
+}
+
+/// Handles a sampled token; false when the sequence is over.
+fn emit(r: &mut Running, token: u32) -> bool {
+    r.generated += 1;
+    if !r.send(Event::Token(token)) {
+        return false;
+    }
+    let eos = !r.req.params.ignore_eos && r.req.eos.contains(&token);
+    let finish = if eos {
+        Some(Finish::Stop)
+    } else if r.generated >= r.req.params.max_tokens
+        || r.req.prompt.len() + r.generated >= r.req.max_len
+    {
+        Some(Finish::Length)
+    } else {
+        None
+    };
+    match finish {
+        Some(f) => {
+            r.send(Event::Done(f));
+            false
+        }
+        None => {
+            r.next = Some(token);
+            true
+        }
+    }
+}
+
+/// One batched decode step; returns the indexes of sequences that ended.
+fn decode_step(
+    model: &Llama,
+    running: &mut VecDeque<Running>,
+    which: &[usize],
+    metrics: &EngineMetrics,
+) -> Vec<usize> {
+    let t0 = Instant::now();
+    let out = {
+        let mut steps: Vec<Step<'_>> = Vec::with_capacity(which.len());
+        for r in running.iter_mut().filter(|r| r.next.is_some()) {
+            let Running { req, next, .. } = r;
+            steps.push(Step {
+                tokens: std::slice::from_ref(next.as_ref().expect("filtered on next")),
+                kv: &mut req.kv,
+                want_logits: true,
+            });
+        }
+        debug_assert_eq!(steps.len(), which.len());
+        model.forward(&mut steps)
+    };
+    let secs = t0.elapsed().as_secs_f64();
+    metrics.decode_seconds.inc_by(secs);
+    if secs > 0.0 {
+        metrics
+            .decode_tokens_per_second
+            .set(which.len() as f64 / secs);
+    }
+    let mut ended = Vec::new();
+    match out {
+        Ok(logits) => {
+            for (&i, l) in which.iter().zip(&logits) {
+                let r = &mut running[i];
+                let token = r.sampler.sample(l);
+                metrics.generated_tokens.inc();
+                if !emit(r, token) {
+                    ended.push(i);
+                }
+            }
+        }
+        Err(e) => {
+            for &i in which {
+                running[i].send(Event::Failed(format!("decode failed: {e}")));
+                ended.push(i);
+            }
+        }
+    }
+    ended
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::KvLayout;
+    use kvpool_actors::conductor::chunk_hash::chunk_hashes;
+    use kvpool_runtime::metrics::MetricsRegistry;
+
+    const CHUNK: usize = 64;
+
+    fn setup(store: bool) -> (Scheduler, KvLayout, Option<flume::Receiver<StoreJob>>) {
+        let m = crate::loader::load("builtin:tiny").unwrap();
+        let c = m.model.config();
+        let layout = KvLayout {
+            chunk_tokens: CHUNK,
+            layers: c.num_hidden_layers,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim(),
+            fingerprint: m.fingerprint,
+        };
+        let (tx, rx) = if store {
+            let (tx, rx) = flume::bounded(8);
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        let cfg = LoopConfig {
+            chunk_tokens: CHUNK,
+            max_num_seqs: 4,
+        };
+        let metrics = EngineMetrics::new(&MetricsRegistry::new());
+        (
+            Scheduler::new(Arc::new(m.model), cfg, tx, metrics),
+            layout,
+            rx,
+        )
+    }
+
+    fn request(
+        layout: KvLayout,
+        prompt: Vec<u32>,
+        kv: SeqKv,
+        max_tokens: usize,
+    ) -> (Request, mpsc::Receiver<Event>) {
+        let (tx, rx) = mpsc::channel(max_tokens + 2);
+        let hashes = chunk_hashes(&prompt, CHUNK).unwrap();
+        let req = Request {
+            prompt,
+            hashes,
+            kv,
+            params: SamplingParams {
+                temperature: 0.0,
+                max_tokens,
+                ignore_eos: true,
+                ..SamplingParams::default()
+            },
+            eos: vec![],
+            max_len: 4096,
+            store: Some(None),
+            key_of: Arc::new(move |h| layout.key(h)),
+            events: tx,
+        };
+        (req, rx)
+    }
+
+    fn prompt(n: usize, seed: u32) -> Vec<u32> {
+        (0..n as u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 7) % 256)
+            .collect()
+    }
+
+    fn tokens(rx: &mut mpsc::Receiver<Event>) -> Vec<u32> {
+        let mut out = Vec::new();
+        while let Ok(e) = rx.try_recv() {
+            if let Event::Token(t) = e {
+                out.push(t);
+            }
+        }
+        out
+    }
+
+    fn run_to_end(s: &mut Scheduler) {
+        for _ in 0..10_000 {
+            if s.running() == 0 {
+                return;
+            }
+            s.step();
+        }
+        panic!("the sequences did not finish");
+    }
+
+    #[test]
+    fn a_long_prefill_is_cut_so_running_decodes_go_on_every_step() {
+        let (mut s, layout, _) = setup(false);
+        let (a, mut a_rx) = request(layout, prompt(10, 1), SeqKv::new(layout), 100);
+        s.admit(a);
+        let r = s.step();
+        assert_eq!(
+            r,
+            StepReport {
+                prefill_tokens: 10,
+                decoded: 1
+            }
+        );
+        let (b, mut b_rx) = request(layout, prompt(300, 2), SeqKv::new(layout), 4);
+        s.admit(b);
+        // 300 tokens = 4 pieces of 64 + 44; A decodes in every one of those steps.
+        for want in [64, 64, 64, 64, 44] {
+            let r = s.step();
+            assert_eq!(r.prefill_tokens, want);
+            assert!(r.decoded >= 1, "{r:?}");
+        }
+        assert!(matches!(
+            b_rx.try_recv(),
+            Ok(Event::Prefilled { computed: 300 })
+        ));
+        assert_eq!(tokens(&mut a_rx).len(), 2 + 5);
+    }
+
+    #[test]
+    fn a_loaded_prefix_gives_the_same_tokens_and_a_wrong_one_does_not() {
+        let (mut s, layout, store_rx) = setup(true);
+        let p = prompt(200, 3);
+        let (a, mut a_rx) = request(layout, p.clone(), SeqKv::new(layout), 24);
+        s.admit(a);
+        run_to_end(&mut s);
+        let scratch = tokens(&mut a_rx);
+        assert_eq!(scratch.len(), 24);
+        let job = store_rx
+            .unwrap()
+            .try_recv()
+            .expect("three full chunks queued for the pool");
+        assert_eq!(job.items.len(), 3);
+        assert_eq!(job.loaded_before, 0);
+        let blocks: Vec<Arc<[f32]>> = job.items.iter().map(|(_, b)| b.clone()).collect();
+        let hashes = chunk_hashes(&p, CHUNK).unwrap();
+        for (i, b) in blocks.iter().enumerate() {
+            crate::kv::verify(&layout, hashes[i], b, layout.block_bytes()).unwrap();
+        }
+
+        let (b, mut b_rx) = request(
+            layout,
+            p.clone(),
+            SeqKv::with_loaded(layout, blocks.clone()),
+            24,
+        );
+        s.admit(b);
+        run_to_end(&mut s);
+        assert!(b_rx
+            .try_recv()
+            .is_ok_and(|e| matches!(e, Event::Prefilled { computed: 8 })));
+        assert_eq!(tokens(&mut b_rx), scratch, "tokens after a loaded prefix");
+
+        let (d, mut d_rx) = request(
+            layout,
+            p,
+            SeqKv::with_loaded(layout, blocks[..1].to_vec()),
+            24,
+        );
+        s.admit(d);
+        run_to_end(&mut s);
+        assert_eq!(tokens(&mut d_rx), scratch, "one loaded chunk, two computed");
+
+        // KV of the same shape but of another prompt changes the output, so
+        // the loaded KV really is what the generation reads.
+        let other = prompt(200, 4);
+        let other_blocks: Vec<Arc<[f32]>> = {
+            let (mut s2, _, rx2) = setup(true);
+            let (e, _e_rx) = request(layout, other, SeqKv::new(layout), 1);
+            s2.admit(e);
+            run_to_end(&mut s2);
+            rx2.unwrap()
+                .try_recv()
+                .unwrap()
+                .items
+                .into_iter()
+                .map(|(_, b)| b)
+                .collect()
+        };
+        let (f, mut f_rx) = request(
+            layout,
+            prompt(200, 3),
+            SeqKv::with_loaded(layout, other_blocks),
+            24,
+        );
+        s.admit(f);
+        run_to_end(&mut s);
+        assert_ne!(
+            tokens(&mut f_rx),
+            scratch,
+            "a wrong prefix must change the output"
+        );
+    }
+}

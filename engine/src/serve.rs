@@ -1,0 +1,1384 @@
+//! `kvpool run --role engine`: the subset of vLLM's OpenAI-compatible HTTP
+//! API that the prefill and decode proxies use.
+//!
+//! | route | what |
+//! |---|---|
+//! | `POST /v1/completions` | prompt (text or token ids) -> completion; `stream: true` sends SSE |
+//! | `POST /v1/chat/completions` | messages -> assistant message; `stream: true` sends SSE |
+//! | `GET /v1/models` | the served model |
+//! | `POST /tokenize` | prompt (or messages) -> token ids |
+//! | `GET /health`, `GET /healthz` | 200 while serving |
+//! | `GET /metrics` | Prometheus text |
+//!
+//! `kv_transfer_params` (vLLM's P/D fields): a request with
+//! `do_remote_decode: true` is a prefill for another engine: its new chunks
+//! are in the pool before the answer, which carries `do_remote_prefill: true`
+//! with our fields `chunk_keys` (the prompt's leading chunks now in the pool),
+//! `num_tokens`, `chunk_tokens` and `pool` (the master address). A request
+//! with `do_remote_prefill: true` and those fields loads the named chunks
+//! and computes only the rest of the prompt.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use kvpool_actors::client::Client;
+use kvpool_actors::conductor::chunk_hash::{chunk_hashes, ChunkHash};
+use kvpool_actors::config::{EngineConfig, NodeConfig};
+use kvpool_runtime::metrics::MetricsRegistry;
+use kvpool_transport::ErrorCode;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+
+use crate::error::EngineError;
+use crate::kv::{KvLayout, SeqKv};
+use crate::loader::LoadedModel;
+use crate::metrics::EngineMetrics;
+use crate::pool::KvPool;
+use crate::sampling::SamplingParams;
+use crate::scheduler::{self, Event, Finish, LoopConfig, Request};
+use crate::tokenizer::Tokenizer;
+
+/// What `kvpool run --role engine` was asked for.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// A model folder, `builtin:tiny` or `builtin:small`.
+    pub model: String,
+    /// HTTP listen address.
+    pub listen: String,
+    /// The pool's master; `None` runs without a pool.
+    pub master: Option<String>,
+    pub config: NodeConfig,
+}
+
+/// Loads the model, connects to the pool and serves until SIGINT/SIGTERM.
+/// Prints `kvpool engine listening on HOST:PORT` once it serves.
+///
+/// A panic anywhere in the process aborts it (after the usual message):
+/// the model thread dying would otherwise leave an engine that answers
+/// `/health` but fails every request, and a handler task's panic would cut
+/// its connection silently while the rest goes on.
+pub fn run(opts: ServeOptions) -> Result<(), EngineError> {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        std::process::abort();
+    }));
+    opts.config.engine.validate().map_err(EngineError::Start)?;
+    let threads = opts.config.runtime.actor_threads.max(1);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name("kvpool-engine-io")
+        .enable_all()
+        .build()
+        .map_err(|e| EngineError::Start(format!("cannot start the runtime: {e}")))?;
+    let t0 = Instant::now();
+    let model = crate::loader::load(&opts.model)?;
+    let c = model.model.config();
+    tracing::info!(
+        "loaded {} ({} parameters, {} layers, fingerprint {:016x}) in {:?}",
+        model.name,
+        c.parameters(),
+        c.num_hidden_layers,
+        model.fingerprint,
+        t0.elapsed()
+    );
+    rt.block_on(async move {
+        let registry = MetricsRegistry::new();
+        let engine = Engine::start(model, &opts.config, opts.master.as_deref(), &registry).await?;
+        let listener = tokio::net::TcpListener::bind(&opts.listen)
+            .await
+            .map_err(|e| EngineError::Start(format!("cannot listen on {}: {e}", opts.listen)))?;
+        let bound: SocketAddr = listener
+            .local_addr()
+            .map_err(|e| EngineError::Start(format!("listen address: {e}")))?;
+        let app = engine.router(registry);
+        println!("kvpool engine listening on {bound}");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                match kvpool_runtime::wait_for_signal().await {
+                    Ok(sig) => tracing::info!("{sig}: stopping the engine"),
+                    Err(e) => tracing::error!("cannot wait for signals: {e}"),
+                }
+            })
+            .await
+            .map_err(|e| EngineError::Start(format!("HTTP server failed: {e}")))
+    })
+}
+
+/// A running engine: the model thread, the store task and what the HTTP
+/// handlers share.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    name: String,
+    tokenizer: Tokenizer,
+    layout: KvLayout,
+    cfg: EngineConfig,
+    max_model_len: usize,
+    vocab_size: usize,
+    eos: Vec<u32>,
+    submit: flume::Sender<Request>,
+    /// Requests in flight (see [`admit`]).
+    admission: Arc<Semaphore>,
+    /// The pool's master (`--master`), if any.
+    master: Option<String>,
+    /// The pool, once reached; empty while it is down (requests are then
+    /// computed whole and nothing is stored).
+    pool: Arc<OnceLock<Arc<KvPool>>>,
+    metrics: EngineMetrics,
+    ids: AtomicU64,
+    created: u64,
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl Engine {
+    /// Starts the model thread and, with a `master`, the pool client and
+    /// the store task. Must run inside a tokio runtime. A pool that cannot
+    /// be reached does not stop the engine: it serves without it (computing
+    /// every prompt whole) and keeps trying to connect in the background.
+    pub async fn start(
+        model: LoadedModel,
+        node: &NodeConfig,
+        master: Option<&str>,
+        registry: &MetricsRegistry,
+    ) -> Result<Self, EngineError> {
+        let cfg = node.engine.clone();
+        cfg.validate().map_err(EngineError::Start)?;
+        let metrics = EngineMetrics::new(registry);
+        let mc = model.model.config().clone();
+        let layout = KvLayout {
+            chunk_tokens: cfg.chunk_tokens,
+            layers: mc.num_hidden_layers,
+            kv_heads: mc.num_key_value_heads,
+            head_dim: mc.head_dim(),
+            fingerprint: model.fingerprint,
+        };
+        let max_model_len = match cfg.max_model_len {
+            0 => mc.max_position_embeddings,
+            n => n.min(mc.max_position_embeddings),
+        };
+        let pool = Arc::new(OnceLock::new());
+        let store_tx = match master {
+            Some(m) => {
+                let first = match Client::connect(m, node.client_config()).await {
+                    Ok(c) => Some(c),
+                    // A refused configuration (e.g. RDMA required and absent)
+                    // is a start-up error; an unreachable pool is not.
+                    Err(e)
+                        if matches!(
+                            e.code,
+                            ErrorCode::Unsupported
+                                | ErrorCode::InvalidParams
+                                | ErrorCode::Unauthenticated
+                        ) =>
+                    {
+                        return Err(EngineError::Start(format!(
+                            "cannot use the pool at {m}: {e}"
+                        )));
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            "cannot reach the pool at {m} ({e}): serving without it, computing \
+                             every prompt, and retrying in the background"
+                        );
+                        None
+                    }
+                };
+                let (tx, rx) = flume::bounded(cfg.store_queue_depth);
+                tokio::spawn(connect_and_store(
+                    first,
+                    m.to_string(),
+                    node.client_config(),
+                    pool.clone(),
+                    metrics.clone(),
+                    rx,
+                ));
+                Some(tx)
+            }
+            None => {
+                tracing::info!("no --master: the engine runs without a pool");
+                None
+            }
+        };
+        let (submit, rx) = flume::bounded(cfg.max_waiting);
+        let loop_cfg = LoopConfig {
+            chunk_tokens: cfg.chunk_tokens,
+            max_num_seqs: cfg.max_num_seqs,
+        };
+        let LoadedModel {
+            name,
+            model,
+            tokenizer,
+            ..
+        } = model;
+        let model = Arc::new(model);
+        let m2 = metrics.clone();
+        std::thread::Builder::new()
+            .name("kvpool-engine".into())
+            .spawn(move || scheduler::run(model, loop_cfg, rx, store_tx, m2))
+            .map_err(|e| EngineError::Start(format!("cannot start the engine thread: {e}")))?;
+        let admission = Arc::new(Semaphore::new(cfg.max_num_seqs + cfg.max_waiting));
+        Ok(Self {
+            inner: Arc::new(Inner {
+                name,
+                tokenizer,
+                layout,
+                cfg,
+                max_model_len,
+                vocab_size: mc.vocab_size,
+                eos: mc.eos_token_ids.clone(),
+                submit,
+                admission,
+                master: master.map(str::to_string),
+                pool,
+                metrics,
+                ids: AtomicU64::new(1),
+                created: now_s(),
+            }),
+        })
+    }
+
+    /// The HTTP routes, serving `registry` on `/metrics`. The POST routes
+    /// are admitted first ([`admit`]): at most `engine.max_num_seqs +
+    /// engine.max_waiting` of them at once, the rest get 503.
+    pub fn router(&self, registry: MetricsRegistry) -> Router {
+        let body_limit = self.inner.cfg.max_body_bytes.get() as usize;
+        let state = AppState {
+            engine: self.clone(),
+            registry,
+        };
+        let admitted = Router::new()
+            .route("/v1/completions", post(completions))
+            .route("/v1/chat/completions", post(chat_completions))
+            .route("/tokenize", post(tokenize))
+            .route_layer(axum::middleware::from_fn_with_state(state.clone(), admit));
+        Router::new()
+            .merge(admitted)
+            .route("/v1/models", get(models))
+            .route("/health", get(health))
+            .route("/healthz", get(health))
+            .route("/metrics", get(metrics_route))
+            .layer(DefaultBodyLimit::max(body_limit))
+            .with_state(state)
+    }
+
+    /// Runs a request: imports the prompt's cached KV, hands it to the model
+    /// thread and returns the event stream.
+    pub async fn generate(&self, g: GenRequest) -> Result<Generation, ApiError> {
+        let e = &self.inner;
+        let prompt = g.prompt;
+        if prompt.is_empty() {
+            return Err(ApiError::bad("the prompt is empty"));
+        }
+        if let Some(t) = prompt.iter().find(|&&t| t as usize >= e.vocab_size) {
+            return Err(ApiError::bad(format!(
+                "prompt token {t} is outside the vocabulary of {}",
+                e.vocab_size
+            )));
+        }
+        g.params.validate().map_err(ApiError::bad)?;
+        if prompt.len() >= e.max_model_len {
+            return Err(ApiError::bad(format!(
+                "the prompt has {} tokens; this model's context is {} tokens",
+                prompt.len(),
+                e.max_model_len
+            )));
+        }
+        let mut params = g.params;
+        params.max_tokens = params.max_tokens.min(e.max_model_len - prompt.len());
+        let chunk = e.cfg.chunk_tokens;
+        let hashes = chunk_hashes(&prompt, chunk).map_err(|x| ApiError::internal(x.to_string()))?;
+        // At least the last prompt token is computed (its logits start the
+        // generation), so at most (len - 1) / chunk chunks are loaded.
+        let loadable = (prompt.len() - 1) / chunk;
+        let kvp = g.kv_transfer.unwrap_or_default();
+        let pool = e.pool.get().cloned();
+        let mut loaded = crate::pool::Loaded::default();
+        if kvp.do_remote_prefill {
+            if let Some(n) = kvp.num_tokens {
+                if n != prompt.len() {
+                    return Err(ApiError::bad(format!(
+                        "kv_transfer_params.num_tokens is {n}, the prompt has {} tokens",
+                        prompt.len()
+                    )));
+                }
+            }
+            for (i, key) in kvp.chunk_keys.iter().enumerate() {
+                let want = hashes.get(i).map(|h| e.layout.key(*h));
+                if want.as_deref() != Some(key.as_str()) {
+                    return Err(ApiError::bad(format!(
+                        "kv_transfer_params.chunk_keys[{i}] {key:?} is not chunk {i} of this prompt for this model (expected {want:?})"
+                    )));
+                }
+            }
+            if let (Some(m), Some(named)) = (&e.master, kvp.pool.as_deref()) {
+                if named != m {
+                    return Err(ApiError::bad(format!(
+                        "kv_transfer_params.pool {named:?} is not this engine's pool {m:?}"
+                    )));
+                }
+            }
+            match &pool {
+                Some(p) => {
+                    let n = kvp.chunk_keys.len().min(loadable);
+                    loaded = p.load_prefix(&e.layout, &hashes[..n], false).await;
+                }
+                None => tracing::warn!(
+                    "do_remote_prefill without a pool (no --master, or it is down): \
+                     computing the whole prompt"
+                ),
+            }
+        } else if let (Some(p), true) = (&pool, e.cfg.load_from_pool) {
+            loaded = p.load_prefix(&e.layout, &hashes[..loadable], true).await;
+        }
+        let loaded_tokens = loaded.blocks.len() * chunk;
+        let kv = SeqKv::with_loaded(e.layout, loaded.blocks);
+        let remote_decode = kvp.do_remote_decode;
+        let (store, stored) = if pool.is_some() && (e.cfg.store_to_pool || remote_decode) {
+            if remote_decode {
+                let (tx, rx) = oneshot::channel();
+                (Some(Some(tx)), Some(rx))
+            } else {
+                (Some(None), None)
+            }
+        } else {
+            (None, None)
+        };
+        let (tx, rx) = mpsc::channel(params.max_tokens + 2);
+        let layout = e.layout;
+        let key_of = Arc::new(move |h: ChunkHash| layout.key(h));
+        let req = Request {
+            prompt: prompt.clone(),
+            hashes: hashes.clone(),
+            kv,
+            params,
+            eos: e.eos.clone(),
+            max_len: e.max_model_len,
+            store,
+            key_of,
+            events: tx,
+        };
+        e.submit.try_send(req).map_err(|err| match err {
+            flume::TrySendError::Full(_) => ApiError::busy(format!(
+                "{} requests are already waiting (engine.max_waiting)",
+                e.cfg.max_waiting
+            )),
+            flume::TrySendError::Disconnected(_) => ApiError::internal("the engine thread is gone"),
+        })?;
+        e.metrics.requests.inc();
+        e.metrics.prompt_tokens_loaded.inc_by(loaded_tokens as u64);
+        Ok(Generation {
+            id: e.ids.fetch_add(1, Ordering::Relaxed),
+            prompt,
+            hashes,
+            loaded_tokens,
+            refused: loaded.refused,
+            remote_decode,
+            stored,
+            events: rx,
+            deadline: tokio::time::Instant::now() + Duration::from_millis(e.cfg.request_timeout_ms),
+            admission: None,
+        })
+    }
+
+    /// The `kv_transfer_params` of a prefill answer: the leading chunks now in the pool.
+    async fn transfer_params(&self, g: &mut Generation) -> Value {
+        let e = &self.inner;
+        let Some(master) = &e.master else {
+            return json!({"do_remote_prefill": true, "do_remote_decode": false, "chunk_keys": [],
+                "num_tokens": g.prompt.len(), "chunk_tokens": e.cfg.chunk_tokens, "pool": null});
+        };
+        let present = match g.stored.take() {
+            Some(rx) => match tokio::time::timeout_at(g.deadline, rx).await {
+                Ok(Ok(n)) => n,
+                _ => g.loaded_tokens / e.cfg.chunk_tokens,
+            },
+            None => g.loaded_tokens / e.cfg.chunk_tokens,
+        };
+        let keys: Vec<String> = g.hashes[..present.min(g.hashes.len())]
+            .iter()
+            .map(|h| e.layout.key(*h))
+            .collect();
+        json!({"do_remote_prefill": true, "do_remote_decode": false, "chunk_keys": keys,
+            "num_tokens": g.prompt.len(), "chunk_tokens": e.cfg.chunk_tokens, "pool": master})
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.inner.tokenizer
+    }
+}
+
+/// Longest wait between two attempts to reach a pool that is down.
+const POOL_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// Connects to the pool (unless `first` already did), retrying with backoff
+/// until it answers, publishes it in `slot`, then runs the store task.
+/// Until then, store jobs are not queued (requests see no pool).
+async fn connect_and_store(
+    first: Option<Client>,
+    master: String,
+    cfg: kvpool_actors::config::ClientConfig,
+    slot: Arc<OnceLock<Arc<KvPool>>>,
+    metrics: EngineMetrics,
+    rx: flume::Receiver<scheduler::StoreJob>,
+) {
+    let client = match first {
+        Some(c) => c,
+        None => {
+            let mut wait = Duration::from_millis(500);
+            loop {
+                tokio::time::sleep(wait).await;
+                match Client::connect(&master, cfg.clone()).await {
+                    Ok(c) => {
+                        tracing::info!("reached the pool at {master}: loading and storing KV");
+                        break c;
+                    }
+                    Err(e) => {
+                        tracing::warn!("pool at {master} still unreachable: {e}");
+                        wait = (wait * 2).min(POOL_RETRY_MAX);
+                    }
+                }
+                if rx.is_disconnected() {
+                    return;
+                }
+            }
+        }
+    };
+    let pool = Arc::new(KvPool::new(client, master, metrics));
+    let _ = slot.set(pool.clone());
+    pool.run_store(rx).await;
+}
+
+/// A generation request, after parsing.
+pub struct GenRequest {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub kv_transfer: Option<KvTransferParams>,
+}
+
+/// A request handed to the model thread.
+pub struct Generation {
+    id: u64,
+    prompt: Vec<u32>,
+    hashes: Vec<ChunkHash>,
+    /// Prompt tokens whose KV came from the pool.
+    pub loaded_tokens: usize,
+    /// Chunks read and refused.
+    pub refused: usize,
+    remote_decode: bool,
+    stored: Option<oneshot::Receiver<usize>>,
+    events: mpsc::Receiver<Event>,
+    deadline: tokio::time::Instant,
+    /// The request's admission, held as long as its events are read.
+    admission: Option<Admission>,
+}
+
+impl Generation {
+    /// The next event, or an error at the request's deadline.
+    pub async fn next(&mut self) -> Result<Option<Event>, ApiError> {
+        match tokio::time::timeout_at(self.deadline, self.events.recv()).await {
+            Ok(e) => Ok(e),
+            Err(_) => Err(ApiError {
+                status: StatusCode::GATEWAY_TIMEOUT,
+                message: "the request ran past engine.request_timeout_ms".into(),
+            }),
+        }
+    }
+}
+
+/// vLLM's `kv_transfer_params`, with kvpool's fields.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(default)]
+pub struct KvTransferParams {
+    pub do_remote_decode: bool,
+    pub do_remote_prefill: bool,
+    /// Pool keys of the prompt's leading chunks, in order.
+    pub chunk_keys: Vec<String>,
+    /// Prompt tokens.
+    pub num_tokens: Option<usize>,
+    /// Tokens per chunk of the keys.
+    pub chunk_tokens: Option<usize>,
+    /// The pool's master address.
+    pub pool: Option<String>,
+}
+
+/// An HTTP error in vLLM's shape.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn bad(m: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: m.into(),
+        }
+    }
+    fn busy(m: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: m.into(),
+        }
+    }
+    fn internal(m: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: m.into(),
+        }
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::BadRequest(m) => Self::bad(m),
+            EngineError::Busy(m) => Self::busy(m),
+            other => Self::internal(other.to_string()),
+        }
+    }
+}
+
+impl ApiError {
+    /// The error object, as vLLM writes it.
+    fn body(&self) -> Value {
+        let kind = match self.status {
+            StatusCode::BAD_REQUEST => "BadRequestError",
+            StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::PAYLOAD_TOO_LARGE => "PayloadTooLargeError",
+            StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
+            StatusCode::GATEWAY_TIMEOUT => "TimeoutError",
+            _ => "InternalServerError",
+        };
+        json!({"object": "error", "message": self.message, "type": kind,
+            "param": null, "code": self.status.as_u16()})
+    }
+
+    /// The SSE event that ends a stream that failed after its 200 was sent:
+    /// vLLM's `data: {"error": {...}}` (what OpenAI clients raise on), then
+    /// `data: [DONE]`.
+    fn sse_event(&self) -> Bytes {
+        let mut out = sse(&json!({"error": self.body()})).to_vec();
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        Bytes::from(out)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    engine: Engine,
+    registry: MetricsRegistry,
+}
+
+/// A request's place among those the engine holds at once: one of
+/// `engine.max_num_seqs + engine.max_waiting` permits.
+#[derive(Clone)]
+struct Admission {
+    _permit: Arc<OwnedSemaphorePermit>,
+}
+
+/// Admits a POST request before its body is read, or answers 503. The
+/// permit goes with the request and is held until its answer is complete
+/// (a stream holds it until its last event), so request bodies, prompts,
+/// KV loaded from the pool and queued work are bounded by the engine's
+/// limits, not by how many clients connect.
+async fn admit(
+    State(st): State<AppState>,
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let e = &st.engine.inner;
+    match e.admission.clone().try_acquire_owned() {
+        Ok(permit) => {
+            req.extensions_mut().insert(Admission {
+                _permit: Arc::new(permit),
+            });
+            next.run(req).await
+        }
+        Err(_) => ApiError::busy(format!(
+            "{} requests are already in flight (engine.max_num_seqs + engine.max_waiting)",
+            e.cfg.max_num_seqs + e.cfg.max_waiting
+        ))
+        .into_response(),
+    }
+}
+
+/// A prompt as text, or as token ids.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    /// Several prompts (refused with a clear error; never read).
+    #[allow(dead_code)]
+    Batch(Vec<Value>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+struct Message {
+    role: String,
+    content: String,
+}
+
+/// The fields both generation routes take.
+#[derive(Debug, Deserialize)]
+struct CommonFields {
+    model: Option<String>,
+    max_tokens: Option<usize>,
+    max_completion_tokens: Option<usize>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    seed: Option<u64>,
+    stop: Option<Stop>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    ignore_eos: bool,
+    #[serde(default)]
+    return_token_ids: bool,
+    kv_transfer_params: Option<KvTransferParams>,
+    /// Only 1 is supported.
+    n: Option<usize>,
+    /// Not supported: refused when set.
+    logprobs: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionBody {
+    prompt: Prompt,
+    #[serde(flatten)]
+    common: CommonFields,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatBody {
+    messages: Vec<Message>,
+    #[serde(flatten)]
+    common: CommonFields,
+}
+
+#[derive(Debug, Deserialize)]
+struct TokenizeBody {
+    model: Option<String>,
+    prompt: Option<Prompt>,
+    messages: Option<Vec<Message>>,
+}
+
+/// The JSON body of a request; a body over `engine.max_body_bytes` (413) or
+/// one that cannot be read gets an error in vLLM's shape too.
+fn parse<T: for<'de> Deserialize<'de>>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.map_err(|r| ApiError {
+        status: r.status(),
+        message: format!("request body: {}", r.body_text()),
+    })?;
+    serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("invalid request body: {e}")))
+}
+
+/// The chat template: `<|role|>\ncontent\n` per message, then
+/// `<|assistant|>\n`. (Jinja chat templates of model folders are not run.)
+fn chat_text(messages: &[Message]) -> Result<String, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::bad("messages is empty"));
+    }
+    let mut s = String::new();
+    for m in messages {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
+            return Err(ApiError::bad(format!(
+                "message role {:?} is not system, user or assistant",
+                m.role
+            )));
+        }
+        s.push_str(&format!("<|{}|>\n{}\n", m.role, m.content));
+    }
+    s.push_str("<|assistant|>\n");
+    Ok(s)
+}
+
+impl AppState {
+    fn check_model(&self, model: &Option<String>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if *m != self.engine.inner.name => Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!("The model `{m}` does not exist."),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn prompt_tokens(&self, p: Prompt) -> Result<Vec<u32>, ApiError> {
+        match p {
+            Prompt::Text(t) => Ok(self.engine.tokenizer().encode(&t)?),
+            Prompt::Tokens(t) => Ok(t),
+            Prompt::Batch(_) => Err(ApiError::bad(
+                "a batch of prompts is not supported: send one prompt per request",
+            )),
+        }
+    }
+
+    fn gen_request(
+        &self,
+        prompt: Vec<u32>,
+        c: &CommonFields,
+        default_max: Option<usize>,
+    ) -> Result<GenRequest, ApiError> {
+        if c.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::bad("n other than 1 is not supported"));
+        }
+        if c.logprobs
+            .as_ref()
+            .is_some_and(|l| !l.is_null() && *l != Value::Bool(false))
+        {
+            return Err(ApiError::bad("logprobs are not supported"));
+        }
+        let e = &self.engine.inner;
+        let room = e.max_model_len.saturating_sub(prompt.len());
+        let max_tokens = c
+            .max_tokens
+            .or(c.max_completion_tokens)
+            .or(default_max)
+            .unwrap_or(room);
+        Ok(GenRequest {
+            prompt,
+            params: SamplingParams {
+                temperature: c.temperature.unwrap_or(1.0),
+                top_p: c.top_p.unwrap_or(1.0),
+                seed: c.seed,
+                max_tokens,
+                ignore_eos: c.ignore_eos,
+            },
+            kv_transfer: c.kv_transfer_params.clone(),
+        })
+    }
+}
+
+async fn completions(
+    State(st): State<AppState>,
+    Extension(admission): Extension<Admission>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let r: Result<Response, ApiError> = async {
+        let b: CompletionBody = parse(body)?;
+        st.check_model(&b.common.model)?;
+        let prompt = st.prompt_tokens(b.prompt)?;
+        let g = st.gen_request(prompt, &b.common, Some(16))?;
+        respond(&st, g, b.common, false, admission).await
+    }
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn chat_completions(
+    State(st): State<AppState>,
+    Extension(admission): Extension<Admission>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let r: Result<Response, ApiError> = async {
+        let b: ChatBody = parse(body)?;
+        st.check_model(&b.common.model)?;
+        let text = chat_text(&b.messages)?;
+        let prompt = st.engine.tokenizer().encode(&text)?;
+        let g = st.gen_request(prompt, &b.common, None)?;
+        respond(&st, g, b.common, true, admission).await
+    }
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Generated text so far, with stop strings applied.
+struct TextState {
+    ids: Vec<u32>,
+    stop: Vec<String>,
+    sent: usize,
+    /// Final text once a stop string matched.
+    stopped: Option<String>,
+}
+
+impl TextState {
+    fn new(stop: Option<Stop>) -> Self {
+        let stop = match stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s],
+            Some(Stop::Many(v)) => v,
+        };
+        Self {
+            ids: Vec::new(),
+            stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
+            sent: 0,
+            stopped: None,
+        }
+    }
+
+    /// The decoded text. Invalid UTF-8 inside it reads as U+FFFD; unless
+    /// `last`, a tail that may still become a character as more tokens come
+    /// is held back: an incomplete UTF-8 sequence (byte-level tokens) or
+    /// trailing U+FFFD (what a Hugging Face decoder makes of one).
+    fn text(&self, tok: &Tokenizer, last: bool) -> String {
+        let bytes = tok.decode_bytes(&self.ids);
+        let mut out = String::with_capacity(bytes.len());
+        let mut rest = &bytes[..];
+        loop {
+            match std::str::from_utf8(rest) {
+                Ok(s) => {
+                    out.push_str(s);
+                    break;
+                }
+                Err(e) => {
+                    let (valid, after) = rest.split_at(e.valid_up_to());
+                    // `valid` is UTF-8 by the error's own account (no copy).
+                    out.push_str(&String::from_utf8_lossy(valid));
+                    match e.error_len() {
+                        Some(n) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            rest = &after[n..];
+                        }
+                        // An incomplete sequence at the end.
+                        None => {
+                            if last {
+                                out.push(char::REPLACEMENT_CHARACTER);
+                            }
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        if !last && matches!(tok, Tokenizer::Hf(_)) {
+            let kept = out.trim_end_matches(char::REPLACEMENT_CHARACTER).len();
+            out.truncate(kept);
+        }
+        out
+    }
+
+    /// Adds a token; true when a stop string matched.
+    fn push(&mut self, t: u32, tok: &Tokenizer) -> bool {
+        self.ids.push(t);
+        if self.stop.is_empty() {
+            return false;
+        }
+        let text = self.text(tok, false);
+        let hit = self.stop.iter().filter_map(|s| text.find(s.as_str())).min();
+        if let Some(i) = hit {
+            self.stopped = Some(text[..i].to_string());
+            return true;
+        }
+        false
+    }
+
+    /// Text not yet streamed that can be sent now (a possible stop-string
+    /// prefix at the end is held back unless `last`).
+    fn delta(&mut self, tok: &Tokenizer, last: bool) -> String {
+        let text = self.stopped.clone().unwrap_or_else(|| self.text(tok, last));
+        // A decoder need not be prefix-stable: what was sent may no longer
+        // end on a character boundary of the new text. Never slice inside
+        // a character.
+        while self.sent < text.len() && !text.is_char_boundary(self.sent) {
+            self.sent += 1;
+        }
+        let mut upto = text.len();
+        if !last {
+            let hold = self
+                .stop
+                .iter()
+                .map(|s| s.len().saturating_sub(1))
+                .max()
+                .unwrap_or(0);
+            upto = upto.saturating_sub(hold);
+            while !text.is_char_boundary(upto) {
+                upto -= 1;
+            }
+        }
+        if upto <= self.sent {
+            return String::new();
+        }
+        let d = text[self.sent..upto].to_string();
+        self.sent = upto;
+        d
+    }
+}
+
+async fn respond(
+    st: &AppState,
+    g: GenRequest,
+    c: CommonFields,
+    chat: bool,
+    admission: Admission,
+) -> Result<Response, ApiError> {
+    let prompt_ids = g.prompt.clone();
+    let mut gen = st.engine.generate(g).await?;
+    gen.admission = Some(admission);
+    let name = st.engine.inner.name.clone();
+    let prefix = if chat { "chatcmpl" } else { "cmpl" };
+    let id = format!("{prefix}-{}", gen.id);
+    let created = now_s();
+    let text = TextState::new(c.stop);
+    if c.stream {
+        return Ok(stream_response(
+            st.clone(),
+            gen,
+            text,
+            id,
+            created,
+            chat,
+            c.return_token_ids,
+        ));
+    }
+    let mut text = text;
+    let finish;
+    let mut computed = 0;
+    loop {
+        match gen.next().await? {
+            Some(Event::Prefilled { computed: n }) => computed = n,
+            Some(Event::Token(t)) => {
+                if !st.engine.inner.eos.contains(&t) && text.push(t, st.engine.tokenizer()) {
+                    finish = Finish::Stop;
+                    break;
+                }
+            }
+            Some(Event::Done(f)) => {
+                finish = f;
+                break;
+            }
+            Some(Event::Failed(m)) => return Err(ApiError::internal(m)),
+            None => return Err(ApiError::internal("the engine dropped the request")),
+        }
+    }
+    let completion_tokens =
+        text.ids.len() + usize::from(finish == Finish::Stop && text.stopped.is_none());
+    let out_text = text
+        .stopped
+        .clone()
+        .unwrap_or_else(|| text.text(st.engine.tokenizer(), true));
+    let kvp = if gen.remote_decode {
+        st.engine.transfer_params(&mut gen).await
+    } else {
+        Value::Null
+    };
+    let mut choice = if chat {
+        json!({"index": 0, "message": {"role": "assistant", "content": out_text},
+            "logprobs": null, "finish_reason": finish.as_str()})
+    } else {
+        json!({"index": 0, "text": out_text, "logprobs": null, "finish_reason": finish.as_str()})
+    };
+    if c.return_token_ids {
+        choice["token_ids"] = json!(text.ids);
+        choice["prompt_token_ids"] = json!(prompt_ids);
+    }
+    let body = json!({
+        "id": id,
+        "object": if chat { "chat.completion" } else { "text_completion" },
+        "created": created,
+        "model": name,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt_ids.len(),
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_ids.len() + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.loaded_tokens},
+        },
+        "kv_transfer_params": kvp,
+        "kvpool": {"prompt_tokens_computed": computed, "prompt_tokens_loaded": gen.loaded_tokens,
+            "chunks_refused": gen.refused},
+    });
+    Ok(Json(body).into_response())
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+fn stream_response(
+    st: AppState,
+    gen: Generation,
+    text: TextState,
+    id: String,
+    created: u64,
+    chat: bool,
+    token_ids: bool,
+) -> Response {
+    struct S {
+        st: AppState,
+        gen: Generation,
+        text: TextState,
+        id: String,
+        created: u64,
+        chat: bool,
+        token_ids: bool,
+        first: bool,
+        done: bool,
+    }
+    let s = S {
+        st,
+        gen,
+        text,
+        id,
+        created,
+        chat,
+        token_ids,
+        first: true,
+        done: false,
+    };
+    fn chunk(s: &S, delta: &str, ids: &[u32], finish: Option<Finish>) -> Value {
+        let name = &s.st.engine.inner.name;
+        let mut choice = if s.chat {
+            let mut d = json!({"content": delta});
+            if s.first {
+                d["role"] = json!("assistant");
+            }
+            json!({"index": 0, "delta": d, "logprobs": null, "finish_reason": finish.map(Finish::as_str)})
+        } else {
+            json!({"index": 0, "text": delta, "logprobs": null, "finish_reason": finish.map(Finish::as_str)})
+        };
+        if s.token_ids {
+            choice["token_ids"] = json!(ids);
+        }
+        json!({"id": s.id, "object": if s.chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": s.created, "model": name, "choices": [choice]})
+    }
+    let stream = futures_util::stream::unfold(s, |mut s| async move {
+        if s.done {
+            return None;
+        }
+        loop {
+            let ev = match s.gen.next().await {
+                Ok(ev) => ev,
+                Err(e) => {
+                    s.done = true;
+                    return Some((Ok::<Bytes, Infallible>(e.sse_event()), s));
+                }
+            };
+            let tok = s.st.engine.tokenizer();
+            let finish = match ev {
+                Some(Event::Prefilled { .. }) => continue,
+                Some(Event::Token(t)) => {
+                    if s.st.engine.inner.eos.contains(&t) {
+                        continue;
+                    }
+                    if s.text.push(t, tok) {
+                        Some(Finish::Stop)
+                    } else {
+                        let d = s.text.delta(tok, false);
+                        let v = chunk(&s, &d, &[t], None);
+                        s.first = false;
+                        return Some((Ok(sse(&v)), s));
+                    }
+                }
+                Some(Event::Done(f)) => Some(f),
+                Some(Event::Failed(m)) => {
+                    s.done = true;
+                    return Some((Ok(ApiError::internal(m).sse_event()), s));
+                }
+                // The engine let the request go without saying how it
+                // ended: that is an error, not a finished stream.
+                None => {
+                    s.done = true;
+                    let e = ApiError::internal("the engine dropped the request");
+                    return Some((Ok(e.sse_event()), s));
+                }
+            };
+            let d = s.text.delta(tok, true);
+            let v = chunk(&s, &d, &[], finish);
+            s.done = true;
+            let mut out = sse(&v).to_vec();
+            out.extend_from_slice(b"data: [DONE]\n\n");
+            return Some((Ok(Bytes::from(out)), s));
+        }
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|e| ApiError::internal(e.to_string()).into_response())
+}
+
+async fn models(State(st): State<AppState>) -> Response {
+    let e = &st.engine.inner;
+    Json(
+        json!({"object": "list", "data": [{"id": e.name, "object": "model", "created": e.created,
+        "owned_by": "kvpool", "root": e.name, "parent": null, "max_model_len": e.max_model_len}]}),
+    )
+    .into_response()
+}
+
+async fn tokenize(
+    State(st): State<AppState>,
+    Extension(_admission): Extension<Admission>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let r: Result<Response, ApiError> = async {
+        let b: TokenizeBody = parse(body)?;
+        st.check_model(&b.model)?;
+        let tokens = match (b.prompt, b.messages) {
+            (Some(p), None) => st.prompt_tokens(p)?,
+            (None, Some(m)) => st.engine.tokenizer().encode(&chat_text(&m)?)?,
+            _ => return Err(ApiError::bad("give exactly one of prompt and messages")),
+        };
+        Ok(Json(
+            json!({"count": tokens.len(), "max_model_len": st.engine.inner.max_model_len,
+            "tokens": tokens}),
+        )
+        .into_response())
+    }
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn metrics_route(State(st): State<AppState>) -> Response {
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        st.registry.render(),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Stop, TextState};
+    use crate::tokenizer::Tokenizer;
+    use kvpool_actors::config::NodeConfig;
+
+    fn bytes(s: &[u8]) -> Vec<u32> {
+        s.iter().map(|&b| u32::from(b)).collect()
+    }
+
+    #[test]
+    fn invalid_utf8_reads_as_replacement_and_only_an_incomplete_tail_waits() {
+        let tok = Tokenizer::Bytes;
+        let mut t = TextState::new(None);
+        for id in bytes(b"ab\xffcd") {
+            t.push(id, &tok);
+        }
+        // Text after an invalid byte is not lost.
+        assert_eq!(t.text(&tok, false), "ab\u{fffd}cd");
+        assert_eq!(t.delta(&tok, false), "ab\u{fffd}cd");
+        // The first two bytes of the euro sign wait for the third.
+        for id in bytes(&[0xe2, 0x82]) {
+            t.push(id, &tok);
+        }
+        assert_eq!(t.delta(&tok, false), "");
+        assert_eq!(t.text(&tok, true), "ab\u{fffd}cd\u{fffd}");
+        t.push(0xac, &tok);
+        assert_eq!(t.delta(&tok, false), "\u{20ac}");
+    }
+
+    #[test]
+    fn stop_strings_cut_the_text_and_a_held_back_prefix_is_never_sent() {
+        let tok = Tokenizer::Bytes;
+        let mut t = TextState::new(Some(Stop::Many(vec!["XY".into(), String::new()])));
+        let mut sent = String::new();
+        for id in bytes(b"abX") {
+            assert!(!t.push(id, &tok));
+            sent.push_str(&t.delta(&tok, false));
+        }
+        assert_eq!(sent, "ab", "the X may start the stop string");
+        assert!(t.push(u32::from(b'Y'), &tok));
+        sent.push_str(&t.delta(&tok, true));
+        assert_eq!(sent, "ab");
+        assert_eq!(t.stopped.as_deref(), Some("ab"));
+        // A possible prefix that turns out not to be one is sent at the end.
+        let mut t = TextState::new(Some(Stop::One("XY".into())));
+        for id in bytes(b"abX") {
+            t.push(id, &tok);
+        }
+        assert_eq!(t.delta(&tok, false), "ab");
+        assert_eq!(t.delta(&tok, true), "X");
+    }
+
+    /// A byte-level BPE decoder (as Llama 3's) turns a token ending inside a
+    /// character into U+FFFD, which the next token replaces: the streamed
+    /// text must hold it back and never slice inside the character.
+    #[test]
+    fn a_character_split_across_hf_tokens_streams_whole() {
+        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+"normalizer":null,"pre_tokenizer":null,"post_processor":null,
+"decoder":{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":false,"use_regex":false},
+"model":{"type":"WordLevel","vocab":{"[UNK]":0,"a":1,"\u00f0\u0141\u013a":2,"\u0122":3},"unk_token":"[UNK]"}}"#;
+        let hf: tokenizers::Tokenizer = json.parse().expect("tokenizer json");
+        let tok = Tokenizer::Hf(Box::new(hf));
+        assert_eq!(tok.decode_bytes(&[1, 2, 3]), "a\u{1f600}".as_bytes());
+        let mut t = TextState::new(None);
+        let mut sent = String::new();
+        for id in [1, 2, 3, 1] {
+            t.push(id, &tok);
+            sent.push_str(&t.delta(&tok, false));
+        }
+        sent.push_str(&t.delta(&tok, true));
+        assert_eq!(sent, "a\u{1f600}a");
+        // Even text that changes under what was sent is never cut inside a
+        // character.
+        let mut t = TextState::new(None);
+        t.sent = "a\u{fffd}".len();
+        t.stopped = Some("a\u{1f600}b".into());
+        assert_eq!(t.delta(&tok, true), "b");
+    }
+
+    /// A stream that fails after its 200 ends with vLLM's error event (the
+    /// shape OpenAI clients raise on), then [DONE].
+    #[test]
+    fn a_failed_stream_ends_with_an_error_event() {
+        let raw = super::ApiError::internal("boom").sse_event();
+        let text = std::str::from_utf8(&raw).unwrap();
+        let events: Vec<&str> = text
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .collect();
+        assert_eq!(events.len(), 2, "{text}");
+        let v: serde_json::Value = serde_json::from_str(events[0]).unwrap();
+        assert_eq!(v["error"]["message"], "boom");
+        assert_eq!(v["error"]["code"], 500);
+        assert_eq!(v["error"]["type"], "InternalServerError");
+        assert_eq!(events[1], "[DONE]");
+    }
+
+    /// builtin:tiny behind the real router, no pool, in this process.
+    fn served(config: &str) -> (tokio::runtime::Runtime, axum::Router) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let node = NodeConfig::from_toml(config, "test.toml").unwrap();
+        let model = crate::loader::load("builtin:tiny").unwrap();
+        let reg = kvpool_runtime::metrics::MetricsRegistry::new();
+        let engine = rt
+            .block_on(super::Engine::start(model, &node, None, &reg))
+            .unwrap();
+        (rt, engine.router(reg))
+    }
+
+    fn request(
+        method: &str,
+        path: &str,
+        body: impl Into<axum::body::Body>,
+    ) -> axum::extract::Request {
+        axum::http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("content-type", "application/json")
+            .body(body.into())
+            .unwrap()
+    }
+
+    async fn call(app: &axum::Router, req: axum::extract::Request) -> axum::response::Response {
+        use tower::ServiceExt;
+        app.clone().oneshot(req).await.unwrap()
+    }
+
+    async fn json_of(resp: axum::response::Response) -> serde_json::Value {
+        let b = axum::body::to_bytes(resp.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        serde_json::from_slice(&b).unwrap()
+    }
+
+    #[test]
+    fn requests_past_the_engine_limits_get_503_until_one_ends() {
+        use futures_util::StreamExt;
+        let (rt, app) = served("[engine]\nmax_num_seqs = 1\nmax_waiting = 1\n");
+        rt.block_on(async {
+            let body = r#"{"prompt": "a", "max_tokens": 1, "temperature": 0, "stream": true}"#;
+            // Two streams (the limit: 1 running + 1 waiting) that have sent
+            // their last event but are not closed yet: they still count.
+            let mut open = Vec::new();
+            for _ in 0..2 {
+                let resp = call(&app, request("POST", "/v1/completions", body)).await;
+                assert_eq!(resp.status(), 200);
+                let mut events = resp.into_body().into_data_stream();
+                let mut seen = Vec::new();
+                while !seen.ends_with(b"data: [DONE]\n\n") {
+                    let chunk = events.next().await.expect("an event").unwrap();
+                    seen.extend_from_slice(&chunk);
+                }
+                open.push(events);
+            }
+            let plain = r#"{"prompt": "a", "max_tokens": 2, "temperature": 0}"#;
+            for path in ["/v1/completions", "/v1/chat/completions", "/tokenize"] {
+                let resp = call(&app, request("POST", path, plain)).await;
+                assert_eq!(resp.status(), 503, "{path}");
+                let v = json_of(resp).await;
+                assert_eq!(v["type"], "ServiceUnavailableError", "{v}");
+                assert!(v["message"].as_str().unwrap().contains("in flight"), "{v}");
+            }
+            // Routes that hold nothing are not admitted.
+            let resp = call(&app, request("GET", "/health", "")).await;
+            assert_eq!(resp.status(), 200);
+            // One stream closes: a request is admitted again.
+            drop(open.pop());
+            let resp = call(&app, request("POST", "/v1/completions", plain)).await;
+            assert_eq!(resp.status(), 200);
+            // A plain answer does not keep its place once sent.
+            let resp = call(&app, request("POST", "/v1/completions", plain)).await;
+            assert_eq!(resp.status(), 200);
+        });
+    }
+
+    #[test]
+    fn a_body_over_the_limit_gets_413_in_vllms_error_shape() {
+        let (rt, app) = served("[engine]\nmax_body_bytes = \"1 KiB\"\n");
+        rt.block_on(async {
+            let big = format!(r#"{{"prompt": "{}"}}"#, "x".repeat(2048));
+            let resp = call(&app, request("POST", "/v1/completions", big)).await;
+            assert_eq!(resp.status(), 413);
+            let v = json_of(resp).await;
+            assert_eq!(v["object"], "error", "{v}");
+            assert_eq!(v["type"], "PayloadTooLargeError", "{v}");
+            assert_eq!(v["code"], 413, "{v}");
+        });
+    }
+
+    #[test]
+    fn engine_config_file_parses_and_bad_keys_are_named() {
+        let cfg = NodeConfig::from_toml(include_str!("../../configs/engine.toml"), "engine.toml")
+            .expect("configs/engine.toml parses");
+        cfg.engine.validate().expect("and is valid");
+        assert_eq!(cfg.engine.chunk_tokens, 256);
+        let e = NodeConfig::from_toml("[engine]\nchunk_tokns = 8\n", "t").unwrap_err();
+        assert!(e.to_string().contains("chunk_tokns"), "{e}");
+        let cfg = NodeConfig::from_toml("[engine]\nmax_num_seqs = 0\n", "t").unwrap();
+        let e = cfg.engine.validate().unwrap_err();
+        assert!(e.contains("engine.max_num_seqs"), "{e}");
+    }
+}

@@ -1,0 +1,211 @@
+//! The independent oracle: for one safetensors file, the logits of our
+//! decoder (loaded through the real folder loader, run in the engine's
+//! chunk-aligned prefill pieces, then decode steps over its own KV) equal
+//! candle-transformers' Llama within 1e-4, for prompts of 1, 255, 256, 257
+//! and 700 tokens.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use candle_transformers::models::llama as reference;
+use kvpool_engine::kv::{KvLayout, SeqKv};
+use kvpool_engine::model::{Llama, Step};
+use rand::{Rng, SeedableRng};
+
+const CHUNK: usize = 256;
+const TOLERANCE: f32 = 1e-4;
+
+/// A minimal word-level tokenizer.json (the oracle feeds token ids).
+const TOKENIZER_JSON: &str = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+"normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
+"model":{"type":"WordLevel","vocab":{"[UNK]":0,"hello":1,"world":2},"unk_token":"[UNK]"}}"#;
+
+fn write_folder(dir: &Path, config: &serde_json::Value, seed: u64) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), TOKENIZER_JSON).unwrap();
+    let g = |k: &str| config[k].as_u64().unwrap() as usize;
+    let (h, i, v, layers) = (
+        g("hidden_size"),
+        g("intermediate_size"),
+        g("vocab_size"),
+        g("num_hidden_layers"),
+    );
+    let kv = g("num_key_value_heads") * h / g("num_attention_heads");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    let mut add = |name: String, shape: Vec<usize>, std: f32| {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = if std == 0.0 {
+            (0..n).map(|_| rng.random_range(0.5f32..1.5)).collect()
+        } else {
+            let a = std * 3f32.sqrt();
+            (0..n).map(|_| rng.random_range(-a..a)).collect()
+        };
+        tensors.insert(name, Tensor::from_vec(data, shape, &Device::Cpu).unwrap());
+    };
+    let s = |fan: usize| 1.0 / (fan as f32).sqrt();
+    add("model.embed_tokens.weight".into(), vec![v, h], 1.0);
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        add(format!("{p}.self_attn.q_proj.weight"), vec![h, h], s(h));
+        add(format!("{p}.self_attn.k_proj.weight"), vec![kv, h], s(h));
+        add(format!("{p}.self_attn.v_proj.weight"), vec![kv, h], s(h));
+        add(format!("{p}.self_attn.o_proj.weight"), vec![h, h], s(h));
+        add(format!("{p}.mlp.gate_proj.weight"), vec![i, h], s(h));
+        add(format!("{p}.mlp.up_proj.weight"), vec![i, h], s(h));
+        add(format!("{p}.mlp.down_proj.weight"), vec![h, i], s(i));
+        add(format!("{p}.input_layernorm.weight"), vec![h], 0.0);
+        add(format!("{p}.post_attention_layernorm.weight"), vec![h], 0.0);
+    }
+    add("model.norm.weight".into(), vec![h], 0.0);
+    if !config["tie_word_embeddings"].as_bool().unwrap_or(false) {
+        add("lm_head.weight".into(), vec![v, h], s(h));
+    }
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+}
+
+/// Largest |a - b|; NaN if any difference is NaN (f32::max would skip it,
+/// and NaN logits on either side would then pass as equal).
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, |m, d| if d.is_nan() || d > m { d } else { m })
+}
+
+/// Prefill in the engine's chunk-aligned pieces, then `decode` greedy steps;
+/// returns the logits after the prompt and after each decode step.
+fn ours(model: &Llama, prompt: &[u32], decode: usize) -> Vec<Vec<f32>> {
+    let c = model.config();
+    let layout = KvLayout {
+        chunk_tokens: CHUNK,
+        layers: c.num_hidden_layers,
+        kv_heads: c.num_key_value_heads,
+        head_dim: c.head_dim(),
+        fingerprint: 0,
+    };
+    let mut kv = SeqKv::new(layout);
+    let mut out = Vec::new();
+    let mut pos = 0;
+    while pos < prompt.len() {
+        let end = ((pos / CHUNK + 1) * CHUNK).min(prompt.len());
+        let last = end == prompt.len();
+        let mut steps = [Step {
+            tokens: &prompt[pos..end],
+            kv: &mut kv,
+            want_logits: last,
+        }];
+        let logits = model.forward(&mut steps).unwrap();
+        if last {
+            out.push(logits.into_iter().next().unwrap());
+        }
+        pos = end;
+    }
+    for _ in 0..decode {
+        let next = Llama::argmax(out.last().unwrap());
+        let mut steps = [Step {
+            tokens: &[next],
+            kv: &mut kv,
+            want_logits: true,
+        }];
+        out.push(
+            model
+                .forward(&mut steps)
+                .unwrap()
+                .into_iter()
+                .next()
+                .unwrap(),
+        );
+    }
+    out
+}
+
+fn theirs(dir: &Path, prompt: &[u32], decode: usize) -> Vec<Vec<f32>> {
+    let dev = Device::Cpu;
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let cfg: reference::LlamaConfig = serde_json::from_str(&text).unwrap();
+    let cfg = cfg.into_config(false);
+    let tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &dev).unwrap();
+    let vb = candle_nn::VarBuilder::from_tensors(tensors, DType::F32, &dev);
+    let model = reference::Llama::load(vb, &cfg).unwrap();
+    let mut cache = reference::Cache::new(true, DType::F32, &cfg, &dev).unwrap();
+    let input = Tensor::new(prompt, &dev).unwrap().unsqueeze(0).unwrap();
+    let mut out = vec![model
+        .forward(&input, 0, &mut cache)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()];
+    for pos in prompt.len()..prompt.len() + decode {
+        let next = Llama::argmax(out.last().unwrap());
+        let input = Tensor::new(&[next], &dev).unwrap().unsqueeze(0).unwrap();
+        out.push(
+            model
+                .forward(&input, pos, &mut cache)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+        );
+    }
+    out
+}
+
+fn check(config: serde_json::Value, seed: u64, tag: &str) {
+    let dir = std::env::temp_dir().join(format!("kvpool-oracle-{tag}-{}", std::process::id()));
+    write_folder(&dir, &config, seed);
+    let loaded = kvpool_engine::loader::load(dir.to_str().unwrap()).unwrap();
+    let vocab = config["vocab_size"].as_u64().unwrap() as u32;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0xabcdef);
+    for len in [1usize, 255, 256, 257, 700] {
+        let prompt: Vec<u32> = (0..len).map(|_| rng.random_range(0..vocab)).collect();
+        let a = ours(&loaded.model, &prompt, 3);
+        let b = theirs(&dir, &prompt, 3);
+        assert_eq!(
+            (a.len(), b.len()),
+            (4, 4),
+            "prompt logits and three decode steps"
+        );
+        for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+            let d = max_diff(x, y);
+            assert!(
+                d <= TOLERANCE,
+                "{tag}: prompt of {len} tokens, step {step}: max |ours - candle| = {d}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn base_config() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": 64, "intermediate_size": 176, "vocab_size": 300,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 1024,
+        "tie_word_embeddings": false, "bos_token_id": 1, "eos_token_id": 2
+    })
+}
+
+#[test]
+fn logits_equal_candle_transformers_llama_gqa_untied() {
+    check(base_config(), 1, "gqa");
+}
+
+#[test]
+fn logits_equal_candle_transformers_llama3_rope_scaling_tied() {
+    let mut c = base_config();
+    c["tie_word_embeddings"] = true.into();
+    c["num_key_value_heads"] = 1.into();
+    c["rope_theta"] = 500000.0.into();
+    c["rope_scaling"] = serde_json::json!({
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 128
+    });
+    check(c, 2, "llama3");
+}

@@ -1,0 +1,476 @@
+//! The engine role end to end: real `kvpool run` processes (a pool, engines
+//! with `builtin:tiny`), the pool client over TCP between them, and the
+//! engine's HTTP API.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use common::{cli, start, Proc};
+use serde_json::{json, Value};
+
+/// A POST with a JSON body; returns (status, body).
+fn post(addr: &str, path: &str, body: &Value) -> (u16, String) {
+    let body = body.to_string();
+    let mut s = std::net::TcpStream::connect(addr).expect("connect engine");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read answer");
+    let (head, body) = out.split_once("\r\n\r\n").expect("http answer");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("status");
+    (status, body.to_string())
+}
+
+fn post_json(addr: &str, path: &str, body: &Value) -> Value {
+    let (status, text) = post(addr, path, body);
+    assert_eq!(status, 200, "{path}: {text}");
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"))
+}
+
+/// The value of an engine counter in its /metrics text.
+fn metric(engine: &Proc, name: &str) -> f64 {
+    let (status, text) = common::http(&engine.addr, "GET", "/metrics");
+    assert_eq!(status, 200);
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("kvpool_engine_{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("metric kvpool_engine_{name} missing:\n{text}"))
+}
+
+/// Polls until `f` holds, for at most 30 s.
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + Duration::from_secs(30);
+    while !f() {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn config_file(tag: &str, text: &str) -> String {
+    let p = std::env::temp_dir().join(format!("kvpool-engine-{tag}-{}.toml", std::process::id()));
+    std::fs::write(&p, text).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+/// Engine processes share this config: the pool client over TCP only.
+const TCP_CONFIG: &str = "[client]\ntransport = \"tcp\"\n";
+
+fn pool() -> Proc {
+    start("all", &common::ephemeral(&["--segment-size", "256MiB"]))
+}
+
+fn engine(master: Option<&str>, config: &str) -> Proc {
+    let mut args = vec![
+        "--model",
+        "builtin:tiny",
+        "--listen",
+        "127.0.0.1:0",
+        "--config",
+        config,
+    ];
+    if let Some(m) = master {
+        args.extend(["--master", m]);
+    }
+    start("engine", &args)
+}
+
+/// BOS then `n - 1` pseudo-random bytes.
+fn prompt(n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut v = vec![256u32];
+    while v.len() < n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.push((x % 256) as u32);
+    }
+    v
+}
+
+fn greedy(engine: &Proc, prompt: &[u32], max_tokens: usize, kvp: Option<Value>) -> Value {
+    let mut body = json!({"model": "builtin:tiny", "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": true, "return_token_ids": true});
+    if let Some(k) = kvp {
+        body["kv_transfer_params"] = k;
+    }
+    post_json(&engine.addr, "/v1/completions", &body)
+}
+
+fn token_ids(v: &Value) -> Vec<u64> {
+    v["choices"][0]["token_ids"]
+        .as_array()
+        .expect("token_ids")
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed() {
+    let pool = pool();
+    let cfg = config_file("tcp", TCP_CONFIG);
+    let scratch_engine = engine(None, &cfg);
+    let prefill = engine(Some(&pool.addr), &cfg);
+    let decode = engine(Some(&pool.addr), &cfg);
+    let p = prompt(700, 1);
+
+    let scratch = greedy(&scratch_engine, &p, 32, None);
+    let want = token_ids(&scratch);
+    assert_eq!(want.len(), 32);
+    assert_eq!(scratch["kvpool"]["prompt_tokens_computed"], 700);
+
+    // P/D: the prefill engine computes the prompt and puts its two full
+    // chunks in the pool before it answers.
+    let pre = greedy(&prefill, &p, 1, Some(json!({"do_remote_decode": true})));
+    assert_eq!(token_ids(&pre)[0], want[0]);
+    let kvp = pre["kv_transfer_params"].clone();
+    assert_eq!(kvp["do_remote_prefill"], true, "{pre}");
+    assert_eq!(kvp["num_tokens"], 700);
+    assert_eq!(kvp["pool"], pool.addr.as_str());
+    let keys: Vec<String> = kvp["chunk_keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(keys.len(), 2, "{kvp}");
+    assert_eq!(metric(&prefill, "chunks_stored_total"), 2.0);
+
+    // The decode engine (another process) reads both chunks over TCP and
+    // computes only the 188 tokens after them.
+    let mut dec_req = kvp.clone();
+    dec_req["do_remote_prefill"] = true.into();
+    let out = greedy(&decode, &p, 32, Some(dec_req.clone()));
+    assert_eq!(token_ids(&out), want, "decode with imported KV");
+    assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 512);
+    assert_eq!(out["kvpool"]["prompt_tokens_computed"], 188);
+    assert_eq!(metric(&decode, "chunks_loaded_total"), 2.0);
+
+    // Corrupt the second chunk in the pool: one payload bit flipped.
+    let (code, bytes, err) = cli(&pool.addr, &["get", &keys[1]], None);
+    assert_eq!(code, 0, "{err}");
+    let mut bad = bytes.clone();
+    let at = bad.len() / 2;
+    bad[at] ^= 0x10;
+    assert_eq!(cli(&pool.addr, &["rm", "--force", &keys[1]], None).0, 0);
+    let (code, _, err) = cli(&pool.addr, &["put", &keys[1]], Some(&bad));
+    assert_eq!(code, 0, "{err}");
+
+    let out = greedy(&decode, &p, 32, Some(dec_req));
+    assert_eq!(token_ids(&out), want, "decode after a corrupt chunk");
+    assert_eq!(out["kvpool"]["chunks_refused"], 1);
+    assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 256);
+    assert_eq!(out["kvpool"]["prompt_tokens_computed"], 444);
+    assert_eq!(metric(&decode, "chunks_refused_total"), 1.0);
+
+    // The refused chunk was replaced by the recomputed one: a plain request
+    // (lookup by batch exists) now loads both again, and the bytes are the
+    // original ones.
+    wait_for("the recomputed chunk to be stored", || {
+        metric(&decode, "chunks_stored_total") >= 1.0
+    });
+    let (code, again, _) = cli(&pool.addr, &["get", &keys[1]], None);
+    assert_eq!(code, 0);
+    assert_eq!(
+        again, bytes,
+        "the recomputed chunk is byte for byte the first one"
+    );
+    let out = greedy(&decode, &p, 32, None);
+    assert_eq!(token_ids(&out), want);
+    assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 512);
+    assert_eq!(out["kvpool"]["chunks_refused"], 0);
+
+    // An object longer than any chunk under the key (it does not even fit
+    // the block) is refused and replaced the same way.
+    let mut long = bytes.clone();
+    long.push(0);
+    assert_eq!(cli(&pool.addr, &["rm", "--force", &keys[1]], None).0, 0);
+    let (code, _, err) = cli(&pool.addr, &["put", &keys[1]], Some(&long));
+    assert_eq!(code, 0, "{err}");
+    let stored_before = metric(&decode, "chunks_stored_total");
+    let out = greedy(&decode, &p, 32, Some(kvp.clone()));
+    assert_eq!(token_ids(&out), want, "decode after an oversized chunk");
+    assert_eq!(out["kvpool"]["chunks_refused"], 1);
+    assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 256);
+    assert_eq!(metric(&decode, "chunks_refused_total"), 2.0);
+    wait_for("the recomputed chunk to be stored again", || {
+        metric(&decode, "chunks_stored_total") > stored_before
+    });
+    let (code, again, _) = cli(&pool.addr, &["get", &keys[1]], None);
+    assert_eq!(code, 0);
+    assert_eq!(again, bytes);
+}
+
+#[test]
+fn a_second_request_sharing_k_chunks_computes_only_the_rest() {
+    let pool = pool();
+    let cfg = config_file("share", TCP_CONFIG);
+    let e = engine(Some(&pool.addr), &cfg);
+    let first = prompt(3 * 256 + 50, 7);
+    let out = greedy(&e, &first, 4, None);
+    assert_eq!(out["kvpool"]["prompt_tokens_computed"], 818);
+    wait_for("three chunks stored", || {
+        metric(&e, "chunks_stored_total") >= 3.0
+    });
+
+    // Shares k = 2 full chunks, then 100 different tokens.
+    let mut second = first[..512].to_vec();
+    second.extend(prompt(101, 8).into_iter().skip(1));
+    assert_eq!(second.len(), 612);
+    let computed_before = metric(&e, "prompt_tokens_computed_total");
+    let loaded_before = metric(&e, "prompt_tokens_loaded_total");
+    let out = greedy(&e, &second, 4, None);
+    assert_eq!(
+        metric(&e, "prompt_tokens_computed_total") - computed_before,
+        100.0
+    );
+    assert_eq!(
+        metric(&e, "prompt_tokens_loaded_total") - loaded_before,
+        512.0
+    );
+    assert_eq!(out["usage"]["prompt_tokens_details"]["cached_tokens"], 512);
+
+    // The same prompt again: every chunk but the one holding the last token
+    // is loaded (that token's logits start the generation).
+    let exact = first[..768].to_vec();
+    let out = greedy(&e, &exact, 4, None);
+    assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 512);
+    assert_eq!(out["kvpool"]["prompt_tokens_computed"], 256);
+}
+
+#[test]
+fn an_engine_whose_pool_is_down_serves_and_uses_the_pool_once_it_is_up() {
+    // An address with nothing behind it yet.
+    let master = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let cfg = config_file("down", TCP_CONFIG);
+    let e = engine(Some(&master), &cfg);
+    let p = prompt(600, 5);
+    let out = greedy(&e, &p, 4, None);
+    assert_eq!(token_ids(&out).len(), 4);
+    assert_eq!(out["kvpool"]["prompt_tokens_computed"], 600);
+    // A P/D prefill answers too, naming no chunk (none is in the pool).
+    let pre = greedy(&e, &p, 1, Some(json!({"do_remote_decode": true})));
+    assert_eq!(pre["kv_transfer_params"]["chunk_keys"], json!([]), "{pre}");
+    assert_eq!(pre["kv_transfer_params"]["pool"], master.as_str());
+
+    // The pool comes up at that address: the engine reaches it on its own
+    // and its prefills store their chunks there.
+    let _pool = start(
+        "all",
+        &[
+            "--listen",
+            &master,
+            "--data-listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "1",
+            "--segment-size",
+            "256MiB",
+        ],
+    );
+    wait_for("the engine to store its chunks in the pool", || {
+        let pre = greedy(&e, &p, 1, Some(json!({"do_remote_decode": true})));
+        pre["kv_transfer_params"]["chunk_keys"]
+            .as_array()
+            .is_some_and(|k| k.len() == 2)
+    });
+}
+
+#[test]
+fn http_api_streams_tokenizes_and_refuses_bad_requests() {
+    let cfg = config_file("api", "[engine]\nmax_num_seqs = 4\n");
+    let e = engine(None, &cfg);
+    let (status, _) = common::http(&e.addr, "GET", "/health");
+    assert_eq!(status, 200);
+    let (status, models) = common::http(&e.addr, "GET", "/v1/models");
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["id"], "builtin:tiny");
+
+    let tok = post_json(&e.addr, "/tokenize", &json!({"prompt": "hi"}));
+    assert_eq!(tok["tokens"], json!([256, 104, 105]));
+    assert_eq!(tok["count"], 3);
+
+    // Streaming text equals the non-streamed text of the same greedy request.
+    let body = json!({"prompt": "The pool holds", "max_tokens": 20, "temperature": 0,
+        "ignore_eos": true});
+    let plain = post_json(&e.addr, "/v1/completions", &body);
+    let mut sbody = body.clone();
+    sbody["stream"] = true.into();
+    let (status, raw) = post(&e.addr, "/v1/completions", &sbody);
+    assert_eq!(status, 200);
+    let events: Vec<&str> = raw
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{raw}");
+    let mut text = String::new();
+    let mut finish = Value::Null;
+    for ev in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(ev).unwrap();
+        text.push_str(v["choices"][0]["text"].as_str().unwrap());
+        if !v["choices"][0]["finish_reason"].is_null() {
+            finish = v["choices"][0]["finish_reason"].clone();
+        }
+    }
+    assert_eq!(text, plain["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(finish, "length");
+
+    // Chat, streamed: the first delta names the role.
+    let chat = json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5,
+        "temperature": 0, "stream": true, "ignore_eos": true});
+    let (status, raw) = post(&e.addr, "/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{raw}");
+    let first: Value =
+        serde_json::from_str(raw.lines().find_map(|l| l.strip_prefix("data: ")).unwrap()).unwrap();
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+
+    // Seeded sampling repeats; another seed differs.
+    let sample = |seed: u64| {
+        let v = post_json(
+            &e.addr,
+            "/v1/completions",
+            &json!({"prompt": "abc", "max_tokens": 24,
+            "temperature": 1.5, "top_p": 0.95, "seed": seed, "ignore_eos": true, "return_token_ids": true}),
+        );
+        token_ids(&v)
+    };
+    assert_eq!(sample(11), sample(11));
+    assert_ne!(sample(11), sample(12));
+
+    // A stop string ends the text before its first occurrence (two
+    // characters of the greedy text itself, so it does occur).
+    let full = plain["choices"][0]["text"].as_str().unwrap().to_string();
+    let stop: String = full.chars().skip(3).take(2).collect();
+    assert_eq!(stop.chars().count(), 2, "greedy text too short: {full:?}");
+    let v = post_json(
+        &e.addr,
+        "/v1/completions",
+        &json!({"prompt": "The pool holds",
+        "max_tokens": 20, "temperature": 0, "ignore_eos": true, "stop": stop}),
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let cut = v["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(cut, &full[..full.find(&stop).unwrap()], "{full:?}");
+
+    // Concurrent streams all finish (decode steps batch them).
+    let addr = e.addr.clone();
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let v = post_json(&addr, "/v1/completions", &json!({"prompt": format!("request {i}"),
+                    "max_tokens": 16, "temperature": 0, "ignore_eos": true, "return_token_ids": true}));
+                token_ids(&v).len()
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), 16);
+    }
+
+    // Bad requests get vLLM-style errors.
+    let (status, body) = post(
+        &e.addr,
+        "/v1/completions",
+        &json!({"model": "other", "prompt": "x"}),
+    );
+    assert_eq!(status, 404, "{body}");
+    let (status, body) = post(
+        &e.addr,
+        "/v1/completions",
+        &json!({"prompt": [1, 2, 999999]}),
+    );
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = post(
+        &e.addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "top_p": 0}),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("top_p"), "{body}");
+    let (status, body) = post(&e.addr, "/v1/completions", &json!({"prompt": "x", "n": 2}));
+    assert_eq!(status, 400, "{body}");
+    let long = vec![65u32; 40_000];
+    let (status, body) = post(&e.addr, "/v1/completions", &json!({"prompt": long}));
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = post(
+        &e.addr,
+        "/v1/completions",
+        &json!({"prompt": "x",
+        "kv_transfer_params": {"do_remote_prefill": true, "chunk_keys": ["nope"]}}),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("chunk_keys[0]"), "{body}");
+}
+
+#[test]
+fn a_bad_model_folder_stops_start_up_naming_file_and_field() {
+    let dir = std::env::temp_dir().join(format!("kvpool-engine-badmodel-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = |dir: &std::path::Path| {
+        let out = common::wait_output(
+            std::process::Command::new(common::BIN)
+                .args([
+                    "run",
+                    "--role",
+                    "engine",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--model",
+                ])
+                .arg(dir)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap(),
+            Duration::from_secs(60),
+        );
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, err) = run(&dir);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("config.json: (file): missing"), "{err}");
+
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}"#,
+    )
+    .unwrap();
+    let (code, err) = run(&dir);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("config.json: architectures:"), "{err}");
+
+    std::fs::write(
+        dir.join("config.json"),
+        json!({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+            "intermediate_size": 128, "vocab_size": 300, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "rms_norm_eps": 1e-5, "max_position_embeddings": 64})
+        .to_string(),
+    )
+    .unwrap();
+    let (code, err) = run(&dir);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("tokenizer.json: (file): missing"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
