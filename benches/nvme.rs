@@ -6,16 +6,27 @@
 //!
 //! The two sides alternate in rounds (ours and fio, each measure, each
 //! round; for the 1 MiB measures who goes first swaps every round, and each
-//! write starts on a settled disk) and the ratio is taken per round, then
-//! the median over rounds: the shared VM disk's speed drifts by a factor of
-//! two or three within a minute, so only measurements taken seconds apart
-//! compare.
+//! write and each read starts on a settled disk) and the ratio is taken per
+//! round, then the median over rounds: the shared VM disk's speed drifts by
+//! a factor of two or three within a minute, so only measurements taken
+//! seconds apart compare.
+//!
+//! Both sides' I/O buffers are physically contiguous: ours because this
+//! bench puts glommio's DMA pool on transparent huge pages ([`HugePool`]),
+//! fio's with `--iomem=shmhuge` (when the kernel has huge pages reserved:
+//! `sysctl vm.nr_hugepages=16`; without, fio uses malloc and the bench says
+//! so). On a virtio disk without indirect descriptors a request takes one
+//! ring slot per contiguous piece of its buffer, so a 1 MiB buffer in 256
+//! scattered pages fills the ring alone: with one side's buffers scattered
+//! and the other's not, the two compare page allocators, not I/O paths
+//! (docs/BENCHMARKS.md, "What the 1 MiB figures measure").
 //!
 //!     cargo bench --bench nvme           # full run
 //!     cargo test --release --bench nvme  # small run (part of the suite)
 
 mod support;
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::rc::Rc;
@@ -27,6 +38,70 @@ use support::{header, row, Lat};
 /// Value bytes of a "4 KiB" object: with its 64-byte header and a 16-byte
 /// key it is exactly one 4 KiB block on the device (what fio reads).
 const SMALL: usize = 4096 - 64 - 16;
+
+/// Allocations this large or larger (glommio's DMA pool, `io_memory`, is
+/// one) are mapped on their own and advised for transparent huge pages.
+const HUGE_ALLOC_MIN: usize = 16 << 20;
+const HUGE_PAGE: usize = 2 << 20;
+/// Free huge pages fio needs for `--iomem=shmhuge` (8 x 1 MiB in flight,
+/// plus alignment).
+const FIO_HUGE_PAGES: u64 = 8;
+
+/// The bench's allocator: the system's, except that a large allocation
+/// (glommio's DMA pool) is a mapping of its own, 2 MiB aligned and advised
+/// for transparent huge pages, so the buffers our reads and writes use are
+/// physically contiguous, as fio's are with `--iomem=shmhuge`. Without it
+/// the pool is whatever the page allocator hands out: seen here, 1-10
+/// pieces per MiB in some processes and 256 (every page apart) in others,
+/// and 2-3 GB/s against 0.4-0.8 GB/s for the same reads on this VM's disk.
+struct HugePool;
+
+// SAFETY: small or over-aligned layouts go to `System` unchanged; a large
+// one gets a fresh private mapping of at least its size, aligned to 2 MiB
+// (more than it asks for), which `dealloc` unmaps with the same length.
+unsafe impl GlobalAlloc for HugePool {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        use rustix::mm::{madvise, mmap_anonymous, munmap, Advice, MapFlags, ProtFlags};
+        if layout.size() < HUGE_ALLOC_MIN || layout.align() > HUGE_PAGE {
+            return unsafe { System.alloc(layout) };
+        }
+        let len = layout.size().next_multiple_of(HUGE_PAGE);
+        // One huge page more than needed, so that an aligned start lies
+        // inside; what is left over on either side is unmapped again.
+        let Ok(p) = (unsafe {
+            mmap_anonymous(
+                std::ptr::null_mut(),
+                len + HUGE_PAGE,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }) else {
+            return std::ptr::null_mut();
+        };
+        let start = (p as usize).next_multiple_of(HUGE_PAGE);
+        let head = start - p as usize;
+        unsafe {
+            if head > 0 {
+                let _ = munmap(p, head);
+            }
+            let _ = munmap((start + len) as *mut _, HUGE_PAGE - head);
+            // Advice only: without THP the pool is what it would have been.
+            let _ = madvise(start as *mut _, len, Advice::LinuxHugepage);
+        }
+        start as *mut u8
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if layout.size() < HUGE_ALLOC_MIN || layout.align() > HUGE_PAGE {
+            return unsafe { System.dealloc(ptr, layout) };
+        }
+        let len = layout.size().next_multiple_of(HUGE_PAGE);
+        let _ = unsafe { rustix::mm::munmap(ptr.cast(), len) };
+    }
+}
+
+#[global_allocator]
+static ALLOC: HugePool = HugePool;
 
 fn run<F, Fut, T>(f: F) -> T
 where
@@ -103,6 +178,8 @@ struct Round {
 
 struct Plan {
     rounds: usize,
+    /// fio's `--iomem`: "shmhuge" or "malloc".
+    fio_iomem: &'static str,
     /// 1 MiB objects written and read per round.
     seq_objects: usize,
     /// One-block objects in the random-read set.
@@ -162,7 +239,8 @@ fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
         let seq = dir.join("seq.dat");
         let seq_file = seq_bytes + seq_bytes / 2;
         let _ = std::fs::remove_file(&seq);
-        if fio(&seq, "write", "1M", seq_file, 8, None).is_none() {
+        let iomem = plan.fio_iomem;
+        if fio(&seq, "write", "1M", seq_file, 8, None, iomem).is_none() {
             // No fio: our side only, on a file of the same size.
             std::fs::File::create(&seq)
                 .and_then(|f| f.set_len(seq_file))
@@ -193,7 +271,8 @@ fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
         .await;
         let locs = locations(&small, plan.small_objects);
         let _ = std::fs::remove_file(&fio_rand);
-        fio(&fio_rand, "write", "1M", rand_bytes, 8, None);
+        fio(&fio_rand, "write", "1M", rand_bytes, 8, None, iomem);
+        println!("I/O buffers: {}", buffers(&seq, iomem).await);
 
         for round in 0..plan.rounds {
             let mut r = Round::default();
@@ -209,6 +288,7 @@ fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
                     let w = write_seq(&t, plan.seq_objects).await;
                     r.write = w.gbps();
                     lats[0].add(&w);
+                    settle();
                     let locs_seq = locations(&t, plan.seq_objects);
                     let tr = t.clone();
                     let rd = concurrent(plan.seq_objects, 8, move |i| {
@@ -220,8 +300,9 @@ fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
                     lats[1].add(&rd);
                     drop(t);
                 } else {
-                    let fw = fio(&seq, "write", "1M", seq_bytes, 8, None);
-                    let fr = fio(&seq, "read", "1M", seq_bytes, 8, None);
+                    let fw = fio(&seq, "write", "1M", seq_bytes, 8, None, iomem);
+                    settle();
+                    let fr = fio(&seq, "read", "1M", seq_bytes, 8, None, iomem);
                     r.fio_write = fw.map_or(0.0, |f| f.0 / 1e9);
                     r.fio_read = fr.map_or(0.0, |f| f.0 / 1e9);
                 }
@@ -257,6 +338,7 @@ fn rounds(dir: &Path, plan: Plan) -> (Vec<Round>, [Lat; 4]) {
                 rand_bytes,
                 32,
                 Some(plan.rand_reads),
+                iomem,
             );
             r.fio_rand_iops = frr.map_or(0.0, |f| f.1);
 
@@ -295,15 +377,16 @@ fn unformatted(path: &Path) -> &Path {
     path
 }
 
-/// Lets the disk settle before a write measure: the guest's dirty data
-/// goes out, and a pause lets the host write back what it buffered.
+/// Lets the disk settle before a measure: the guest's dirty data goes out,
+/// and a pause lets the host write back what it buffered.
 fn settle() {
     rustix::fs::sync();
     std::thread::sleep(std::time::Duration::from_secs(1));
 }
 
 /// fio with io_uring and O_DIRECT over `bytes` of `file`, `ios` operations
-/// if given; (bytes/s, IOPS) of the job, None without fio.
+/// if given, its buffers in `iomem`; (bytes/s, IOPS) of the job, None
+/// without fio.
 fn fio(
     file: &Path,
     rw: &str,
@@ -311,6 +394,7 @@ fn fio(
     bytes: u64,
     qd: u32,
     ios: Option<usize>,
+    iomem: &str,
 ) -> Option<(f64, f64)> {
     let mut c = Command::new("fio");
     c.args([
@@ -323,13 +407,18 @@ fn fio(
         "--direct=1",
         &format!("--iodepth={qd}"),
         "--numjobs=1",
+        &format!("--iomem={iomem}"),
         "--output-format=json",
     ]);
     if let Some(n) = ios {
         c.arg(format!("--number_ios={n}"));
     }
     let out = c.output().ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&out.stdout) else {
+        let err = String::from_utf8_lossy(&out.stderr);
+        println!("fio {rw} failed: {}", err.lines().next().unwrap_or(""));
+        return None;
+    };
     let job = &v["jobs"][0];
     let side = if rw.contains("write") {
         "write"
@@ -337,6 +426,116 @@ fn fio(
         "read"
     };
     Some((job[side]["bw_bytes"].as_f64()?, job[side]["iops"].as_f64()?))
+}
+
+/// fio's buffer memory: huge pages when the kernel has enough free ones
+/// (physically contiguous, like our pool), else malloc.
+fn fio_iomem() -> &'static str {
+    let free = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("HugePages_Free:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .unwrap_or(0);
+    if free >= FIO_HUGE_PAGES {
+        "shmhuge"
+    } else {
+        "malloc"
+    }
+}
+
+/// Physically contiguous pieces in `len` bytes at `ptr` (on a virtio disk
+/// without indirect descriptors, the ring slots a request for that buffer
+/// takes), from /proc/self/pagemap; None where frame numbers are hidden
+/// (not root). Assumes 4 KiB pages.
+fn phys_pieces(ptr: *const u8, len: usize) -> Option<usize> {
+    use std::os::unix::fs::FileExt;
+    let pagemap = std::fs::File::open("/proc/self/pagemap").ok()?;
+    let first = ptr as usize / 4096;
+    let pages = (ptr as usize + len).div_ceil(4096) - first;
+    let mut raw = vec![0u8; pages * 8];
+    pagemap.read_exact_at(&mut raw, first as u64 * 8).ok()?;
+    let pfn: Vec<u64> = raw
+        .chunks(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) & ((1 << 55) - 1))
+        .collect();
+    if pfn.contains(&0) {
+        return None;
+    }
+    Some(1 + pfn.windows(2).filter(|w| w[1] != w[0] + 1).count())
+}
+
+/// What both sides' 1 MiB I/O buffers are made of: ours sampled from
+/// glommio's pool (eight buffers the size of a read), fio's by its option.
+async fn buffers(file: &Path, fio_iomem: &str) -> String {
+    let f = glommio::io::DmaFile::open(file).await.expect("open");
+    let bufs: Vec<_> = (0..8)
+        .map(|_| f.alloc_dma_buffer((1 << 20) + 4096))
+        .collect();
+    let pieces: Option<Vec<usize>> = bufs
+        .iter()
+        .map(|b| phys_pieces(b.as_ptr(), b.len()))
+        .collect();
+    let ours = match pieces {
+        Some(p) => format!(
+            "ours: a 1 MiB read buffer in at most {} physically contiguous piece(s) (8 sampled)",
+            p.iter().max().unwrap_or(&0)
+        ),
+        None => "ours on THP (contiguity not visible without root)".into(),
+    };
+    let theirs = if fio_iomem == "shmhuge" {
+        "fio --iomem=shmhuge (huge pages)".into()
+    } else {
+        format!(
+            "fio --iomem={fio_iomem}: NOT huge pages (fewer than {FIO_HUGE_PAGES} free), so its \
+             1 MiB figures may be at one request at a time on a disk like this one"
+        )
+    };
+    let _ = f.close().await;
+    format!("{ours}; {theirs}")
+}
+
+/// The disk under `dir`: how many pieces one request may have, and whether
+/// (virtio) a request's pieces each take a ring slot.
+fn disk(dir: &Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(m) = std::fs::metadata(dir) else {
+        return "unknown".into();
+    };
+    let dev = m.dev();
+    let mut sys = PathBuf::from(format!(
+        "/sys/dev/block/{}:{}",
+        rustix::fs::major(dev),
+        rustix::fs::minor(dev)
+    ));
+    if sys.join("partition").exists() {
+        sys = sys.join("..");
+    }
+    let name = std::fs::canonicalize(&sys)
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "?".into());
+    let read = |f: &str| {
+        std::fs::read_to_string(sys.join(f))
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    };
+    let mut s = format!(
+        "{name}, up to {} pieces per request",
+        read("queue/max_segments")
+    );
+    // A virtio device's negotiated features, one character per bit; bit 28
+    // is VIRTIO_RING_F_INDIRECT_DESC.
+    match read("device/features").as_bytes().get(28) {
+        Some(b'1') => s += ", virtio with indirect descriptors",
+        Some(_) => {
+            s += ", virtio without indirect descriptors (each piece of a request takes a ring slot)"
+        }
+        None => {}
+    }
+    s
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -370,6 +569,7 @@ fn main() {
         })
         .unwrap_or_default();
     println!("file system: {fs} ({})", dir.display());
+    println!("disk: {}", disk(&dir));
     let have_fio = Command::new("fio").arg("--version").output().is_ok();
     if !have_fio {
         println!("reference fio: not installed (apt install fio); our side only");
@@ -378,6 +578,7 @@ fn main() {
         Plan {
             // Even: each side writes first in half the rounds.
             rounds: 6,
+            fio_iomem: fio_iomem(),
             seq_objects: 512,
             small_objects: 200_000,
             rand_reads: 100_000,
@@ -385,6 +586,7 @@ fn main() {
     } else {
         Plan {
             rounds: 1,
+            fio_iomem: fio_iomem(),
             seq_objects: 64,
             small_objects: 5_000,
             rand_reads: 10_000,
