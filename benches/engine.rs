@@ -18,14 +18,14 @@ mod support;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvpool_actors::client::Client;
-use kvpool_actors::conductor::chunk_hash::chunk_hashes;
-use kvpool_actors::config::{ClientConfig, Transport};
+use kvpool_client::Client;
+use kvpool_config::{ClientConfig, Transport};
 use kvpool_engine::kv::{block_bytes, KvLayout, SeqKv};
 use kvpool_engine::loader::{load, LoadedModel};
 use kvpool_engine::metrics::EngineMetrics;
 use kvpool_engine::model::{Llama, Step};
 use kvpool_engine::pool::KvPool;
+use kvpool_runtime::chunk_hash::chunk_hashes;
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_transport::proto::PutOptions;
 

@@ -11,8 +11,8 @@ mod support;
 
 use std::time::Instant;
 
-use kvpool_actors::client::Client;
-use kvpool_actors::config::{ClientConfig, Transport};
+use kvpool_client::Client;
+use kvpool_config::{ClientConfig, Transport};
 use support::{full_mode, size_name, Lat};
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -13,10 +13,10 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpool_actors::client::Client;
-use kvpool_actors::config::{ClientConfig, MasterConfig};
-use kvpool_actors::master::core::MasterCore;
-use kvpool_actors::master::{Master, MasterArgs, MasterMsg};
+use kvpool_client::Client;
+use kvpool_config::{ClientConfig, MasterConfig};
+use kvpool_master::core::MasterCore;
+use kvpool_master::{Master, MasterArgs, MasterMsg};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardPool, ShardPoolConfig, Shutdown};
 use kvpool_transport::proto::{

@@ -10,8 +10,8 @@ mod support;
 
 use std::time::Instant;
 
-use kvpool_actors::client::Client;
-use kvpool_actors::config::ClientConfig;
+use kvpool_client::Client;
+use kvpool_config::ClientConfig;
 use support::{full_mode, header, row, size_name, Lat};
 
 fn main() {

@@ -16,7 +16,7 @@
 
 mod support;
 
-use kvpool_actors::bench::{self, TransferBench};
+use kvpool_node::bench::{self, TransferBench};
 
 fn main() {
     let full = support::full_mode();
@@ -103,7 +103,7 @@ fn main() {
 /// GID index, default 1: the soft-RoCE guest's RoCE v2 IPv4 GID).
 #[cfg(feature = "rdma")]
 fn rdma_mode(full: bool) {
-    use kvpool_actors::config::Transport;
+    use kvpool_config::Transport;
     use kvpool_transport::rdma::{RdmaConfig, RdmaContext};
     println!("machine: {}", support::machine());
     let dev = match RdmaContext::open(RdmaConfig::default()) {

@@ -14,9 +14,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use kvpool_actors::client::Client;
-use kvpool_actors::config::NodeConfig;
-use kvpool_actors::node::{self, Role};
+use kvpool_client::Client;
+use kvpool_config::NodeConfig;
+use kvpool_node::process::{self as node, Role};
 use kvpool_runtime::config::Bytes;
 use kvpool_runtime::Shutdown;
 use kvpool_transport::proto::PutOptions;
@@ -114,7 +114,7 @@ enum Cmd {
     },
     /// Replay a request trace against a modelled cluster, per scheduling
     /// policy (`kvpool sim cache`: the pool's prefix hit ratio alone).
-    Sim(kvpool_actors::conductor::cli::SimCommand),
+    Sim(kvpool_conductor::cli::SimCommand),
     /// Measure a running pool.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -199,7 +199,7 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     match cli.cmd {
-        Cmd::Sim(cmd) => match kvpool_actors::conductor::cli::run_sim_command(&cmd) {
+        Cmd::Sim(cmd) => match kvpool_conductor::cli::run_sim_command(&cmd) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -349,8 +349,8 @@ async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode,
             max_calls,
             json,
         }) => {
-            use kvpool_actors::bench;
-            use kvpool_actors::config::Transport;
+            use kvpool_config::Transport;
+            use kvpool_node::bench;
             let b = bench::TransferBench {
                 transports: transport
                     .iter()

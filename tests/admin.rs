@@ -3,8 +3,8 @@
 
 mod common;
 
-use kvpool_actors::client::Client;
-use kvpool_actors::config::ClientConfig;
+use kvpool_client::Client;
+use kvpool_config::ClientConfig;
 use kvpool_transport::proto::PutOptions;
 use kvpool_transport::ErrorCode;
 

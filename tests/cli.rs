@@ -157,7 +157,7 @@ fn the_example_configs_parse() {
     for name in ["single-node.toml", "master.toml", "storage.toml"] {
         let path = format!("{root}/configs/{name}");
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        kvpool_actors::config::NodeConfig::from_toml(&text, &path)
+        kvpool_config::NodeConfig::from_toml(&text, &path)
             .unwrap_or_else(|e| panic!("{path}: {e}"));
     }
 }
@@ -238,8 +238,8 @@ fn single_node_toml_spells_out_every_default() {
     let root = env!("CARGO_MANIFEST_DIR");
     let path = format!("{root}/configs/single-node.toml");
     let text = std::fs::read_to_string(&path).unwrap();
-    let from_file = kvpool_actors::config::NodeConfig::from_toml(&text, &path).unwrap();
-    let defaults = kvpool_actors::config::NodeConfig::default();
+    let from_file = kvpool_config::NodeConfig::from_toml(&text, &path).unwrap();
+    let defaults = kvpool_config::NodeConfig::default();
     // Same values, and every key present (so each is documented there).
     let a = serde_json::to_value(&from_file).unwrap();
     let b = serde_json::to_value(&defaults).unwrap();

@@ -4,8 +4,8 @@
 mod common;
 
 use futures_util::stream::{self, StreamExt};
-use kvpool_actors::client::Client;
-use kvpool_actors::config::{ClientConfig, Transport};
+use kvpool_client::Client;
+use kvpool_config::{ClientConfig, Transport};
 use rand::{RngCore, SeedableRng};
 use xxhash_rust::xxh3::xxh3_64;
 

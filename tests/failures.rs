@@ -6,9 +6,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::Signal;
-use kvpool_actors::client::Client;
-use kvpool_actors::config::{ClientConfig, Transport};
-use kvpool_actors::ErrorCode;
+use kvpool_client::Client;
+use kvpool_config::{ClientConfig, Transport};
+use kvpool_transport::ErrorCode;
 
 const DEADLINE_MS: u64 = 3000;
 

@@ -11,8 +11,8 @@ use std::net::TcpStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use kvpool_actors::client::Client;
-use kvpool_actors::config::ClientConfig;
+use kvpool_client::Client;
+use kvpool_config::ClientConfig;
 use kvpool_transport::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
 use kvpool_transport::proto::{MasterRequest, MasterResponse, Tier, WireError};
 use kvpool_transport::ErrorCode;
@@ -707,8 +707,8 @@ fn bytes_changed_behind_the_masters_back_are_corrupt_never_returned() {
             ..Default::default()
         };
         for transport in [
-            kvpool_actors::config::Transport::Tcp,
-            kvpool_actors::config::Transport::Auto,
+            kvpool_config::Transport::Tcp,
+            kvpool_config::Transport::Auto,
         ] {
             let c = Client::connect(
                 &node.addr,

@@ -7,8 +7,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::Signal;
-use kvpool_actors::client::Client;
-use kvpool_actors::config::ClientConfig;
+use kvpool_client::Client;
+use kvpool_config::ClientConfig;
 use kvpool_transport::proto::PutOptions;
 use kvpool_transport::ErrorCode;
 

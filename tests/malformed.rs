@@ -7,8 +7,8 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kvpool_actors::client::Client;
-use kvpool_actors::config::ClientConfig;
+use kvpool_client::Client;
+use kvpool_config::ClientConfig;
 use kvpool_transport::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
 use kvpool_transport::proto::{MasterRequest, WireError};
 use kvpool_transport::ErrorCode;

@@ -8,8 +8,8 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use kvpool_actors::client::Client;
-use kvpool_actors::config::ClientConfig;
+use kvpool_client::Client;
+use kvpool_config::ClientConfig;
 use kvpool_transport::proto::Tier;
 use kvpool_transport::{ErrorCode, KvError};
 use xxhash_rust::xxh3::xxh3_64;

@@ -11,8 +11,8 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvpool_actors::client::Client;
-use kvpool_actors::config::{ClientConfig, RdmaMode, Transport};
+use kvpool_client::Client;
+use kvpool_config::{ClientConfig, RdmaMode, Transport};
 use kvpool_transport::proto::PutOptions;
 use kvpool_transport::rdma::{RdmaConfig, RdmaContext, RdmaError};
 use rand::{RngCore, SeedableRng};

@@ -11,8 +11,8 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use kvpool_actors::client::Client;
-use kvpool_actors::config::{ClientConfig, Secret, Transport};
+use kvpool_client::Client;
+use kvpool_config::{ClientConfig, Secret, Transport};
 use kvpool_transport::auth::{self, ClusterKey, Grant};
 use kvpool_transport::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
 use kvpool_transport::proto::{

@@ -7,8 +7,8 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvpool_actors::client::Client;
-use kvpool_actors::config::{ClientConfig, Transport};
+use kvpool_client::Client;
+use kvpool_config::{ClientConfig, Transport};
 use kvpool_runtime::config::Bytes;
 use kvpool_transport::ErrorCode;
 use rand::{RngCore, SeedableRng};

@@ -30,7 +30,7 @@
 
 use std::sync::Arc;
 
-use kvpool_actors::conductor::chunk_hash::{ChunkHash, StoreKey};
+use kvpool_runtime::chunk_hash::{ChunkHash, StoreKey};
 use xxhash_rust::xxh3::Xxh3;
 
 #[cfg(not(target_endian = "little"))]

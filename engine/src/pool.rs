@@ -15,8 +15,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvpool_actors::client::Client;
-use kvpool_actors::conductor::chunk_hash::ChunkHash;
+use kvpool_client::Client;
+use kvpool_runtime::chunk_hash::ChunkHash;
 use kvpool_transport::proto::PutOptions;
 use kvpool_transport::ErrorCode;
 

@@ -23,7 +23,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpool_actors::conductor::chunk_hash::ChunkHash;
+use kvpool_runtime::chunk_hash::ChunkHash;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::kv::SeqKv;
@@ -420,7 +420,7 @@ fn decode_step(
 mod tests {
     use super::*;
     use crate::kv::KvLayout;
-    use kvpool_actors::conductor::chunk_hash::chunk_hashes;
+    use kvpool_runtime::chunk_hash::chunk_hashes;
     use kvpool_runtime::metrics::MetricsRegistry;
 
     const CHUNK: usize = 64;

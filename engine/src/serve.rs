@@ -31,9 +31,9 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use kvpool_actors::client::Client;
-use kvpool_actors::conductor::chunk_hash::{chunk_hashes, ChunkHash};
-use kvpool_actors::config::{EngineConfig, NodeConfig};
+use kvpool_client::Client;
+use kvpool_config::{EngineConfig, NodeConfig};
+use kvpool_runtime::chunk_hash::{chunk_hashes, ChunkHash};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_transport::ErrorCode;
 use serde::{Deserialize, Serialize};
@@ -439,7 +439,7 @@ const POOL_RETRY_MAX: Duration = Duration::from_secs(30);
 async fn connect_and_store(
     first: Option<Client>,
     master: String,
-    cfg: kvpool_actors::config::ClientConfig,
+    cfg: kvpool_config::ClientConfig,
     slot: Arc<OnceLock<Arc<KvPool>>>,
     metrics: EngineMetrics,
     rx: flume::Receiver<scheduler::StoreJob>,
@@ -1179,7 +1179,7 @@ async fn metrics_route(State(st): State<AppState>) -> Response {
 mod tests {
     use super::{Stop, TextState};
     use crate::tokenizer::Tokenizer;
-    use kvpool_actors::config::NodeConfig;
+    use kvpool_config::NodeConfig;
 
     fn bytes(s: &[u8]) -> Vec<u32> {
         s.iter().map(|&b| u32::from(b)).collect()

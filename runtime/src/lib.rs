@@ -1,9 +1,11 @@
 //! kvpool's runtime: thread-per-core shards (glommio), the bridge to the actor
-//! side (tokio), key-to-shard hashing, config loading, metrics and tracing.
+//! side (tokio), key-to-shard hashing, the prefix-chained chunk hash of KV
+//! cache chunks, config loading, metrics and tracing.
 //!
 //! This crate knows nothing of kvpool's roles; `storage`, `transport` and
-//! `actors` build on it.
+//! the crates under `actors/` build on it.
 
+pub mod chunk_hash;
 pub mod config;
 pub mod hash;
 pub mod metrics;

@@ -60,3 +60,29 @@ mod tests {
         assert!(text.contains("kvpool_op_seconds_count 1"), "{text}");
     }
 }
+
+/// Labels of a per-operation counter: the operation and its result.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct OpLabels {
+    pub op: &'static str,
+    pub result: &'static str,
+}
+
+/// Labels of a per-operation histogram.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct OpOnly {
+    pub op: &'static str,
+}
+
+/// Labels of a per-segment gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct SegmentLabels {
+    pub segment: String,
+}
+
+/// Latency histograms by operation.
+pub type HistFamily = prometheus_client::metrics::family::Family<
+    OpOnly,
+    prometheus_client::metrics::histogram::Histogram,
+    fn() -> prometheus_client::metrics::histogram::Histogram,
+>;

@@ -4,6 +4,11 @@
 //!   `magic | version | kind | flags | request_id | len | payload`, with the
 //!   payload an rkyv archive that is validated (bytecheck) before use.
 //! * [`proto`]: the messages: master RPC, data-plane requests, errors.
+//! * [`route`]: which master shard a request goes to; batches split by
+//!   owning shard and merged back in order.
+//! * `server` (feature `server`): the shard-side TCP server loop (glommio)
+//!   of the master and storage nodes.
+//! * [`auth`]: the cluster secret: connection proofs and data-plane grants.
 //! * [`error`]: the stable error codes, the same on the wire and in Rust.
 //! * [`engine`]: the transfer engine (batches of reads and writes over shm
 //!   or TCP lanes, with deadlines and back-pressure).
@@ -28,6 +33,9 @@ pub mod proto;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod rdma_wire;
+pub mod route;
+#[cfg(feature = "server")]
+pub mod server;
 pub mod shm;
 
 pub use error::{ErrorCode, KvError};

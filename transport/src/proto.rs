@@ -22,6 +22,20 @@ pub fn segment_id_for(name: &str) -> SegmentId {
     xxhash_rust::xxh3::xxh3_64(name.as_bytes()).max(1)
 }
 
+/// A key for messages: printable keys as they are, others in hex, cut short.
+pub fn show_key(key: &[u8]) -> String {
+    const MAX: usize = 64;
+    let k = &key[..key.len().min(MAX)];
+    let mut s = match std::str::from_utf8(k) {
+        Ok(t) if t.chars().all(|c| !c.is_control()) => format!("{t:?}"),
+        _ => k.iter().map(|b| format!("{b:02x}")).collect(),
+    };
+    if key.len() > MAX {
+        s.push_str("...");
+    }
+    s
+}
+
 /// A node's sharded listener: shard `i` listens on `port + i`.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Endpoint {

@@ -1,0 +1,1211 @@
+//! The store client: what embedders, the CLI and storage nodes use.
+//!
+//! `put` = master `PutStart` (allocates) -> write the bytes straight into each
+//! replica's segment -> `PutEnd`. `get` = master `GetReplicaList` (grants a
+//! read lease) -> read the best replica (same host first), the next on
+//! failure. Bytes move through the [`TransferEngine`]: shared memory when the
+//! replica is on this host, TCP lanes otherwise. Every call runs under one
+//! deadline (`client.timeout_ms`); connections are pooled and bounded.
+//!
+//! The client runs on tokio (it is what embedders have); requests go straight
+//! to the master shard that owns the key, using the cluster map from `Hello`.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), kvpool_transport::KvError> {
+//! use kvpool_client::Client;
+//! use kvpool_client::ClientConfig;
+//!
+//! let client = Client::connect("127.0.0.1:7070", ClientConfig::default()).await?;
+//! client.put(b"model@0123@fp16@256", b"kv bytes").await?;
+//! assert_eq!(client.get(b"model@0123@fp16@256").await?, b"kv bytes");
+//! let mut buf = vec![0u8; 64];
+//! let n = client.get_into(b"model@0123@fp16@256", &mut buf).await?;
+//! assert_eq!(&buf[..n], b"kv bytes");
+//! client.remove_with(b"model@0123@fp16@256", true).await?;
+//! # Ok(()) }
+//! ```
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpool_runtime::hash::{vshard_of, ShardMap};
+use kvpool_transport::auth::{self, ClusterKey};
+use kvpool_transport::engine::{EngineConfig, Transfer, TransferEngine};
+use kvpool_transport::frame::{self, FrameKind};
+use kvpool_transport::pool::{ConnPool, Stream};
+use kvpool_transport::proto::{
+    ClientId, ClusterMap, Endpoint, MasterRequest, MasterResponse, ObjectInfo, PoolStat, PutDone,
+    PutItem, PutOptions, ReplicaDesc, SegmentId, SegmentSpec,
+};
+use kvpool_transport::shm::ShmMap;
+use kvpool_transport::{ErrorCode, KvError};
+
+use kvpool_config::ClientConfig;
+use kvpool_transport::route::{merge_batch, split_batch_by};
+
+struct Inner {
+    id: ClientId,
+    cfg: ClientConfig,
+    cluster: ClusterMap,
+    map: ShardMap,
+    master_pools: Vec<Arc<ConnPool>>,
+    engine: TransferEngine,
+    req_ids: AtomicU64,
+    host_id: String,
+    /// The cluster secret: master connections authenticate with it.
+    key: Option<ClusterKey>,
+}
+
+/// A connection to a kvpool pool. Cheap to clone; share one per process.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+fn unexpected(op: &str, resp: &MasterResponse) -> KvError {
+    KvError::new(
+        ErrorCode::Internal,
+        format!("master answered {op} with an unexpected {resp:?}"),
+    )
+}
+
+fn host_of(addr: &str) -> String {
+    match addr.rsplit_once(':') {
+        Some((h, _)) => h.trim_start_matches('[').trim_end_matches(']').to_string(),
+        None => addr.to_string(),
+    }
+}
+
+/// A buffer registered with the client for zero-copy transfers. With TCP and
+/// shared memory, any buffer is used in place and registration only records
+/// it; with RDMA it registers the memory region with the NIC.
+pub struct RegisteredBuffer {
+    ptr: usize,
+    len: usize,
+}
+
+impl RegisteredBuffer {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether `buf` lies inside this registration.
+    pub fn covers(&self, buf: &[u8]) -> bool {
+        let p = buf.as_ptr() as usize;
+        p >= self.ptr && p + buf.len() <= self.ptr + self.len
+    }
+}
+
+/// A value read in place from a same-host segment, valid while its read lease
+/// lasts. [`ReadView::bytes`] refuses once the lease has (nearly) ended.
+pub struct ReadView {
+    map: Arc<ShmMap>,
+    offset: u64,
+    len: u64,
+    valid_until: Instant,
+}
+
+impl ReadView {
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// When the lease (less a safety margin) ends.
+    pub fn valid_until(&self) -> Instant {
+        self.valid_until
+    }
+
+    /// The value's bytes, in the storage node's memory. Do not keep the
+    /// slice past [`ReadView::valid_until`]: after the lease the space may be
+    /// given to another object.
+    pub fn bytes(&self) -> Result<&[u8], KvError> {
+        if Instant::now() >= self.valid_until {
+            return Err(KvError::new(
+                ErrorCode::Timeout,
+                "the view's read lease has ended: get a new view",
+            ));
+        }
+        // SAFETY: the lease checked just above is live, and the master does
+        // not reuse the space of a leased object.
+        unsafe { self.map.bytes(self.offset, self.len) }
+    }
+}
+
+impl std::fmt::Debug for ReadView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadView")
+            .field("segment", &format_args!("{:016x}", self.map.segment_id()))
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .field("valid_until", &self.valid_until)
+            .finish()
+    }
+}
+
+/// How long before the lease's end a view stops handing out bytes (clock
+/// skew between this process and the master, and time to use the slice).
+const VIEW_MARGIN: Duration = Duration::from_millis(500);
+/// Times one put may be placed again after its node proved unreachable.
+const MAX_PLACEMENTS: u32 = 3;
+
+impl Client {
+    /// Connects to the master at `master` (`host:port` of its shard 0) and
+    /// learns the cluster map.
+    pub async fn connect(master: &str, cfg: ClientConfig) -> Result<Self, KvError> {
+        Self::connect_as(master, cfg, rand::random::<u64>().max(1), local_host_id()).await
+    }
+
+    /// Like [`Client::connect`] with a chosen client id and host id (a
+    /// storage node uses its own, so its pings keep its segment alive).
+    pub async fn connect_as(
+        master: &str,
+        cfg: ClientConfig,
+        id: ClientId,
+        host_id: String,
+    ) -> Result<Self, KvError> {
+        let timeout = Duration::from_millis(cfg.timeout_ms);
+        let connect_timeout = Duration::from_millis(cfg.connect_timeout_ms);
+        let max_frame = cfg.max_frame_bytes.get() as u32;
+        let key = if cfg.secret.is_empty() {
+            None
+        } else {
+            Some(
+                ClusterKey::new(cfg.secret.expose().as_bytes())
+                    .map_err(|e| KvError::new(ErrorCode::InvalidParams, e))?,
+            )
+        };
+        let boot = ConnPool::new(master.to_string(), 1);
+        let (cluster, boot_conn) = tokio::time::timeout(timeout, async {
+            let mut conn = boot.get(connect_timeout).await?;
+            if let Some(k) = &key {
+                authenticate(conn.stream(), k, id, 2, max_frame)
+                    .await
+                    .map_err(|e| KvError::new(e.code, format!("{master}: {}", e.message)))?;
+            }
+            let resp = rpc(
+                conn.stream(),
+                1,
+                &MasterRequest::Hello { client_id: id },
+                max_frame,
+            )
+            .await??;
+            match resp {
+                MasterResponse::Hello { cluster } => Ok((cluster, conn)),
+                other => Err(unexpected("hello", &other)),
+            }
+        })
+        .await
+        .map_err(|_| {
+            KvError::new(
+                ErrorCode::Timeout,
+                format!("master {master} did not answer within {timeout:?}"),
+            )
+        })??;
+        if cluster.shards.is_empty() {
+            return Err(KvError::new(
+                ErrorCode::Internal,
+                "master sent an empty cluster map",
+            ));
+        }
+        let map = ShardMap::new(cluster.shards.len() as u32).ok_or_else(|| {
+            KvError::new(ErrorCode::Unsupported, "cluster map has too many shards")
+        })?;
+        let master_host = host_of(master);
+        let max = cfg.max_connections_per_endpoint;
+        let master_pools: Vec<Arc<ConnPool>> = cluster
+            .shards
+            .iter()
+            .map(|s| {
+                let host = if s.host.is_empty() {
+                    master_host.clone()
+                } else {
+                    s.host.clone()
+                };
+                let ep = Endpoint {
+                    host,
+                    port: s.port,
+                    nr_shards: 1,
+                };
+                ConnPool::new(ep.shard_addr(0), max)
+            })
+            .collect();
+        drop(boot_conn);
+        #[allow(unused_mut)]
+        let mut engine = TransferEngine::new(EngineConfig {
+            transport: cfg.transport.choice(),
+            tcp_slice_bytes: cfg.tcp_slice_bytes.get(),
+            lanes: cfg.lanes,
+            max_in_flight: cfg.max_in_flight,
+            max_connections_per_endpoint: max,
+            connect_timeout,
+            max_frame_bytes: max_frame,
+            host_id: host_id.clone(),
+            verify_checksums: cfg.checksums,
+        });
+        let rdma_required = cfg.transport == kvpool_config::Transport::Rdma;
+        if rdma_required || matches!(cfg.transport, kvpool_config::Transport::Auto) {
+            match crate::rdma::open(&cfg.rdma, rdma_required, "client")
+                .map_err(|why| KvError::new(ErrorCode::Unsupported, why))?
+            {
+                #[cfg(feature = "rdma")]
+                crate::rdma::Opened::Rdma(ctx) => engine.enable_rdma(ctx),
+                crate::rdma::Opened::Tcp(_) => {}
+            }
+        }
+        let ping_ms = cfg.ping_interval_ms;
+        let client = Self {
+            inner: Arc::new(Inner {
+                id,
+                cfg,
+                cluster,
+                map,
+                master_pools,
+                engine,
+                req_ids: AtomicU64::new(1),
+                host_id,
+                key,
+            }),
+        };
+        if ping_ms > 0 {
+            client.spawn_pings(Duration::from_millis(ping_ms));
+        }
+        Ok(client)
+    }
+
+    /// Pings the master every `every` while any clone of this client lives.
+    fn spawn_pings(&self, every: Duration) {
+        let weak = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { break };
+                let client = Client { inner };
+                if let Err(e) = client.ping().await {
+                    tracing::debug!("ping to the master failed: {e}");
+                }
+            }
+        });
+    }
+
+    pub fn id(&self) -> ClientId {
+        self.inner.id
+    }
+
+    pub fn cluster_map(&self) -> &ClusterMap {
+        &self.inner.cluster
+    }
+
+    /// The transfer engine (its counters, and batches of raw transfers).
+    pub fn engine(&self) -> &TransferEngine {
+        &self.inner.engine
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.inner.cfg.timeout_ms)
+    }
+
+    fn max_frame(&self) -> u32 {
+        self.inner.cfg.max_frame_bytes.get() as u32
+    }
+
+    async fn deadline<T>(
+        &self,
+        what: &str,
+        f: impl std::future::Future<Output = Result<T, KvError>>,
+    ) -> Result<T, KvError> {
+        let t = self.timeout();
+        tokio::time::timeout(t, f).await.unwrap_or_else(|_| {
+            Err(KvError::new(
+                ErrorCode::Timeout,
+                format!("{what} did not finish within {t:?}"),
+            ))
+        })
+    }
+
+    /// The master shard that owns `key`, by the cluster map's ranges.
+    fn shard_of(&self, key: &[u8]) -> usize {
+        let v = vshard_of(key);
+        self.inner
+            .cluster
+            .shards
+            .iter()
+            .position(|s| (s.vshard_start..s.vshard_end).contains(&v))
+            .unwrap_or_else(|| self.inner.map.shard_of(key) as usize)
+    }
+
+    async fn master(&self, req: &MasterRequest) -> Result<MasterResponse, KvError> {
+        let shard = req.key().map(|k| self.shard_of(k)).unwrap_or(0);
+        self.master_on(shard, req).await
+    }
+
+    /// A batch request: one sub-batch per owning shard, sent at once, merged
+    /// back in the order of the keys.
+    async fn master_batch(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
+        let n = req.batch_keys().map(|k| k.len()).unwrap_or(0);
+        let parts = split_batch_by(req, |k| self.shard_of(k) as u32);
+        let calls = parts.into_iter().map(|p| async move {
+            let res = self.master_on(p.shard as usize, &p.req).await;
+            (p.positions, res)
+        });
+        let answers = futures_util::future::join_all(calls).await;
+        merge_batch(n, answers)
+    }
+
+    async fn master_on(
+        &self,
+        shard: usize,
+        req: &MasterRequest,
+    ) -> Result<MasterResponse, KvError> {
+        match self.master_once(shard, req).await {
+            // A pooled connection the master closed while it sat idle (the
+            // master restarted, or timed it out): once more on a new one,
+            // for requests that may safely be sent twice.
+            Err((e, true))
+                if req.is_idempotent()
+                    && matches!(e.code, ErrorCode::Unavailable | ErrorCode::Timeout) =>
+            {
+                tracing::debug!("a pooled master connection was stale ({e}); retrying");
+                self.master_once(shard, req).await.map_err(|(e, _)| e)
+            }
+            r => r.map_err(|(e, _)| e),
+        }
+    }
+
+    /// One try; the error says whether it broke a reused connection.
+    async fn master_once(
+        &self,
+        shard: usize,
+        req: &MasterRequest,
+    ) -> Result<MasterResponse, (KvError, bool)> {
+        let pool = &self.inner.master_pools[shard];
+        let mut conn = pool
+            .get(Duration::from_millis(self.inner.cfg.connect_timeout_ms))
+            .await
+            .map_err(|e| (e, false))?;
+        let reused = !conn.is_new();
+        if !reused {
+            if let Some(k) = &self.inner.key {
+                let id = self.inner.req_ids.fetch_add(2, Ordering::Relaxed);
+                authenticate(conn.stream(), k, self.inner.id, id, self.max_frame())
+                    .await
+                    .map_err(|e| {
+                        let e = KvError::new(e.code, format!("{}: {}", pool.addr(), e.message));
+                        (e, false)
+                    })?;
+            }
+        }
+        let id = self.inner.req_ids.fetch_add(1, Ordering::Relaxed);
+        // A transport failure drops the connection; an answer (even an
+        // error) leaves it usable.
+        let answer = rpc(conn.stream(), id, req, self.max_frame())
+            .await
+            .map_err(|e| {
+                let e = KvError::new(e.code, format!("{}: {}", pool.addr(), e.message));
+                (e, reused)
+            })?;
+        conn.release();
+        answer.map_err(|e| (e, false))
+    }
+
+    /// A raw master call, routed as the client routes its own: a key request
+    /// to the shard that owns the key, a batch split by owning shard and
+    /// merged back in order, anything else to shard 0. For tools and
+    /// benches; `put`/`get` are the calls that move data.
+    pub async fn call(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
+        self.deadline(req.op_name(), async {
+            if let MasterRequest::NodeTasks { shard, .. } = req {
+                if shard as usize >= self.inner.master_pools.len() {
+                    return Err(KvError::new(
+                        ErrorCode::InvalidParams,
+                        format!("no master shard {shard}"),
+                    ));
+                }
+                self.master_on(shard as usize, &req).await
+            } else if req.batch_keys().is_some() {
+                self.master_batch(req).await
+            } else {
+                self.master(&req).await
+            }
+        })
+        .await
+    }
+
+    fn call_deadline(&self) -> Instant {
+        Instant::now() + self.timeout()
+    }
+
+    /// Records `buf` for zero-copy transfers (see [`RegisteredBuffer`]).
+    pub fn register_buffer(&self, buf: &[u8]) -> RegisteredBuffer {
+        RegisteredBuffer {
+            ptr: buf.as_ptr() as usize,
+            len: buf.len(),
+        }
+    }
+
+    /// Stores `value` under `key` with one replica.
+    pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
+        self.put_with(key, value, &PutOptions::default()).await
+    }
+
+    /// Stores `src` under `key`, sent straight from `src` (zero copy).
+    pub async fn put_from(&self, key: &[u8], src: &[u8]) -> Result<(), KvError> {
+        self.put(key, src).await
+    }
+
+    /// Stores `value` under `key` with `opts` (replicas, pins). Within the
+    /// call's deadline, a put that meets space still being freed (demotions
+    /// to NVMe) waits for it, and one whose node turns out unreachable is
+    /// reported to the master and placed again elsewhere.
+    pub async fn put_with(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        opts: &PutOptions,
+    ) -> Result<(), KvError> {
+        let deadline = self.call_deadline();
+        let sum = self
+            .inner
+            .cfg
+            .checksums
+            .then(|| xxhash_rust::xxh3::xxh3_64(value));
+        let res = self
+            .deadline("put", async {
+                let mut backoff = Duration::from_millis(1);
+                let mut placements = 0;
+                loop {
+                    match self.put_inner(key, value, sum, opts, deadline).await {
+                        Err(e) if e.code == ErrorCode::TryAgain => {
+                            // Space is on its way out: wait for it, bounded
+                            // by the call's deadline (then it is a Timeout).
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(Duration::from_millis(50));
+                        }
+                        Err(e) if placements < MAX_PLACEMENTS => {
+                            // A node that could not be reached: the master
+                            // hears of it and places the put elsewhere.
+                            if self.report_unreachable().await == 0 {
+                                return Err(e);
+                            }
+                            placements += 1;
+                            tracing::debug!("a put is placed again: {e}");
+                        }
+                        other => return other,
+                    }
+                }
+            })
+            .await;
+        if let Err(e) = &res {
+            if e.code == ErrorCode::Timeout {
+                // The put may be half done: give its space back, best effort,
+                // under a deadline of its own.
+                let me = self.clone();
+                let key = key.to_vec();
+                tokio::spawn(async move {
+                    let _ = me
+                        .deadline(
+                            "put revoke",
+                            me.master(&MasterRequest::PutRevoke {
+                                client_id: me.inner.id,
+                                key,
+                            }),
+                        )
+                        .await;
+                });
+            }
+        }
+        res
+    }
+
+    fn with_host(&self, opts: &PutOptions) -> PutOptions {
+        let mut opts = opts.clone();
+        if opts.preferred_host.is_empty() {
+            opts.preferred_host = self.inner.host_id.clone();
+        }
+        opts
+    }
+
+    /// Tells the master about the segments the engine could not reach (it
+    /// stops placing there until their node pings); how many there were.
+    async fn report_unreachable(&self) -> usize {
+        let segs = self.inner.engine.take_unreachable();
+        for &segment_id in &segs {
+            let r = self
+                .master(&MasterRequest::ReportUnreachable {
+                    client_id: self.inner.id,
+                    segment_id,
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::debug!("could not report segment {segment_id:016x} unreachable: {e}");
+            }
+        }
+        segs.len()
+    }
+
+    /// Reports unreachable segments in the background (after a read that
+    /// failed over: other clients' puts should not go there).
+    fn report_unreachable_later(&self) {
+        if self.inner.engine.has_unreachable() {
+            let me = self.clone();
+            tokio::spawn(async move {
+                let _ = me
+                    .deadline("report_unreachable", async {
+                        me.report_unreachable().await;
+                        Ok(())
+                    })
+                    .await;
+            });
+        }
+    }
+
+    async fn put_inner(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        checksum: Option<u64>,
+        opts: &PutOptions,
+        deadline: Instant,
+    ) -> Result<(), KvError> {
+        let resp = self
+            .master(&MasterRequest::PutStart {
+                client_id: self.inner.id,
+                key: key.to_vec(),
+                len: value.len() as u64,
+                opts: self.with_host(opts),
+            })
+            .await?;
+        let replicas = match resp {
+            MasterResponse::Replicas(r) => r,
+            other => return Err(unexpected("put_start", &other)),
+        };
+        match self.inner.engine.write(&replicas, value, deadline).await {
+            Ok(()) => {
+                self.master(&MasterRequest::PutEnd {
+                    client_id: self.inner.id,
+                    key: key.to_vec(),
+                    checksum,
+                })
+                .await?;
+                Ok(())
+            }
+            Err(e) => {
+                let _ = self
+                    .master(&MasterRequest::PutRevoke {
+                        client_id: self.inner.id,
+                        key: key.to_vec(),
+                    })
+                    .await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Reads the value under `key`.
+    pub async fn get(&self, key: &[u8]) -> Result<Vec<u8>, KvError> {
+        let deadline = self.call_deadline();
+        let r = self
+            .deadline("get", async {
+                let replicas = self.replicas(key).await?;
+                let mut buf = vec![0u8; replicas[0].len as usize];
+                self.inner
+                    .engine
+                    .read(&replicas, &mut buf, deadline)
+                    .await?;
+                Ok(buf)
+            })
+            .await;
+        self.report_unreachable_later();
+        r
+    }
+
+    /// Reads the value under `key` straight into `buf`; returns its length.
+    /// A value longer than `buf` is `InvalidParams` (nothing is read).
+    pub async fn get_into(&self, key: &[u8], buf: &mut [u8]) -> Result<usize, KvError> {
+        let deadline = self.call_deadline();
+        let r = self
+            .deadline("get", async {
+                let replicas = self.replicas(key).await?;
+                let len = replicas[0].len as usize;
+                if len > buf.len() {
+                    return Err(too_small(len, buf.len()));
+                }
+                self.inner
+                    .engine
+                    .read(&replicas, &mut buf[..len], deadline)
+                    .await?;
+                Ok(len)
+            })
+            .await;
+        self.report_unreachable_later();
+        r
+    }
+
+    /// A view of the value under `key` in place, in the memory of a storage
+    /// node on this host (no copy), valid while its read lease lasts.
+    /// `Unavailable` when no replica is on this host or shared memory cannot
+    /// be used.
+    pub async fn get_view(&self, key: &[u8]) -> Result<ReadView, KvError> {
+        self.deadline("get_view", async {
+            let granted = Instant::now();
+            let replicas = self.replicas(key).await?;
+            for r in replicas.iter().filter(|r| r.host_id == self.inner.host_id) {
+                if let Some(map) = self.inner.engine.shm_map(r).await {
+                    let lease = Duration::from_millis(self.inner.cluster.lease_ttl_ms);
+                    return Ok(ReadView {
+                        map,
+                        offset: r.offset,
+                        len: r.len,
+                        valid_until: granted + lease.saturating_sub(VIEW_MARGIN),
+                    });
+                }
+            }
+            Err(KvError::new(
+                ErrorCode::Unavailable,
+                "no replica of this object can be mapped on this host",
+            ))
+        })
+        .await
+    }
+
+    async fn replicas(&self, key: &[u8]) -> Result<Vec<ReplicaDesc>, KvError> {
+        match self
+            .master(&MasterRequest::GetReplicaList { key: key.to_vec() })
+            .await?
+        {
+            MasterResponse::Replicas(r) if !r.is_empty() => Ok(r),
+            MasterResponse::Replicas(_) => Err(KvError::new(
+                ErrorCode::ObjectNotFound,
+                "the object has no readable replica",
+            )),
+            other => Err(unexpected("get_replica_list", &other)),
+        }
+    }
+
+    /// True if a complete object is stored under `key`. Does not extend leases.
+    pub async fn exists(&self, key: &[u8]) -> Result<bool, KvError> {
+        self.deadline("exists", async {
+            match self
+                .master(&MasterRequest::Exist { key: key.to_vec() })
+                .await?
+            {
+                MasterResponse::Exists(b) => Ok(b),
+                other => Err(unexpected("exist", &other)),
+            }
+        })
+        .await
+    }
+
+    /// Removes the object under `key`.
+    pub async fn remove(&self, key: &[u8]) -> Result<(), KvError> {
+        self.remove_with(key, false).await
+    }
+
+    /// Removes the object under `key`; `force` removes it even under a lease.
+    pub async fn remove_with(&self, key: &[u8], force: bool) -> Result<(), KvError> {
+        self.deadline("remove", async {
+            match self
+                .master(&MasterRequest::Remove {
+                    key: key.to_vec(),
+                    force,
+                })
+                .await?
+            {
+                MasterResponse::Done => Ok(()),
+                other => Err(unexpected("remove", &other)),
+            }
+        })
+        .await
+    }
+
+    /// Removes every object that may be removed; returns how many went.
+    pub async fn remove_all(&self) -> Result<u64, KvError> {
+        self.deadline("remove_all", async {
+            match self.master(&MasterRequest::RemoveAll).await? {
+                MasterResponse::Removed(n) => Ok(n),
+                other => Err(unexpected("remove_all", &other)),
+            }
+        })
+        .await
+    }
+
+    /// Segments, capacity, use and key count of the pool.
+    pub async fn stat(&self) -> Result<PoolStat, KvError> {
+        self.deadline("stat", async {
+            match self.master(&MasterRequest::Stat).await? {
+                MasterResponse::Stat(s) => Ok(s),
+                other => Err(unexpected("stat", &other)),
+            }
+        })
+        .await
+    }
+
+    /// Stores several values; one result per item, in order. Keys are
+    /// grouped by owning master shard (one call per shard); all values move
+    /// in one engine batch (sent straight from the given slices). Items
+    /// that meet space still being freed wait for it within the deadline.
+    pub async fn batch_put(
+        &self,
+        items: &[(&[u8], &[u8])],
+        opts: &PutOptions,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let deadline = self.call_deadline();
+        let sums: Vec<Option<u64>> = items
+            .iter()
+            .map(|(_, v)| {
+                self.inner
+                    .cfg
+                    .checksums
+                    .then(|| xxhash_rust::xxh3::xxh3_64(v))
+            })
+            .collect();
+        self.deadline("batch_put", async {
+            let mut out: Vec<Option<Result<(), KvError>>> = vec![None; items.len()];
+            let mut todo: Vec<usize> = (0..items.len()).collect();
+            let mut backoff = Duration::from_millis(1);
+            loop {
+                let sub: Vec<(&[u8], &[u8])> = todo.iter().map(|&i| items[i]).collect();
+                let sub_sums: Vec<Option<u64>> = todo.iter().map(|&i| sums[i]).collect();
+                let res = self.batch_put_once(&sub, &sub_sums, opts, deadline).await?;
+                let mut again = Vec::new();
+                for (&i, r) in todo.iter().zip(res) {
+                    match r {
+                        Err(e) if e.code == ErrorCode::TryAgain => again.push(i),
+                        r => out[i] = Some(r),
+                    }
+                }
+                if again.is_empty() {
+                    break;
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(50));
+                todo = again;
+            }
+            Ok(out
+                .into_iter()
+                .map(|o| o.expect("every item has its result"))
+                .collect())
+        })
+        .await
+    }
+
+    async fn batch_put_once(
+        &self,
+        items: &[(&[u8], &[u8])],
+        sums: &[Option<u64>],
+        opts: &PutOptions,
+        deadline: Instant,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        {
+            let req = MasterRequest::BatchPutStart {
+                client_id: self.inner.id,
+                items: items
+                    .iter()
+                    .map(|(k, v)| PutItem {
+                        key: k.to_vec(),
+                        len: v.len() as u64,
+                    })
+                    .collect(),
+                opts: self.with_host(opts),
+            };
+            let started: Vec<Result<Vec<ReplicaDesc>, KvError>> =
+                match self.master_batch(req).await? {
+                    MasterResponse::BatchReplicas(v) => v.into_iter().map(Result::from).collect(),
+                    other => return Err(unexpected("batch_put_start", &other)),
+                };
+            // Per item: Ok(()) written; Err((e, true)) allocated but not
+            // written (its space must go back); Err((e, false)) refused.
+            let mut transfers: Vec<Transfer<'_>> = Vec::new();
+            let mut which: Vec<usize> = Vec::new();
+            for (i, (s, (_, v))) in started.iter().zip(items).enumerate() {
+                if let Ok(reps) = s {
+                    transfers.push(Transfer::write(v, reps));
+                    which.push(i);
+                }
+            }
+            self.inner.engine.run(&mut transfers, deadline, None).await;
+            let mut written: Vec<Result<(), (KvError, bool)>> = started
+                .iter()
+                .map(|s| match s {
+                    Ok(_) => Ok(()),
+                    Err(e) => Err((e.clone(), false)),
+                })
+                .collect();
+            for (t, &i) in transfers.into_iter().zip(&which) {
+                if let Some(Err(e)) = t.status {
+                    written[i] = Err((e, true));
+                }
+            }
+            let keys_where = |pred: fn(&Result<(), (KvError, bool)>) -> bool| -> Vec<Vec<u8>> {
+                written
+                    .iter()
+                    .zip(items)
+                    .filter(|(w, _)| pred(w))
+                    .map(|(_, (k, _))| k.to_vec())
+                    .collect()
+            };
+            let ok_items: Vec<PutDone> = written
+                .iter()
+                .zip(items.iter().zip(sums))
+                .filter(|(w, _)| w.is_ok())
+                .map(|(_, ((k, _), sum))| PutDone {
+                    key: k.to_vec(),
+                    checksum: *sum,
+                })
+                .collect();
+            let failed_keys = keys_where(|w| matches!(w, Err((_, true))));
+            if !failed_keys.is_empty() {
+                let _ = self
+                    .master_batch(MasterRequest::BatchPutRevoke {
+                        client_id: self.inner.id,
+                        keys: failed_keys,
+                    })
+                    .await;
+            }
+            let mut ended = if ok_items.is_empty() {
+                Vec::new().into_iter()
+            } else {
+                match self
+                    .master_batch(MasterRequest::BatchPutEnd {
+                        client_id: self.inner.id,
+                        items: ok_items,
+                    })
+                    .await?
+                {
+                    MasterResponse::BatchDone(v) => v.into_iter(),
+                    other => return Err(unexpected("batch_put_end", &other)),
+                }
+            };
+            Ok(written
+                .into_iter()
+                .map(|w| match w {
+                    Ok(()) => ended.next().map(Result::from).unwrap_or_else(|| {
+                        Err(KvError::new(ErrorCode::Internal, "missing put_end result"))
+                    }),
+                    Err((e, _)) => Err(e),
+                })
+                .collect())
+        }
+    }
+
+    /// Zero-copy form of [`Client::batch_put`].
+    pub async fn batch_put_from(
+        &self,
+        items: &[(&[u8], &[u8])],
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        self.batch_put(items, &PutOptions::default()).await
+    }
+
+    /// Reads several values straight into the given buffers; one result per
+    /// item (the value's length), in order.
+    pub async fn batch_get_into(
+        &self,
+        items: &mut [(&[u8], &mut [u8])],
+    ) -> Result<Vec<Result<usize, KvError>>, KvError> {
+        let deadline = self.call_deadline();
+        self.deadline("batch_get", async {
+            let req = MasterRequest::BatchGet {
+                keys: items.iter().map(|(k, _)| k.to_vec()).collect(),
+            };
+            let lists: Vec<Result<Vec<ReplicaDesc>, KvError>> = match self.master_batch(req).await?
+            {
+                MasterResponse::BatchReplicas(v) => v.into_iter().map(Result::from).collect(),
+                other => return Err(unexpected("batch_get", &other)),
+            };
+            let mut out: Vec<Result<usize, KvError>> = Vec::with_capacity(items.len());
+            let mut transfers: Vec<Transfer<'_>> = Vec::new();
+            let mut which: Vec<usize> = Vec::new();
+            for (i, (list, (_, buf))) in lists.iter().zip(items.iter_mut()).enumerate() {
+                match list {
+                    Ok(reps) if reps.is_empty() => out.push(Err(KvError::new(
+                        ErrorCode::ObjectNotFound,
+                        "no readable replica",
+                    ))),
+                    Ok(reps) => {
+                        let len = reps[0].len as usize;
+                        if len > buf.len() {
+                            out.push(Err(too_small(len, buf.len())));
+                        } else {
+                            out.push(Ok(len));
+                            transfers.push(Transfer::read(&mut buf[..len], reps));
+                            which.push(i);
+                        }
+                    }
+                    Err(e) => out.push(Err(e.clone())),
+                }
+            }
+            self.inner.engine.run(&mut transfers, deadline, None).await;
+            for (t, &i) in transfers.into_iter().zip(&which) {
+                if let Some(Err(e)) = t.status {
+                    out[i] = Err(e);
+                }
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    /// Reads several values; one result per key, in order.
+    pub async fn batch_get(
+        &self,
+        keys: &[&[u8]],
+    ) -> Result<Vec<Result<Vec<u8>, KvError>>, KvError> {
+        let deadline = self.call_deadline();
+        self.deadline("batch_get", async {
+            let req = MasterRequest::BatchGet {
+                keys: keys.iter().map(|k| k.to_vec()).collect(),
+            };
+            let lists: Vec<Result<Vec<ReplicaDesc>, KvError>> = match self.master_batch(req).await?
+            {
+                MasterResponse::BatchReplicas(v) => v.into_iter().map(Result::from).collect(),
+                other => return Err(unexpected("batch_get", &other)),
+            };
+            let mut bufs: Vec<Vec<u8>> = lists
+                .iter()
+                .map(|l| match l {
+                    Ok(reps) if !reps.is_empty() => vec![0u8; reps[0].len as usize],
+                    _ => Vec::new(),
+                })
+                .collect();
+            let mut transfers: Vec<Transfer<'_>> = Vec::new();
+            let mut which: Vec<usize> = Vec::new();
+            for (i, (list, buf)) in lists.iter().zip(bufs.iter_mut()).enumerate() {
+                if let Ok(reps) = list {
+                    if !reps.is_empty() {
+                        transfers.push(Transfer::read(buf, reps));
+                        which.push(i);
+                    }
+                }
+            }
+            self.inner.engine.run(&mut transfers, deadline, None).await;
+            let mut status: Vec<Option<KvError>> = vec![None; keys.len()];
+            for (t, &i) in transfers.into_iter().zip(&which) {
+                if let Some(Err(e)) = t.status {
+                    status[i] = Some(e);
+                }
+            }
+            Ok(lists
+                .into_iter()
+                .zip(bufs)
+                .zip(status)
+                .map(|((list, buf), st)| match (list, st) {
+                    (Err(e), _) | (Ok(_), Some(e)) => Err(e),
+                    (Ok(reps), None) if reps.is_empty() => Err(KvError::new(
+                        ErrorCode::ObjectNotFound,
+                        "no readable replica",
+                    )),
+                    (Ok(_), None) => Ok(buf),
+                })
+                .collect())
+        })
+        .await
+    }
+
+    /// Whether each key is stored; one result per key, in order.
+    pub async fn batch_exists(
+        &self,
+        keys: &[&[u8]],
+    ) -> Result<Vec<Result<bool, KvError>>, KvError> {
+        self.deadline("batch_exists", async {
+            let req = MasterRequest::BatchExist {
+                keys: keys.iter().map(|k| k.to_vec()).collect(),
+            };
+            match self.master_batch(req).await? {
+                MasterResponse::BatchExists(v) => Ok(v.into_iter().map(Result::from).collect()),
+                other => Err(unexpected("batch_exist", &other)),
+            }
+        })
+        .await
+    }
+
+    /// Removes several keys; one result per key, in order.
+    pub async fn batch_remove(
+        &self,
+        keys: &[&[u8]],
+        force: bool,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        self.deadline("batch_remove", async {
+            let req = MasterRequest::BatchRemove {
+                keys: keys.iter().map(|k| k.to_vec()).collect(),
+                force,
+            };
+            match self.master_batch(req).await? {
+                MasterResponse::BatchDone(v) => Ok(v.into_iter().map(Result::from).collect()),
+                other => Err(unexpected("batch_remove", &other)),
+            }
+        })
+        .await
+    }
+
+    /// The metadata the master holds for `key` (no lease is granted).
+    pub async fn describe(&self, key: &[u8]) -> Result<ObjectInfo, KvError> {
+        self.deadline("describe", async {
+            match self
+                .master(&MasterRequest::Describe { key: key.to_vec() })
+                .await?
+            {
+                MasterResponse::Described(i) => Ok(i),
+                other => Err(unexpected("describe", &other)),
+            }
+        })
+        .await
+    }
+
+    /// Stops new puts to a segment; its replicas stay readable.
+    pub async fn drain_segment(&self, segment_id: SegmentId) -> Result<(), KvError> {
+        self.deadline("drain_segment", async {
+            match self
+                .master(&MasterRequest::DrainSegment { segment_id })
+                .await?
+            {
+                MasterResponse::Done => Ok(()),
+                other => Err(unexpected("drain_segment", &other)),
+            }
+        })
+        .await
+    }
+
+    /// Tells the master this client is alive.
+    pub async fn ping(&self) -> Result<(), KvError> {
+        self.ping_segments(&[]).await.map(|_| ())
+    }
+
+    /// Tells the master this client (a storage node) is alive and owns
+    /// `segments`; returns those the master does not know (it restarted,
+    /// or declared the node dead): the node mounts them again.
+    pub async fn ping_segments(&self, segments: &[SegmentId]) -> Result<Vec<SegmentId>, KvError> {
+        self.deadline("ping", async {
+            match self
+                .master(&MasterRequest::Ping {
+                    client_id: self.inner.id,
+                    segments: segments.to_vec(),
+                })
+                .await?
+            {
+                MasterResponse::Pong { unknown } => Ok(unknown),
+                other => Err(unexpected("ping", &other)),
+            }
+        })
+        .await
+    }
+
+    /// Mounts a segment owned by this client; returns its id.
+    pub async fn mount_segment(&self, spec: SegmentSpec) -> Result<SegmentId, KvError> {
+        self.deadline("mount_segment", async {
+            match self
+                .master(&MasterRequest::MountSegment {
+                    client_id: self.inner.id,
+                    spec,
+                })
+                .await?
+            {
+                MasterResponse::Mounted { segment_id } => Ok(segment_id),
+                other => Err(unexpected("mount_segment", &other)),
+            }
+        })
+        .await
+    }
+
+    /// Unmounts a segment this client mounted (idempotent).
+    pub async fn unmount_segment(&self, segment_id: SegmentId) -> Result<(), KvError> {
+        self.deadline("unmount_segment", async {
+            match self
+                .master(&MasterRequest::UnmountSegment {
+                    client_id: self.inner.id,
+                    segment_id,
+                })
+                .await?
+            {
+                MasterResponse::Done => Ok(()),
+                other => Err(unexpected("unmount_segment", &other)),
+            }
+        })
+        .await
+    }
+}
+
+fn too_small(len: usize, have: usize) -> KvError {
+    KvError::new(
+        ErrorCode::InvalidParams,
+        format!("value of {len} bytes does not fit a buffer of {have}"),
+    )
+}
+
+/// One request and its answer. Outer error: the connection failed (or the
+/// master refused the connection itself, e.g. at its connection cap, with
+/// that error's code); inner: the master's answer.
+async fn rpc(
+    s: &mut Stream,
+    id: u64,
+    req: &MasterRequest,
+    max_frame: u32,
+) -> Result<Result<MasterResponse, KvError>, KvError> {
+    frame::write_all(s, &frame::encode(FrameKind::MasterRequest, id, req)).await?;
+    let (rid, answer) =
+        frame::read_reply::<MasterResponse, _>(s, FrameKind::MasterResponse, max_frame).await?;
+    kvpool_transport::engine::check_answer(rid, id, answer)
+}
+
+/// Proves to the master that this connection holds the cluster secret, and
+/// checks the master's proof in turn (a master without the secret is not
+/// trusted with this client's requests). Uses request ids `id` and `id + 1`.
+async fn authenticate(
+    s: &mut Stream,
+    key: &ClusterKey,
+    client_id: ClientId,
+    id: u64,
+    max_frame: u32,
+) -> Result<(), KvError> {
+    let nc = auth::nonce();
+    let begin = MasterRequest::AuthBegin {
+        client_id,
+        nonce: nc,
+    };
+    let ns = match rpc(s, id, &begin, max_frame).await? {
+        Ok(MasterResponse::AuthChallenge { nonce }) => nonce,
+        Ok(other) => return Err(unexpected("auth_begin", &other)),
+        Err(e) if e.code == ErrorCode::Unsupported => {
+            return Err(KvError::new(
+                ErrorCode::Unauthenticated,
+                format!(
+                    "this client has a cluster secret but the master has none ({}); \
+                     refusing to trust it",
+                    e.message
+                ),
+            ))
+        }
+        Err(e) => return Err(e),
+    };
+    let prove = MasterRequest::AuthProve {
+        proof: key.client_proof(client_id, &nc, &ns),
+    };
+    match rpc(s, id + 1, &prove, max_frame).await?? {
+        MasterResponse::AuthOk { proof } => key
+            .verify_server_proof(client_id, &nc, &ns, &proof)
+            .map_err(|_| {
+                KvError::new(
+                    ErrorCode::Unauthenticated,
+                    "the master could not prove it holds the cluster secret",
+                )
+            }),
+        other => Err(unexpected("auth_prove", &other)),
+    }
+}
+
+/// This machine's name, for same-host decisions.
+pub fn local_host_id() -> String {
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
+}

@@ -1,0 +1,14 @@
+//! The kvpool store client: what embedders, the CLI, storage nodes and the
+//! engine use to put and get values. It depends on the wire protocol and the
+//! transfer engine only (no master, no HTTP, no plotting).
+//!
+//! * [`Client`]: `put`/`get`/`exists`/`remove`, their batch forms, borrowed
+//!   views of same-host values; see the `client` module docs.
+//! * [`rdma`]: whether a role uses RDMA, and why not.
+
+mod client;
+pub mod rdma;
+
+pub use client::{local_host_id, Client, ReadView, RegisteredBuffer};
+pub use kvpool_config::ClientConfig;
+pub use kvpool_transport::{ErrorCode, KvError};

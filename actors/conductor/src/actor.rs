@@ -1,0 +1,599 @@
+//! The live `Conductor` actor (ractor).
+//!
+//! It holds a [`Scheduler`] and a cluster view fed by messages: the proxies'
+//! load reports ([`ConductorMsg::LoadReport`]) and the pool's and prefill
+//! instances' KV events ([`ConductorMsg::KvEvent`]), and answers
+//! [`ConductorMsg::Schedule`] with a [`Decision`]. It does no I/O of its own.
+//!
+//! The view it keeps:
+//!
+//! - per prefill instance: the last reported queue (length and time to drain,
+//!   turned into a `busy_until` on the conductor's clock), plus the predicted
+//!   prefill time of every request routed there since that report; and the
+//!   chunk hashes the instance reported as stored (and, optimistically, the
+//!   chunks of requests routed to it, which it will store);
+//! - the chunk hashes stored in the pool;
+//! - per decode instance: the last reported load.
+//!
+//! Bounds: each chunk mirror holds at most `max_tracked_chunks` hashes (the
+//! least recently touched are forgotten first, which can only make the
+//! conductor under-estimate a hit); the scheduler's own memory is bounded
+//! ([`crate::scheduler::INBOUND_LEDGER_MAX`]). ractor's mailbox is
+//! unbounded, so [`ConductorHandle`] bounds it: it counts messages sent and
+//! not yet handled, and refuses a new one with
+//! [`ConductorError::Overloaded`] once `mailbox_bound` are outstanding.
+//! Messages sent straight through the [`ActorRef`] are not counted.
+//!
+//! ```
+//! use std::time::Duration;
+//! use kvpool_conductor::actor::{
+//!     ConductorArgs, ConductorHandle, InstanceLoad, KvLocation, ScheduleRequest,
+//! };
+//! use kvpool_conductor::chunk_hash::chunk_hashes;
+//! use kvpool_conductor::cost::CostModel;
+//! use kvpool_conductor::scheduler::{Decision, Policy, Slo};
+//!
+//! let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+//! rt.block_on(async {
+//!     let args = ConductorArgs::new(Policy::CacheGlobal, CostModel::default(), Slo::default(), 2, 1);
+//!     let (conductor, join) = ConductorHandle::spawn(args).await.unwrap();
+//!
+//!     // Prefill instance 1 reports that it holds the KV of a 4,096-token prompt.
+//!     let prompt: Vec<u32> = (0..4_096).collect();
+//!     let chunks = chunk_hashes(&prompt, 512).unwrap();
+//!     conductor.kv_event(KvLocation::Prefill(1), chunks.clone(), Vec::new()).unwrap();
+//!     conductor
+//!         .report_load(0, InstanceLoad::Prefill { queued_requests: 0, queued_ms: 0.0 })
+//!         .unwrap();
+//!
+//!     // A request that extends that prompt goes where its prefix is.
+//!     let longer: Vec<u32> = (0..5_000).collect();
+//!     let request = ScheduleRequest {
+//!         id: 7,
+//!         input_tokens: 5_000,
+//!         chunks: chunk_hashes(&longer, 512).unwrap(),
+//!     };
+//!     match conductor.schedule(request, Duration::from_secs(5)).await.unwrap() {
+//!         Decision::Route { prefill, cached_blocks, .. } => {
+//!             assert_eq!((prefill, cached_blocks), (1, 8));
+//!         }
+//!         Decision::Reject(reason) => panic!("rejected: {reason}"),
+//!     }
+//!     conductor.stop();
+//!     join.await.unwrap();
+//! });
+//! ```
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ractor::rpc::CallResult;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use serde::Serialize;
+
+use super::cache::{BlockCache, Capacity, LruCache, PrefixIndex};
+use super::chunk_hash::ChunkHash;
+use super::cost::CostModel;
+use super::scheduler::{
+    ClusterView, Decision, DecodeLoad, Policy, PrefillLoad, RequestView, Scheduler, Slo,
+};
+
+/// Default bound on messages outstanding through a [`ConductorHandle`].
+pub const DEFAULT_MAILBOX_BOUND: usize = 4_096;
+/// Default bound on chunk hashes mirrored per location.
+pub const DEFAULT_MAX_TRACKED_CHUNKS: usize = 1 << 20;
+
+/// A request to place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduleRequest {
+    /// Caller's id.
+    pub id: u64,
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// Prefix-chained chunk hashes of the prompt (full chunks only).
+    pub chunks: Vec<ChunkHash>,
+}
+
+/// A load report from one proxy.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "role", rename_all = "snake_case")]
+pub enum InstanceLoad {
+    /// From a prefill proxy.
+    Prefill {
+        /// Requests waiting (not counting the running one).
+        queued_requests: usize,
+        /// Time until everything the instance holds is done, ms.
+        queued_ms: f64,
+    },
+    /// From a decode proxy.
+    Decode {
+        /// Sequences in the running batch.
+        active_seqs: usize,
+        /// Context tokens in the running batch.
+        active_tokens: u64,
+        /// Requests waiting for a slot.
+        waiting_seqs: usize,
+        /// Context tokens of the waiting requests.
+        waiting_tokens: u64,
+    },
+}
+
+/// Where KV chunks were stored or removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum KvLocation {
+    /// In a prefill instance's own memory.
+    Prefill(usize),
+    /// In the shared pool.
+    Pool,
+}
+
+/// Messages of the [`Conductor`].
+#[derive(Debug)]
+pub enum ConductorMsg {
+    /// Place a request; the decision goes to `reply`.
+    Schedule {
+        /// The request.
+        request: ScheduleRequest,
+        /// Where the decision goes.
+        reply: RpcReplyPort<Decision>,
+    },
+    /// A proxy's load report. `instance` indexes the prefill or decode
+    /// instances according to the variant of `load`.
+    LoadReport {
+        /// Instance index.
+        instance: usize,
+        /// The load.
+        load: InstanceLoad,
+    },
+    /// Chunks stored at and removed from `location`.
+    KvEvent {
+        /// Where.
+        location: KvLocation,
+        /// Chunk hashes now present.
+        stored: Vec<ChunkHash>,
+        /// Chunk hashes gone.
+        removed: Vec<ChunkHash>,
+    },
+    /// A copy of the conductor's view and counters.
+    Snapshot {
+        /// Where the snapshot goes.
+        reply: RpcReplyPort<ConductorSnapshot>,
+    },
+}
+
+/// What a [`ConductorMsg::Snapshot`] returns.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ConductorSnapshot {
+    /// Policy in use.
+    pub policy: Policy,
+    /// Per prefill instance: load as the scheduler sees it now (ms on the
+    /// conductor's clock) and chunks mirrored.
+    pub prefill: Vec<(PrefillLoad, usize)>,
+    /// Per decode instance: last reported load.
+    pub decode: Vec<DecodeLoad>,
+    /// Chunks mirrored for the pool.
+    pub pool_chunks: usize,
+    /// Requests routed.
+    pub routed: u64,
+    /// Requests rejected.
+    pub rejected: u64,
+    /// Reports and events naming an instance that does not exist.
+    pub ignored: u64,
+    /// Conductor clock, ms since start.
+    pub now_ms: f64,
+}
+
+/// Errors of the conductor's handle.
+#[derive(Debug, thiserror::Error)]
+pub enum ConductorError {
+    /// The actor could not be started.
+    #[error("cannot start the conductor: {0}")]
+    Spawn(String),
+    /// `mailbox_bound` messages are already waiting.
+    #[error("the conductor already has {bound} messages waiting; try again later")]
+    Overloaded {
+        /// The bound.
+        bound: usize,
+    },
+    /// The actor is gone.
+    #[error("the conductor is not running: {0}")]
+    NotRunning(String),
+    /// No answer within the timeout.
+    #[error("the conductor did not answer within {0:?}")]
+    Timeout(Duration),
+    /// Bad start arguments.
+    #[error("invalid conductor arguments: {0}")]
+    InvalidArgs(String),
+}
+
+/// Start arguments of the [`Conductor`].
+#[derive(Debug, Clone)]
+pub struct ConductorArgs {
+    /// Scheduling policy.
+    pub policy: Policy,
+    /// Cost model used for estimates.
+    pub cost: CostModel,
+    /// SLOs for the rejecting policies.
+    pub slo: Slo,
+    /// Seed of the `random` policy.
+    pub seed: u64,
+    /// Number of prefill instances.
+    pub prefill_instances: usize,
+    /// Number of decode instances.
+    pub decode_instances: usize,
+    /// Bound on chunk hashes mirrored per location.
+    pub max_tracked_chunks: usize,
+    /// Bound on messages outstanding through a [`ConductorHandle`].
+    pub mailbox_bound: usize,
+    gate: Arc<AtomicUsize>,
+}
+
+impl ConductorArgs {
+    /// Arguments with seed 0 and the default bounds.
+    pub fn new(
+        policy: Policy,
+        cost: CostModel,
+        slo: Slo,
+        prefill_instances: usize,
+        decode_instances: usize,
+    ) -> Self {
+        Self {
+            policy,
+            cost,
+            slo,
+            seed: 0,
+            prefill_instances,
+            decode_instances,
+            max_tracked_chunks: DEFAULT_MAX_TRACKED_CHUNKS,
+            mailbox_bound: DEFAULT_MAILBOX_BOUND,
+            gate: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConductorError> {
+        if self.prefill_instances == 0 || self.decode_instances == 0 {
+            return Err(ConductorError::InvalidArgs(
+                "at least one prefill and one decode instance are needed".into(),
+            ));
+        }
+        if self.max_tracked_chunks == 0 || self.mailbox_bound == 0 {
+            return Err(ConductorError::InvalidArgs(
+                "max_tracked_chunks and mailbox_bound must be at least 1".into(),
+            ));
+        }
+        self.cost
+            .validate()
+            .map_err(|e| ConductorError::InvalidArgs(e.to_string()))
+    }
+}
+
+#[derive(Debug)]
+struct LivePrefill {
+    queued: usize,
+    busy_until_ms: f64,
+    chunks: LruCache,
+}
+
+/// The conductor's view of the cluster.
+#[derive(Debug)]
+struct LiveView {
+    prefill: Vec<LivePrefill>,
+    decode: Vec<DecodeLoad>,
+    pool: LruCache,
+}
+
+impl ClusterView for LiveView {
+    fn prefill_instances(&self) -> usize {
+        self.prefill.len()
+    }
+    fn prefill_load(&self, i: usize) -> PrefillLoad {
+        let p = &self.prefill[i];
+        PrefillLoad {
+            queued: p.queued,
+            busy_until_ms: p.busy_until_ms,
+        }
+    }
+    fn local_prefix_blocks(&self, i: usize, blocks: &[ChunkHash]) -> usize {
+        self.prefill[i].chunks.prefix_len(blocks)
+    }
+    fn global_prefix_blocks(&self, blocks: &[ChunkHash]) -> usize {
+        self.pool.prefix_len(blocks)
+    }
+    fn decode_instances(&self) -> usize {
+        self.decode.len()
+    }
+    fn decode_load(&self, i: usize) -> DecodeLoad {
+        self.decode[i]
+    }
+}
+
+/// State of the [`Conductor`] actor.
+#[derive(Debug)]
+pub struct ConductorState {
+    scheduler: Scheduler,
+    view: LiveView,
+    epoch: Instant,
+    gate: Arc<AtomicUsize>,
+    routed: u64,
+    rejected: u64,
+    ignored: u64,
+}
+
+impl ConductorState {
+    fn now_ms(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64() * 1000.0
+    }
+
+    fn schedule(&mut self, request: &ScheduleRequest) -> Decision {
+        let now = self.now_ms();
+        let view = RequestView {
+            id: request.id,
+            input_tokens: request.input_tokens,
+            blocks: &request.chunks,
+        };
+        let decision = self.scheduler.schedule(&view, &self.view, now);
+        match decision {
+            Decision::Route {
+                prefill,
+                predicted_prefill_ms,
+                ..
+            } => {
+                self.routed += 1;
+                let p = &mut self.view.prefill[prefill];
+                p.queued += 1;
+                p.busy_until_ms = p.busy_until_ms.max(now) + predicted_prefill_ms;
+                p.chunks.touch(&request.chunks);
+            }
+            Decision::Reject(_) => self.rejected += 1,
+        }
+        decision
+    }
+
+    fn load_report(&mut self, instance: usize, load: InstanceLoad) {
+        let now = self.now_ms();
+        match load {
+            InstanceLoad::Prefill {
+                queued_requests,
+                queued_ms,
+            } => match self.view.prefill.get_mut(instance) {
+                Some(p) if queued_ms.is_finite() && queued_ms >= 0.0 => {
+                    p.queued = queued_requests;
+                    p.busy_until_ms = now + queued_ms;
+                }
+                _ => self.ignored += 1,
+            },
+            InstanceLoad::Decode {
+                active_seqs,
+                active_tokens,
+                waiting_seqs,
+                waiting_tokens,
+            } => match self.view.decode.get_mut(instance) {
+                Some(d) => {
+                    *d = DecodeLoad {
+                        active_seqs,
+                        active_tokens,
+                        waiting_seqs,
+                        waiting_tokens,
+                    }
+                }
+                None => self.ignored += 1,
+            },
+        }
+    }
+
+    fn kv_event(&mut self, location: KvLocation, stored: &[ChunkHash], removed: &[ChunkHash]) {
+        let mirror = match location {
+            KvLocation::Pool => &mut self.view.pool,
+            KvLocation::Prefill(i) => match self.view.prefill.get_mut(i) {
+                Some(p) => &mut p.chunks,
+                None => {
+                    self.ignored += 1;
+                    return;
+                }
+            },
+        };
+        for h in removed {
+            mirror.remove(*h);
+        }
+        mirror.touch(stored);
+    }
+
+    fn snapshot(&self) -> ConductorSnapshot {
+        ConductorSnapshot {
+            policy: self.scheduler.policy(),
+            prefill: (0..self.view.prefill.len())
+                .map(|i| (self.view.prefill_load(i), self.view.prefill[i].chunks.len()))
+                .collect(),
+            decode: self.view.decode.clone(),
+            pool_chunks: self.view.pool.len(),
+            routed: self.routed,
+            rejected: self.rejected,
+            ignored: self.ignored,
+            now_ms: self.now_ms(),
+        }
+    }
+}
+
+/// The conductor actor. Spawn it with [`ConductorHandle::spawn`] (bounded)
+/// or with ractor's `Actor::spawn` and [`ConductorArgs`] (unbounded mailbox).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Conductor;
+
+impl Actor for Conductor {
+    type Msg = ConductorMsg;
+    type State = ConductorState;
+    type Arguments = ConductorArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: ConductorArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        args.validate()?;
+        let cap = Capacity::Blocks(args.max_tracked_chunks);
+        Ok(ConductorState {
+            scheduler: Scheduler::new(args.policy, args.cost.clone(), args.slo, args.seed),
+            view: LiveView {
+                prefill: (0..args.prefill_instances)
+                    .map(|_| LivePrefill {
+                        queued: 0,
+                        busy_until_ms: 0.0,
+                        chunks: LruCache::new(cap),
+                    })
+                    .collect(),
+                decode: vec![DecodeLoad::default(); args.decode_instances],
+                pool: LruCache::new(cap),
+            },
+            epoch: Instant::now(),
+            gate: args.gate,
+            routed: 0,
+            rejected: 0,
+            ignored: 0,
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        message: Self::Msg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        // One fewer message outstanding (saturating: raw sends are not counted).
+        let _ = state
+            .gate
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        match message {
+            ConductorMsg::Schedule { request, reply } => {
+                let decision = state.schedule(&request);
+                // The caller may have given up (timeout); nothing to do then.
+                let _ = reply.send(decision);
+            }
+            ConductorMsg::LoadReport { instance, load } => state.load_report(instance, load),
+            ConductorMsg::KvEvent {
+                location,
+                stored,
+                removed,
+            } => state.kv_event(location, &stored, &removed),
+            ConductorMsg::Snapshot { reply } => {
+                let _ = reply.send(state.snapshot());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A bounded handle to a running [`Conductor`].
+#[derive(Debug, Clone)]
+pub struct ConductorHandle {
+    actor: ActorRef<ConductorMsg>,
+    gate: Arc<AtomicUsize>,
+    bound: usize,
+}
+
+impl ConductorHandle {
+    /// Starts a conductor; returns its handle and the actor task's join handle.
+    pub async fn spawn(
+        args: ConductorArgs,
+    ) -> Result<(Self, tokio::task::JoinHandle<()>), ConductorError> {
+        args.validate()?;
+        let gate = Arc::clone(&args.gate);
+        let bound = args.mailbox_bound;
+        let (actor, join) = Actor::spawn(None, Conductor, args)
+            .await
+            .map_err(|e| ConductorError::Spawn(e.to_string()))?;
+        Ok((Self { actor, gate, bound }, join))
+    }
+
+    fn admit(&self) -> Result<(), ConductorError> {
+        self.gate
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.bound).then_some(n + 1)
+            })
+            .map(|_| ())
+            .map_err(|_| ConductorError::Overloaded { bound: self.bound })
+    }
+
+    fn release(&self) {
+        let _ = self
+            .gate
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+
+    fn send(&self, msg: ConductorMsg) -> Result<(), ConductorError> {
+        self.admit()?;
+        self.actor.cast(msg).map_err(|e| {
+            self.release();
+            ConductorError::NotRunning(e.to_string())
+        })
+    }
+
+    async fn call<T: Send + 'static>(
+        &self,
+        build: impl FnOnce(RpcReplyPort<T>) -> ConductorMsg,
+        timeout: Duration,
+    ) -> Result<T, ConductorError> {
+        self.admit()?;
+        match self.actor.call(build, Some(timeout)).await {
+            Ok(CallResult::Success(v)) => Ok(v),
+            Ok(CallResult::Timeout) => Err(ConductorError::Timeout(timeout)),
+            Ok(CallResult::SenderError) => Err(ConductorError::NotRunning(
+                "the conductor dropped the reply".into(),
+            )),
+            Err(e) => {
+                self.release();
+                Err(ConductorError::NotRunning(e.to_string()))
+            }
+        }
+    }
+
+    /// Places a request, waiting at most `timeout` for the answer.
+    pub async fn schedule(
+        &self,
+        request: ScheduleRequest,
+        timeout: Duration,
+    ) -> Result<Decision, ConductorError> {
+        self.call(|reply| ConductorMsg::Schedule { request, reply }, timeout)
+            .await
+    }
+
+    /// Sends a load report.
+    pub fn report_load(&self, instance: usize, load: InstanceLoad) -> Result<(), ConductorError> {
+        self.send(ConductorMsg::LoadReport { instance, load })
+    }
+
+    /// Sends a KV event.
+    pub fn kv_event(
+        &self,
+        location: KvLocation,
+        stored: Vec<ChunkHash>,
+        removed: Vec<ChunkHash>,
+    ) -> Result<(), ConductorError> {
+        self.send(ConductorMsg::KvEvent {
+            location,
+            stored,
+            removed,
+        })
+    }
+
+    /// A snapshot of the conductor's view and counters.
+    pub async fn snapshot(&self, timeout: Duration) -> Result<ConductorSnapshot, ConductorError> {
+        self.call(|reply| ConductorMsg::Snapshot { reply }, timeout)
+            .await
+    }
+
+    /// The underlying actor reference (sends through it are not bounded).
+    pub fn actor(&self) -> &ActorRef<ConductorMsg> {
+        &self.actor
+    }
+
+    /// Messages sent through handles and not yet handled.
+    pub fn outstanding(&self) -> usize {
+        self.gate.load(Ordering::Acquire)
+    }
+
+    /// Asks the actor to stop.
+    pub fn stop(&self) {
+        self.actor.stop(None);
+    }
+}

@@ -1,0 +1,848 @@
+//! Scheduling policies: pure logic, no I/O, no clock reads.
+//!
+//! [`Scheduler::schedule`] takes a request, a read-only [`ClusterView`] and
+//! the current time, and returns a [`Decision`]: a (prefill, decode) pair or
+//! a rejection with its reason. The same code runs in the simulator
+//! ([`crate::sim`]) and in the live actor
+//! ([`crate::actor`]), each with its own view.
+//!
+//! Estimates (all from the [`CostModel`]):
+//!
+//! - TTFT on prefill instance `i` = queue wait (`busy_until - now`, at least 0)
+//!   + fetch of the cached prefix that is in the pool but not on `i`
+//!   + prefill of the uncached tokens on top of the cached ones.
+//! - TBT on a decode instance with `s` sequences and `k` context tokens
+//!   (running plus waiting, plus the new request): if `s` and `k` fit the
+//!   instance's batch and KV limits, one decode step `step(s, k)`; otherwise
+//!   the instance is oversubscribed by `o = max(s / max_batch, k / max_tokens)`
+//!   and every sequence gets a step only `1/o` of the time, so the estimate is
+//!   `step(s/o, k/o) * o`.
+//!
+//! Policies:
+//!
+//! - `random`, `round_robin`: prefill and decode picked at random / in turn.
+//! - `least_loaded`: the prefill instance whose queue drains first; the decode
+//!   instance with the lowest estimated TBT.
+//! - `cache_local`: minimum TTFT counting only the prefix cached on each
+//!   instance itself.
+//! - `cache_global` (Mooncake): minimum TTFT counting the longer of the local
+//!   prefix and the pool's prefix, plus the fetch of the difference.
+//! - `early_reject`: `cache_global`, then reject if the best TTFT misses the
+//!   TTFT SLO or the chosen decode instance's estimated TBT *now* misses the
+//!   TBT SLO.
+//! - `predictive_reject`: `cache_global`, then reject on the TTFT SLO, or if
+//!   the decode pool's TBT *predicted at the moment this request would finish
+//!   prefill* misses the TBT SLO. The prediction follows Mooncake's
+//!   system-level approach (every request is assumed to decode for the same
+//!   time `T = expected_output_tokens * step`): of the sequences running now,
+//!   the fraction `max(0, 1 - dt / T)` is still running after `dt` (remaining
+//!   times spread evenly over `[0, T]`); waiting sequences are all still
+//!   there; and requests this scheduler routed that finish prefill within
+//!   `(now, now + dt]` have joined.
+//!
+//! Every policy refuses a prefill instance whose queue is full; if all are
+//! full the request is rejected (`prefill_queues_full`).
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::str::FromStr;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use super::chunk_hash::ChunkHash;
+use super::cost::CostModel;
+
+/// A scheduling policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    /// Uniformly random prefill and decode instances.
+    Random,
+    /// Prefill and decode instances in turn.
+    RoundRobin,
+    /// Shortest prefill queue, least loaded decode instance.
+    LeastLoaded,
+    /// Minimum TTFT using only each instance's own cached prefix.
+    CacheLocal,
+    /// Minimum TTFT using local and pool prefixes (Mooncake).
+    CacheGlobal,
+    /// `cache_global` plus rejection on current load.
+    EarlyReject,
+    /// `cache_global` plus rejection on predicted decode load.
+    PredictiveReject,
+}
+
+impl Policy {
+    /// Every policy, in a fixed order.
+    pub const ALL: [Policy; 7] = [
+        Policy::Random,
+        Policy::RoundRobin,
+        Policy::LeastLoaded,
+        Policy::CacheLocal,
+        Policy::CacheGlobal,
+        Policy::EarlyReject,
+        Policy::PredictiveReject,
+    ];
+
+    /// The name used on the command line and in JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Random => "random",
+            Policy::RoundRobin => "round_robin",
+            Policy::LeastLoaded => "least_loaded",
+            Policy::CacheLocal => "cache_local",
+            Policy::CacheGlobal => "cache_global",
+            Policy::EarlyReject => "early_reject",
+            Policy::PredictiveReject => "predictive_reject",
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Error of parsing a [`Policy`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown policy {0:?} (expected one of random, round_robin, least_loaded, cache_local, cache_global, early_reject, predictive_reject)")]
+pub struct ParsePolicyError(pub String);
+
+impl FromStr for Policy {
+    type Err = ParsePolicyError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Policy::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| ParsePolicyError(s.to_string()))
+    }
+}
+
+/// Latency objectives.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Slo {
+    /// Time to first token, ms.
+    pub ttft_ms: f64,
+    /// Time between tokens (per-request average), ms.
+    pub tbt_ms: f64,
+}
+
+impl Default for Slo {
+    /// 30 s / 100 ms: the Mooncake FAST'25 paper's TTFT threshold and its
+    /// strictest TBT threshold ("threshold I") for the end-to-end runs.
+    fn default() -> Self {
+        Self {
+            ttft_ms: 30_000.0,
+            tbt_ms: 100.0,
+        }
+    }
+}
+
+/// What the scheduler sees of a request.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestView<'a> {
+    /// Caller's id, for its own bookkeeping (the policies ignore it).
+    pub id: u64,
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// Prefix-chained chunk hashes of the prompt, in order.
+    pub blocks: &'a [ChunkHash],
+}
+
+/// Load of one prefill instance.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PrefillLoad {
+    /// Requests waiting (not counting the one running).
+    pub queued: usize,
+    /// When the instance will have finished everything it holds, ms on the
+    /// caller's clock (anything `<= now` means idle).
+    pub busy_until_ms: f64,
+}
+
+/// Load of one decode instance.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct DecodeLoad {
+    /// Sequences in the running batch.
+    pub active_seqs: usize,
+    /// Context tokens of the running batch.
+    pub active_tokens: u64,
+    /// Prefilled requests waiting for a slot.
+    pub waiting_seqs: usize,
+    /// Context tokens of the waiting requests.
+    pub waiting_tokens: u64,
+}
+
+/// The cluster as the scheduler sees it.
+pub trait ClusterView {
+    /// Number of prefill instances (indices `0..n`).
+    fn prefill_instances(&self) -> usize;
+    /// Load of prefill instance `instance`.
+    fn prefill_load(&self, instance: usize) -> PrefillLoad;
+    /// Leading blocks of `blocks` cached on prefill instance `instance` itself.
+    fn local_prefix_blocks(&self, instance: usize, blocks: &[ChunkHash]) -> usize;
+    /// Leading blocks of `blocks` cached anywhere in the pool.
+    fn global_prefix_blocks(&self, blocks: &[ChunkHash]) -> usize;
+    /// Number of decode instances (indices `0..n`).
+    fn decode_instances(&self) -> usize;
+    /// Load of decode instance `instance`.
+    fn decode_load(&self, instance: usize) -> DecodeLoad;
+}
+
+/// Why a request was rejected.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "reason", rename_all = "snake_case")]
+pub enum RejectReason {
+    /// The view has no prefill or no decode instance.
+    NoInstances,
+    /// Every prefill queue is at its bound.
+    PrefillQueuesFull {
+        /// The per-instance bound.
+        bound: usize,
+    },
+    /// The best achievable TTFT misses the SLO.
+    TtftSlo {
+        /// Best predicted TTFT, ms.
+        predicted_ms: f64,
+        /// The SLO, ms.
+        slo_ms: f64,
+    },
+    /// The decode pool's (current or predicted) TBT misses the SLO.
+    TbtSlo {
+        /// Best predicted TBT, ms.
+        predicted_ms: f64,
+        /// The SLO, ms.
+        slo_ms: f64,
+    },
+}
+
+impl RejectReason {
+    /// Short machine-readable name.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RejectReason::NoInstances => "no_instances",
+            RejectReason::PrefillQueuesFull { .. } => "prefill_queues_full",
+            RejectReason::TtftSlo { .. } => "ttft_slo",
+            RejectReason::TbtSlo { .. } => "tbt_slo",
+        }
+    }
+}
+
+impl fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RejectReason::NoInstances => {
+                f.write_str("no prefill or no decode instance is available")
+            }
+            RejectReason::PrefillQueuesFull { bound } => {
+                write!(f, "every prefill queue holds its limit of {bound} requests")
+            }
+            RejectReason::TtftSlo {
+                predicted_ms,
+                slo_ms,
+            } => write!(
+                f,
+                "predicted time to first token {predicted_ms:.1} ms exceeds the {slo_ms:.1} ms SLO"
+            ),
+            RejectReason::TbtSlo {
+                predicted_ms,
+                slo_ms,
+            } => write!(
+                f,
+                "predicted time between tokens {predicted_ms:.1} ms exceeds the {slo_ms:.1} ms SLO"
+            ),
+        }
+    }
+}
+
+/// The scheduler's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "decision", rename_all = "snake_case")]
+pub enum Decision {
+    /// Run prefill on `prefill`, then decode on `decode`.
+    Route {
+        /// Prefill instance index.
+        prefill: usize,
+        /// Decode instance index.
+        decode: usize,
+        /// Predicted time to first token (queue + fetch + prefill), ms.
+        predicted_ttft_ms: f64,
+        /// Predicted fetch + prefill time (no queue), ms.
+        predicted_prefill_ms: f64,
+        /// Predicted time between tokens on `decode`, ms.
+        predicted_tbt_ms: f64,
+        /// Leading blocks the chosen instance is expected to reuse.
+        cached_blocks: usize,
+        /// Of those, blocks fetched from the pool.
+        fetched_blocks: usize,
+    },
+    /// Refuse the request now, before any prefill work.
+    Reject(RejectReason),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Inbound {
+    ready_ms: f64,
+    tokens: u64,
+}
+
+/// Most routed-but-not-yet-decoding requests remembered per decode instance
+/// (for `predictive_reject`); the oldest are forgotten beyond this.
+pub const INBOUND_LEDGER_MAX: usize = 16_384;
+
+#[derive(Debug, Clone, Copy)]
+struct Estimate {
+    instance: usize,
+    ttft_ms: f64,
+    prefill_ms: f64,
+    cached_blocks: usize,
+    fetched_blocks: usize,
+}
+
+/// The scheduler: a policy, the cost model, the SLOs and a seeded RNG, plus
+/// its own small memory (round-robin cursors, and for `predictive_reject` the
+/// requests it routed that are still in prefill).
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    policy: Policy,
+    cost: CostModel,
+    slo: Slo,
+    rng: ChaCha8Rng,
+    rr_prefill: usize,
+    rr_decode: usize,
+    inbound: Vec<VecDeque<Inbound>>,
+}
+
+impl Scheduler {
+    /// A scheduler; `seed` drives `random` (and nothing else).
+    pub fn new(policy: Policy, cost: CostModel, slo: Slo, seed: u64) -> Self {
+        Self {
+            policy,
+            cost,
+            slo,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            rr_prefill: 0,
+            rr_decode: 0,
+            inbound: Vec::new(),
+        }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// The cost model.
+    pub fn cost(&self) -> &CostModel {
+        &self.cost
+    }
+
+    /// The SLOs.
+    pub fn slo(&self) -> Slo {
+        self.slo
+    }
+
+    /// Decides where `req`, arriving at `now_ms`, runs, or rejects it.
+    pub fn schedule<V: ClusterView + ?Sized>(
+        &mut self,
+        req: &RequestView<'_>,
+        view: &V,
+        now_ms: f64,
+    ) -> Decision {
+        let np = view.prefill_instances();
+        let nd = view.decode_instances();
+        if np == 0 || nd == 0 {
+            return Decision::Reject(RejectReason::NoInstances);
+        }
+        let bound = self.cost.prefill.queue_max;
+        let has_room = |i: usize| view.prefill_load(i).queued < bound;
+        let open = (0..np).filter(|&i| has_room(i)).count();
+        if open == 0 {
+            return Decision::Reject(RejectReason::PrefillQueuesFull { bound });
+        }
+        let global = view.global_prefix_blocks(req.blocks);
+        let cost = &self.cost;
+        let est =
+            |i: usize, use_global: bool| estimate(cost, req, view, i, now_ms, global, use_global);
+
+        let (prefill, decode_pick) = match self.policy {
+            Policy::Random => {
+                let k = self.rng.random_range(0..open);
+                let p = (0..np).filter(|&i| has_room(i)).nth(k).unwrap_or(0);
+                let d = self.rng.random_range(0..nd);
+                (est(p, true), Some(d))
+            }
+            Policy::RoundRobin => {
+                let mut p = self.rr_prefill % np;
+                while !has_room(p) {
+                    p = (p + 1) % np;
+                }
+                self.rr_prefill = (p + 1) % np;
+                let d = self.rr_decode % nd;
+                self.rr_decode = (d + 1) % nd;
+                (est(p, true), Some(d))
+            }
+            Policy::LeastLoaded => {
+                let mut best: Option<(f64, usize, usize)> = None;
+                for i in (0..np).filter(|&i| has_room(i)) {
+                    let load = view.prefill_load(i);
+                    let key = (load.busy_until_ms.max(now_ms), load.queued, i);
+                    if best.is_none_or(|b| key.0 < b.0 || (key.0 == b.0 && key.1 < b.1)) {
+                        best = Some(key);
+                    }
+                }
+                let p = best.map_or(0, |b| b.2);
+                (est(p, true), None)
+            }
+            Policy::CacheLocal => (min_ttft(np, &has_room, |i| est(i, false)), None),
+            Policy::CacheGlobal | Policy::EarlyReject | Policy::PredictiveReject => {
+                (min_ttft(np, &has_room, |i| est(i, true)), None)
+            }
+        };
+
+        let ctx = u64::from(req.input_tokens) + 1;
+        if self.policy == Policy::PredictiveReject {
+            let ready = now_ms + prefill.ttft_ms;
+            if prefill.ttft_ms > self.slo.ttft_ms {
+                return Decision::Reject(RejectReason::TtftSlo {
+                    predicted_ms: prefill.ttft_ms,
+                    slo_ms: self.slo.ttft_ms,
+                });
+            }
+            let (d, tbt) = self.best_decode_predicted(view, now_ms, ready, ctx);
+            if tbt > self.slo.tbt_ms {
+                return Decision::Reject(RejectReason::TbtSlo {
+                    predicted_ms: tbt,
+                    slo_ms: self.slo.tbt_ms,
+                });
+            }
+            self.remember_inbound(nd, d, ready, ctx);
+            return route(prefill, d, tbt);
+        }
+
+        let (d, tbt) = match decode_pick {
+            Some(d) => (d, self.tbt_estimate(view.decode_load(d), ctx)),
+            None => self.best_decode_now(view, ctx),
+        };
+        if self.policy == Policy::EarlyReject {
+            if prefill.ttft_ms > self.slo.ttft_ms {
+                return Decision::Reject(RejectReason::TtftSlo {
+                    predicted_ms: prefill.ttft_ms,
+                    slo_ms: self.slo.ttft_ms,
+                });
+            }
+            if tbt > self.slo.tbt_ms {
+                return Decision::Reject(RejectReason::TbtSlo {
+                    predicted_ms: tbt,
+                    slo_ms: self.slo.tbt_ms,
+                });
+            }
+        }
+        route(prefill, d, tbt)
+    }
+
+    /// Estimated TBT of a decode instance holding `seqs` sequences and
+    /// `tokens` context tokens in all (see the module docs).
+    pub fn tbt_for(&self, seqs: f64, tokens: f64) -> f64 {
+        let cap_seqs = self.cost.decode.max_batch as f64;
+        let cap_tokens = self.cost.decode.max_context_tokens as f64;
+        let over = (seqs / cap_seqs).max(tokens / cap_tokens).max(1.0);
+        self.cost.decode_step_ms(seqs / over, tokens / over) * over
+    }
+
+    fn tbt_estimate(&self, load: DecodeLoad, ctx: u64) -> f64 {
+        let seqs = (load.active_seqs + load.waiting_seqs + 1) as f64;
+        let tokens = (load.active_tokens + load.waiting_tokens + ctx) as f64;
+        self.tbt_for(seqs, tokens)
+    }
+
+    fn best_decode_now<V: ClusterView + ?Sized>(&self, view: &V, ctx: u64) -> (usize, f64) {
+        let mut best = (0, f64::INFINITY);
+        for d in 0..view.decode_instances() {
+            let t = self.tbt_estimate(view.decode_load(d), ctx);
+            if t < best.1 {
+                best = (d, t);
+            }
+        }
+        best
+    }
+
+    fn best_decode_predicted<V: ClusterView + ?Sized>(
+        &mut self,
+        view: &V,
+        now_ms: f64,
+        ready_ms: f64,
+        ctx: u64,
+    ) -> (usize, f64) {
+        let nd = view.decode_instances();
+        if self.inbound.len() < nd {
+            self.inbound.resize_with(nd, VecDeque::new);
+        }
+        let dt = (ready_ms - now_ms).max(0.0);
+        let expected_out = f64::from(self.cost.decode.expected_output_tokens);
+        let mut best = (0, f64::INFINITY);
+        for d in 0..nd {
+            let load = view.decode_load(d);
+            // Requests that finished prefill by now are in `load`.
+            self.inbound[d].retain(|r| r.ready_ms > now_ms);
+            let now_tbt = self.tbt_estimate(load, ctx);
+            let decode_time = expected_out * now_tbt;
+            let survive = if decode_time > 0.0 {
+                (1.0 - dt / decode_time).max(0.0)
+            } else {
+                0.0
+            };
+            let mut seqs = load.active_seqs as f64 * survive + load.waiting_seqs as f64 + 1.0;
+            let mut tokens =
+                load.active_tokens as f64 * survive + load.waiting_tokens as f64 + ctx as f64;
+            for r in &self.inbound[d] {
+                if r.ready_ms <= ready_ms && r.ready_ms + decode_time > ready_ms {
+                    seqs += 1.0;
+                    tokens += r.tokens as f64;
+                }
+            }
+            let t = self.tbt_for(seqs, tokens);
+            if t < best.1 {
+                best = (d, t);
+            }
+        }
+        best
+    }
+
+    fn remember_inbound(&mut self, nd: usize, d: usize, ready_ms: f64, tokens: u64) {
+        if self.inbound.len() < nd {
+            self.inbound.resize_with(nd, VecDeque::new);
+        }
+        let q = &mut self.inbound[d];
+        if q.len() >= INBOUND_LEDGER_MAX {
+            q.pop_front();
+        }
+        q.push_back(Inbound { ready_ms, tokens });
+    }
+
+    /// Requests routed to decode instance `d` that this scheduler still
+    /// expects to finish prefill (for `predictive_reject`; 0 otherwise).
+    pub fn inbound_len(&self, d: usize) -> usize {
+        self.inbound.get(d).map_or(0, VecDeque::len)
+    }
+}
+
+fn min_ttft(
+    np: usize,
+    has_room: &impl Fn(usize) -> bool,
+    est: impl Fn(usize) -> Estimate,
+) -> Estimate {
+    let mut best: Option<Estimate> = None;
+    for i in (0..np).filter(|&i| has_room(i)) {
+        let e = est(i);
+        if best.is_none_or(|b| e.ttft_ms < b.ttft_ms) {
+            best = Some(e);
+        }
+    }
+    // `open > 0` was checked by the caller, so `best` is set.
+    best.unwrap_or_else(|| est(0))
+}
+
+fn estimate<V: ClusterView + ?Sized>(
+    cost: &CostModel,
+    req: &RequestView<'_>,
+    view: &V,
+    instance: usize,
+    now_ms: f64,
+    global: usize,
+    use_global: bool,
+) -> Estimate {
+    let local = view.local_prefix_blocks(instance, req.blocks);
+    let (cached, fetched) = if use_global && global > local {
+        (global, global - local)
+    } else {
+        (local, 0)
+    };
+    let cached_tokens = cost.blocks_to_tokens(cached, req.input_tokens);
+    let local_tokens = cost.blocks_to_tokens(local.min(cached), req.input_tokens);
+    let uncached = u64::from(req.input_tokens) - cached_tokens;
+    let prefill_ms =
+        cost.fetch_ms(cached_tokens - local_tokens) + cost.prefill_ms(uncached, cached_tokens);
+    let wait = (view.prefill_load(instance).busy_until_ms - now_ms).max(0.0);
+    Estimate {
+        instance,
+        ttft_ms: wait + prefill_ms,
+        prefill_ms,
+        cached_blocks: cached,
+        fetched_blocks: fetched,
+    }
+}
+
+fn route(p: Estimate, decode: usize, tbt: f64) -> Decision {
+    Decision::Route {
+        prefill: p.instance,
+        decode,
+        predicted_ttft_ms: p.ttft_ms,
+        predicted_prefill_ms: p.prefill_ms,
+        predicted_tbt_ms: tbt,
+        cached_blocks: p.cached_blocks,
+        fetched_blocks: p.fetched_blocks,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[derive(Default)]
+    struct FakeView {
+        prefill: Vec<(PrefillLoad, HashSet<u64>)>,
+        global: HashSet<u64>,
+        decode: Vec<DecodeLoad>,
+    }
+
+    impl ClusterView for FakeView {
+        fn prefill_instances(&self) -> usize {
+            self.prefill.len()
+        }
+        fn prefill_load(&self, i: usize) -> PrefillLoad {
+            self.prefill[i].0
+        }
+        fn local_prefix_blocks(&self, i: usize, blocks: &[ChunkHash]) -> usize {
+            blocks
+                .iter()
+                .take_while(|b| self.prefill[i].1.contains(&b.0))
+                .count()
+        }
+        fn global_prefix_blocks(&self, blocks: &[ChunkHash]) -> usize {
+            blocks
+                .iter()
+                .take_while(|b| self.global.contains(&b.0))
+                .count()
+        }
+        fn decode_instances(&self) -> usize {
+            self.decode.len()
+        }
+        fn decode_load(&self, i: usize) -> DecodeLoad {
+            self.decode[i]
+        }
+    }
+
+    fn view(np: usize, nd: usize) -> FakeView {
+        FakeView {
+            prefill: (0..np)
+                .map(|_| (PrefillLoad::default(), HashSet::new()))
+                .collect(),
+            global: HashSet::new(),
+            decode: vec![DecodeLoad::default(); nd],
+        }
+    }
+
+    fn blocks(n: u64) -> Vec<ChunkHash> {
+        (0..n).map(ChunkHash).collect()
+    }
+
+    fn sched(p: Policy) -> Scheduler {
+        Scheduler::new(p, CostModel::default(), Slo::default(), 7)
+    }
+
+    fn req(b: &[ChunkHash]) -> RequestView<'_> {
+        RequestView {
+            id: 1,
+            input_tokens: (b.len() * 512) as u32,
+            blocks: b,
+        }
+    }
+
+    fn prefill_of(d: Decision) -> usize {
+        match d {
+            Decision::Route { prefill, .. } => prefill,
+            Decision::Reject(r) => panic!("rejected: {r}"),
+        }
+    }
+
+    #[test]
+    fn policy_names_round_trip() {
+        for p in Policy::ALL {
+            assert_eq!(p.as_str().parse::<Policy>().unwrap(), p);
+            assert_eq!(
+                serde_json::to_string(&p).unwrap(),
+                format!("\"{}\"", p.as_str())
+            );
+        }
+        assert!("fastest".parse::<Policy>().is_err());
+    }
+
+    #[test]
+    fn cache_local_follows_the_local_prefix_and_cache_global_counts_the_pool() {
+        let b = blocks(20);
+        let mut v = view(3, 1);
+        v.prefill[2].1.extend(0..10);
+        v.global.extend(0..20);
+        assert_eq!(
+            prefill_of(sched(Policy::CacheLocal).schedule(&req(&b), &v, 0.0)),
+            2
+        );
+        // Everything is in the pool; instance 2 has half locally, so it
+        // still fetches less and wins.
+        let d = sched(Policy::CacheGlobal).schedule(&req(&b), &v, 0.0);
+        match d {
+            Decision::Route {
+                prefill,
+                cached_blocks,
+                fetched_blocks,
+                ..
+            } => {
+                assert_eq!((prefill, cached_blocks, fetched_blocks), (2, 20, 10));
+            }
+            Decision::Reject(r) => panic!("{r}"),
+        }
+        // A long queue on instance 2 sends the request elsewhere.
+        v.prefill[2].0.busy_until_ms = 60_000.0;
+        v.prefill[2].0.queued = 10;
+        assert_ne!(
+            prefill_of(sched(Policy::CacheGlobal).schedule(&req(&b), &v, 0.0)),
+            2
+        );
+    }
+
+    #[test]
+    fn least_loaded_and_round_robin() {
+        let b = blocks(2);
+        let mut v = view(3, 2);
+        v.prefill[0].0.busy_until_ms = 500.0;
+        v.prefill[1].0.busy_until_ms = 100.0;
+        v.prefill[2].0.busy_until_ms = 900.0;
+        assert_eq!(
+            prefill_of(sched(Policy::LeastLoaded).schedule(&req(&b), &v, 0.0)),
+            1
+        );
+        let mut rr = sched(Policy::RoundRobin);
+        let picks: Vec<usize> = (0..4)
+            .map(|_| prefill_of(rr.schedule(&req(&b), &v, 0.0)))
+            .collect();
+        assert_eq!(picks, vec![0, 1, 2, 0]);
+    }
+
+    #[test]
+    fn random_is_seeded() {
+        let b = blocks(2);
+        let v = view(8, 2);
+        let run = |seed| {
+            let mut s = Scheduler::new(Policy::Random, CostModel::default(), Slo::default(), seed);
+            (0..32)
+                .map(|_| prefill_of(s.schedule(&req(&b), &v, 0.0)))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(1), run(1));
+        assert_ne!(run(1), run(2));
+    }
+
+    #[test]
+    fn full_queues_are_skipped_then_rejected() {
+        let b = blocks(2);
+        let mut v = view(2, 1);
+        let bound = CostModel::default().prefill.queue_max;
+        v.prefill[0].0.queued = bound;
+        for p in Policy::ALL {
+            assert_eq!(prefill_of(sched(p).schedule(&req(&b), &v, 0.0)), 1, "{p}");
+        }
+        v.prefill[1].0.queued = bound;
+        for p in Policy::ALL {
+            assert_eq!(
+                sched(p).schedule(&req(&b), &v, 0.0),
+                Decision::Reject(RejectReason::PrefillQueuesFull { bound })
+            );
+        }
+        assert_eq!(
+            sched(Policy::CacheGlobal).schedule(&req(&b), &view(0, 1), 0.0),
+            Decision::Reject(RejectReason::NoInstances)
+        );
+    }
+
+    #[test]
+    fn early_reject_on_ttft_and_on_current_decode_load() {
+        let b = blocks(4);
+        let mut v = view(1, 1);
+        v.prefill[0].0.busy_until_ms = 40_000.0;
+        let d = sched(Policy::EarlyReject).schedule(&req(&b), &v, 0.0);
+        assert!(
+            matches!(d, Decision::Reject(RejectReason::TtftSlo { .. })),
+            "{d:?}"
+        );
+        assert!(matches!(
+            sched(Policy::CacheGlobal).schedule(&req(&b), &v, 0.0),
+            Decision::Route { .. }
+        ));
+        v.prefill[0].0.busy_until_ms = 0.0;
+        let cap = CostModel::default().decode.max_context_tokens;
+        v.decode[0] = DecodeLoad {
+            active_seqs: 100,
+            active_tokens: cap,
+            waiting_seqs: 50,
+            waiting_tokens: cap,
+        };
+        let d = sched(Policy::EarlyReject).schedule(&req(&b), &v, 0.0);
+        match d {
+            Decision::Reject(r @ RejectReason::TbtSlo { .. }) => {
+                assert!(r.to_string().contains("time between tokens"), "{r}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn predictive_reject_sees_finishing_and_inbound_load() {
+        let b = blocks(4);
+        let cap = CostModel::default().decode.max_context_tokens;
+        // Decode is full now, but a long prefill queue means the request
+        // reaches decode much later, when the current batch has finished:
+        // early_reject refuses, predictive_reject accepts.
+        let mut v = view(1, 1);
+        v.prefill[0].0.busy_until_ms = 9_000.0;
+        v.decode[0] = DecodeLoad {
+            active_seqs: 100,
+            active_tokens: cap * 2,
+            waiting_seqs: 0,
+            waiting_tokens: 0,
+        };
+        assert!(matches!(
+            sched(Policy::EarlyReject).schedule(&req(&b), &v, 0.0),
+            Decision::Reject(RejectReason::TbtSlo { .. })
+        ));
+        assert!(matches!(
+            sched(Policy::PredictiveReject).schedule(&req(&b), &v, 0.0),
+            Decision::Route { .. }
+        ));
+        // An idle decode pool, but many requests already routed to it and
+        // about to finish prefill: predictive_reject refuses once the ledger
+        // fills the pool, early_reject never does.
+        let mut v = view(1, 1);
+        let big: Vec<ChunkHash> = blocks(40); // 20,480 tokens each
+        let mut pr = sched(Policy::PredictiveReject);
+        let mut er = sched(Policy::EarlyReject);
+        let mut pr_rejected = false;
+        for _ in 0..150 {
+            v.prefill[0].0.busy_until_ms = 0.0;
+            if let Decision::Reject(RejectReason::TbtSlo { .. }) = pr.schedule(&req(&big), &v, 0.0)
+            {
+                pr_rejected = true;
+            }
+            assert!(matches!(
+                er.schedule(&req(&big), &v, 0.0),
+                Decision::Route { .. }
+            ));
+        }
+        assert!(pr_rejected);
+        assert!(pr.inbound_len(0) > 0);
+    }
+
+    #[test]
+    fn tbt_estimate_grows_with_oversubscription() {
+        let s = sched(Policy::CacheGlobal);
+        let cap = CostModel::default().decode.max_context_tokens as f64;
+        let fits = s.tbt_for(10.0, cap / 2.0);
+        let full = s.tbt_for(20.0, cap);
+        let twice = s.tbt_for(40.0, 2.0 * cap);
+        assert!(fits < full);
+        assert!((twice - 2.0 * full).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,878 @@
+//! The configuration of a kvpool process. Every key has a default (the
+//! embedded single-node deployment needs no file); an unknown key or a bad
+//! value is a start-up error naming the key. `configs/*.toml` document each key.
+//!
+//! One crate for every role's settings, so that a role's crate, the process
+//! that composes roles, and tools read the same file the same way.
+
+use std::time::Duration;
+
+use kvpool_runtime::config::Bytes;
+use kvpool_runtime::ShardPoolConfig;
+use kvpool_transport::auth::ClusterKey;
+use serde::{Deserialize, Serialize};
+
+/// The whole config file.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeConfig {
+    pub runtime: RuntimeConfig,
+    pub master: MasterConfig,
+    pub storage: StorageConfig,
+    pub client: ClientConfig,
+    pub security: SecurityConfig,
+    pub engine: EngineConfig,
+}
+
+/// The environment variable that holds the cluster secret (it overrides
+/// `[security] secret`).
+pub const SECRET_ENV: &str = "KVPOOL_SECRET";
+
+impl NodeConfig {
+    /// Takes the cluster secret from `KVPOOL_SECRET` when it is set (and not
+    /// empty): a secret is better kept out of config files.
+    pub fn apply_env(&mut self) {
+        if let Ok(v) = std::env::var(SECRET_ENV) {
+            if !v.is_empty() {
+                self.security.secret = v;
+            }
+        }
+    }
+
+    /// The cluster key, when a secret is configured.
+    pub fn cluster_key(&self) -> Result<Option<ClusterKey>, String> {
+        self.security.key()
+    }
+
+    /// The `[client]` settings with the cluster secret filled in: what this
+    /// process's pool clients (the CLI, a storage node's own) use.
+    pub fn client_config(&self) -> ClientConfig {
+        let mut c = self.client.clone();
+        c.secret = Secret::new(self.security.secret.clone());
+        c
+    }
+
+    /// The addresses this process would listen on beyond loopback for
+    /// `has_master` / `has_storage` roles (to warn about an open cluster).
+    pub fn wide_listens(&self, has_master: bool, has_storage: bool) -> Vec<String> {
+        let mut v = Vec::new();
+        if has_master {
+            v.push(self.master.listen.clone());
+            v.push(self.master.http.clone());
+        }
+        if has_storage {
+            v.push(self.storage.listen.clone());
+            if !has_master {
+                v.push(self.storage.http.clone());
+            }
+        }
+        v.retain(|a| !is_loopback(a));
+        v
+    }
+
+    pub fn from_toml(text: &str, origin: &str) -> Result<Self, kvpool_runtime::RuntimeError> {
+        let cfg: Self = kvpool_runtime::config::from_toml_str(text, origin)?;
+        cfg.validate()
+            .map_err(|e| kvpool_runtime::RuntimeError::Config(format!("{origin}: {e}")))?;
+        Ok(cfg)
+    }
+
+    /// Checks values that parse but make no sense; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        fn nonzero(name: &str, v: u64) -> Result<(), String> {
+            if v == 0 {
+                Err(format!("key `{name}`: must be greater than 0"))
+            } else {
+                Ok(())
+            }
+        }
+        nonzero(
+            "runtime.job_queue_depth",
+            self.runtime.job_queue_depth as u64,
+        )?;
+        nonzero("runtime.actor_threads", self.runtime.actor_threads as u64)?;
+        nonzero("master.inbox_depth", self.master.inbox_depth as u64)?;
+        nonzero("master.max_connections", self.master.max_connections as u64)?;
+        nonzero("master.max_key_bytes", self.master.max_key_bytes as u64)?;
+        if self.master.max_key_bytes > 4096 {
+            return Err("key `master.max_key_bytes`: at most 4096".into());
+        }
+        nonzero("master.max_value_bytes", self.master.max_value_bytes.get())?;
+        nonzero("master.max_keys", self.master.max_keys)?;
+        nonzero("master.io_timeout_ms", self.master.io_timeout_ms)?;
+        nonzero("master.max_batch", self.master.max_batch as u64)?;
+        nonzero("master.lease_ttl_ms", self.master.lease_ttl_ms)?;
+        nonzero("master.put_timeout_ms", self.master.put_timeout_ms)?;
+        nonzero("master.client_ttl_ms", self.master.client_ttl_ms)?;
+        nonzero("master.tick_ms", self.master.tick_ms)?;
+        let hw = self.master.high_watermark;
+        if !(hw > 0.0 && hw <= 1.0) {
+            return Err(format!(
+                "key `master.high_watermark`: {hw} is not in (0, 1]"
+            ));
+        }
+        let er = self.master.eviction_ratio;
+        if !(er > 0.0 && er <= 1.0) {
+            return Err(format!(
+                "key `master.eviction_ratio`: {er} is not in (0, 1]"
+            ));
+        }
+        nonzero("storage.segment_size", self.storage.segment_size.get())?;
+        if !self.storage.segment_size.get().is_multiple_of(4096) {
+            return Err(format!(
+                "key `storage.segment_size`: {} is not a multiple of 4096",
+                self.storage.segment_size.get()
+            ));
+        }
+        nonzero("storage.ping_interval_ms", self.storage.ping_interval_ms)?;
+        nonzero(
+            "storage.max_connections",
+            self.storage.max_connections as u64,
+        )?;
+        nonzero("storage.io_timeout_ms", self.storage.io_timeout_ms)?;
+        let n = &self.storage.nvme;
+        if !n.path.is_empty() {
+            nonzero("storage.nvme.capacity", n.capacity.get())?;
+            nonzero("storage.nvme.task_poll_ms", n.task_poll_ms)?;
+            if !(0.0 < n.low_watermark
+                && n.low_watermark < n.high_watermark
+                && n.high_watermark <= 1.0)
+            {
+                return Err(
+                    "keys `storage.nvme.low_watermark` and `storage.nvme.high_watermark`: need 0 < low < high <= 1"
+                        .into(),
+                );
+            }
+        }
+        for (k, v) in [
+            (
+                "master.first_frame_timeout_ms",
+                self.master.first_frame_timeout_ms,
+            ),
+            (
+                "storage.first_frame_timeout_ms",
+                self.storage.first_frame_timeout_ms,
+            ),
+            (
+                "master.max_frame_memory",
+                self.master.max_frame_memory.get(),
+            ),
+            (
+                "storage.max_frame_memory",
+                self.storage.max_frame_memory.get(),
+            ),
+        ] {
+            nonzero(k, v)?;
+        }
+        for (k, mem, frame) in [
+            (
+                "master.max_frame_memory",
+                self.master.max_frame_memory,
+                self.master.max_frame_bytes,
+            ),
+            (
+                "storage.max_frame_memory",
+                self.storage.max_frame_memory,
+                self.storage.max_frame_bytes,
+            ),
+        ] {
+            if mem.get() < frame.get() {
+                return Err(format!(
+                    "key `{k}`: {} is less than one frame of max_frame_bytes ({})",
+                    mem.get(),
+                    frame.get()
+                ));
+            }
+        }
+        self.security.key()?;
+        if self.security.clock_skew_ms > 600_000 {
+            return Err("key `security.clock_skew_ms`: at most 600000 (10 minutes)".into());
+        }
+        nonzero("client.timeout_ms", self.client.timeout_ms)?;
+        nonzero("client.connect_timeout_ms", self.client.connect_timeout_ms)?;
+        nonzero(
+            "client.max_connections_per_endpoint",
+            self.client.max_connections_per_endpoint as u64,
+        )?;
+        nonzero(
+            "client.batch_parallelism",
+            self.client.batch_parallelism as u64,
+        )?;
+        nonzero("client.tcp_slice_bytes", self.client.tcp_slice_bytes.get())?;
+        nonzero("client.lanes", self.client.lanes as u64)?;
+        nonzero("client.max_in_flight", self.client.max_in_flight as u64)?;
+        self.storage.rdma.validate("storage.rdma")?;
+        self.client.rdma.validate("client.rdma")?;
+        for (k, v) in [
+            ("master.max_frame_bytes", self.master.max_frame_bytes),
+            ("storage.max_frame_bytes", self.storage.max_frame_bytes),
+            ("client.max_frame_bytes", self.client.max_frame_bytes),
+        ] {
+            if v.get() < 4096 || v.get() > u32::MAX as u64 {
+                return Err(format!("key `{k}`: must be between 4 KiB and 4 GiB"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `[runtime]`: shards and the actor side.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeConfig {
+    /// Shards (glommio executors, one per core); 0 = one per available core.
+    pub shards: usize,
+    /// Pin each shard to a core.
+    pub pin_shards: bool,
+    /// Depth of each shard's job queue.
+    pub job_queue_depth: usize,
+    /// Busy-poll this long before an idle shard parks (0 = park at once).
+    pub spin_before_park_us: u64,
+    /// io_uring buffer memory per shard.
+    pub io_memory: Bytes,
+    /// Worker threads of the tokio runtime that runs the actors and HTTP.
+    pub actor_threads: usize,
+    /// At shutdown, how long in-flight requests get to finish.
+    pub drain_timeout_ms: u64,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            shards: 0,
+            pin_shards: true,
+            job_queue_depth: 1024,
+            spin_before_park_us: 0,
+            io_memory: Bytes::kib(2560),
+            actor_threads: 2,
+            drain_timeout_ms: 5000,
+        }
+    }
+}
+
+impl RuntimeConfig {
+    pub fn shard_pool(&self) -> ShardPoolConfig {
+        ShardPoolConfig {
+            shards: self.shards,
+            job_queue_depth: self.job_queue_depth,
+            pin: self.pin_shards,
+            spin_before_park: Duration::from_micros(self.spin_before_park_us),
+            io_memory_bytes: self.io_memory.get() as usize,
+            name: "kvpool-shard".into(),
+            drain_timeout: Duration::from_millis(self.drain_timeout_ms),
+        }
+    }
+}
+
+/// `[master]`: the metadata service.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MasterConfig {
+    /// Base RPC address; shard i listens on port + i.
+    pub listen: String,
+    /// HTTP address for /healthz, /metrics and the admin API.
+    pub http: String,
+    /// Largest control frame accepted.
+    pub max_frame_bytes: Bytes,
+    /// Open RPC connections per shard; more are refused.
+    pub max_connections: usize,
+    /// Depth of each shard's inbox (requests forwarded from other shards).
+    pub inbox_depth: usize,
+    /// Close an RPC connection idle this long.
+    pub idle_timeout_ms: u64,
+    /// Deadline of one frame's read or write once it has started.
+    pub io_timeout_ms: u64,
+    /// A new connection must send a whole frame (and, with a cluster
+    /// secret, authenticate) within this long, or it is closed.
+    pub first_frame_timeout_ms: u64,
+    /// Memory for control frames being read, over all connections.
+    pub max_frame_memory: Bytes,
+    /// Longest key.
+    pub max_key_bytes: usize,
+    /// Largest value.
+    pub max_value_bytes: Bytes,
+    /// Most objects in the pool.
+    pub max_keys: u64,
+    /// Most keys in one batch call.
+    pub max_batch: usize,
+    /// Read lease granted by GetReplicaList.
+    pub lease_ttl_ms: u64,
+    /// A put still Processing after this long is discarded.
+    pub put_timeout_ms: u64,
+    /// Space of a discarded (stale or revoked-for-liveness) put is reused only
+    /// after this grace, so a late writer cannot overwrite a new object.
+    pub stale_put_grace_ms: u64,
+    /// A client or storage node silent this long is dead: its segments are
+    /// unmounted and its Processing puts revoked.
+    pub client_ttl_ms: u64,
+    /// Evict when a segment range's use passes this fraction.
+    pub high_watermark: f64,
+    /// Fraction of a segment range's bytes one eviction frees.
+    pub eviction_ratio: f64,
+    /// Replica placement: "random", "free_ratio_first" or "local_first".
+    pub placement: Placement,
+    /// Housekeeping period of each shard (stale puts, expired leases,
+    /// liveness).
+    pub tick_ms: u64,
+    /// Reads of an object held only on NVMe after which it is copied back
+    /// to DRAM (0: never).
+    pub promote_after_reads: u16,
+}
+
+/// How the master chooses segments for a put's replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// Uniformly among segments with room.
+    Random,
+    /// Segments with the largest free fraction first.
+    FreeRatioFirst,
+    /// Segments on the writer's host first, then by free fraction.
+    LocalFirst,
+}
+
+impl Default for MasterConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:7070".into(),
+            http: "127.0.0.1:9070".into(),
+            max_frame_bytes: Bytes::mib(4),
+            max_connections: 4096,
+            inbox_depth: 4096,
+            idle_timeout_ms: 600_000,
+            io_timeout_ms: 10_000,
+            first_frame_timeout_ms: 5_000,
+            max_frame_memory: Bytes::mib(256),
+            max_key_bytes: 4096,
+            max_value_bytes: Bytes::gib(1),
+            max_keys: 100_000_000,
+            max_batch: 4096,
+            lease_ttl_ms: 10_000,
+            put_timeout_ms: 30_000,
+            stale_put_grace_ms: 10_000,
+            client_ttl_ms: 10_000,
+            high_watermark: 0.90,
+            eviction_ratio: 0.05,
+            placement: Placement::LocalFirst,
+            tick_ms: 100,
+            promote_after_reads: 2,
+        }
+    }
+}
+
+/// `[storage]`: a storage node.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StorageConfig {
+    /// Base data-plane address; shard i listens on port + i.
+    pub listen: String,
+    /// HTTP address for /healthz and /metrics.
+    pub http: String,
+    /// The master's RPC address.
+    pub master: String,
+    /// DRAM this node gives to the pool.
+    pub segment_size: Bytes,
+    /// Commit every page of the segment at start instead of at first write.
+    pub prefault: bool,
+    /// Host clients should connect to ("" = the listen host, or this
+    /// machine's hostname when listening on 0.0.0.0).
+    pub advertise_host: String,
+    /// Names this machine for same-host transfers and placement ("" = hostname).
+    pub host_id: String,
+    /// Liveness ping to the master.
+    pub ping_interval_ms: u64,
+    /// Open data connections per shard; more are refused.
+    pub max_connections: usize,
+    /// Close a data connection idle this long.
+    pub idle_timeout_ms: u64,
+    /// Deadline of one request's frame, payload and answer once started.
+    pub io_timeout_ms: u64,
+    /// A new connection must send a whole frame within this long.
+    pub first_frame_timeout_ms: u64,
+    /// Memory for control frames being read, over all connections.
+    pub max_frame_memory: Bytes,
+    /// Largest control frame accepted.
+    pub max_frame_bytes: Bytes,
+    /// Hand the segment to same-host clients (memfd over a unix socket).
+    pub shm: bool,
+    /// `[storage.nvme]`: the NVMe tier under the DRAM segment.
+    pub nvme: NvmeTierConfig,
+    /// `[storage.rdma]`: serving the segment over RDMA.
+    pub rdma: RdmaSettings,
+}
+
+/// Whether a role uses RDMA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RdmaMode {
+    /// Use RDMA when this build has it and a device opens; otherwise say why
+    /// (one log line) and use TCP.
+    Auto,
+    /// Never use RDMA.
+    Off,
+    /// RDMA or refuse to start.
+    Required,
+}
+
+/// `[storage.rdma]` / `[client.rdma]`: the RDMA transport (cargo feature
+/// `rdma`). Device settings follow `kvpool_transport::rdma::RdmaConfig`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RdmaSettings {
+    /// auto | off | required. A client's `transport = "rdma"` means required.
+    pub enabled: RdmaMode,
+    /// Devices by name (`mlx5_0`); empty: every device with an active port.
+    pub devices: Vec<String>,
+    /// Port number on every device (from 1).
+    pub port: u8,
+    /// Source GID index; -1: the first RoCE v2 IPv4-mapped GID (RoCE), 0 (IB).
+    pub gid_index: i32,
+    /// Queue pairs per connection to a segment.
+    pub lanes: usize,
+    /// Bytes per work request.
+    pub slice_bytes: Bytes,
+    /// Work requests in flight per queue pair.
+    pub max_outstanding_per_lane: u32,
+    /// Transfers one connection tracks at once; more wait.
+    pub max_requests_per_connection: usize,
+}
+
+impl RdmaSettings {
+    /// Checks the values; the message names the key under `prefix`.
+    pub fn validate(&self, prefix: &str) -> Result<(), String> {
+        if self.port == 0 {
+            return Err(format!("key `{prefix}.port`: verbs ports count from 1"));
+        }
+        if !(-1..=255).contains(&self.gid_index) {
+            return Err(format!(
+                "key `{prefix}.gid_index`: {} is not in -1..=255",
+                self.gid_index
+            ));
+        }
+        if !(1..=16).contains(&self.lanes) {
+            return Err(format!(
+                "key `{prefix}.lanes`: {} is not in 1..=16",
+                self.lanes
+            ));
+        }
+        let s = self.slice_bytes.get();
+        if s == 0 || s > 1 << 30 {
+            return Err(format!(
+                "key `{prefix}.slice_bytes`: {s} is not in 1..=1 GiB"
+            ));
+        }
+        if !(1..=4096).contains(&self.max_outstanding_per_lane) {
+            return Err(format!(
+                "key `{prefix}.max_outstanding_per_lane`: {} is not in 1..=4096",
+                self.max_outstanding_per_lane
+            ));
+        }
+        if !(1..=65536).contains(&self.max_requests_per_connection) {
+            return Err(format!(
+                "key `{prefix}.max_requests_per_connection`: {} is not in 1..=65536",
+                self.max_requests_per_connection
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Default for RdmaSettings {
+    fn default() -> Self {
+        Self {
+            enabled: RdmaMode::Auto,
+            devices: Vec::new(),
+            port: 1,
+            gid_index: -1,
+            lanes: 2,
+            slice_bytes: Bytes::kib(64),
+            max_outstanding_per_lane: 32,
+            max_requests_per_connection: 256,
+        }
+    }
+}
+
+/// What happens to objects on the NVMe tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OffloadPolicy {
+    /// An object evicted from DRAM moves to NVMe instead of being dropped.
+    OnEvict,
+    /// Every object is copied to NVMe at PutEnd (and evicted DRAM copies go).
+    WriteThrough,
+}
+
+/// Which objects the NVMe tier evicts first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NvmeEvictionPolicy {
+    Fifo,
+    Lru,
+}
+
+/// `[storage.nvme]`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NvmeTierConfig {
+    /// A file or block device; "" = no NVMe tier.
+    pub path: String,
+    /// Bytes of it the tier uses.
+    pub capacity: Bytes,
+    pub policy: OffloadPolicy,
+    pub eviction: NvmeEvictionPolicy,
+    /// Evict past this fraction of the tier's data space...
+    pub high_watermark: f64,
+    /// ...down to this one.
+    pub low_watermark: f64,
+    /// Expected mean object size: sizes the on-device index.
+    pub avg_object_bytes: Bytes,
+    /// fdatasync every object and index write (off: a power loss may lose
+    /// the newest objects; a process crash still loses nothing).
+    pub sync_writes: bool,
+    /// How often the node asks the master for work (demotions, promotions).
+    pub task_poll_ms: u64,
+}
+
+impl Default for NvmeTierConfig {
+    fn default() -> Self {
+        Self {
+            path: String::new(),
+            capacity: Bytes::gib(16),
+            policy: OffloadPolicy::OnEvict,
+            eviction: NvmeEvictionPolicy::Fifo,
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+            avg_object_bytes: Bytes::kib(256),
+            sync_writes: true,
+            task_poll_ms: 100,
+        }
+    }
+}
+
+impl Default for StorageConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:7300".into(),
+            http: "127.0.0.1:9300".into(),
+            master: "127.0.0.1:7070".into(),
+            segment_size: Bytes::gib(1),
+            prefault: false,
+            advertise_host: String::new(),
+            host_id: String::new(),
+            ping_interval_ms: 1000,
+            max_connections: 4096,
+            idle_timeout_ms: 600_000,
+            io_timeout_ms: 10_000,
+            first_frame_timeout_ms: 5_000,
+            max_frame_memory: Bytes::mib(64),
+            max_frame_bytes: Bytes::kib(64),
+            shm: true,
+            nvme: NvmeTierConfig::default(),
+            rdma: RdmaSettings::default(),
+        }
+    }
+}
+
+/// `[client]`: the store client used by the CLI, storage nodes and embedders.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClientConfig {
+    /// Deadline of one put, get, exists or remove, end to end.
+    pub timeout_ms: u64,
+    /// Deadline of establishing one connection.
+    pub connect_timeout_ms: u64,
+    /// Connections kept per master shard or storage shard.
+    pub max_connections_per_endpoint: usize,
+    /// Largest control frame accepted.
+    pub max_frame_bytes: Bytes,
+    /// Liveness ping to the master (0: none, for short-lived clients such as
+    /// the CLI). A client that pinged and then falls silent for the master's
+    /// `client_ttl_ms` has its unfinished puts revoked.
+    pub ping_interval_ms: u64,
+    /// Data transfers one batch call runs at once.
+    pub batch_parallelism: usize,
+    /// Data path: "auto" (shared memory for same-host replicas, RDMA when
+    /// both sides have it, TCP otherwise), "tcp", "shm" or "rdma" (RDMA for
+    /// every node that has it; no local device is a start-up error).
+    pub transport: Transport,
+    /// A TCP transfer larger than this is cut into slices.
+    pub tcp_slice_bytes: Bytes,
+    /// Slices of one transfer in flight at once, over distinct connections.
+    pub lanes: usize,
+    /// Slices in flight over the whole client; more wait.
+    pub max_in_flight: usize,
+    /// Compute a checksum of every value put and check it on every get
+    /// (a mismatch is `Corrupt` and the next replica is tried). Off only
+    /// for those who trust their memory, NICs and disks.
+    pub checksums: bool,
+    /// `[client.rdma]`: the client's RDMA devices.
+    pub rdma: RdmaSettings,
+    /// The cluster secret; not a key of `[client]`: a process takes it from
+    /// `[security] secret` or `KVPOOL_SECRET`, an embedder sets it here.
+    #[serde(skip)]
+    pub secret: Secret,
+}
+
+/// A secret string whose `Debug` does not show it.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_empty() { "\"\"" } else { "<set>" })
+    }
+}
+
+/// The client's data path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Transport {
+    Auto,
+    Tcp,
+    Shm,
+    Rdma,
+}
+
+impl Transport {
+    pub fn choice(self) -> kvpool_transport::engine::TransportChoice {
+        use kvpool_transport::engine::TransportChoice as C;
+        match self {
+            Transport::Auto => C::Auto,
+            Transport::Tcp => C::Tcp,
+            Transport::Shm => C::Shm,
+            Transport::Rdma => C::Rdma,
+        }
+    }
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        Self {
+            timeout_ms: 10_000,
+            connect_timeout_ms: 2_000,
+            max_connections_per_endpoint: 16,
+            max_frame_bytes: Bytes::mib(64),
+            ping_interval_ms: 1000,
+            batch_parallelism: 16,
+            transport: Transport::Auto,
+            tcp_slice_bytes: Bytes::mib(2),
+            lanes: 4,
+            max_in_flight: 64,
+            checksums: true,
+            rdma: RdmaSettings::default(),
+            secret: Secret::default(),
+        }
+    }
+}
+
+/// `[security]`: who may do what.
+#[derive(Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SecurityConfig {
+    /// The cluster secret (at least 16 bytes); "" = an open cluster, for
+    /// loopback. `KVPOOL_SECRET` overrides it.
+    pub secret: String,
+    /// How long after its expiry a storage node still accepts a grant: the
+    /// master's clock may be this far ahead of the node's.
+    pub clock_skew_ms: u64,
+}
+
+impl std::fmt::Debug for SecurityConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecurityConfig")
+            .field("secret", &if self.secret.is_empty() { "" } else { "<set>" })
+            .field("clock_skew_ms", &self.clock_skew_ms)
+            .finish()
+    }
+}
+
+impl Default for SecurityConfig {
+    fn default() -> Self {
+        Self {
+            secret: String::new(),
+            clock_skew_ms: 5_000,
+        }
+    }
+}
+
+impl SecurityConfig {
+    /// The keyed secret, or `None` for an open cluster; a secret that is too
+    /// short is an error naming the key.
+    pub fn key(&self) -> Result<Option<ClusterKey>, String> {
+        if self.secret.is_empty() {
+            return Ok(None);
+        }
+        ClusterKey::new(self.secret.as_bytes())
+            .map(Some)
+            .map_err(|e| format!("key `security.secret` (or {SECRET_ENV}): {e}"))
+    }
+}
+
+/// Whether `addr` (`host:port`) is a loopback address.
+pub fn is_loopback(addr: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    let host = addr.rsplit_once(':').map(|(h, _)| h).unwrap_or(addr);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host == "localhost" {
+        return true;
+    }
+    match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => addr
+            .to_socket_addrs()
+            .map(|mut a| a.all(|s| s.ip().is_loopback()))
+            .unwrap_or(false),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_addresses_are_told_from_wider_ones() {
+        assert!(is_loopback("127.0.0.1:7070"));
+        assert!(is_loopback("[::1]:7070"));
+        assert!(is_loopback("localhost:7070"));
+        assert!(!is_loopback("0.0.0.0:7070"));
+        assert!(!is_loopback("[::]:7070"));
+        assert!(!is_loopback("10.1.2.3:7070"));
+    }
+
+    #[test]
+    fn a_short_secret_is_an_error_naming_the_key() {
+        let e = NodeConfig::from_toml("[security]\nsecret = \"short\"\n", "t").unwrap_err();
+        assert!(e.to_string().contains("security.secret"), "{e}");
+        let c = NodeConfig::from_toml("[security]\nsecret = \"0123456789abcdef\"\n", "t").unwrap();
+        assert!(c.cluster_key().unwrap().is_some());
+        assert_eq!(c.client_config().secret.expose(), "0123456789abcdef");
+        assert!(!format!("{:?}", c.client_config()).contains("0123456789abcdef"));
+        assert!(
+            !format!("{c:?}").contains("0123456789abcdef"),
+            "Debug hides the secret"
+        );
+    }
+
+    #[test]
+    fn empty_file_gives_the_defaults() {
+        let c = NodeConfig::from_toml("", "t").unwrap();
+        assert_eq!(c.master.listen, "127.0.0.1:7070");
+        assert_eq!(c.storage.segment_size, Bytes::gib(1));
+    }
+
+    #[test]
+    fn a_typo_is_an_error_naming_the_key() {
+        let e = NodeConfig::from_toml("[storage]\nsegment_sise = \"1 GiB\"\n", "t").unwrap_err();
+        assert!(e.to_string().contains("segment_sise"), "{e}");
+        let e = NodeConfig::from_toml("[stroage]\n", "t").unwrap_err();
+        assert!(e.to_string().contains("stroage"), "{e}");
+    }
+
+    #[test]
+    fn a_bad_value_is_an_error_naming_the_key() {
+        let e = NodeConfig::from_toml("[storage]\nsegment_size = \"lots\"\n", "t").unwrap_err();
+        assert!(e.to_string().contains("storage.segment_size"), "{e}");
+        let e = NodeConfig::from_toml("[master]\nmax_keys = 0\n", "t").unwrap_err();
+        assert!(e.to_string().contains("master.max_keys"), "{e}");
+        let e = NodeConfig::from_toml("[storage]\nsegment_size = 5000\n", "t").unwrap_err();
+        assert!(e.to_string().contains("storage.segment_size"), "{e}");
+    }
+}
+
+/// `[engine]`: the inference engine role (`kvpool run --role engine`). Its
+/// pool client uses `[client]` and `--master`. Checked by
+/// [`EngineConfig::validate`] when the engine starts.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    /// Tokens per KV chunk (one pool object per full chunk). Every engine and
+    /// the conductor sharing a pool must use the same value.
+    pub chunk_tokens: usize,
+    /// Sequences decoding at once (one batched decode step covers them all).
+    pub max_num_seqs: usize,
+    /// Requests admitted but not yet running; more are refused with 503.
+    pub max_waiting: usize,
+    /// Longest prompt + generation in tokens (0: the model's
+    /// max_position_embeddings).
+    pub max_model_len: usize,
+    /// Look a prompt's leading chunks up in the pool and load them.
+    pub load_from_pool: bool,
+    /// Store the prompt's new full chunks in the pool after prefill.
+    pub store_to_pool: bool,
+    /// Store jobs queued for the pool; a full queue drops the job (counted).
+    pub store_queue_depth: usize,
+    /// Deadline of one request, end to end.
+    pub request_timeout_ms: u64,
+    /// Largest HTTP request body.
+    pub max_body_bytes: Bytes,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            chunk_tokens: 256,
+            max_num_seqs: 16,
+            max_waiting: 64,
+            max_model_len: 0,
+            load_from_pool: true,
+            store_to_pool: true,
+            store_queue_depth: 64,
+            request_timeout_ms: 600_000,
+            max_body_bytes: Bytes::mib(16),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Checks values that parse but make no sense; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        for (k, v) in [
+            ("engine.chunk_tokens", self.chunk_tokens as u64),
+            ("engine.max_num_seqs", self.max_num_seqs as u64),
+            ("engine.max_waiting", self.max_waiting as u64),
+            ("engine.store_queue_depth", self.store_queue_depth as u64),
+            ("engine.request_timeout_ms", self.request_timeout_ms),
+            ("engine.max_body_bytes", self.max_body_bytes.get()),
+        ] {
+            if v == 0 {
+                return Err(format!("key `{k}`: must be greater than 0"));
+            }
+        }
+        if self.chunk_tokens > 65_536 {
+            return Err("key `engine.chunk_tokens`: at most 65536".into());
+        }
+        if self.max_num_seqs > 1024 {
+            return Err("key `engine.max_num_seqs`: at most 1024".into());
+        }
+        Ok(())
+    }
+}
+
+/// Why a role could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("config: {0}")]
+    Config(String),
+    #[error("{0}")]
+    Start(String),
+    #[error(transparent)]
+    Runtime(#[from] kvpool_runtime::RuntimeError),
+    #[error(transparent)]
+    Kv(#[from] kvpool_transport::KvError),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}

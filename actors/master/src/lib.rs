@@ -1,0 +1,21 @@
+//! The master: object metadata, space allocation on every mounted segment,
+//! and node liveness. It never touches payload bytes.
+//!
+//! * [`state`]: one shard's metadata as a pure state machine (no I/O, the
+//!   clock is an argument).
+//! * [`coord`]: the coordinator's state (segments, liveness) and the routing
+//!   rules for batches and cross-shard commands.
+//! * [`core`]: all of it in one thread with a simulated clock (tests).
+//! * [`service`]: the shards at work: RPC listeners, inboxes, the coordinator.
+//! * [`actor`]: the `Master` actor, the API for embedders in the same process.
+
+pub mod actor;
+pub mod clock;
+pub mod coord;
+pub mod core;
+pub mod metrics;
+pub mod service;
+pub mod state;
+
+pub use actor::{Master, MasterArgs, MasterMsg};
+pub use service::MasterHandle;

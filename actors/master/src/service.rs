@@ -1,0 +1,704 @@
+//! The master as it runs: one metadata shard per glommio shard.
+//!
+//! ```text
+//!  client --TCP--> shard i port (base+i)
+//!                    | key owned by i?  yes -> ShardState (local, no channel)
+//!                    |                  no  -> inbox of owner (flume, bounded) -> reply
+//!                    | batch: split by owner, local part here, others by inbox, merged in order
+//!                    | admin op (mount, unmount, drain, stat, remove_all, ping)
+//!                    +-> coordinator on shard 0 (one op at a time) -> every inbox -> acks
+//!  every shard: tick every tick_ms (stale puts, due frees, watermark eviction)
+//!  coordinator: liveness every tick_ms (silent owners unmounted, writers revoked)
+//!  actor / HTTP (tokio) --MasterHandle::call--> same inboxes and coordinator
+//! ```
+//!
+//! Admin operations go through one coordinator so that every shard sees
+//! mounts and unmounts in the same order. No lock guards metadata: each
+//! shard's state lives in its own thread and is reached by message. The
+//! decisions are made by the same pure pieces [`super::core::MasterCore`]
+//! composes for tests ([`CoordState`], [`ShardState`], the batch helpers).
+
+use std::cell::RefCell;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use glommio::net::TcpStream;
+use kvpool_runtime::hash::{ShardMap, VSHARDS};
+use kvpool_runtime::metrics::MetricsRegistry;
+use kvpool_runtime::{ShardCtx, ShardHandle};
+use kvpool_transport::auth::ClusterKey;
+use kvpool_transport::frame::{self, FrameHeader, FrameKind};
+use kvpool_transport::proto::{ClusterMap, MasterRequest, MasterResponse, MasterShardAddr};
+use kvpool_transport::{ErrorCode, KvError};
+
+use super::coord::{CommandResult, CoordState, Decision, ShardCommand};
+use super::core::check_batch;
+use super::state::{GrantSigner, ShardConfig, ShardState};
+use crate::clock::now_ms;
+use crate::metrics::MasterMetrics;
+use kvpool_config::MasterConfig;
+use kvpool_config::NodeError;
+use kvpool_transport::route::{merge_batch, split_batch};
+use kvpool_transport::server::{self, ConnState, Handler, Next, RefusalLog, ServerLimits};
+
+/// A reply sink for a request routed to a shard; called exactly once.
+pub type Reply = Box<dyn FnOnce(Result<MasterResponse, KvError>) + Send>;
+
+/// Messages a master shard's inbox takes.
+enum ShardMsg {
+    /// A key or batch request forwarded from another shard or the actor side.
+    Request { req: MasterRequest, reply: Reply },
+    /// A coordinator command.
+    Command {
+        cmd: ShardCommand,
+        done: tokio::sync::oneshot::Sender<CommandResult>,
+    },
+    /// Health: answered at once by a shard that is serving its inbox.
+    Probe(tokio::sync::oneshot::Sender<()>),
+}
+
+struct AdminMsg {
+    req: MasterRequest,
+    reply: Reply,
+}
+
+/// A handle to the running master: usable from any thread or runtime.
+#[derive(Clone)]
+pub struct MasterHandle {
+    inner: Arc<HandleInner>,
+}
+
+struct HandleInner {
+    inboxes: Vec<flume::Sender<ShardMsg>>,
+    admin: flume::Sender<AdminMsg>,
+    map: ShardMap,
+    cluster: ClusterMap,
+    addr: SocketAddr,
+    max_batch: usize,
+    metrics: MasterMetrics,
+}
+
+fn unavailable() -> KvError {
+    KvError::new(ErrorCode::Unavailable, "the master is shutting down")
+}
+
+impl MasterHandle {
+    /// The base RPC address (shard 0).
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.addr
+    }
+
+    pub fn cluster_map(&self) -> &ClusterMap {
+        &self.inner.cluster
+    }
+
+    async fn to_shard(&self, shard: usize, req: MasterRequest, reply: Reply) {
+        if let Err(flume::SendError(ShardMsg::Request { reply, .. })) = self.inner.inboxes[shard]
+            .send_async(ShardMsg::Request { req, reply })
+            .await
+        {
+            reply(Err(unavailable()));
+        }
+    }
+
+    /// Routes a request to the shard that owns it (or the coordinator);
+    /// `reply` gets the answer. Waits only for room in the target queue
+    /// (back-pressure). A batch whose keys span shards is split and merged.
+    pub async fn submit(&self, req: MasterRequest, reply: Reply) {
+        if let MasterRequest::Hello { .. } = req {
+            reply(Ok(MasterResponse::Hello {
+                cluster: self.inner.cluster.clone(),
+            }));
+            return;
+        }
+        if let MasterRequest::NodeTasks { shard, .. } = req {
+            if shard as usize >= self.inner.inboxes.len() {
+                return reply(Err(KvError::new(
+                    ErrorCode::InvalidParams,
+                    format!("no master shard {shard}"),
+                )));
+            }
+            return self.to_shard(shard as usize, req, reply).await;
+        }
+        if let Some(key) = req.key() {
+            let shard = self.inner.map.shard_of(key) as usize;
+            return self.to_shard(shard, req, reply).await;
+        }
+        if req.batch_keys().is_some() {
+            match check_batch(&req, self.inner.max_batch) {
+                Err(e) => return reply(Err(e)),
+                Ok(Some(empty)) => return reply(Ok(empty)),
+                Ok(None) => {}
+            }
+            let mut parts = split_batch(req, &self.inner.map);
+            if parts.len() == 1 {
+                let p = parts.pop().expect("one part");
+                return self.to_shard(p.shard as usize, p.req, reply).await;
+            }
+            let n = parts.iter().map(|p| p.positions.len()).sum();
+            let answers = self.forward_parts(parts).await;
+            return reply(merge_batch(n, answers));
+        }
+        if let Err(flume::SendError(m)) = self.inner.admin.send_async(AdminMsg { req, reply }).await
+        {
+            (m.reply)(Err(unavailable()));
+        }
+    }
+
+    /// Sends each part to its shard; the answers, with their positions.
+    async fn forward_parts(
+        &self,
+        parts: Vec<kvpool_transport::route::BatchPart>,
+    ) -> Vec<(Vec<usize>, Result<MasterResponse, KvError>)> {
+        let mut waits = Vec::with_capacity(parts.len());
+        for p in parts {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            self.to_shard(
+                p.shard as usize,
+                p.req,
+                Box::new(move |r| {
+                    let _ = tx.send(r);
+                }),
+            )
+            .await;
+            waits.push((p.positions, rx));
+        }
+        let mut answers = Vec::with_capacity(waits.len());
+        for (pos, rx) in waits {
+            answers.push((pos, rx.await.unwrap_or_else(|_| Err(unavailable()))));
+        }
+        answers
+    }
+
+    /// Sends a request and waits for its answer (no deadline of its own: the
+    /// caller wraps it in its runtime's timeout).
+    pub async fn call(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.submit(
+            req,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        )
+        .await;
+        rx.await.unwrap_or_else(|_| {
+            Err(KvError::new(
+                ErrorCode::Unavailable,
+                "the master shard stopped before answering",
+            ))
+        })
+    }
+
+    /// Whether every master shard is serving its inbox (no deadline of its
+    /// own: the caller bounds it). The error names the shard that is not.
+    pub async fn probe(&self) -> Result<(), String> {
+        for (i, tx) in self.inner.inboxes.iter().enumerate() {
+            let (done, rx) = tokio::sync::oneshot::channel();
+            tx.send_async(ShardMsg::Probe(done))
+                .await
+                .map_err(|_| format!("master shard {i} has stopped"))?;
+            rx.await
+                .map_err(|_| format!("master shard {i} dropped the probe"))?;
+        }
+        Ok(())
+    }
+
+    /// Brings the pool gauges (keys, segment capacity and use) up to date;
+    /// called before `/metrics` is rendered.
+    pub async fn refresh_gauges(&self) -> Result<(), KvError> {
+        let MasterResponse::Stat(stat) = self.call(MasterRequest::Stat).await? else {
+            return Err(KvError::new(
+                ErrorCode::Internal,
+                "stat answered with something else",
+            ));
+        };
+        let m = &self.inner.metrics;
+        m.keys.set(stat.keys as i64);
+        m.segments.set(stat.segments.len() as i64);
+        m.evictions.set(stat.evictions as i64);
+        m.evicted_bytes.set(stat.evicted_bytes as i64);
+        m.demotions.set(stat.demotions as i64);
+        m.promotions.set(stat.promotions as i64);
+        m.segment_capacity.clear();
+        m.segment_used.clear();
+        for s in &stat.segments {
+            let l = kvpool_runtime::metrics::SegmentLabels {
+                segment: s.name.clone(),
+            };
+            m.segment_capacity.get_or_create(&l).set(s.capacity as i64);
+            m.segment_used.get_or_create(&l).set(s.used as i64);
+        }
+        Ok(())
+    }
+}
+
+/// Starts the master on every shard. Returns once every shard listens.
+/// With `key` (the cluster secret), every connection must authenticate
+/// before its first request, and grants are signed for the data plane.
+pub async fn start(
+    shards: &ShardHandle,
+    cfg: &MasterConfig,
+    key: Option<ClusterKey>,
+    metrics: &MetricsRegistry,
+) -> Result<MasterHandle, NodeError> {
+    let n = shards.nr_shards();
+    let (addr, listeners) = kvpool_runtime::net::bind_sharded(&cfg.listen, n)?;
+    let map = ShardMap::new(n as u32)
+        .ok_or_else(|| NodeError::Config(format!("{n} shards is more than {VSHARDS}")))?;
+    let host = if addr.ip().is_unspecified() {
+        // Clients reach the shards on the host they reached the master on.
+        String::new()
+    } else {
+        addr.ip().to_string()
+    };
+    let cluster = ClusterMap {
+        lease_ttl_ms: cfg.lease_ttl_ms,
+        shards: (0..n as u32)
+            .map(|i| {
+                let (start, end) = vshard_range(&map, i);
+                MasterShardAddr {
+                    host: host.clone(),
+                    port: addr.port() + i as u16,
+                    vshard_start: start,
+                    vshard_end: end,
+                }
+            })
+            .collect(),
+    };
+    let mut inbox_tx = Vec::with_capacity(n);
+    let mut inbox_rx = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (tx, rx) = flume::bounded(cfg.inbox_depth);
+        inbox_tx.push(tx);
+        inbox_rx.push(rx);
+    }
+    let (admin_tx, admin_rx) = flume::bounded(cfg.inbox_depth);
+    let master_metrics = MasterMetrics::register(metrics);
+    let handle = MasterHandle {
+        inner: Arc::new(HandleInner {
+            inboxes: inbox_tx,
+            admin: admin_tx,
+            map,
+            cluster,
+            addr,
+            max_batch: cfg.max_batch,
+            metrics: master_metrics.clone(),
+        }),
+    };
+    let shard_cfg = ShardConfig::from_master(cfg, n as u32);
+    let server_limits = ServerLimits {
+        max_connections: cfg.max_connections,
+        idle_timeout: Duration::from_millis(cfg.idle_timeout_ms),
+        io_timeout: Duration::from_millis(cfg.io_timeout_ms),
+        first_frame_timeout: Duration::from_millis(cfg.first_frame_timeout_ms),
+        max_frame_bytes: cfg.max_frame_bytes.get() as u32,
+        frame_budget: kvpool_transport::frame::FrameBudget::new(cfg.max_frame_memory.get()),
+        require_auth: key.is_some(),
+    };
+    let signer = key.as_ref().map(|k| GrantSigner {
+        key: k.clone(),
+        unix_at_zero_ms: kvpool_transport::auth::unix_ms().saturating_sub(now_ms()),
+    });
+    let tick = Duration::from_millis(cfg.tick_ms);
+    let client_ttl_ms = cfg.client_ttl_ms;
+    let seed: u64 = rand::random();
+    let mut admin_rx = Some(admin_rx);
+    let mut ready = Vec::with_capacity(n);
+    for (i, (listener, rx)) in listeners.into_iter().zip(inbox_rx).enumerate() {
+        let handle = handle.clone();
+        let shard_cfg = shard_cfg.clone();
+        let admin_rx = admin_rx.take();
+        let metrics = master_metrics.clone();
+        let signer = signer.clone();
+        let key = key.clone();
+        let server_limits = server_limits.clone();
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
+        ready.push(ready_rx);
+        shards
+            .spawn_on(i, move |ctx: ShardCtx| async move {
+                let state = Rc::new(RefCell::new(
+                    ShardState::new(i as u32, n as u32, shard_cfg, seed).with_signer(signer),
+                ));
+                glommio::spawn_local(inbox_loop(ctx.clone(), state.clone(), rx, metrics.clone()))
+                    .detach();
+                glommio::spawn_local(tick_loop(ctx.clone(), state.clone(), tick, metrics.clone()))
+                    .detach();
+                if let Some(admin_rx) = admin_rx {
+                    let coord = CoordState::new(client_ttl_ms);
+                    glommio::spawn_local(coordinator(
+                        ctx.clone(),
+                        handle.clone(),
+                        coord,
+                        admin_rx,
+                        tick,
+                    ))
+                    .detach();
+                }
+                let listener = server::into_glommio(listener);
+                let handler = Rc::new(MasterConn {
+                    shard: i as u32,
+                    state,
+                    handle,
+                    io_timeout: server_limits.io_timeout,
+                    metrics,
+                    key,
+                    refusals: RefusalLog::default(),
+                });
+                let _ = ready_tx.send(());
+                server::serve(ctx, listener, server_limits, "master", handler).await;
+            })
+            .await?;
+    }
+    for r in ready {
+        r.await
+            .map_err(|_| NodeError::Start("a master shard failed to start".into()))?;
+    }
+    Ok(handle)
+}
+
+fn vshard_range(map: &ShardMap, shard: u32) -> (u32, u32) {
+    let start = (0..VSHARDS)
+        .find(|v| map.shard_of_vshard(*v) == shard)
+        .unwrap_or(0);
+    let end = (start..VSHARDS)
+        .find(|v| map.shard_of_vshard(*v) != shard)
+        .unwrap_or(VSHARDS);
+    (start, end)
+}
+
+/// Applies a request to this shard's state, with metrics.
+fn apply_local(
+    state: &RefCell<ShardState>,
+    metrics: &MasterMetrics,
+    req: MasterRequest,
+) -> Result<MasterResponse, KvError> {
+    let op = req.op_name();
+    let started = Instant::now();
+    let res = state.borrow_mut().apply(req, now_ms());
+    metrics.observe(op, res.is_ok(), started.elapsed());
+    res
+}
+
+/// Applies forwarded requests and coordinator commands to this shard's state.
+async fn inbox_loop(
+    ctx: ShardCtx,
+    state: Rc<RefCell<ShardState>>,
+    rx: flume::Receiver<ShardMsg>,
+    metrics: MasterMetrics,
+) {
+    loop {
+        let msg = futures_lite::future::or(async { rx.recv_async().await.ok() }, async {
+            ctx.shutdown().wait().await;
+            None
+        })
+        .await;
+        let Some(msg) = msg else { break };
+        match msg {
+            ShardMsg::Request { req, reply } => reply(apply_local(&state, &metrics, req)),
+            ShardMsg::Command { cmd, done } => {
+                let _ = done.send(state.borrow_mut().command(&cmd, now_ms()));
+            }
+            ShardMsg::Probe(done) => {
+                let _ = done.send(());
+            }
+        }
+    }
+}
+
+/// Housekeeping of one shard every `tick`.
+async fn tick_loop(
+    ctx: ShardCtx,
+    state: Rc<RefCell<ShardState>>,
+    tick: Duration,
+    metrics: MasterMetrics,
+) {
+    loop {
+        let stop = futures_lite::future::or(
+            async {
+                glommio::timer::sleep(tick).await;
+                false
+            },
+            async {
+                ctx.shutdown().wait().await;
+                true
+            },
+        )
+        .await;
+        if stop {
+            break;
+        }
+        let r = state.borrow_mut().tick(now_ms());
+        if r.stale_discarded > 0 {
+            metrics.stale_puts.inc_by(r.stale_discarded);
+            tracing::info!(
+                shard = ctx.id(),
+                puts = r.stale_discarded,
+                "discarded stale puts"
+            );
+        }
+    }
+}
+
+/// Runs admin operations one at a time, so every shard applies them in the
+/// same order; checks liveness every `tick`.
+async fn coordinator(
+    ctx: ShardCtx,
+    handle: MasterHandle,
+    mut coord: CoordState,
+    rx: flume::Receiver<AdminMsg>,
+    tick: Duration,
+) {
+    let mut next_tick = Instant::now() + tick;
+    loop {
+        let wait = next_tick.saturating_duration_since(Instant::now());
+        let msg = futures_lite::future::or(
+            async { Some(rx.recv_async().await.map_err(|_| ())) },
+            futures_lite::future::or(
+                async {
+                    glommio::timer::sleep(wait).await;
+                    None
+                },
+                async {
+                    ctx.shutdown().wait().await;
+                    Some(Err(()))
+                },
+            ),
+        )
+        .await;
+        match msg {
+            Some(Err(())) => break,
+            Some(Ok(AdminMsg { req, reply })) => {
+                let res = match coord.decide(req, now_ms()) {
+                    Err(e) => Err(e),
+                    Ok(Decision::Answer(r)) => Ok(r),
+                    Ok(Decision::Broadcast { cmd, finish }) => {
+                        match broadcast(&handle, cmd).await {
+                            Ok(results) => Ok(coord.finish(finish, results)),
+                            Err(e) => Err(e),
+                        }
+                    }
+                };
+                reply(res);
+            }
+            None => {}
+        }
+        if Instant::now() >= next_tick {
+            next_tick = Instant::now() + tick;
+            let expired = coord.expire(now_ms());
+            for cmd in expired.commands {
+                if let Err(e) = broadcast(&handle, cmd).await {
+                    tracing::warn!("liveness: {e}");
+                }
+            }
+        }
+    }
+}
+
+async fn broadcast(
+    handle: &MasterHandle,
+    cmd: ShardCommand,
+) -> Result<Vec<CommandResult>, KvError> {
+    let inboxes = &handle.inner.inboxes;
+    let mut acks = Vec::with_capacity(inboxes.len());
+    for tx in inboxes {
+        let (done, rx) = tokio::sync::oneshot::channel();
+        tx.send_async(ShardMsg::Command {
+            cmd: cmd.clone(),
+            done,
+        })
+        .await
+        .map_err(|_| unavailable())?;
+        acks.push(rx);
+    }
+    let mut out = Vec::with_capacity(acks.len());
+    for a in acks {
+        out.push(a.await.map_err(|_| unavailable())?);
+    }
+    Ok(out)
+}
+
+/// Serves master RPC on one shard.
+struct MasterConn {
+    shard: u32,
+    state: Rc<RefCell<ShardState>>,
+    handle: MasterHandle,
+    io_timeout: Duration,
+    metrics: MasterMetrics,
+    /// The cluster secret: connections authenticate before anything else.
+    key: Option<ClusterKey>,
+    refusals: RefusalLog,
+}
+
+impl MasterConn {
+    async fn dispatch(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
+        let map = &self.handle.inner.map;
+        if req.key().is_some_and(|k| map.shard_of(k) == self.shard)
+            || matches!(req, MasterRequest::NodeTasks { shard, .. } if shard == self.shard)
+        {
+            return apply_local(&self.state, &self.metrics, req);
+        }
+        if req.batch_keys().is_some() {
+            if let Some(empty) = check_batch(&req, self.handle.inner.max_batch)? {
+                return Ok(empty);
+            }
+            let n = req.batch_keys().map(|k| k.len()).unwrap_or(0);
+            let parts = split_batch(req, map);
+            let mut answers = Vec::with_capacity(parts.len());
+            let mut remote = Vec::new();
+            for p in parts {
+                if p.shard == self.shard {
+                    answers.push((p.positions, apply_local(&self.state, &self.metrics, p.req)));
+                } else {
+                    remote.push(p);
+                }
+            }
+            if !remote.is_empty() {
+                answers.extend(self.handle.forward_parts(remote).await);
+            }
+            return merge_batch(n, answers);
+        }
+        self.handle.call(req).await
+    }
+
+    /// The handshake, and the gate in front of every other request. `Ok`:
+    /// dispatch the request; `Err`: answer this instead (and whether to
+    /// close the connection).
+    fn admit(
+        &self,
+        req: &MasterRequest,
+        conn: &mut ConnState,
+    ) -> Result<(), (Result<MasterResponse, KvError>, bool)> {
+        use kvpool_transport::auth;
+        let refuse = |e: KvError| Err((Err(e), true));
+        let Some(key) = &self.key else {
+            return match req {
+                MasterRequest::AuthBegin { .. } | MasterRequest::AuthProve { .. } => {
+                    refuse(KvError::new(
+                        ErrorCode::Unsupported,
+                        "this master runs without a cluster secret: it cannot prove itself",
+                    ))
+                }
+                _ => Ok(()),
+            };
+        };
+        match req {
+            MasterRequest::AuthBegin { client_id, nonce } => {
+                if conn.authenticated || conn.challenge.is_some() {
+                    return refuse(KvError::new(
+                        ErrorCode::InvalidParams,
+                        "a connection authenticates once",
+                    ));
+                }
+                let ns = auth::nonce();
+                conn.challenge = Some((*client_id, *nonce, ns));
+                Err((Ok(MasterResponse::AuthChallenge { nonce: ns }), false))
+            }
+            MasterRequest::AuthProve { proof } => {
+                let Some((id, nc, ns)) = conn.challenge.take() else {
+                    return refuse(KvError::new(
+                        ErrorCode::InvalidParams,
+                        "AuthProve without AuthBegin",
+                    ));
+                };
+                if let Err(e) = key.verify_client_proof(id, &nc, &ns, proof) {
+                    self.metrics.auth_refusals.inc();
+                    self.refusals.refused("master", "a connection's proof", &e);
+                    return refuse(e);
+                }
+                conn.authenticated = true;
+                conn.client_id = Some(id);
+                Err((
+                    Ok(MasterResponse::AuthOk {
+                        proof: key.server_proof(id, &nc, &ns),
+                    }),
+                    false,
+                ))
+            }
+            _ if !conn.authenticated => {
+                let e = KvError::new(
+                    ErrorCode::Unauthenticated,
+                    format!(
+                        "{} refused: this cluster requires the cluster secret \
+                         (set KVPOOL_SECRET or [security] secret)",
+                        req.op_name()
+                    ),
+                );
+                self.metrics.auth_refusals.inc();
+                self.refusals.refused(
+                    "master",
+                    &format!("an unauthenticated {}", req.op_name()),
+                    &e,
+                );
+                refuse(e)
+            }
+            _ => match (req.client_id(), conn.client_id) {
+                (Some(named), Some(own)) if named != own => Err((
+                    Err(KvError::new(
+                        ErrorCode::IllegalClient,
+                        format!(
+                            "{} names client {named:#x}; this connection is client {own:#x}",
+                            req.op_name()
+                        ),
+                    )),
+                    false,
+                )),
+                _ => Ok(()),
+            },
+        }
+    }
+}
+
+impl Handler for MasterConn {
+    async fn handle(
+        &self,
+        hdr: FrameHeader,
+        payload: kvpool_transport::frame::AlignedVec,
+        stream: &mut TcpStream,
+        conn: &mut ConnState,
+    ) -> Next {
+        if hdr.kind != FrameKind::MasterRequest {
+            let e = frame::FrameError::UnexpectedKind {
+                expected: FrameKind::MasterRequest,
+                got: hdr.kind,
+            };
+            server::reject(stream, hdr.request_id, &e, "master").await;
+            return Next::Close;
+        }
+        let req: MasterRequest = match frame::decode(&payload) {
+            Ok(r) => r,
+            Err(e) => {
+                server::reject(stream, hdr.request_id, &e, "master").await;
+                return Next::Close;
+            }
+        };
+        drop(payload);
+        let op = req.op_name();
+        let (res, close) = match self.admit(&req, conn) {
+            Err(answer) => answer,
+            Ok(()) => {
+                let r = match glommio::timer::timeout(self.io_timeout, async {
+                    Ok(self.dispatch(req).await)
+                })
+                .await
+                {
+                    Ok(r) => r,
+                    Err(_) => Err(KvError::new(
+                        ErrorCode::Timeout,
+                        format!("{op} was not answered within {:?}", self.io_timeout),
+                    )),
+                };
+                (r, false)
+            }
+        };
+        let bytes = match &res {
+            Ok(resp) => frame::encode(FrameKind::MasterResponse, hdr.request_id, resp),
+            Err(e) => frame::encode_error(hdr.request_id, e),
+        };
+        match server::answer_within(stream, &bytes, self.io_timeout).await {
+            Next::Continue if !close => Next::Continue,
+            _ => Next::Close,
+        }
+    }
+}

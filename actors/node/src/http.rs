@@ -1,0 +1,271 @@
+//! The HTTP side of every role: `GET /healthz` (answered only when every
+//! shard answers), `GET /metrics` (Prometheus text), and the master's admin
+//! routes. With a cluster secret, routes that change state need
+//! `Authorization: Bearer <secret>`.
+
+use std::net::SocketAddr;
+
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kvpool_runtime::metrics::MetricsRegistry;
+use kvpool_runtime::Shutdown;
+use kvpool_transport::proto::{MasterRequest, MasterResponse, ReplicaDesc, Tier};
+use kvpool_transport::{ErrorCode, KvError};
+use serde_json::{json, Value};
+
+use kvpool_config::NodeError;
+use kvpool_master::MasterHandle;
+
+#[derive(Clone)]
+pub struct HttpState {
+    pub metrics: MetricsRegistry,
+    pub master: Option<MasterHandle>,
+    /// The process's shards: `/healthz` asks each of them.
+    pub shards: kvpool_runtime::ShardHandle,
+    /// The cluster secret ("" = open): writing admin routes need it.
+    pub secret: String,
+}
+
+/// How long `/healthz` waits for each shard.
+const HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Refusals of the admin routes, logged at most once a second.
+static ADMIN_REFUSALS: std::sync::Mutex<(Option<std::time::Instant>, u64)> =
+    std::sync::Mutex::new((None, 0));
+
+/// With a secret: the request must carry `Authorization: Bearer <secret>`.
+fn authorize(st: &HttpState, headers: &HeaderMap, route: &str) -> Result<(), KvError> {
+    if st.secret.is_empty() {
+        return Ok(());
+    }
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if kvpool_transport::auth::constant_time_eq(given.as_bytes(), st.secret.as_bytes()) {
+        return Ok(());
+    }
+    {
+        let mut r = ADMIN_REFUSALS.lock().unwrap_or_else(|p| p.into_inner());
+        r.1 += 1;
+        let now = std::time::Instant::now();
+        if r.0
+            .is_none_or(|t| now.duration_since(t) >= std::time::Duration::from_secs(1))
+        {
+            tracing::warn!(
+                route,
+                refused = r.1,
+                "admin HTTP: refused a request without the cluster secret"
+            );
+            *r = (Some(now), 0);
+        }
+    }
+    Err(KvError::new(
+        ErrorCode::Unauthenticated,
+        "this route needs the cluster secret: Authorization: Bearer <secret>",
+    ))
+}
+
+/// Binds `addr` and serves until `shutdown`; returns the bound address.
+pub async fn serve(
+    addr: &str,
+    state: HttpState,
+    shutdown: Shutdown,
+) -> Result<SocketAddr, NodeError> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| NodeError::Start(format!("cannot serve HTTP on {addr}: {e}")))?;
+    let bound = listener.local_addr()?;
+    let app = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .route("/api/v1/keys/{key}", get(describe_key))
+        .route("/api/v1/segments", get(segments))
+        .route("/api/v1/remove_all", post(remove_all))
+        .with_state(state);
+    tokio::spawn(async move {
+        let r = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { shutdown.wait().await })
+            .await;
+        if let Err(e) = r {
+            tracing::error!("HTTP server failed: {e}");
+        }
+    });
+    Ok(bound)
+}
+
+/// `ok` only when every shard (and, with a master, every master shard's
+/// inbox) answers within a deadline; 503 naming the one that did not.
+async fn healthz(State(st): State<HttpState>) -> Response {
+    for i in 0..st.shards.nr_shards() {
+        let probe = st.shards.run_on(i, |_| async {});
+        match tokio::time::timeout(HEALTH_TIMEOUT, probe).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return unhealthy(format!("shard {i}: {e}")),
+            Err(_) => {
+                return unhealthy(format!(
+                    "shard {i} did not answer within {HEALTH_TIMEOUT:?}"
+                ))
+            }
+        }
+    }
+    if let Some(m) = &st.master {
+        if let Err(e) = tokio::time::timeout(HEALTH_TIMEOUT, m.probe())
+            .await
+            .unwrap_or_else(|_| {
+                Err(format!(
+                    "the master did not answer within {HEALTH_TIMEOUT:?}"
+                ))
+            })
+        {
+            return unhealthy(e);
+        }
+    }
+    (StatusCode::OK, "ok\n").into_response()
+}
+
+fn unhealthy(why: String) -> Response {
+    tracing::warn!("healthz: {why}");
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("unhealthy: {why}\n"),
+    )
+        .into_response()
+}
+
+async fn metrics(State(st): State<HttpState>) -> Response {
+    if let Some(m) = &st.master {
+        let t = std::time::Duration::from_secs(2);
+        match tokio::time::timeout(t, m.refresh_gauges()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!("metrics: pool gauges not refreshed: {e}"),
+            Err(_) => tracing::warn!("metrics: pool gauges not refreshed within {t:?}"),
+        }
+    }
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        st.metrics.render(),
+    )
+        .into_response()
+}
+
+/// Deadline of one admin call.
+const ADMIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+fn error_response(e: &KvError) -> Response {
+    let status = match e.code {
+        ErrorCode::ObjectNotFound | ErrorCode::SegmentNotFound => StatusCode::NOT_FOUND,
+        ErrorCode::InvalidParams => StatusCode::BAD_REQUEST,
+        ErrorCode::Timeout => StatusCode::GATEWAY_TIMEOUT,
+        ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
+        ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    (
+        status,
+        Json(json!({"error": e.code.name(), "code": e.code.code(), "message": e.message})),
+    )
+        .into_response()
+}
+
+/// Runs a master call for an admin route (404 when this role has no master).
+async fn admin_call(st: &HttpState, req: MasterRequest) -> Result<MasterResponse, Response> {
+    let Some(m) = &st.master else {
+        return Err((StatusCode::NOT_FOUND, "this role has no master\n").into_response());
+    };
+    match tokio::time::timeout(ADMIN_TIMEOUT, m.call(req)).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => Err(error_response(&e)),
+        Err(_) => Err(error_response(&KvError::new(
+            ErrorCode::Timeout,
+            format!("the master did not answer within {ADMIN_TIMEOUT:?}"),
+        ))),
+    }
+}
+
+fn replica_json(r: &ReplicaDesc) -> Value {
+    json!({
+        "segment_id": format!("{:016x}", r.segment_id),
+        "endpoint": r.endpoint.shard_addr(r.data_shard()),
+        "host_id": r.host_id,
+        "offset": r.offset,
+        "len": r.len,
+        "tier": match r.tier { Tier::Dram => "dram", Tier::Nvme => "nvme" },
+    })
+}
+
+/// `GET /api/v1/keys/{key}`: replicas, state, lease and pins of one object.
+async fn describe_key(State(st): State<HttpState>, Path(key): Path<String>) -> Response {
+    let req = MasterRequest::Describe {
+        key: key.into_bytes(),
+    };
+    match admin_call(&st, req).await {
+        Ok(MasterResponse::Described(i)) => Json(json!({
+            "key": String::from_utf8_lossy(&i.key),
+            "state": if i.complete { "complete" } else { "processing" },
+            "size": i.size,
+            "replicas": i.replicas.iter().map(replica_json).collect::<Vec<_>>(),
+            "lease_remaining_ms": i.lease_remaining_ms,
+            "soft_pin_remaining_ms": i.soft_pin_remaining_ms,
+            "hard_pin": i.hard_pin,
+        }))
+        .into_response(),
+        Ok(other) => error_response(&KvError::new(
+            ErrorCode::Internal,
+            format!("unexpected answer {other:?}"),
+        )),
+        Err(r) => r,
+    }
+}
+
+/// `GET /api/v1/segments`: every mounted segment with its use.
+async fn segments(State(st): State<HttpState>) -> Response {
+    match admin_call(&st, MasterRequest::Stat).await {
+        Ok(MasterResponse::Stat(s)) => Json(json!({
+            "segments": s.segments.iter().map(|g| json!({
+                "id": format!("{:016x}", g.id),
+                "name": g.name,
+                "endpoint": g.endpoint.shard_addr(0),
+                "shards": g.endpoint.nr_shards,
+                "host_id": g.host_id,
+                "capacity": g.capacity,
+                "used": g.used,
+                "draining": g.draining,
+            })).collect::<Vec<_>>(),
+            "capacity": s.capacity,
+            "used": s.used,
+            "keys": s.keys,
+            "evictions": s.evictions,
+            "evicted_bytes": s.evicted_bytes,
+        }))
+        .into_response(),
+        Ok(other) => error_response(&KvError::new(
+            ErrorCode::Internal,
+            format!("unexpected answer {other:?}"),
+        )),
+        Err(r) => r,
+    }
+}
+
+/// `POST /api/v1/remove_all`: removes every object without a live lease.
+async fn remove_all(State(st): State<HttpState>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&st, &headers, "/api/v1/remove_all") {
+        return error_response(&e);
+    }
+    match admin_call(&st, MasterRequest::RemoveAll).await {
+        Ok(MasterResponse::Removed(n)) => Json(json!({ "removed": n })).into_response(),
+        Ok(other) => error_response(&KvError::new(
+            ErrorCode::Internal,
+            format!("unexpected answer {other:?}"),
+        )),
+        Err(r) => r,
+    }
+}

@@ -1,0 +1,764 @@
+//! A storage node: owns a DRAM segment, serves reads and writes of it over
+//! TCP (one port per shard), mounts it at the master and pings the master.
+//!
+//! ```text
+//!  shard i (port base+i): Write{seg,off,len} + len bytes -> read_exact straight into segment
+//!                         Read{seg,off,len} -> Data{len} + write_all straight from segment
+//!  StorageNode actor (tokio): mount at start, Ping every ping_interval, Unmount on request
+//! ```
+//!
+//! The segment is cut into per-shard slices (`slice_bytes` each); clients send
+//! a request to the shard whose slice holds its offset. Any shard can serve any
+//! offset (the memory is shared by the process), so a request that reaches
+//! another shard is served there rather than refused.
+
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use glommio::net::TcpStream;
+use kvpool_runtime::metrics::MetricsRegistry;
+use kvpool_runtime::{ShardCtx, ShardHandle};
+use kvpool_storage::Segment;
+use kvpool_transport::auth::{ClusterKey, Grant, GrantClock, GrantOp};
+use kvpool_transport::frame::{self, FrameHeader, FrameKind};
+use kvpool_transport::proto::{
+    segment_id_for, DataRequest, DataResponse, Endpoint, NvmeAttach, SegmentId, SegmentSpec, Tier,
+};
+use kvpool_transport::{ErrorCode, KvError, RdmaCaps, RdmaRequest, RdmaResponse};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+
+use crate::metrics::StorageMetrics;
+use kvpool_client::Client;
+use kvpool_config::NodeError;
+use kvpool_config::StorageConfig;
+use kvpool_transport::server::{self, ConnState, Handler, Next, RefusalLog, ServerLimits};
+
+/// A started storage node's data plane.
+pub struct StorageService {
+    pub spec: SegmentSpec,
+    pub segment_id: SegmentId,
+    pub addr: SocketAddr,
+    pub segment: Arc<Segment>,
+    /// The NVMe tier, when configured.
+    pub nvme: Option<Arc<crate::nvme_tier::NodeNvme>>,
+    /// RDMA: the registered segment, or why clients get TCP.
+    pub rdma: crate::rdma::NodeRdma,
+    /// The cluster secret: data requests and shm mappings need grants.
+    pub key: Option<ClusterKey>,
+    pub skew_ms: u64,
+}
+
+/// Creates the segment and starts serving it on every shard. With `key`
+/// (the cluster secret), every data request needs a grant the master
+/// signed; `skew_ms` is how long after its expiry one is still accepted.
+pub async fn start(
+    shards: &ShardHandle,
+    cfg: &StorageConfig,
+    key: Option<ClusterKey>,
+    skew_ms: u64,
+    metrics: &MetricsRegistry,
+) -> Result<StorageService, NodeError> {
+    let n = shards.nr_shards();
+    let (addr, listeners) = kvpool_runtime::net::bind_sharded(&cfg.listen, n)?;
+    let host_id = if cfg.host_id.is_empty() {
+        kvpool_client::local_host_id()
+    } else {
+        cfg.host_id.clone()
+    };
+    let host = if !cfg.advertise_host.is_empty() {
+        cfg.advertise_host.clone()
+    } else if addr.ip().is_unspecified() {
+        kvpool_client::local_host_id()
+    } else {
+        addr.ip().to_string()
+    };
+    let size = cfg.segment_size.get();
+    let name = format!("{host_id}:{}:{:016x}", addr.port(), rand::random::<u64>());
+    let segment = Arc::new(
+        Segment::new_dram(&name, size, cfg.prefault)
+            .map_err(|e| NodeError::Start(format!("segment: {e}")))?,
+    );
+    let slice_bytes = size.div_ceil(n as u64);
+    let endpoint = Endpoint {
+        host,
+        port: addr.port(),
+        nr_shards: n as u16,
+    };
+    let segment_id = segment_id_for(&name);
+    let rdma = crate::rdma::NodeRdma::start(&cfg.rdma, &segment).map_err(NodeError::Start)?;
+    let m = StorageMetrics::register(metrics);
+    let nvme = if cfg.nvme.path.is_empty() {
+        None
+    } else {
+        Some(Arc::new(
+            crate::nvme_tier::open(
+                shards,
+                &cfg.nvme,
+                &host_id,
+                endpoint.clone(),
+                segment.clone(),
+                segment_id,
+                m.clone(),
+            )
+            .await?,
+        ))
+    };
+    let spec = SegmentSpec {
+        name,
+        size,
+        endpoint,
+        slice_bytes,
+        host_id,
+        tier: Tier::Dram,
+        nvme: nvme.as_ref().map(|t| NvmeAttach {
+            segment_id: t.segment_id,
+            write_through: cfg.nvme.policy == kvpool_config::OffloadPolicy::WriteThrough,
+        }),
+    };
+    let limits = ServerLimits {
+        max_connections: cfg.max_connections,
+        idle_timeout: Duration::from_millis(cfg.idle_timeout_ms),
+        io_timeout: Duration::from_millis(cfg.io_timeout_ms),
+        first_frame_timeout: Duration::from_millis(cfg.first_frame_timeout_ms),
+        max_frame_bytes: cfg.max_frame_bytes.get() as u32,
+        frame_budget: kvpool_transport::frame::FrameBudget::new(cfg.max_frame_memory.get()),
+        // Data requests carry grants; the connection itself needs no proof.
+        require_auth: false,
+    };
+    m.segment_bytes.set(size as i64);
+    let nvme_id = nvme.as_ref().map(|t| t.segment_id);
+    let mut ready = Vec::with_capacity(n);
+    for (i, listener) in listeners.into_iter().enumerate() {
+        let segment = segment.clone();
+        let metrics = m.clone();
+        let rdma = rdma.clone();
+        let key = key.clone();
+        let limits = limits.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        ready.push(rx);
+        shards
+            .spawn_on(i, move |ctx: ShardCtx| async move {
+                let handler = Rc::new(DataConn {
+                    shard: ctx.id() as u32,
+                    shutdown: ctx.shutdown().clone(),
+                    rdma,
+                    segment,
+                    segment_id,
+                    nvme_id,
+                    metrics,
+                    key,
+                    skew_ms,
+                    io_timeout: limits.io_timeout,
+                    refusals: RefusalLog::default(),
+                });
+                let listener = server::into_glommio(listener);
+                let _ = tx.send(());
+                server::serve(ctx, listener, limits, "storage", handler).await;
+            })
+            .await?;
+    }
+    for r in ready {
+        r.await
+            .map_err(|_| NodeError::Start("a storage shard failed to start".into()))?;
+    }
+    Ok(StorageService {
+        spec,
+        segment_id,
+        addr,
+        segment,
+        nvme,
+        rdma,
+        key,
+        skew_ms,
+    })
+}
+
+/// Hands the segment's memfd to same-host clients that connect to its
+/// abstract unix socket (the shm transport), until `shutdown`. Each answer is
+/// one small `sendmsg`; clients are served one at a time.
+pub fn spawn_shm_server(
+    svc: &StorageService,
+    shutdown: kvpool_runtime::Shutdown,
+) -> Result<(), NodeError> {
+    let std_listener = kvpool_transport::shm::listen(svc.segment_id).map_err(|e| {
+        NodeError::Start(format!(
+            "shm: cannot listen on {}: {e}",
+            kvpool_transport::shm::socket_name(svc.segment_id)
+        ))
+    })?;
+    std_listener.set_nonblocking(true)?;
+    let listener = tokio::net::UnixListener::from_std(std_listener)?;
+    let segment = svc.segment.clone();
+    let id = svc.segment_id;
+    let key = svc.key.clone();
+    let skew_ms = svc.skew_ms;
+    let refusals = std::sync::Arc::new(std::sync::Mutex::new(RefusalCount::default()));
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                _ = shutdown.wait() => break,
+            };
+            let mut stream = match accepted {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    tracing::warn!("shm accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            };
+            // The client's request (segment and grant) first, briefly.
+            let asked = tokio::time::timeout(
+                Duration::from_secs(1),
+                kvpool_transport::shm::read_request(&mut stream),
+            )
+            .await;
+            let grant = match asked {
+                Ok(Ok((seg, grant))) if seg == id => grant,
+                Ok(Ok((seg, _))) => {
+                    tracing::debug!("shm: a client asked for segment {seg:016x}");
+                    continue;
+                }
+                _ => continue,
+            };
+            if let Some(k) = &key {
+                if let Err(e) = k.check_segment_access(&grant, id, GrantClock::now(skew_ms)) {
+                    let mut r = refusals.lock().unwrap_or_else(|p| p.into_inner());
+                    r.refused(&e);
+                    continue;
+                }
+            }
+            let sent = stream.into_std().and_then(|s| {
+                s.set_nonblocking(false)?;
+                s.set_write_timeout(Some(Duration::from_secs(1)))?;
+                kvpool_transport::shm::send_segment(&s, id, segment.len(), segment.fd())
+            });
+            if let Err(e) = sent {
+                tracing::warn!("shm: could not hand the segment to a client: {e}");
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Refused shm requests, logged at most once a second.
+#[derive(Default)]
+struct RefusalCount {
+    last: Option<Instant>,
+    since: u64,
+}
+
+impl RefusalCount {
+    fn refused(&mut self, e: &KvError) {
+        self.since += 1;
+        if self
+            .last
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return;
+        }
+        tracing::warn!(
+            refused = self.since,
+            "shm: refused a mapping: {}",
+            e.message
+        );
+        self.since = 0;
+        self.last = Some(Instant::now());
+    }
+}
+
+/// Serves the data plane on one shard.
+struct DataConn {
+    shard: u32,
+    /// Ends the wait of an RDMA control connection at shutdown.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    shutdown: kvpool_runtime::Shutdown,
+    rdma: crate::rdma::NodeRdma,
+    segment: Arc<Segment>,
+    segment_id: SegmentId,
+    nvme_id: Option<SegmentId>,
+    metrics: StorageMetrics,
+    /// The cluster secret: every request needs a grant.
+    key: Option<ClusterKey>,
+    skew_ms: u64,
+    io_timeout: Duration,
+    refusals: RefusalLog,
+}
+
+impl DataConn {
+    fn check(&self, segment_id: SegmentId, offset: u64, len: u64) -> Result<(), KvError> {
+        if segment_id != self.segment_id {
+            return Err(KvError::new(
+                ErrorCode::SegmentNotFound,
+                format!(
+                    "segment {segment_id:016x} is not served here (this node serves {:016x})",
+                    self.segment_id
+                ),
+            ));
+        }
+        self.segment
+            .check_range(offset, len)
+            .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))
+    }
+
+    /// With a cluster secret: `grant` must be the master's, live, for `op`
+    /// on this range of `segment_id`.
+    fn authorize(
+        &self,
+        grant: &Grant,
+        op: GrantOp,
+        segment_id: SegmentId,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), KvError> {
+        let Some(k) = &self.key else { return Ok(()) };
+        k.check_grant(
+            grant,
+            op,
+            segment_id,
+            (offset, len),
+            GrantClock::now(self.skew_ms),
+        )
+        .inspect_err(|e| {
+            self.metrics.auth_refusals.inc();
+            self.refusals.refused("storage", &format!("a {op:?}"), e);
+        })
+    }
+
+    /// A frame and the payload after it, both within `io_timeout`.
+    async fn send_two(&self, stream: &mut TcpStream, head: &[u8], body: &[u8]) -> Next {
+        match glommio::timer::timeout(self.io_timeout, async {
+            let r = async {
+                frame::write_all(stream, head).await?;
+                frame::write_all(stream, body).await
+            }
+            .await;
+            Ok(r)
+        })
+        .await
+        {
+            Ok(Ok(())) => Next::Continue,
+            _ => Next::Close,
+        }
+    }
+}
+
+impl Handler for DataConn {
+    async fn handle(
+        &self,
+        hdr: FrameHeader,
+        payload: kvpool_transport::frame::AlignedVec,
+        stream: &mut TcpStream,
+        _conn: &mut ConnState,
+    ) -> Next {
+        if hdr.kind != FrameKind::DataRequest {
+            let e = frame::FrameError::UnexpectedKind {
+                expected: FrameKind::DataRequest,
+                got: hdr.kind,
+            };
+            server::reject(stream, hdr.request_id, &e, "storage").await;
+            return Next::Close;
+        }
+        let req: DataRequest = match frame::decode(&payload) {
+            Ok(r) => r,
+            Err(e) => {
+                server::reject(stream, hdr.request_id, &e, "storage").await;
+                return Next::Close;
+            }
+        };
+        drop(payload);
+        let started = Instant::now();
+        match req {
+            DataRequest::Write {
+                segment_id,
+                offset,
+                len,
+                grant,
+            } => {
+                let ok = self
+                    .check(segment_id, offset, len)
+                    .and_then(|()| self.authorize(&grant, GrantOp::Write, segment_id, offset, len));
+                if let Err(e) = ok {
+                    self.metrics.observe("write", false, started.elapsed());
+                    // The payload that follows is unread: answer, then close.
+                    let _ = server::answer(stream, &frame::encode_error(hdr.request_id, &e)).await;
+                    return Next::Close;
+                }
+                // SAFETY: the range is inside the segment (checked above), and
+                // the master gave it to this writer alone between PutStart and
+                // PutEnd (with a cluster secret, the grant checked above says
+                // so); no reader is directed to it before PutEnd.
+                let dst = unsafe { self.segment.slice_mut(offset, len) };
+                let read = glommio::timer::timeout(self.io_timeout, async {
+                    Ok(futures_lite::AsyncReadExt::read_exact(stream, dst).await)
+                })
+                .await;
+                if !matches!(read, Ok(Ok(()))) {
+                    self.metrics.observe("write", false, started.elapsed());
+                    return Next::Close;
+                }
+                self.metrics.bytes_written.inc_by(len);
+                self.metrics.observe("write", true, started.elapsed());
+                let ok = frame::encode(
+                    FrameKind::DataResponse,
+                    hdr.request_id,
+                    &DataResponse::Written,
+                );
+                server::answer_within(stream, &ok, self.io_timeout).await
+            }
+            DataRequest::Read {
+                segment_id,
+                offset,
+                len,
+                grant,
+            } => {
+                let ok = self
+                    .check(segment_id, offset, len)
+                    .and_then(|()| self.authorize(&grant, GrantOp::Read, segment_id, offset, len));
+                if let Err(e) = ok {
+                    self.metrics.observe("read", false, started.elapsed());
+                    return server::answer(stream, &frame::encode_error(hdr.request_id, &e)).await;
+                }
+                let head = frame::encode(
+                    FrameKind::DataResponse,
+                    hdr.request_id,
+                    &DataResponse::Data { len },
+                );
+                // SAFETY: in bounds (checked above); the reader holds the
+                // object's replica list, and the master does not hand its
+                // space to a writer while the object exists (and, with
+                // leases, while any lease on it is live).
+                let src = unsafe { self.segment.slice(offset, len) };
+                let next = self.send_two(stream, &head, src).await;
+                let ok = matches!(next, Next::Continue);
+                if ok {
+                    self.metrics.bytes_read.inc_by(len);
+                }
+                self.metrics.observe("read", ok, started.elapsed());
+                next
+            }
+            DataRequest::ReadNvme {
+                segment_id,
+                loc,
+                len,
+                grant,
+            } => {
+                let packed = loc;
+                let loc = kvpool_storage::nvme::NvmeLoc::unpack(loc);
+                let value = if Some(segment_id) != self.nvme_id {
+                    Err(KvError::new(
+                        ErrorCode::SegmentNotFound,
+                        format!("NVMe tier {segment_id:016x} is not served here"),
+                    ))
+                } else if let Err(e) =
+                    self.authorize(&grant, GrantOp::ReadNvme, segment_id, packed, len)
+                {
+                    Err(e)
+                } else if loc.region != self.shard {
+                    Err(KvError::new(
+                        ErrorCode::InvalidParams,
+                        format!(
+                            "NVMe region {} is served by shard {}, not {}",
+                            loc.region, loc.region, self.shard
+                        ),
+                    ))
+                } else {
+                    crate::nvme_tier::read_local(loc, &self.metrics)
+                        .await
+                        .and_then(|v| {
+                            if v.len() as u64 == len {
+                                Ok(v)
+                            } else {
+                                Err(KvError::new(
+                                    ErrorCode::InvalidParams,
+                                    "length differs from the object's",
+                                ))
+                            }
+                        })
+                };
+                let v = match value {
+                    Ok(v) => v,
+                    Err(e) => {
+                        self.metrics.observe("read_nvme", false, started.elapsed());
+                        return server::answer(stream, &frame::encode_error(hdr.request_id, &e))
+                            .await;
+                    }
+                };
+                let head = frame::encode(
+                    FrameKind::DataResponse,
+                    hdr.request_id,
+                    &DataResponse::Data { len },
+                );
+                let next = self.send_two(stream, &head, &v).await;
+                let ok = matches!(next, Next::Continue);
+                if ok {
+                    self.metrics.bytes_read.inc_by(len);
+                }
+                self.metrics.observe("read_nvme", ok, started.elapsed());
+                next
+            }
+            DataRequest::Rdma { req, grant } => self.rdma(req, grant, hdr.request_id, stream).await,
+        }
+    }
+}
+
+impl DataConn {
+    /// RDMA set-up. After `Connect`, the node's queue pairs live as long as
+    /// this TCP connection: the handler holds them until the client closes
+    /// it (or the node shuts down), then closes it too.
+    async fn rdma(&self, req: RdmaRequest, grant: Grant, id: u64, stream: &mut TcpStream) -> Next {
+        let reply =
+            |r: RdmaResponse| frame::encode(FrameKind::DataResponse, id, &DataResponse::Rdma(r));
+        match req {
+            RdmaRequest::Caps => {
+                let caps = match &self.rdma {
+                    #[cfg(feature = "rdma")]
+                    crate::rdma::NodeRdma::On { ctx, .. } => ctx.caps(),
+                    crate::rdma::NodeRdma::Off(why) => RdmaCaps::unavailable(why.clone()),
+                };
+                server::answer(stream, &reply(RdmaResponse::Caps(caps))).await
+            }
+            RdmaRequest::Connect(req) => {
+                // Queue pairs to the segment reach all of it: the client must
+                // show a live grant the master signed for this segment.
+                if let Some(k) = &self.key {
+                    if let Err(e) = k.check_segment_access(
+                        &grant,
+                        req.segment_id,
+                        GrantClock::now(self.skew_ms),
+                    ) {
+                        self.metrics.auth_refusals.inc();
+                        self.refusals.refused("storage", "an RDMA connect", &e);
+                        return server::answer(stream, &frame::encode_error(id, &e)).await;
+                    }
+                }
+                if req.segment_id != self.segment_id {
+                    let e = KvError::new(
+                        ErrorCode::SegmentNotFound,
+                        format!(
+                            "segment {:016x} is not served here (this node serves {:016x})",
+                            req.segment_id, self.segment_id
+                        ),
+                    );
+                    return server::answer(stream, &frame::encode_error(id, &e)).await;
+                }
+                match &self.rdma {
+                    #[cfg(feature = "rdma")]
+                    crate::rdma::NodeRdma::On { ctx, region } => match ctx.accept(&req, region) {
+                        Ok((r, passive)) => {
+                            if let Next::Close =
+                                server::answer(stream, &reply(RdmaResponse::Connected(r))).await
+                            {
+                                return Next::Close;
+                            }
+                            self.metrics.rdma_connections.inc();
+                            tracing::debug!(lanes = passive.lanes(), "rdma peer connected");
+                            self.hold_until_closed(stream).await;
+                            drop(passive);
+                            self.metrics.rdma_connections.dec();
+                            Next::Close
+                        }
+                        Err(e) => {
+                            let e = KvError::from(e);
+                            tracing::warn!("rdma connect from a client failed: {e}");
+                            server::answer(stream, &frame::encode_error(id, &e)).await
+                        }
+                    },
+                    crate::rdma::NodeRdma::Off(why) => {
+                        let e = KvError::new(
+                            ErrorCode::Unsupported,
+                            format!("this node has no RDMA: {why}"),
+                        );
+                        server::answer(stream, &frame::encode_error(id, &e)).await
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waits until the peer closes `stream` (anything it sends is
+    /// ignored) or the node shuts down.
+    #[cfg(feature = "rdma")]
+    async fn hold_until_closed(&self, stream: &mut TcpStream) {
+        let _ = stream.set_read_timeout(None);
+        futures_lite::future::or(
+            async {
+                let mut b = [0u8; 256];
+                while let Ok(n) = futures_lite::AsyncReadExt::read(stream, &mut b).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            },
+            self.shutdown.wait(),
+        )
+        .await;
+    }
+}
+
+/// Messages of the [`StorageNode`] actor.
+pub enum StorageNodeMsg {
+    /// Internal: time to ping the master.
+    Tick,
+    /// The segment's id and spec.
+    Info(RpcReplyPort<(SegmentId, SegmentSpec)>),
+    /// Unmounts the segment at the master (graceful leave).
+    Unmount(RpcReplyPort<Result<(), KvError>>),
+}
+
+/// Start-up arguments of the [`StorageNode`] actor.
+pub struct StorageNodeArgs {
+    pub client: Client,
+    pub spec: SegmentSpec,
+    /// The node's NVMe tier: mounted after the DRAM segment, its objects
+    /// reported, and both mounted again whenever the master forgets them.
+    pub nvme: Option<Arc<crate::nvme_tier::NodeNvme>>,
+    pub ping_interval: Duration,
+    /// How long to keep trying the first mount (the master may start later).
+    pub mount_deadline: Duration,
+}
+
+/// The control side of a storage node: mounts its segment (and NVMe tier)
+/// at the master, keeps them alive with pings that name them, mounts them
+/// again when a ping's answer says the master does not know them (it
+/// restarted, or declared the node dead), unmounts on request.
+pub struct StorageNode;
+
+pub struct StorageNodeState {
+    client: Client,
+    spec: SegmentSpec,
+    segment_id: SegmentId,
+    nvme: Option<Arc<crate::nvme_tier::NodeNvme>>,
+    mounted: bool,
+    /// The tier is mounted but the master has not heard all it holds yet
+    /// (a report failed): the next tick reports again.
+    unreported: bool,
+}
+
+impl StorageNodeState {
+    fn owned(&self) -> Vec<SegmentId> {
+        let mut v = vec![self.segment_id];
+        v.extend(self.nvme.as_ref().map(|t| t.segment_id));
+        v
+    }
+
+    /// Mounts the NVMe tier and reports everything on it.
+    async fn mount_tier(&self) -> Result<(), KvError> {
+        let Some(tier) = &self.nvme else {
+            return Ok(());
+        };
+        self.client.mount_segment(tier.spec.clone()).await?;
+        tier.report_all(&self.client).await
+    }
+
+    /// Mounts again what the master does not know.
+    async fn remount(&mut self, unknown: &[SegmentId]) {
+        tracing::warn!(
+            segments = ?unknown.iter().map(|s| format!("{s:016x}")).collect::<Vec<_>>(),
+            "the master does not know this node's segments (it restarted, or declared the node dead): mounting again"
+        );
+        if unknown.contains(&self.segment_id) {
+            if let Err(e) = self.client.mount_segment(self.spec.clone()).await {
+                tracing::warn!("mounting the DRAM segment again failed: {e}");
+                return;
+            }
+        }
+        if self
+            .nvme
+            .as_ref()
+            .is_some_and(|t| unknown.contains(&t.segment_id))
+        {
+            self.unreported = true;
+            self.mount_tier_and_report().await;
+        }
+    }
+
+    /// Mounts the tier and reports it; on failure, the next tick tries again.
+    async fn mount_tier_and_report(&mut self) {
+        match self.mount_tier().await {
+            Ok(()) => {
+                if self.unreported {
+                    tracing::info!("NVMe tier mounted again and its objects reported");
+                }
+                self.unreported = false;
+            }
+            Err(e) => {
+                self.unreported = true;
+                tracing::warn!("NVMe tier not mounted and reported yet (retrying): {e}");
+            }
+        }
+    }
+}
+
+impl Actor for StorageNode {
+    type Msg = StorageNodeMsg;
+    type State = StorageNodeState;
+    type Arguments = StorageNodeArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        args: StorageNodeArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let deadline = Instant::now() + args.mount_deadline;
+        let segment_id = loop {
+            match args.client.mount_segment(args.spec.clone()).await {
+                Ok(id) => break id,
+                Err(e) if Instant::now() < deadline && e.code == ErrorCode::Unavailable => {
+                    tracing::warn!("mount failed, retrying: {e}");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => return Err(format!("cannot mount segment: {e}").into()),
+            }
+        };
+        let state = StorageNodeState {
+            client: args.client,
+            spec: args.spec,
+            segment_id,
+            nvme: args.nvme,
+            mounted: true,
+            unreported: false,
+        };
+        // The tier is mounted (or mounted again, after a restart) and what
+        // it holds is reported back before the node counts as started.
+        state
+            .mount_tier()
+            .await
+            .map_err(|e| format!("NVMe tier: {e}"))?;
+        myself.send_interval(args.ping_interval, || StorageNodeMsg::Tick);
+        Ok(state)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            StorageNodeMsg::Tick => {
+                if state.mounted {
+                    match state.client.ping_segments(&state.owned()).await {
+                        Ok(unknown) if !unknown.is_empty() => state.remount(&unknown).await,
+                        Ok(_) if state.unreported => state.mount_tier_and_report().await,
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!("ping to the master failed: {e}"),
+                    }
+                }
+            }
+            StorageNodeMsg::Info(reply) => {
+                let _ = reply.send((state.segment_id, state.spec.clone()));
+            }
+            StorageNodeMsg::Unmount(reply) => {
+                let r = state.client.unmount_segment(state.segment_id).await;
+                if r.is_ok() {
+                    state.mounted = false;
+                }
+                let _ = reply.send(r);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,747 @@
+//! A storage node's NVMe tier at work.
+//!
+//! ```text
+//!  shard i: NvmeShard for region i (thread-local: it is !Send), serves
+//!           ReadNvme for its region; runs the persist / promote jobs the
+//!           loop sends it (its region holds the keys that hash to it)
+//!  loop (tokio): every task_poll_ms
+//!     NodeTasks from every master shard -> jobs on the owning shards
+//!       Persist  (demotion or write-through): DRAM bytes -> NVMe -> Stored
+//!       Promote: NVMe bytes -> the DRAM range the master allocated -> Promoted
+//!     eviction past the tier's watermark: mark -> report Evicted -> release
+//!  start: every region recovers its index; the objects are re-reported
+//! ```
+
+use std::cell::RefCell;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpool_runtime::{ShardHandle, Shutdown};
+use kvpool_storage::nvme::{Eviction, NvmeConfig, NvmeError, NvmeLoc, NvmeShard, NvmeValue};
+use kvpool_storage::Segment;
+use kvpool_transport::proto::{
+    segment_id_for, Endpoint, MasterRequest, MasterResponse, NodeTask, NvmeUpdate, SegmentId,
+    SegmentSpec, Tier,
+};
+use kvpool_transport::{ErrorCode, KvError};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::metrics::StorageMetrics;
+use kvpool_client::Client;
+use kvpool_config::NodeError;
+use kvpool_config::{NvmeEvictionPolicy, NvmeTierConfig};
+
+thread_local! {
+    /// This shard's region of the tier (set at start on every shard).
+    static TIER: RefCell<Option<Rc<NvmeShard>>> = const { RefCell::new(None) };
+}
+
+fn tier() -> Result<Rc<NvmeShard>, KvError> {
+    TIER.with(|t| t.borrow().clone())
+        .ok_or_else(|| KvError::new(ErrorCode::Unavailable, "this node has no NVMe tier"))
+}
+
+/// Maps the tier's errors to the protocol's codes.
+pub fn kv(e: NvmeError) -> KvError {
+    let code = match &e {
+        NvmeError::Corrupt { .. } => ErrorCode::Corrupt,
+        NvmeError::NoSpace(_) => ErrorCode::NoSpace,
+        NvmeError::NotFound(_) => ErrorCode::ObjectNotFound,
+        NvmeError::Invalid(_) => ErrorCode::InvalidParams,
+        NvmeError::Io(_) => ErrorCode::Internal,
+    };
+    KvError::new(code, e.to_string())
+}
+
+/// The region (and so the shard) that holds `key`.
+pub fn region_of(key: &[u8], regions: usize) -> usize {
+    (xxh3_64(key) % regions.max(1) as u64) as usize
+}
+
+/// The node's handle on its tier (the tokio side).
+pub struct NodeNvme {
+    pub segment_id: SegmentId,
+    pub spec: SegmentSpec,
+    /// Objects the tier found on the device at start.
+    pub recovered: usize,
+    regions: usize,
+    shards: ShardHandle,
+    dram: Arc<Segment>,
+    dram_id: SegmentId,
+    metrics: StorageMetrics,
+    poll: Duration,
+}
+
+/// Opens the tier's region on every shard and recovers their indexes.
+pub async fn open(
+    shards: &ShardHandle,
+    cfg: &NvmeTierConfig,
+    host_id: &str,
+    endpoint: Endpoint,
+    dram: Arc<Segment>,
+    dram_id: SegmentId,
+    metrics: StorageMetrics,
+) -> Result<NodeNvme, NodeError> {
+    let path = canonical(&cfg.path)?;
+    let regions = shards.nr_shards();
+    let ncfg = NvmeConfig {
+        capacity: cfg.capacity.get(),
+        regions: regions as u32,
+        avg_object_bytes: cfg.avg_object_bytes.get(),
+        high_watermark: cfg.high_watermark,
+        low_watermark: cfg.low_watermark,
+        eviction: match cfg.eviction {
+            NvmeEvictionPolicy::Fifo => Eviction::Fifo,
+            NvmeEvictionPolicy::Lru => Eviction::Lru,
+        },
+        sync_writes: cfg.sync_writes,
+    };
+    let mut recovered = 0;
+    for i in 0..regions {
+        let (p, c) = (path.clone(), ncfg.clone());
+        let rec = shards
+            .run_on(i, move |_ctx| async move {
+                let (t, rec) = NvmeShard::open(&p, c, i as u32).await?;
+                TIER.with(|s| *s.borrow_mut() = Some(Rc::new(t)));
+                Ok::<_, NvmeError>(rec)
+            })
+            .await?
+            .map_err(|e| NodeError::Start(format!("NVMe tier {}: {e}", path.display())))?;
+        recovered += rec.len();
+    }
+    let name = format!("nvme:{host_id}:{}", path.display());
+    let segment_id = segment_id_for(&name);
+    tracing::info!(
+        path = %path.display(),
+        capacity = cfg.capacity.get(),
+        regions,
+        recovered,
+        "NVMe tier open"
+    );
+    metrics.nvme_capacity.set(cfg.capacity.get() as i64);
+    Ok(NodeNvme {
+        segment_id,
+        spec: SegmentSpec {
+            name,
+            size: cfg.capacity.get(),
+            endpoint,
+            slice_bytes: 0,
+            host_id: host_id.to_string(),
+            tier: Tier::Nvme,
+            nvme: None,
+        },
+        recovered,
+        regions,
+        shards: shards.clone(),
+        dram,
+        dram_id,
+        metrics,
+        poll: Duration::from_millis(cfg.task_poll_ms),
+    })
+}
+
+fn canonical(p: &str) -> Result<PathBuf, NodeError> {
+    let path = PathBuf::from(p);
+    if path.exists() {
+        return std::fs::canonicalize(&path)
+            .map_err(|e| NodeError::Start(format!("NVMe path {p}: {e}")));
+    }
+    let parent = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let dir = std::fs::canonicalize(parent)
+        .map_err(|e| NodeError::Start(format!("NVMe path {p}: its directory: {e}")))?;
+    Ok(dir.join(path.file_name().unwrap_or_default()))
+}
+
+/// Reads an object of this shard's region (for the data plane).
+pub async fn read_local(loc: NvmeLoc, metrics: &StorageMetrics) -> Result<NvmeValue, KvError> {
+    let t = tier()?;
+    let started = Instant::now();
+    let v = t.read(loc).await.map_err(kv)?;
+    metrics
+        .nvme_read_seconds
+        .observe(started.elapsed().as_secs_f64());
+    Ok(v)
+}
+
+/// Turns a Stored report into PersistFailed (the copy is not to be listed).
+fn persist_failed(u: &mut NvmeUpdate) {
+    if let NvmeUpdate::Stored {
+        key,
+        dram,
+        offset,
+        demote,
+        ..
+    } = u
+    {
+        *u = NvmeUpdate::PersistFailed {
+            key: std::mem::take(key),
+            dram: *dram,
+            offset: *offset,
+            demote: *demote,
+        };
+    }
+}
+
+impl NodeNvme {
+    /// Reports every object the tier holds now (after a start, or to a
+    /// master that restarted and forgot them); copies the master refuses as
+    /// stale (another object lives under the key now) are removed. Index
+    /// records are flushed first: what the master hears of survives a crash.
+    pub async fn report_all(&self, client: &Client) -> Result<(), KvError> {
+        let mut held = Vec::new();
+        for region in 0..self.regions {
+            let r = self
+                .shards
+                .run_on(region, move |_| async move {
+                    let t = tier()?;
+                    t.flush().await.map_err(kv)?;
+                    Ok::<_, KvError>(t.entries())
+                })
+                .await
+                .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))??;
+            held.extend(r);
+        }
+        let updates: Vec<NvmeUpdate> = held
+            .iter()
+            .map(|r| NvmeUpdate::Recovered {
+                key: r.key.clone(),
+                nvme: self.segment_id,
+                loc: r.loc.pack(),
+                len: r.len,
+                sum: r.sum,
+            })
+            .collect();
+        let results = self.report(client, updates).await?;
+        let mut stale = 0;
+        let mut refused = 0;
+        for (r, res) in held.iter().zip(results) {
+            match res {
+                Ok(()) => {}
+                Err(e) if e.code == ErrorCode::ObjectAlreadyExists => {
+                    stale += 1;
+                    self.remove(r.loc).await;
+                }
+                Err(e) => {
+                    // Not stale, just not taken now: the copy stays.
+                    refused += 1;
+                    tracing::debug!("NVMe: the master did not take a recovered copy: {e}");
+                }
+            }
+        }
+        tracing::info!(
+            objects = held.len(),
+            stale,
+            refused,
+            "NVMe objects reported to the master"
+        );
+        Ok(())
+    }
+
+    /// Sends updates in batches; one result per update.
+    async fn report(
+        &self,
+        client: &Client,
+        updates: Vec<NvmeUpdate>,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let mut out = Vec::with_capacity(updates.len());
+        for chunk in updates.chunks(1024) {
+            let req = MasterRequest::NvmeUpdates {
+                client_id: client.id(),
+                updates: chunk.to_vec(),
+            };
+            match client.call(req).await? {
+                MasterResponse::BatchDone(v) => out.extend(v.into_iter().map(Result::from)),
+                other => {
+                    return Err(KvError::new(
+                        ErrorCode::Internal,
+                        format!("master answered NVMe updates with {other:?}"),
+                    ))
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn remove(&self, loc: NvmeLoc) {
+        let r = self
+            .shards
+            .run_on(loc.region as usize, move |_| async move {
+                match tier() {
+                    Ok(t) => t.remove(loc).await.map_err(kv),
+                    Err(e) => Err(e),
+                }
+            })
+            .await;
+        if let Ok(Err(e)) | Err(e) = r.map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))
+        {
+            tracing::warn!("NVMe: could not remove {loc:?}: {e}");
+        }
+    }
+
+    /// Copies DRAM bytes to the tier (a demotion or write-through): where,
+    /// and whether this call wrote it (false: a copy was there already).
+    /// Copies DRAM bytes to the tier (a demotion or write-through): where,
+    /// their checksum, and whether this call wrote it (false: a copy was
+    /// there already). Bytes that do not match the object's `checksum` are
+    /// not copied (`Corrupt`).
+    async fn persist(
+        &self,
+        client: &Client,
+        key: Vec<u8>,
+        offset: u64,
+        len: u64,
+        checksum: Option<u64>,
+    ) -> Result<(NvmeLoc, u64, bool), KvError> {
+        let region = region_of(&key, self.regions);
+        for attempt in 0..2 {
+            let (k, seg, m) = (key.clone(), self.dram.clone(), self.metrics.clone());
+            let r: Result<(NvmeLoc, u64, bool), KvError> = self
+                .shards
+                .run_on(region, move |_| async move {
+                    let t = tier()?;
+                    seg.check_range(offset, len)
+                        .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))?;
+                    // SAFETY: in bounds (checked). The master keeps this range
+                    // allocated to the object until it has the Stored report
+                    // (a removal meanwhile quarantines it), so no writer is
+                    // sent to it while we copy.
+                    let bytes = unsafe { seg.slice(offset, len) };
+                    let sum = xxh3_64(bytes);
+                    if checksum.is_some_and(|c| c != sum) {
+                        m.checksum_mismatches.inc();
+                        return Err(KvError::new(
+                            ErrorCode::Corrupt,
+                            format!(
+                                "the DRAM bytes of {} do not match the object's checksum",
+                                kvpool_transport::proto::show_key(&k)
+                            ),
+                        ));
+                    }
+                    if let Some(loc) = t.lookup(&k) {
+                        if t.value_sum(loc) == Some((len, sum)) {
+                            // Already there (write-through, then demotion).
+                            return Ok((loc, sum, false));
+                        }
+                        // A copy of an earlier object under this key (removed
+                        // at the master, its Drop not yet seen): never report
+                        // its bytes as this object's.
+                        t.remove(loc).await.map_err(kv)?;
+                    }
+                    let started = Instant::now();
+                    let loc = t.write(&k, bytes).await.map_err(kv)?;
+                    m.nvme_write_seconds
+                        .observe(started.elapsed().as_secs_f64());
+                    Ok((loc, sum, true))
+                })
+                .await
+                .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))?;
+            match r {
+                Err(e) if e.code == ErrorCode::NoSpace && attempt == 0 => {
+                    // Make room in that region, then try once more.
+                    self.evict_region(client, region, len + 8192).await;
+                }
+                other => return other,
+            }
+        }
+        unreachable!("the loop returns on its second attempt")
+    }
+
+    /// Copies an NVMe object into the DRAM range the master allocated in
+    /// this node's own segment `dram`; only bytes that match the object's
+    /// `checksum` are copied.
+    async fn promote(
+        &self,
+        loc: NvmeLoc,
+        dram: SegmentId,
+        offset: u64,
+        len: u64,
+        checksum: Option<u64>,
+    ) -> Result<(), KvError> {
+        if dram != self.dram_id {
+            // The range is in another node's memory: writing our segment at
+            // that offset would overwrite unrelated objects.
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!(
+                    "a promotion into segment {dram:016x}, which is not this node's ({:016x})",
+                    self.dram_id
+                ),
+            ));
+        }
+        if loc.region as usize >= self.regions {
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!("{loc:?} is no region of this tier"),
+            ));
+        }
+        let (seg, m) = (self.dram.clone(), self.metrics.clone());
+        self.shards
+            .run_on(loc.region as usize, move |_| async move {
+                let v = read_local(loc, &m).await?;
+                if v.len() as u64 != len {
+                    return Err(KvError::new(
+                        ErrorCode::Corrupt,
+                        "promoted object has another size",
+                    ));
+                }
+                if checksum.is_some_and(|c| c != xxh3_64(&v)) {
+                    m.checksum_mismatches.inc();
+                    return Err(KvError::new(
+                        ErrorCode::Corrupt,
+                        "the NVMe copy does not match the object's checksum",
+                    ));
+                }
+                seg.check_range(offset, len)
+                    .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))?;
+                // SAFETY: in bounds; the master allocated this range for the
+                // promotion and sends no reader or writer to it until it gets
+                // the Promoted report.
+                unsafe { seg.slice_mut(offset, len) }.copy_from_slice(&v);
+                Ok(())
+            })
+            .await
+            .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))?
+    }
+
+    /// Evicts in one region: mark, report to the master, then release.
+    async fn evict_region(&self, client: &Client, region: usize, need: u64) {
+        let cands = self
+            .shards
+            .run_on(region, move |_| async move {
+                tier().map(|t| t.evict_candidates(need)).unwrap_or_default()
+            })
+            .await
+            .unwrap_or_default();
+        if cands.is_empty() {
+            return;
+        }
+        let updates = cands
+            .iter()
+            .map(|(k, loc)| NvmeUpdate::Evicted {
+                key: k.clone(),
+                nvme: self.segment_id,
+                loc: loc.pack(),
+            })
+            .collect();
+        // Reported first: the master stops handing out these replicas; only
+        // then is their space released.
+        if let Err(e) = self.report(client, updates).await {
+            tracing::warn!("NVMe eviction not reported ({e}); space kept until it is");
+            return;
+        }
+        self.metrics.nvme_evictions.inc_by(cands.len() as u64);
+        for (_, loc) in cands {
+            self.remove(loc).await;
+        }
+    }
+
+    /// Runs one task; the update to report.
+    async fn run_task(
+        &self,
+        client: &Client,
+        task: NodeTask,
+    ) -> Option<(NvmeUpdate, Option<NvmeLoc>, bool)> {
+        match task {
+            NodeTask::Persist {
+                key,
+                dram,
+                offset,
+                len,
+                demote,
+                checksum,
+            } => {
+                if dram != self.dram_id {
+                    return None;
+                }
+                match self
+                    .persist(client, key.clone(), offset, len, checksum)
+                    .await
+                {
+                    Ok((loc, sum, fresh)) => {
+                        if demote {
+                            self.metrics.nvme_demotions.inc();
+                        }
+                        Some((
+                            NvmeUpdate::Stored {
+                                key,
+                                nvme: self.segment_id,
+                                loc: loc.pack(),
+                                len,
+                                dram,
+                                offset,
+                                demote,
+                                sum,
+                            },
+                            Some(loc),
+                            fresh,
+                        ))
+                    }
+                    Err(e) => {
+                        tracing::warn!("NVMe persist failed: {e}");
+                        Some((
+                            NvmeUpdate::PersistFailed {
+                                key,
+                                dram,
+                                offset,
+                                demote,
+                            },
+                            None,
+                            false,
+                        ))
+                    }
+                }
+            }
+            NodeTask::Drop { key, loc } => {
+                let loc = NvmeLoc::unpack(loc);
+                if loc.region as usize >= self.regions {
+                    tracing::warn!("NVMe: Drop for {loc:?}, which is no region of this tier");
+                    return None;
+                }
+                let r = self
+                    .shards
+                    .run_on(loc.region as usize, move |_| async move {
+                        tier()?.remove_key(loc, &key).await.map_err(kv)
+                    })
+                    .await
+                    .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))
+                    .and_then(|r| r);
+                match r {
+                    Ok(true) => {
+                        self.metrics.nvme_drops.inc();
+                    }
+                    // Gone already, or the slot holds another key now.
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!("NVMe: could not drop {loc:?}: {e}"),
+                }
+                None
+            }
+            NodeTask::Promote {
+                key,
+                loc,
+                dram,
+                offset,
+                len,
+                checksum,
+            } => {
+                let ok = match self
+                    .promote(NvmeLoc::unpack(loc), dram, offset, len, checksum)
+                    .await
+                {
+                    Ok(()) => {
+                        self.metrics.nvme_promotions.inc();
+                        true
+                    }
+                    Err(e) => {
+                        tracing::warn!("NVMe promotion failed: {e}");
+                        false
+                    }
+                };
+                Some((
+                    NvmeUpdate::Promoted {
+                        key,
+                        dram,
+                        offset,
+                        ok,
+                    },
+                    None,
+                    false,
+                ))
+            }
+        }
+    }
+
+    /// Puts the index records of the copies this round reports on the
+    /// device before the master hears of them (a write returns before
+    /// its record is durable), so every NVMe copy the master lists survives
+    /// a crash. Where a region's flush fails, the updates naming its fresh
+    /// copies become `PersistFailed` and those copies are dropped, each
+    /// once; copies found already there (written and reported in an earlier
+    /// round) stay, the master lists them. A copy no longer in its place
+    /// after the flush is reported `PersistFailed` too.
+    async fn flush_written(
+        &self,
+        updates: &mut [NvmeUpdate],
+        written: &mut [Option<NvmeLoc>],
+        fresh: &[NvmeLoc],
+    ) {
+        // Every region a copy was reported from, not only the fresh ones: a
+        // copy found already there may be one whose record an earlier,
+        // failed flush left behind (a flush with nothing dirty is free).
+        let mut regions: Vec<u32> = written.iter().flatten().map(|l| l.region).collect();
+        regions.sort_unstable();
+        regions.dedup();
+        for region in regions {
+            // The Stored copies of this region, checked after the flush: a
+            // copy this round wrote can have been evicted again by a later
+            // task's NoSpace retry (LRU ranks unread copies first), and its
+            // slot reused; the master must not hear of it.
+            let (at, check): (Vec<usize>, Vec<(Vec<u8>, NvmeLoc)>) = updates
+                .iter()
+                .zip(written.iter())
+                .enumerate()
+                .filter_map(|(i, (u, w))| match (u, w) {
+                    (NvmeUpdate::Stored { key, .. }, Some(l)) if l.region == region => {
+                        Some((i, (key.clone(), *l)))
+                    }
+                    _ => None,
+                })
+                .unzip();
+            let r = self
+                .shards
+                .run_on(region as usize, move |_| async move {
+                    let t = tier()?;
+                    t.flush().await.map_err(kv)?;
+                    Ok::<Vec<bool>, KvError>(
+                        check.iter().map(|(k, l)| t.lookup(k) == Some(*l)).collect(),
+                    )
+                })
+                .await
+                .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))
+                .and_then(|r| r);
+            match r {
+                Ok(present) => {
+                    for (i, here) in at.into_iter().zip(present) {
+                        if !here {
+                            tracing::warn!(
+                                "NVMe: copy at {:?} gone before it was reported",
+                                written[i]
+                            );
+                            persist_failed(&mut updates[i]);
+                            written[i] = None;
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("NVMe: index records of region {region} not durable: {e}");
+                    let mut lost: Vec<NvmeLoc> = fresh
+                        .iter()
+                        .filter(|l| l.region == region)
+                        .copied()
+                        .collect();
+                    lost.sort_unstable_by_key(|l| l.slot);
+                    lost.dedup();
+                    for (u, w) in updates.iter_mut().zip(written.iter_mut()) {
+                        if w.is_some_and(|l| lost.contains(&l)) {
+                            persist_failed(u);
+                            *w = None;
+                        }
+                    }
+                    for loc in lost {
+                        self.remove(loc).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One round: tasks from every master shard, then eviction, then gauges.
+    /// Returns how many tasks ran.
+    pub async fn round(&self, client: &Client) -> Result<usize, KvError> {
+        let mut ran = 0;
+        for shard in 0..client.cluster_map().shards.len() as u32 {
+            let req = MasterRequest::NodeTasks {
+                client_id: client.id(),
+                shard,
+                segments: vec![self.dram_id, self.segment_id],
+                max: 256,
+            };
+            let tasks = match client.call(req).await? {
+                MasterResponse::Tasks(t) => t,
+                other => {
+                    return Err(KvError::new(
+                        ErrorCode::Internal,
+                        format!("master answered NodeTasks with {other:?}"),
+                    ))
+                }
+            };
+            let mut updates = Vec::new();
+            let mut written = Vec::new();
+            let mut fresh = Vec::new();
+            for t in tasks {
+                ran += 1;
+                if let Some((u, loc, new)) = self.run_task(client, t).await {
+                    updates.push(u);
+                    written.push(loc);
+                    if new {
+                        fresh.extend(loc);
+                    }
+                }
+            }
+            if updates.is_empty() {
+                continue;
+            }
+            self.flush_written(&mut updates, &mut written, &fresh).await;
+            let results = self.report(client, updates).await?;
+            for (res, loc) in results.into_iter().zip(written) {
+                if let (Err(_), Some(loc)) = (res, loc) {
+                    // The master no longer wants this copy (object gone).
+                    self.remove(loc).await;
+                }
+            }
+        }
+        for region in 0..self.regions {
+            self.evict_region(client, region, 0).await;
+        }
+        let mut used = 0u64;
+        let mut objects = 0u64;
+        for region in 0..self.regions {
+            if let Ok(Some((u, n))) = self
+                .shards
+                .run_on(region, move |_| async move {
+                    tier().ok().map(|t| (t.usage().0, t.objects() as u64))
+                })
+                .await
+            {
+                used += u;
+                objects += n;
+            }
+        }
+        self.metrics.nvme_used.set(used as i64);
+        self.metrics.nvme_objects.set(objects as i64);
+        Ok(ran)
+    }
+
+    /// Runs rounds until shutdown.
+    pub fn spawn_loop(self: Arc<Self>, client: Client, shutdown: Shutdown) {
+        tokio::spawn(async move {
+            // A failing round (the master away, or not knowing the tier
+            // until the node mounts it again) is retried every second and
+            // logged once per ERROR_LOG_EVERY while it keeps failing.
+            const ERROR_LOG_EVERY: Duration = Duration::from_secs(10);
+            let mut last_logged: Option<Instant> = None;
+            loop {
+                let (busy, failed) = match self.round(&client).await {
+                    Ok(n) => {
+                        last_logged = None;
+                        (n > 0, false)
+                    }
+                    Err(e) => {
+                        if last_logged.is_none_or(|t| t.elapsed() >= ERROR_LOG_EVERY) {
+                            tracing::warn!("NVMe tier round failed: {e}");
+                            last_logged = Some(Instant::now());
+                        }
+                        (false, true)
+                    }
+                };
+                if !busy {
+                    let wait = if failed {
+                        self.poll.max(Duration::from_secs(1))
+                    } else {
+                        self.poll
+                    };
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.wait() => break,
+                    }
+                } else if shutdown.is_triggered() {
+                    break;
+                }
+            }
+        });
+    }
+}
