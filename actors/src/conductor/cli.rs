@@ -357,6 +357,7 @@ pub fn sim_configs(args: &SimArgs) -> Result<Vec<SimConfig>, SimError> {
             speed: args.speed,
             seed: args.seed,
             cost: cost.clone(),
+            load_sample_ms: None,
         })
         .collect();
     for c in &configs {
