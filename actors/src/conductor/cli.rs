@@ -17,9 +17,9 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use super::cache::{simulate_cache, CachePolicy, CacheSimReport, Capacity};
 use super::cost::CostModel;
 use super::gen::{write_trace, GenParams, Preset};
-use super::plot::plot_ttft_cdf;
+use super::plot::{plot_load_series, plot_ttft_cdf};
 use super::scheduler::{Policy, Slo};
-use super::sim::{simulate_with_progress, SimConfig, SimError, SimOutcome, SimReport};
+use super::sim::{simulate_with_progress, SimConfig, SimError, SimOutcome, SimReport, SWING_HIGH};
 use super::trace::Trace;
 
 /// A `--policy` value: one policy, or `all`.
@@ -86,6 +86,10 @@ pub struct SimArgs {
     /// Also draw the TTFT CDF of every policy to this PNG.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Also sample prefill and decode load every simulated second and draw
+    /// it over time, one panel per policy, to this PNG.
+    #[arg(long, value_name = "FILE.png")]
+    pub plot_load: Option<PathBuf>,
     /// Never show a progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -332,6 +336,9 @@ pub fn run_sim_cache(args: &SimCacheArgs) -> Result<(), SimError> {
     Ok(())
 }
 
+/// Simulated time between load samples with `--plot-load`, ms.
+pub const LOAD_SAMPLE_MS: f64 = 1_000.0;
+
 /// The configurations `args` asks for, one per policy.
 pub fn sim_configs(args: &SimArgs) -> Result<Vec<SimConfig>, SimError> {
     let cost = match &args.model {
@@ -357,7 +364,7 @@ pub fn sim_configs(args: &SimArgs) -> Result<Vec<SimConfig>, SimError> {
             speed: args.speed,
             seed: args.seed,
             cost: cost.clone(),
-            load_sample_ms: None,
+            load_sample_ms: args.plot_load.as_ref().map(|_| LOAD_SAMPLE_MS),
         })
         .collect();
     for c in &configs {
@@ -462,6 +469,16 @@ pub fn run_sim_to(
             json_line(out, &outcome.report)?;
         } else {
             write_text(out, &outcome.report)?;
+            if let Some(load) = &outcome.load {
+                writeln!(
+                    out,
+                    "  decode load: {} swings over {}x the TBT SLO and back{}; over the SLO {:.1}% of the time",
+                    load.overload_swings(),
+                    SWING_HIGH,
+                    if load.oscillates() { " (oscillates)" } else { "" },
+                    load.decode_fraction_above(1.0) * 100.0
+                )?;
+            }
         }
         outcomes.push(outcome);
     }
@@ -471,6 +488,19 @@ pub fn run_sim_to(
             .map(|o| (o.report.policy.as_str(), &o.ttft_us))
             .collect();
         let drawn = plot_ttft_cdf(plot, &series, args.ttft_slo_ms)?;
+        if !drawn.with_text {
+            eprintln!(
+                "warning: no TrueType font found in the usual system locations; {} has curves but no text",
+                plot.display()
+            );
+        }
+    }
+    if let Some(plot) = &args.plot_load {
+        let series: Vec<(&str, &super::sim::LoadSeries)> = outcomes
+            .iter()
+            .filter_map(|o| o.load.as_ref().map(|l| (o.report.policy.as_str(), l)))
+            .collect();
+        let drawn = plot_load_series(plot, &series)?;
         if !drawn.with_text {
             eprintln!(
                 "warning: no TrueType font found in the usual system locations; {} has curves but no text",

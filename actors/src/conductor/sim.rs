@@ -78,6 +78,14 @@ const HIST_MAX_US: u64 = 86_400_000_000;
 /// Most samples a [`LoadSeries`] keeps (see the module docs).
 pub const MAX_LOAD_SAMPLES: usize = 1 << 14;
 
+/// Decode load (over the TBT SLO) at the top of a swing: 25 % over the SLO,
+/// so every request decoding then is missing it.
+pub const SWING_HIGH: f32 = 1.25;
+/// Decode load a swing comes back to: the SLO.
+pub const SWING_LOW: f32 = 1.0;
+/// Swings in one run that make it oscillate ([`LoadSeries::oscillates`]).
+pub const OSCILLATION_MIN_SWINGS: usize = 3;
+
 /// What to simulate.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SimConfig {
@@ -288,6 +296,17 @@ impl LoadSeries {
     /// below it, each swing is one overload-then-drain cycle.
     pub fn decode_swings(&self, high: f32, low: f32) -> usize {
         swings(&self.decode, high, low)
+    }
+
+    /// Swings between [`SWING_HIGH`] and [`SWING_LOW`].
+    pub fn overload_swings(&self) -> usize {
+        self.decode_swings(SWING_HIGH, SWING_LOW)
+    }
+
+    /// Whether the decode load oscillates: at least
+    /// [`OSCILLATION_MIN_SWINGS`] overload swings in the run.
+    pub fn oscillates(&self) -> bool {
+        self.overload_swings() >= OSCILLATION_MIN_SWINGS
     }
 
     /// Fraction of samples with the decode load above `level`.
