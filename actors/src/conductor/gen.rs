@@ -120,7 +120,7 @@ impl Preset {
         let common = GenParams {
             seed,
             requests,
-            rate_rps: 4.0,
+            rate_rps: 1.0,
             diurnal_period_s: 0.0,
             diurnal_amplitude: 0.0,
             burst_every_s: 0.0,

@@ -825,6 +825,7 @@ impl<'t> Sim<'t> {
                 self.counters.forecasts += 1;
                 self.counters.forecast_err_ms += seq.predicted_tbt_ms - tbt;
                 self.counters.forecast_abs_err_ms += (seq.predicted_tbt_ms - tbt).abs();
+                self.scheduler.observe_decode_finished(out);
                 if tbt <= tbt_slo {
                     if self.ttft_ok[seq.req as usize] {
                         self.counters.slo_met += 1;
