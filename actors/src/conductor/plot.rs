@@ -171,7 +171,8 @@ pub const LOAD_PLOT_MAX: f64 = 3.0;
 
 /// Draws one panel per `(label, load series)`: prefill load and decode load
 /// (1.0 = at the SLO) against simulated time, with a line at 1.0, to a PNG
-/// at `path`. Loads above [`LOAD_PLOT_MAX`] are drawn at the top.
+/// at `path`. The load axis runs to 1.1x the highest sample, at least 1.5
+/// and at most [`LOAD_PLOT_MAX`] (higher samples are drawn at the top).
 pub fn plot_load_series(
     path: &Path,
     series: &[(&str, &LoadSeries)],
@@ -198,6 +199,11 @@ pub fn plot_load_series_with_fonts(
         .iter()
         .map(|(_, l)| l.decode.len() as f64 * l.interval_ms / 1000.0)
         .fold(1.0f64, f64::max);
+    let y_max = series
+        .iter()
+        .flat_map(|(_, l)| l.prefill.iter().chain(&l.decode))
+        .fold(0.0f64, |m, v| m.max(f64::from(*v) * 1.1))
+        .clamp(1.5, LOAD_PLOT_MAX);
     const PANEL_H: u32 = 260;
     let height = PANEL_H * series.len() as u32 + if with_text { 50 } else { 0 };
     let root = BitMapBackend::new(path, (1100, height)).into_drawing_area();
@@ -226,14 +232,16 @@ pub fn plot_load_series_with_fonts(
                 .y_label_area_size(50);
         }
         let mut chart = builder
-            .build_cartesian_2d(0.0f64..span_s, 0.0f64..LOAD_PLOT_MAX)
+            .build_cartesian_2d(0.0f64..span_s, 0.0f64..y_max)
             .map_err(|e| err(e.to_string()))?;
         {
             let mut mesh = chart.configure_mesh();
-            mesh.disable_x_mesh();
+            mesh.disable_x_mesh().y_max_light_lines(1);
             if with_text {
                 mesh.x_desc("simulated time (s)")
                     .y_desc("load (x SLO)")
+                    .x_label_formatter(&|x| format!("{x:.0}"))
+                    .y_label_formatter(&|y| format!("{y:.1}"))
                     .label_style(("sans-serif", 14));
             } else {
                 mesh.x_labels(0).y_labels(0);
@@ -253,7 +261,7 @@ pub fn plot_load_series_with_fonts(
             let points = values.iter().enumerate().map(|(i, v)| {
                 (
                     i as f64 * load.interval_ms / 1000.0,
-                    f64::from(*v).min(LOAD_PLOT_MAX),
+                    f64::from(*v).min(y_max),
                 )
             });
             let drawn = chart
