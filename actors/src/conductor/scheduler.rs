@@ -35,22 +35,25 @@
 //!   finish prefill (`t_ready`)* misses the TBT SLO. The prediction is
 //!   system-level, as Mooncake's; per decode instance it models:
 //!   - departures: every request decodes for the same expected time
-//!     `T = E[output tokens] * max(step now, TBT SLO)`, and a sequence
-//!     decoding at `t` is still decoding at `t + dt` with probability
-//!     `exp(-dt / T)` (the departure rate of a steady batch, `n / T`, with a
-//!     tail for long answers). `E[output tokens]` is learned from finished
-//!     requests ([`Scheduler::observe_decode_finished`]; the configured
+//!     `T = E[output tokens] * pace`, and a sequence decoding at `t` is still
+//!     decoding at `t + dt` with probability `exp(-dt / T)` (the departure
+//!     rate of a steady batch, `n / T`, with a tail for long answers). The
+//!     pace is the step time of the load the sequences will see: today's,
+//!     or the predicted peak's if that is slower (a second pass).
+//!     `E[output tokens]` is learned from finished requests
+//!     ([`Scheduler::observe_decode_finished`]; the configured
 //!     `decode.expected_output_tokens` until the first one);
 //!   - arrivals: the requests this scheduler routed to the instance that
 //!     have not reached it yet (a ledger sorted by predicted ready time), each
 //!     joining at its ready time and then departing like the others;
-//!   - the peak: the TBT at `t_ready` and at every ledger arrival up to
-//!     `t_ready + T` (the new request is still decoding then), the highest
-//!     one counting;
+//!   - the peak: the TBT at `t_ready` and at every ledger arrival within
+//!     `E[output tokens] * max(pace, TBT SLO)` after it (as long as the new
+//!     request may decode and still meet the SLO), the highest counting;
 //!   - memory: if the sequences at a point do not fit `max_batch` or
 //!     `max_context_tokens`, someone waits for a slot until the excess has
-//!     left, about `(over - 1) * T`, and that wait is one of its gaps, so
-//!     the predicted TBT includes it.
+//!     left, about `(over - 1) * T`. That wait is one gap, among the longest
+//!     tenth of an answer's gaps (Mooncake's TBT metric), so it is spread
+//!     over `E[output tokens] / 10` gaps and added to the step.
 //!
 //!   It ignores: real output lengths (one mean for all), the ages of the
 //!   running sequences, requests that later arrivals will bring, and prefill
@@ -313,6 +316,14 @@ pub const INBOUND_LEDGER_MAX: usize = 16_384;
 /// [`Scheduler::observe_decode_finished`]).
 pub const OUTPUT_MEAN_WINDOW: u64 = 256;
 
+/// The highest predicted TBT over a window (wait for a slot included) and
+/// the highest decode step.
+#[derive(Debug, Clone, Copy)]
+struct Peak {
+    tbt_ms: f64,
+    step_ms: f64,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Estimate {
     instance: usize,
@@ -477,6 +488,15 @@ impl Scheduler {
         self.cost.decode_step_ms(seqs / over, tokens / over) * over
     }
 
+    /// One decode step with `seqs` sequences and `tokens` tokens, or with
+    /// as many as fit the batch and KV limits if they do not all fit.
+    fn step_within_limits(&self, seqs: f64, tokens: f64) -> f64 {
+        let cap_seqs = self.cost.decode.max_batch as f64;
+        let cap_tokens = self.cost.decode.max_context_tokens as f64;
+        let over = (seqs / cap_seqs).max(tokens / cap_tokens).max(1.0);
+        self.cost.decode_step_ms(seqs / over, tokens / over)
+    }
+
     fn tbt_estimate(&self, load: DecodeLoad, ctx: u64) -> f64 {
         let seqs = (load.active_seqs + load.waiting_seqs + 1) as f64;
         let tokens = (load.active_tokens + load.waiting_tokens + ctx) as f64;
@@ -505,7 +525,6 @@ impl Scheduler {
         if self.inbound.len() < nd {
             self.inbound.resize_with(nd, VecDeque::new);
         }
-        let expected_out = self.expected_output_tokens();
         let mut best = (0, f64::INFINITY);
         for d in 0..nd {
             let load = view.decode_load(d);
@@ -514,11 +533,18 @@ impl Scheduler {
             while ledger.front().is_some_and(|r| r.ready_ms <= now_ms) {
                 ledger.pop_front();
             }
-            // If this request is admitted the instance runs at up to the
-            // SLO's pace, so sequences take at least that long per token.
-            let step = self.tbt_estimate(load, ctx).max(self.slo.tbt_ms);
-            let decode_time = expected_out * step;
-            let t = self.peak_tbt(load, &self.inbound[d], now_ms, ready_ms, ctx, decode_time);
+            // Sequences decode at the pace of the load they will see: a first
+            // pass at today's pace finds the peak, the second uses the
+            // peak's pace if it is slower.
+            let ledger = &self.inbound[d];
+            let pace_now = self.tbt_estimate(load, ctx);
+            let first = self.peak_tbt(load, ledger, now_ms, ready_ms, ctx, pace_now);
+            let t = if first.step_ms > pace_now {
+                self.peak_tbt(load, ledger, now_ms, ready_ms, ctx, first.step_ms)
+                    .tbt_ms
+            } else {
+                first.tbt_ms
+            };
             if t < best.1 {
                 best = (d, t);
             }
@@ -528,8 +554,8 @@ impl Scheduler {
 
     /// The highest TBT predicted on one decode instance from `ready_ms`
     /// (when the new request joins) until the requests already routed there
-    /// that join within the new one's expected decode time have joined too
-    /// (see the module docs).
+    /// that join while it may still be decoding have joined too, with
+    /// sequences decoding at `pace_ms` per token (see the module docs).
     fn peak_tbt(
         &self,
         load: DecodeLoad,
@@ -537,11 +563,15 @@ impl Scheduler {
         now_ms: f64,
         ready_ms: f64,
         ctx: u64,
-        decode_time: f64,
-    ) -> f64 {
+        pace_ms: f64,
+    ) -> Peak {
         let cap_seqs = self.cost.decode.max_batch as f64;
         let cap_tokens = self.cost.decode.max_context_tokens as f64;
-        let horizon = ready_ms + decode_time;
+        let expected_out = self.expected_output_tokens();
+        let decode_time = expected_out * pace_ms;
+        // As long as the new request may decode and still meet the SLO.
+        let horizon = ready_ms + expected_out * pace_ms.max(self.slo.tbt_ms);
+        let long_gaps = (0.1 * expected_out).max(1.0);
         // Fraction of the sequences decoding at `from` still decoding at `to`.
         let survive = |from: f64, to: f64| {
             if decode_time > 0.0 {
@@ -557,13 +587,15 @@ impl Scheduler {
                 + load.waiting_tokens as f64
                 + ctx as f64
                 + in_tokens;
-            let over = (seqs / cap_seqs).max(tokens / cap_tokens);
-            if over <= 1.0 {
-                self.cost.decode_step_ms(seqs, tokens)
-            } else {
-                // Someone waits for a slot until the excess has left; that
-                // wait is one of its gaps between tokens.
-                self.cost.decode_step_ms(seqs / over, tokens / over) + (over - 1.0) * decode_time
+            let over = (seqs / cap_seqs).max(tokens / cap_tokens).max(1.0);
+            let step = self.step_within_limits(seqs, tokens);
+            // If they do not fit, someone waits for a slot until the excess
+            // has left. That wait is one gap, and one of the longest tenth
+            // of an answer's gaps (Mooncake's TBT): it is spread over those.
+            let wait = (over - 1.0) * decode_time;
+            Peak {
+                tbt_ms: step + wait / long_gaps,
+                step_ms: step,
             }
         };
         // Routed requests joined by `t`, each decayed like the running ones
@@ -572,7 +604,10 @@ impl Scheduler {
         let mut joined = 0usize;
         let mut t = ready_ms;
         let mut last = ready_ms;
-        let mut peak = f64::NEG_INFINITY;
+        let mut peak = Peak {
+            tbt_ms: f64::NEG_INFINITY,
+            step_ms: f64::NEG_INFINITY,
+        };
         loop {
             let k = survive(last, t);
             in_seqs *= k;
@@ -584,7 +619,9 @@ impl Scheduler {
                 in_tokens += ledger[joined].tokens as f64 * k;
                 joined += 1;
             }
-            peak = peak.max(at(t, in_seqs, in_tokens));
+            let p = at(t, in_seqs, in_tokens);
+            peak.tbt_ms = peak.tbt_ms.max(p.tbt_ms);
+            peak.step_ms = peak.step_ms.max(p.step_ms);
             match ledger.get(joined) {
                 Some(next) if next.ready_ms < horizon => t = next.ready_ms,
                 _ => break,
@@ -1040,11 +1077,11 @@ mod tests {
     fn predictive_reject_does_not_plan_to_queue_for_decode() {
         let b = blocks(4);
         let cap = CostModel::default().decode.max_context_tokens;
-        // Ten sequences that hold a little more KV than fits: whoever joins
-        // next waits for one of them to finish. Shared in time, the step
-        // would be ~60 ms, under the 100 ms SLO; early_reject takes it.
+        // Ten sequences that hold 30 % more KV than fits: whoever joins next
+        // waits seconds for some of them to finish. Shared in time, the
+        // step would be ~77 ms, under the 100 ms SLO; early_reject takes it.
         let mut v = view(1, 1);
-        v.decode[0] = full_decode(10, cap + cap / 50);
+        v.decode[0] = full_decode(10, cap * 13 / 10);
         assert!(matches!(
             sched(Policy::EarlyReject).schedule(&req(&b), &v, 0.0),
             Decision::Route { .. }
