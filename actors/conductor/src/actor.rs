@@ -1,8 +1,10 @@
 //! The live `Conductor` actor (ractor).
 //!
 //! It holds a [`Scheduler`] and a cluster view fed by messages: the proxies'
-//! load reports ([`ConductorMsg::LoadReport`]) and the pool's and prefill
-//! instances' KV events ([`ConductorMsg::KvEvent`]), and answers
+//! load reports ([`ConductorMsg::LoadReport`]), the pool's and prefill
+//! instances' KV events ([`ConductorMsg::KvEvent`]) and the decode proxies'
+//! finished requests ([`ConductorMsg::DecodeFinished`], from which
+//! `predictive_reject` learns how long answers are), and answers
 //! [`ConductorMsg::Schedule`] with a [`Decision`]. It does no I/O of its own.
 //!
 //! The view it keeps:
@@ -155,6 +157,15 @@ pub enum ConductorMsg {
         /// Chunk hashes gone.
         removed: Vec<ChunkHash>,
     },
+    /// A decode proxy saw a request finish after `output_tokens` tokens in
+    /// all (the first one, from prefill, included). `predictive_reject`
+    /// predicts departures from the mean of these.
+    DecodeFinished {
+        /// Decode instance index.
+        instance: usize,
+        /// Tokens the request generated.
+        output_tokens: u32,
+    },
     /// A copy of the conductor's view and counters.
     Snapshot {
         /// Where the snapshot goes.
@@ -180,6 +191,8 @@ pub struct ConductorSnapshot {
     pub rejected: u64,
     /// Reports and events naming an instance that does not exist.
     pub ignored: u64,
+    /// Output tokens per request the scheduler currently assumes.
+    pub expected_output_tokens: f64,
     /// Conductor clock, ms since start.
     pub now_ms: f64,
 }
@@ -382,6 +395,14 @@ impl ConductorState {
         }
     }
 
+    fn decode_finished(&mut self, instance: usize, output_tokens: u32) {
+        if instance < self.view.decode.len() {
+            self.scheduler.observe_decode_finished(output_tokens);
+        } else {
+            self.ignored += 1;
+        }
+    }
+
     fn kv_event(&mut self, location: KvLocation, stored: &[ChunkHash], removed: &[ChunkHash]) {
         let mirror = match location {
             KvLocation::Pool => &mut self.view.pool,
@@ -410,6 +431,7 @@ impl ConductorState {
             routed: self.routed,
             rejected: self.rejected,
             ignored: self.ignored,
+            expected_output_tokens: self.scheduler.expected_output_tokens(),
             now_ms: self.now_ms(),
         }
     }
@@ -475,6 +497,10 @@ impl Actor for Conductor {
                 stored,
                 removed,
             } => state.kv_event(location, &stored, &removed),
+            ConductorMsg::DecodeFinished {
+                instance,
+                output_tokens,
+            } => state.decode_finished(instance, output_tokens),
             ConductorMsg::Snapshot { reply } => {
                 let _ = reply.send(state.snapshot());
             }
@@ -573,6 +599,19 @@ impl ConductorHandle {
             location,
             stored,
             removed,
+        })
+    }
+
+    /// Reports that a request finished decoding on `instance` after
+    /// `output_tokens` tokens in all.
+    pub fn decode_finished(
+        &self,
+        instance: usize,
+        output_tokens: u32,
+    ) -> Result<(), ConductorError> {
+        self.send(ConductorMsg::DecodeFinished {
+            instance,
+            output_tokens,
         })
     }
 

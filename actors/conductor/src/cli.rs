@@ -1,7 +1,9 @@
-//! Command line of the simulator: `kvpool sim ...` and `kvpool sim cache ...`.
+//! Command line of the simulator: `kvpool sim ...`, `kvpool sim cache ...`
+//! and `kvpool sim gen ...`.
 //!
 //! The binary embeds [`SimCommand`] as its `sim` subcommand and calls
-//! [`run_sim_command`]; [`run_sim`] and [`run_sim_cache`] run one form each.
+//! [`run_sim_command`]; [`run_sim`], [`run_sim_cache`] and [`run_sim_gen`]
+//! run one form each.
 //! Human-readable text goes to stdout; with `--json`, one JSON object per
 //! line instead (per policy, or per cache policy and capacity). Progress bars
 //! go to stderr and only when it is a terminal.
@@ -14,9 +16,10 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::cache::{simulate_cache, CachePolicy, CacheSimReport, Capacity};
 use super::cost::CostModel;
-use super::plot::plot_ttft_cdf;
+use super::gen::{write_trace, GenParams, Preset};
+use super::plot::{plot_load_series, plot_ttft_cdf};
 use super::scheduler::{Policy, Slo};
-use super::sim::{simulate_with_progress, SimConfig, SimError, SimOutcome, SimReport};
+use super::sim::{simulate_with_progress, SimConfig, SimError, SimOutcome, SimReport, SWING_HIGH};
 use super::trace::Trace;
 
 /// A `--policy` value: one policy, or `all`.
@@ -83,6 +86,10 @@ pub struct SimArgs {
     /// Also draw the TTFT CDF of every policy to this PNG.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Also sample prefill and decode load every simulated second and draw
+    /// it over time, one panel per policy, to this PNG.
+    #[arg(long, value_name = "FILE.png")]
+    pub plot_load: Option<PathBuf>,
     /// Never show a progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -124,11 +131,141 @@ pub struct SimCacheArgs {
     pub json: bool,
 }
 
+/// `kvpool sim gen`: write a seeded workload in Mooncake's trace format.
+///
+/// The parameters start from `--preset` (or from `--from FILE`'s header),
+/// then every flag given overrides one; all of them go into the file's first
+/// line, so the file alone reproduces itself.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimGenArgs {
+    /// Output file, or `-` for stdout.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+    /// Starting parameters.
+    #[arg(
+        long,
+        value_enum,
+        default_value = "decode-heavy",
+        conflicts_with = "from"
+    )]
+    pub preset: Preset,
+    /// Start from the parameters in this generated trace's header instead.
+    #[arg(long, value_name = "FILE")]
+    pub from: Option<PathBuf>,
+    /// Seed of the generator.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Requests in the trace (default 12,000 with a preset).
+    #[arg(long)]
+    pub requests: Option<u32>,
+    /// Mean request rate before modulation, /s.
+    #[arg(long)]
+    pub rate_rps: Option<f64>,
+    /// Period of the diurnal ramp, s (0 = none).
+    #[arg(long)]
+    pub diurnal_period_s: Option<f64>,
+    /// Relative depth of the diurnal ramp, in [0, 1).
+    #[arg(long)]
+    pub diurnal_amplitude: Option<f64>,
+    /// Mean gap between bursts, s (0 = none).
+    #[arg(long)]
+    pub burst_every_s: Option<f64>,
+    /// Length of a burst, s.
+    #[arg(long)]
+    pub burst_len_s: Option<f64>,
+    /// Rate multiplier inside a burst.
+    #[arg(long)]
+    pub burst_factor: Option<f64>,
+    /// Distinct shared system prompts (0 = none).
+    #[arg(long)]
+    pub shared_prefixes: Option<u32>,
+    /// Tokens of each shared system prompt.
+    #[arg(long)]
+    pub prefix_tokens: Option<u32>,
+    /// Mean turns per conversation.
+    #[arg(long)]
+    pub turns_mean: Option<f64>,
+    /// Mean think time between turns, s.
+    #[arg(long)]
+    pub think_s_mean: Option<f64>,
+    /// Mean tokens of a conversation's first message.
+    #[arg(long)]
+    pub first_input_tokens_mean: Option<u32>,
+    /// Mean tokens of a later message.
+    #[arg(long)]
+    pub turn_input_tokens_mean: Option<u32>,
+    /// Log-normal shape of message lengths.
+    #[arg(long)]
+    pub input_sigma: Option<f64>,
+    /// Mean output tokens.
+    #[arg(long)]
+    pub output_tokens_mean: Option<u32>,
+    /// Log-normal shape of output lengths.
+    #[arg(long)]
+    pub output_sigma: Option<f64>,
+    /// Longest output.
+    #[arg(long)]
+    pub output_tokens_max: Option<u32>,
+    /// Longest prompt; a conversation ends before exceeding it.
+    #[arg(long)]
+    pub context_tokens_max: Option<u32>,
+}
+
+/// Requests of `kvpool sim gen` when neither `--requests` nor `--from` says.
+pub const GEN_DEFAULT_REQUESTS: u32 = 12_000;
+
+impl SimGenArgs {
+    /// The parameters these arguments name.
+    pub fn params(&self) -> Result<GenParams, SimError> {
+        let mut p = match &self.from {
+            Some(path) => {
+                let trace = Trace::load(path)?;
+                trace.generator().cloned().ok_or_else(|| {
+                    SimError::InvalidArg(format!(
+                        "{} has no `kvpool sim gen` header to start from",
+                        path.display()
+                    ))
+                })?
+            }
+            None => self.preset.params(0, GEN_DEFAULT_REQUESTS),
+        };
+        fn set<T: Copy>(dst: &mut T, v: Option<T>) {
+            if let Some(v) = v {
+                *dst = v;
+            }
+        }
+        set(&mut p.seed, self.seed);
+        set(&mut p.requests, self.requests);
+        set(&mut p.rate_rps, self.rate_rps);
+        set(&mut p.diurnal_period_s, self.diurnal_period_s);
+        set(&mut p.diurnal_amplitude, self.diurnal_amplitude);
+        set(&mut p.burst_every_s, self.burst_every_s);
+        set(&mut p.burst_len_s, self.burst_len_s);
+        set(&mut p.burst_factor, self.burst_factor);
+        set(&mut p.shared_prefixes, self.shared_prefixes);
+        set(&mut p.prefix_tokens, self.prefix_tokens);
+        set(&mut p.turns_mean, self.turns_mean);
+        set(&mut p.think_s_mean, self.think_s_mean);
+        set(&mut p.first_input_tokens_mean, self.first_input_tokens_mean);
+        set(&mut p.turn_input_tokens_mean, self.turn_input_tokens_mean);
+        set(&mut p.input_sigma, self.input_sigma);
+        set(&mut p.output_tokens_mean, self.output_tokens_mean);
+        set(&mut p.output_sigma, self.output_sigma);
+        set(&mut p.output_tokens_max, self.output_tokens_max);
+        set(&mut p.context_tokens_max, self.context_tokens_max);
+        p.validate()
+            .map_err(|e| SimError::InvalidArg(e.to_string()))?;
+        Ok(p)
+    }
+}
+
 /// Subcommands of `kvpool sim`.
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum SimSubcommand {
     /// The pool's hit ratio alone, no cluster model.
     Cache(SimCacheArgs),
+    /// Write a seeded workload (decode-heavy, bursty, ...) as a trace.
+    Gen(Box<SimGenArgs>),
 }
 
 /// `kvpool sim [ARGS]` or `kvpool sim cache [ARGS]`.
@@ -147,8 +284,38 @@ pub struct SimCommand {
 pub fn run_sim_command(cmd: &SimCommand) -> Result<(), SimError> {
     match &cmd.command {
         Some(SimSubcommand::Cache(args)) => run_sim_cache(args),
+        Some(SimSubcommand::Gen(args)) => run_sim_gen(args).map(|_| ()),
         None => run_sim(&cmd.args),
     }
+}
+
+/// `kvpool sim gen`: writes the trace to `--out` (or stdout for `-`) and
+/// returns the parameters and the number of requests written.
+pub fn run_sim_gen(args: &SimGenArgs) -> Result<(GenParams, u64), SimError> {
+    let params = args.params()?;
+    let gen_err = |e: super::gen::GenError| match e {
+        super::gen::GenError::Io(e) => SimError::Output(e),
+        other => SimError::InvalidArg(other.to_string()),
+    };
+    let n = if args.out.as_os_str() == "-" {
+        let stdout = io::stdout();
+        let mut out = io::BufWriter::new(stdout.lock());
+        let n = write_trace(&params, &mut out).map_err(gen_err)?;
+        out.flush()?;
+        n
+    } else {
+        let file = std::fs::File::create(&args.out).map_err(|e| {
+            SimError::Output(io::Error::new(
+                e.kind(),
+                format!("{}: {e}", args.out.display()),
+            ))
+        })?;
+        let mut out = io::BufWriter::new(file);
+        let n = write_trace(&params, &mut out).map_err(gen_err)?;
+        out.flush()?;
+        n
+    };
+    Ok((params, n))
 }
 
 /// `kvpool sim`, printing to stdout (progress bars on stderr).
@@ -168,6 +335,9 @@ pub fn run_sim_cache(args: &SimCacheArgs) -> Result<(), SimError> {
     out.flush()?;
     Ok(())
 }
+
+/// Simulated time between load samples with `--plot-load`, ms.
+pub const LOAD_SAMPLE_MS: f64 = 1_000.0;
 
 /// The configurations `args` asks for, one per policy.
 pub fn sim_configs(args: &SimArgs) -> Result<Vec<SimConfig>, SimError> {
@@ -194,6 +364,7 @@ pub fn sim_configs(args: &SimArgs) -> Result<Vec<SimConfig>, SimError> {
             speed: args.speed,
             seed: args.seed,
             cost: cost.clone(),
+            load_sample_ms: args.plot_load.as_ref().map(|_| LOAD_SAMPLE_MS),
         })
         .collect();
     for c in &configs {
@@ -298,6 +469,16 @@ pub fn run_sim_to(
             json_line(out, &outcome.report)?;
         } else {
             write_text(out, &outcome.report)?;
+            if let Some(load) = &outcome.load {
+                writeln!(
+                    out,
+                    "  decode load: {} swings over {}x the TBT SLO and back{}; over the SLO {:.1}% of the time",
+                    load.overload_swings(),
+                    SWING_HIGH,
+                    if load.oscillates() { " (oscillates)" } else { "" },
+                    load.decode_fraction_above(1.0) * 100.0
+                )?;
+            }
         }
         outcomes.push(outcome);
     }
@@ -307,6 +488,19 @@ pub fn run_sim_to(
             .map(|o| (o.report.policy.as_str(), &o.ttft_us))
             .collect();
         let drawn = plot_ttft_cdf(plot, &series, args.ttft_slo_ms)?;
+        if !drawn.with_text {
+            eprintln!(
+                "warning: no TrueType font found in the usual system locations; {} has curves but no text",
+                plot.display()
+            );
+        }
+    }
+    if let Some(plot) = &args.plot_load {
+        let series: Vec<(&str, &super::sim::LoadSeries)> = outcomes
+            .iter()
+            .filter_map(|o| o.load.as_ref().map(|l| (o.report.policy.as_str(), l)))
+            .collect();
+        let drawn = plot_load_series(plot, &series)?;
         if !drawn.with_text {
             eprintln!(
                 "warning: no TrueType font found in the usual system locations; {} has curves but no text",

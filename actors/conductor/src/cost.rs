@@ -111,7 +111,9 @@ pub struct DecodeCost {
     /// one arriving at a full queue is dropped.
     pub queue_max: usize,
     /// Output length the scheduler assumes for every request when it
-    /// predicts decode load (it does not know real output lengths).
+    /// predicts decode load, until requests finish decoding; then it uses
+    /// the moving mean of the finished ones (it never knows a request's own
+    /// output length in advance).
     pub expected_output_tokens: u32,
 }
 

@@ -5,6 +5,7 @@
 //! Layout:
 //! - [`chunk_hash`]: prefix-chained chunk hashes and store keys.
 //! - [`trace`]: Mooncake-format request traces.
+//! - [`gen`]: seeded workload generator (`kvpool sim gen`).
 //! - [`cache`]: block caches (LRU, LFU, length-aware) used to model the pool.
 //! - [`cost`]: the cluster cost model (TOML, with defaults).
 //! - [`scheduler`]: the scheduling policies; pure logic, no I/O, no clock.
@@ -19,6 +20,7 @@ pub mod cache;
 pub use kvpool_runtime::chunk_hash;
 pub mod cli;
 pub mod cost;
+pub mod gen;
 pub mod plot;
 pub mod scheduler;
 pub mod sim;

@@ -31,14 +31,33 @@
 //!   TTFT SLO or the chosen decode instance's estimated TBT *now* misses the
 //!   TBT SLO.
 //! - `predictive_reject`: `cache_global`, then reject on the TTFT SLO, or if
-//!   the decode pool's TBT *predicted at the moment this request would finish
-//!   prefill* misses the TBT SLO. The prediction follows Mooncake's
-//!   system-level approach (every request is assumed to decode for the same
-//!   time `T = expected_output_tokens * step`): of the sequences running now,
-//!   the fraction `max(0, 1 - dt / T)` is still running after `dt` (remaining
-//!   times spread evenly over `[0, T]`); waiting sequences are all still
-//!   there; and requests this scheduler routed that finish prefill within
-//!   `(now, now + dt]` have joined.
+//!   the decode pool's TBT *predicted from the moment this request would
+//!   finish prefill (`t_ready`)* misses the TBT SLO. The prediction is
+//!   system-level, as Mooncake's; per decode instance it models:
+//!   - departures: every request decodes for the same expected time
+//!     `T = E[output tokens] * pace`, and a sequence decoding at `t` is still
+//!     decoding at `t + dt` with probability `exp(-dt / T)` (the departure
+//!     rate of a steady batch, `n / T`, with a tail for long answers). The
+//!     pace is the step time of the load the sequences will see: today's,
+//!     or the predicted peak's if that is slower (a second pass).
+//!     `E[output tokens]` is learned from finished requests
+//!     ([`Scheduler::observe_decode_finished`]; the configured
+//!     `decode.expected_output_tokens` until the first one);
+//!   - arrivals: the requests this scheduler routed to the instance that
+//!     have not reached it yet (a ledger sorted by predicted ready time), each
+//!     joining at its ready time and then departing like the others;
+//!   - the peak: the TBT at `t_ready` and at every ledger arrival within
+//!     `E[output tokens] * max(pace, TBT SLO)` after it (as long as the new
+//!     request may decode and still meet the SLO), the highest counting;
+//!   - memory: if the sequences at a point do not fit `max_batch` or
+//!     `max_context_tokens`, someone waits for a slot until the excess has
+//!     left, about `(over - 1) * T`. That wait is one gap, among the longest
+//!     tenth of an answer's gaps (Mooncake's TBT metric), so it is spread
+//!     over `E[output tokens] / 10` gaps and added to the step.
+//!
+//!   It ignores: real output lengths (one mean for all), the ages of the
+//!   running sequences, requests that later arrivals will bring, and prefill
+//!   times turning out other than predicted.
 //!
 //! Every policy refuses a prefill instance whose queue is full; if all are
 //! full the request is rejected (`prefill_queues_full`).
@@ -289,8 +308,21 @@ struct Inbound {
 }
 
 /// Most routed-but-not-yet-decoding requests remembered per decode instance
-/// (for `predictive_reject`); the oldest are forgotten beyond this.
+/// (for `predictive_reject`); beyond this the one that joins last is
+/// forgotten.
 pub const INBOUND_LEDGER_MAX: usize = 16_384;
+
+/// Finished requests the output-length estimate follows (see
+/// [`Scheduler::observe_decode_finished`]).
+pub const OUTPUT_MEAN_WINDOW: u64 = 256;
+
+/// The highest predicted TBT over a window (wait for a slot included) and
+/// the highest decode step.
+#[derive(Debug, Clone, Copy)]
+struct Peak {
+    tbt_ms: f64,
+    step_ms: f64,
+}
 
 #[derive(Debug, Clone, Copy)]
 struct Estimate {
@@ -313,12 +345,15 @@ pub struct Scheduler {
     rr_prefill: usize,
     rr_decode: usize,
     inbound: Vec<VecDeque<Inbound>>,
+    output_tokens_mean: f64,
+    output_tokens_seen: u64,
 }
 
 impl Scheduler {
     /// A scheduler; `seed` drives `random` (and nothing else).
     pub fn new(policy: Policy, cost: CostModel, slo: Slo, seed: u64) -> Self {
         Self {
+            output_tokens_mean: f64::from(cost.decode.expected_output_tokens),
             policy,
             cost,
             slo,
@@ -326,6 +361,7 @@ impl Scheduler {
             rr_prefill: 0,
             rr_decode: 0,
             inbound: Vec::new(),
+            output_tokens_seen: 0,
         }
     }
 
@@ -452,6 +488,15 @@ impl Scheduler {
         self.cost.decode_step_ms(seqs / over, tokens / over) * over
     }
 
+    /// One decode step with `seqs` sequences and `tokens` tokens, or with
+    /// as many as fit the batch and KV limits if they do not all fit.
+    fn step_within_limits(&self, seqs: f64, tokens: f64) -> f64 {
+        let cap_seqs = self.cost.decode.max_batch as f64;
+        let cap_tokens = self.cost.decode.max_context_tokens as f64;
+        let over = (seqs / cap_seqs).max(tokens / cap_tokens).max(1.0);
+        self.cost.decode_step_ms(seqs / over, tokens / over)
+    }
+
     fn tbt_estimate(&self, load: DecodeLoad, ctx: u64) -> f64 {
         let seqs = (load.active_seqs + load.waiting_seqs + 1) as f64;
         let tokens = (load.active_tokens + load.waiting_tokens + ctx) as f64;
@@ -480,35 +525,109 @@ impl Scheduler {
         if self.inbound.len() < nd {
             self.inbound.resize_with(nd, VecDeque::new);
         }
-        let dt = (ready_ms - now_ms).max(0.0);
-        let expected_out = f64::from(self.cost.decode.expected_output_tokens);
         let mut best = (0, f64::INFINITY);
         for d in 0..nd {
             let load = view.decode_load(d);
             // Requests that finished prefill by now are in `load`.
-            self.inbound[d].retain(|r| r.ready_ms > now_ms);
-            let now_tbt = self.tbt_estimate(load, ctx);
-            let decode_time = expected_out * now_tbt;
-            let survive = if decode_time > 0.0 {
-                (1.0 - dt / decode_time).max(0.0)
-            } else {
-                0.0
-            };
-            let mut seqs = load.active_seqs as f64 * survive + load.waiting_seqs as f64 + 1.0;
-            let mut tokens =
-                load.active_tokens as f64 * survive + load.waiting_tokens as f64 + ctx as f64;
-            for r in &self.inbound[d] {
-                if r.ready_ms <= ready_ms && r.ready_ms + decode_time > ready_ms {
-                    seqs += 1.0;
-                    tokens += r.tokens as f64;
-                }
+            let ledger = &mut self.inbound[d];
+            while ledger.front().is_some_and(|r| r.ready_ms <= now_ms) {
+                ledger.pop_front();
             }
-            let t = self.tbt_for(seqs, tokens);
+            // Sequences decode at the pace of the load they will see: a first
+            // pass at today's pace finds the peak, the second uses the
+            // peak's pace if it is slower.
+            let ledger = &self.inbound[d];
+            let pace_now = self.tbt_estimate(load, ctx);
+            let first = self.peak_tbt(load, ledger, now_ms, ready_ms, ctx, pace_now);
+            let t = if first.step_ms > pace_now {
+                self.peak_tbt(load, ledger, now_ms, ready_ms, ctx, first.step_ms)
+                    .tbt_ms
+            } else {
+                first.tbt_ms
+            };
             if t < best.1 {
                 best = (d, t);
             }
         }
         best
+    }
+
+    /// The highest TBT predicted on one decode instance from `ready_ms`
+    /// (when the new request joins) until the requests already routed there
+    /// that join while it may still be decoding have joined too, with
+    /// sequences decoding at `pace_ms` per token (see the module docs).
+    fn peak_tbt(
+        &self,
+        load: DecodeLoad,
+        ledger: &VecDeque<Inbound>,
+        now_ms: f64,
+        ready_ms: f64,
+        ctx: u64,
+        pace_ms: f64,
+    ) -> Peak {
+        let cap_seqs = self.cost.decode.max_batch as f64;
+        let cap_tokens = self.cost.decode.max_context_tokens as f64;
+        let expected_out = self.expected_output_tokens();
+        let decode_time = expected_out * pace_ms;
+        // As long as the new request may decode and still meet the SLO.
+        let horizon = ready_ms + expected_out * pace_ms.max(self.slo.tbt_ms);
+        let long_gaps = (0.1 * expected_out).max(1.0);
+        // Fraction of the sequences decoding at `from` still decoding at `to`.
+        let survive = |from: f64, to: f64| {
+            if decode_time > 0.0 {
+                (-(to - from).max(0.0) / decode_time).exp()
+            } else {
+                0.0
+            }
+        };
+        let at = |t: f64, in_seqs: f64, in_tokens: f64| {
+            let left = survive(now_ms, t);
+            let seqs = load.active_seqs as f64 * left + load.waiting_seqs as f64 + 1.0 + in_seqs;
+            let tokens = load.active_tokens as f64 * left
+                + load.waiting_tokens as f64
+                + ctx as f64
+                + in_tokens;
+            let over = (seqs / cap_seqs).max(tokens / cap_tokens).max(1.0);
+            let step = self.step_within_limits(seqs, tokens);
+            // If they do not fit, someone waits for a slot until the excess
+            // has left. That wait is one gap, and one of the longest tenth
+            // of an answer's gaps (Mooncake's TBT): it is spread over those.
+            let wait = (over - 1.0) * decode_time;
+            Peak {
+                tbt_ms: step + wait / long_gaps,
+                step_ms: step,
+            }
+        };
+        // Routed requests joined by `t`, each decayed like the running ones
+        // from its own ready time. The ledger is sorted by ready time.
+        let (mut in_seqs, mut in_tokens) = (0.0f64, 0.0f64);
+        let mut joined = 0usize;
+        let mut t = ready_ms;
+        let mut last = ready_ms;
+        let mut peak = Peak {
+            tbt_ms: f64::NEG_INFINITY,
+            step_ms: f64::NEG_INFINITY,
+        };
+        loop {
+            let k = survive(last, t);
+            in_seqs *= k;
+            in_tokens *= k;
+            last = t;
+            while joined < ledger.len() && ledger[joined].ready_ms <= t {
+                let k = survive(ledger[joined].ready_ms.max(now_ms), t);
+                in_seqs += k;
+                in_tokens += ledger[joined].tokens as f64 * k;
+                joined += 1;
+            }
+            let p = at(t, in_seqs, in_tokens);
+            peak.tbt_ms = peak.tbt_ms.max(p.tbt_ms);
+            peak.step_ms = peak.step_ms.max(p.step_ms);
+            match ledger.get(joined) {
+                Some(next) if next.ready_ms < horizon => t = next.ready_ms,
+                _ => break,
+            }
+        }
+        peak
     }
 
     fn remember_inbound(&mut self, nd: usize, d: usize, ready_ms: f64, tokens: u64) {
@@ -517,9 +636,36 @@ impl Scheduler {
         }
         let q = &mut self.inbound[d];
         if q.len() >= INBOUND_LEDGER_MAX {
-            q.pop_front();
+            // Forget the request that joins last: the prediction matters
+            // most for the near future.
+            match q.back() {
+                Some(last) if last.ready_ms > ready_ms => {
+                    q.pop_back();
+                }
+                _ => return,
+            }
         }
-        q.push_back(Inbound { ready_ms, tokens });
+        let at = q.partition_point(|r| r.ready_ms <= ready_ms);
+        q.insert(at, Inbound { ready_ms, tokens });
+    }
+
+    /// Output tokens per request the predictor assumes: the configured
+    /// `decode.expected_output_tokens` until requests finish decoding, then
+    /// a moving mean of the finished ones (see
+    /// [`Scheduler::observe_decode_finished`]).
+    pub fn expected_output_tokens(&self) -> f64 {
+        self.output_tokens_mean
+    }
+
+    /// Tells the scheduler that a request finished decoding after
+    /// `output_tokens` tokens in all. The first observation replaces the
+    /// configured prior; then each one moves the mean by a fraction
+    /// `1 / min(observations, OUTPUT_MEAN_WINDOW)`, so the estimate is the
+    /// plain mean at first and follows the last few hundred requests later.
+    pub fn observe_decode_finished(&mut self, output_tokens: u32) {
+        self.output_tokens_seen = self.output_tokens_seen.saturating_add(1);
+        let n = self.output_tokens_seen.min(OUTPUT_MEAN_WINDOW) as f64;
+        self.output_tokens_mean += (f64::from(output_tokens) - self.output_tokens_mean) / n;
     }
 
     /// Requests routed to decode instance `d` that this scheduler still
@@ -794,10 +940,10 @@ mod tests {
         let b = blocks(4);
         let cap = CostModel::default().decode.max_context_tokens;
         // Decode is full now, but a long prefill queue means the request
-        // reaches decode much later, when the current batch has finished:
-        // early_reject refuses, predictive_reject accepts.
+        // reaches decode much later, when most of the current batch has
+        // finished: early_reject refuses, predictive_reject accepts.
         let mut v = view(1, 1);
-        v.prefill[0].0.busy_until_ms = 9_000.0;
+        v.prefill[0].0.busy_until_ms = 20_000.0;
         v.decode[0] = DecodeLoad {
             active_seqs: 100,
             active_tokens: cap * 2,
@@ -833,6 +979,125 @@ mod tests {
         }
         assert!(pr_rejected);
         assert!(pr.inbound_len(0) > 0);
+    }
+
+    fn full_decode(active_seqs: usize, active_tokens: u64) -> DecodeLoad {
+        DecodeLoad {
+            active_seqs,
+            active_tokens,
+            waiting_seqs: 0,
+            waiting_tokens: 0,
+        }
+    }
+
+    #[test]
+    fn predictive_reject_learns_the_output_length() {
+        let b = blocks(4);
+        let cap = CostModel::default().decode.max_context_tokens;
+        // Twice the KV that fits, 20 s before this request reaches decode.
+        let mut v = view(1, 1);
+        v.prefill[0].0.busy_until_ms = 20_000.0;
+        v.decode[0] = full_decode(100, cap * 2);
+        let mut pr = sched(Policy::PredictiveReject);
+        assert_eq!(pr.expected_output_tokens(), 150.0);
+        // With the configured 150 tokens per answer most of the batch is
+        // gone by then.
+        assert!(matches!(
+            pr.schedule(&req(&b), &v, 0.0),
+            Decision::Route { .. }
+        ));
+        // Finished requests say answers are 2,000 tokens long: most of the
+        // batch is still there, so the request would wait for a slot.
+        for _ in 0..10 {
+            pr.observe_decode_finished(2_000);
+        }
+        assert_eq!(pr.expected_output_tokens(), 2_000.0);
+        assert!(matches!(
+            pr.schedule(&req(&b), &v, 0.0),
+            Decision::Reject(RejectReason::TbtSlo { .. })
+        ));
+        // A moving mean: the first observation replaces the prior, then
+        // each moves it by 1/n.
+        let mut s = sched(Policy::PredictiveReject);
+        s.observe_decode_finished(100);
+        s.observe_decode_finished(300);
+        assert_eq!(s.expected_output_tokens(), 200.0);
+        for _ in 0..10 * OUTPUT_MEAN_WINDOW {
+            s.observe_decode_finished(1_000);
+        }
+        assert!((s.expected_output_tokens() - 1_000.0).abs() < 1.0);
+    }
+
+    #[test]
+    fn predictive_reject_counts_requests_that_join_after_it() {
+        let big = blocks(60); // 30,720 tokens each
+        let mut pr = sched(Policy::PredictiveReject);
+        let mut er = sched(Policy::EarlyReject);
+        // Long answers: a request decodes for over a minute.
+        for _ in 0..10 {
+            pr.observe_decode_finished(1_000);
+        }
+        // Requests routed while prefill is 20 s behind reach decode at about
+        // 25 s. Route them until the predicted load there is full.
+        let mut v = view(1, 1);
+        let mut routed = 0;
+        loop {
+            v.prefill[0].0.busy_until_ms = 20_000.0;
+            match pr.schedule(&req(&big), &v, 0.0) {
+                Decision::Route { .. } => routed += 1,
+                Decision::Reject(RejectReason::TbtSlo { .. }) => break,
+                other => panic!("{other:?}"),
+            }
+            assert!(routed < 1_000);
+        }
+        assert!(routed > 10, "{routed}");
+        assert_eq!(pr.inbound_len(0), routed);
+        // Now prefill is idle: the same request would reach decode first, in
+        // about 5 s, onto an empty instance, and still be decoding when the
+        // others arrive, so it is refused. early_reject, which sees only the
+        // empty instance, takes it.
+        v.prefill[0].0.busy_until_ms = 0.0;
+        assert!(matches!(
+            pr.schedule(&req(&big), &v, 0.0),
+            Decision::Reject(RejectReason::TbtSlo { .. })
+        ));
+        assert!(matches!(
+            er.schedule(&req(&big), &v, 0.0),
+            Decision::Route { .. }
+        ));
+        // Once they have joined (and show in the instance's load) the
+        // ledger forgets them.
+        v.decode[0] = full_decode(routed, routed as u64 * 30_721);
+        let d = pr.schedule(&req(&big), &v, 30_000.0);
+        let added = usize::from(matches!(d, Decision::Route { .. }));
+        assert_eq!(pr.inbound_len(0), added);
+    }
+
+    #[test]
+    fn predictive_reject_does_not_plan_to_queue_for_decode() {
+        let b = blocks(4);
+        let cap = CostModel::default().decode.max_context_tokens;
+        // Ten sequences that hold 30 % more KV than fits: whoever joins next
+        // waits seconds for some of them to finish. Shared in time, the
+        // step would be ~77 ms, under the 100 ms SLO; early_reject takes it.
+        let mut v = view(1, 1);
+        v.decode[0] = full_decode(10, cap * 13 / 10);
+        assert!(matches!(
+            sched(Policy::EarlyReject).schedule(&req(&b), &v, 0.0),
+            Decision::Route { .. }
+        ));
+        match sched(Policy::PredictiveReject).schedule(&req(&b), &v, 0.0) {
+            Decision::Reject(RejectReason::TbtSlo { predicted_ms, .. }) => {
+                assert!(predicted_ms > 100.0, "{predicted_ms}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // With room for it, the same request is taken.
+        v.decode[0] = full_decode(10, cap / 2);
+        assert!(matches!(
+            sched(Policy::PredictiveReject).schedule(&req(&b), &v, 0.0),
+            Decision::Route { .. }
+        ));
     }
 
     #[test]

@@ -38,6 +38,21 @@
 //! prefilled and then missed the TBT SLO (including drops at a full decode
 //! queue). `prefix_hit_ratio` is block-weighted over the prefilled requests.
 //!
+//! Forecast audit: every routed request carries the TBT the scheduler
+//! predicted for it (`Decision::Route::predicted_tbt_ms`: the decode load now
+//! for `early_reject`, the predicted one for `predictive_reject`). The report
+//! compares it with the TBT estimate of its decode instance right after it
+//! joined (`tbt_forecast_at_join_*`) and with the TBT it then got
+//! (`tbt_forecast_*`), over requests that decoded.
+//!
+//! Load series (when `load_sample_ms` is set): every `load_sample_ms` of
+//! simulated time (the state after the events at that time), the prefill load (mean over prefill instances of the queue
+//! wait a request routed there would see, over the TTFT SLO) and the decode
+//! load (mean over decode instances of the TBT estimate of what they hold,
+//! 0 when idle, over the TBT SLO); 1.0 is "at the SLO". At most
+//! [`MAX_LOAD_SAMPLES`] samples are kept: past that, every other one is
+//! dropped and the interval doubles.
+//!
 //! The simulation is deterministic: events at equal times are ordered by kind
 //! (decode steps, then prefill completions, then arrivals) and then by the
 //! order they were scheduled in.
@@ -60,6 +75,17 @@ use super::trace::Trace;
 /// Highest latency the histograms record: one day, in microseconds.
 const HIST_MAX_US: u64 = 86_400_000_000;
 
+/// Most samples a [`LoadSeries`] keeps (see the module docs).
+pub const MAX_LOAD_SAMPLES: usize = 1 << 14;
+
+/// Decode load (over the TBT SLO) at the top of a swing: 25 % over the SLO,
+/// so every request decoding then is missing it.
+pub const SWING_HIGH: f32 = 1.25;
+/// Decode load a swing comes back to: the SLO.
+pub const SWING_LOW: f32 = 1.0;
+/// Swings in one run that make it oscillate ([`LoadSeries::oscillates`]).
+pub const OSCILLATION_MIN_SWINGS: usize = 3;
+
 /// What to simulate.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SimConfig {
@@ -81,6 +107,9 @@ pub struct SimConfig {
     pub seed: u64,
     /// Cluster cost model.
     pub cost: CostModel,
+    /// Record a [`LoadSeries`] with a sample every this many simulated ms
+    /// (`None`: no series).
+    pub load_sample_ms: Option<f64>,
 }
 
 impl SimConfig {
@@ -97,6 +126,7 @@ impl SimConfig {
             speed: 1.0,
             seed: 0,
             cost: CostModel::default(),
+            load_sample_ms: None,
         }
     }
 
@@ -121,6 +151,13 @@ impl SimConfig {
             if !(v.is_finite() && v > 0.0) {
                 return Err(SimError::InvalidArg(format!(
                     "{name} must be a finite number > 0, got {v}"
+                )));
+            }
+        }
+        if let Some(ms) = self.load_sample_ms {
+            if !(ms.is_finite() && ms > 0.0) {
+                return Err(SimError::InvalidArg(format!(
+                    "the load sample interval must be a finite number of ms > 0, got {ms}"
                 )));
             }
         }
@@ -210,6 +247,90 @@ pub struct SimReport {
     pub prefix_hit_ratio: f64,
     /// First arrival to last event, s (simulated time).
     pub makespan_s: f64,
+    /// Requests in the forecast audit: routed, decoded, >= 2 output tokens.
+    pub tbt_forecast_requests: u64,
+    /// Mean of (TBT the scheduler predicted - TBT estimate of the decode
+    /// instance right after the request joined it), ms.
+    pub tbt_forecast_at_join_bias_ms: Option<f64>,
+    /// Mean of (predicted TBT - TBT the request got), ms.
+    pub tbt_forecast_bias_ms: Option<f64>,
+    /// Mean absolute difference of predicted and experienced TBT, ms.
+    pub tbt_forecast_mae_ms: Option<f64>,
+}
+
+/// Prefill and decode load over simulated time (see the module docs).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LoadSeries {
+    /// Simulated time between two samples, ms; sample `i` is at `i * interval_ms`.
+    pub interval_ms: f64,
+    /// Prefill load per sample: mean queue wait / TTFT SLO.
+    pub prefill: Vec<f32>,
+    /// Decode load per sample: mean TBT estimate / TBT SLO.
+    pub decode: Vec<f32>,
+}
+
+impl LoadSeries {
+    fn new(interval_ms: f64) -> Self {
+        Self {
+            interval_ms,
+            prefill: Vec::new(),
+            decode: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, prefill: f32, decode: f32) {
+        if self.decode.len() >= MAX_LOAD_SAMPLES {
+            for s in [&mut self.prefill, &mut self.decode] {
+                let kept: Vec<f32> = s.iter().step_by(2).copied().collect();
+                *s = kept;
+            }
+            self.interval_ms *= 2.0;
+        }
+        self.prefill.push(prefill);
+        self.decode.push(decode);
+    }
+
+    /// Swings of the decode load: how many times it climbs to `high` or
+    /// more after having fallen to `low` or less (the first climb counts
+    /// only after a low). With `high` above the SLO (1.0) and `low` well
+    /// below it, each swing is one overload-then-drain cycle.
+    pub fn decode_swings(&self, high: f32, low: f32) -> usize {
+        swings(&self.decode, high, low)
+    }
+
+    /// Swings between [`SWING_HIGH`] and [`SWING_LOW`].
+    pub fn overload_swings(&self) -> usize {
+        self.decode_swings(SWING_HIGH, SWING_LOW)
+    }
+
+    /// Whether the decode load oscillates: at least
+    /// [`OSCILLATION_MIN_SWINGS`] overload swings in the run.
+    pub fn oscillates(&self) -> bool {
+        self.overload_swings() >= OSCILLATION_MIN_SWINGS
+    }
+
+    /// Fraction of samples with the decode load above `level`.
+    pub fn decode_fraction_above(&self, level: f32) -> f64 {
+        if self.decode.is_empty() {
+            return 0.0;
+        }
+        self.decode.iter().filter(|&&v| v > level).count() as f64 / self.decode.len() as f64
+    }
+}
+
+/// Times `series` reaches `high` or more after having been at `low` or less.
+pub fn swings(series: &[f32], high: f32, low: f32) -> usize {
+    let mut was_low = false;
+    let mut n = 0;
+    for &v in series {
+        if v <= low {
+            was_low = true;
+        } else if v >= high && was_low {
+            n += 1;
+            was_low = false;
+        }
+    }
+    n
 }
 
 /// A report plus the latency histograms it was computed from (microseconds).
@@ -221,6 +342,8 @@ pub struct SimOutcome {
     pub ttft_us: Histogram<u64>,
     /// TBT of every completed request with >= 2 output tokens, µs.
     pub tbt_us: Histogram<u64>,
+    /// Load over time, when `SimConfig::load_sample_ms` was set.
+    pub load: Option<LoadSeries>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -228,6 +351,7 @@ struct PrefillJob {
     req: u32,
     decode: u32,
     predicted_ms: f64,
+    predicted_tbt_ms: f64,
 }
 
 #[derive(Debug)]
@@ -267,6 +391,7 @@ struct Seq {
     remaining: u32,
     context: u64,
     first_token_ms: f64,
+    predicted_tbt_ms: f64,
 }
 
 #[derive(Debug)]
@@ -373,6 +498,10 @@ struct Counters {
     wasted: u64,
     slo_met: u64,
     hits: HitCounter,
+    forecasts: u64,
+    forecast_at_join_err_ms: f64,
+    forecast_err_ms: f64,
+    forecast_abs_err_ms: f64,
 }
 
 struct Sim<'t> {
@@ -387,11 +516,17 @@ struct Sim<'t> {
     ttft_us: Histogram<u64>,
     tbt_us: Histogram<u64>,
     last_event_ms: f64,
+    load: Option<LoadSeries>,
+    next_sample_ms: f64,
 }
 
 fn histogram() -> Histogram<u64> {
     // 3 significant digits from 1 µs to one day.
     Histogram::new_with_bounds(1, HIST_MAX_US, 3).expect("constant histogram bounds are valid")
+}
+
+fn mean(sum: f64, n: u64) -> Option<f64> {
+    (n > 0).then(|| sum / n as f64)
 }
 
 fn ms_to_us(ms: f64) -> u64 {
@@ -443,6 +578,8 @@ impl<'t> Sim<'t> {
             ttft_us: histogram(),
             tbt_us: histogram(),
             last_event_ms: 0.0,
+            load: cfg.load_sample_ms.map(LoadSeries::new),
+            next_sample_ms: 0.0,
         }
     }
 
@@ -469,6 +606,9 @@ impl<'t> Sim<'t> {
             if ta.is_infinite() && te.is_infinite() {
                 break;
             }
+            if self.load.is_some() {
+                self.sample_load_before(ta.min(te));
+            }
             if te <= ta {
                 if let Some(ev) = self.events.pop() {
                     self.last_event_ms = self.last_event_ms.max(ev.time);
@@ -488,6 +628,38 @@ impl<'t> Sim<'t> {
         }
     }
 
+    /// Records load samples for every sample time before `t` (the state
+    /// does not change between events).
+    fn sample_load_before(&mut self, t: f64) {
+        while self.next_sample_ms < t {
+            let now = self.next_sample_ms;
+            let state = &self.state;
+            let np = state.prefill.len().max(1) as f64;
+            let wait: f64 = (0..state.prefill.len())
+                .map(|i| (state.prefill_load(i).busy_until_ms - now).max(0.0))
+                .sum();
+            let nd = state.decode.len().max(1) as f64;
+            let tbt: f64 = state
+                .decode
+                .iter()
+                .filter(|d| !(d.active.is_empty() && d.waiting.is_empty()))
+                .map(|d| {
+                    self.scheduler.tbt_for(
+                        (d.active.len() + d.waiting.len()) as f64,
+                        (d.active_tokens + d.waiting_tokens) as f64,
+                    )
+                })
+                .sum();
+            let prefill = (wait / np / self.cfg.slo.ttft_ms) as f32;
+            let decode = (tbt / nd / self.cfg.slo.tbt_ms) as f32;
+            let Some(load) = self.load.as_mut() else {
+                return;
+            };
+            load.push(prefill, decode);
+            self.next_sample_ms = load.decode.len() as f64 * load.interval_ms;
+        }
+    }
+
     fn arrive(&mut self, idx: usize, now: f64) {
         let trace = self.state.trace;
         let r = &trace.requests()[idx];
@@ -501,6 +673,7 @@ impl<'t> Sim<'t> {
                 prefill,
                 decode,
                 predicted_prefill_ms,
+                predicted_tbt_ms,
                 ..
             } => {
                 let p = &mut self.state.prefill[prefill];
@@ -509,6 +682,7 @@ impl<'t> Sim<'t> {
                     req: idx as u32,
                     decode: decode as u32,
                     predicted_ms: predicted_prefill_ms,
+                    predicted_tbt_ms,
                 });
                 p.queued_pred_ms += predicted_prefill_ms;
                 if p.running.is_none() {
@@ -578,6 +752,7 @@ impl<'t> Sim<'t> {
                 remaining: r.output_tokens - 1,
                 context: u64::from(r.input_tokens) + 1,
                 first_token_ms: now,
+                predicted_tbt_ms: job.predicted_tbt_ms,
             };
             let d = job.decode as usize;
             let dec = &mut self.state.decode[d];
@@ -585,6 +760,11 @@ impl<'t> Sim<'t> {
                 self.counters.dropped += 1;
                 self.counters.wasted += 1;
             } else {
+                let at_join = self.scheduler.tbt_for(
+                    (dec.active.len() + dec.waiting.len() + 1) as f64,
+                    (dec.active_tokens + dec.waiting_tokens + seq.context) as f64,
+                );
+                self.counters.forecast_at_join_err_ms += job.predicted_tbt_ms - at_join;
                 dec.waiting_tokens += seq.context;
                 dec.waiting.push_back(seq);
                 if !dec.stepping {
@@ -642,6 +822,10 @@ impl<'t> Sim<'t> {
                 let tbt = (now - seq.first_token_ms) / f64::from(out - 1);
                 self.tbt_us.saturating_record(ms_to_us(tbt));
                 self.counters.completed += 1;
+                self.counters.forecasts += 1;
+                self.counters.forecast_err_ms += seq.predicted_tbt_ms - tbt;
+                self.counters.forecast_abs_err_ms += (seq.predicted_tbt_ms - tbt).abs();
+                self.scheduler.observe_decode_finished(out);
                 if tbt <= tbt_slo {
                     if self.ttft_ok[seq.req as usize] {
                         self.counters.slo_met += 1;
@@ -707,11 +891,16 @@ impl<'t> Sim<'t> {
             },
             prefix_hit_ratio: c.hits.ratio(),
             makespan_s,
+            tbt_forecast_requests: c.forecasts,
+            tbt_forecast_at_join_bias_ms: mean(c.forecast_at_join_err_ms, c.forecasts),
+            tbt_forecast_bias_ms: mean(c.forecast_err_ms, c.forecasts),
+            tbt_forecast_mae_ms: mean(c.forecast_abs_err_ms, c.forecasts),
         };
         SimOutcome {
             report,
             ttft_us: self.ttft_us,
             tbt_us: self.tbt_us,
+            load: self.load,
         }
     }
 }
@@ -771,6 +960,13 @@ mod tests {
         let want = (step + step2) / 2.0;
         assert!((tbt - want).abs() < 0.05, "{tbt} vs {want}");
         assert!((r.makespan_s * 1000.0 - (prefill + step + step2)).abs() < 1e-6);
+        // The forecast was one step on an empty instance: exact at join,
+        // a hair under the TBT it got (the context grew by a token).
+        assert_eq!(r.tbt_forecast_requests, 1);
+        assert_eq!(r.tbt_forecast_at_join_bias_ms, Some(0.0));
+        let bias = r.tbt_forecast_bias_ms.unwrap();
+        assert!((bias - (step - want)).abs() < 1e-9, "{bias}");
+        assert_eq!(r.tbt_forecast_mae_ms, Some(bias.abs()));
     }
 
     #[test]
@@ -797,6 +993,76 @@ mod tests {
         assert!(r.dropped >= 1, "{r:?}");
         assert!(r.wasted_prefills >= r.dropped);
         assert_eq!(r.completed + r.dropped, 4);
+    }
+
+    #[test]
+    fn load_series_follows_the_queues_and_the_batch() {
+        // Three 8k-token prompts at once on one prefill instance: the queue
+        // holds two of them at first; then all three decode together.
+        let t = trace(&[
+            (0, 8192, 200, &[1; 16]),
+            (0, 8192, 200, &[2; 16]),
+            (0, 8192, 200, &[3; 16]),
+        ]);
+        let mut cfg = SimConfig::new(Policy::CacheGlobal, 1, 1);
+        cfg.load_sample_ms = Some(100.0);
+        let out = simulate(&t, &cfg).unwrap();
+        let load = out.load.unwrap();
+        assert_eq!(load.interval_ms, 100.0);
+        assert_eq!(load.prefill.len(), load.decode.len());
+        let makespan_ms = out.report.makespan_s * 1000.0;
+        assert_eq!(load.decode.len(), (makespan_ms / 100.0).ceil() as usize);
+        // A sample shows the state after the events at its time: at 0 the
+        // instance holds all three prefills; 100 ms later, 100 ms less.
+        let all = 3.0 * cfg.cost.prefill_ms(8192, 0);
+        for (i, left) in [(0, all), (1, all - 100.0)] {
+            let want = (left / cfg.slo.ttft_ms) as f32;
+            assert!(
+                (load.prefill[i] - want).abs() < 1e-4,
+                "{} vs {want}",
+                load.prefill[i]
+            );
+        }
+        // Decode is idle before the first prefill ends, busy afterwards.
+        let first_done = (cfg.cost.prefill_ms(8192, 0) / 100.0).floor() as usize;
+        assert_eq!(load.decode[first_done], 0.0);
+        let busy = load.decode[load.decode.len() - 2];
+        let step3 = cfg.cost.decode_step_ms(3.0, 3.0 * 8192.0);
+        assert!(
+            busy > 0.0 && f64::from(busy) * cfg.slo.tbt_ms < step3 * 1.01,
+            "{busy}"
+        );
+        assert!(out.report.tbt_forecast_requests == 3);
+        assert!(simulate(&t, &SimConfig::new(Policy::CacheGlobal, 1, 1))
+            .unwrap()
+            .load
+            .is_none());
+    }
+
+    #[test]
+    fn load_series_stays_bounded() {
+        let t = trace(&[(0, 1024, 2_000, &[1, 2])]);
+        let mut cfg = SimConfig::new(Policy::CacheGlobal, 1, 1);
+        cfg.load_sample_ms = Some(0.5);
+        let out = simulate(&t, &cfg).unwrap();
+        let load = out.load.unwrap();
+        // ~30 s of decode at 0.5 ms would be ~60k samples.
+        assert!(load.decode.len() <= MAX_LOAD_SAMPLES);
+        assert!(load.decode.len() > MAX_LOAD_SAMPLES / 2);
+        assert!(load.interval_ms >= 2.0, "{}", load.interval_ms);
+        let span = load.decode.len() as f64 * load.interval_ms;
+        assert!(span >= out.report.makespan_s * 1000.0);
+        cfg.load_sample_ms = Some(0.0);
+        assert!(simulate(&t, &cfg).is_err());
+    }
+
+    #[test]
+    fn swings_count_overload_cycles() {
+        assert_eq!(swings(&[0.5, 1.3, 0.9, 1.3, 1.0, 1.3], 1.25, 1.0), 3);
+        // Staying high, or wobbling inside the band, is no swing.
+        assert_eq!(swings(&[1.3, 1.4, 1.3], 1.25, 1.0), 0);
+        assert_eq!(swings(&[0.9, 1.1, 1.2, 1.1, 1.3], 1.25, 1.0), 1);
+        assert_eq!(swings(&[], 1.25, 1.0), 0);
     }
 
     #[test]

@@ -6,6 +6,13 @@
 //! last block possibly partial. Extra fields are ignored, so traces that carry
 //! more columns still load. Blank lines are skipped.
 //!
+//! The first non-blank line may instead be the header that `kvpool sim gen`
+//! writes: an object `{"kvpool_trace_gen": VERSION, "params": {...}}` holding
+//! the generator's parameters ([`GenParams`]). It is checked strictly (the
+//! version must be this build's, the parameters complete and in range), kept
+//! ([`Trace::generator`]) and not read as a request. Such a line anywhere
+//! else is an error.
+//!
 //! Every request is checked on load: `hash_ids` must have exactly
 //! `ceil(input_length / block_tokens)` entries, and timestamps must not go
 //! backwards. A line that fails to parse or fails a check is an error that
@@ -19,6 +26,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use super::chunk_hash::{ChunkHash, MOONCAKE_CHUNK_TOKENS};
+use super::gen::{GenParams, GEN_VERSION, HEADER_KEY};
 
 /// Errors of trace loading.
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +66,19 @@ struct RawRecord {
     hash_ids: Vec<u64>,
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHeader {
+    kvpool_trace_gen: u32,
+    params: GenParams,
+}
+
+/// Whether `text` is a JSON object with the generator header's key.
+fn is_header(text: &str) -> bool {
+    serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(text)
+        .is_ok_and(|m| m.contains_key(HEADER_KEY))
+}
+
 /// One request of a trace. Its blocks are in the owning [`Trace`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TraceRequest {
@@ -79,6 +100,7 @@ pub struct Trace {
     requests: Vec<TraceRequest>,
     blocks: Vec<ChunkHash>,
     block_tokens: u32,
+    generator: Option<GenParams>,
 }
 
 impl Trace {
@@ -118,6 +140,8 @@ impl Trace {
         let mut line_buf = String::new();
         let mut line_no = 0usize;
         let mut last_ts = 0u64;
+        let mut generator = None;
+        let mut first = true;
         loop {
             line_buf.clear();
             let n = reader
@@ -139,12 +163,35 @@ impl Trace {
                 line: line_no,
                 reason,
             };
-            let rec: RawRecord =
-                serde_json::from_str(text).map_err(|source| TraceError::Parse {
-                    origin: origin.to_string(),
-                    line: line_no,
-                    source,
-                })?;
+            let is_first = std::mem::replace(&mut first, false);
+            let parse_err = |source| TraceError::Parse {
+                origin: origin.to_string(),
+                line: line_no,
+                source,
+            };
+            if is_first && is_header(text) {
+                let h: RawHeader = serde_json::from_str(text).map_err(parse_err)?;
+                if h.kvpool_trace_gen != GEN_VERSION {
+                    return Err(invalid(format!(
+                        "generator header version {} is not supported (this build reads version {GEN_VERSION})",
+                        h.kvpool_trace_gen
+                    )));
+                }
+                h.params
+                    .validate()
+                    .map_err(|e| invalid(format!("generator header: {e}")))?;
+                generator = Some(h.params);
+                continue;
+            }
+            let rec: RawRecord = match serde_json::from_str(text) {
+                Ok(rec) => rec,
+                Err(_) if is_header(text) => {
+                    return Err(invalid(
+                        "a generator header is only allowed on the first line".into(),
+                    ))
+                }
+                Err(source) => return Err(parse_err(source)),
+            };
             let want = rec.input_length.div_ceil(block_tokens) as usize;
             if rec.hash_ids.len() != want {
                 return Err(invalid(format!(
@@ -186,6 +233,7 @@ impl Trace {
             requests,
             blocks,
             block_tokens,
+            generator,
         })
     }
 
@@ -212,6 +260,12 @@ impl Trace {
     /// Whether the trace holds no request (never true for a loaded trace).
     pub fn is_empty(&self) -> bool {
         self.requests.is_empty()
+    }
+
+    /// The parameters of `kvpool sim gen` if the trace starts with its
+    /// header.
+    pub fn generator(&self) -> Option<&GenParams> {
+        self.generator.as_ref()
     }
 
     /// Tokens per block.
@@ -277,5 +331,42 @@ mod tests {
         let err = parse("{\"timestamp\": 0, \"input_length\": 1}\n").unwrap_err();
         assert!(err.to_string().contains("line 1"), "{err}");
         assert!(matches!(parse("\n\n"), Err(TraceError::Empty { .. })));
+    }
+
+    #[test]
+    fn generator_header_only_on_the_first_line_and_checked() {
+        use crate::gen::{header_line, Preset};
+        let p = Preset::Bursty.params(3, 10);
+        let req =
+            "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}\n";
+        let t = parse(&format!("\n{}\n{req}", header_line(&p))).unwrap();
+        assert_eq!(t.len(), 1);
+        assert_eq!(t.generator(), Some(&p));
+        assert_eq!(t.requests()[0].line, 3);
+        assert_eq!(parse(req).unwrap().generator(), None);
+        // Not on a later line.
+        let err = parse(&format!("{req}{}\n", header_line(&p))).unwrap_err();
+        assert!(err.to_string().contains("line 2"), "{err}");
+        assert!(
+            err.to_string().contains("only allowed on the first line"),
+            "{err}"
+        );
+        // A header alone is no trace.
+        assert!(matches!(
+            parse(&format!("{}\n", header_line(&p))),
+            Err(TraceError::Empty { .. })
+        ));
+        // Unknown version, unknown or missing parameter, bad value.
+        let line = header_line(&p);
+        for bad in [
+            line.replace("\"kvpool_trace_gen\":1", "\"kvpool_trace_gen\":99"),
+            line.replace("\"seed\":3", "\"seed\":3,\"colour\":1"),
+            line.replace("\"seed\":3,", ""),
+            line.replace("\"rate_rps\":3.0", "\"rate_rps\":-1.0"),
+        ] {
+            assert_ne!(bad, line);
+            let err = parse(&format!("{bad}\n{req}")).unwrap_err();
+            assert!(err.to_string().contains("line 1"), "{err}");
+        }
     }
 }

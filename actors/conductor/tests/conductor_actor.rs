@@ -187,6 +187,51 @@ async fn decode_pool_and_load_reports_drive_rejection() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_requests_teach_predictive_reject_how_long_answers_are() {
+    let cost = CostModel::default();
+    let cap = cost.decode.max_context_tokens;
+    let args = ConductorArgs::new(Policy::PredictiveReject, cost, Slo::default(), 1, 1);
+    let (h, join) = ConductorHandle::spawn(args).await.unwrap();
+    // Prefill is 20 s behind; decode holds twice the KV that fits.
+    h.report_load(
+        0,
+        InstanceLoad::Prefill {
+            queued_requests: 10,
+            queued_ms: 20_000.0,
+        },
+    )
+    .unwrap();
+    h.report_load(
+        0,
+        InstanceLoad::Decode {
+            active_seqs: 100,
+            active_tokens: cap * 2,
+            waiting_seqs: 0,
+            waiting_tokens: 0,
+        },
+    )
+    .unwrap();
+    let p = prompt(3, 4_096);
+    // With the configured 150-token answers, most of the batch is gone by
+    // the time this request reaches decode.
+    routed(h.schedule(request(1, &p), T).await.unwrap());
+    // Answers turn out to be 2,000 tokens long: the batch is still there.
+    for _ in 0..10 {
+        h.decode_finished(0, 2_000).unwrap();
+    }
+    h.decode_finished(5, 2_000).unwrap();
+    let snap = h.snapshot(T).await.unwrap();
+    assert_eq!(snap.expected_output_tokens, 2_000.0);
+    assert_eq!(snap.ignored, 1);
+    match h.schedule(request(2, &p), T).await.unwrap() {
+        Decision::Reject(RejectReason::TbtSlo { .. }) => {}
+        other => panic!("expected a TBT rejection, got {other:?}"),
+    }
+    h.stop();
+    join.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_handle_bounds_the_mailbox_and_raw_messages_work() {
     let mut args = ConductorArgs::new(
         Policy::CacheGlobal,

@@ -7,7 +7,10 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use conductor_support::{load_trace, TRACE_PATH};
-use kvpool_conductor::cli::{run_sim_cache_to, run_sim_to, SimCommand, SimSubcommand};
+use kvpool_conductor::cli::{
+    run_sim_cache_to, run_sim_gen, run_sim_to, SimCommand, SimSubcommand,
+};
+use kvpool_conductor::trace::Trace;
 
 #[derive(Parser)]
 struct Cli {
@@ -171,6 +174,119 @@ fn sim_cache_json_lines() {
     for ((_, _, r), want) in got.iter().zip([0.0825, 0.4235, 0.6396]) {
         assert!((r - want).abs() <= 0.0005, "{r} vs {want}");
     }
+}
+
+fn gen_args(cmd: &SimCommand) -> &kvpool_conductor::cli::SimGenArgs {
+    match &cmd.command {
+        Some(SimSubcommand::Gen(args)) => args,
+        _ => panic!("expected the gen subcommand"),
+    }
+}
+
+#[test]
+fn sim_gen_writes_a_trace_that_reproduces_itself() {
+    let dir = scratch_dir("gen");
+    let a = dir.join("a.jsonl");
+    let b = dir.join("b.jsonl");
+    let cmd = parse(&[
+        "gen",
+        "--preset",
+        "bursty",
+        "--seed",
+        "5",
+        "--requests",
+        "500",
+        "--output-tokens-mean",
+        "300",
+        "--out",
+        a.to_str().unwrap(),
+    ])
+    .unwrap();
+    let (params, n) = run_sim_gen(gen_args(&cmd)).unwrap();
+    assert_eq!(
+        (params.seed, params.requests, params.output_tokens_mean),
+        (5, 500, 300)
+    );
+    assert_eq!(n, 500);
+    let trace = Trace::load(&a).unwrap();
+    assert_eq!(trace.len(), 500);
+    assert_eq!(trace.generator(), Some(&params));
+    // The file alone gives the same bytes again.
+    let cmd = parse(&[
+        "gen",
+        "--from",
+        a.to_str().unwrap(),
+        "--out",
+        b.to_str().unwrap(),
+    ])
+    .unwrap();
+    run_sim_gen(gen_args(&cmd)).unwrap();
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    // A flag on top of --from changes only that parameter.
+    let cmd = parse(&[
+        "gen",
+        "--from",
+        a.to_str().unwrap(),
+        "--seed",
+        "6",
+        "--out",
+        b.to_str().unwrap(),
+    ])
+    .unwrap();
+    let (changed, _) = run_sim_gen(gen_args(&cmd)).unwrap();
+    assert_eq!(changed.seed, 6);
+    assert_eq!(changed.output_tokens_mean, 300);
+    assert_ne!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    // Refusals: --from and --preset together, a trace without a header, a
+    // parameter out of range (named).
+    assert!(parse(&["gen", "--from", "x", "--preset", "bursty", "--out", "y"]).is_err());
+    let cmd = parse(&["gen", "--from", TRACE_PATH, "--out", b.to_str().unwrap()]).unwrap();
+    let err = run_sim_gen(gen_args(&cmd)).unwrap_err();
+    assert!(
+        err.to_string().contains("no `kvpool sim gen` header"),
+        "{err}"
+    );
+    let cmd = parse(&[
+        "gen",
+        "--diurnal-amplitude",
+        "1.5",
+        "--out",
+        b.to_str().unwrap(),
+    ])
+    .unwrap();
+    let err = run_sim_gen(gen_args(&cmd)).unwrap_err();
+    assert!(err.to_string().contains("diurnal_amplitude"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn sim_plot_load_draws_the_load_of_every_policy() {
+    let dir = scratch_dir("load");
+    let trace = dir.join("t.jsonl");
+    let png = dir.join("load.png");
+    let cmd = parse(&["gen", "--requests", "800", "--out", trace.to_str().unwrap()]).unwrap();
+    run_sim_gen(gen_args(&cmd)).unwrap();
+    let cmd = parse(&[
+        "--trace",
+        trace.to_str().unwrap(),
+        "--policy",
+        "early_reject,predictive_reject",
+        "--decode",
+        "1",
+        "--speed",
+        "2",
+        "--plot-load",
+        png.to_str().unwrap(),
+    ])
+    .unwrap();
+    let mut out = Vec::new();
+    run_sim_to(&cmd.args, &mut out, false).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert_eq!(text.matches("decode load:").count(), 2, "{text}");
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[1..4], b"PNG");
+    assert!(bytes.len() > 5_000);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
