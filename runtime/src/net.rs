@@ -1,17 +1,36 @@
 //! Sharded listeners: shard `i` of a node listens on `base_port + i`.
 
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::time::{Duration, Instant};
 
 use crate::RuntimeError;
 
 /// How many times a `:0` base port is re-drawn when a neighbour port is taken.
 const PORT_ATTEMPTS: usize = 32;
 
+/// How long a fixed port that is in use is retried before start-up fails. A
+/// process killed with io_uring operations in flight (a pending accept) keeps
+/// its listening sockets bound until the kernel tears its rings down, which
+/// finishes shortly after the process is reaped: a node restarted at once on
+/// its own ports would otherwise fail to start. A port another live process
+/// holds still fails, once this has passed.
+pub const FIXED_PORT_WAIT: Duration = Duration::from_secs(3);
+
 /// Binds `n` consecutive ports starting at `addr`'s port. Port 0 asks the OS
 /// for a free base and retries if a following port is taken. The sockets are
 /// plain (no `SO_REUSEPORT`): a second process on the same ports fails loudly
-/// instead of silently sharing them.
+/// instead of silently sharing them. A fixed port in use is retried for
+/// [`FIXED_PORT_WAIT`] first.
 pub fn bind_sharded(addr: &str, n: usize) -> Result<(SocketAddr, Vec<TcpListener>), RuntimeError> {
+    bind_sharded_within(addr, n, FIXED_PORT_WAIT)
+}
+
+/// [`bind_sharded`] with the wait for a fixed port in use given.
+pub fn bind_sharded_within(
+    addr: &str,
+    n: usize,
+    wait: Duration,
+) -> Result<(SocketAddr, Vec<TcpListener>), RuntimeError> {
     let base: SocketAddr = addr
         .to_socket_addrs()
         .map_err(|e| RuntimeError::Config(format!("bad listen address {addr:?}: {e}")))?
@@ -19,15 +38,29 @@ pub fn bind_sharded(addr: &str, n: usize) -> Result<(SocketAddr, Vec<TcpListener
         .ok_or_else(|| {
             RuntimeError::Config(format!("listen address {addr:?} resolves to nothing"))
         })?;
-    let attempts = if base.port() == 0 { PORT_ATTEMPTS } else { 1 };
-    let mut last_err = None;
-    for _ in 0..attempts {
-        match try_bind(base, n) {
-            Ok(v) => return Ok(v),
-            Err(e) => last_err = Some(e),
+    let e = if base.port() == 0 {
+        let mut last_err = None;
+        for _ in 0..PORT_ATTEMPTS {
+            match try_bind(base, n) {
+                Ok(v) => return Ok(v),
+                Err(e) => last_err = Some(e),
+            }
         }
-    }
-    let e = last_err.expect("at least one attempt");
+        last_err.expect("at least one attempt")
+    } else {
+        let deadline = Instant::now() + wait;
+        loop {
+            match try_bind(base, n) {
+                Ok(v) => return Ok(v),
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => break e,
+            }
+        }
+    };
     Err(RuntimeError::Config(format!(
         "cannot listen on {n} port(s) from {addr}: {e}"
     )))
@@ -66,7 +99,21 @@ mod tests {
     #[test]
     fn a_taken_port_is_an_error_naming_the_address() {
         let (addr, _held) = bind_sharded("127.0.0.1:0", 1).unwrap();
-        let e = bind_sharded(&addr.to_string(), 1).unwrap_err();
+        let e = bind_sharded_within(&addr.to_string(), 1, Duration::from_millis(200)).unwrap_err();
         assert!(e.to_string().contains(&addr.to_string()), "{e}");
+    }
+
+    #[test]
+    fn a_fixed_port_freed_during_the_wait_is_bound() {
+        let (addr, held) = bind_sharded("127.0.0.1:0", 2).unwrap();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(held);
+        });
+        let (got, ls) = bind_sharded_within(&addr.to_string(), 2, Duration::from_secs(5))
+            .expect("bound once the holder let go");
+        assert_eq!(got, addr);
+        assert_eq!(ls.len(), 2);
+        release.join().unwrap();
     }
 }
