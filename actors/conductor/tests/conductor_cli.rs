@@ -7,9 +7,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use conductor_support::{load_trace, TRACE_PATH};
-use kvpool_conductor::cli::{
-    run_sim_cache_to, run_sim_gen, run_sim_to, SimCommand, SimSubcommand,
-};
+use kvpool_conductor::cli::{run_sim_cache_to, run_sim_gen, run_sim_to, SimCommand, SimSubcommand};
 use kvpool_conductor::trace::Trace;
 
 #[derive(Parser)]
