@@ -16,13 +16,13 @@ use std::time::{Duration, Instant};
 use kvpool_client::Client;
 use kvpool_config::{ClientConfig, MasterConfig};
 use kvpool_master::core::MasterCore;
-use kvpool_master::{Master, MasterArgs, MasterMsg};
+use kvpool_master::{call as master_call, Master, MasterArgs, MasterMsg};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardPool, ShardPoolConfig, Shutdown};
 use kvpool_transport::proto::{
-    Endpoint, MasterRequest as Q, MasterResponse as A, PutItem, PutOptions, SegmentSpec,
+    call, Endpoint, MasterRequest as Q, MasterResponse as A, PutItem, PutOptions, SegmentSpec,
 };
-use ractor::{call, Actor, ActorRef};
+use ractor::{Actor, ActorRef};
 use support::Lat;
 
 /// A segment that only exists as metadata: nothing is written to it.
@@ -187,12 +187,14 @@ fn bench_actor(shards: usize, n: usize, rt: &tokio::runtime::Runtime) {
         )
         .await
         .expect("master");
-        call!(m, |reply| MasterMsg::MountSegment {
-            client_id: 1,
-            spec: fake_segment("fake"),
-            reply
-        })
-        .expect("call")
+        master_call(
+            &m,
+            call::MountSegment {
+                client_id: 1,
+                spec: fake_segment("fake"),
+            },
+        )
+        .await
         .expect("mount");
         let tasks = 32;
         for batch in [1usize, 32, 128] {
@@ -226,22 +228,26 @@ fn bench_actor(shards: usize, n: usize, rt: &tokio::runtime::Runtime) {
 async fn actor_put(m: ActorRef<MasterMsg>, prefix: &'static str, batch: usize, t: usize, i: usize) {
     if batch == 1 {
         let k = key(prefix, t, i);
-        call!(m, |reply| MasterMsg::PutStart {
-            client_id: 2,
-            key: k.clone(),
-            len: 64,
-            opts: opts(),
-            reply
-        })
-        .expect("call")
+        master_call(
+            &m,
+            call::PutStart {
+                client_id: 2,
+                key: k.clone(),
+                len: 64,
+                opts: opts(),
+            },
+        )
+        .await
         .expect("put_start");
-        call!(m, |reply| MasterMsg::PutEnd {
-            client_id: 2,
-            key: k,
-            checksum: None,
-            reply
-        })
-        .expect("call")
+        master_call(
+            &m,
+            call::PutEnd {
+                client_id: 2,
+                key: k,
+                checksum: None,
+            },
+        )
+        .await
         .expect("put_end");
     } else {
         let keys: Vec<Vec<u8>> = (0..batch).map(|j| key(prefix, t, i * batch + j)).collect();
@@ -252,20 +258,24 @@ async fn actor_put(m: ActorRef<MasterMsg>, prefix: &'static str, batch: usize, t
                 len: 64,
             })
             .collect();
-        call!(m, |reply| MasterMsg::BatchPutStart {
-            client_id: 2,
-            items,
-            opts: opts(),
-            reply
-        })
-        .expect("call")
+        master_call(
+            &m,
+            call::BatchPutStart {
+                client_id: 2,
+                items,
+                opts: opts(),
+            },
+        )
+        .await
         .expect("batch_put_start");
-        call!(m, |reply| MasterMsg::BatchPutEnd {
-            client_id: 2,
-            items: done(keys),
-            reply
-        })
-        .expect("call")
+        master_call(
+            &m,
+            call::BatchPutEnd {
+                client_id: 2,
+                items: done(keys),
+            },
+        )
+        .await
         .expect("batch_put_end");
     }
 }
@@ -281,23 +291,23 @@ async fn actor_read(
     if batch == 1 {
         let k = key(prefix, t, i);
         if get {
-            call!(m, |reply| MasterMsg::GetReplicaList { key: k, reply })
-                .expect("call")
+            master_call(&m, call::GetReplicaList { key: k })
+                .await
                 .expect("get");
         } else {
-            call!(m, |reply| MasterMsg::Exist { key: k, reply })
-                .expect("call")
+            master_call(&m, call::Exist { key: k })
+                .await
                 .expect("exist");
         }
     } else {
         let keys: Vec<Vec<u8>> = (0..batch).map(|j| key(prefix, t, i * batch + j)).collect();
         if get {
-            call!(m, |reply| MasterMsg::BatchGet { keys, reply })
-                .expect("call")
+            master_call(&m, call::BatchGet { keys })
+                .await
                 .expect("batch_get");
         } else {
-            call!(m, |reply| MasterMsg::BatchExist { keys, reply })
-                .expect("call")
+            master_call(&m, call::BatchExist { keys })
+                .await
                 .expect("batch_exist");
         }
     }
@@ -353,7 +363,7 @@ fn bench_tcp(shards: usize, n: usize, rt: &tokio::runtime::Runtime) {
 async fn tcp_put(c: Client, prefix: &'static str, batch: usize, t: usize, i: usize) {
     if batch == 1 {
         let k = key(prefix, t, i);
-        c.call(Q::PutStart {
+        c.request(Q::PutStart {
             client_id: c.id(),
             key: k.clone(),
             len: 64,
@@ -361,7 +371,7 @@ async fn tcp_put(c: Client, prefix: &'static str, batch: usize, t: usize, i: usi
         })
         .await
         .expect("put_start");
-        c.call(Q::PutEnd {
+        c.request(Q::PutEnd {
             client_id: c.id(),
             key: k,
             checksum: None,
@@ -377,14 +387,14 @@ async fn tcp_put(c: Client, prefix: &'static str, batch: usize, t: usize, i: usi
                 len: 64,
             })
             .collect();
-        c.call(Q::BatchPutStart {
+        c.request(Q::BatchPutStart {
             client_id: c.id(),
             items,
             opts: opts(),
         })
         .await
         .expect("batch_put_start");
-        c.call(Q::BatchPutEnd {
+        c.request(Q::BatchPutEnd {
             client_id: c.id(),
             items: done(keys),
         })
@@ -409,7 +419,7 @@ async fn tcp_read(c: Client, prefix: &'static str, batch: usize, t: usize, i: us
             Q::BatchExist { keys }
         }
     };
-    c.call(q).await.expect("read");
+    c.request(q).await.expect("read");
 }
 
 fn rss_bytes(pid: u32) -> u64 {
@@ -466,7 +476,7 @@ fn bench_rss(marks: &[usize], rt: &tokio::runtime::Runtime) {
                     hs.push(tokio::spawn(async move {
                         let keys: Vec<Vec<u8>> = (from..to).map(|i| key("rss", 0, i)).collect();
                         let items = keys.iter().map(|k| PutItem { key: k.clone(), len: 64 }).collect();
-                        c.call(Q::BatchPutStart {
+                        c.request(Q::BatchPutStart {
                             client_id: c.id(),
                             items,
                             opts: opts(),
@@ -474,7 +484,7 @@ fn bench_rss(marks: &[usize], rt: &tokio::runtime::Runtime) {
                         .await
                         .expect("batch_put_start");
                         let r = c
-                            .call(Q::BatchPutEnd {
+                            .request(Q::BatchPutEnd {
                                 client_id: c.id(),
                                 items: done(keys),
                             })

@@ -86,22 +86,27 @@ fn puts_and_gets_of_1_byte_to_16_mib_and_a_batch_of_64_go_over_rdma() {
         assert_eq!(st.tcp_bytes.load(Ordering::Relaxed), 0);
         assert_eq!(st.shm_bytes.load(Ordering::Relaxed), 0);
 
-        // Zero copy: a get into a registered buffer stages nothing.
+        // Zero copy: a get into a registered buffer stages nothing, and
+        // neither does a put from one.
         let staged = st.rdma_staged_bytes.load(Ordering::Relaxed);
-        let buf = c.engine().alloc_rdma_buffer(16 * MIB).unwrap();
-        // SAFETY: no transfer uses `buf` except the get below, awaited here.
-        let dst = unsafe { buf.bytes_mut(0, 16 * MIB) };
+        let mut buf = c.register_buffer(16 * MIB).unwrap();
+        assert!(buf.nic_registered(), "RDMA is on: the NIC holds the buffer");
         let n = c
-            .get_into(format!("rdma-{}", 16 * MIB).as_bytes(), dst)
+            .get_into_registered(format!("rdma-{}", 16 * MIB).as_bytes(), &mut buf)
             .await
             .unwrap();
         assert_eq!(n, 16 * MIB);
-        assert_eq!(xxh3_64(dst), xxh3_64(&data(5, 16 * MIB)));
+        assert_eq!(xxh3_64(buf.bytes().unwrap()), xxh3_64(&data(5, 16 * MIB)));
+        c.put_from(b"from-registered", &buf, 16 * MIB)
+            .await
+            .unwrap();
         assert_eq!(
             st.rdma_staged_bytes.load(Ordering::Relaxed),
             staged,
-            "a registered buffer is the RDMA destination itself"
+            "a registered buffer is the RDMA source and destination itself"
         );
+        let back = c.get(b"from-registered").await.unwrap();
+        assert_eq!(xxh3_64(&back), xxh3_64(&data(5, 16 * MIB)));
 
         // A batch of 64.
         let vals: Vec<Vec<u8>> = (0..64)

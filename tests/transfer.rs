@@ -206,3 +206,43 @@ fn auto_uses_tcp_for_a_replica_on_another_host_and_shm_refuses_it() {
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_registered_buffer_is_put_from_and_read_into_in_place() {
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "64MiB"]));
+    let rt = common::rt();
+    rt.block_on(async {
+        for t in [Transport::Tcp, Transport::Shm] {
+            let c = Client::connect(&node.addr, cfg(t)).await.unwrap();
+            let e = c.register_buffer(0).unwrap_err();
+            assert_eq!(e.code, ErrorCode::InvalidParams, "{e}");
+            let mut src = c.register_buffer(1 << 20).unwrap();
+            // No NIC here: the buffer is ordinary memory, and says so.
+            assert!(!src.nic_registered());
+            let v = data(7, 300_001);
+            src.bytes_mut().unwrap()[..v.len()].copy_from_slice(&v);
+            let key = format!("registered-{t:?}");
+            c.put_from(key.as_bytes(), &src, v.len()).await.unwrap();
+            let e = c
+                .put_from(b"too-long", &src, (1 << 20) + 1)
+                .await
+                .unwrap_err();
+            assert_eq!(e.code, ErrorCode::InvalidParams, "{e}");
+            assert!(!c.exists(b"too-long").await.unwrap(), "nothing was stored");
+
+            let mut dst = c.register_buffer(1 << 20).unwrap();
+            let n = c
+                .get_into_registered(key.as_bytes(), &mut dst)
+                .await
+                .unwrap();
+            assert_eq!(n, v.len());
+            assert_eq!(&dst.bytes().unwrap()[..n], &v[..], "{t:?}");
+            let mut small = c.register_buffer(1000).unwrap();
+            let e = c
+                .get_into_registered(key.as_bytes(), &mut small)
+                .await
+                .unwrap_err();
+            assert_eq!(e.code, ErrorCode::InvalidParams, "{e}");
+        }
+    });
+}

@@ -308,118 +308,199 @@ pub struct ObjectInfo {
     pub hard_pin: bool,
 }
 
-/// Requests to a master shard.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
-pub enum MasterRequest {
+/// Declares every master call in one place: the `MasterRequest` variant
+/// (wire), its name for logs and metrics, and a typed struct in [`call`]
+/// whose [`call::Call`] impl names the reply type and how it is read from a
+/// `MasterResponse`. Adding a call is one entry here (plus its routing in
+/// [`MasterRequest::route`] and the master's handling of it).
+macro_rules! master_calls {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident ($op:literal) $({ $($(#[$fdoc:meta])* $field:ident : $fty:ty),* $(,)? })?
+            -> $reply:ty = $pat:pat => $val:expr;
+    )*) => {
+        /// Requests to a master shard.
+        #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+        pub enum MasterRequest {
+            $( $(#[$doc])* $name $({ $($(#[$fdoc])* $field: $fty),* })?, )*
+        }
+
+        impl MasterRequest {
+            /// A short name for logs and metrics.
+            pub fn op_name(&self) -> &'static str {
+                match self {
+                    $( Self::$name { .. } => $op, )*
+                }
+            }
+        }
+
+        /// One struct per master call (the fields of its `MasterRequest`
+        /// variant), typed by the reply it gets: `client.call(Exist { key })`
+        /// is a `bool`.
+        pub mod call {
+            use super::*;
+
+            /// A typed master call.
+            pub trait Call: Into<MasterRequest> + Send + 'static {
+                /// What a successful answer carries.
+                type Reply: Send + 'static;
+                /// The call's name (as `MasterRequest::op_name`).
+                const OP: &'static str;
+                /// Reads the answer; any other response is `Internal`.
+                fn reply(resp: MasterResponse) -> Result<Self::Reply, KvError>;
+            }
+
+            /// An answer of the wrong kind for `op`.
+            pub fn unexpected(op: &str, resp: &MasterResponse) -> KvError {
+                KvError::new(
+                    ErrorCode::Internal,
+                    format!("the master answered {op} with an unexpected {resp:?}"),
+                )
+            }
+
+            $(
+                call_struct!($(#[$doc])* $name $({ $($(#[$fdoc])* $field : $fty),* })?);
+
+                impl From<$name> for MasterRequest {
+                    fn from(c: $name) -> Self {
+                        into_request!(c, $name $({ $($field),* })?)
+                    }
+                }
+
+                impl Call for $name {
+                    type Reply = $reply;
+                    const OP: &'static str = $op;
+                    fn reply(resp: MasterResponse) -> Result<$reply, KvError> {
+                        #[allow(unreachable_patterns)]
+                        match resp {
+                            $pat => Ok($val),
+                            other => Err(unexpected($op, &other)),
+                        }
+                    }
+                }
+            )*
+        }
+    };
+}
+
+macro_rules! call_struct {
+    ($(#[$m:meta])* $name:ident) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, PartialEq, Eq)]
+        pub struct $name;
+    };
+    ($(#[$m:meta])* $name:ident { $($(#[$fm:meta])* $f:ident : $t:ty),* }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, PartialEq, Eq)]
+        pub struct $name { $($(#[$fm])* pub $f: $t),* }
+    };
+}
+
+macro_rules! into_request {
+    ($c:ident, $name:ident) => {{
+        let _ = $c;
+        MasterRequest::$name
+    }};
+    ($c:ident, $name:ident { $($f:ident),* }) => {
+        MasterRequest::$name { $($f: $c.$f),* }
+    };
+}
+
+master_calls! {
     /// First message of a client: returns the cluster map.
-    Hello {
-        client_id: ClientId,
-    },
+    Hello("hello") { client_id: ClientId } -> ClusterMap
+        = MasterResponse::Hello { cluster } => cluster;
     /// With a cluster secret, the first request on a connection: the
-    /// client's id and nonce (see `auth`).
-    AuthBegin {
-        client_id: ClientId,
-        nonce: [u8; 16],
-    },
+    /// client's id and nonce (see `auth`); the answer is the master's nonce.
+    AuthBegin("auth_begin") { client_id: ClientId, nonce: [u8; 16] } -> [u8; 16]
+        = MasterResponse::AuthChallenge { nonce } => nonce;
     /// The client's proof over both nonces; the connection then speaks for
-    /// the client id of `AuthBegin`.
-    AuthProve {
-        proof: [u8; 32],
-    },
+    /// the client id of `AuthBegin`. The answer is the master's own proof.
+    AuthProve("auth_prove") { proof: [u8; 32] } -> [u8; 32]
+        = MasterResponse::AuthOk { proof } => proof;
     /// Liveness; every second from clients and storage nodes. `segments`:
     /// the segments the sender owns (a storage node), so the master can say
     /// which it does not know (after a restart) and the node mounts again.
-    Ping {
-        client_id: ClientId,
-        segments: Vec<SegmentId>,
-    },
-    MountSegment {
-        client_id: ClientId,
-        spec: SegmentSpec,
-    },
+    Ping("ping") { client_id: ClientId, segments: Vec<SegmentId> } -> Vec<SegmentId>
+        = MasterResponse::Pong { unknown } => unknown;
+    /// A storage node gives a segment to the pool; its id.
+    MountSegment("mount_segment") { client_id: ClientId, spec: SegmentSpec } -> SegmentId
+        = MasterResponse::Mounted { segment_id } => segment_id;
     /// By the segment's owner.
-    UnmountSegment {
-        client_id: ClientId,
-        segment_id: SegmentId,
-    },
+    UnmountSegment("unmount_segment") { client_id: ClientId, segment_id: SegmentId } -> ()
+        = MasterResponse::Done => ();
     /// Graceful leave: existing replicas stay readable, new puts go elsewhere.
-    DrainSegment {
-        segment_id: SegmentId,
-    },
-    PutStart {
-        client_id: ClientId,
-        key: Vec<u8>,
-        len: u64,
-        opts: PutOptions,
-    },
-    PutEnd {
+    DrainSegment("drain_segment") { segment_id: SegmentId } -> ()
+        = MasterResponse::Done => ();
+    /// Allocates a put's replicas: where to write (with write grants).
+    PutStart("put_start") { client_id: ClientId, key: Vec<u8>, len: u64, opts: PutOptions }
+        -> Vec<ReplicaDesc> = MasterResponse::Replicas(r) => r;
+    /// Completes a put.
+    PutEnd("put_end") {
         client_id: ClientId,
         key: Vec<u8>,
         /// xxh3-64 of the bytes written; readers check it.
         checksum: Option<u64>,
-    },
-    PutRevoke {
-        client_id: ClientId,
-        key: Vec<u8>,
-    },
-    GetReplicaList {
-        key: Vec<u8>,
-    },
-    Exist {
-        key: Vec<u8>,
-    },
-    Remove {
-        key: Vec<u8>,
-        force: bool,
-    },
-    RemoveAll,
-    Stat,
+    } -> () = MasterResponse::Done => ();
+    /// Gives a put's space back (its writer gave up).
+    PutRevoke("put_revoke") { client_id: ClientId, key: Vec<u8> } -> ()
+        = MasterResponse::Done => ();
+    /// Where to read an object (with read grants); grants a read lease.
+    GetReplicaList("get_replica_list") { key: Vec<u8> } -> Vec<ReplicaDesc>
+        = MasterResponse::Replicas(r) => r;
+    /// Whether a complete object is stored; grants no lease.
+    Exist("exist") { key: Vec<u8> } -> bool = MasterResponse::Exists(b) => b;
+    /// Removes an object (under a lease only with `force`).
+    Remove("remove") { key: Vec<u8>, force: bool } -> () = MasterResponse::Done => ();
+    /// Removes every object without a live lease; how many went.
+    RemoveAll("remove_all") -> u64 = MasterResponse::Removed(n) => n;
+    /// Segments, capacity, use and key count of the pool.
+    Stat("stat") -> PoolStat = MasterResponse::Stat(s) => s;
     /// Metadata of one object (admin API); does not extend its lease.
-    Describe {
-        key: Vec<u8>,
-    },
-    BatchPutStart {
-        client_id: ClientId,
-        items: Vec<PutItem>,
-        opts: PutOptions,
-    },
-    BatchPutEnd {
-        client_id: ClientId,
-        items: Vec<PutDone>,
-    },
-    BatchPutRevoke {
-        client_id: ClientId,
-        keys: Vec<Vec<u8>>,
-    },
+    Describe("describe") { key: Vec<u8> } -> ObjectInfo = MasterResponse::Described(i) => i;
+    /// `PutStart` of every item; one result per item, in order.
+    BatchPutStart("batch_put_start") { client_id: ClientId, items: Vec<PutItem>, opts: PutOptions }
+        -> Vec<ItemResult<Vec<ReplicaDesc>>> = MasterResponse::BatchReplicas(v) => v;
+    /// `PutEnd` of every item.
+    BatchPutEnd("batch_put_end") { client_id: ClientId, items: Vec<PutDone> }
+        -> Vec<ItemResult<()>> = MasterResponse::BatchDone(v) => v;
+    /// `PutRevoke` of every key.
+    BatchPutRevoke("batch_put_revoke") { client_id: ClientId, keys: Vec<Vec<u8>> }
+        -> Vec<ItemResult<()>> = MasterResponse::BatchDone(v) => v;
     /// GetReplicaList of every key (grants leases).
-    BatchGet {
-        keys: Vec<Vec<u8>>,
-    },
-    BatchExist {
-        keys: Vec<Vec<u8>>,
-    },
-    BatchRemove {
-        keys: Vec<Vec<u8>>,
-        force: bool,
-    },
+    BatchGet("batch_get") { keys: Vec<Vec<u8>> } -> Vec<ItemResult<Vec<ReplicaDesc>>>
+        = MasterResponse::BatchReplicas(v) => v;
+    /// `Exist` of every key.
+    BatchExist("batch_exist") { keys: Vec<Vec<u8>> } -> Vec<ItemResult<bool>>
+        = MasterResponse::BatchExists(v) => v;
+    /// `Remove` of every key.
+    BatchRemove("batch_remove") { keys: Vec<Vec<u8>>, force: bool } -> Vec<ItemResult<()>>
+        = MasterResponse::BatchDone(v) => v;
     /// A storage node asks master shard `shard` for its pending work.
-    NodeTasks {
-        client_id: ClientId,
-        shard: u32,
-        segments: Vec<SegmentId>,
-        max: u32,
-    },
+    NodeTasks("node_tasks") { client_id: ClientId, shard: u32, segments: Vec<SegmentId>, max: u32 }
+        -> Vec<NodeTask> = MasterResponse::Tasks(t) => t;
     /// A storage node reports on its NVMe tier (one result per update).
-    NvmeUpdates {
-        client_id: ClientId,
-        updates: Vec<NvmeUpdate>,
-    },
+    NvmeUpdates("nvme_updates") { client_id: ClientId, updates: Vec<NvmeUpdate> }
+        -> Vec<ItemResult<()>> = MasterResponse::BatchDone(v) => v;
     /// A client could not reach a segment's node: the master stops placing
     /// new replicas there until the node's next ping.
-    ReportUnreachable {
-        client_id: ClientId,
-        segment_id: SegmentId,
-    },
+    ReportUnreachable("report_unreachable") { client_id: ClientId, segment_id: SegmentId } -> ()
+        = MasterResponse::Done => ();
+}
+
+/// Where a master request is served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route<'a> {
+    /// The connection answers it itself (the cluster map, the handshake).
+    Connection,
+    /// The master shard that owns this key.
+    Key(&'a [u8]),
+    /// Split by owning shard; the answers merged back in order.
+    Batch,
+    /// This master shard (a node's task queue on it).
+    Shard(u32),
+    /// The coordinator (on shard 0): mounts, liveness, stat, remove-all.
+    Coordinator,
 }
 
 impl MasterRequest {
@@ -497,34 +578,19 @@ impl MasterRequest {
         }
     }
 
-    /// A short name for logs and metrics.
-    pub fn op_name(&self) -> &'static str {
+    /// Where the request is served: the one routing rule that clients, the
+    /// master's connections, its handle and `MasterCore` all follow.
+    pub fn route(&self) -> Route<'_> {
         match self {
-            Self::Hello { .. } => "hello",
-            Self::AuthBegin { .. } => "auth_begin",
-            Self::AuthProve { .. } => "auth_prove",
-            Self::ReportUnreachable { .. } => "report_unreachable",
-            Self::Ping { .. } => "ping",
-            Self::MountSegment { .. } => "mount_segment",
-            Self::UnmountSegment { .. } => "unmount_segment",
-            Self::DrainSegment { .. } => "drain_segment",
-            Self::PutStart { .. } => "put_start",
-            Self::PutEnd { .. } => "put_end",
-            Self::PutRevoke { .. } => "put_revoke",
-            Self::GetReplicaList { .. } => "get_replica_list",
-            Self::Exist { .. } => "exist",
-            Self::Remove { .. } => "remove",
-            Self::RemoveAll => "remove_all",
-            Self::Stat => "stat",
-            Self::Describe { .. } => "describe",
-            Self::BatchPutStart { .. } => "batch_put_start",
-            Self::BatchPutEnd { .. } => "batch_put_end",
-            Self::BatchPutRevoke { .. } => "batch_put_revoke",
-            Self::BatchGet { .. } => "batch_get",
-            Self::BatchExist { .. } => "batch_exist",
-            Self::BatchRemove { .. } => "batch_remove",
-            Self::NodeTasks { .. } => "node_tasks",
-            Self::NvmeUpdates { .. } => "nvme_updates",
+            Self::Hello { .. } | Self::AuthBegin { .. } | Self::AuthProve { .. } => {
+                Route::Connection
+            }
+            Self::NodeTasks { shard, .. } => Route::Shard(*shard),
+            r if r.batch_keys().is_some() => Route::Batch,
+            r => match r.key() {
+                Some(k) => Route::Key(k),
+                None => Route::Coordinator,
+            },
         }
     }
 }

@@ -7,7 +7,44 @@ use std::collections::BTreeMap;
 use kvpool_runtime::hash::ShardMap;
 
 use crate::error::{ErrorCode, KvError};
-use crate::proto::{ItemResult, MasterRequest, MasterResponse};
+use crate::proto::{ItemResult, MasterRequest, MasterResponse, Route};
+
+/// Where a request goes, resolved against a master's shards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// The connection answers it (the cluster map, the handshake).
+    Connection,
+    /// This master shard.
+    Shard(usize),
+    /// Split by owning shard, merged back in order.
+    Batch,
+    /// The coordinator (shard 0).
+    Coordinator,
+}
+
+/// Resolves [`MasterRequest::route`] with `shard_of` (the owner of a key)
+/// over `nr_shards` shards; a shard the master does not have is
+/// `InvalidParams`. The one routing function: clients, the master's
+/// connections, its handle and `MasterCore` all call it.
+pub fn target(
+    req: &MasterRequest,
+    shard_of: impl Fn(&[u8]) -> u32,
+    nr_shards: usize,
+) -> Result<Target, KvError> {
+    Ok(match req.route() {
+        Route::Connection => Target::Connection,
+        Route::Key(k) => Target::Shard(shard_of(k) as usize),
+        Route::Shard(s) if (s as usize) < nr_shards => Target::Shard(s as usize),
+        Route::Shard(s) => {
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!("no master shard {s}"),
+            ))
+        }
+        Route::Batch => Target::Batch,
+        Route::Coordinator => Target::Coordinator,
+    })
+}
 
 /// One shard's part of a batch: the sub-request and where its results go.
 pub struct BatchPart {
@@ -167,4 +204,62 @@ pub fn merge_batch(
         .next()
         .map(|(_, e)| e)
         .unwrap_or_else(|| KvError::new(ErrorCode::InvalidParams, "empty batch")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::call::{self, Call};
+
+    fn owner(k: &[u8]) -> u32 {
+        k.len() as u32 % 3
+    }
+
+    #[test]
+    fn each_kind_of_request_goes_where_its_route_says() {
+        let t = |q: MasterRequest| target(&q, owner, 3).unwrap();
+        assert_eq!(
+            t(call::Exist {
+                key: b"ab".to_vec()
+            }
+            .into()),
+            Target::Shard(2)
+        );
+        assert_eq!(
+            t(call::PutRevoke {
+                client_id: 1,
+                key: b"abcd".to_vec()
+            }
+            .into()),
+            Target::Shard(1)
+        );
+        assert_eq!(
+            t(call::BatchExist {
+                keys: vec![b"a".to_vec()]
+            }
+            .into()),
+            Target::Batch
+        );
+        assert_eq!(t(call::Stat.into()), Target::Coordinator);
+        assert_eq!(t(call::Hello { client_id: 1 }.into()), Target::Connection);
+        let tasks = |shard| call::NodeTasks {
+            client_id: 1,
+            shard,
+            segments: vec![],
+            max: 1,
+        };
+        assert_eq!(t(tasks(2).into()), Target::Shard(2));
+        let e = target(&tasks(3).into(), owner, 3).unwrap_err();
+        assert_eq!(e.code, ErrorCode::InvalidParams, "{e}");
+    }
+
+    #[test]
+    fn a_typed_call_reads_its_own_answer_and_refuses_another() {
+        assert!(call::Exist::reply(MasterResponse::Exists(true)).unwrap());
+        let e = call::Exist::reply(MasterResponse::Done).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Internal);
+        assert!(e.message.contains("exist"), "{e}");
+        let q: MasterRequest = call::Stat.into();
+        assert_eq!(q.op_name(), <call::Stat as Call>::OP);
+    }
 }

@@ -34,6 +34,7 @@ use kvpool_transport::auth::{self, ClusterKey};
 use kvpool_transport::engine::{EngineConfig, Transfer, TransferEngine};
 use kvpool_transport::frame::{self, FrameKind};
 use kvpool_transport::pool::{ConnPool, Stream};
+use kvpool_transport::proto::call::{self, Call};
 use kvpool_transport::proto::{
     ClientId, ClusterMap, Endpoint, MasterRequest, MasterResponse, ObjectInfo, PoolStat, PutDone,
     PutItem, PutOptions, ReplicaDesc, SegmentId, SegmentSpec,
@@ -42,7 +43,7 @@ use kvpool_transport::shm::ShmMap;
 use kvpool_transport::{ErrorCode, KvError};
 
 use kvpool_config::ClientConfig;
-use kvpool_transport::route::{merge_batch, split_batch_by};
+use kvpool_transport::route::{self, merge_batch, split_batch_by, Target};
 
 struct Inner {
     id: ClientId,
@@ -63,13 +64,6 @@ pub struct Client {
     inner: Arc<Inner>,
 }
 
-fn unexpected(op: &str, resp: &MasterResponse) -> KvError {
-    KvError::new(
-        ErrorCode::Internal,
-        format!("master answered {op} with an unexpected {resp:?}"),
-    )
-}
-
 fn host_of(addr: &str) -> String {
     match addr.rsplit_once(':') {
         Some((h, _)) => h.trim_start_matches('[').trim_end_matches(']').to_string(),
@@ -77,12 +71,31 @@ fn host_of(addr: &str) -> String {
     }
 }
 
-/// A buffer registered with the client for zero-copy transfers. With TCP and
-/// shared memory, any buffer is used in place and registration only records
-/// it; with RDMA it registers the memory region with the NIC.
+/// Memory allocated by the client for transfers, from
+/// [`Client::register_buffer`]. With RDMA on, it is registered with the NIC
+/// (one memory region per device, held in the engine's MR cache for as long
+/// as this value lives): puts from it and gets into it are zero copy. Without
+/// RDMA it is ordinary memory that TCP and shared memory use as they use any
+/// buffer; nothing is registered.
+///
+/// The buffer owns its memory. A transfer on it that was abandoned (its call
+/// timed out or its future was dropped) may still have RDMA work in flight
+/// for a moment; until that has completed, [`RegisteredBuffer::bytes`] and
+/// [`RegisteredBuffer::bytes_mut`] answer `TryAgain` instead of handing out
+/// bytes the NIC may be writing, and the memory is freed only after it.
 pub struct RegisteredBuffer {
-    ptr: usize,
+    mem: BufferMem,
     len: usize,
+}
+
+enum BufferMem {
+    Host(Box<[u8]>),
+    #[cfg(feature = "rdma")]
+    Nic {
+        buf: Arc<kvpool_transport::rdma::RdmaBuffer>,
+        reg: Arc<kvpool_transport::rdma::Registration>,
+        ctx: Arc<kvpool_transport::rdma::RdmaContext>,
+    },
 }
 
 impl RegisteredBuffer {
@@ -94,10 +107,76 @@ impl RegisteredBuffer {
         self.len == 0
     }
 
-    /// Whether `buf` lies inside this registration.
-    pub fn covers(&self, buf: &[u8]) -> bool {
-        let p = buf.as_ptr() as usize;
-        p >= self.ptr && p + buf.len() <= self.ptr + self.len
+    /// Whether the NIC holds a memory region for this buffer (RDMA on).
+    pub fn nic_registered(&self) -> bool {
+        !matches!(self.mem, BufferMem::Host(_))
+    }
+
+    /// Whether an abandoned RDMA transfer may still touch the bytes. Every
+    /// work request in flight holds the registration; besides those, this
+    /// buffer and the MR cache hold it (the cache cannot drop an entry that
+    /// is held elsewhere, and only this buffer's drop unregisters it).
+    fn busy(&self) -> bool {
+        match &self.mem {
+            BufferMem::Host(_) => false,
+            #[cfg(feature = "rdma")]
+            BufferMem::Nic { reg, .. } => Arc::strong_count(reg) > 2,
+        }
+    }
+
+    fn check_idle(&self) -> Result<(), KvError> {
+        if self.busy() {
+            return Err(KvError::new(
+                ErrorCode::TryAgain,
+                "an abandoned RDMA transfer on this buffer is still in flight",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The buffer's bytes.
+    pub fn bytes(&self) -> Result<&[u8], KvError> {
+        self.check_idle()?;
+        match &self.mem {
+            BufferMem::Host(b) => Ok(b),
+            // SAFETY: no transfer is in flight on the buffer (checked just
+            // above; a new one needs `&mut self` or this `&self`, which the
+            // returned slice borrows), so nothing writes it while it lives.
+            #[cfg(feature = "rdma")]
+            BufferMem::Nic { buf, .. } => Ok(unsafe { buf.bytes(0, self.len) }),
+        }
+    }
+
+    /// The buffer's bytes, writable.
+    pub fn bytes_mut(&mut self) -> Result<&mut [u8], KvError> {
+        self.check_idle()?;
+        match &mut self.mem {
+            BufferMem::Host(b) => Ok(b),
+            // SAFETY: no transfer is in flight (checked above) and `&mut
+            // self` keeps any other slice of the buffer from living.
+            #[cfg(feature = "rdma")]
+            BufferMem::Nic { buf, .. } => Ok(unsafe { buf.bytes_mut(0, self.len) }),
+        }
+    }
+}
+
+impl Drop for RegisteredBuffer {
+    fn drop(&mut self) {
+        #[cfg(feature = "rdma")]
+        if let BufferMem::Nic { reg, ctx, .. } = &self.mem {
+            // The cache lets go; the registration (and the memory it owns)
+            // goes when the last work request in flight does.
+            ctx.unregister(reg.addr(), reg.len());
+        }
+    }
+}
+
+impl std::fmt::Debug for RegisteredBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisteredBuffer")
+            .field("len", &self.len)
+            .field("nic_registered", &self.nic_registered())
+            .finish()
     }
 }
 
@@ -191,17 +270,9 @@ impl Client {
                     .await
                     .map_err(|e| KvError::new(e.code, format!("{master}: {}", e.message)))?;
             }
-            let resp = rpc(
-                conn.stream(),
-                1,
-                &MasterRequest::Hello { client_id: id },
-                max_frame,
-            )
-            .await??;
-            match resp {
-                MasterResponse::Hello { cluster } => Ok((cluster, conn)),
-                other => Err(unexpected("hello", &other)),
-            }
+            let hello = call::Hello { client_id: id };
+            let resp = rpc(conn.stream(), 1, &hello.into(), max_frame).await??;
+            Ok::<_, KvError>((call::Hello::reply(resp)?, conn))
         })
         .await
         .map_err(|_| {
@@ -344,9 +415,23 @@ impl Client {
             .unwrap_or_else(|| self.inner.map.shard_of(key) as usize)
     }
 
-    async fn master(&self, req: &MasterRequest) -> Result<MasterResponse, KvError> {
-        let shard = req.key().map(|k| self.shard_of(k)).unwrap_or(0);
-        self.master_on(shard, req).await
+    /// Sends `req` where [`route::target`] says: a key's request to the
+    /// shard that owns the key, a batch split by owning shard and merged back
+    /// in order, a node's task request to its shard, anything else to the
+    /// coordinator (shard 0). No deadline of its own.
+    async fn send(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
+        let shards = self.inner.master_pools.len();
+        match route::target(&req, |k| self.shard_of(k) as u32, shards)? {
+            Target::Shard(s) => self.master_on(s, &req).await,
+            Target::Batch => self.master_batch(req).await,
+            Target::Connection | Target::Coordinator => self.master_on(0, &req).await,
+        }
+    }
+
+    /// A typed call without a deadline of its own (for calls made inside
+    /// an operation that has one).
+    async fn ask<C: Call>(&self, c: C) -> Result<C::Reply, KvError> {
+        C::reply(self.send(c.into()).await?)
     }
 
     /// A batch request: one sub-batch per owning shard, sent at once, merged
@@ -418,39 +503,54 @@ impl Client {
         answer.map_err(|e| (e, false))
     }
 
-    /// A raw master call, routed as the client routes its own: a key request
-    /// to the shard that owns the key, a batch split by owning shard and
-    /// merged back in order, anything else to shard 0. For tools and
-    /// benches; `put`/`get` are the calls that move data.
-    pub async fn call(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
-        self.deadline(req.op_name(), async {
-            if let MasterRequest::NodeTasks { shard, .. } = req {
-                if shard as usize >= self.inner.master_pools.len() {
-                    return Err(KvError::new(
-                        ErrorCode::InvalidParams,
-                        format!("no master shard {shard}"),
-                    ));
-                }
-                self.master_on(shard as usize, &req).await
-            } else if req.batch_keys().is_some() {
-                self.master_batch(req).await
-            } else {
-                self.master(&req).await
-            }
-        })
-        .await
+    /// A typed master call under the client's deadline, routed by
+    /// [`route::target`]: `client.call(call::Exist { key }).await?` is a
+    /// `bool`. Every method below that speaks to the master goes through it
+    /// (`put`/`get` then move the data).
+    pub async fn call<C: Call>(&self, c: C) -> Result<C::Reply, KvError> {
+        self.deadline(C::OP, self.ask(c)).await
+    }
+
+    /// A raw master request under the client's deadline, routed as
+    /// [`Client::call`]; the answer as it came (for tools and benches that
+    /// hold a `MasterRequest`).
+    pub async fn request(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
+        self.deadline(req.op_name(), self.send(req)).await
     }
 
     fn call_deadline(&self) -> Instant {
         Instant::now() + self.timeout()
     }
 
-    /// Records `buf` for zero-copy transfers (see [`RegisteredBuffer`]).
-    pub fn register_buffer(&self, buf: &[u8]) -> RegisteredBuffer {
-        RegisteredBuffer {
-            ptr: buf.as_ptr() as usize,
-            len: buf.len(),
+    /// A zeroed buffer of `len` bytes for [`Client::put_from`] and
+    /// [`Client::get_into_registered`]: registered with the NIC when this
+    /// client has RDMA (zero-copy transfers), ordinary memory otherwise
+    /// (see [`RegisteredBuffer`]). RDMA registration pins the
+    /// pages; a full MR cache is `ResourceExhausted`.
+    pub fn register_buffer(&self, len: usize) -> Result<RegisteredBuffer, KvError> {
+        if len == 0 {
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                "cannot register an empty buffer",
+            ));
         }
+        #[cfg(feature = "rdma")]
+        if let Some(ctx) = self.inner.engine.rdma_context() {
+            let buf = Arc::new(kvpool_transport::rdma::RdmaBuffer::new(len));
+            let reg = ctx.register(buf.clone()).map_err(KvError::from)?;
+            return Ok(RegisteredBuffer {
+                mem: BufferMem::Nic {
+                    buf,
+                    reg,
+                    ctx: ctx.clone(),
+                },
+                len,
+            });
+        }
+        Ok(RegisteredBuffer {
+            mem: BufferMem::Host(vec![0u8; len].into_boxed_slice()),
+            len,
+        })
     }
 
     /// Stores `value` under `key` with one replica.
@@ -458,9 +558,36 @@ impl Client {
         self.put_with(key, value, &PutOptions::default()).await
     }
 
-    /// Stores `src` under `key`, sent straight from `src` (zero copy).
-    pub async fn put_from(&self, key: &[u8], src: &[u8]) -> Result<(), KvError> {
-        self.put(key, src).await
+    /// Stores the first `len` bytes of `buf` under `key`, sent straight from
+    /// the buffer (zero copy over RDMA; TCP and shared memory copy from it as
+    /// from any buffer). `len` past the buffer is `InvalidParams`.
+    pub async fn put_from(
+        &self,
+        key: &[u8],
+        buf: &RegisteredBuffer,
+        len: usize,
+    ) -> Result<(), KvError> {
+        if len > buf.len() {
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!(
+                    "{len} bytes asked from a registered buffer of {}",
+                    buf.len()
+                ),
+            ));
+        }
+        self.put(key, &buf.bytes()?[..len]).await
+    }
+
+    /// Reads the value under `key` into `buf` (zero copy over RDMA); returns
+    /// its length. A value longer than the buffer is `InvalidParams`.
+    pub async fn get_into_registered(
+        &self,
+        key: &[u8],
+        buf: &mut RegisteredBuffer,
+    ) -> Result<usize, KvError> {
+        let dst = buf.bytes_mut()?;
+        self.get_into(key, dst).await
     }
 
     /// Stores `value` under `key` with `opts` (replicas, pins). Within the
@@ -515,7 +642,7 @@ impl Client {
                     let _ = me
                         .deadline(
                             "put revoke",
-                            me.master(&MasterRequest::PutRevoke {
+                            me.ask(call::PutRevoke {
                                 client_id: me.inner.id,
                                 key,
                             }),
@@ -541,7 +668,7 @@ impl Client {
         let segs = self.inner.engine.take_unreachable();
         for &segment_id in &segs {
             let r = self
-                .master(&MasterRequest::ReportUnreachable {
+                .ask(call::ReportUnreachable {
                     client_id: self.inner.id,
                     segment_id,
                 })
@@ -577,31 +704,26 @@ impl Client {
         opts: &PutOptions,
         deadline: Instant,
     ) -> Result<(), KvError> {
-        let resp = self
-            .master(&MasterRequest::PutStart {
+        let replicas = self
+            .ask(call::PutStart {
                 client_id: self.inner.id,
                 key: key.to_vec(),
                 len: value.len() as u64,
                 opts: self.with_host(opts),
             })
             .await?;
-        let replicas = match resp {
-            MasterResponse::Replicas(r) => r,
-            other => return Err(unexpected("put_start", &other)),
-        };
         match self.inner.engine.write(&replicas, value, deadline).await {
             Ok(()) => {
-                self.master(&MasterRequest::PutEnd {
+                self.ask(call::PutEnd {
                     client_id: self.inner.id,
                     key: key.to_vec(),
                     checksum,
                 })
-                .await?;
-                Ok(())
+                .await
             }
             Err(e) => {
                 let _ = self
-                    .master(&MasterRequest::PutRevoke {
+                    .ask(call::PutRevoke {
                         client_id: self.inner.id,
                         key: key.to_vec(),
                     })
@@ -679,31 +801,19 @@ impl Client {
     }
 
     async fn replicas(&self, key: &[u8]) -> Result<Vec<ReplicaDesc>, KvError> {
-        match self
-            .master(&MasterRequest::GetReplicaList { key: key.to_vec() })
-            .await?
-        {
-            MasterResponse::Replicas(r) if !r.is_empty() => Ok(r),
-            MasterResponse::Replicas(_) => Err(KvError::new(
+        let r = self.ask(call::GetReplicaList { key: key.to_vec() }).await?;
+        if r.is_empty() {
+            return Err(KvError::new(
                 ErrorCode::ObjectNotFound,
                 "the object has no readable replica",
-            )),
-            other => Err(unexpected("get_replica_list", &other)),
+            ));
         }
+        Ok(r)
     }
 
     /// True if a complete object is stored under `key`. Does not extend leases.
     pub async fn exists(&self, key: &[u8]) -> Result<bool, KvError> {
-        self.deadline("exists", async {
-            match self
-                .master(&MasterRequest::Exist { key: key.to_vec() })
-                .await?
-            {
-                MasterResponse::Exists(b) => Ok(b),
-                other => Err(unexpected("exist", &other)),
-            }
-        })
-        .await
+        self.call(call::Exist { key: key.to_vec() }).await
     }
 
     /// Removes the object under `key`.
@@ -713,41 +823,21 @@ impl Client {
 
     /// Removes the object under `key`; `force` removes it even under a lease.
     pub async fn remove_with(&self, key: &[u8], force: bool) -> Result<(), KvError> {
-        self.deadline("remove", async {
-            match self
-                .master(&MasterRequest::Remove {
-                    key: key.to_vec(),
-                    force,
-                })
-                .await?
-            {
-                MasterResponse::Done => Ok(()),
-                other => Err(unexpected("remove", &other)),
-            }
+        self.call(call::Remove {
+            key: key.to_vec(),
+            force,
         })
         .await
     }
 
     /// Removes every object that may be removed; returns how many went.
     pub async fn remove_all(&self) -> Result<u64, KvError> {
-        self.deadline("remove_all", async {
-            match self.master(&MasterRequest::RemoveAll).await? {
-                MasterResponse::Removed(n) => Ok(n),
-                other => Err(unexpected("remove_all", &other)),
-            }
-        })
-        .await
+        self.call(call::RemoveAll).await
     }
 
     /// Segments, capacity, use and key count of the pool.
     pub async fn stat(&self) -> Result<PoolStat, KvError> {
-        self.deadline("stat", async {
-            match self.master(&MasterRequest::Stat).await? {
-                MasterResponse::Stat(s) => Ok(s),
-                other => Err(unexpected("stat", &other)),
-            }
-        })
-        .await
+        self.call(call::Stat).await
     }
 
     /// Stores several values; one result per item, in order. Keys are
@@ -807,7 +897,7 @@ impl Client {
         deadline: Instant,
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
         {
-            let req = MasterRequest::BatchPutStart {
+            let req = call::BatchPutStart {
                 client_id: self.inner.id,
                 items: items
                     .iter()
@@ -819,10 +909,7 @@ impl Client {
                 opts: self.with_host(opts),
             };
             let started: Vec<Result<Vec<ReplicaDesc>, KvError>> =
-                match self.master_batch(req).await? {
-                    MasterResponse::BatchReplicas(v) => v.into_iter().map(Result::from).collect(),
-                    other => return Err(unexpected("batch_put_start", &other)),
-                };
+                self.ask(req).await?.into_iter().map(Result::from).collect();
             // Per item: Ok(()) written; Err((e, true)) allocated but not
             // written (its space must go back); Err((e, false)) refused.
             let mut transfers: Vec<Transfer<'_>> = Vec::new();
@@ -866,7 +953,7 @@ impl Client {
             let failed_keys = keys_where(|w| matches!(w, Err((_, true))));
             if !failed_keys.is_empty() {
                 let _ = self
-                    .master_batch(MasterRequest::BatchPutRevoke {
+                    .ask(call::BatchPutRevoke {
                         client_id: self.inner.id,
                         keys: failed_keys,
                     })
@@ -875,16 +962,12 @@ impl Client {
             let mut ended = if ok_items.is_empty() {
                 Vec::new().into_iter()
             } else {
-                match self
-                    .master_batch(MasterRequest::BatchPutEnd {
-                        client_id: self.inner.id,
-                        items: ok_items,
-                    })
-                    .await?
-                {
-                    MasterResponse::BatchDone(v) => v.into_iter(),
-                    other => return Err(unexpected("batch_put_end", &other)),
-                }
+                self.ask(call::BatchPutEnd {
+                    client_id: self.inner.id,
+                    items: ok_items,
+                })
+                .await?
+                .into_iter()
             };
             Ok(written
                 .into_iter()
@@ -898,14 +981,6 @@ impl Client {
         }
     }
 
-    /// Zero-copy form of [`Client::batch_put`].
-    pub async fn batch_put_from(
-        &self,
-        items: &[(&[u8], &[u8])],
-    ) -> Result<Vec<Result<(), KvError>>, KvError> {
-        self.batch_put(items, &PutOptions::default()).await
-    }
-
     /// Reads several values straight into the given buffers; one result per
     /// item (the value's length), in order.
     pub async fn batch_get_into(
@@ -914,14 +989,11 @@ impl Client {
     ) -> Result<Vec<Result<usize, KvError>>, KvError> {
         let deadline = self.call_deadline();
         self.deadline("batch_get", async {
-            let req = MasterRequest::BatchGet {
+            let req = call::BatchGet {
                 keys: items.iter().map(|(k, _)| k.to_vec()).collect(),
             };
-            let lists: Vec<Result<Vec<ReplicaDesc>, KvError>> = match self.master_batch(req).await?
-            {
-                MasterResponse::BatchReplicas(v) => v.into_iter().map(Result::from).collect(),
-                other => return Err(unexpected("batch_get", &other)),
-            };
+            let lists: Vec<Result<Vec<ReplicaDesc>, KvError>> =
+                self.ask(req).await?.into_iter().map(Result::from).collect();
             let mut out: Vec<Result<usize, KvError>> = Vec::with_capacity(items.len());
             let mut transfers: Vec<Transfer<'_>> = Vec::new();
             let mut which: Vec<usize> = Vec::new();
@@ -962,14 +1034,11 @@ impl Client {
     ) -> Result<Vec<Result<Vec<u8>, KvError>>, KvError> {
         let deadline = self.call_deadline();
         self.deadline("batch_get", async {
-            let req = MasterRequest::BatchGet {
+            let req = call::BatchGet {
                 keys: keys.iter().map(|k| k.to_vec()).collect(),
             };
-            let lists: Vec<Result<Vec<ReplicaDesc>, KvError>> = match self.master_batch(req).await?
-            {
-                MasterResponse::BatchReplicas(v) => v.into_iter().map(Result::from).collect(),
-                other => return Err(unexpected("batch_get", &other)),
-            };
+            let lists: Vec<Result<Vec<ReplicaDesc>, KvError>> =
+                self.ask(req).await?.into_iter().map(Result::from).collect();
             let mut bufs: Vec<Vec<u8>> = lists
                 .iter()
                 .map(|l| match l {
@@ -1016,16 +1085,11 @@ impl Client {
         &self,
         keys: &[&[u8]],
     ) -> Result<Vec<Result<bool, KvError>>, KvError> {
-        self.deadline("batch_exists", async {
-            let req = MasterRequest::BatchExist {
-                keys: keys.iter().map(|k| k.to_vec()).collect(),
-            };
-            match self.master_batch(req).await? {
-                MasterResponse::BatchExists(v) => Ok(v.into_iter().map(Result::from).collect()),
-                other => Err(unexpected("batch_exist", &other)),
-            }
-        })
-        .await
+        let req = call::BatchExist {
+            keys: keys.iter().map(|k| k.to_vec()).collect(),
+        };
+        let v = self.call(req).await?;
+        Ok(v.into_iter().map(Result::from).collect())
     }
 
     /// Removes several keys; one result per key, in order.
@@ -1034,45 +1098,22 @@ impl Client {
         keys: &[&[u8]],
         force: bool,
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
-        self.deadline("batch_remove", async {
-            let req = MasterRequest::BatchRemove {
-                keys: keys.iter().map(|k| k.to_vec()).collect(),
-                force,
-            };
-            match self.master_batch(req).await? {
-                MasterResponse::BatchDone(v) => Ok(v.into_iter().map(Result::from).collect()),
-                other => Err(unexpected("batch_remove", &other)),
-            }
-        })
-        .await
+        let req = call::BatchRemove {
+            keys: keys.iter().map(|k| k.to_vec()).collect(),
+            force,
+        };
+        let v = self.call(req).await?;
+        Ok(v.into_iter().map(Result::from).collect())
     }
 
     /// The metadata the master holds for `key` (no lease is granted).
     pub async fn describe(&self, key: &[u8]) -> Result<ObjectInfo, KvError> {
-        self.deadline("describe", async {
-            match self
-                .master(&MasterRequest::Describe { key: key.to_vec() })
-                .await?
-            {
-                MasterResponse::Described(i) => Ok(i),
-                other => Err(unexpected("describe", &other)),
-            }
-        })
-        .await
+        self.call(call::Describe { key: key.to_vec() }).await
     }
 
     /// Stops new puts to a segment; its replicas stay readable.
     pub async fn drain_segment(&self, segment_id: SegmentId) -> Result<(), KvError> {
-        self.deadline("drain_segment", async {
-            match self
-                .master(&MasterRequest::DrainSegment { segment_id })
-                .await?
-            {
-                MasterResponse::Done => Ok(()),
-                other => Err(unexpected("drain_segment", &other)),
-            }
-        })
-        .await
+        self.call(call::DrainSegment { segment_id }).await
     }
 
     /// Tells the master this client is alive.
@@ -1084,51 +1125,27 @@ impl Client {
     /// `segments`; returns those the master does not know (it restarted,
     /// or declared the node dead): the node mounts them again.
     pub async fn ping_segments(&self, segments: &[SegmentId]) -> Result<Vec<SegmentId>, KvError> {
-        self.deadline("ping", async {
-            match self
-                .master(&MasterRequest::Ping {
-                    client_id: self.inner.id,
-                    segments: segments.to_vec(),
-                })
-                .await?
-            {
-                MasterResponse::Pong { unknown } => Ok(unknown),
-                other => Err(unexpected("ping", &other)),
-            }
+        self.call(call::Ping {
+            client_id: self.inner.id,
+            segments: segments.to_vec(),
         })
         .await
     }
 
     /// Mounts a segment owned by this client; returns its id.
     pub async fn mount_segment(&self, spec: SegmentSpec) -> Result<SegmentId, KvError> {
-        self.deadline("mount_segment", async {
-            match self
-                .master(&MasterRequest::MountSegment {
-                    client_id: self.inner.id,
-                    spec,
-                })
-                .await?
-            {
-                MasterResponse::Mounted { segment_id } => Ok(segment_id),
-                other => Err(unexpected("mount_segment", &other)),
-            }
+        self.call(call::MountSegment {
+            client_id: self.inner.id,
+            spec,
         })
         .await
     }
 
     /// Unmounts a segment this client mounted (idempotent).
     pub async fn unmount_segment(&self, segment_id: SegmentId) -> Result<(), KvError> {
-        self.deadline("unmount_segment", async {
-            match self
-                .master(&MasterRequest::UnmountSegment {
-                    client_id: self.inner.id,
-                    segment_id,
-                })
-                .await?
-            {
-                MasterResponse::Done => Ok(()),
-                other => Err(unexpected("unmount_segment", &other)),
-            }
+        self.call(call::UnmountSegment {
+            client_id: self.inner.id,
+            segment_id,
         })
         .await
     }
@@ -1167,13 +1184,12 @@ async fn authenticate(
     max_frame: u32,
 ) -> Result<(), KvError> {
     let nc = auth::nonce();
-    let begin = MasterRequest::AuthBegin {
+    let begin = call::AuthBegin {
         client_id,
         nonce: nc,
     };
-    let ns = match rpc(s, id, &begin, max_frame).await? {
-        Ok(MasterResponse::AuthChallenge { nonce }) => nonce,
-        Ok(other) => return Err(unexpected("auth_begin", &other)),
+    let ns = match rpc(s, id, &begin.into(), max_frame).await? {
+        Ok(resp) => call::AuthBegin::reply(resp)?,
         Err(e) if e.code == ErrorCode::Unsupported => {
             return Err(KvError::new(
                 ErrorCode::Unauthenticated,
@@ -1186,20 +1202,17 @@ async fn authenticate(
         }
         Err(e) => return Err(e),
     };
-    let prove = MasterRequest::AuthProve {
+    let prove = call::AuthProve {
         proof: key.client_proof(client_id, &nc, &ns),
     };
-    match rpc(s, id + 1, &prove, max_frame).await?? {
-        MasterResponse::AuthOk { proof } => key
-            .verify_server_proof(client_id, &nc, &ns, &proof)
-            .map_err(|_| {
-                KvError::new(
-                    ErrorCode::Unauthenticated,
-                    "the master could not prove it holds the cluster secret",
-                )
-            }),
-        other => Err(unexpected("auth_prove", &other)),
-    }
+    let proof = call::AuthProve::reply(rpc(s, id + 1, &prove.into(), max_frame).await??)?;
+    key.verify_server_proof(client_id, &nc, &ns, &proof)
+        .map_err(|_| {
+            KvError::new(
+                ErrorCode::Unauthenticated,
+                "the master could not prove it holds the cluster secret",
+            )
+        })
 }
 
 /// This machine's name, for same-host decisions.

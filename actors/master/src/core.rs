@@ -13,7 +13,7 @@ use kvpool_transport::{ErrorCode, KvError};
 use super::coord::{CommandResult, CoordState, Decision, ShardCommand};
 use super::state::{ShardConfig, ShardState, TickReport};
 use kvpool_config::MasterConfig;
-use kvpool_transport::route::{merge_batch, split_batch};
+use kvpool_transport::route::{self, merge_batch, split_batch, Target};
 
 /// Checks a batch's size; answers an empty batch at once.
 pub fn check_batch(
@@ -74,36 +74,34 @@ impl MasterCore {
 
     /// Handles one request at `now_ms`.
     pub fn call(&mut self, req: MasterRequest, now_ms: u64) -> Result<MasterResponse, KvError> {
-        if let MasterRequest::NodeTasks { shard, .. } = req {
-            let s = self.shards.get_mut(shard as usize).ok_or_else(|| {
-                KvError::new(ErrorCode::InvalidParams, format!("no master shard {shard}"))
-            })?;
-            return s.apply(req, now_ms);
-        }
-        if let Some(key) = req.key() {
-            let shard = self.shard_of(key);
-            return self.shards[shard].apply(req, now_ms);
-        }
-        if req.batch_keys().is_some() {
-            if let Some(empty) = check_batch(&req, self.max_batch)? {
-                return Ok(empty);
+        let map = &self.map;
+        match route::target(&req, |k| map.shard_of(k), self.shards.len())? {
+            Target::Connection => Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!("{} belongs to a connection, not MasterCore", req.op_name()),
+            )),
+            Target::Shard(s) => self.shards[s].apply(req, now_ms),
+            Target::Batch => {
+                if let Some(empty) = check_batch(&req, self.max_batch)? {
+                    return Ok(empty);
+                }
+                let n = req.batch_keys().map(|k| k.len()).unwrap_or(0);
+                let parts = split_batch(req, &self.map)
+                    .into_iter()
+                    .map(|p| {
+                        let res = self.shards[p.shard as usize].apply(p.req, now_ms);
+                        (p.positions, res)
+                    })
+                    .collect();
+                merge_batch(n, parts)
             }
-            let n = req.batch_keys().map(|k| k.len()).unwrap_or(0);
-            let parts = split_batch(req, &self.map)
-                .into_iter()
-                .map(|p| {
-                    let res = self.shards[p.shard as usize].apply(p.req, now_ms);
-                    (p.positions, res)
-                })
-                .collect();
-            return merge_batch(n, parts);
-        }
-        match self.coord.decide(req, now_ms)? {
-            Decision::Answer(r) => Ok(r),
-            Decision::Broadcast { cmd, finish } => {
-                let results = self.broadcast(&cmd, now_ms);
-                Ok(self.coord.finish(finish, results))
-            }
+            Target::Coordinator => match self.coord.decide(req, now_ms)? {
+                Decision::Answer(r) => Ok(r),
+                Decision::Broadcast { cmd, finish } => {
+                    let results = self.broadcast(&cmd, now_ms);
+                    Ok(self.coord.finish(finish, results))
+                }
+            },
         }
     }
 

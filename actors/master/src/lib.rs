@@ -17,5 +17,5 @@ pub mod metrics;
 pub mod service;
 pub mod state;
 
-pub use actor::{Master, MasterArgs, MasterMsg};
+pub use actor::{call, Master, MasterArgs, MasterMsg};
 pub use service::MasterHandle;

@@ -30,6 +30,7 @@ use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardCtx, ShardHandle};
 use kvpool_transport::auth::ClusterKey;
 use kvpool_transport::frame::{self, FrameHeader, FrameKind};
+use kvpool_transport::proto::call::{self, Call};
 use kvpool_transport::proto::{ClusterMap, MasterRequest, MasterResponse, MasterShardAddr};
 use kvpool_transport::{ErrorCode, KvError};
 
@@ -40,7 +41,7 @@ use crate::clock::now_ms;
 use crate::metrics::MasterMetrics;
 use kvpool_config::MasterConfig;
 use kvpool_config::NodeError;
-use kvpool_transport::route::{merge_batch, split_batch};
+use kvpool_transport::route::{self, merge_batch, split_batch, Target};
 use kvpool_transport::server::{self, ConnState, Handler, Next, RefusalLog, ServerLimits};
 
 /// A reply sink for a request routed to a shard; called exactly once.
@@ -107,43 +108,44 @@ impl MasterHandle {
     /// `reply` gets the answer. Waits only for room in the target queue
     /// (back-pressure). A batch whose keys span shards is split and merged.
     pub async fn submit(&self, req: MasterRequest, reply: Reply) {
-        if let MasterRequest::Hello { .. } = req {
-            reply(Ok(MasterResponse::Hello {
-                cluster: self.inner.cluster.clone(),
-            }));
-            return;
-        }
-        if let MasterRequest::NodeTasks { shard, .. } = req {
-            if shard as usize >= self.inner.inboxes.len() {
-                return reply(Err(KvError::new(
+        let map = &self.inner.map;
+        let target = match route::target(&req, |k| map.shard_of(k), self.inner.inboxes.len()) {
+            Ok(t) => t,
+            Err(e) => return reply(Err(e)),
+        };
+        match target {
+            Target::Connection => match req {
+                MasterRequest::Hello { .. } => reply(Ok(MasterResponse::Hello {
+                    cluster: self.inner.cluster.clone(),
+                })),
+                other => reply(Err(KvError::new(
                     ErrorCode::InvalidParams,
-                    format!("no master shard {shard}"),
-                )));
+                    format!("{} belongs to a connection's handshake", other.op_name()),
+                ))),
+            },
+            Target::Shard(s) => self.to_shard(s, req, reply).await,
+            Target::Batch => {
+                match check_batch(&req, self.inner.max_batch) {
+                    Err(e) => return reply(Err(e)),
+                    Ok(Some(empty)) => return reply(Ok(empty)),
+                    Ok(None) => {}
+                }
+                let mut parts = split_batch(req, map);
+                if parts.len() == 1 {
+                    let p = parts.pop().expect("one part");
+                    return self.to_shard(p.shard as usize, p.req, reply).await;
+                }
+                let n = parts.iter().map(|p| p.positions.len()).sum();
+                let answers = self.forward_parts(parts).await;
+                reply(merge_batch(n, answers))
             }
-            return self.to_shard(shard as usize, req, reply).await;
-        }
-        if let Some(key) = req.key() {
-            let shard = self.inner.map.shard_of(key) as usize;
-            return self.to_shard(shard, req, reply).await;
-        }
-        if req.batch_keys().is_some() {
-            match check_batch(&req, self.inner.max_batch) {
-                Err(e) => return reply(Err(e)),
-                Ok(Some(empty)) => return reply(Ok(empty)),
-                Ok(None) => {}
+            Target::Coordinator => {
+                if let Err(flume::SendError(m)) =
+                    self.inner.admin.send_async(AdminMsg { req, reply }).await
+                {
+                    (m.reply)(Err(unavailable()));
+                }
             }
-            let mut parts = split_batch(req, &self.inner.map);
-            if parts.len() == 1 {
-                let p = parts.pop().expect("one part");
-                return self.to_shard(p.shard as usize, p.req, reply).await;
-            }
-            let n = parts.iter().map(|p| p.positions.len()).sum();
-            let answers = self.forward_parts(parts).await;
-            return reply(merge_batch(n, answers));
-        }
-        if let Err(flume::SendError(m)) = self.inner.admin.send_async(AdminMsg { req, reply }).await
-        {
-            (m.reply)(Err(unavailable()));
         }
     }
 
@@ -172,9 +174,15 @@ impl MasterHandle {
         answers
     }
 
-    /// Sends a request and waits for its answer (no deadline of its own: the
-    /// caller wraps it in its runtime's timeout).
-    pub async fn call(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
+    /// A typed call: sends it and reads its answer (no deadline of its own:
+    /// the caller wraps it in its runtime's timeout).
+    pub async fn call<C: Call>(&self, c: C) -> Result<C::Reply, KvError> {
+        C::reply(self.request(c.into()).await?)
+    }
+
+    /// Sends a request and waits for its answer as it came (no deadline of
+    /// its own: the caller wraps it in its runtime's timeout).
+    pub async fn request(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.submit(
             req,
@@ -208,12 +216,7 @@ impl MasterHandle {
     /// Brings the pool gauges (keys, segment capacity and use) up to date;
     /// called before `/metrics` is rendered.
     pub async fn refresh_gauges(&self) -> Result<(), KvError> {
-        let MasterResponse::Stat(stat) = self.call(MasterRequest::Stat).await? else {
-            return Err(KvError::new(
-                ErrorCode::Internal,
-                "stat answered with something else",
-            ));
-        };
+        let stat = self.call(call::Stat).await?;
         let m = &self.inner.metrics;
         m.keys.set(stat.keys as i64);
         m.segments.set(stat.segments.len() as i64);
@@ -534,32 +537,34 @@ struct MasterConn {
 impl MasterConn {
     async fn dispatch(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
         let map = &self.handle.inner.map;
-        if req.key().is_some_and(|k| map.shard_of(k) == self.shard)
-            || matches!(req, MasterRequest::NodeTasks { shard, .. } if shard == self.shard)
-        {
-            return apply_local(&self.state, &self.metrics, req);
-        }
-        if req.batch_keys().is_some() {
-            if let Some(empty) = check_batch(&req, self.handle.inner.max_batch)? {
-                return Ok(empty);
+        let n = self.handle.inner.inboxes.len();
+        match route::target(&req, |k| map.shard_of(k), n)? {
+            // This shard's own keys and task queue: no channel hop.
+            Target::Shard(s) if s == self.shard as usize => {
+                apply_local(&self.state, &self.metrics, req)
             }
-            let n = req.batch_keys().map(|k| k.len()).unwrap_or(0);
-            let parts = split_batch(req, map);
-            let mut answers = Vec::with_capacity(parts.len());
-            let mut remote = Vec::new();
-            for p in parts {
-                if p.shard == self.shard {
-                    answers.push((p.positions, apply_local(&self.state, &self.metrics, p.req)));
-                } else {
-                    remote.push(p);
+            Target::Batch => {
+                if let Some(empty) = check_batch(&req, self.handle.inner.max_batch)? {
+                    return Ok(empty);
                 }
+                let n = req.batch_keys().map(|k| k.len()).unwrap_or(0);
+                let parts = split_batch(req, map);
+                let mut answers = Vec::with_capacity(parts.len());
+                let mut remote = Vec::new();
+                for p in parts {
+                    if p.shard == self.shard {
+                        answers.push((p.positions, apply_local(&self.state, &self.metrics, p.req)));
+                    } else {
+                        remote.push(p);
+                    }
+                }
+                if !remote.is_empty() {
+                    answers.extend(self.handle.forward_parts(remote).await);
+                }
+                merge_batch(n, answers)
             }
-            if !remote.is_empty() {
-                answers.extend(self.handle.forward_parts(remote).await);
-            }
-            return merge_batch(n, answers);
+            _ => self.handle.request(req).await,
         }
-        self.handle.call(req).await
     }
 
     /// The handshake, and the gate in front of every other request. `Ok`:

@@ -12,7 +12,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::Shutdown;
-use kvpool_transport::proto::{MasterRequest, MasterResponse, ReplicaDesc, Tier};
+use kvpool_transport::proto::call::{self, Call};
+use kvpool_transport::proto::{ReplicaDesc, Tier};
 use kvpool_transport::{ErrorCode, KvError};
 use serde_json::{json, Value};
 
@@ -177,7 +178,7 @@ fn error_response(e: &KvError) -> Response {
 }
 
 /// Runs a master call for an admin route (404 when this role has no master).
-async fn admin_call(st: &HttpState, req: MasterRequest) -> Result<MasterResponse, Response> {
+async fn admin_call<C: Call>(st: &HttpState, req: C) -> Result<C::Reply, Response> {
     let Some(m) = &st.master else {
         return Err((StatusCode::NOT_FOUND, "this role has no master\n").into_response());
     };
@@ -204,11 +205,11 @@ fn replica_json(r: &ReplicaDesc) -> Value {
 
 /// `GET /api/v1/keys/{key}`: replicas, state, lease and pins of one object.
 async fn describe_key(State(st): State<HttpState>, Path(key): Path<String>) -> Response {
-    let req = MasterRequest::Describe {
+    let req = call::Describe {
         key: key.into_bytes(),
     };
     match admin_call(&st, req).await {
-        Ok(MasterResponse::Described(i)) => Json(json!({
+        Ok(i) => Json(json!({
             "key": String::from_utf8_lossy(&i.key),
             "state": if i.complete { "complete" } else { "processing" },
             "size": i.size,
@@ -218,18 +219,14 @@ async fn describe_key(State(st): State<HttpState>, Path(key): Path<String>) -> R
             "hard_pin": i.hard_pin,
         }))
         .into_response(),
-        Ok(other) => error_response(&KvError::new(
-            ErrorCode::Internal,
-            format!("unexpected answer {other:?}"),
-        )),
         Err(r) => r,
     }
 }
 
 /// `GET /api/v1/segments`: every mounted segment with its use.
 async fn segments(State(st): State<HttpState>) -> Response {
-    match admin_call(&st, MasterRequest::Stat).await {
-        Ok(MasterResponse::Stat(s)) => Json(json!({
+    match admin_call(&st, call::Stat).await {
+        Ok(s) => Json(json!({
             "segments": s.segments.iter().map(|g| json!({
                 "id": format!("{:016x}", g.id),
                 "name": g.name,
@@ -247,10 +244,6 @@ async fn segments(State(st): State<HttpState>) -> Response {
             "evicted_bytes": s.evicted_bytes,
         }))
         .into_response(),
-        Ok(other) => error_response(&KvError::new(
-            ErrorCode::Internal,
-            format!("unexpected answer {other:?}"),
-        )),
         Err(r) => r,
     }
 }
@@ -260,12 +253,8 @@ async fn remove_all(State(st): State<HttpState>, headers: HeaderMap) -> Response
     if let Err(e) = authorize(&st, &headers, "/api/v1/remove_all") {
         return error_response(&e);
     }
-    match admin_call(&st, MasterRequest::RemoveAll).await {
-        Ok(MasterResponse::Removed(n)) => Json(json!({ "removed": n })).into_response(),
-        Ok(other) => error_response(&KvError::new(
-            ErrorCode::Internal,
-            format!("unexpected answer {other:?}"),
-        )),
+    match admin_call(&st, call::RemoveAll).await {
+        Ok(n) => Json(json!({ "removed": n })).into_response(),
         Err(r) => r,
     }
 }

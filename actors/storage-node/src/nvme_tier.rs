@@ -22,8 +22,7 @@ use kvpool_runtime::{ShardHandle, Shutdown};
 use kvpool_storage::nvme::{Eviction, NvmeConfig, NvmeError, NvmeLoc, NvmeShard, NvmeValue};
 use kvpool_storage::Segment;
 use kvpool_transport::proto::{
-    segment_id_for, Endpoint, MasterRequest, MasterResponse, NodeTask, NvmeUpdate, SegmentId,
-    SegmentSpec, Tier,
+    call, segment_id_for, Endpoint, NodeTask, NvmeUpdate, SegmentId, SegmentSpec, Tier,
 };
 use kvpool_transport::{ErrorCode, KvError};
 use xxhash_rust::xxh3::xxh3_64;
@@ -250,19 +249,11 @@ impl NodeNvme {
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
         let mut out = Vec::with_capacity(updates.len());
         for chunk in updates.chunks(1024) {
-            let req = MasterRequest::NvmeUpdates {
+            let req = call::NvmeUpdates {
                 client_id: client.id(),
                 updates: chunk.to_vec(),
             };
-            match client.call(req).await? {
-                MasterResponse::BatchDone(v) => out.extend(v.into_iter().map(Result::from)),
-                other => {
-                    return Err(KvError::new(
-                        ErrorCode::Internal,
-                        format!("master answered NVMe updates with {other:?}"),
-                    ))
-                }
-            }
+            out.extend(client.call(req).await?.into_iter().map(Result::from));
         }
         Ok(out)
     }
@@ -644,21 +635,13 @@ impl NodeNvme {
     pub async fn round(&self, client: &Client) -> Result<usize, KvError> {
         let mut ran = 0;
         for shard in 0..client.cluster_map().shards.len() as u32 {
-            let req = MasterRequest::NodeTasks {
+            let req = call::NodeTasks {
                 client_id: client.id(),
                 shard,
                 segments: vec![self.dram_id, self.segment_id],
                 max: 256,
             };
-            let tasks = match client.call(req).await? {
-                MasterResponse::Tasks(t) => t,
-                other => {
-                    return Err(KvError::new(
-                        ErrorCode::Internal,
-                        format!("master answered NodeTasks with {other:?}"),
-                    ))
-                }
-            };
+            let tasks = client.call(req).await?;
             let mut updates = Vec::new();
             let mut written = Vec::new();
             let mut fresh = Vec::new();
