@@ -184,6 +184,11 @@ impl Replica {
     }
 }
 
+/// Debug builds check the space invariants after every tick of a shard
+/// with at most this many objects (the check is O(objects)).
+#[cfg(debug_assertions)]
+const DEBUG_CHECK_MAX_KEYS: u64 = 100_000;
+
 const HARD_PIN: u8 = 1;
 /// `Object::sum` holds the writer's checksum.
 const HAS_SUM: u8 = 2;
@@ -1555,7 +1560,96 @@ impl ShardState {
             }
         }
         report.evicted = self.evictions - before;
+        #[cfg(debug_assertions)]
+        if self.key_count() <= DEBUG_CHECK_MAX_KEYS {
+            if let Err(e) = self.check_invariants() {
+                panic!("master shard {}: {e}", self.shard);
+            }
+        }
         report
+    }
+
+    /// Checks the shard's space accounting; the first broken rule, named.
+    /// For every DRAM segment: its allocator's used bytes equal the extents
+    /// of the replicas (complete and processing objects, promotions being
+    /// copied in, demotions under way) plus the extents waiting to be freed
+    /// (leased removals, quarantined puts); no two of those extents overlap
+    /// (so a leased object's space is never handed out again) and each lies
+    /// in this shard's range; every replica points at a mounted segment.
+    /// O(objects): the model test runs it after every step, debug builds
+    /// after every tick of a small shard.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut extents: HashMap<u32, Vec<(u64, u64, String)>> = HashMap::new();
+        for (state, map) in [
+            ("complete", &self.complete),
+            ("processing", &self.processing),
+        ] {
+            for (k, o) in map.iter() {
+                for r in &o.replicas {
+                    let Some(Some(slot)) = self.slots.get(r.slot as usize) else {
+                        return Err(format!(
+                            "{state} object {} has a replica in unmounted slot {}",
+                            show_key(k),
+                            r.slot
+                        ));
+                    };
+                    if slot.tier() == Tier::Dram {
+                        extents.entry(r.slot).or_default().push((
+                            r.offset,
+                            slot.alloc.rounded(o.size),
+                            format!("{state} {}", show_key(k)),
+                        ));
+                    }
+                }
+            }
+        }
+        for Reverse(p) in self.pending.iter() {
+            if let Some(Some(slot)) = self.slots.get(p.slot as usize) {
+                if slot.id == p.segment {
+                    extents.entry(p.slot).or_default().push((
+                        p.offset,
+                        slot.alloc.rounded(p.size),
+                        format!("a free due at {} ms", p.at_ms),
+                    ));
+                }
+            }
+        }
+        for (idx, slot) in self.slots.iter().enumerate() {
+            let Some(slot) = slot else { continue };
+            if slot.tier() != Tier::Dram {
+                continue;
+            }
+            let mut v = extents.remove(&(idx as u32)).unwrap_or_default();
+            let sum: u64 = v.iter().map(|e| e.1).sum();
+            if sum != slot.alloc.used() {
+                return Err(format!(
+                    "segment {:016x}: the allocator has {} bytes in use, the extents held \
+                     add up to {sum}",
+                    slot.id,
+                    slot.alloc.used()
+                ));
+            }
+            let (lo, len) = (slot.alloc.base(), slot.alloc.capacity());
+            v.sort_unstable_by_key(|e| e.0);
+            for e in &v {
+                if e.0 < lo || e.0 + e.1 > lo + len {
+                    return Err(format!(
+                        "segment {:016x}: {} at {}+{} lies outside this shard's range \
+                         {lo}+{len}",
+                        slot.id, e.2, e.0, e.1
+                    ));
+                }
+            }
+            for w in v.windows(2) {
+                if w[0].0 + w[0].1 > w[1].0 {
+                    return Err(format!(
+                        "segment {:016x}: {} at {}+{} overlaps {} at {}+{}",
+                        slot.id, w[0].2, w[0].0, w[0].1, w[1].2, w[1].0, w[1].1
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     pub fn stat(&self) -> ShardStat {
@@ -1689,5 +1783,66 @@ mod tests {
             std::mem::size_of::<Object>()
         );
         assert_eq!(std::mem::size_of::<Replica>(), 16);
+    }
+
+    fn shard_with_objects() -> ShardState {
+        let cfg = ShardConfig::from_master(&MasterConfig::default(), 1);
+        let mut sh = ShardState::new(0, 1, cfg, 7);
+        let spec = SegmentSpec {
+            name: "n:1:1".into(),
+            size: 1 << 20,
+            endpoint: kvpool_transport::proto::Endpoint {
+                host: "127.0.0.1".into(),
+                port: 1,
+                nr_shards: 1,
+            },
+            slice_bytes: 1 << 20,
+            host_id: "n".into(),
+            tier: Tier::Dram,
+            nvme: None,
+        };
+        sh.add_segment(9, Arc::new(spec), 1);
+        for k in [&b"a"[..], b"b", b"c"] {
+            sh.put_start(1, k, 1000, &PutOptions::default(), 0).unwrap();
+            sh.put_end(1, k, None, 0).unwrap();
+        }
+        // A leased removal: its extent waits in `pending`.
+        sh.get_replica_list(b"c", 0).unwrap();
+        sh.remove(b"c", true, 0).unwrap();
+        sh.check_invariants().expect("a consistent shard");
+        sh
+    }
+
+    #[test]
+    fn space_accounting_that_does_not_add_up_is_reported() {
+        let mut sh = shard_with_objects();
+        // A replica's extent given back behind the object's back.
+        let off = sh.complete.get(&b"a"[..]).unwrap().replicas[0].offset;
+        sh.slots[0].as_mut().unwrap().alloc.dealloc(off, 1000);
+        let e = sh.check_invariants().unwrap_err();
+        assert!(e.contains("in use"), "{e}");
+    }
+
+    #[test]
+    fn two_objects_on_one_extent_are_reported() {
+        let mut sh = shard_with_objects();
+        let off_a = sh.complete.get(&b"a"[..]).unwrap().replicas[0].offset;
+        let off_b = sh.complete.get(&b"b"[..]).unwrap().replicas[0].offset;
+        // b now claims a's bytes; its own extent is released so the total
+        // still adds up: only the overlap is wrong.
+        sh.slots[0].as_mut().unwrap().alloc.dealloc(off_b, 1000);
+        sh.complete.get_mut(&b"b"[..]).unwrap().replicas[0].offset = off_a;
+        sh.slots[0].as_mut().unwrap().alloc.alloc(1000).unwrap();
+        let e = sh.check_invariants().unwrap_err();
+        assert!(e.contains("overlaps"), "{e}");
+    }
+
+    #[test]
+    fn a_leased_removal_whose_extent_was_freed_early_is_reported() {
+        let mut sh = shard_with_objects();
+        let Reverse(p) = sh.pending.peek().unwrap();
+        let (off, size) = (p.offset, p.size);
+        sh.slots[0].as_mut().unwrap().alloc.dealloc(off, size);
+        assert!(sh.check_invariants().is_err());
     }
 }

@@ -9,7 +9,9 @@
 //! * every complete object with a live segment is still readable (or was
 //!   evicted legally), with the replicas the model expects,
 //! * the answers the model can predict (codes, `Exist`, `RemoveAll` counts)
-//!   are the answers the master gives.
+//!   are the answers the master gives,
+//! * the master's own space accounting holds (`ShardState::check_invariants`:
+//!   used bytes equal the extents held, none overlapping, all in range).
 //!
 //! A failure prints the seed; `KVPOOL_MODEL_SEED=<seed>` replays that case.
 
@@ -576,6 +578,11 @@ impl Run {
     /// Eviction is the master's choice: find what it evicted and check that
     /// each eviction was allowed; check what remains matches the model.
     fn reconcile(&mut self) {
+        for (i, sh) in self.m.shards.iter().enumerate() {
+            if let Err(e) = sh.check_invariants() {
+                panic!("shard {i} at {} ms: {e}", self.now);
+            }
+        }
         let keys: Vec<String> = self.model.objs.keys().cloned().collect();
         for key in keys {
             let o = self.model.objs[&key].clone();
