@@ -164,21 +164,35 @@ impl SegmentSlot {
 #[derive(Debug, Clone, Copy)]
 struct Replica {
     slot: u32,
-    /// `PENDING`: a promotion is copying the bytes in (not readable yet).
-    /// `DEMOTING`: an eviction is copying the bytes to NVMe.
-    flags: u8,
+    state: ReplicaState,
     /// DRAM: offset in the segment. NVMe: the packed location.
     offset: u64,
 }
 
-const PENDING: u8 = 1;
-const DEMOTING: u8 = 2;
+/// A replica's life: `Promoting -> Ready` (or dropped if the copy failed),
+/// `Ready -> Demoting -> dropped` (once its NVMe copy is in, or the copy
+/// failed and the eviction goes ahead without it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum ReplicaState {
+    /// Readable; may be evicted.
+    Ready,
+    /// A promotion is copying the bytes in from NVMe: not readable yet.
+    Promoting,
+    /// An eviction is copying the bytes out to NVMe: readable, not evicted
+    /// again; its space counts as on its way out.
+    Demoting,
+}
 
 impl Replica {
     fn dram(slot: u32, offset: u64) -> Self {
+        Self::ready(slot, offset)
+    }
+
+    fn ready(slot: u32, offset: u64) -> Self {
         Self {
             slot,
-            flags: 0,
+            state: ReplicaState::Ready,
             offset,
         }
     }
@@ -302,7 +316,7 @@ fn describe(
     let mut v: Vec<ReplicaDesc> = obj
         .replicas
         .iter()
-        .filter(|r| r.flags & PENDING == 0)
+        .filter(|r| r.state != ReplicaState::Promoting)
         .map(|r| {
             let slot = slots[r.slot as usize]
                 .as_ref()
@@ -338,7 +352,7 @@ fn describe(
 /// Whether `obj` has a readable NVMe replica.
 fn has_nvme(slots: &[Option<SegmentSlot>], obj: &Object) -> bool {
     obj.replicas.iter().any(|r| {
-        r.flags & PENDING == 0
+        r.state != ReplicaState::Promoting
             && slots[r.slot as usize]
                 .as_ref()
                 .is_some_and(|s| s.tier() == Tier::Nvme)
@@ -546,7 +560,10 @@ impl ShardState {
     /// that a node may still be copying to NVMe (demotion) waits at least
     /// `stale_put_grace_ms`.
     fn free_at(&mut self, obj: &Object, at_ms: u64, now_ms: u64) {
-        let demoting = obj.replicas.iter().any(|r| r.flags & DEMOTING != 0);
+        let demoting = obj
+            .replicas
+            .iter()
+            .any(|r| r.state == ReplicaState::Demoting);
         if at_ms <= now_ms && !demoting {
             self.free_now(obj);
             return;
@@ -555,7 +572,7 @@ impl ShardState {
             if self.slot(r.slot).tier() != Tier::Dram {
                 continue;
             }
-            let at_ms = if r.flags & DEMOTING != 0 {
+            let at_ms = if r.state == ReplicaState::Demoting {
                 at_ms.max(now_ms + self.cfg.stale_put_grace_ms)
             } else {
                 at_ms
@@ -650,7 +667,10 @@ impl ShardState {
         let rank = |o: &Object| -> Option<EvictRank> {
             if o.t > now_ms
                 || o.hard_pinned()
-                || !o.replicas.iter().any(|r| r.slot == idx && r.flags == 0)
+                || !o
+                    .replicas
+                    .iter()
+                    .any(|r| r.slot == idx && r.state == ReplicaState::Ready)
             {
                 return None;
             }
@@ -705,7 +725,7 @@ impl ShardState {
             let pos = obj
                 .replicas
                 .iter()
-                .position(|r| r.slot == idx && r.flags == 0)
+                .position(|r| r.slot == idx && r.state == ReplicaState::Ready)
                 .expect("ranked by having a replica here");
             let on_nvme = has_nvme(&self.slots, obj);
             let queue_room = self
@@ -716,7 +736,8 @@ impl ShardState {
                 // Demote: the node copies it to NVMe, then the DRAM replica goes.
                 let offset = obj.replicas[pos].offset;
                 let checksum = obj.checksum();
-                self.complete.get_mut(&k).expect("present").replicas[pos].flags |= DEMOTING;
+                self.complete.get_mut(&k).expect("present").replicas[pos].state =
+                    ReplicaState::Demoting;
                 self.tasks
                     .entry(seg_id)
                     .or_default()
@@ -752,7 +773,7 @@ impl ShardState {
             .filter(|o| {
                 o.replicas
                     .iter()
-                    .any(|r| r.slot == idx && r.flags & DEMOTING != 0)
+                    .any(|r| r.slot == idx && r.state == ReplicaState::Demoting)
             })
             .map(|o| o.size.max(1).next_multiple_of(SEGMENT_ALIGN))
             .sum()
@@ -1060,7 +1081,13 @@ impl ShardState {
             return;
         };
         obj.nvme_reads = obj.nvme_reads.saturating_add(1);
-        if n == 0 || obj.nvme_reads < n || obj.replicas.iter().any(|r| r.flags & PENDING != 0) {
+        if n == 0
+            || obj.nvme_reads < n
+            || obj
+                .replicas
+                .iter()
+                .any(|r| r.state == ReplicaState::Promoting)
+        {
             return;
         }
         obj.nvme_reads = 0;
@@ -1114,7 +1141,7 @@ impl ShardState {
         let obj = self.complete.get_mut(key).expect("present");
         obj.replicas.push(Replica {
             slot: idx,
-            flags: PENDING,
+            state: ReplicaState::Promoting,
             offset,
         });
         let _ = now_ms;
@@ -1257,19 +1284,19 @@ impl ShardState {
                     Some(_) => {}
                     None => obj.replicas.push(Replica {
                         slot: nslot,
-                        flags: 0,
+                        state: ReplicaState::Ready,
                         offset: *loc,
                     }),
                 }
                 let pos = dslot.and_then(|d| {
-                    obj.replicas
-                        .iter()
-                        .position(|r| r.slot == d && r.offset == *offset && r.flags & PENDING == 0)
+                    obj.replicas.iter().position(|r| {
+                        r.slot == d && r.offset == *offset && r.state != ReplicaState::Promoting
+                    })
                 });
                 if let Some(pos) = pos {
                     if *demote {
                         let mut r = obj.replicas.remove(pos);
-                        r.flags &= !DEMOTING; // the node is done with it
+                        r.state = ReplicaState::Ready; // the node is done with it
                         let (size, lease_end) = (obj.size, obj.t);
                         self.demotions += 1;
                         self.evictions += 1;
@@ -1287,7 +1314,7 @@ impl ShardState {
                         };
                         self.free_at(&one, lease_end, now_ms);
                     } else {
-                        obj.replicas[pos].flags &= !DEMOTING;
+                        obj.replicas[pos].state = ReplicaState::Ready;
                     }
                 }
                 Ok(())
@@ -1304,17 +1331,17 @@ impl ShardState {
                     .get_mut(key.as_slice())
                     .ok_or_else(|| not_found(key))?;
                 let Some(pos) = obj.replicas.iter().position(|r| {
-                    r.slot == dslot && r.offset == *offset && r.flags & DEMOTING != 0
+                    r.slot == dslot && r.offset == *offset && r.state == ReplicaState::Demoting
                 }) else {
                     return Ok(());
                 };
                 if !*demote {
-                    obj.replicas[pos].flags &= !DEMOTING;
+                    obj.replicas[pos].state = ReplicaState::Ready;
                     return Ok(());
                 }
                 // The eviction goes ahead without an NVMe copy.
                 let mut r = obj.replicas.remove(pos);
-                r.flags &= !DEMOTING; // the node is done with it
+                r.state = ReplicaState::Ready; // the node is done with it
                 let (size, lease_end) = (obj.size, obj.t);
                 if obj.replicas.is_empty() {
                     self.complete.remove(key.as_slice());
@@ -1348,12 +1375,14 @@ impl ShardState {
                 let pos = obj
                     .replicas
                     .iter()
-                    .position(|r| r.slot == dslot && r.offset == *offset && r.flags & PENDING != 0)
+                    .position(|r| {
+                        r.slot == dslot && r.offset == *offset && r.state == ReplicaState::Promoting
+                    })
                     .ok_or_else(|| {
                         err(ErrorCode::ObjectNotFound, "no promotion under way there")
                     })?;
                 if *ok {
-                    obj.replicas[pos].flags &= !PENDING;
+                    obj.replicas[pos].state = ReplicaState::Ready;
                     self.promotions += 1;
                 } else {
                     let r = obj.replicas.remove(pos);
@@ -1407,7 +1436,7 @@ impl ShardState {
                         o.replicas.retain(|r| r.slot != nslot);
                         o.replicas.push(Replica {
                             slot: nslot,
-                            flags: 0,
+                            state: ReplicaState::Ready,
                             offset: *loc,
                         });
                         Ok(())
@@ -1431,7 +1460,7 @@ impl ShardState {
                                 sum: *sum,
                                 replicas: smallvec::smallvec![Replica {
                                     slot: nslot,
-                                    flags: 0,
+                                    state: ReplicaState::Ready,
                                     offset: *loc,
                                 }],
                             },
