@@ -37,7 +37,7 @@ use kvpool_transport::pool::{ConnPool, Stream};
 use kvpool_transport::proto::call::{self, Call};
 use kvpool_transport::proto::{
     ClientId, ClusterMap, Endpoint, MasterRequest, MasterResponse, ObjectInfo, PoolStat, PutDone,
-    PutItem, PutOptions, ReplicaDesc, SegmentId, SegmentSpec,
+    PutItem, PutOptions, ReplicaDesc, SegmentId, SegmentSpec, Tier,
 };
 use kvpool_transport::shm::ShmMap;
 use kvpool_transport::{ErrorCode, KvError};
@@ -56,6 +56,10 @@ struct Inner {
     host_id: String,
     /// The cluster secret: master connections authenticate with it.
     key: Option<ClusterKey>,
+    /// Replica lists under this client's read leases (repeated gets).
+    locations: crate::locations::Locations,
+    /// Gets served from `locations` without asking the master.
+    location_hits: AtomicU64,
 }
 
 /// A connection to a kvpool pool. Cheap to clone; share one per process.
@@ -333,6 +337,7 @@ impl Client {
             }
         }
         let ping_ms = cfg.ping_interval_ms;
+        let location_entries = cfg.location_cache_entries;
         let client = Self {
             inner: Arc::new(Inner {
                 id,
@@ -344,6 +349,8 @@ impl Client {
                 req_ids: AtomicU64::new(1),
                 host_id,
                 key,
+                locations: crate::locations::Locations::new(location_entries),
+                location_hits: AtomicU64::new(0),
             }),
         };
         if ping_ms > 0 {
@@ -518,6 +525,11 @@ impl Client {
         self.deadline(req.op_name(), self.send(req)).await
     }
 
+    /// Gets served from remembered locations, without the master.
+    pub fn location_hits(&self) -> u64 {
+        self.inner.location_hits.load(Ordering::Relaxed)
+    }
+
     fn call_deadline(&self) -> Instant {
         Instant::now() + self.timeout()
     }
@@ -600,6 +612,7 @@ impl Client {
         value: &[u8],
         opts: &PutOptions,
     ) -> Result<(), KvError> {
+        self.inner.locations.forget(key);
         let deadline = self.call_deadline();
         let sum = self
             .inner
@@ -733,11 +746,19 @@ impl Client {
         }
     }
 
-    /// Reads the value under `key`.
+    /// Reads the value under `key`. A key this client read while its lease
+    /// still lasts is read from its node at once (see
+    /// [`ClientConfig::location_cache_entries`]).
     pub async fn get(&self, key: &[u8]) -> Result<Vec<u8>, KvError> {
         let deadline = self.call_deadline();
         let r = self
             .deadline("get", async {
+                if let Some(replicas) = self.inner.locations.get(key) {
+                    let mut buf = vec![0u8; replicas[0].len as usize];
+                    if self.read_known(key, &replicas, &mut buf, deadline).await {
+                        return Ok(buf);
+                    }
+                }
                 let replicas = self.replicas(key).await?;
                 let mut buf = vec![0u8; replicas[0].len as usize];
                 self.inner
@@ -757,6 +778,16 @@ impl Client {
         let deadline = self.call_deadline();
         let r = self
             .deadline("get", async {
+                if let Some(replicas) = self.inner.locations.get(key) {
+                    let len = replicas[0].len as usize;
+                    if len <= buf.len()
+                        && self
+                            .read_known(key, &replicas, &mut buf[..len], deadline)
+                            .await
+                    {
+                        return Ok(len);
+                    }
+                }
                 let replicas = self.replicas(key).await?;
                 let len = replicas[0].len as usize;
                 if len > buf.len() {
@@ -800,13 +831,55 @@ impl Client {
         .await
     }
 
+    /// Reads through a remembered replica list; on any failure the entry is
+    /// dropped and `false` says to ask the master (a node gone, a lease
+    /// that ended early by the master's clock, bytes that fail the checksum).
+    async fn read_known(
+        &self,
+        key: &[u8],
+        replicas: &[ReplicaDesc],
+        buf: &mut [u8],
+        deadline: Instant,
+    ) -> bool {
+        match self.inner.engine.read(replicas, buf, deadline).await {
+            Ok(()) => {
+                self.inner.location_hits.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                tracing::debug!("a read at a remembered location failed ({e}); asking the master");
+                self.inner.locations.forget(key);
+                false
+            }
+        }
+    }
+
+    /// The replica list of `key` from the master (a new read lease), which
+    /// is then remembered until the lease's end as this process measures it.
     async fn replicas(&self, key: &[u8]) -> Result<Vec<ReplicaDesc>, KvError> {
+        let asked = Instant::now();
         let r = self.ask(call::GetReplicaList { key: key.to_vec() }).await?;
         if r.is_empty() {
             return Err(KvError::new(
                 ErrorCode::ObjectNotFound,
                 "the object has no readable replica",
             ));
+        }
+        // Only what the lease protects and the checksum proves: DRAM
+        // replicas (the master frees no leased DRAM space; an NVMe tier
+        // evicts on its own and reuses locations) of an object with a
+        // checksum this client checks (a master restarted meanwhile knows no
+        // leases, and its new puts may land where the object was).
+        if self.inner.cfg.checksums {
+            let known: Vec<ReplicaDesc> = r
+                .iter()
+                .filter(|d| d.tier == Tier::Dram && d.checksum.is_some())
+                .cloned()
+                .collect();
+            let lease = Duration::from_millis(self.inner.cluster.lease_ttl_ms);
+            self.inner
+                .locations
+                .put(key, &known, asked + lease.saturating_sub(VIEW_MARGIN));
         }
         Ok(r)
     }
@@ -823,6 +896,7 @@ impl Client {
 
     /// Removes the object under `key`; `force` removes it even under a lease.
     pub async fn remove_with(&self, key: &[u8], force: bool) -> Result<(), KvError> {
+        self.inner.locations.forget(key);
         self.call(call::Remove {
             key: key.to_vec(),
             force,
@@ -832,6 +906,7 @@ impl Client {
 
     /// Removes every object that may be removed; returns how many went.
     pub async fn remove_all(&self) -> Result<u64, KvError> {
+        self.inner.locations.clear();
         self.call(call::RemoveAll).await
     }
 
@@ -849,6 +924,9 @@ impl Client {
         items: &[(&[u8], &[u8])],
         opts: &PutOptions,
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        for (k, _) in items {
+            self.inner.locations.forget(k);
+        }
         let deadline = self.call_deadline();
         let sums: Vec<Option<u64>> = items
             .iter()
@@ -1098,6 +1176,9 @@ impl Client {
         keys: &[&[u8]],
         force: bool,
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        for k in keys {
+            self.inner.locations.forget(k);
+        }
         let req = call::BatchRemove {
             keys: keys.iter().map(|k| k.to_vec()).collect(),
             force,

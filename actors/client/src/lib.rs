@@ -7,6 +7,7 @@
 //! * [`rdma`]: whether a role uses RDMA, and why not.
 
 mod client;
+mod locations;
 pub mod rdma;
 
 pub use client::{local_host_id, Client, ReadView, RegisteredBuffer};

@@ -605,6 +605,10 @@ pub struct ClientConfig {
     /// (a mismatch is `Corrupt` and the next replica is tried). Off only
     /// for those who trust their memory, NICs and disks.
     pub checksums: bool,
+    /// Where recently read objects lie, kept while this client's read lease
+    /// on them lasts, so a repeated get goes straight to the storage node
+    /// (one round trip instead of two). Entries at most (0: off).
+    pub location_cache_entries: usize,
     /// `[client.rdma]`: the client's RDMA devices.
     pub rdma: RdmaSettings,
     /// The cluster secret; not a key of `[client]`: a process takes it from
@@ -673,6 +677,7 @@ impl Default for ClientConfig {
             lanes: 4,
             max_in_flight: 64,
             checksums: true,
+            location_cache_entries: 65_536,
             rdma: RdmaSettings::default(),
             secret: Secret::default(),
         }
