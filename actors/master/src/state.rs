@@ -152,6 +152,9 @@ struct SegmentSlot {
     /// A client could not reach its node: no new replicas go there until the
     /// owner's next ping.
     suspect: bool,
+    /// Bytes of this segment's `Demoting` replicas (space on its way out),
+    /// kept as they change so a put need not count them.
+    demoting: u64,
 }
 
 impl SegmentSlot {
@@ -350,6 +353,11 @@ fn describe(
 }
 
 /// Whether `obj` has a readable NVMe replica.
+/// The space a demotion frees: the object's extent as segments round it.
+fn demoting_extent(size: u64) -> u64 {
+    size.max(1).next_multiple_of(SEGMENT_ALIGN)
+}
+
 fn has_nvme(slots: &[Option<SegmentSlot>], obj: &Object) -> bool {
     obj.replicas.iter().any(|r| {
         r.state != ReplicaState::Promoting
@@ -432,6 +440,7 @@ impl ShardState {
             draining: false,
             owner,
             suspect: false,
+            demoting: 0,
         };
         let idx = match self.slots.iter().position(Option::is_none) {
             Some(i) => {
@@ -738,6 +747,7 @@ impl ShardState {
                 let checksum = obj.checksum();
                 self.complete.get_mut(&k).expect("present").replicas[pos].state =
                     ReplicaState::Demoting;
+                self.slot_mut(idx).demoting += demoting_extent(size);
                 self.tasks
                     .entry(seg_id)
                     .or_default()
@@ -768,15 +778,24 @@ impl ShardState {
 
     /// DRAM bytes of slot `idx` whose demotion to NVMe is under way.
     fn demoting_bytes(&self, idx: u32) -> u64 {
-        self.complete
-            .values()
-            .filter(|o| {
-                o.replicas
-                    .iter()
-                    .any(|r| r.slot == idx && r.state == ReplicaState::Demoting)
-            })
-            .map(|o| o.size.max(1).next_multiple_of(SEGMENT_ALIGN))
-            .sum()
+        self.slot(idx).demoting
+    }
+
+    /// A `Demoting` replica of an object of `size` bytes in slot `idx` stops
+    /// being one (its copy landed or failed, or the object went).
+    fn demotion_over(&mut self, idx: u32, size: u64) {
+        if let Some(Some(s)) = self.slots.get_mut(idx as usize) {
+            s.demoting = s.demoting.saturating_sub(demoting_extent(size));
+        }
+    }
+
+    /// `obj` leaves the shard: its demotions under way no longer count.
+    fn demotions_over(&mut self, obj: &Object) {
+        for r in &obj.replicas {
+            if r.state == ReplicaState::Demoting {
+                self.demotion_over(r.slot, obj.size);
+            }
+        }
     }
 
     /// Evicts `eviction_ratio` of the slot's range if its use is past the
@@ -1294,6 +1313,8 @@ impl ShardState {
                     })
                 });
                 if let Some(pos) = pos {
+                    let was = (obj.replicas[pos].state == ReplicaState::Demoting)
+                        .then_some((obj.replicas[pos].slot, obj.size));
                     if *demote {
                         let mut r = obj.replicas.remove(pos);
                         r.state = ReplicaState::Ready; // the node is done with it
@@ -1316,6 +1337,9 @@ impl ShardState {
                     } else {
                         obj.replicas[pos].state = ReplicaState::Ready;
                     }
+                    if let Some((idx, size)) = was {
+                        self.demotion_over(idx, size);
+                    }
                 }
                 Ok(())
             }
@@ -1335,10 +1359,14 @@ impl ShardState {
                 }) else {
                     return Ok(());
                 };
+                let size = obj.size;
                 if !*demote {
                     obj.replicas[pos].state = ReplicaState::Ready;
+                    self.demotion_over(dslot, size);
                     return Ok(());
                 }
+                self.demotion_over(dslot, size);
+                let obj = self.complete.get_mut(key.as_slice()).expect("found above");
                 // The eviction goes ahead without an NVMe copy.
                 let mut r = obj.replicas.remove(pos);
                 r.state = ReplicaState::Ready; // the node is done with it
@@ -1504,6 +1532,7 @@ impl ShardState {
             ));
         }
         let obj = self.complete.remove(key).expect("present");
+        self.demotions_over(&obj);
         self.drop_nvme_copies(key, &obj);
         // A reader may still hold a lease: the space waits for it to end.
         self.free_at(&obj, obj.t, now_ms);
@@ -1520,6 +1549,7 @@ impl ShardState {
             .collect();
         for k in &keys {
             let obj = self.complete.remove(k).expect("present");
+            self.demotions_over(&obj);
             self.drop_nvme_copies(k, &obj);
             self.free_now(&obj);
         }
@@ -1609,6 +1639,14 @@ impl ShardState {
     /// after every tick of a small shard.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut extents: HashMap<u32, Vec<(u64, u64, String)>> = HashMap::new();
+        let mut demoting: HashMap<u32, u64> = HashMap::new();
+        for o in self.complete.values() {
+            for r in &o.replicas {
+                if r.state == ReplicaState::Demoting {
+                    *demoting.entry(r.slot).or_default() += demoting_extent(o.size);
+                }
+            }
+        }
         for (state, map) in [
             ("complete", &self.complete),
             ("processing", &self.processing),
@@ -1647,6 +1685,13 @@ impl ShardState {
             let Some(slot) = slot else { continue };
             if slot.tier() != Tier::Dram {
                 continue;
+            }
+            let counted = demoting.get(&(idx as u32)).copied().unwrap_or(0);
+            if slot.demoting != counted {
+                return Err(format!(
+                    "segment {:016x}: {} demoting bytes counted, {counted} in Demoting replicas",
+                    slot.id, slot.demoting
+                ));
             }
             let mut v = extents.remove(&(idx as u32)).unwrap_or_default();
             let sum: u64 = v.iter().map(|e| e.1).sum();
