@@ -231,7 +231,48 @@ struct Object {
     replicas: SmallVec<[Replica; 1]>,
 }
 
+/// `t` and `aux` hold different things while the object is Processing (in
+/// `ShardState::processing`) and once Complete (in `complete`); the map an
+/// object is in is its state, and these name each reading (an enum would add
+/// 8 bytes to every object).
 impl Object {
+    /// Processing: when the put started.
+    fn started_ms(&self) -> u64 {
+        self.t
+    }
+
+    /// Processing: the client writing it.
+    fn writer(&self) -> ClientId {
+        self.aux
+    }
+
+    /// Complete: when the last read lease ends (the completion time until
+    /// the first read).
+    fn lease_end_ms(&self) -> u64 {
+        self.t
+    }
+
+    /// Complete: when the soft pin ends (0: none).
+    fn pin_end_ms(&self) -> u64 {
+        self.aux
+    }
+
+    /// Processing -> Complete at `now_ms`: no lease yet, the soft pin asked
+    /// for at PutStart starts now.
+    fn complete_at(&mut self, now_ms: u64) {
+        self.t = now_ms;
+        self.aux = if self.soft_pin_ttl_ms > 0 {
+            now_ms + self.soft_pin_ttl_ms as u64
+        } else {
+            0
+        };
+    }
+
+    /// Complete: a read lease until at least `until_ms`.
+    fn extend_lease(&mut self, until_ms: u64) {
+        self.t = self.t.max(until_ms);
+    }
+
     fn hard_pinned(&self) -> bool {
         self.flags & HARD_PIN != 0
     }
@@ -623,7 +664,7 @@ impl ShardState {
     }
 
     fn is_stale(&self, obj: &Object, now_ms: u64) -> bool {
-        now_ms.saturating_sub(obj.t) >= self.cfg.put_timeout_ms
+        now_ms.saturating_sub(obj.started_ms()) >= self.cfg.put_timeout_ms
     }
 
     /// Chooses up to `n` distinct segments with room for `size` bytes.
@@ -674,7 +715,7 @@ impl ShardState {
     /// Returns the bytes freed now.
     fn evict_slot(&mut self, idx: u32, target: u64, now_ms: u64) -> u64 {
         let rank = |o: &Object| -> Option<EvictRank> {
-            if o.t > now_ms
+            if o.lease_end_ms() > now_ms
                 || o.hard_pinned()
                 || !o
                     .replicas
@@ -683,7 +724,7 @@ impl ShardState {
             {
                 return None;
             }
-            Some((u8::from(o.aux > now_ms), o.t))
+            Some((u8::from(o.pin_end_ms() > now_ms), o.lease_end_ms()))
         };
         // Pass 1: the rank below which enough bytes lie (no key copies).
         let mut ranked: Vec<(EvictRank, u64)> = self
@@ -984,7 +1025,7 @@ impl ShardState {
                 not_found(key)
             });
         };
-        if obj.aux != client {
+        if obj.writer() != client {
             return Err(err(
                 ErrorCode::IllegalClient,
                 format!("key {} is being put by another client", show_key(key)),
@@ -1019,12 +1060,7 @@ impl ShardState {
             obj.sum = sum;
             obj.flags |= HAS_SUM;
         }
-        obj.t = now_ms;
-        obj.aux = if obj.soft_pin_ttl_ms > 0 {
-            now_ms + obj.soft_pin_ttl_ms as u64
-        } else {
-            0
-        };
+        obj.complete_at(now_ms);
         // Write-through: the first replica on a node with an NVMe tier is
         // copied there now (the node does it when it next asks for work).
         let through = obj.replicas.iter().find_map(|r| {
@@ -1067,12 +1103,14 @@ impl ShardState {
     ) -> Result<Vec<ReplicaDesc>, KvError> {
         self.check_key(key)?;
         if let Some(obj) = self.complete.get_mut(key) {
-            obj.t = obj.t.max(now_ms + self.cfg.lease_ttl_ms);
+            obj.extend_lease(now_ms + self.cfg.lease_ttl_ms);
             let descs = describe(
                 &self.slots,
                 obj,
                 self.signer.as_ref(),
-                Access::Read { until_ms: obj.t },
+                Access::Read {
+                    until_ms: obj.lease_end_ms(),
+                },
             );
             if descs.first().is_some_and(|d| d.tier == Tier::Nvme) {
                 self.count_nvme_read(key, now_ms);
@@ -1318,7 +1356,7 @@ impl ShardState {
                     if *demote {
                         let mut r = obj.replicas.remove(pos);
                         r.state = ReplicaState::Ready; // the node is done with it
-                        let (size, lease_end) = (obj.size, obj.t);
+                        let (size, lease_end) = (obj.size, obj.lease_end_ms());
                         self.demotions += 1;
                         self.evictions += 1;
                         self.evicted_bytes += size.max(1).next_multiple_of(SEGMENT_ALIGN);
@@ -1370,7 +1408,7 @@ impl ShardState {
                 // The eviction goes ahead without an NVMe copy.
                 let mut r = obj.replicas.remove(pos);
                 r.state = ReplicaState::Ready; // the node is done with it
-                let (size, lease_end) = (obj.size, obj.t);
+                let (size, lease_end) = (obj.size, obj.lease_end_ms());
                 if obj.replicas.is_empty() {
                     self.complete.remove(key.as_slice());
                 }
@@ -1521,13 +1559,13 @@ impl ShardState {
                 None => not_found(key),
             });
         };
-        if obj.t > now_ms && !force {
+        if obj.lease_end_ms() > now_ms && !force {
             return Err(err(
                 ErrorCode::ObjectHasLease,
                 format!(
                     "key {} is leased to a reader for {} ms more (remove with force to override)",
                     show_key(key),
-                    obj.t - now_ms
+                    obj.lease_end_ms() - now_ms
                 ),
             ));
         }
@@ -1535,7 +1573,7 @@ impl ShardState {
         self.demotions_over(&obj);
         self.drop_nvme_copies(key, &obj);
         // A reader may still hold a lease: the space waits for it to end.
-        self.free_at(&obj, obj.t, now_ms);
+        self.free_at(&obj, obj.lease_end_ms(), now_ms);
         Ok(())
     }
 
@@ -1544,7 +1582,7 @@ impl ShardState {
         let keys: Vec<Box<[u8]>> = self
             .complete
             .iter()
-            .filter(|(_, o)| o.t <= now_ms)
+            .filter(|(_, o)| o.lease_end_ms() <= now_ms)
             .map(|(k, _)| k.clone())
             .collect();
         for k in &keys {
@@ -1561,7 +1599,7 @@ impl ShardState {
         let keys: Vec<Box<[u8]>> = self
             .processing
             .iter()
-            .filter(|(_, o)| o.aux == client)
+            .filter(|(_, o)| o.writer() == client)
             .map(|(k, _)| k.clone())
             .collect();
         for k in &keys {
@@ -1578,8 +1616,8 @@ impl ShardState {
                 complete: true,
                 size: o.size,
                 replicas: self.describe_replicas(o),
-                lease_remaining_ms: o.t.saturating_sub(now_ms),
-                soft_pin_remaining_ms: o.aux.saturating_sub(now_ms),
+                lease_remaining_ms: o.lease_end_ms().saturating_sub(now_ms),
+                soft_pin_remaining_ms: o.pin_end_ms().saturating_sub(now_ms),
                 hard_pin: o.hard_pinned(),
             });
         }
