@@ -299,3 +299,16 @@ fn rdma_required_but_unavailable_stops_a_storage_node_at_start_up() {
     assert!(err.contains("rdma is required but"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn logs_written_to_a_file_or_a_pipe_carry_no_colour_codes() {
+    // The node's stderr is a file, the CLI's a pipe.
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "16MiB"]));
+    let (code, _, err) = common::cli_env(&node.addr, &["stat"], None, &[("RUST_LOG", "debug")]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.is_empty(), "the CLI logs something at debug");
+    assert!(!err.contains('\x1b'), "{err:?}");
+    let log = node.stderr();
+    assert!(log.contains("segment mounted"), "{log}");
+    assert!(!log.contains('\x1b'), "{log:?}");
+}
