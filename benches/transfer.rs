@@ -58,7 +58,7 @@ fn main() {
         .expect("runtime");
     let b = TransferBench::standard(full);
     bench::print_header();
-    rt.block_on(bench::run_transfer(&node.addr, &b, bench::print_row))
+    rt.block_on(bench::run_transfer(&node.addr, &b, print))
         .expect("transfer bench");
     drop(node);
     let _ = std::fs::remove_file(&cfg);
@@ -94,6 +94,14 @@ fn main() {
         None => println!(
             "reference redis-benchmark: not installed (apt install redis-server redis-tools)"
         ),
+    }
+}
+
+/// Rows on stdout, progress on stderr.
+fn print(p: bench::Progress<'_>) {
+    match p {
+        bench::Progress::Row(r) => bench::print_row(r),
+        p => bench::print_progress(&p),
     }
 }
 
@@ -155,7 +163,7 @@ fn rdma_mode(full: bool) {
     b.bytes_per_case = if full { 128 << 20 } else { 16 << 20 };
     b.max_calls = if full { 2000 } else { 100 };
     bench::print_header();
-    rt.block_on(bench::run_transfer(&node.addr, &b, bench::print_row))
+    rt.block_on(bench::run_transfer(&node.addr, &b, print))
         .expect("transfer bench");
     drop(node);
     let _ = std::fs::remove_file(&cfg);

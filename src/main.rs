@@ -122,7 +122,8 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
-    /// Put and get latency and throughput per transport, value size, batch.
+    /// Put and get latency and throughput per transport, value size, batch:
+    /// rows on stdout, one progress line per case on stderr.
     Transfer {
         /// Transports to measure: tcp, shm (same host only), auto, rdma
         /// (a build with the rdma feature and a device).
@@ -134,7 +135,9 @@ enum BenchCmd {
         /// Batch sizes (1 = single calls).
         #[arg(long, value_delimiter = ',', default_value = "1,32")]
         batch: Vec<usize>,
-        /// Bytes moved per case, at most.
+        /// Bytes moved per case, at most; a case also uses at most half of
+        /// the pool's room below its high watermark (`stat`), waiting a
+        /// little for earlier cases' space when their read leases end soon.
         #[arg(long, default_value = "256MiB")]
         bytes: Bytes,
         /// Calls per case, at most.
@@ -152,6 +155,18 @@ enum TransportArg {
     Tcp,
     Shm,
     Rdma,
+}
+
+impl TransportArg {
+    fn transport(self) -> kvpool_config::Transport {
+        use kvpool_config::Transport;
+        match self {
+            TransportArg::Auto => Transport::Auto,
+            TransportArg::Tcp => Transport::Tcp,
+            TransportArg::Shm => Transport::Shm,
+            TransportArg::Rdma => Transport::Rdma,
+        }
+    }
 }
 
 fn load_config(path: Option<&PathBuf>) -> Result<NodeConfig, String> {
@@ -274,7 +289,11 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            match rt.block_on(client_cmd(&master, cfg, cmd)) {
+            let r = match cmd {
+                Cmd::Bench(b) => rt.block_on(bench_cmd(&master, cfg, b)),
+                cmd => rt.block_on(client_cmd(&master, cfg, cmd)),
+            };
+            match r {
                 Ok(code) => code,
                 Err(e) => {
                     eprintln!("error: {e}");
@@ -333,53 +352,54 @@ impl From<KvError> for CliError {
     }
 }
 
+/// `kvpool bench transfer`: rows on stdout as they are measured, progress
+/// on stderr; on a failure, the error names the case (the rows before it
+/// are printed already).
+async fn bench_cmd(master: &str, cfg: NodeConfig, cmd: BenchCmd) -> Result<ExitCode, CliError> {
+    use kvpool_node::bench::{self, Progress};
+    let BenchCmd::Transfer {
+        transport,
+        sizes,
+        batch,
+        bytes,
+        max_calls,
+        json,
+    } = cmd;
+    let b = bench::TransferBench {
+        transports: transport.iter().map(|t| t.transport()).collect(),
+        sizes: sizes.iter().map(|s| s.get() as usize).collect(),
+        batches: batch,
+        bytes_per_case: bytes.get(),
+        max_calls,
+        high_watermark: cfg.master.high_watermark,
+        client: cfg.client_config(),
+    };
+    // Before connecting or printing anything: one clear error.
+    bench::check_transports(&b.transports)?;
+    if !json {
+        bench::print_header();
+    }
+    let r = bench::run_transfer(master, &b, |p| match p {
+        Progress::Row(r) if json => {
+            println!("{}", serde_json::to_string(r).expect("a row serializes"))
+        }
+        Progress::Row(r) => bench::print_row(r),
+        p => bench::print_progress(&p),
+    })
+    .await;
+    match r {
+        Ok(_) => Ok(ExitCode::SUCCESS),
+        Err(e) => Err(CliError::Io(e.to_string())),
+    }
+}
+
 async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode, CliError> {
-    let cfg_client = cfg.client_config();
     let mut ccfg = cfg.client_config();
     // One command is over in well under client_ttl: no liveness pings.
     ccfg.ping_interval_ms = 0;
     let client = Client::connect(master, ccfg).await?;
     match cmd {
-        Cmd::Run { .. } | Cmd::Sim(_) => unreachable!("handled in main"),
-        Cmd::Bench(BenchCmd::Transfer {
-            transport,
-            sizes,
-            batch,
-            bytes,
-            max_calls,
-            json,
-        }) => {
-            use kvpool_config::Transport;
-            use kvpool_node::bench;
-            let b = bench::TransferBench {
-                transports: transport
-                    .iter()
-                    .map(|t| match t {
-                        TransportArg::Auto => Transport::Auto,
-                        TransportArg::Tcp => Transport::Tcp,
-                        TransportArg::Shm => Transport::Shm,
-                        TransportArg::Rdma => Transport::Rdma,
-                    })
-                    .collect(),
-                sizes: sizes.iter().map(|s| s.get() as usize).collect(),
-                batches: batch,
-                bytes_per_case: bytes.get(),
-                max_calls,
-                client: cfg_client,
-            };
-            if !json {
-                bench::print_header();
-            }
-            bench::run_transfer(master, &b, |r| {
-                if json {
-                    println!("{}", serde_json::to_string(r).expect("a row serializes"));
-                } else {
-                    bench::print_row(r);
-                }
-            })
-            .await?;
-            Ok(ExitCode::SUCCESS)
-        }
+        Cmd::Run { .. } | Cmd::Sim(_) | Cmd::Bench(_) => unreachable!("handled in main"),
         Cmd::Put {
             key,
             file,

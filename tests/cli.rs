@@ -299,3 +299,36 @@ fn rdma_required_but_unavailable_stops_a_storage_node_at_start_up() {
     assert!(err.contains("rdma is required but"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+#[cfg(not(feature = "rdma"))]
+fn bench_transfer_refuses_rdma_in_a_build_without_the_feature_before_connecting() {
+    // No master at this address: the answer must come before any connect.
+    let (code, out, err) = common::cli(
+        "127.0.0.1:1",
+        &["bench", "transfer", "--transport", "tcp,rdma"],
+        None,
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("error: Unsupported (")
+            && err.contains("--transport rdma")
+            && err.contains("--features rdma"),
+        "{err}"
+    );
+}
+
+#[test]
+fn logs_written_to_a_file_or_a_pipe_carry_no_colour_codes() {
+    // The node's stderr is a file, the CLI's a pipe.
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "16MiB"]));
+    let (code, _, err) = common::cli_env(&node.addr, &["stat"], None, &[("RUST_LOG", "debug")]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.is_empty(), "the CLI logs something at debug");
+    assert!(!err.contains('\x1b'), "{err:?}");
+    let log = node.stderr();
+    assert!(log.contains("segment mounted"), "{log}");
+    assert!(!log.contains('\x1b'), "{log:?}");
+}
