@@ -332,3 +332,17 @@ fn logs_written_to_a_file_or_a_pipe_carry_no_colour_codes() {
     assert!(log.contains("segment mounted"), "{log}");
     assert!(!log.contains('\x1b'), "{log:?}");
 }
+
+#[test]
+fn a_cli_command_does_not_log_that_it_has_no_rdma() {
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "16MiB"]));
+    let (code, _, err) = common::cli(&node.addr, &["stat"], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains("no rdma"), "{err}");
+    // The node still says once whether it serves RDMA, and why not.
+    let log = node.stderr();
+    assert!(
+        log.contains("no rdma") || log.contains("rdma devices opened"),
+        "{log}"
+    );
+}

@@ -5,7 +5,8 @@
 //!   is "built without the rdma feature"); `required` is a start-up error.
 //! * Built with it: the devices are opened; no device (listing devices fails
 //!   with ENOSYS on a machine without RDMA, or the named device is missing)
-//!   under `auto` is one log line and TCP; under `required` a start-up error.
+//!   under `auto` is one log line (info for a node, debug for a client) and
+//!   TCP; under `required` a start-up error.
 
 #[cfg(feature = "rdma")]
 use std::sync::Arc;
@@ -34,7 +35,13 @@ pub fn open(s: &RdmaSettings, required: bool, role: &str) -> Result<Opened, Stri
         Ok(o) => Ok(o),
         Err(why) if required => Err(format!("{role}: rdma is required but {why}")),
         Err(why) => {
-            tracing::info!(role, "no rdma: {why}; using tcp");
+            // A node serving TCP only is worth a line in its log; every
+            // client (each CLI command) saying so is noise: debug.
+            if role == "client" {
+                tracing::debug!(role, "no rdma: {why}; using tcp");
+            } else {
+                tracing::info!(role, "no rdma: {why}; using tcp");
+            }
             Ok(Opened::Tcp(why))
         }
     }
