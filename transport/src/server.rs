@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use crate::auth::NONCE_BYTES;
 use crate::frame::AlignedVec;
-use crate::frame::{self, FrameBudget, FrameError, FrameHeader, HEADER_LEN};
+use crate::frame::{self, FrameBudget, FrameError, FrameHeader, FrameKind, HEADER_LEN};
 use crate::proto::ClientId;
 use crate::{ErrorCode, KvError};
 use futures_lite::AsyncReadExt;
@@ -253,6 +253,33 @@ pub async fn reject(stream: &mut TcpStream, request_id: u64, e: &FrameError, rol
     tracing::debug!(role, "refusing a frame: {e}");
     let err = KvError::new(e.code(), e.to_string());
     let _ = frame::write_all(stream, &frame::encode_error(request_id, &err)).await;
+}
+
+/// Opens a request frame: checks its kind and decodes its payload. A frame
+/// of another kind or a payload that fails validation gets an error frame
+/// and `None` (the handler then closes the connection).
+pub async fn open_request<T: frame::Payload>(
+    stream: &mut TcpStream,
+    hdr: &FrameHeader,
+    payload: &frame::AlignedVec,
+    kind: FrameKind,
+    role: &str,
+) -> Option<T> {
+    if hdr.kind != kind {
+        let e = frame::FrameError::UnexpectedKind {
+            expected: kind,
+            got: hdr.kind,
+        };
+        reject(stream, hdr.request_id, &e, role).await;
+        return None;
+    }
+    match frame::decode(payload) {
+        Ok(r) => Some(r),
+        Err(e) => {
+            reject(stream, hdr.request_id, &e, role).await;
+            None
+        }
+    }
 }
 
 /// Writes an encoded frame; `Close` if the peer is gone or too slow.

@@ -38,8 +38,9 @@ impl Locations {
 
     fn part(&self, key: &[u8]) -> std::sync::MutexGuard<'_, HashMap<Vec<u8>, Entry>> {
         let i = (xxhash_rust::xxh3::xxh3_64(key) % PARTS as u64) as usize;
-        // A panic while holding the lock aborts the process (see the
-        // runtime's panic hook), so a poisoned lock is never observed.
+        // Nothing under the lock can leave a part half-updated (a panic there
+        // is an allocation failure inside one HashMap call), so a poisoned
+        // lock's map is still sound to use.
         self.parts[i].lock().unwrap_or_else(|p| p.into_inner())
     }
 

@@ -663,20 +663,16 @@ impl Handler for MasterConn {
         stream: &mut TcpStream,
         conn: &mut ConnState,
     ) -> Next {
-        if hdr.kind != FrameKind::MasterRequest {
-            let e = frame::FrameError::UnexpectedKind {
-                expected: FrameKind::MasterRequest,
-                got: hdr.kind,
-            };
-            server::reject(stream, hdr.request_id, &e, "master").await;
+        let Some(req) = server::open_request::<MasterRequest>(
+            stream,
+            &hdr,
+            &payload,
+            FrameKind::MasterRequest,
+            "master",
+        )
+        .await
+        else {
             return Next::Close;
-        }
-        let req: MasterRequest = match frame::decode(&payload) {
-            Ok(r) => r,
-            Err(e) => {
-                server::reject(stream, hdr.request_id, &e, "master").await;
-                return Next::Close;
-            }
         };
         drop(payload);
         let op = req.op_name();

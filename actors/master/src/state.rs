@@ -561,6 +561,26 @@ impl ShardState {
     }
 
     /// Frees one replica's DRAM space (NVMe space is the node's).
+    /// A demotion's DRAM replica `r` (already taken off its object) is
+    /// evicted: counted, and its space freed once the object's read lease
+    /// (`lease_end`) is over, since a reader may still be copying it.
+    fn evict_dram_replica(&mut self, mut r: Replica, size: u64, lease_end: u64, now_ms: u64) {
+        r.state = ReplicaState::Ready; // the node is done with it
+        self.evictions += 1;
+        self.evicted_bytes += demoting_extent(size);
+        let one = Object {
+            size,
+            t: lease_end,
+            aux: 0,
+            soft_pin_ttl_ms: 0,
+            flags: 0,
+            nvme_reads: 0,
+            sum: 0,
+            replicas: smallvec::smallvec![r],
+        };
+        self.free_at(&one, lease_end, now_ms);
+    }
+
     fn free_replica_now(&mut self, r: &Replica, size: u64) {
         let slot = self.slot_mut(r.slot);
         if slot.tier() == Tier::Dram {
@@ -1354,24 +1374,10 @@ impl ShardState {
                     let was = (obj.replicas[pos].state == ReplicaState::Demoting)
                         .then_some((obj.replicas[pos].slot, obj.size));
                     if *demote {
-                        let mut r = obj.replicas.remove(pos);
-                        r.state = ReplicaState::Ready; // the node is done with it
+                        let r = obj.replicas.remove(pos);
                         let (size, lease_end) = (obj.size, obj.lease_end_ms());
                         self.demotions += 1;
-                        self.evictions += 1;
-                        self.evicted_bytes += size.max(1).next_multiple_of(SEGMENT_ALIGN);
-                        // A reader may still be reading the DRAM copy.
-                        let one = Object {
-                            size,
-                            t: lease_end,
-                            aux: 0,
-                            soft_pin_ttl_ms: 0,
-                            flags: 0,
-                            nvme_reads: 0,
-                            sum: 0,
-                            replicas: smallvec::smallvec![r],
-                        };
-                        self.free_at(&one, lease_end, now_ms);
+                        self.evict_dram_replica(r, size, lease_end, now_ms);
                     } else {
                         obj.replicas[pos].state = ReplicaState::Ready;
                     }
@@ -1403,28 +1409,14 @@ impl ShardState {
                     self.demotion_over(dslot, size);
                     return Ok(());
                 }
-                self.demotion_over(dslot, size);
-                let obj = self.complete.get_mut(key.as_slice()).expect("found above");
                 // The eviction goes ahead without an NVMe copy.
-                let mut r = obj.replicas.remove(pos);
-                r.state = ReplicaState::Ready; // the node is done with it
-                let (size, lease_end) = (obj.size, obj.lease_end_ms());
+                let r = obj.replicas.remove(pos);
+                let lease_end = obj.lease_end_ms();
                 if obj.replicas.is_empty() {
                     self.complete.remove(key.as_slice());
                 }
-                self.evictions += 1;
-                self.evicted_bytes += size.max(1).next_multiple_of(SEGMENT_ALIGN);
-                let one = Object {
-                    size,
-                    t: lease_end,
-                    aux: 0,
-                    soft_pin_ttl_ms: 0,
-                    flags: 0,
-                    nvme_reads: 0,
-                    sum: 0,
-                    replicas: smallvec::smallvec![r],
-                };
-                self.free_at(&one, lease_end, now_ms);
+                self.demotion_over(dslot, size);
+                self.evict_dram_replica(r, size, lease_end, now_ms);
                 Ok(())
             }
             NvmeUpdate::Promoted {

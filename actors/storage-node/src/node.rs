@@ -353,20 +353,16 @@ impl Handler for DataConn {
         stream: &mut TcpStream,
         _conn: &mut ConnState,
     ) -> Next {
-        if hdr.kind != FrameKind::DataRequest {
-            let e = frame::FrameError::UnexpectedKind {
-                expected: FrameKind::DataRequest,
-                got: hdr.kind,
-            };
-            server::reject(stream, hdr.request_id, &e, "storage").await;
+        let Some(req) = server::open_request::<DataRequest>(
+            stream,
+            &hdr,
+            &payload,
+            FrameKind::DataRequest,
+            "storage",
+        )
+        .await
+        else {
             return Next::Close;
-        }
-        let req: DataRequest = match frame::decode(&payload) {
-            Ok(r) => r,
-            Err(e) => {
-                server::reject(stream, hdr.request_id, &e, "storage").await;
-                return Next::Close;
-            }
         };
         drop(payload);
         let started = Instant::now();
