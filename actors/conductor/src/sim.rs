@@ -344,6 +344,10 @@ pub struct SimOutcome {
     pub tbt_us: Histogram<u64>,
     /// Load over time, when `SimConfig::load_sample_ms` was set.
     pub load: Option<LoadSeries>,
+    /// Per trace request, in trace order: whether it met both SLOs. Two
+    /// policies replayed on one trace can be compared request by request
+    /// (a paired test) with it.
+    pub met: Vec<bool>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -512,6 +516,7 @@ struct Sim<'t> {
     next_seq: u64,
     arrival_ms: Vec<f64>,
     ttft_ok: Vec<bool>,
+    met: Vec<bool>,
     counters: Counters,
     ttft_us: Histogram<u64>,
     tbt_us: Histogram<u64>,
@@ -574,6 +579,7 @@ impl<'t> Sim<'t> {
             next_seq: 0,
             arrival_ms,
             ttft_ok: vec![false; trace.len()],
+            met: vec![false; trace.len()],
             counters: Counters::default(),
             ttft_us: histogram(),
             tbt_us: histogram(),
@@ -745,6 +751,7 @@ impl<'t> Sim<'t> {
             self.counters.completed += 1;
             if ttft_ok {
                 self.counters.slo_met += 1;
+                self.met[idx] = true;
             }
         } else {
             let seq = Seq {
@@ -829,6 +836,7 @@ impl<'t> Sim<'t> {
                 if tbt <= tbt_slo {
                     if self.ttft_ok[seq.req as usize] {
                         self.counters.slo_met += 1;
+                        self.met[seq.req as usize] = true;
                     }
                 } else {
                     self.counters.wasted += 1;
@@ -901,6 +909,7 @@ impl<'t> Sim<'t> {
             ttft_us: self.ttft_us,
             tbt_us: self.tbt_us,
             load: self.load,
+            met: self.met,
         }
     }
 }

@@ -188,47 +188,64 @@ async fn decode_pool_and_load_reports_drive_rejection() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn finished_requests_teach_predictive_reject_how_long_answers_are() {
-    let cost = CostModel::default();
-    let cap = cost.decode.max_context_tokens;
-    let args = ConductorArgs::new(Policy::PredictiveReject, cost, Slo::default(), 1, 1);
-    let (h, join) = ConductorHandle::spawn(args).await.unwrap();
-    // Prefill is 20 s behind; decode holds twice the KV that fits.
-    h.report_load(
-        0,
-        InstanceLoad::Prefill {
-            queued_requests: 10,
-            queued_ms: 20_000.0,
-        },
-    )
-    .unwrap();
-    h.report_load(
-        0,
-        InstanceLoad::Decode {
-            active_seqs: 100,
-            active_tokens: cap * 2,
-            waiting_seqs: 0,
-            waiting_tokens: 0,
-        },
-    )
-    .unwrap();
-    let p = prompt(3, 4_096);
-    // With the configured 150-token answers, most of the batch is gone by
-    // the time this request reaches decode.
-    routed(h.schedule(request(1, &p), T).await.unwrap());
-    // Answers turn out to be 2,000 tokens long: the batch is still there.
-    for _ in 0..10 {
-        h.decode_finished(0, 2_000).unwrap();
+    // Prefill is 20 s behind; decode is half full. Requests routed now all
+    // reach decode 20 s later; how many fit depends on how much of today's
+    // batch has finished by then, so on how long answers are.
+    async fn admitted(answers: Option<u32>) -> usize {
+        let cost = CostModel::default();
+        let cap = cost.decode.max_context_tokens;
+        let args = ConductorArgs::new(Policy::PredictiveReject, cost, Slo::default(), 1, 1);
+        let (h, join) = ConductorHandle::spawn(args).await.unwrap();
+        h.report_load(
+            0,
+            InstanceLoad::Prefill {
+                queued_requests: 10,
+                queued_ms: 20_000.0,
+            },
+        )
+        .unwrap();
+        h.report_load(
+            0,
+            InstanceLoad::Decode {
+                active_seqs: 50,
+                active_tokens: cap / 2,
+                waiting_seqs: 0,
+                waiting_tokens: 0,
+            },
+        )
+        .unwrap();
+        if let Some(tokens) = answers {
+            for _ in 0..10 {
+                h.decode_finished(0, tokens).unwrap();
+            }
+            // A report from a decode instance the conductor does not have.
+            h.decode_finished(5, tokens).unwrap();
+            let snap = h.snapshot(T).await.unwrap();
+            assert_eq!(snap.expected_output_tokens, f64::from(tokens));
+            assert_eq!(snap.ignored, 1);
+        }
+        // Long prompts: their KV, not the prefill queue's bound, runs out.
+        let p = prompt(3, 16_384);
+        for n in 0..10_000 {
+            match h.schedule(request(n, &p), T).await.unwrap() {
+                Decision::Route { .. } => {}
+                Decision::Reject(RejectReason::TbtSlo { .. }) => {
+                    h.stop();
+                    join.await.unwrap();
+                    return n as usize;
+                }
+                other => panic!("expected a route or a TBT rejection, got {other:?}"),
+            }
+        }
+        panic!("never refused");
     }
-    h.decode_finished(5, 2_000).unwrap();
-    let snap = h.snapshot(T).await.unwrap();
-    assert_eq!(snap.expected_output_tokens, 2_000.0);
-    assert_eq!(snap.ignored, 1);
-    match h.schedule(request(2, &p), T).await.unwrap() {
-        Decision::Reject(RejectReason::TbtSlo { .. }) => {}
-        other => panic!("expected a TBT rejection, got {other:?}"),
-    }
-    h.stop();
-    join.await.unwrap();
+    // The configured 150-token answers, then 2,000-token ones learned.
+    let short = admitted(None).await;
+    let long = admitted(Some(2_000)).await;
+    assert!(
+        long < short,
+        "{long} admitted with long answers, {short} with short ones"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

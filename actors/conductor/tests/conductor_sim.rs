@@ -35,6 +35,19 @@ fn same_seed_same_report_byte_for_byte() {
 }
 
 #[test]
+fn the_per_request_outcome_adds_up_to_the_report() {
+    // `met` is what the issue-19 sweep pairs two policies on.
+    let trace = load_trace();
+    let mut cfg = SimConfig::new(Policy::EarlyReject, 2, 1);
+    cfg.speed = 4.0;
+    let out = simulate(&trace, &cfg).unwrap();
+    assert_eq!(out.met.len() as u64, out.report.requests);
+    let met = out.met.iter().filter(|&&m| m).count() as u64;
+    assert_eq!(met, out.report.slo_met);
+    assert!(met > 0 && met < out.report.requests, "{:?}", out.report);
+}
+
+#[test]
 fn default_cluster_meets_the_slos_at_speed_one() {
     let trace = load_trace();
     for policy in [
