@@ -2,7 +2,9 @@
 //! Exist, (a) on the state machine alone, (b) in process through the `Master`
 //! actor, (c) from this process to a `kvpool run --role master` over TCP;
 //! single calls and batches of 32 and 128, with 1 and 2 shards; then the
-//! master process's RSS per object at 1 M and 10 M objects.
+//! master process's RSS per object at 1 M and 10 M objects; then the cost of
+//! one put on the state machine while eviction runs, with 1 M and 10 M
+//! objects in the pool.
 //!
 //!     cargo bench --bench master          # full run
 //!     cargo test --release --bench master # small run (part of the suite)
@@ -162,6 +164,79 @@ fn bench_state_machine(n: usize) {
         }
         row("state", op, 1, 1, n as u64, t.elapsed(), &l);
     }
+}
+
+/// (d) One put (PutStart + PutEnd) on the state machine with `n` objects
+/// in a segment sized so that they fill it to the high watermark: every
+/// further put runs with eviction going on (an episode frees
+/// `eviction_ratio` of the segment whenever use crosses the watermark).
+/// Reports per-put latency over `puts` further puts and how many episodes
+/// they triggered.
+fn bench_evict(n: usize, puts: usize) {
+    let cfg = master_cfg();
+    let mut m = MasterCore::new(1, &cfg, 1);
+    // 64-byte objects (the allocator's alignment): n of them are the high
+    // watermark's share of the segment.
+    let size = ((n as f64 * 64.0 / cfg.high_watermark).ceil() as u64).next_multiple_of(64);
+    let mut spec = fake_segment("evict");
+    spec.size = size;
+    spec.slice_bytes = size;
+    m.call(Q::MountSegment { client_id: 1, spec }, 0)
+        .expect("mount");
+    let put = |m: &mut MasterCore, k: &[u8], now: u64| {
+        m.call(
+            Q::PutStart {
+                client_id: 2,
+                key: k.to_vec(),
+                len: 64,
+                opts: opts(),
+            },
+            now,
+        )
+        .expect("put_start");
+        m.call(
+            Q::PutEnd {
+                client_id: 2,
+                key: k.to_vec(),
+                checksum: None,
+            },
+            now,
+        )
+        .expect("put_end");
+    };
+    // Time moves 1 ms per put, so every lease but the newest has ended.
+    let mut now = 1_000u64;
+    let fill = Instant::now();
+    for i in 0..n {
+        put(&mut m, &key("ev", 0, i), now);
+        now += 1;
+    }
+    let fill = fill.elapsed();
+    let evictions = |m: &mut MasterCore, now: u64| match m.call(Q::Stat, now) {
+        Ok(A::Stat(s)) => s.evictions,
+        other => panic!("stat: {other:?}"),
+    };
+    let before = evictions(&mut m, now);
+    let mut l = Lat::new();
+    let t = Instant::now();
+    for i in 0..puts {
+        let k = key("ev", 1, i);
+        let s = Instant::now();
+        put(&mut m, &k, now);
+        l.record(s.elapsed(), 0);
+        now += 1;
+    }
+    let wall = t.elapsed();
+    let evicted = evictions(&mut m, now) - before;
+    println!(
+        "evict    objects {n:>9}  fill {:>6.1} s  puts {puts:>7}  evicted {evicted:>8}  p50 {:>7.1} us  p99 {:>7.1} us  p99.9 {:>7.1} us  max {:>10.1} us  {:>9.0} puts/s",
+        fill.as_secs_f64(),
+        l.us(0.5),
+        l.us(0.99),
+        l.us(0.999),
+        l.us(1.0),
+        puts as f64 / wall.as_secs_f64(),
+    );
 }
 
 /// (b) Through the actor API in this process.
@@ -546,6 +621,16 @@ fn main() {
             vec![20_000]
         };
         bench_rss(&marks, &rt);
+    }
+    if run("evict") {
+        let marks: Vec<usize> = if full {
+            vec![1_000_000, 10_000_000]
+        } else {
+            vec![20_000]
+        };
+        for n in marks {
+            bench_evict(n, 4 * n / 10);
+        }
     }
 }
 
