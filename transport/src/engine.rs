@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{ErrorCode, KvError};
 use crate::frame::{self, FrameKind};
 use crate::pool::{ConnPool, Stream};
-use crate::proto::{DataRequest, DataResponse, ReplicaDesc, SegmentId, Tier};
+use crate::proto::{DataRequest, DataResponse, Endpoint, ReplicaDesc, SegmentId, Tier};
 use crate::shm::ShmMap;
 
 /// Which data path to use.
@@ -184,7 +184,9 @@ const MAX_UNREACHABLE: usize = 64;
 /// Moves bytes to and from storage nodes. Cheap to share (`Arc`).
 pub struct TransferEngine {
     cfg: EngineConfig,
-    pools: Mutex<HashMap<String, Arc<ConnPool>>>,
+    /// Connection pools by host, then shard: found without allocating, one
+    /// lock per transfer (not per slice).
+    pools: Mutex<HashMap<String, HashMap<u16, Arc<ConnPool>>>>,
     shm: Mutex<HashMap<SegmentId, ShmEntry>>,
     permits: Arc<Semaphore>,
     req_ids: AtomicU64,
@@ -310,7 +312,7 @@ impl TransferEngine {
             if self.cfg.transport == TransportChoice::Tcp {
                 return None;
             }
-            let pool = self.pool(r.endpoint.shard_addr(r.data_shard()));
+            let pool = self.pools_for(&r.endpoint, r.data_shard(), 1).remove(0);
             path.read(
                 r,
                 dst,
@@ -342,7 +344,7 @@ impl TransferEngine {
             if self.cfg.transport == TransportChoice::Tcp {
                 return None;
             }
-            let pool = self.pool(r.endpoint.shard_addr(r.data_shard()));
+            let pool = self.pools_for(&r.endpoint, r.data_shard(), 1).remove(0);
             path.write(
                 r,
                 src,
@@ -446,11 +448,9 @@ impl TransferEngine {
     /// verified) and sends it like a DRAM read; one request, no slicing.
     async fn nvme_read(&self, r: &ReplicaDesc, dst: &mut [u8]) -> Result<(), KvError> {
         let _p = self.permit().await?;
-        let addr = r.endpoint.shard_addr(r.data_shard());
-        let mut conn = self
-            .pool(addr.clone())
-            .get(self.cfg.connect_timeout)
-            .await?;
+        let pool = self.pools_for(&r.endpoint, r.data_shard(), 1).remove(0);
+        let addr = pool.addr();
+        let mut conn = pool.get(self.cfg.connect_timeout).await?;
         let id = self.req_ids.fetch_add(1, Ordering::Relaxed);
         let req = frame::encode(
             FrameKind::DataRequest,
@@ -465,20 +465,20 @@ impl TransferEngine {
         let s: &mut Stream = conn.stream();
         frame::write_all(s, &req)
             .await
-            .map_err(|e| peer(e.into(), &addr))?;
+            .map_err(|e| peer(e.into(), addr))?;
         let (rid, answer) = frame::read_reply::<DataResponse, _>(
             s,
             FrameKind::DataResponse,
             self.cfg.max_frame_bytes,
         )
         .await
-        .map_err(|e| peer(e.into(), &addr))?;
+        .map_err(|e| peer(e.into(), addr))?;
         let answer = check_answer(rid, id, answer)?;
         match answer {
             Ok(DataResponse::Data { len }) if len == dst.len() as u64 => {
                 futures_lite::AsyncReadExt::read_exact(s, dst)
                     .await
-                    .map_err(|e| peer(e.into(), &addr))?;
+                    .map_err(|e| peer(e.into(), addr))?;
                 conn.release();
                 self.stats
                     .tcp_bytes
@@ -695,20 +695,35 @@ impl TransferEngine {
         }
     }
 
-    fn pool(&self, addr: String) -> Arc<ConnPool> {
+    /// The pools of `count` consecutive shards of `ep`, starting at
+    /// `first` and wrapping around its shards: one lock, and an address
+    /// string made only for a pool seen for the first time.
+    fn pools_for(&self, ep: &Endpoint, first: u16, count: usize) -> Vec<Arc<ConnPool>> {
+        let nr = ep.nr_shards.max(1);
         let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
-        pools
-            .entry(addr.clone())
-            .or_insert_with(|| ConnPool::new(addr, self.cfg.max_connections_per_endpoint))
-            .clone()
+        if !pools.contains_key(ep.host.as_str()) {
+            pools.insert(ep.host.clone(), HashMap::new());
+        }
+        let by_shard = pools.get_mut(ep.host.as_str()).expect("inserted above");
+        (0..count)
+            .map(|k| {
+                let shard = ((u32::from(first) + k as u32) % u32::from(nr)) as u16;
+                by_shard
+                    .entry(shard)
+                    .or_insert_with(|| {
+                        ConnPool::new(ep.shard_addr(shard), self.cfg.max_connections_per_endpoint)
+                    })
+                    .clone()
+            })
+            .collect()
     }
 
-    /// The port (shard) for slice `i` of a replica: slices rotate over the
-    /// node's shards starting at the one that holds the offset.
-    fn slice_addr(r: &ReplicaDesc, i: usize) -> String {
+    /// The pools a TCP transfer of `n` slices of replica `r` uses: slice
+    /// `i` goes to `pools[i % len]` (slices rotate over the node's shards
+    /// starting at the one that holds the offset), its retry to the next.
+    fn slice_pools(&self, r: &ReplicaDesc, n: usize) -> Vec<Arc<ConnPool>> {
         let nr = r.endpoint.nr_shards.max(1) as usize;
-        let shard = (r.data_shard() as usize + i) % nr;
-        r.endpoint.shard_addr(shard as u16)
+        self.pools_for(&r.endpoint, r.data_shard(), nr.min(n + 1))
     }
 
     fn slices(&self, len: usize) -> usize {
@@ -742,12 +757,14 @@ impl TransferEngine {
             dst.chunks_mut(slice).enumerate().collect()
         };
         let lanes = self.cfg.lanes.max(1).min(n);
+        let pools = self.slice_pools(r, n);
+        let pools = &pools;
         stream::iter(chunks.into_iter().map(Ok::<_, KvError>))
             .try_for_each_concurrent(lanes, |(i, chunk)| async move {
                 let off = r.offset + (i * slice) as u64;
                 let _p = self.permit().await?;
                 let first = self
-                    .read_slice(&Self::slice_addr(r, i), r, off, chunk)
+                    .read_slice(&pools[i % pools.len()], r, off, chunk)
                     .await;
                 match first {
                     Ok(()) => Ok(()),
@@ -755,9 +772,9 @@ impl TransferEngine {
                         // Another lane: the next shard port, a fresh connection.
                         self.stats.slice_retries.fetch_add(1, Ordering::Relaxed);
                         tracing::debug!("slice {i} failed ({e}); retrying on another lane");
-                        let addr = Self::slice_addr(r, i + 1);
-                        self.pool(addr.clone()).clear();
-                        self.read_slice(&addr, r, off, chunk).await
+                        let pool = &pools[(i + 1) % pools.len()];
+                        pool.clear();
+                        self.read_slice(pool, r, off, chunk).await
                     }
                     Err(e) => Err(e),
                 }
@@ -773,20 +790,22 @@ impl TransferEngine {
         let slice = self.cfg.tcp_slice_bytes.max(1) as usize;
         let n = self.slices(src.len());
         let lanes = self.cfg.lanes.max(1).min(n);
+        let pools = self.slice_pools(r, n);
+        let pools = &pools;
         stream::iter(src.chunks(slice).enumerate().map(Ok::<_, KvError>))
             .try_for_each_concurrent(lanes, |(i, chunk)| async move {
                 let off = r.offset + (i * slice) as u64;
                 let _p = self.permit().await?;
                 match self
-                    .write_slice(&Self::slice_addr(r, i), r, off, chunk)
+                    .write_slice(&pools[i % pools.len()], r, off, chunk)
                     .await
                 {
                     Ok(()) => Ok(()),
                     Err(e) if retryable(&e) => {
                         self.stats.slice_retries.fetch_add(1, Ordering::Relaxed);
-                        let addr = Self::slice_addr(r, i + 1);
-                        self.pool(addr.clone()).clear();
-                        self.write_slice(&addr, r, off, chunk).await
+                        let pool = &pools[(i + 1) % pools.len()];
+                        pool.clear();
+                        self.write_slice(pool, r, off, chunk).await
                     }
                     Err(e) => Err(e),
                 }
@@ -800,15 +819,13 @@ impl TransferEngine {
 
     async fn read_slice(
         &self,
-        addr: &str,
+        pool: &Arc<ConnPool>,
         r: &ReplicaDesc,
         offset: u64,
         dst: &mut [u8],
     ) -> Result<(), KvError> {
-        let mut conn = self
-            .pool(addr.to_string())
-            .get(self.cfg.connect_timeout)
-            .await?;
+        let addr = pool.addr();
+        let mut conn = pool.get(self.cfg.connect_timeout).await?;
         let id = self.req_ids.fetch_add(1, Ordering::Relaxed);
         let req = frame::encode(
             FrameKind::DataRequest,
@@ -857,17 +874,15 @@ impl TransferEngine {
 
     async fn write_slice(
         &self,
-        addr: &str,
+        pool: &Arc<ConnPool>,
         r: &ReplicaDesc,
         offset: u64,
         src: &[u8],
     ) -> Result<(), KvError> {
         /// Payloads up to this size go out in the same write as their frame.
         const COALESCE: usize = 16 * 1024;
-        let mut conn = self
-            .pool(addr.to_string())
-            .get(self.cfg.connect_timeout)
-            .await?;
+        let addr = pool.addr();
+        let mut conn = pool.get(self.cfg.connect_timeout).await?;
         let id = self.req_ids.fetch_add(1, Ordering::Relaxed);
         let mut bytes = frame::encode(
             FrameKind::DataRequest,
