@@ -62,8 +62,10 @@ fn main() {
         .block_on(Client::connect(&node.addr, ClientConfig::default()))
         .expect("connect");
 
+    // KVPOOL_BENCH_ONLY=repeated runs the repeated small gets alone.
+    let only_repeated = std::env::var("KVPOOL_BENCH_ONLY").is_ok_and(|v| v == "repeated");
     header();
-    for (size, n) in sizes {
+    for (size, n) in sizes.into_iter().filter(|_| !only_repeated) {
         let value: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
         let keys: Vec<String> = (0..n).map(|i| format!("bench-{size}-{i}")).collect();
         let mut put = Lat::new();
@@ -96,6 +98,10 @@ fn main() {
     }
 
     repeated_gets(&rt, &node.addr, full);
+    if only_repeated {
+        let _ = std::fs::remove_file(&cfg);
+        return;
+    }
 
     let memcpy = support::memcpy_gbps(16 << 20, if full { 200 } else { 10 });
     println!("reference memcpy 16MiB single thread: {memcpy:.2} GB/s");

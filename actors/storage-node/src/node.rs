@@ -4,6 +4,7 @@
 //! ```text
 //!  shard i (port base+i): Write{seg,off,len} + len bytes -> read_exact straight into segment
 //!                         Read{seg,off,len} -> Data{len} + write_all straight from segment
+//!                                              (up to 16 KiB: copied behind the frame, one write)
 //!  StorageNode actor (tokio): mount at start, Ping every ping_interval, Unmount on request
 //! ```
 //!
@@ -327,12 +328,23 @@ impl DataConn {
         })
     }
 
-    /// A frame and the payload after it, both within `io_timeout`.
+    /// A frame and the payload after it, both within `io_timeout`. A small
+    /// payload goes out in the same write as its frame (one segment, so
+    /// the reader wakes once), a large one straight from its memory.
     async fn send_two(&self, stream: &mut TcpStream, head: &[u8], body: &[u8]) -> Next {
+        /// Payloads up to this size are copied behind their frame.
+        const COALESCE: usize = 16 * 1024;
         match glommio::timer::timeout(self.io_timeout, async {
             let r = async {
-                frame::write_all(stream, head).await?;
-                frame::write_all(stream, body).await
+                if body.len() <= COALESCE {
+                    let mut one = Vec::with_capacity(head.len() + body.len());
+                    one.extend_from_slice(head);
+                    one.extend_from_slice(body);
+                    frame::write_all(stream, &one).await
+                } else {
+                    frame::write_all(stream, head).await?;
+                    frame::write_all(stream, body).await
+                }
             }
             .await;
             Ok(r)
