@@ -184,9 +184,9 @@ const MAX_UNREACHABLE: usize = 64;
 /// Moves bytes to and from storage nodes. Cheap to share (`Arc`).
 pub struct TransferEngine {
     cfg: EngineConfig,
-    /// Connection pools by host, then shard: found without allocating, one
+    /// Connection pools by host, then port: found without allocating, one
     /// lock per transfer (not per slice).
-    pools: Mutex<HashMap<String, HashMap<u16, Arc<ConnPool>>>>,
+    pools: Mutex<HashMap<String, HashMap<u32, Arc<ConnPool>>>>,
     shm: Mutex<HashMap<SegmentId, ShmEntry>>,
     permits: Arc<Semaphore>,
     req_ids: AtomicU64,
@@ -697,19 +697,21 @@ impl TransferEngine {
 
     /// The pools of `count` consecutive shards of `ep`, starting at
     /// `first` and wrapping around its shards: one lock, and an address
-    /// string made only for a pool seen for the first time.
+    /// string made only for a pool seen for the first time. Keyed by host,
+    /// then by the shard's port (several nodes may share a host).
     fn pools_for(&self, ep: &Endpoint, first: u16, count: usize) -> Vec<Arc<ConnPool>> {
         let nr = ep.nr_shards.max(1);
         let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
         if !pools.contains_key(ep.host.as_str()) {
             pools.insert(ep.host.clone(), HashMap::new());
         }
-        let by_shard = pools.get_mut(ep.host.as_str()).expect("inserted above");
+        let by_port = pools.get_mut(ep.host.as_str()).expect("inserted above");
         (0..count)
             .map(|k| {
                 let shard = ((u32::from(first) + k as u32) % u32::from(nr)) as u16;
-                by_shard
-                    .entry(shard)
+                let port = u32::from(ep.port) + u32::from(shard);
+                by_port
+                    .entry(port)
                     .or_insert_with(|| {
                         ConnPool::new(ep.shard_addr(shard), self.cfg.max_connections_per_endpoint)
                     })
