@@ -23,6 +23,7 @@ fn request(id: u64, tokens: &[u32]) -> ScheduleRequest {
         id,
         input_tokens: tokens.len() as u32,
         chunks: chunk_hashes(tokens, 512).unwrap(),
+        pool_prefix_blocks: None,
     }
 }
 
