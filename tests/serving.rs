@@ -951,3 +951,82 @@ fn live_decisions_replay_in_the_simulator_and_bench_serve_reports_them() {
         assert_eq!(code, Some(2), "{out}");
     }
 }
+
+#[test]
+fn a_dead_prefill_engine_decode_proxy_or_pool_costs_no_answer() {
+    let mut pool = pool();
+    let cfg = config_file("deaths", &fast("", TCP));
+    let mono = engine(None, &cfg);
+    let mut pe = [
+        engine(Some(&pool.addr), &cfg),
+        engine(Some(&pool.addr), &cfg),
+    ];
+    let pp = [
+        proxy("prefill-proxy", &pe[0].addr, &cfg),
+        proxy("prefill-proxy", &pe[1].addr, &cfg),
+    ];
+    let de = [
+        engine(Some(&pool.addr), &cfg),
+        engine(Some(&pool.addr), &cfg),
+    ];
+    let mut dp = [
+        proxy("decode-proxy", &de[0].addr, &cfg),
+        proxy("decode-proxy", &de[1].addr, &cfg),
+    ];
+    let front = conductor(
+        &[&pp[0], &pp[1]],
+        &[&dp[0], &dp[1]],
+        &pool.addr,
+        &cfg,
+        &["--policy", "round_robin"],
+    );
+    let p = prompt(400, 11);
+    let want =
+        ids(&post_ok(&mono.addr, "/v1/completions", &greedy(&p, 200))["choices"][0]["token_ids"]);
+
+    // A prefill engine dies: requests (round robin would send every other
+    // one to it) are all answered, by the other one.
+    pe[0].child.kill().unwrap();
+    for _ in 0..4 {
+        let v = post_ok(&front.addr, "/v1/completions", &greedy(&p, 16));
+        assert_eq!(ids(&v["choices"][0]["token_ids"]), want[..16]);
+        assert_eq!(v["kvpool"]["prefill"], 1, "{v}");
+    }
+
+    // A decode proxy dies mid-stream: the stream breaks under the front,
+    // which continues the answer on the other decode instance.
+    let mut body = greedy(&p, 200);
+    body["stream"] = json!(true);
+    let mut r = BufReader::new(send(&front.addr, "/v1/completions", &body, &[]));
+    assert_eq!(read_head(&mut r).0, 200);
+    let mut got: Vec<u64> = Vec::new();
+    let mut killed = false;
+    let (evs, done) = read_stream(&mut r, |v| {
+        if let Some(c) = v["choices"].get(0) {
+            got.extend(ids(&c["token_ids"]));
+        }
+        if !killed && got.len() >= 10 {
+            let busy = (0..2)
+                .find(|&i| {
+                    let (_, load) = common::http(&dp[i].addr, "GET", "/v1/load");
+                    serde_json::from_str::<Value>(&load).unwrap()["in_flight"] == 1
+                })
+                .expect("a decode proxy holds the stream");
+            dp[busy].child.kill().unwrap();
+            killed = true;
+        }
+    });
+    assert!(done, "the stream ended without [DONE]: {evs:?}");
+    assert!(evs.iter().all(|v| v.get("error").is_none()), "{evs:?}");
+    assert_eq!(got, want, "the continued answer differs from one engine's");
+
+    // The pool dies: engines compute whole prompts, the front schedules
+    // without lookups; answers are the same.
+    pool.child.kill().unwrap();
+    let other = prompt(300, 12);
+    let want2 = ids(
+        &post_ok(&mono.addr, "/v1/completions", &greedy(&other, 16))["choices"][0]["token_ids"],
+    );
+    let v = post_ok(&front.addr, "/v1/completions", &greedy(&other, 16));
+    assert_eq!(ids(&v["choices"][0]["token_ids"]), want2);
+}
