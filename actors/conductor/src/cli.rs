@@ -280,7 +280,10 @@ pub struct SimScaleArgs {
     /// Tokens per block in the output: every block keeps its id.
     #[arg(long)]
     pub block_tokens: u32,
-    /// Requests kept, from the start.
+    /// Requests passed over at the start of `--trace`.
+    #[arg(long, default_value_t = 0)]
+    pub skip: usize,
+    /// Requests kept (after `--skip`).
     #[arg(long, default_value_t = usize::MAX)]
     pub requests: usize,
     /// Factor on output lengths.
@@ -360,6 +363,7 @@ fn create_out(path: &std::path::Path) -> Result<Box<dyn Write>, SimError> {
 pub fn run_sim_scale(args: &SimScaleArgs) -> Result<u64, SimError> {
     let p = ScaleParams {
         block_tokens: args.block_tokens,
+        skip: args.skip,
         requests: args.requests,
         output_scale: args.output_scale,
         output_max: args.output_max,

@@ -286,11 +286,12 @@ impl Trace {
         }
     }
 
-    /// Writes a smaller copy of the first `p.requests` requests (see
-    /// [`ScaleParams`]) in the same format; returns the requests written.
+    /// Writes a smaller copy of `p.requests` requests from the `p.skip`th
+    /// (see [`ScaleParams`]) in the same format; returns the requests
+    /// written.
     pub fn write_scaled<W: Write>(&self, p: &ScaleParams, out: &mut W) -> std::io::Result<u64> {
         let mut n = 0;
-        for (r, blocks) in self.iter().take(p.requests) {
+        for (r, blocks) in self.iter().skip(p.skip).take(p.requests) {
             let (input, output) = p.scale(self.block_tokens, r, blocks.len());
             let ids: Vec<u64> = blocks.iter().map(|b| b.0).collect();
             let line = serde_json::json!({"timestamp": r.timestamp_ms, "input_length": input,
@@ -311,7 +312,9 @@ impl Trace {
 pub struct ScaleParams {
     /// Tokens per block in the written trace.
     pub block_tokens: u32,
-    /// Requests kept, from the start.
+    /// Requests passed over at the start.
+    pub skip: usize,
+    /// Requests kept after those.
     pub requests: usize,
     /// Factor on output lengths.
     pub output_scale: f64,
@@ -387,6 +390,7 @@ mod tests {
         .unwrap();
         let p = ScaleParams {
             block_tokens: 16,
+            skip: 0,
             requests: 2,
             output_scale: 0.25,
             output_max: 64,
@@ -403,6 +407,11 @@ mod tests {
         assert_eq!(s.requests()[1].input_tokens, 16);
         assert_eq!(s.requests()[1].output_tokens, 1);
         assert_eq!(s.blocks(&s.requests()[0]), t.blocks(&t.requests()[0]));
+        let mut tail = Vec::new();
+        let skip = ScaleParams { skip: 2, ..p };
+        assert_eq!(t.write_scaled(&skip, &mut tail).unwrap(), 1);
+        let s = Trace::parse(&tail[..], "tail", 16).unwrap();
+        assert_eq!(s.requests()[0].timestamp_ms, 9);
         assert!(ScaleParams {
             block_tokens: 0,
             ..p
