@@ -614,17 +614,12 @@ impl Client {
     ) -> Result<(), KvError> {
         self.inner.locations.forget(key);
         let deadline = self.call_deadline();
-        let sum = self
-            .inner
-            .cfg
-            .checksums
-            .then(|| xxhash_rust::xxh3::xxh3_64(value));
         let res = self
             .deadline("put", async {
                 let mut backoff = Duration::from_millis(1);
                 let mut placements = 0;
                 loop {
-                    match self.put_inner(key, value, sum, opts, deadline).await {
+                    match self.put_inner(key, value, opts, deadline).await {
                         Err(e) if e.code == ErrorCode::TryAgain => {
                             // Space is on its way out: wait for it, bounded
                             // by the call's deadline (then it is a Timeout).
@@ -709,11 +704,12 @@ impl Client {
         }
     }
 
+    /// One placement of a put. The checksum is computed as the bytes go out
+    /// (each piece while it is in cache), not in a pass of its own.
     async fn put_inner(
         &self,
         key: &[u8],
         value: &[u8],
-        checksum: Option<u64>,
         opts: &PutOptions,
         deadline: Instant,
     ) -> Result<(), KvError> {
@@ -725,8 +721,20 @@ impl Client {
                 opts: self.with_host(opts),
             })
             .await?;
-        match self.inner.engine.write(&replicas, value, deadline).await {
-            Ok(()) => {
+        let engine = &self.inner.engine;
+        let written = if self.inner.cfg.checksums {
+            engine
+                .write_summed(&replicas, value, deadline)
+                .await
+                .map(Some)
+        } else {
+            engine
+                .write(&replicas, value, deadline)
+                .await
+                .map(|()| None)
+        };
+        match written {
+            Ok(checksum) => {
                 self.ask(call::PutEnd {
                     client_id: self.inner.id,
                     key: key.to_vec(),
@@ -928,23 +936,13 @@ impl Client {
             self.inner.locations.forget(k);
         }
         let deadline = self.call_deadline();
-        let sums: Vec<Option<u64>> = items
-            .iter()
-            .map(|(_, v)| {
-                self.inner
-                    .cfg
-                    .checksums
-                    .then(|| xxhash_rust::xxh3::xxh3_64(v))
-            })
-            .collect();
         self.deadline("batch_put", async {
             let mut out: Vec<Option<Result<(), KvError>>> = vec![None; items.len()];
             let mut todo: Vec<usize> = (0..items.len()).collect();
             let mut backoff = Duration::from_millis(1);
             loop {
                 let sub: Vec<(&[u8], &[u8])> = todo.iter().map(|&i| items[i]).collect();
-                let sub_sums: Vec<Option<u64>> = todo.iter().map(|&i| sums[i]).collect();
-                let res = self.batch_put_once(&sub, &sub_sums, opts, deadline).await?;
+                let res = self.batch_put_once(&sub, opts, deadline).await?;
                 let mut again = Vec::new();
                 for (&i, r) in todo.iter().zip(res) {
                     match r {
@@ -970,7 +968,6 @@ impl Client {
     async fn batch_put_once(
         &self,
         items: &[(&[u8], &[u8])],
-        sums: &[Option<u64>],
         opts: &PutOptions,
         deadline: Instant,
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
@@ -988,30 +985,37 @@ impl Client {
             };
             let started: Vec<Result<Vec<ReplicaDesc>, KvError>> =
                 self.ask(req).await?.into_iter().map(Result::from).collect();
-            // Per item: Ok(()) written; Err((e, true)) allocated but not
-            // written (its space must go back); Err((e, false)) refused.
+            // Per item: Ok(checksum) written; Err((e, true)) allocated but
+            // not written (its space must go back); Err((e, false)) refused.
+            let summing = self.inner.cfg.checksums;
             let mut transfers: Vec<Transfer<'_>> = Vec::new();
             let mut which: Vec<usize> = Vec::new();
             for (i, (s, (_, v))) in started.iter().zip(items).enumerate() {
                 if let Ok(reps) = s {
-                    transfers.push(Transfer::write(v, reps));
+                    transfers.push(if summing {
+                        Transfer::write_summed(v, reps)
+                    } else {
+                        Transfer::write(v, reps)
+                    });
                     which.push(i);
                 }
             }
             self.inner.engine.run(&mut transfers, deadline, None).await;
-            let mut written: Vec<Result<(), (KvError, bool)>> = started
+            let mut written: Vec<Result<Option<u64>, (KvError, bool)>> = started
                 .iter()
                 .map(|s| match s {
-                    Ok(_) => Ok(()),
+                    Ok(_) => Ok(None),
                     Err(e) => Err((e.clone(), false)),
                 })
                 .collect();
             for (t, &i) in transfers.into_iter().zip(&which) {
-                if let Some(Err(e)) = t.status {
-                    written[i] = Err((e, true));
-                }
+                written[i] = match t.status {
+                    Some(Err(e)) => Err((e, true)),
+                    _ => Ok(t.sum),
+                };
             }
-            let keys_where = |pred: fn(&Result<(), (KvError, bool)>) -> bool| -> Vec<Vec<u8>> {
+            type Written = Result<Option<u64>, (KvError, bool)>;
+            let keys_where = |pred: fn(&Written) -> bool| -> Vec<Vec<u8>> {
                 written
                     .iter()
                     .zip(items)
@@ -1021,11 +1025,12 @@ impl Client {
             };
             let ok_items: Vec<PutDone> = written
                 .iter()
-                .zip(items.iter().zip(sums))
-                .filter(|(w, _)| w.is_ok())
-                .map(|(_, ((k, _), sum))| PutDone {
-                    key: k.to_vec(),
-                    checksum: *sum,
+                .zip(items)
+                .filter_map(|(w, (k, _))| {
+                    w.as_ref().ok().map(|sum| PutDone {
+                        key: k.to_vec(),
+                        checksum: *sum,
+                    })
                 })
                 .collect();
             let failed_keys = keys_where(|w| matches!(w, Err((_, true))));
@@ -1050,7 +1055,7 @@ impl Client {
             Ok(written
                 .into_iter()
                 .map(|w| match w {
-                    Ok(()) => ended.next().map(Result::from).unwrap_or_else(|| {
+                    Ok(_) => ended.next().map(Result::from).unwrap_or_else(|| {
                         Err(KvError::new(ErrorCode::Internal, "missing put_end result"))
                     }),
                     Err((e, _)) => Err(e),
