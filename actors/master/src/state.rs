@@ -982,7 +982,8 @@ impl ShardState {
                 // held for longer than a put's deadline.
                 let coming = idxs.iter().any(|&idx| {
                     let s = self.slot(idx);
-                    !s.suspect && s.alloc.free() + self.demoting_bytes(idx) >= s.alloc.rounded(len)
+                    let demoting = self.demoting_bytes(idx);
+                    !s.suspect && demoting > 0 && s.alloc.free() + demoting >= s.alloc.rounded(len)
                 });
                 if coming {
                     return Err(err(

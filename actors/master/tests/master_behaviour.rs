@@ -1827,6 +1827,24 @@ fn a_full_segment_whose_space_is_being_demoted_says_try_again() {
 }
 
 #[test]
+fn free_space_in_pieces_too_small_with_no_demotion_under_way_is_no_space_not_try_again() {
+    let mut m = M::new(1);
+    m.mount("seg", 4 * KIB);
+    let hard = PutOptions {
+        hard_pin: true,
+        ..opts(1)
+    };
+    for k in ["a", "b", "c", "d"] {
+        m.put_with(k, KIB, hard.clone());
+    }
+    m.remove("b", false).unwrap();
+    m.remove("d", false).unwrap();
+    // 2 KiB free, in two 1 KiB holes, nothing to evict and nothing coming:
+    // waiting would not help, so the writer must not be told to.
+    assert_eq!(code(m.start("e", 2 * KIB)), ErrorCode::NoSpace);
+}
+
+#[test]
 fn with_a_secret_the_master_signs_write_and_read_grants_for_each_replica() {
     use kvpool_master::state::{GrantSigner, ShardConfig, ShardState};
     use kvpool_transport::auth::{ClusterKey, GrantClock, GrantOp};
