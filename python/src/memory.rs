@@ -207,12 +207,14 @@ impl HostMemAllocator {
     /// Allocates `size` bytes of shareable host memory (a memfd, mapped
     /// shared and populated); returns its address. Failure raises
     /// RuntimeError.
+    #[pyo3(signature = (size, /))]
     fn alloc(&self, py: Python<'_>, size: usize) -> PyResult<usize> {
         py.detach(|| host_alloc(size))
             .map_err(|e| PyRuntimeError::new_err(format!("MooncakeHostMemAllocator.alloc: {e}")))
     }
 
     /// Frees memory from `alloc`: 0, or -1 for an address it did not give.
+    #[pyo3(signature = (ptr, /))]
     fn free(&self, py: Python<'_>, ptr: usize) -> i64 {
         if py.detach(|| host_free(ptr)) {
             0
