@@ -185,7 +185,7 @@ fn options_of(config: Option<&ReplicateConfig>, single: bool) -> Result<PutOptio
 }
 
 /// A value read by `get_buffer`: owns its bytes; `ptr()`, `size()`, `len()`
-/// and the buffer protocol (1-D, unsigned bytes, writable).
+/// and the buffer protocol (1-D bytes, format 'b' as Mooncake's, writable).
 #[pyclass(module = "kvpool.mooncake", name = "BufferHandle", frozen)]
 pub struct BufferHandle {
     data: Box<[u8]>,
@@ -235,6 +235,11 @@ impl BufferHandle {
         };
         if rc == -1 {
             return Err(PyErr::fetch(slf.py()));
+        }
+        if flags & ffi::PyBUF_FORMAT == ffi::PyBUF_FORMAT {
+            // Mooncake's handles say `char` ('b'); FillInfo says 'B'.
+            // SAFETY: FillInfo filled `view`; the format is a static string.
+            unsafe { (*view).format = c"b".as_ptr() as *mut std::os::raw::c_char };
         }
         Ok(())
     }
