@@ -256,10 +256,12 @@ impl PyClient {
         }
     }
 
-    /// Removes every object without a live lease; how many went.
-    fn remove_all(&self, py: Python<'_>) -> PyResult<u64> {
+    /// Removes every object without a live lease (with ``force``, leased
+    /// ones too); how many went.
+    #[pyo3(signature = (force = false))]
+    fn remove_all(&self, py: Python<'_>, force: bool) -> PyResult<u64> {
         let client = self.client()?;
-        run(py, async move { client.remove_all().await }).map_err(|e| to_py(py, &e))
+        run(py, async move { client.remove_all_with(force).await }).map_err(|e| to_py(py, &e))
     }
 
     /// Stores several values in one round trip per master shard; returns,

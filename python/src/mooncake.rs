@@ -930,16 +930,15 @@ impl Store {
         Ok(r.unwrap_or_else(|c| vec![c; n]))
     }
 
-    /// Removes every object it may (without a live lease); how many went,
-    /// or a negative code.
+    /// Removes every complete object without a live lease (with `force`,
+    /// leased ones too); how many went, or a negative code.
     #[pyo3(signature = (force = false))]
     fn remove_all(&self, py: Python<'_>, force: bool) -> i64 {
         let Some(inner) = self.state() else {
             return INVALID_PARAMS;
         };
-        let _ = force;
         let r = run(py, async move {
-            match inner.client.remove_all().await {
+            match inner.client.remove_all_with(force).await {
                 Ok(n) => n as i64,
                 Err(e) => mooncake_code(&e),
             }

@@ -295,6 +295,8 @@ def test_remove_all_counts_and_skips_leased(fresh_pool):
     assert s.get("ra0") == b"x"  # leased: skipped
     assert s.remove_all() == 4
     assert s.batch_is_exist([f"ra{i}" for i in range(5)]) == [1, 0, 0, 0, 0]
+    assert s.remove_all(force=True) == 1  # leased, but forced
+    assert s.is_exist("ra0") == 0
     s.close()
 
 

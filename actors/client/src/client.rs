@@ -1019,10 +1019,17 @@ impl Client {
         .await
     }
 
-    /// Removes every object that may be removed; returns how many went.
+    /// Removes every object that may be removed (none under a live
+    /// lease); returns how many went.
     pub async fn remove_all(&self) -> Result<u64, KvError> {
+        self.remove_all_with(false).await
+    }
+
+    /// [`Client::remove_all`]; with `force`, objects under a lease go too
+    /// (their space waits for the lease).
+    pub async fn remove_all_with(&self, force: bool) -> Result<u64, KvError> {
         self.inner.locations.clear();
-        self.call(call::RemoveAll).await
+        self.call(call::RemoveAll { force }).await
     }
 
     /// Segments, capacity, use and key count of the pool.
