@@ -427,12 +427,15 @@ impl PyClient {
     fn register_buffer(&self, py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<()> {
         let client = self.client()?;
         let mem = PyMem::writable(buffer)?;
-        // SAFETY: the export in `mem` keeps the memory valid and in place
-        // for as long as the registration lives beside it in `registered`
-        // (both go together in `unregister_buffer` / `close`).
-        let reg =
-            unsafe { client.register_memory(mem.addr, mem.len) }.map_err(|e| to_py(py, &e))?;
-        let addr = mem.addr;
+        let (addr, len) = (mem.addr, mem.len);
+        // The GIL is released: an RDMA registration pins every page.
+        let reg = py
+            // SAFETY: the export in `mem` keeps the memory valid and in
+            // place for as long as the registration lives beside it in
+            // `registered` (both go together in `unregister_buffer` /
+            // `close`).
+            .detach(|| unsafe { client.register_memory(addr, len) })
+            .map_err(|e| to_py(py, &e))?;
         self.registered
             .lock()
             .unwrap_or_else(|p| p.into_inner())
