@@ -457,3 +457,21 @@ def test_embedded_node_gives_this_process_memory(fresh_pool):
     # The segment left with the node.
     assert wait_until(lambda: client.put("gone", b"x") == NO_SPACE)
     client.close()
+
+
+def test_kvpool_config_and_protocols(pool, tmp_path, monkeypatch):
+    import kvpool
+    s = MooncakeDistributedStore()
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[client]\nno_such_key = 1\n")
+    monkeypatch.setenv("KVPOOL_CONFIG", str(bad))
+    assert s.setup("localhost", "P2PHANDSHAKE", 0, 16 * MIB, "tcp", "", pool.addr) == INVALID_PARAMS
+    monkeypatch.setenv("KVPOOL_CONFIG", str(tmp_path / "missing.toml"))
+    assert s.setup("localhost", "P2PHANDSHAKE", 0, 16 * MIB, "tcp", "", pool.addr) == INVALID_PARAMS
+    monkeypatch.delenv("KVPOOL_CONFIG")
+    rc = s.setup("localhost", "P2PHANDSHAKE", 0, 16 * MIB, "rdma", "", pool.addr)
+    if not kvpool.RDMA:
+        assert rc < 0  # RDMA asked of a build without it: refused, not TCP in disguise
+    else:
+        s.close()
+    assert s.health_check() == 1 or kvpool.RDMA
