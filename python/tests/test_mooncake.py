@@ -475,3 +475,23 @@ def test_kvpool_config_and_protocols(pool, tmp_path, monkeypatch):
     else:
         s.close()
     assert s.health_check() == 1 or kvpool.RDMA
+
+
+def test_a_forked_child_gets_an_error_not_a_hang(store, keys):
+    assert store.put(keys("f"), b"before the fork") == 0
+    pid = os.fork()
+    if pid == 0:  # the child: kvpool's threads did not come along
+        ok = store.is_exist(keys("f")) == -900 and store.get(keys("f")) == b""
+        os._exit(0 if ok else 1)
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert store.get(keys("f")) == b"before the fork"  # the parent is unaffected
