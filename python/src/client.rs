@@ -428,6 +428,15 @@ impl PyClient {
         let client = self.client()?;
         let mem = PyMem::writable(buffer)?;
         let (addr, len) = (mem.addr, mem.len);
+        // A buffer registered again at this address: the old registration
+        // goes first, so that its release cannot drop the new one's entry
+        // in the RDMA cache.
+        let old = self
+            .registered
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&addr);
+        drop(old);
         // The GIL is released: an RDMA registration pins every page.
         let reg = py
             // SAFETY: the export in `mem` keeps the memory valid and in

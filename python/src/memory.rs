@@ -97,15 +97,24 @@ impl Registry {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Registers `addr..addr + len` with `client` (again: replaces it).
+    /// Registers `addr..addr + len` with `client`. The same range again is
+    /// a no-op; another length at the same address replaces the old range
+    /// (unregistered first, so that the old one's release cannot drop the
+    /// new one's entry in the RDMA cache).
     ///
     /// # Safety
     /// As [`Client::register_memory`]: the range stays valid until it is
     /// unregistered (or the registry dropped) and its transfers have ended.
     pub unsafe fn register(&self, client: &Client, addr: usize, len: usize) -> Result<(), KvError> {
+        let mut map = self.lock();
+        match map.get(&addr) {
+            Some(r) if r.len() == len => return Ok(()),
+            Some(_) => drop(map.remove(&addr)),
+            None => {}
+        }
         // SAFETY: this function's contract, passed on.
         let reg = unsafe { client.register_memory(addr, len) }?;
-        self.lock().insert(addr, reg);
+        map.insert(addr, reg);
         Ok(())
     }
 

@@ -495,3 +495,16 @@ def test_a_forked_child_gets_an_error_not_a_hang(store, keys):
         pytest.fail("the forked child hung")
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     assert store.get(keys("f")) == b"before the fork"  # the parent is unaffected
+
+
+def test_registering_again_keeps_the_range_usable(store, keys):
+    buf = np.zeros(8192, dtype=np.uint8)
+    p = buf.ctypes.data
+    assert store.register_buffer(p, 8192) == 0
+    assert store.register_buffer(p, 8192) == 0  # the same range again
+    assert store.register_buffer(p, 4096) == 0  # a new length replaces it
+    assert store.put(keys("r"), b"r" * 5000) == 0
+    assert store.get_into(keys("r"), p, 8192) == INVALID_PARAMS  # past the 4 KiB now
+    assert store.register_buffer(p, 8192) == 0
+    assert store.get_into(keys("r"), p, 8192) == 5000
+    assert store.unregister_buffer(p) == 0
