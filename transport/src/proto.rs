@@ -241,6 +241,10 @@ pub struct PutOptions {
     pub hard_pin: bool,
     /// The writer's host id, for `local_first` placement ("" for none).
     pub preferred_host: String,
+    /// An atomic replace ("upsert"): a complete object under the key stays
+    /// readable until this put ends, then the new one takes its place in
+    /// one step. Without it a put of a complete key is `ObjectAlreadyExists`.
+    pub replace: bool,
 }
 
 impl Default for PutOptions {
@@ -250,6 +254,7 @@ impl Default for PutOptions {
             soft_pin_ttl_ms: 0,
             hard_pin: false,
             preferred_host: String::new(),
+            replace: false,
         }
     }
 }

@@ -42,6 +42,7 @@ use kvpool_transport::proto::{
 use kvpool_transport::shm::ShmMap;
 use kvpool_transport::{ErrorCode, KvError};
 
+use crate::locations::OnDrop;
 use kvpool_config::ClientConfig;
 use kvpool_transport::route::{self, merge_batch, split_batch_by, Target};
 
@@ -680,9 +681,32 @@ impl Client {
         })
     }
 
-    /// Stores `value` under `key` with one replica.
+    /// Stores `value` under `key` with one replica. A key that is stored
+    /// already is `ObjectAlreadyExists` (objects are written once; see
+    /// [`Client::upsert`] to replace one).
     pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
         self.put_with(key, value, &PutOptions::default()).await
+    }
+
+    /// Stores `value` under `key` with one replica, replacing the value
+    /// stored there if there is one (or storing it, if there is none): the
+    /// atomic replace. A get returns the old value until the master has
+    /// ended the put, the new one from then on (a get this client starts
+    /// after the call returned always does); never a mix of the two, and
+    /// never "not found" in between. Another client that read the old value
+    /// shortly before may read it again from where it lies until its read
+    /// lease ends (the old bytes stay in place that long; see
+    /// [`ClientConfig::location_cache_entries`]). Two clients replacing one
+    /// key at once both succeed, one after the other (the later end wins):
+    /// the second waits for the first within its deadline. Options
+    /// (replicas, pins) through [`Client::put_with`] with
+    /// [`PutOptions::replace`].
+    pub async fn upsert(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
+        let opts = PutOptions {
+            replace: true,
+            ..PutOptions::default()
+        };
+        self.put_with(key, value, &opts).await
     }
 
     /// Stores the first `len` bytes of `buf` under `key`, sent straight from
@@ -694,6 +718,18 @@ impl Client {
         buf: &RegisteredBuffer,
         len: usize,
     ) -> Result<(), KvError> {
+        self.put_from_with(key, buf, len, &PutOptions::default())
+            .await
+    }
+
+    /// [`Client::put_from`] with `opts` (replicas, pins, `replace`).
+    pub async fn put_from_with(
+        &self,
+        key: &[u8],
+        buf: &RegisteredBuffer,
+        len: usize,
+        opts: &PutOptions,
+    ) -> Result<(), KvError> {
         if len > buf.len() {
             return Err(KvError::new(
                 ErrorCode::InvalidParams,
@@ -703,7 +739,7 @@ impl Client {
                 ),
             ));
         }
-        self.put(key, &buf.bytes()?[..len]).await
+        self.put_with(key, &buf.bytes()?[..len], opts).await
     }
 
     /// Reads the value under `key` into `buf` (zero copy over RDMA); returns
@@ -717,17 +753,22 @@ impl Client {
         self.get_into(key, dst).await
     }
 
-    /// Stores `value` under `key` with `opts` (replicas, pins). Within the
-    /// call's deadline, a put that meets space still being freed (demotions
-    /// to NVMe) waits for it, and one whose node turns out unreachable is
-    /// reported to the master and placed again elsewhere.
+    /// Stores `value` under `key` with `opts` (replicas, pins; `replace` for
+    /// the atomic replace of [`Client::upsert`]). Within the call's
+    /// deadline, a put that meets space still being freed (demotions to
+    /// NVMe), or a replace that meets another client's put of the key, waits
+    /// for it, and one whose node turns out unreachable is reported to the
+    /// master and placed again elsewhere.
     pub async fn put_with(
         &self,
         key: &[u8],
         value: &[u8],
         opts: &PutOptions,
     ) -> Result<(), KvError> {
-        self.inner.locations.forget(key);
+        // Forgotten once the put is over (returned or dropped): a get of
+        // this client that asked the master before the put ended must not
+        // leave the old object's replicas behind for the next get.
+        let _forget = OnDrop(|| self.inner.locations.forget(key));
         let deadline = self.call_deadline();
         let sum = self
             .inner
@@ -741,7 +782,8 @@ impl Client {
                 loop {
                     match self.put_inner(key, value, sum, opts, deadline).await {
                         Err(e) if e.code == ErrorCode::TryAgain => {
-                            // Space is on its way out: wait for it, bounded
+                            // Space is on its way out, or another writer's
+                            // put of the key is ending: wait for it, bounded
                             // by the call's deadline (then it is a Timeout).
                             tokio::time::sleep(backoff).await;
                             backoff = (backoff * 2).min(Duration::from_millis(50));
@@ -973,6 +1015,7 @@ impl Client {
     /// is then remembered until the lease's end as this process measures it.
     async fn replicas(&self, key: &[u8]) -> Result<Vec<ReplicaDesc>, KvError> {
         let asked = Instant::now();
+        let generation = self.inner.locations.generation(key);
         let r = self.ask(call::GetReplicaList { key: key.to_vec() }).await?;
         if r.is_empty() {
             return Err(KvError::new(
@@ -992,9 +1035,12 @@ impl Client {
                 .cloned()
                 .collect();
             let lease = Duration::from_millis(self.inner.cluster.lease_ttl_ms);
-            self.inner
-                .locations
-                .put(key, &known, asked + lease.saturating_sub(VIEW_MARGIN));
+            self.inner.locations.put(
+                key,
+                &known,
+                asked + lease.saturating_sub(VIEW_MARGIN),
+                generation,
+            );
         }
         Ok(r)
     }
@@ -1011,7 +1057,7 @@ impl Client {
 
     /// Removes the object under `key`; `force` removes it even under a lease.
     pub async fn remove_with(&self, key: &[u8], force: bool) -> Result<(), KvError> {
-        self.inner.locations.forget(key);
+        let _forget = OnDrop(|| self.inner.locations.forget(key)); // as in `put_with`
         self.call(call::Remove {
             key: key.to_vec(),
             force,
@@ -1028,7 +1074,7 @@ impl Client {
     /// [`Client::remove_all`]; with `force`, objects under a lease go too
     /// (their space waits for the lease).
     pub async fn remove_all_with(&self, force: bool) -> Result<u64, KvError> {
-        self.inner.locations.clear();
+        let _forget = OnDrop(|| self.inner.locations.clear()); // as in `put_with`
         self.call(call::RemoveAll { force }).await
     }
 
@@ -1040,15 +1086,20 @@ impl Client {
     /// Stores several values; one result per item, in order. Keys are
     /// grouped by owning master shard (one call per shard); all values move
     /// in one engine batch (sent straight from the given slices). Items
-    /// that meet space still being freed wait for it within the deadline.
+    /// that meet space still being freed, or (with `opts.replace`, the
+    /// atomic replace of [`Client::upsert`]) another client's put of their
+    /// key, wait for it within the deadline.
     pub async fn batch_put(
         &self,
         items: &[(&[u8], &[u8])],
         opts: &PutOptions,
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
-        for (k, _) in items {
-            self.inner.locations.forget(k);
-        }
+        // Forgotten once the puts are over (as in `put_with`).
+        let _forget = OnDrop(|| {
+            for (k, _) in items {
+                self.inner.locations.forget(k);
+            }
+        });
         let deadline = self.call_deadline();
         let sums: Vec<Option<u64>> = items
             .iter()
@@ -1298,9 +1349,11 @@ impl Client {
         keys: &[&[u8]],
         force: bool,
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
-        for k in keys {
-            self.inner.locations.forget(k);
-        }
+        let _forget = OnDrop(|| {
+            for k in keys {
+                self.inner.locations.forget(k);
+            }
+        }); // as in `put_with`
         let req = call::BatchRemove {
             keys: keys.iter().map(|k| k.to_vec()).collect(),
             force,
