@@ -33,6 +33,9 @@ class Client:
     def put(self, key: Key, value: Buffer, *, replicas: int = 1, soft_pin_ms: int = 0,
             hard_pin: bool = False) -> None:
         """Stores ``value`` under ``key``; a stored key raises ObjectAlreadyExists."""
+    def upsert(self, key: Key, value: Buffer, *, replicas: int = 1, soft_pin_ms: int = 0,
+               hard_pin: bool = False) -> None:
+        """Stores ``value`` under ``key``, replacing what is there (atomically)."""
     def put_from(self, key: Key, buffer: Buffer, *, replicas: int = 1, soft_pin_ms: int = 0,
                  hard_pin: bool = False) -> None:
         """:meth:`put` from a buffer (zero copy from a registered one with RDMA)."""

@@ -78,6 +78,29 @@ pub struct PyClient {
 }
 
 impl PyClient {
+    /// A put or (`opts.replace`) an upsert of a bytes-like value, read in
+    /// place.
+    fn write(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        opts: PutOptions,
+    ) -> PyResult<()> {
+        let client = self.client()?;
+        let key = key_of(key)?;
+        let mem = PyMem::readable(value)?;
+        let (addr, len) = (mem.addr, mem.len);
+        let r = run(py, async move {
+            // SAFETY: `mem` holds the buffer export until after this call
+            // (the object cannot free or resize it); the bytes are only read.
+            let value = unsafe { memory::slice(addr, len) };
+            client.put_with(&key, value, &opts).await
+        });
+        drop(mem);
+        r.map_err(|e| to_py(py, &e))
+    }
+
     fn client(&self) -> PyResult<Client> {
         self.client
             .read()
@@ -149,7 +172,7 @@ impl PyClient {
 
     /// Stores ``value`` (any bytes-like object, read in place) under
     /// ``key``. Objects are written once: a key that is stored already
-    /// raises KvpoolError ``ObjectAlreadyExists``.
+    /// raises KvpoolError ``ObjectAlreadyExists`` (see :meth:`upsert`).
     #[pyo3(signature = (key, value, *, replicas = 1, soft_pin_ms = 0, hard_pin = false))]
     fn put(
         &self,
@@ -160,19 +183,27 @@ impl PyClient {
         soft_pin_ms: u64,
         hard_pin: bool,
     ) -> PyResult<()> {
-        let client = self.client()?;
-        let key = key_of(key)?;
-        let mem = PyMem::readable(value)?;
-        let (addr, len) = (mem.addr, mem.len);
-        let opts = put_options(replicas, soft_pin_ms, hard_pin);
-        let r = run(py, async move {
-            // SAFETY: `mem` holds the buffer export until after this call
-            // (the object cannot free or resize it); the bytes are only read.
-            let value = unsafe { memory::slice(addr, len) };
-            client.put_with(&key, value, &opts).await
-        });
-        drop(mem);
-        r.map_err(|e| to_py(py, &e))
+        self.write(py, key, value, put_options(replicas, soft_pin_ms, hard_pin))
+    }
+
+    /// Stores ``value`` under ``key``, replacing what is stored there: the
+    /// atomic replace (a reader gets the old bytes or the new, never a mix
+    /// and never a miss in between).
+    #[pyo3(signature = (key, value, *, replicas = 1, soft_pin_ms = 0, hard_pin = false))]
+    fn upsert(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        replicas: u32,
+        soft_pin_ms: u64,
+        hard_pin: bool,
+    ) -> PyResult<()> {
+        let opts = PutOptions {
+            replace: true,
+            ..put_options(replicas, soft_pin_ms, hard_pin)
+        };
+        self.write(py, key, value, opts)
     }
 
     /// Same as :meth:`put`: the bytes go from ``buffer``'s memory to the

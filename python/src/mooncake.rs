@@ -174,14 +174,21 @@ impl ReplicateConfig {
     }
 }
 
-/// The options of `config` (None: the defaults); `Err(code)` when refused.
-/// `single` calls refuse `prefer_alloc_in_same_node` as Mooncake does.
-fn options_of(config: Option<&ReplicateConfig>, single: bool) -> Result<PutOptions, i64> {
-    match config {
-        None => Ok(PutOptions::default()),
-        Some(c) if single && c.prefer_alloc_in_same_node => Err(INVALID_PARAMS),
-        Some(c) => c.put_options(),
-    }
+/// The options of `config` (None: the defaults) for a put, or with
+/// `replace` an upsert; `Err(code)` when refused. `single` calls refuse
+/// `prefer_alloc_in_same_node` as Mooncake does.
+fn options_of(
+    config: Option<&ReplicateConfig>,
+    single: bool,
+    replace: bool,
+) -> Result<PutOptions, i64> {
+    let mut opts = match config {
+        None => PutOptions::default(),
+        Some(c) if single && c.prefer_alloc_in_same_node => return Err(INVALID_PARAMS),
+        Some(c) => c.put_options()?,
+    };
+    opts.replace = replace;
+    Ok(opts)
 }
 
 /// A value read by `get_buffer`: owns its bytes; `ptr()`, `size()`, `len()`
@@ -266,11 +273,12 @@ pub struct Store {
     inner: RwLock<Option<Arc<Inner>>>,
 }
 
-fn put_code(r: &Result<(), KvError>) -> i64 {
+/// The code of a put, or (`opts.replace`) of an upsert.
+fn put_code(r: &Result<(), KvError>, opts: &PutOptions) -> i64 {
     match r {
         Ok(()) => OK,
         // Write-once, as Mooncake: the stored bytes stay, the put succeeds.
-        Err(e) if e.code == ErrorCode::ObjectAlreadyExists => OK,
+        Err(e) if e.code == ErrorCode::ObjectAlreadyExists && !opts.replace => OK,
         Err(e) => mooncake_code(e),
     }
 }
@@ -316,6 +324,160 @@ fn split_host(s: &str) -> Option<(String, u16)> {
         Some((h, p)) if !h.contains(':') => Some((h.to_string(), p.parse().ok()?)),
         Some(_) => Some((s.to_string(), 0)), // a bare IPv6 address
         None => Some((s.to_string(), 0)),
+    }
+}
+
+/// The writes behind `put*` and `upsert*` (`replace`).
+impl Store {
+    fn write_value(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        config: Option<ReplicateConfig>,
+        replace: bool,
+    ) -> PyResult<i64> {
+        let key = key_of(key)?;
+        let mem = PyMem::readable(value)?;
+        let Some(inner) = self.state() else {
+            return Ok(INVALID_PARAMS);
+        };
+        let opts = match options_of(config.as_ref(), true, replace) {
+            Ok(o) => o,
+            Err(c) => return Ok(c),
+        };
+        let (addr, len) = (mem.addr, mem.len);
+        let r = run(py, async move {
+            // SAFETY: `mem` holds the export until after the call; read only.
+            let v = unsafe { memory::slice(addr, len) };
+            put_code(&inner.client.put_with(&key, v, &opts).await, &opts)
+        });
+        drop(mem);
+        Ok(r.unwrap_or_else(|c| c))
+    }
+
+    fn write_parts(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        parts: &Bound<'_, PyTuple>,
+        config: Option<ReplicateConfig>,
+        replace: bool,
+    ) -> PyResult<i64> {
+        let key = key_of(key)?;
+        let mut value = Vec::new();
+        for p in parts.iter() {
+            let m = PyMem::readable(&p).map_err(|_| {
+                pyo3::exceptions::PyRuntimeError::new_err("parts must be 1-D bytes-like")
+            })?;
+            // SAFETY: `m` holds the export while we copy, GIL held.
+            value.extend_from_slice(unsafe { memory::slice(m.addr, m.len) });
+        }
+        let Some(inner) = self.state() else {
+            return Ok(INVALID_PARAMS);
+        };
+        let opts = match options_of(config.as_ref(), true, replace) {
+            Ok(o) => o,
+            Err(c) => return Ok(c),
+        };
+        let r = run(py, async move {
+            put_code(&inner.client.put_with(&key, &value, &opts).await, &opts)
+        });
+        Ok(r.unwrap_or_else(|c| c))
+    }
+
+    fn write_batch(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        config: Option<ReplicateConfig>,
+        replace: bool,
+    ) -> PyResult<i64> {
+        let keys = keys_of(keys)?;
+        let mems: Vec<PyMem> = values
+            .try_iter()?
+            .map(|v| PyMem::readable(&v?))
+            .collect::<PyResult<_>>()?;
+        let Some(inner) = self.state() else {
+            return Ok(INVALID_PARAMS);
+        };
+        if keys.len() != mems.len() {
+            return Ok(INVALID_PARAMS);
+        }
+        let opts = match options_of(config.as_ref(), true, replace) {
+            Ok(o) => o,
+            Err(c) => return Ok(c),
+        };
+        let ranges: Vec<(usize, usize)> = mems.iter().map(|m| (m.addr, m.len)).collect();
+        let r = run(py, async move {
+            // SAFETY: `mems` hold the exports until after the call; read only.
+            let values: Vec<&[u8]> = ranges
+                .iter()
+                .map(|&(a, l)| unsafe { memory::slice(a, l) })
+                .collect();
+            let codes = batch_put(&inner.client, &keys, &values, &opts).await;
+            codes.into_iter().find(|&c| c != OK).unwrap_or(OK)
+        });
+        drop(mems);
+        Ok(r.unwrap_or_else(|c| c))
+    }
+
+    fn write_from(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        buffer_ptr: usize,
+        size: usize,
+        config: Option<ReplicateConfig>,
+        replace: bool,
+    ) -> PyResult<i64> {
+        let key = key_of(key)?;
+        let Some(inner) = self.state() else {
+            return Ok(INVALID_PARAMS);
+        };
+        if size == 0 {
+            return Ok(OK);
+        }
+        let opts = match options_of(config.as_ref(), true, replace) {
+            Ok(o) => o,
+            Err(c) => return Ok(c),
+        };
+        if !inner.regs.covers(buffer_ptr, size) {
+            return Ok(mooncake_code(&memory::unregistered(buffer_ptr, size)));
+        }
+        let r = run(py, async move {
+            // SAFETY: Mooncake's contract for `put_from`: the range lies in
+            // registered memory (checked) that the caller keeps valid and
+            // does not write during the call.
+            let v = unsafe { memory::slice(buffer_ptr, size) };
+            put_code(&inner.client.put_with(&key, v, &opts).await, &opts)
+        });
+        Ok(r.unwrap_or_else(|c| c))
+    }
+
+    fn write_batch_from(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        config: Option<ReplicateConfig>,
+        replace: bool,
+    ) -> PyResult<Vec<i64>> {
+        let keys = keys_of(keys)?;
+        let n = keys.len();
+        let Some(inner) = self.state() else {
+            return Ok(vec![INVALID_PARAMS; n]);
+        };
+        let Some(parts) = one_part_each(n, buffer_ptrs, sizes) else {
+            return Ok(vec![INVALID_PARAMS; n]);
+        };
+        let opts = match options_of(config.as_ref(), true, replace) {
+            Ok(o) => o,
+            Err(c) => return Ok(vec![c; n]),
+        };
+        Ok(put_multi(py, inner, keys, parts, opts))
     }
 }
 
@@ -507,23 +669,19 @@ impl Store {
         value: &Bound<'_, PyAny>,
         config: Option<ReplicateConfig>,
     ) -> PyResult<i64> {
-        let key = key_of(key)?;
-        let mem = PyMem::readable(value)?;
-        let Some(inner) = self.state() else {
-            return Ok(INVALID_PARAMS);
-        };
-        let opts = match options_of(config.as_ref(), true) {
-            Ok(o) => o,
-            Err(c) => return Ok(c),
-        };
-        let (addr, len) = (mem.addr, mem.len);
-        let r = run(py, async move {
-            // SAFETY: `mem` holds the export until after the call; read only.
-            let v = unsafe { memory::slice(addr, len) };
-            put_code(&inner.client.put_with(&key, v, &opts).await)
-        });
-        drop(mem);
-        Ok(r.unwrap_or_else(|c| c))
+        self.write_value(py, key, value, config, false)
+    }
+
+    /// Stores `value` under `key`, replacing what is stored there (the atomic replace: readers get the old bytes or the new, never a mix or a miss). 0 or a negative code.
+    #[pyo3(signature = (key, value, config = None))]
+    fn upsert(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<i64> {
+        self.write_value(py, key, value, config, true)
     }
 
     /// Stores the concatenation of `parts` (each 1-D bytes-like) under
@@ -536,26 +694,19 @@ impl Store {
         parts: &Bound<'_, PyTuple>,
         config: Option<ReplicateConfig>,
     ) -> PyResult<i64> {
-        let key = key_of(key)?;
-        let mut value = Vec::new();
-        for p in parts.iter() {
-            let m = PyMem::readable(&p).map_err(|_| {
-                pyo3::exceptions::PyRuntimeError::new_err("parts must be 1-D bytes-like")
-            })?;
-            // SAFETY: `m` holds the export while we copy, GIL held.
-            value.extend_from_slice(unsafe { memory::slice(m.addr, m.len) });
-        }
-        let Some(inner) = self.state() else {
-            return Ok(INVALID_PARAMS);
-        };
-        let opts = match options_of(config.as_ref(), true) {
-            Ok(o) => o,
-            Err(c) => return Ok(c),
-        };
-        let r = run(py, async move {
-            put_code(&inner.client.put_with(&key, &value, &opts).await)
-        });
-        Ok(r.unwrap_or_else(|c| c))
+        self.write_parts(py, key, parts, config, false)
+    }
+
+    /// `upsert` of the concatenation of `parts`. 0 or a negative code.
+    #[pyo3(signature = (key, *parts, config = None))]
+    fn upsert_parts(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        parts: &Bound<'_, PyTuple>,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<i64> {
+        self.write_parts(py, key, parts, config, true)
     }
 
     /// Stores several values: one int, 0 or the first failing key's code.
@@ -567,33 +718,19 @@ impl Store {
         values: &Bound<'_, PyAny>,
         config: Option<ReplicateConfig>,
     ) -> PyResult<i64> {
-        let keys = keys_of(keys)?;
-        let mems: Vec<PyMem> = values
-            .try_iter()?
-            .map(|v| PyMem::readable(&v?))
-            .collect::<PyResult<_>>()?;
-        let Some(inner) = self.state() else {
-            return Ok(INVALID_PARAMS);
-        };
-        if keys.len() != mems.len() {
-            return Ok(INVALID_PARAMS);
-        }
-        let opts = match options_of(config.as_ref(), true) {
-            Ok(o) => o,
-            Err(c) => return Ok(c),
-        };
-        let ranges: Vec<(usize, usize)> = mems.iter().map(|m| (m.addr, m.len)).collect();
-        let r = run(py, async move {
-            // SAFETY: `mems` hold the exports until after the call; read only.
-            let values: Vec<&[u8]> = ranges
-                .iter()
-                .map(|&(a, l)| unsafe { memory::slice(a, l) })
-                .collect();
-            let codes = batch_put(&inner.client, &keys, &values, &opts).await;
-            codes.into_iter().find(|&c| c != OK).unwrap_or(OK)
-        });
-        drop(mems);
-        Ok(r.unwrap_or_else(|c| c))
+        self.write_batch(py, keys, values, config, false)
+    }
+
+    /// `upsert` of several values: one int, 0 or the first failing key's code.
+    #[pyo3(signature = (keys, values, config = None))]
+    fn upsert_batch(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<i64> {
+        self.write_batch(py, keys, values, config, true)
     }
 
     /// The value under `key`; `b""` on a miss or any error.
@@ -680,28 +817,20 @@ impl Store {
         size: usize,
         config: Option<ReplicateConfig>,
     ) -> PyResult<i64> {
-        let key = key_of(key)?;
-        let Some(inner) = self.state() else {
-            return Ok(INVALID_PARAMS);
-        };
-        if size == 0 {
-            return Ok(OK);
-        }
-        let opts = match options_of(config.as_ref(), true) {
-            Ok(o) => o,
-            Err(c) => return Ok(c),
-        };
-        if !inner.regs.covers(buffer_ptr, size) {
-            return Ok(mooncake_code(&memory::unregistered(buffer_ptr, size)));
-        }
-        let r = run(py, async move {
-            // SAFETY: Mooncake's contract for `put_from`: the range lies in
-            // registered memory (checked) that the caller keeps valid and
-            // does not write during the call.
-            let v = unsafe { memory::slice(buffer_ptr, size) };
-            put_code(&inner.client.put_with(&key, v, &opts).await)
-        });
-        Ok(r.unwrap_or_else(|c| c))
+        self.write_from(py, key, buffer_ptr, size, config, false)
+    }
+
+    /// `upsert` of `size` bytes at `buffer_ptr` (inside a registered buffer), sent straight from that memory. 0 or a negative code.
+    #[pyo3(signature = (key, buffer_ptr, size, config = None))]
+    fn upsert_from(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        buffer_ptr: usize,
+        size: usize,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<i64> {
+        self.write_from(py, key, buffer_ptr, size, config, true)
     }
 
     /// Reads the value under `key` into `size` bytes at `buffer_ptr`
@@ -745,19 +874,20 @@ impl Store {
         sizes: Vec<usize>,
         config: Option<ReplicateConfig>,
     ) -> PyResult<Vec<i64>> {
-        let keys = keys_of(keys)?;
-        let n = keys.len();
-        let Some(inner) = self.state() else {
-            return Ok(vec![INVALID_PARAMS; n]);
-        };
-        let Some(parts) = one_part_each(n, buffer_ptrs, sizes) else {
-            return Ok(vec![INVALID_PARAMS; n]);
-        };
-        let opts = match options_of(config.as_ref(), true) {
-            Ok(o) => o,
-            Err(c) => return Ok(vec![c; n]),
-        };
-        Ok(put_multi(py, inner, keys, parts, opts))
+        self.write_batch_from(py, keys, buffer_ptrs, sizes, config, false)
+    }
+
+    /// `upsert_from` of each key; per key 0 or a negative code.
+    #[pyo3(signature = (keys, buffer_ptrs, sizes, config = None))]
+    fn batch_upsert_from(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<Vec<i64>> {
+        self.write_batch_from(py, keys, buffer_ptrs, sizes, config, true)
     }
 
     /// `get_into` of each key; per key its length or a negative code.
@@ -799,7 +929,7 @@ impl Store {
         let Some(parts) = zip_parts(n, all_buffer_ptrs, all_sizes) else {
             return Ok(vec![INVALID_PARAMS; n]);
         };
-        let opts = match options_of(config.as_ref(), false) {
+        let opts = match options_of(config.as_ref(), false, false) {
             Ok(o) => o,
             Err(c) => return Ok(vec![c; n]),
         };
@@ -988,7 +1118,7 @@ async fn batch_put(
             .zip(vs.iter().copied())
             .collect();
         match client.batch_put(&items, opts).await {
-            Ok(v) => out.extend(v.iter().map(put_code)),
+            Ok(v) => out.extend(v.iter().map(|r| put_code(r, opts))),
             Err(e) => out.extend(std::iter::repeat_n(mooncake_code(&e), ks.len())),
         }
     }

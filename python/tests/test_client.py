@@ -141,3 +141,13 @@ def test_threads_share_one_client(client, keys):
     for t in ts:
         t.join()
     assert not errors, errors
+
+
+def test_upsert_replaces(client, keys):
+    k = keys("u")
+    client.upsert(k, b"first")
+    client.upsert(k, b"second")
+    assert client.get(k) == b"second"
+    with pytest.raises(kvpool.KvpoolError):
+        client.put(k, b"third")
+    assert client.get(k) == b"second"

@@ -508,3 +508,58 @@ def test_registering_again_keeps_the_range_usable(store, keys):
     assert store.register_buffer(p, 8192) == 0
     assert store.get_into(keys("r"), p, 8192) == 5000
     assert store.unregister_buffer(p) == 0
+
+
+def test_upsert_variants_replace(store, keys):
+    k = keys("u")
+    assert store.upsert(k, b"absent: inserted") == 0
+    assert store.get(k) == b"absent: inserted"
+    assert store.upsert(k, b"replaced, longer than before") == 0
+    assert store.get(k) == b"replaced, longer than before"
+    assert store.put(k, b"a put keeps what is there") == 0
+    assert store.get(k) == b"replaced, longer than before"
+    assert store.upsert_parts(k, b"par", b"ts") == 0
+    assert store.get(k) == b"parts"
+    ks = [keys("ub0"), keys("ub1")]
+    assert store.put_batch(ks, [b"old0", b"old1"]) == 0
+    assert store.upsert_batch(ks, [b"new0", b"new1"], ReplicateConfig()) == 0
+    assert store.get_batch(ks) == [b"new0", b"new1"]
+    src = registered(store, 16, b"0123456789abcdef")
+    p = src.ctypes.data
+    assert store.upsert_from(k, p, 10) == 0
+    assert store.get(k) == b"0123456789"
+    assert store.batch_upsert_from(ks, [p, p + 10], [4, 6]) == [0, 0]
+    assert store.get_batch(ks) == [b"0123", b"abcdef"]
+    assert store.batch_upsert_from(ks, [p], [4, 6]) == [INVALID_PARAMS] * 2
+    other = np.zeros(8, dtype=np.uint8)
+    assert store.upsert_from(k, other.ctypes.data, 8) == INVALID_PARAMS
+    assert store.get(k) == b"0123456789"
+
+
+def test_upsert_before_setup_is_invalid_params():
+    s = MooncakeDistributedStore()
+    assert s.upsert("k", b"v") == INVALID_PARAMS
+    assert s.upsert_parts("k", b"v") == INVALID_PARAMS
+    assert s.upsert_batch(["k"], [b"v"]) == INVALID_PARAMS
+    assert s.upsert_from("k", 1, 1) == INVALID_PARAMS
+    assert s.batch_upsert_from(["k"], [1], [1]) == [INVALID_PARAMS]
+
+
+def test_readers_see_old_or_new_during_upserts(store, keys):
+    k = keys("race")
+    old, new = b"o" * 100_000, b"n" * 100_000
+    assert store.put(k, old) == 0
+    stop = threading.Event()
+    seen = []
+
+    def reader():
+        while not stop.is_set():
+            seen.append(store.get(k))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for i in range(20):
+        assert store.upsert(k, new if i % 2 == 0 else old) == 0
+    stop.set()
+    t.join()
+    assert seen and all(v in (old, new) for v in seen)
