@@ -185,6 +185,77 @@ impl std::fmt::Debug for RegisteredBuffer {
     }
 }
 
+/// Memory the caller owns, registered with this client for transfers
+/// ([`Client::register_memory`]): with RDMA on, the NIC holds a memory region
+/// for it and gets into it and puts from it are zero copy; without RDMA the
+/// range is only recorded (TCP and shared memory read and write any memory
+/// straight). Dropping it unregisters the range; the memory itself stays the
+/// caller's.
+pub struct MemoryRegistration {
+    addr: usize,
+    len: usize,
+    #[cfg(feature = "rdma")]
+    nic: Option<(
+        Arc<kvpool_transport::rdma::Registration>,
+        Arc<kvpool_transport::rdma::RdmaContext>,
+    )>,
+}
+
+impl MemoryRegistration {
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the NIC holds a memory region for the range (RDMA on).
+    pub fn nic_registered(&self) -> bool {
+        #[cfg(feature = "rdma")]
+        {
+            self.nic.is_some()
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            false
+        }
+    }
+
+    /// Whether `addr..addr + len` lies inside this range.
+    pub fn covers(&self, addr: usize, len: usize) -> bool {
+        addr >= self.addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= self.addr + self.len)
+    }
+}
+
+impl Drop for MemoryRegistration {
+    fn drop(&mut self) {
+        #[cfg(feature = "rdma")]
+        if let Some((reg, ctx)) = self.nic.take() {
+            // The cache lets go; the MRs go when the last work request
+            // holding the registration does.
+            ctx.unregister(reg.addr(), reg.len());
+        }
+    }
+}
+
+impl std::fmt::Debug for MemoryRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegistration")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("nic_registered", &self.nic_registered())
+            .finish()
+    }
+}
+
 /// A value read in place from a same-host segment, valid while its read lease
 /// lasts. [`ReadView::bytes`] refuses once the lease has (nearly) ended.
 pub struct ReadView {
@@ -563,6 +634,50 @@ impl Client {
         Ok(RegisteredBuffer {
             mem: BufferMem::Host(vec![0u8; len].into_boxed_slice()),
             len,
+        })
+    }
+
+    /// Registers memory the caller owns, `addr..addr + len`, for transfers:
+    /// with RDMA on, the NIC gets a memory region for it, so that
+    /// [`Client::get_into`] into it and puts from it are zero copy (other
+    /// memory is staged through a bounce buffer); without RDMA nothing is
+    /// needed and the range is only recorded. An empty or null range is
+    /// `InvalidParams`; a full MR cache is `ResourceExhausted`.
+    ///
+    /// # Safety
+    /// The range must be mapped, writable memory that stays valid, at the
+    /// same address, until the returned value is dropped and every transfer
+    /// on it has ended (a transfer abandoned at its deadline may still be
+    /// written by the NIC for a moment after its call returned).
+    pub unsafe fn register_memory(
+        &self,
+        addr: usize,
+        len: usize,
+    ) -> Result<MemoryRegistration, KvError> {
+        if len == 0 || addr == 0 || addr.checked_add(len).is_none() {
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!("cannot register {len} bytes at {addr:#x}"),
+            ));
+        }
+        #[cfg(feature = "rdma")]
+        if let Some(ctx) = self.inner.engine.rdma_context() {
+            // SAFETY: the range's validity until the registration is gone
+            // is this function's own contract, passed on.
+            let raw = unsafe { kvpool_transport::rdma::RawMemory::new(addr as *mut u8, len) }
+                .ok_or_else(|| KvError::new(ErrorCode::InvalidParams, "null address"))?;
+            let reg = ctx.register(Arc::new(raw)).map_err(KvError::from)?;
+            return Ok(MemoryRegistration {
+                addr,
+                len,
+                nic: Some((reg, ctx.clone())),
+            });
+        }
+        Ok(MemoryRegistration {
+            addr,
+            len,
+            #[cfg(feature = "rdma")]
+            nic: None,
         })
     }
 
@@ -958,10 +1073,17 @@ impl Client {
         .await
     }
 
-    /// Removes every object that may be removed; returns how many went.
+    /// Removes every object that may be removed (none under a live
+    /// lease); returns how many went.
     pub async fn remove_all(&self) -> Result<u64, KvError> {
+        self.remove_all_with(false).await
+    }
+
+    /// [`Client::remove_all`]; with `force`, objects under a lease go too
+    /// (their space waits for the lease).
+    pub async fn remove_all_with(&self, force: bool) -> Result<u64, KvError> {
         let _forget = OnDrop(|| self.inner.locations.clear()); // as in `put_with`
-        self.call(call::RemoveAll).await
+        self.call(call::RemoveAll { force }).await
     }
 
     /// Segments, capacity, use and key count of the pool.

@@ -1645,12 +1645,14 @@ impl ShardState {
         self.free_at(obj, obj.lease_end_ms(), now_ms);
     }
 
-    /// Removes every complete object that has no live lease; returns the count.
-    pub fn remove_all(&mut self, now_ms: u64) -> u64 {
+    /// Removes every complete object that has no live lease (with `force`,
+    /// every complete object: a leased one's space is freed when its lease
+    /// ends, as a forced remove does); returns the count.
+    pub fn remove_all(&mut self, now_ms: u64, force: bool) -> u64 {
         let keys: Vec<Box<[u8]>> = self
             .complete
             .iter()
-            .filter(|(_, o)| o.lease_end_ms() <= now_ms)
+            .filter(|(_, o)| force || o.lease_end_ms() <= now_ms)
             .map(|(k, _)| k.clone())
             .collect();
         for k in &keys {
