@@ -13,6 +13,10 @@
 //!
 //! Errors: `KvpoolError` (kvpool's codes) for `kvpool.Client`; Mooncake's
 //! negative codes for the store, through the one table in `codes.rs`.
+//!
+//! Everything is behind the `python` feature (maturin turns it on): without
+//! it the crate is empty, so the workspace builds without a Python.
+#![cfg(feature = "python")]
 
 use pyo3::prelude::*;
 
