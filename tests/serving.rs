@@ -713,6 +713,25 @@ fn kvpool_chat_streams_from_role_all_and_a_dead_front_is_an_error() {
         .get("conductor")
         .expect("role all runs a conductor")
         .clone();
+    // As soon as the front is ready it knows the engines' model: its
+    // models list, and every event of the first answer, name it.
+    let (status, text) = common::http(&front, "GET", "/v1/models");
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["data"][0]["id"], "builtin:tiny", "{v}");
+    let a = post(
+        &front,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 3, "temperature": 0, "stream": true}),
+        &[],
+    );
+    assert_eq!(a.status, 200, "{}", a.body);
+    let evs = events(&a.body);
+    assert_eq!(evs.last().map(String::as_str), Some("[DONE]"), "{}", a.body);
+    for e in &evs[..evs.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(v["model"], "builtin:tiny", "{e}");
+    }
     let chat = |args: &[&str]| {
         let out = common::wait_output(
             std::process::Command::new(common::BIN)

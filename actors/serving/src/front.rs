@@ -354,14 +354,16 @@ impl Front {
                 shutdown.clone(),
             ));
         }
+        // Ready once every proxy has answered (or failed) a poll and each
+        // that is up has named its engine's model and KV naming (learnt on
+        // the proxy's first probe): the first requests then get the
+        // answer's model, `/v1/models` and pool lookups like later ones.
         let end = Instant::now() + FIRST_POLL_WAIT;
-        while Instant::now() < end
-            && !inner
-                .prefill
-                .iter()
-                .chain(&inner.decode)
-                .all(|l| l.lock().polled)
-        {
+        let known = |l: &Link| {
+            let s = l.lock();
+            s.polled && (!s.up || s.report.as_ref().is_some_and(|r| r.info.is_some()))
+        };
+        while Instant::now() < end && !inner.prefill.iter().chain(&inner.decode).all(|l| known(l)) {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         Ok(Self { inner })
@@ -626,6 +628,9 @@ struct Served {
     /// engine's first event: `cmpl-<X-Request-Id>` from engines that take
     /// the header (ours, vLLM).
     engine_ids: (Option<String>, Option<String>),
+    /// The model the prefill engine's answer names (the proxies' reports
+    /// may not have it yet just after start).
+    model: Option<String>,
 }
 
 /// One step of a generation, from its task to the answer.
@@ -755,6 +760,7 @@ impl Front {
             arrived,
             deadline,
             engine_ids: (None, None),
+            model: None,
         };
         let kv = self
             .prefill(&req, &chunks, pool_prefix, &mut served)
@@ -763,6 +769,11 @@ impl Front {
         if failed_over {
             self.count_failover("decode_start");
         }
+        let model = served
+            .model
+            .clone()
+            .or_else(|| self.served_model())
+            .unwrap_or_default();
         let (tx, rx) = mpsc::channel(PIECES);
         let run = DecodeRun {
             front: self.clone(),
@@ -772,7 +783,6 @@ impl Front {
             tx,
         };
         tokio::spawn(run.pump(answer, permit));
-        let model = self.served_model().unwrap_or_default();
         if req.stream {
             Ok(stream_answer(rx, &req, rid, &model))
         } else {
@@ -1005,6 +1015,7 @@ impl Front {
                                 .unwrap_or(0);
                             served.computed_tokens = v["kvpool"]["prompt_tokens_computed"].as_u64();
                             served.engine_ids.0 = v["id"].as_str().map(str::to_string);
+                            served.model = v["model"].as_str().map(str::to_string);
                             let mut kv = v["kv_transfer_params"].clone();
                             if let Some(o) = kv.as_object_mut() {
                                 o.insert("do_remote_prefill".into(), json!(true));
@@ -1433,6 +1444,7 @@ fn empty_served() -> Served {
         arrived: Instant::now(),
         deadline: Instant::now(),
         engine_ids: (None, None),
+        model: None,
     }
 }
 
