@@ -1,8 +1,12 @@
 //! `kvpool`: one binary, every role, and the CLI.
 //!
 //! * `kvpool run [--role all|master|storage]` serves (all roles in one process
-//!   by default, with the embedded default config); `--role engine --model M`
-//!   runs the inference engine (crate kvpool-engine).
+//!   by default, with the embedded default config: master, storage node, and
+//!   the serving path: conductor, a prefill and a decode engine with their
+//!   proxies); `--role engine --model M` runs the inference engine (crate
+//!   kvpool-engine); `--role conductor|prefill-proxy|decode-proxy` the
+//!   serving path's parts (crate kvpool-serving).
+//! * `kvpool chat "..."` and `kvpool bench serve` talk to the front.
 //! * `kvpool put|get|exists|rm|stat` talk to a running pool.
 //! * `kvpool sim` replays a request trace against a modelled cluster.
 //!
@@ -45,6 +49,9 @@ enum RoleArg {
     Master,
     Storage,
     Engine,
+    Conductor,
+    PrefillProxy,
+    DecodeProxy,
 }
 
 #[derive(Subcommand)]
@@ -73,11 +80,35 @@ enum Cmd {
         /// Shards (cores) to run; 0 = all cores.
         #[arg(long, value_name = "N")]
         shards: Option<usize>,
-        /// Role engine: a Hugging Face model folder, `builtin:tiny` or
-        /// `builtin:small`.
+        /// Role engine (and role all's two engines): a Hugging Face model
+        /// folder, `builtin:tiny` or `builtin:small`.
         #[arg(long, value_name = "DIR|builtin:tiny|builtin:small")]
         model: Option<String>,
+        /// Role all: leave the serving path off (master and storage only).
+        #[arg(long)]
+        no_serving: bool,
+        /// Role prefill-proxy / decode-proxy: the engine it fronts.
+        #[arg(long, value_name = "HOST:PORT")]
+        engine: Option<String>,
+        /// Role conductor: the prefill proxies, in instance order.
+        #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...")]
+        prefill: Vec<String>,
+        /// Role conductor: the decode proxies, in instance order.
+        #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...")]
+        decode: Vec<String>,
+        /// Role conductor (and all): the scheduling policy.
+        #[arg(long, value_name = "POLICY")]
+        policy: Option<String>,
+        /// Role conductor (and all): the cluster cost model (TOML).
+        #[arg(long, value_name = "FILE")]
+        cost_model: Option<String>,
+        /// Role conductor (and all): log every scheduling decision and the
+        /// view it was made on to FILE (`kvpool sim replay --log FILE`).
+        #[arg(long, value_name = "FILE")]
+        decision_log: Option<String>,
     },
+    /// One chat turn against the conductor's front, streamed to the terminal.
+    Chat(kvpool_serving::chat::ChatArgs),
     /// Store a value: from FILE, or stdin when FILE is `-` or absent.
     Put {
         key: String,
@@ -126,6 +157,10 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// Replay a request trace against the serving front at its timestamps:
+    /// TTFT/TBT percentiles, SLO attainment and goodput, the columns of
+    /// `kvpool sim`.
+    Serve(Box<kvpool_serving::bench::BenchServeArgs>),
     /// Put and get latency and throughput per transport, value size, batch:
     /// rows on stdout, one progress line per case on stderr.
     Transfer {
@@ -225,6 +260,24 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
+        Cmd::Chat(args) => {
+            let front = front_or_default(&args.front, &cfg);
+            block_on_cli(async move {
+                let mut out = std::io::stdout();
+                kvpool_serving::chat::run_chat(&front, &args, &mut out)
+                    .await
+                    .map(|_| ())
+            })
+        }
+        Cmd::Bench(BenchCmd::Serve(args)) => {
+            let front = front_or_default(&args.front, &cfg);
+            block_on_cli(async move {
+                let mut out = std::io::stdout();
+                kvpool_serving::bench::run_bench_serve(&front, &args, &mut out)
+                    .await
+                    .map(|_| ())
+            })
+        }
         Cmd::Run {
             role,
             listen,
@@ -233,17 +286,46 @@ fn main() -> ExitCode {
             segment_size,
             shards,
             model,
+            no_serving,
+            engine,
+            prefill,
+            decode,
+            policy,
+            cost_model,
+            decision_log,
         } => {
+            let serving = ServingFlags {
+                engine,
+                prefill,
+                decode,
+                policy,
+                cost_model,
+                decision_log,
+            };
             let role = match role {
                 RoleArg::All => Role::All,
                 RoleArg::Master => Role::Master,
                 RoleArg::Storage => Role::Storage,
                 RoleArg::Engine => return run_engine(model, listen, cli.master, cfg),
+                RoleArg::Conductor | RoleArg::PrefillProxy | RoleArg::DecodeProxy => {
+                    return run_serving_role(role, listen, cli.master, serving, cfg)
+                }
             };
-            if model.is_some() {
-                eprintln!("error: --model is for --role engine");
+            if model.is_some() && role != Role::All {
+                eprintln!("error: --model is for --role engine and --role all");
                 return ExitCode::from(2);
             }
+            if let Err(e) = serving.apply(&mut cfg, false) {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+            if let Some(m) = model {
+                cfg.serving.model = m;
+            }
+            // Role all on a free port puts every listener on one (the
+            // storage node's, and the serving path's).
+            let ephemeral =
+                role == Role::All && listen.as_deref().is_some_and(|l| l.ends_with(":0"));
             if let Some(l) = listen {
                 if role == Role::All && data_listen.is_none() {
                     if let Some(host) = l.strip_suffix(":0") {
@@ -273,7 +355,9 @@ fn main() -> ExitCode {
             if let Some(n) = shards {
                 cfg.runtime.shards = n;
             }
-            match node::run(role, cfg, Shutdown::new()) {
+            let companion = (role == Role::All && cfg.serving.enabled && !no_serving)
+                .then(|| serving_companion(cfg.clone(), ephemeral));
+            match node::run_with(role, cfg, Shutdown::new(), companion) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {e}");
@@ -283,15 +367,9 @@ fn main() -> ExitCode {
         }
         cmd => {
             let master = cli.master.unwrap_or_else(|| "127.0.0.1:7070".into());
-            let rt = match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
+            let rt = match cli_runtime(tokio::runtime::Builder::new_current_thread()) {
                 Ok(rt) => rt,
-                Err(e) => {
-                    eprintln!("error: cannot start the runtime: {e}");
-                    return ExitCode::from(2);
-                }
+                Err(code) => return code,
             };
             let r = match cmd {
                 Cmd::Bench(b) => rt.block_on(bench_cmd(&master, cfg, b)),
@@ -306,6 +384,189 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// A runtime for a CLI command, or exit code 2 with the reason on stderr.
+fn cli_runtime(mut b: tokio::runtime::Builder) -> Result<tokio::runtime::Runtime, ExitCode> {
+    b.enable_all().build().map_err(|e| {
+        eprintln!("error: cannot start the runtime: {e}");
+        ExitCode::from(2)
+    })
+}
+
+/// `--front`, or the config's `serving.conductor.listen`.
+fn front_or_default(front: &Option<String>, cfg: &NodeConfig) -> String {
+    front
+        .clone()
+        .unwrap_or_else(|| cfg.serving.conductor.listen.clone())
+}
+
+/// Runs `fut` on a small runtime for a CLI verb: exit 0, or 2 with the
+/// error on stderr.
+fn block_on_cli(fut: impl std::future::Future<Output = Result<(), String>>) -> ExitCode {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    b.worker_threads(2);
+    let rt = match cli_runtime(b) {
+        Ok(rt) => rt,
+        Err(code) => return code,
+    };
+    match rt.block_on(fut) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// `kvpool run` flags of the serving roles.
+struct ServingFlags {
+    engine: Option<String>,
+    prefill: Vec<String>,
+    decode: Vec<String>,
+    policy: Option<String>,
+    cost_model: Option<String>,
+    decision_log: Option<String>,
+}
+
+impl ServingFlags {
+    /// Puts the flags into `[serving]`; `proxy` says the role is a proxy
+    /// (only proxies take `--engine`, only the conductor the lists).
+    fn apply(self, cfg: &mut NodeConfig, proxy: bool) -> Result<(), String> {
+        let c = &mut cfg.serving.conductor;
+        if self.engine.is_some() && !proxy {
+            return Err("--engine is for --role prefill-proxy and --role decode-proxy".into());
+        }
+        if (!self.prefill.is_empty() || !self.decode.is_empty()) && proxy {
+            return Err("--prefill and --decode are for --role conductor".into());
+        }
+        if !self.prefill.is_empty() {
+            c.prefill = self.prefill;
+        }
+        if !self.decode.is_empty() {
+            c.decode = self.decode;
+        }
+        if let Some(p) = self.policy {
+            c.policy = p;
+        }
+        if let Some(m) = self.cost_model {
+            c.cost_model = m;
+        }
+        if let Some(l) = self.decision_log {
+            c.decision_log = l;
+        }
+        if let Some(e) = self.engine {
+            cfg.serving.prefill_proxy.engine = e.clone();
+            cfg.serving.decode_proxy.engine = e;
+        }
+        cfg.serving.validate()
+    }
+}
+
+/// `kvpool run --role conductor|prefill-proxy|decode-proxy`.
+fn run_serving_role(
+    role: RoleArg,
+    listen: Option<String>,
+    master: Option<String>,
+    flags: ServingFlags,
+    mut cfg: NodeConfig,
+) -> ExitCode {
+    use kvpool_serving::proxy::ProxyRole;
+    let proxy = match role {
+        RoleArg::PrefillProxy => Some(ProxyRole::Prefill),
+        RoleArg::DecodeProxy => Some(ProxyRole::Decode),
+        _ => None,
+    };
+    if let Err(e) = flags.apply(&mut cfg, proxy.is_some()) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    let r = match proxy {
+        Some(p) => {
+            if let Some(l) = listen {
+                match p {
+                    ProxyRole::Prefill => cfg.serving.prefill_proxy.listen = l,
+                    ProxyRole::Decode => cfg.serving.decode_proxy.listen = l,
+                }
+            }
+            kvpool_serving::roles::run_proxy(p, cfg, Shutdown::new())
+        }
+        None => {
+            if let Some(l) = listen {
+                cfg.serving.conductor.listen = l;
+            }
+            if let Some(m) = master {
+                cfg.serving.conductor.pool = m;
+            }
+            kvpool_serving::roles::run_conductor(cfg, Shutdown::new())
+        }
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Role all's serving path, started inside the pool's process once the
+/// master serves: two engines of `serving.model` (prefill and decode, on
+/// `serving.prefill_proxy.engine` / `serving.decode_proxy.engine`), their
+/// proxies, and the conductor's front, all using this process's pool.
+fn serving_companion(cfg: NodeConfig, ephemeral: bool) -> node::Companion {
+    Box::new(move |ctx: node::CompanionCtx| {
+        Box::pin(async move {
+            let err = |e: String| kvpool_config::NodeError::Start(format!("serving: {e}"));
+            let mut lines = Vec::new();
+            let mut engines = Vec::new();
+            // Both models load at once, off the runtime's threads.
+            let loads: Vec<_> = (0..2)
+                .map(|_| {
+                    let spec = cfg.serving.model.clone();
+                    tokio::task::spawn_blocking(move || kvpool_engine::loader::load(&spec))
+                })
+                .collect();
+            let addrs = [
+                ("prefill-engine", &cfg.serving.prefill_proxy.engine),
+                ("decode-engine", &cfg.serving.decode_proxy.engine),
+            ];
+            for ((name, addr), load) in addrs.into_iter().zip(loads) {
+                let model = load
+                    .await
+                    .map_err(|e| err(e.to_string()))?
+                    .map_err(|e| err(e.to_string()))?;
+                let registry = kvpool_runtime::metrics::MetricsRegistry::new();
+                let engine =
+                    kvpool_engine::serve::Engine::start(model, &cfg, Some(&ctx.master), &registry)
+                        .await
+                        .map_err(|e| err(e.to_string()))?;
+                let listen = kvpool_serving::roles::maybe_ephemeral(addr, ephemeral);
+                let bound = kvpool_serving::roles::serve_http(
+                    &listen,
+                    name,
+                    engine.router(registry),
+                    ctx.shutdown.clone(),
+                )
+                .await
+                .map_err(|e| err(e.to_string()))?;
+                lines.push(format!("kvpool {name} listening on {bound}"));
+                engines.push(bound.to_string());
+            }
+            let more = kvpool_serving::roles::start_all(
+                &cfg,
+                &ctx.master,
+                &engines[0],
+                &engines[1],
+                ephemeral,
+                ctx.shutdown.clone(),
+            )
+            .await
+            .map_err(|e| err(e.to_string()))?;
+            lines.extend(more);
+            Ok(lines)
+        })
+    })
 }
 
 /// `kvpool run --role engine`: serves the model on `--listen` (default
@@ -368,7 +629,10 @@ async fn bench_cmd(master: &str, cfg: NodeConfig, cmd: BenchCmd) -> Result<ExitC
         bytes,
         max_calls,
         json,
-    } = cmd;
+    } = cmd
+    else {
+        unreachable!("bench serve is handled in main");
+    };
     let b = bench::TransferBench {
         transports: transport.iter().map(|t| t.transport()).collect(),
         sizes: sizes.iter().map(|s| s.get() as usize).collect(),
@@ -403,7 +667,9 @@ async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode,
     ccfg.ping_interval_ms = 0;
     let client = Client::connect(master, ccfg).await?;
     match cmd {
-        Cmd::Run { .. } | Cmd::Sim(_) | Cmd::Bench(_) => unreachable!("handled in main"),
+        Cmd::Run { .. } | Cmd::Sim(_) | Cmd::Bench(_) | Cmd::Chat(_) => {
+            unreachable!("handled in main")
+        }
         Cmd::Put {
             key,
             file,

@@ -162,7 +162,13 @@ fn a_config_typo_stops_start_up_with_an_error_naming_the_key() {
 #[test]
 fn the_example_configs_parse() {
     let root = env!("CARGO_MANIFEST_DIR");
-    for name in ["single-node.toml", "master.toml", "storage.toml"] {
+    for name in [
+        "single-node.toml",
+        "master.toml",
+        "storage.toml",
+        "engine.toml",
+        "serving.toml",
+    ] {
         let path = format!("{root}/configs/{name}");
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
         kvpool_config::NodeConfig::from_toml(&text, &path)

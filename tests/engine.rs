@@ -7,7 +7,8 @@ mod common;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-use common::{cli, start, Proc};
+use common::byte_prompt as prompt;
+use common::{cli, config_file, engine_pool as pool, start, tiny_engine as engine, Proc};
 use serde_json::{json, Value};
 
 /// A POST with a JSON body; returns (status, body).
@@ -57,46 +58,8 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-fn config_file(tag: &str, text: &str) -> String {
-    let p = std::env::temp_dir().join(format!("kvpool-engine-{tag}-{}.toml", std::process::id()));
-    std::fs::write(&p, text).unwrap();
-    p.to_str().unwrap().to_string()
-}
-
 /// Engine processes share this config: the pool client over TCP only.
 const TCP_CONFIG: &str = "[client]\ntransport = \"tcp\"\n";
-
-fn pool() -> Proc {
-    start("all", &common::ephemeral(&["--segment-size", "256MiB"]))
-}
-
-fn engine(master: Option<&str>, config: &str) -> Proc {
-    let mut args = vec![
-        "--model",
-        "builtin:tiny",
-        "--listen",
-        "127.0.0.1:0",
-        "--config",
-        config,
-    ];
-    if let Some(m) = master {
-        args.extend(["--master", m]);
-    }
-    start("engine", &args)
-}
-
-/// BOS then `n - 1` pseudo-random bytes.
-fn prompt(n: usize, seed: u64) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut v = vec![256u32];
-    while v.len() < n {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.push((x % 256) as u32);
-    }
-    v
-}
 
 fn greedy(engine: &Proc, prompt: &[u32], max_tokens: usize, kvp: Option<Value>) -> Value {
     let mut body = json!({"model": "builtin:tiny", "prompt": prompt, "max_tokens": max_tokens,

@@ -170,8 +170,16 @@ impl Drop for Node {
 
 /// Starts `kvpool run --role <role> <args>` and waits for its ready line.
 pub fn start(role: &str, args: &[&str]) -> Node {
+    // The store benches measure the pool alone: role all without its
+    // serving path (engines, proxies, conductor).
+    let store_only: &[&str] = if role == "all" {
+        &["--no-serving"]
+    } else {
+        &[]
+    };
     let mut child = Command::new(BIN)
         .args(["run", "--role", role])
+        .args(store_only)
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

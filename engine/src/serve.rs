@@ -10,6 +10,13 @@
 //! | `GET /health`, `GET /healthz` | 200 while serving |
 //! | `GET /metrics` | Prometheus text |
 //!
+//! `X-Request-Id` (1 to 128 visible ASCII characters) names a request as
+//! vLLM does: the answer's `id` is `cmpl-<it>` (`chatcmpl-<it>`), the header
+//! comes back with the answer, and the log lines name it. `/v1/models`
+//! carries a `kvpool` object (`chunk_tokens`, `key_model`, `key_format`,
+//! `pool`) from which a conductor names this engine's KV chunks in the pool
+//! (`key_model@hash@key_format@chunk_tokens`).
+//!
 //! `kv_transfer_params` (vLLM's P/D fields): a request with
 //! `do_remote_decode: true` is a prefill for another engine: its new chunks
 //! are in the pool before the answer, which carries `do_remote_prefill: true`
@@ -27,7 +34,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
@@ -787,37 +794,66 @@ impl AppState {
     }
 }
 
+/// Header naming a request end to end (vLLM's and the conductor's).
+const REQUEST_ID: &str = "x-request-id";
+
+/// The request's `X-Request-Id`, if it is 1 to 128 visible ASCII characters
+/// (anything else is ignored, as if absent).
+fn request_id(headers: &HeaderMap) -> Option<String> {
+    let v = headers.get(REQUEST_ID)?.to_str().ok()?;
+    let ok = !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic());
+    ok.then(|| v.to_string())
+}
+
+/// `resp` with the request's id in its `X-Request-Id` header.
+fn with_request_id(mut resp: Response, id: Option<&str>) -> Response {
+    if let Some(v) = id.and_then(|id| HeaderValue::from_str(id).ok()) {
+        resp.headers_mut().insert(REQUEST_ID, v);
+    }
+    resp
+}
+
 async fn completions(
     State(st): State<AppState>,
     Extension(admission): Extension<Admission>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let rid = request_id(&headers);
     let r: Result<Response, ApiError> = async {
         let b: CompletionBody = parse(body)?;
         st.check_model(&b.common.model)?;
         let prompt = st.prompt_tokens(b.prompt)?;
         let g = st.gen_request(prompt, &b.common, Some(16))?;
-        respond(&st, g, b.common, false, admission).await
+        respond(&st, g, b.common, false, admission, rid.as_deref()).await
     }
     .await;
-    r.unwrap_or_else(IntoResponse::into_response)
+    with_request_id(
+        r.unwrap_or_else(IntoResponse::into_response),
+        rid.as_deref(),
+    )
 }
 
 async fn chat_completions(
     State(st): State<AppState>,
     Extension(admission): Extension<Admission>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let rid = request_id(&headers);
     let r: Result<Response, ApiError> = async {
         let b: ChatBody = parse(body)?;
         st.check_model(&b.common.model)?;
         let text = chat_text(&b.messages)?;
         let prompt = st.engine.tokenizer().encode(&text)?;
         let g = st.gen_request(prompt, &b.common, None)?;
-        respond(&st, g, b.common, true, admission).await
+        respond(&st, g, b.common, true, admission, rid.as_deref()).await
     }
     .await;
-    r.unwrap_or_else(IntoResponse::into_response)
+    with_request_id(
+        r.unwrap_or_else(IntoResponse::into_response),
+        rid.as_deref(),
+    )
 }
 
 /// Generated text so far, with stop strings applied.
@@ -938,13 +974,25 @@ async fn respond(
     c: CommonFields,
     chat: bool,
     admission: Admission,
+    request_id: Option<&str>,
 ) -> Result<Response, ApiError> {
     let prompt_ids = g.prompt.clone();
     let mut gen = st.engine.generate(g).await?;
     gen.admission = Some(admission);
     let name = st.engine.inner.name.clone();
     let prefix = if chat { "chatcmpl" } else { "cmpl" };
-    let id = format!("{prefix}-{}", gen.id);
+    let id = match request_id {
+        Some(rid) => format!("{prefix}-{rid}"),
+        None => format!("{prefix}-{}", gen.id),
+    };
+    if let Some(rid) = request_id {
+        tracing::debug!(
+            request_id = rid,
+            prompt_tokens = prompt_ids.len(),
+            loaded = gen.loaded_tokens,
+            "request admitted"
+        );
+    }
     let created = now_s();
     let text = TextState::new(c.stop);
     if c.stream {
@@ -964,8 +1012,10 @@ async fn respond(
     loop {
         match gen.next().await? {
             Some(Event::Prefilled { computed: n }) => computed = n,
+            // Every token is in the ids (an end-of-sequence one too: its
+            // text is empty), so the ids are the sequence the model made.
             Some(Event::Token(t)) => {
-                if !st.engine.inner.eos.contains(&t) && text.push(t, st.engine.tokenizer()) {
+                if text.push(t, st.engine.tokenizer()) {
                     finish = Finish::Stop;
                     break;
                 }
@@ -978,8 +1028,7 @@ async fn respond(
             None => return Err(ApiError::internal("the engine dropped the request")),
         }
     }
-    let completion_tokens =
-        text.ids.len() + usize::from(finish == Finish::Stop && text.stopped.is_none());
+    let completion_tokens = text.ids.len();
     let out_text = text
         .stopped
         .clone()
@@ -1083,13 +1132,18 @@ fn stream_response(
                 }
             };
             let tok = s.st.engine.tokenizer();
+            // The last event's token ids (a stop string's last token).
+            let mut last_ids: &[u32] = &[];
+            let stop_token;
             let finish = match ev {
                 Some(Event::Prefilled { .. }) => continue,
+                // Every token's id is sent, an end-of-sequence one too (its
+                // text is empty): a client that continues the sequence
+                // elsewhere needs all of them.
                 Some(Event::Token(t)) => {
-                    if s.st.engine.inner.eos.contains(&t) {
-                        continue;
-                    }
                     if s.text.push(t, tok) {
+                        stop_token = [t];
+                        last_ids = &stop_token;
                         Some(Finish::Stop)
                     } else {
                         let d = s.text.delta(tok, false);
@@ -1112,7 +1166,7 @@ fn stream_response(
                 }
             };
             let d = s.text.delta(tok, true);
-            let v = chunk(&s, &d, &[], finish);
+            let v = chunk(&s, &d, last_ids, finish);
             s.done = true;
             let mut out = sse(&v).to_vec();
             out.extend_from_slice(b"data: [DONE]\n\n");
@@ -1129,9 +1183,12 @@ fn stream_response(
 
 async fn models(State(st): State<AppState>) -> Response {
     let e = &st.engine.inner;
+    let kv = json!({"chunk_tokens": e.cfg.chunk_tokens, "key_model": e.layout.key_model(),
+        "key_format": e.layout.key_format(), "pool": e.master});
     Json(
         json!({"object": "list", "data": [{"id": e.name, "object": "model", "created": e.created,
-        "owned_by": "kvpool", "root": e.name, "parent": null, "max_model_len": e.max_model_len}]}),
+        "owned_by": "kvpool", "root": e.name, "parent": null, "max_model_len": e.max_model_len,
+        "kvpool": kv}]}),
     )
     .into_response()
 }
@@ -1352,6 +1409,52 @@ mod tests {
             // A plain answer does not keep its place once sent.
             let resp = call(&app, request("POST", "/v1/completions", plain)).await;
             assert_eq!(resp.status(), 200);
+        });
+    }
+
+    #[test]
+    fn x_request_id_names_the_answer_and_models_name_the_kv_keys() {
+        let (rt, app) = served("");
+        rt.block_on(async {
+            let body = r#"{"prompt": "a", "max_tokens": 2, "temperature": 0}"#;
+            let mut req = request("POST", "/v1/completions", body);
+            req.headers_mut()
+                .insert("x-request-id", "abc-123".parse().unwrap());
+            let resp = call(&app, req).await;
+            assert_eq!(resp.status(), 200);
+            assert_eq!(resp.headers()["x-request-id"], "abc-123");
+            assert_eq!(json_of(resp).await["id"], "cmpl-abc-123");
+            // A stream says it in its header, an error too.
+            let mut req = request(
+                "POST",
+                "/v1/chat/completions",
+                r#"{"messages": [{"role": "user", "content": "a"}], "max_tokens": 1, "stream": true}"#,
+            );
+            req.headers_mut().insert("x-request-id", "s-1".parse().unwrap());
+            let resp = call(&app, req).await;
+            assert_eq!(resp.headers()["x-request-id"], "s-1");
+            let mut req = request("POST", "/v1/completions", r#"{"prompt": []}"#);
+            req.headers_mut().insert("x-request-id", "e-1".parse().unwrap());
+            let resp = call(&app, req).await;
+            assert_eq!(resp.status(), 400);
+            assert_eq!(resp.headers()["x-request-id"], "e-1");
+            // An id that is not 1..=128 visible characters is ignored.
+            let mut req = request("POST", "/v1/completions", body);
+            req.headers_mut()
+                .insert("x-request-id", "x".repeat(129).parse().unwrap());
+            let resp = call(&app, req).await;
+            assert!(resp.headers().get("x-request-id").is_none());
+            assert!(json_of(resp).await["id"]
+                .as_str()
+                .unwrap()
+                .starts_with("cmpl-"));
+
+            let v = json_of(call(&app, request("GET", "/v1/models", "")).await).await;
+            let kv = &v["data"][0]["kvpool"];
+            assert_eq!(kv["chunk_tokens"], 256, "{v}");
+            assert!(kv["key_model"].as_str().unwrap().starts_with('m'), "{v}");
+            assert_eq!(kv["key_format"], "kv1-f32-l4h4d32", "{v}");
+            assert!(kv["pool"].is_null(), "{v}");
         });
     }
 

@@ -90,8 +90,29 @@ pub fn start(role: &'static str, args: &[&str]) -> Proc {
     start_env(role, args, &[])
 }
 
-/// [`start`] with extra environment variables.
+/// [`start`] with extra environment variables. Role `all` runs without its
+/// serving path (`--no-serving`): the store's tests need the pool alone, and
+/// fixed serving ports would collide between tests; [`start_lines`] runs it
+/// whole.
 pub fn start_env(role: &'static str, args: &[&str], env: &[(&str, &str)]) -> Proc {
+    let mut a: Vec<&str> = Vec::new();
+    if role == "all" {
+        a.push("--no-serving");
+    }
+    a.extend_from_slice(args);
+    start_lines(role, &a, env, &[]).0
+}
+
+/// Starts `kvpool run --role <role> <args>` as given, waits (bounded) for
+/// its `kvpool <role> listening on ADDR` line, and returns the addresses of
+/// the lines `kvpool <name> listening on ADDR` for each of `names` printed
+/// before it.
+pub fn start_lines(
+    role: &'static str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    names: &[&str],
+) -> (Proc, std::collections::HashMap<String, String>) {
     let stderr_path = std::env::temp_dir().join(format!(
         "kvpool-test-{}-{}-{}.log",
         role,
@@ -114,26 +135,36 @@ pub fn start_env(role: &'static str, args: &[&str], env: &[(&str, &str)]) -> Pro
     let stdout = child.stdout.take().expect("stdout");
     let (tx, rx) = mpsc::channel();
     let want = format!("kvpool {role} listening on ");
+    let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
     std::thread::spawn(move || {
         let mut http = String::new();
+        let mut found = std::collections::HashMap::new();
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
             if let Some(addr) = line.strip_prefix("kvpool http listening on ") {
                 http = addr.trim().to_string();
             }
+            for n in &names {
+                if let Some(addr) = line.strip_prefix(&format!("kvpool {n} listening on ")) {
+                    found.insert(n.clone(), addr.trim().to_string());
+                }
+            }
             if let Some(addr) = line.strip_prefix(&want) {
-                let _ = tx.send((addr.trim().to_string(), http.clone()));
+                let _ = tx.send((addr.trim().to_string(), http.clone(), found.clone()));
             }
         }
     });
     match rx.recv_timeout(Duration::from_secs(30)) {
-        Ok((addr, http)) => Proc {
-            child,
-            addr,
-            http,
-            role,
-            stderr_path,
-        },
+        Ok((addr, http, found)) => (
+            Proc {
+                child,
+                addr,
+                http,
+                role,
+                stderr_path,
+            },
+            found,
+        ),
         Err(e) => {
             let _ = child.kill();
             let status = child.wait().ok();
@@ -319,4 +350,50 @@ pub fn fixed_addr(n: u16) -> String {
         }
     }
     panic!("no block of {n} free ports in 20000..30000");
+}
+
+/// Writes `text` to a fresh config file in the temp directory; returns its path.
+pub fn config_file(tag: &str, text: &str) -> String {
+    let p = std::env::temp_dir().join(format!(
+        "kvpool-test-{tag}-{}-{}.toml",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::write(&p, text).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+/// A pool for engines: role all (no serving path), 256 MiB.
+pub fn engine_pool() -> Proc {
+    start("all", &ephemeral(&["--segment-size", "256MiB"]))
+}
+
+/// `kvpool run --role engine --model builtin:tiny` on a free port, with
+/// the pool at `master` when given.
+pub fn tiny_engine(master: Option<&str>, config: &str) -> Proc {
+    let mut args = vec![
+        "--model",
+        "builtin:tiny",
+        "--listen",
+        "127.0.0.1:0",
+        "--config",
+        config,
+    ];
+    if let Some(m) = master {
+        args.extend(["--master", m]);
+    }
+    start("engine", &args)
+}
+
+/// BOS (256) then `n - 1` pseudo-random bytes.
+pub fn byte_prompt(n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut v = vec![256u32];
+    while v.len() < n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.push((x % 256) as u32);
+    }
+    v
 }

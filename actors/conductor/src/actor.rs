@@ -13,18 +13,29 @@
 //!   turned into a `busy_until` on the conductor's clock), plus the predicted
 //!   prefill time of every request routed there since that report; and the
 //!   chunk hashes the instance reported as stored (and, optimistically, the
-//!   chunks of requests routed to it, which it will store);
-//! - the chunk hashes stored in the pool;
-//! - per decode instance: the last reported load.
+//!   chunks of requests routed to it, which it will store), at most the
+//!   cost model's `prefill.local_cache_blocks` of them;
+//! - the chunk hashes stored in the pool, unless the request says how much
+//!   of its prompt the pool holds ([`ScheduleRequest::pool_prefix_blocks`],
+//!   what a live front learns with one batch exists);
+//! - per decode instance: the last reported load;
+//! - per instance, whether it is up ([`ConductorMsg::Availability`]); the
+//!   scheduler skips those that are not.
+//!
+//! For every request the actor captures this view as a
+//! [`RecordedView`](crate::record::RecordedView) and schedules on the
+//! capture, so that a decision log (`ConductorArgs::decision_log`) holds
+//! exactly what each decision was made on (see [`crate::record`]).
 //!
 //! Bounds: each chunk mirror holds at most `max_tracked_chunks` hashes (the
 //! least recently touched are forgotten first, which can only make the
 //! conductor under-estimate a hit); the scheduler's own memory is bounded
 //! ([`crate::scheduler::INBOUND_LEDGER_MAX`]). ractor's mailbox is
-//! unbounded, so [`ConductorHandle`] bounds it: it counts messages sent and
-//! not yet handled, and refuses a new one with
-//! [`ConductorError::Overloaded`] once `mailbox_bound` are outstanding.
-//! Messages sent straight through the [`ActorRef`] are not counted.
+//! unbounded, so [`ConductorHandle`] bounds it with a
+//! [`MailboxGate`]: it counts messages sent and not yet handled, and
+//! refuses a new one with [`ConductorError::Overloaded`] once
+//! `mailbox_bound` are outstanding. Messages sent straight through the
+//! [`ActorRef`] are not counted.
 //!
 //! ```
 //! use std::time::Duration;
@@ -54,6 +65,7 @@
 //!         id: 7,
 //!         input_tokens: 5_000,
 //!         chunks: chunk_hashes(&longer, 512).unwrap(),
+//!         pool_prefix_blocks: None,
 //!     };
 //!     match conductor.schedule(request, Duration::from_secs(5)).await.unwrap() {
 //!         Decision::Route { prefill, cached_blocks, .. } => {
@@ -66,17 +78,19 @@
 //! });
 //! ```
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use ractor::rpc::CallResult;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::Serialize;
 
 use super::cache::{BlockCache, Capacity, LruCache, PrefixIndex};
 use super::chunk_hash::ChunkHash;
 use super::cost::CostModel;
+use super::mailbox::{GateError, MailboxGate};
+use super::record::{DecisionLog, LogRecord, LogSource, RecordedView};
 use super::scheduler::{
     ClusterView, Decision, DecodeLoad, Policy, PrefillLoad, RequestView, Scheduler, Slo,
 };
@@ -95,6 +109,20 @@ pub struct ScheduleRequest {
     pub input_tokens: u32,
     /// Prefix-chained chunk hashes of the prompt (full chunks only).
     pub chunks: Vec<ChunkHash>,
+    /// Leading chunks of the prompt the pool holds, when the caller looked
+    /// (one batch exists on their keys); `None`: the conductor's mirror of
+    /// the pool's KV events answers instead.
+    pub pool_prefix_blocks: Option<usize>,
+}
+
+/// Prefill or decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InstanceKind {
+    /// A prefill instance.
+    Prefill,
+    /// A decode instance.
+    Decode,
 }
 
 /// A load report from one proxy.
@@ -166,6 +194,26 @@ pub enum ConductorMsg {
         /// Tokens the request generated.
         output_tokens: u32,
     },
+    /// An instance came up or went down (its proxy or engine stopped
+    /// answering). Instances start up.
+    Availability {
+        /// Prefill or decode.
+        kind: InstanceKind,
+        /// Its index.
+        instance: usize,
+        /// Whether it takes requests.
+        available: bool,
+    },
+    /// The decode instance that is up and least loaded for a request of
+    /// `context_tokens` joining now (`None` when none is up): where a
+    /// request whose decode instance died goes on. Not a scheduling
+    /// decision: nothing is logged or counted.
+    PickDecode {
+        /// Prompt plus generated tokens of the request.
+        context_tokens: u64,
+        /// Where the answer goes.
+        reply: RpcReplyPort<Option<usize>>,
+    },
     /// A copy of the conductor's view and counters.
     Snapshot {
         /// Where the snapshot goes.
@@ -183,6 +231,16 @@ pub struct ConductorSnapshot {
     pub prefill: Vec<(PrefillLoad, usize)>,
     /// Per decode instance: last reported load.
     pub decode: Vec<DecodeLoad>,
+    /// Per prefill instance: whether it is up.
+    pub prefill_up: Vec<bool>,
+    /// Per decode instance: whether it is up.
+    pub decode_up: Vec<bool>,
+    /// SLOs the scheduler works to.
+    pub slo: Slo,
+    /// Seed of the `random` policy.
+    pub seed: u64,
+    /// Records written to the decision log (0 without one).
+    pub logged: u64,
     /// Chunks mirrored for the pool.
     pub pool_chunks: usize,
     /// Requests routed.
@@ -220,6 +278,16 @@ pub enum ConductorError {
     InvalidArgs(String),
 }
 
+impl From<GateError> for ConductorError {
+    fn from(e: GateError) -> Self {
+        match e {
+            GateError::Full { bound } => ConductorError::Overloaded { bound },
+            GateError::NotRunning(m) => ConductorError::NotRunning(m),
+            GateError::Timeout(t) => ConductorError::Timeout(t),
+        }
+    }
+}
+
 /// Start arguments of the [`Conductor`].
 #[derive(Debug, Clone)]
 pub struct ConductorArgs {
@@ -239,7 +307,10 @@ pub struct ConductorArgs {
     pub max_tracked_chunks: usize,
     /// Bound on messages outstanding through a [`ConductorHandle`].
     pub mailbox_bound: usize,
-    gate: Arc<AtomicUsize>,
+    /// Write a decision log here (see [`crate::record`]); created or
+    /// truncated at start.
+    pub decision_log: Option<PathBuf>,
+    gate: Option<MailboxGate>,
 }
 
 impl ConductorArgs {
@@ -260,7 +331,8 @@ impl ConductorArgs {
             decode_instances,
             max_tracked_chunks: DEFAULT_MAX_TRACKED_CHUNKS,
             mailbox_bound: DEFAULT_MAILBOX_BOUND,
-            gate: Arc::new(AtomicUsize::new(0)),
+            decision_log: None,
+            gate: None,
         }
     }
 
@@ -293,6 +365,8 @@ struct LivePrefill {
 struct LiveView {
     prefill: Vec<LivePrefill>,
     decode: Vec<DecodeLoad>,
+    prefill_up: Vec<bool>,
+    decode_up: Vec<bool>,
     pool: LruCache,
 }
 
@@ -319,18 +393,37 @@ impl ClusterView for LiveView {
     fn decode_load(&self, i: usize) -> DecodeLoad {
         self.decode[i]
     }
+    fn prefill_available(&self, i: usize) -> bool {
+        self.prefill_up[i]
+    }
+    fn decode_available(&self, i: usize) -> bool {
+        self.decode_up[i]
+    }
 }
 
 /// State of the [`Conductor`] actor.
-#[derive(Debug)]
 pub struct ConductorState {
     scheduler: Scheduler,
     view: LiveView,
     epoch: Instant,
-    gate: Arc<AtomicUsize>,
+    gate: Option<MailboxGate>,
+    log: Option<DecisionLog<BufWriter<File>>>,
+    seed: u64,
     routed: u64,
     rejected: u64,
     ignored: u64,
+}
+
+impl std::fmt::Debug for ConductorState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConductorState")
+            .field("policy", &self.scheduler.policy())
+            .field("view", &self.view)
+            .field("logging", &self.log.is_some())
+            .field("routed", &self.routed)
+            .field("rejected", &self.rejected)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ConductorState {
@@ -345,7 +438,21 @@ impl ConductorState {
             input_tokens: request.input_tokens,
             blocks: &request.chunks,
         };
-        let decision = self.scheduler.schedule(&view, &self.view, now);
+        // The scheduler decides on the capture, so a log holds exactly
+        // what it saw.
+        let mut seen = RecordedView::capture(&self.view, &request.chunks);
+        if let Some(n) = request.pool_prefix_blocks {
+            seen.global_prefix_blocks = n.min(request.chunks.len());
+        }
+        let decision = self.scheduler.schedule(&view, &seen, now);
+        self.log(|| LogRecord::Schedule {
+            id: request.id,
+            now_ms: now,
+            input_tokens: request.input_tokens,
+            blocks: request.chunks.len(),
+            view: seen,
+            decision,
+        });
         match decision {
             Decision::Route {
                 prefill,
@@ -398,8 +505,32 @@ impl ConductorState {
     fn decode_finished(&mut self, instance: usize, output_tokens: u32) {
         if instance < self.view.decode.len() {
             self.scheduler.observe_decode_finished(output_tokens);
+            self.log(|| LogRecord::DecodeFinished { output_tokens });
         } else {
             self.ignored += 1;
+        }
+    }
+
+    fn log(&mut self, record: impl FnOnce() -> LogRecord) {
+        if let Some(log) = self.log.as_mut() {
+            log.write(&record());
+            // One line at a time on disk: a conductor killed loses no
+            // decision it made.
+            if let Err(e) = log.flush() {
+                tracing::error!("decision log: {e}; no more decisions are logged");
+                self.log = None;
+            }
+        }
+    }
+
+    fn availability(&mut self, kind: InstanceKind, instance: usize, available: bool) {
+        let up = match kind {
+            InstanceKind::Prefill => &mut self.view.prefill_up,
+            InstanceKind::Decode => &mut self.view.decode_up,
+        };
+        match up.get_mut(instance) {
+            Some(u) => *u = available,
+            None => self.ignored += 1,
         }
     }
 
@@ -427,6 +558,11 @@ impl ConductorState {
                 .map(|i| (self.view.prefill_load(i), self.view.prefill[i].chunks.len()))
                 .collect(),
             decode: self.view.decode.clone(),
+            prefill_up: self.view.prefill_up.clone(),
+            decode_up: self.view.decode_up.clone(),
+            slo: self.scheduler.slo(),
+            seed: self.seed,
+            logged: self.log.as_ref().map_or(0, DecisionLog::records),
             pool_chunks: self.view.pool.len(),
             routed: self.routed,
             rejected: self.rejected,
@@ -454,6 +590,33 @@ impl Actor for Conductor {
     ) -> Result<Self::State, ActorProcessingErr> {
         args.validate()?;
         let cap = Capacity::Blocks(args.max_tracked_chunks);
+        // An instance's mirror holds no more than the instance's own cache
+        // (the cost model's local_cache_blocks; 0 for engines that keep no
+        // KV between requests).
+        let local_cap = match args.cost.prefill.local_cache_blocks.limit() {
+            Some(n) => Capacity::Blocks(n.min(args.max_tracked_chunks)),
+            None => cap,
+        };
+        let log = match &args.decision_log {
+            Some(path) => {
+                let file = File::create(path).map_err(|e| {
+                    ConductorError::InvalidArgs(format!("decision log {}: {e}", path.display()))
+                })?;
+                let mut log = DecisionLog::new(BufWriter::new(file));
+                log.write(&LogRecord::Start {
+                    source: LogSource::Live,
+                    policy: args.policy,
+                    cost: args.cost.clone(),
+                    slo: args.slo,
+                    seed: args.seed,
+                });
+                log.flush().map_err(|e| {
+                    ConductorError::InvalidArgs(format!("decision log {}: {e}", path.display()))
+                })?;
+                Some(log)
+            }
+            None => None,
+        };
         Ok(ConductorState {
             scheduler: Scheduler::new(args.policy, args.cost.clone(), args.slo, args.seed),
             view: LiveView {
@@ -461,14 +624,18 @@ impl Actor for Conductor {
                     .map(|_| LivePrefill {
                         queued: 0,
                         busy_until_ms: 0.0,
-                        chunks: LruCache::new(cap),
+                        chunks: LruCache::new(local_cap),
                     })
                     .collect(),
                 decode: vec![DecodeLoad::default(); args.decode_instances],
+                prefill_up: vec![true; args.prefill_instances],
+                decode_up: vec![true; args.decode_instances],
                 pool: LruCache::new(cap),
             },
             epoch: Instant::now(),
             gate: args.gate,
+            log,
+            seed: args.seed,
             routed: 0,
             rejected: 0,
             ignored: 0,
@@ -482,9 +649,9 @@ impl Actor for Conductor {
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         // One fewer message outstanding (saturating: raw sends are not counted).
-        let _ = state
-            .gate
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        if let Some(g) = &state.gate {
+            g.handled();
+        }
         match message {
             ConductorMsg::Schedule { request, reply } => {
                 let decision = state.schedule(&request);
@@ -501,6 +668,21 @@ impl Actor for Conductor {
                 instance,
                 output_tokens,
             } => state.decode_finished(instance, output_tokens),
+            ConductorMsg::Availability {
+                kind,
+                instance,
+                available,
+            } => state.availability(kind, instance, available),
+            ConductorMsg::PickDecode {
+                context_tokens,
+                reply,
+            } => {
+                let pick = state
+                    .scheduler
+                    .least_loaded_decode(&state.view, context_tokens)
+                    .map(|(d, _)| d);
+                let _ = reply.send(pick);
+            }
             ConductorMsg::Snapshot { reply } => {
                 let _ = reply.send(state.snapshot());
             }
@@ -513,45 +695,25 @@ impl Actor for Conductor {
 #[derive(Debug, Clone)]
 pub struct ConductorHandle {
     actor: ActorRef<ConductorMsg>,
-    gate: Arc<AtomicUsize>,
-    bound: usize,
+    gate: MailboxGate,
 }
 
 impl ConductorHandle {
     /// Starts a conductor; returns its handle and the actor task's join handle.
     pub async fn spawn(
-        args: ConductorArgs,
+        mut args: ConductorArgs,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ConductorError> {
         args.validate()?;
-        let gate = Arc::clone(&args.gate);
-        let bound = args.mailbox_bound;
+        let gate = MailboxGate::new(args.mailbox_bound);
+        args.gate = Some(gate.clone());
         let (actor, join) = Actor::spawn(None, Conductor, args)
             .await
             .map_err(|e| ConductorError::Spawn(e.to_string()))?;
-        Ok((Self { actor, gate, bound }, join))
-    }
-
-    fn admit(&self) -> Result<(), ConductorError> {
-        self.gate
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.bound).then_some(n + 1)
-            })
-            .map(|_| ())
-            .map_err(|_| ConductorError::Overloaded { bound: self.bound })
-    }
-
-    fn release(&self) {
-        let _ = self
-            .gate
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        Ok((Self { actor, gate }, join))
     }
 
     fn send(&self, msg: ConductorMsg) -> Result<(), ConductorError> {
-        self.admit()?;
-        self.actor.cast(msg).map_err(|e| {
-            self.release();
-            ConductorError::NotRunning(e.to_string())
-        })
+        Ok(self.gate.cast(&self.actor, msg)?)
     }
 
     async fn call<T: Send + 'static>(
@@ -559,18 +721,7 @@ impl ConductorHandle {
         build: impl FnOnce(RpcReplyPort<T>) -> ConductorMsg,
         timeout: Duration,
     ) -> Result<T, ConductorError> {
-        self.admit()?;
-        match self.actor.call(build, Some(timeout)).await {
-            Ok(CallResult::Success(v)) => Ok(v),
-            Ok(CallResult::Timeout) => Err(ConductorError::Timeout(timeout)),
-            Ok(CallResult::SenderError) => Err(ConductorError::NotRunning(
-                "the conductor dropped the reply".into(),
-            )),
-            Err(e) => {
-                self.release();
-                Err(ConductorError::NotRunning(e.to_string()))
-            }
-        }
+        Ok(self.gate.call(&self.actor, build, timeout).await?)
     }
 
     /// Places a request, waiting at most `timeout` for the answer.
@@ -615,6 +766,37 @@ impl ConductorHandle {
         })
     }
 
+    /// Marks an instance up or down.
+    pub fn set_available(
+        &self,
+        kind: InstanceKind,
+        instance: usize,
+        available: bool,
+    ) -> Result<(), ConductorError> {
+        self.send(ConductorMsg::Availability {
+            kind,
+            instance,
+            available,
+        })
+    }
+
+    /// The least loaded decode instance that is up, for a request of
+    /// `context_tokens` (see [`ConductorMsg::PickDecode`]).
+    pub async fn pick_decode(
+        &self,
+        context_tokens: u64,
+        timeout: Duration,
+    ) -> Result<Option<usize>, ConductorError> {
+        self.call(
+            |reply| ConductorMsg::PickDecode {
+                context_tokens,
+                reply,
+            },
+            timeout,
+        )
+        .await
+    }
+
     /// A snapshot of the conductor's view and counters.
     pub async fn snapshot(&self, timeout: Duration) -> Result<ConductorSnapshot, ConductorError> {
         self.call(|reply| ConductorMsg::Snapshot { reply }, timeout)
@@ -628,7 +810,7 @@ impl ConductorHandle {
 
     /// Messages sent through handles and not yet handled.
     pub fn outstanding(&self) -> usize {
-        self.gate.load(Ordering::Acquire)
+        self.gate.outstanding()
     }
 
     /// Asks the actor to stop.

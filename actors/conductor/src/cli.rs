@@ -1,5 +1,5 @@
-//! Command line of the simulator: `kvpool sim ...`, `kvpool sim cache ...`
-//! and `kvpool sim gen ...`.
+//! Command line of the simulator: `kvpool sim ...`, `kvpool sim cache ...`,
+//! `kvpool sim gen ...`, `kvpool sim scale ...` and `kvpool sim replay ...`.
 //!
 //! The binary embeds [`SimCommand`] as its `sim` subcommand and calls
 //! [`run_sim_command`]; [`run_sim`], [`run_sim_cache`] and [`run_sim_gen`]
@@ -18,9 +18,10 @@ use super::cache::{simulate_cache, CachePolicy, CacheSimReport, Capacity};
 use super::cost::CostModel;
 use super::gen::{write_trace, GenParams, Preset};
 use super::plot::{plot_load_series, plot_ttft_cdf};
+use super::record::{replay, DecisionLog, ReplayReport};
 use super::scheduler::{Policy, Slo};
-use super::sim::{simulate_with_progress, SimConfig, SimError, SimOutcome, SimReport, SWING_HIGH};
-use super::trace::Trace;
+use super::sim::{simulate_logged, SimConfig, SimError, SimOutcome, SimReport, SWING_HIGH};
+use super::trace::{ScaleParams, Trace};
 
 /// A `--policy` value: one policy, or `all`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +94,10 @@ pub struct SimArgs {
     /// Never show a progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Write every decision with the cluster state it was made on to this
+    /// file (JSON lines; `kvpool sim replay --log FILE` checks it).
+    #[arg(long, value_name = "FILE")]
+    pub decision_log: Option<PathBuf>,
 }
 
 impl SimArgs {
@@ -259,6 +264,48 @@ impl SimGenArgs {
     }
 }
 
+/// `kvpool sim scale`: a smaller copy of a trace, for engines that cannot
+/// serve the original (see [`ScaleParams`]).
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimScaleArgs {
+    /// The trace to shrink (Mooncake format).
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Tokens per block of `--trace`.
+    #[arg(long, default_value_t = 512)]
+    pub from_block_tokens: u32,
+    /// Output file, or `-` for stdout.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+    /// Tokens per block in the output: every block keeps its id.
+    #[arg(long)]
+    pub block_tokens: u32,
+    /// Requests passed over at the start of `--trace`.
+    #[arg(long, default_value_t = 0)]
+    pub skip: usize,
+    /// Requests kept (after `--skip`).
+    #[arg(long, default_value_t = usize::MAX)]
+    pub requests: usize,
+    /// Factor on output lengths.
+    #[arg(long, default_value_t = 1.0)]
+    pub output_scale: f64,
+    /// Longest output written.
+    #[arg(long, default_value_t = u32::MAX)]
+    pub output_max: u32,
+}
+
+/// `kvpool sim replay`: make every decision of a decision log again.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimReplayArgs {
+    /// A decision log (`kvpool sim --decision-log`, or the live
+    /// conductor's `serving.conductor.decision_log`).
+    #[arg(long, value_name = "FILE")]
+    pub log: PathBuf,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
 /// Subcommands of `kvpool sim`.
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum SimSubcommand {
@@ -266,6 +313,12 @@ pub enum SimSubcommand {
     Cache(SimCacheArgs),
     /// Write a seeded workload (decode-heavy, bursty, ...) as a trace.
     Gen(Box<SimGenArgs>),
+    /// Write a smaller copy of a trace (fewer tokens per block, shorter
+    /// answers, fewer requests), the same prefixes shared.
+    Scale(SimScaleArgs),
+    /// Replay a decision log through the scheduler: exit 0 if every
+    /// decision is made again the same, 2 otherwise.
+    Replay(SimReplayArgs),
 }
 
 /// `kvpool sim [ARGS]` or `kvpool sim cache [ARGS]`.
@@ -285,8 +338,86 @@ pub fn run_sim_command(cmd: &SimCommand) -> Result<(), SimError> {
     match &cmd.command {
         Some(SimSubcommand::Cache(args)) => run_sim_cache(args),
         Some(SimSubcommand::Gen(args)) => run_sim_gen(args).map(|_| ()),
+        Some(SimSubcommand::Scale(args)) => run_sim_scale(args).map(|_| ()),
+        Some(SimSubcommand::Replay(args)) => {
+            let stdout = io::stdout();
+            let mut out = stdout.lock();
+            run_sim_replay_to(args, &mut out).map(|_| ())
+        }
         None => run_sim(&cmd.args),
     }
+}
+
+/// Opens `path` for writing, or stdout for `-`.
+fn create_out(path: &std::path::Path) -> Result<Box<dyn Write>, SimError> {
+    if path.as_os_str() == "-" {
+        return Ok(Box::new(io::BufWriter::new(io::stdout())));
+    }
+    let file = std::fs::File::create(path).map_err(|e| {
+        SimError::Output(io::Error::new(e.kind(), format!("{}: {e}", path.display())))
+    })?;
+    Ok(Box::new(io::BufWriter::new(file)))
+}
+
+/// `kvpool sim scale`: returns the requests written.
+pub fn run_sim_scale(args: &SimScaleArgs) -> Result<u64, SimError> {
+    let p = ScaleParams {
+        block_tokens: args.block_tokens,
+        skip: args.skip,
+        requests: args.requests,
+        output_scale: args.output_scale,
+        output_max: args.output_max,
+    };
+    p.validate().map_err(SimError::InvalidArg)?;
+    let trace = Trace::load_with_block_tokens(&args.trace, args.from_block_tokens)?;
+    let mut out = create_out(&args.out)?;
+    let n = trace.write_scaled(&p, &mut out)?;
+    out.flush()?;
+    Ok(n)
+}
+
+/// `kvpool sim replay` writing to `out`. A decision made differently is an
+/// error (after the report is written).
+pub fn run_sim_replay_to(
+    args: &SimReplayArgs,
+    out: &mut dyn Write,
+) -> Result<ReplayReport, SimError> {
+    let file = std::fs::File::open(&args.log)
+        .map_err(|e| SimError::InvalidArg(format!("cannot read {}: {e}", args.log.display())))?;
+    let r = replay(io::BufReader::new(file)).map_err(|e| SimError::InvalidArg(e.to_string()))?;
+    if args.json {
+        json_line(out, &r)?;
+    } else {
+        writeln!(
+            out,
+            "replayed {} decisions ({} routed, {} rejected) of {} run(s): {} made again the same",
+            r.decisions, r.routed, r.rejected, r.runs, r.agreed
+        )?;
+        for m in &r.mismatches {
+            writeln!(
+                out,
+                "  line {} (request {}): logged {}, replayed {}",
+                m.line,
+                m.id,
+                serde_json::to_string(&m.logged).unwrap_or_default(),
+                serde_json::to_string(&m.replayed).unwrap_or_default()
+            )?;
+        }
+    }
+    if r.agreed != r.decisions {
+        return Err(SimError::InvalidArg(format!(
+            "{} of {} decisions differ from the log",
+            r.decisions - r.agreed,
+            r.decisions
+        )));
+    }
+    if r.decisions == 0 {
+        return Err(SimError::InvalidArg(format!(
+            "{} holds no decision",
+            args.log.display()
+        )));
+    }
+    Ok(r)
 }
 
 /// `kvpool sim gen`: writes the trace to `--out` (or stdout for `-`) and
@@ -403,6 +534,13 @@ fn write_text(out: &mut dyn Write, r: &SimReport) -> io::Result<()> {
         r.ttft_slo_ms,
         r.tbt_slo_ms
     )?;
+    write_report_rows(out, r)
+}
+
+/// The rows of a report under its heading line: counts, TTFT and TBT
+/// percentiles, SLO attainment, goodput, hit ratio. `kvpool bench serve`
+/// prints a live run with these same rows.
+pub fn write_report_rows(out: &mut dyn Write, r: &SimReport) -> io::Result<()> {
     writeln!(
         out,
         "  requests {}  rejected {} (ttft {}, tbt {}, queues full {})  prefilled {}  completed {}  dropped {}  wasted prefills {}",
@@ -460,10 +598,16 @@ pub fn run_sim_to(
         .ok_or_else(|| SimError::InvalidArg("--trace is required".into()))?;
     let configs = sim_configs(args)?;
     let trace = Trace::load_with_block_tokens(path, configs[0].cost.block_tokens)?;
+    let mut log = match &args.decision_log {
+        Some(p) => Some(DecisionLog::new(create_out(p)?)),
+        None => None,
+    };
     let mut outcomes: Vec<SimOutcome> = Vec::with_capacity(configs.len());
     for cfg in &configs {
         let bar = progress_bar(trace.len() as u64, cfg.policy, progress);
-        let outcome = simulate_with_progress(&trace, cfg, &mut |n| bar.set_position(n))?;
+        let mut write = log.as_mut().map(|l| move |r| l.write(&r));
+        let sink = write.as_mut().map(|w| w as super::sim::LogSink<'_>);
+        let outcome = simulate_logged(&trace, cfg, &mut |n| bar.set_position(n), sink)?;
         bar.finish_and_clear();
         if args.json {
             json_line(out, &outcome.report)?;
@@ -481,6 +625,9 @@ pub fn run_sim_to(
             }
         }
         outcomes.push(outcome);
+    }
+    if let Some(log) = log {
+        log.finish()?;
     }
     if let Some(plot) = &args.plot {
         let series: Vec<(&str, &hdrhistogram::Histogram<u64>)> = outcomes

@@ -11,6 +11,8 @@
 //! - [`scheduler`]: the scheduling policies; pure logic, no I/O, no clock.
 //! - [`sim`]: the discrete-event simulator and its report.
 //! - [`actor`]: the live `Conductor` ractor actor.
+//! - [`mailbox`]: a bound on an actor's (unbounded) ractor mailbox.
+//! - [`record`]: decision logs, and their replay through the scheduler.
 //! - [`cli`]: `kvpool sim` / `kvpool sim cache` argument structs and runners.
 //! - [`plot`]: TTFT CDF plot (PNG).
 
@@ -21,7 +23,9 @@ pub use kvpool_runtime::chunk_hash;
 pub mod cli;
 pub mod cost;
 pub mod gen;
+pub mod mailbox;
 pub mod plot;
+pub mod record;
 pub mod scheduler;
 pub mod sim;
 pub mod trace;

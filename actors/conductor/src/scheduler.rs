@@ -180,7 +180,7 @@ pub struct RequestView<'a> {
 }
 
 /// Load of one prefill instance.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct PrefillLoad {
     /// Requests waiting (not counting the one running).
     pub queued: usize,
@@ -190,7 +190,7 @@ pub struct PrefillLoad {
 }
 
 /// Load of one decode instance.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct DecodeLoad {
     /// Sequences in the running batch.
     pub active_seqs: usize,
@@ -216,10 +216,21 @@ pub trait ClusterView {
     fn decode_instances(&self) -> usize;
     /// Load of decode instance `instance`.
     fn decode_load(&self, instance: usize) -> DecodeLoad;
+    /// Whether prefill instance `instance` takes requests. A live
+    /// conductor marks an instance whose proxy or engine is down; the
+    /// simulator's instances are always up.
+    fn prefill_available(&self, _instance: usize) -> bool {
+        true
+    }
+    /// Whether decode instance `instance` takes requests (see
+    /// [`ClusterView::prefill_available`]).
+    fn decode_available(&self, _instance: usize) -> bool {
+        true
+    }
 }
 
 /// Why a request was rejected.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "reason", rename_all = "snake_case")]
 pub enum RejectReason {
     /// The view has no prefill or no decode instance.
@@ -260,9 +271,7 @@ impl RejectReason {
 impl fmt::Display for RejectReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            RejectReason::NoInstances => {
-                f.write_str("no prefill or no decode instance is available")
-            }
+            RejectReason::NoInstances => f.write_str("no prefill or no decode instance is up"),
             RejectReason::PrefillQueuesFull { bound } => {
                 write!(f, "every prefill queue holds its limit of {bound} requests")
             }
@@ -285,7 +294,7 @@ impl fmt::Display for RejectReason {
 }
 
 /// The scheduler's answer.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "decision", rename_all = "snake_case")]
 pub enum Decision {
     /// Run prefill on `prefill`, then decode on `decode`.
@@ -401,15 +410,17 @@ impl Scheduler {
     ) -> Decision {
         let np = view.prefill_instances();
         let nd = view.decode_instances();
-        if np == 0 || nd == 0 {
+        let nd_up = (0..nd).filter(|&d| view.decode_available(d)).count();
+        if nd_up == 0 || !(0..np).any(|i| view.prefill_available(i)) {
             return Decision::Reject(RejectReason::NoInstances);
         }
         let bound = self.cost.prefill.queue_max;
-        let has_room = |i: usize| view.prefill_load(i).queued < bound;
+        let has_room = |i: usize| view.prefill_available(i) && view.prefill_load(i).queued < bound;
         let open = (0..np).filter(|&i| has_room(i)).count();
         if open == 0 {
             return Decision::Reject(RejectReason::PrefillQueuesFull { bound });
         }
+        let decode_up = |d: usize| view.decode_available(d);
         let global = view.global_prefix_blocks(req.blocks);
         let cost = &self.cost;
         let est =
@@ -419,7 +430,8 @@ impl Scheduler {
             Policy::Random => {
                 let k = self.rng.random_range(0..open);
                 let p = (0..np).filter(|&i| has_room(i)).nth(k).unwrap_or(0);
-                let d = self.rng.random_range(0..nd);
+                let k = self.rng.random_range(0..nd_up);
+                let d = (0..nd).filter(|&d| decode_up(d)).nth(k).unwrap_or(0);
                 (est(p, true), Some(d))
             }
             Policy::RoundRobin => {
@@ -428,7 +440,10 @@ impl Scheduler {
                     p = (p + 1) % np;
                 }
                 self.rr_prefill = (p + 1) % np;
-                let d = self.rr_decode % nd;
+                let mut d = self.rr_decode % nd;
+                while !decode_up(d) {
+                    d = (d + 1) % nd;
+                }
                 self.rr_decode = (d + 1) % nd;
                 (est(p, true), Some(d))
             }
@@ -515,9 +530,22 @@ impl Scheduler {
         self.tbt_for(seqs, tokens)
     }
 
+    /// The decode instance that is up with the lowest TBT estimate for a
+    /// request of `context_tokens` joining it now, and that estimate; `None`
+    /// when none is up. (What a live conductor uses to continue a request
+    /// whose decode instance died.)
+    pub fn least_loaded_decode<V: ClusterView + ?Sized>(
+        &self,
+        view: &V,
+        context_tokens: u64,
+    ) -> Option<(usize, f64)> {
+        let (d, tbt) = self.best_decode_now(view, context_tokens);
+        tbt.is_finite().then_some((d, tbt))
+    }
+
     fn best_decode_now<V: ClusterView + ?Sized>(&self, view: &V, ctx: u64) -> (usize, f64) {
         let mut best = (0, f64::INFINITY);
-        for d in 0..view.decode_instances() {
+        for d in (0..view.decode_instances()).filter(|&d| view.decode_available(d)) {
             let t = self.tbt_estimate(view.decode_load(d), ctx);
             if t < best.1 {
                 best = (d, t);
@@ -539,6 +567,9 @@ impl Scheduler {
         }
         let mut best = (0, f64::INFINITY);
         for d in 0..nd {
+            if !view.decode_available(d) {
+                continue;
+            }
             let load = view.decode_load(d);
             // Requests that finished prefill by now are in `load`.
             let ledger = &mut self.inbound[d];
@@ -761,6 +792,8 @@ mod tests {
         prefill: Vec<(PrefillLoad, HashSet<u64>)>,
         global: HashSet<u64>,
         decode: Vec<DecodeLoad>,
+        prefill_down: HashSet<usize>,
+        decode_down: HashSet<usize>,
     }
 
     impl ClusterView for FakeView {
@@ -788,6 +821,12 @@ mod tests {
         fn decode_load(&self, i: usize) -> DecodeLoad {
             self.decode[i]
         }
+        fn prefill_available(&self, i: usize) -> bool {
+            !self.prefill_down.contains(&i)
+        }
+        fn decode_available(&self, i: usize) -> bool {
+            !self.decode_down.contains(&i)
+        }
     }
 
     fn view(np: usize, nd: usize) -> FakeView {
@@ -795,8 +834,75 @@ mod tests {
             prefill: (0..np)
                 .map(|_| (PrefillLoad::default(), HashSet::new()))
                 .collect(),
-            global: HashSet::new(),
             decode: vec![DecodeLoad::default(); nd],
+            ..FakeView::default()
+        }
+    }
+
+    fn decode_of(d: Decision) -> usize {
+        match d {
+            Decision::Route { decode, .. } => decode,
+            Decision::Reject(r) => panic!("rejected: {r}"),
+        }
+    }
+
+    #[test]
+    fn every_policy_skips_instances_that_are_down() {
+        let b = blocks(4);
+        let mut v = view(3, 3);
+        // The best prefill instance (it holds the prefix) and decode 0 are down.
+        v.prefill[1].1.extend(0..4);
+        v.prefill_down.insert(1);
+        v.decode_down.insert(0);
+        for p in Policy::ALL {
+            let mut s = sched(p);
+            for _ in 0..12 {
+                let d = s.schedule(&req(&b), &v, 0.0);
+                assert_ne!(prefill_of(d), 1, "{p}");
+                assert_ne!(decode_of(d), 0, "{p}");
+            }
+        }
+        let s = sched(Policy::CacheGlobal);
+        assert_eq!(s.least_loaded_decode(&v, 100).map(|(d, _)| d), Some(1));
+        // Nothing up on one side: no instance, whatever the queues say.
+        v.decode_down.extend([1, 2]);
+        assert_eq!(s.least_loaded_decode(&v, 100), None);
+        for p in Policy::ALL {
+            assert_eq!(
+                sched(p).schedule(&req(&b), &v, 0.0),
+                Decision::Reject(RejectReason::NoInstances),
+                "{p}"
+            );
+        }
+        v.decode_down.clear();
+        v.prefill_down.extend([0, 2]);
+        assert_eq!(
+            sched(Policy::RoundRobin).schedule(&req(&b), &v, 0.0),
+            Decision::Reject(RejectReason::NoInstances)
+        );
+    }
+
+    #[test]
+    fn decisions_round_trip_through_json() {
+        let b = blocks(4);
+        let mut v = view(2, 1);
+        v.prefill[0].0.busy_until_ms = 123.456_789;
+        let route = sched(Policy::CacheGlobal).schedule(&req(&b), &v, 0.1);
+        let rejects = [
+            Decision::Reject(RejectReason::NoInstances),
+            Decision::Reject(RejectReason::PrefillQueuesFull { bound: 3 }),
+            Decision::Reject(RejectReason::TtftSlo {
+                predicted_ms: 1.0 / 3.0,
+                slo_ms: 2.0,
+            }),
+        ];
+        for d in std::iter::once(route).chain(rejects) {
+            let text = serde_json::to_string(&d).unwrap();
+            assert_eq!(
+                serde_json::from_str::<Decision>(&text).unwrap(),
+                d,
+                "{text}"
+            );
         }
     }
 

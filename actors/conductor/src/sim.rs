@@ -56,6 +56,11 @@
 //! The simulation is deterministic: events at equal times are ordered by kind
 //! (decode steps, then prefill completions, then arrivals) and then by the
 //! order they were scheduled in.
+//!
+//! Decision log ([`simulate_logged`]): every arrival's view and decision and
+//! every finished request, in the format of [`crate::record`], the same as
+//! the live conductor's; the scheduler then decides on the captured view
+//! (which answers exactly what the simulator's state does).
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
@@ -66,6 +71,7 @@ use serde::Serialize;
 use super::cache::{BlockCache, Cache, CachePolicy, Capacity, HitCounter, LruCache, PrefixIndex};
 use super::chunk_hash::{ChunkHash, IdHashBuilder, IdMap};
 use super::cost::{ConfigError, CostModel};
+use super::record::{LogRecord, LogSource, RecordedView};
 use super::scheduler::{
     ClusterView, Decision, DecodeLoad, Policy, PrefillLoad, RejectReason, RequestView, Scheduler,
     Slo,
@@ -508,7 +514,11 @@ struct Counters {
     forecast_abs_err_ms: f64,
 }
 
-struct Sim<'t> {
+/// Where [`simulate_logged`] sends the records of its decision log.
+pub type LogSink<'a> = &'a mut dyn FnMut(LogRecord);
+
+struct Sim<'t, 'l> {
+    log: Option<LogSink<'l>>,
     cfg: &'t SimConfig,
     state: State<'t>,
     scheduler: Scheduler,
@@ -538,8 +548,17 @@ fn ms_to_us(ms: f64) -> u64 {
     (ms * 1000.0).round().clamp(1.0, HIST_MAX_US as f64) as u64
 }
 
-impl<'t> Sim<'t> {
-    fn new(trace: &'t Trace, cfg: &'t SimConfig) -> Self {
+impl<'t, 'l> Sim<'t, 'l> {
+    fn new(trace: &'t Trace, cfg: &'t SimConfig, mut log: Option<LogSink<'l>>) -> Self {
+        if let Some(log) = log.as_mut() {
+            log(LogRecord::Start {
+                source: LogSource::Sim,
+                policy: cfg.policy,
+                cost: cfg.cost.clone(),
+                slo: cfg.slo,
+                seed: cfg.seed,
+            });
+        }
         let local_cap = cfg.cost.prefill.local_cache_blocks;
         let prefill = (0..cfg.prefill)
             .map(|_| PrefillInst {
@@ -567,6 +586,7 @@ impl<'t> Sim<'t> {
             .map(|r| (r.timestamp_ms - t0) as f64 / cfg.speed)
             .collect();
         Self {
+            log,
             cfg,
             state: State {
                 trace,
@@ -674,7 +694,23 @@ impl<'t> Sim<'t> {
             input_tokens: r.input_tokens,
             blocks: trace.blocks(r),
         };
-        match self.scheduler.schedule(&view, &self.state, now) {
+        let decision = match self.log.as_mut() {
+            Some(log) => {
+                let seen = RecordedView::capture(&self.state, view.blocks);
+                let decision = self.scheduler.schedule(&view, &seen, now);
+                log(LogRecord::Schedule {
+                    id: view.id,
+                    now_ms: now,
+                    input_tokens: view.input_tokens,
+                    blocks: view.blocks.len(),
+                    view: seen,
+                    decision,
+                });
+                decision
+            }
+            None => self.scheduler.schedule(&view, &self.state, now),
+        };
+        match decision {
             Decision::Route {
                 prefill,
                 decode,
@@ -833,6 +869,9 @@ impl<'t> Sim<'t> {
                 self.counters.forecast_err_ms += seq.predicted_tbt_ms - tbt;
                 self.counters.forecast_abs_err_ms += (seq.predicted_tbt_ms - tbt).abs();
                 self.scheduler.observe_decode_finished(out);
+                if let Some(log) = self.log.as_mut() {
+                    log(LogRecord::DecodeFinished { output_tokens: out });
+                }
                 if tbt <= tbt_slo {
                     if self.ttft_ok[seq.req as usize] {
                         self.counters.slo_met += 1;
@@ -926,8 +965,19 @@ pub fn simulate_with_progress(
     cfg: &SimConfig,
     progress: &mut dyn FnMut(u64),
 ) -> Result<SimOutcome, SimError> {
+    simulate_logged(trace, cfg, progress, None)
+}
+
+/// Like [`simulate_with_progress`], sending the decision log's records to
+/// `log` when given (see the module docs).
+pub fn simulate_logged(
+    trace: &Trace,
+    cfg: &SimConfig,
+    progress: &mut dyn FnMut(u64),
+    log: Option<LogSink<'_>>,
+) -> Result<SimOutcome, SimError> {
     cfg.validate()?;
-    let mut sim = Sim::new(trace, cfg);
+    let mut sim = Sim::new(trace, cfg, log);
     sim.run(progress);
     Ok(sim.report())
 }
@@ -1072,6 +1122,35 @@ mod tests {
         assert_eq!(swings(&[1.3, 1.4, 1.3], 1.25, 1.0), 0);
         assert_eq!(swings(&[0.9, 1.1, 1.2, 1.1, 1.3], 1.25, 1.0), 1);
         assert_eq!(swings(&[], 1.25, 1.0), 0);
+    }
+
+    #[test]
+    fn a_logged_run_decides_alike_and_replays() {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/data/synthetic_trace.jsonl"
+        ))
+        .unwrap();
+        let head: String = text.lines().take(400).map(|l| format!("{l}\n")).collect();
+        let t = Trace::parse(head.as_bytes(), "head", 512).unwrap();
+        for policy in [
+            Policy::CacheGlobal,
+            Policy::PredictiveReject,
+            Policy::Random,
+        ] {
+            let mut cfg = SimConfig::new(policy, 4, 2);
+            cfg.speed = 4.0;
+            cfg.slo.tbt_ms = 40.0;
+            let plain = simulate(&t, &cfg).unwrap();
+            let mut log = crate::record::DecisionLog::new(Vec::new());
+            let logged =
+                simulate_logged(&t, &cfg, &mut |_| {}, Some(&mut |r| log.write(&r))).unwrap();
+            assert_eq!(logged.report, plain.report, "{policy}");
+            let bytes = log.finish().unwrap();
+            let r = crate::record::replay(&bytes[..]).unwrap();
+            assert_eq!(r.decisions, 400, "{policy}");
+            assert_eq!(r.agreed, r.decisions, "{policy}: {:?}", r.mismatches);
+        }
     }
 
     #[test]

@@ -19,7 +19,7 @@
 //! names the line (1-based).
 
 use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -285,6 +285,77 @@ impl Trace {
             _ => 0,
         }
     }
+
+    /// Writes a smaller copy of `p.requests` requests from the `p.skip`th
+    /// (see [`ScaleParams`]) in the same format; returns the requests
+    /// written.
+    pub fn write_scaled<W: Write>(&self, p: &ScaleParams, out: &mut W) -> std::io::Result<u64> {
+        let mut n = 0;
+        for (r, blocks) in self.iter().skip(p.skip).take(p.requests) {
+            let (input, output) = p.scale(self.block_tokens, r, blocks.len());
+            let ids: Vec<u64> = blocks.iter().map(|b| b.0).collect();
+            let line = serde_json::json!({"timestamp": r.timestamp_ms, "input_length": input,
+                "output_length": output, "hash_ids": ids});
+            writeln!(out, "{line}")?;
+            n += 1;
+        }
+        Ok(n)
+    }
+}
+
+/// How [`Trace::write_scaled`] shrinks a trace: every block keeps its id and
+/// becomes `block_tokens` tokens (so prefixes are shared exactly as in the
+/// source), the last, partial block shrinks in proportion (at least one
+/// token); outputs are multiplied by `output_scale` and clamped to
+/// `1..=output_max`; timestamps are kept (replay speed is the reader's).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScaleParams {
+    /// Tokens per block in the written trace.
+    pub block_tokens: u32,
+    /// Requests passed over at the start.
+    pub skip: usize,
+    /// Requests kept after those.
+    pub requests: usize,
+    /// Factor on output lengths.
+    pub output_scale: f64,
+    /// Longest output written.
+    pub output_max: u32,
+}
+
+impl ScaleParams {
+    /// Checks the parameters; the message names the flag.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.block_tokens == 0 {
+            return Err("--block-tokens must be at least 1".into());
+        }
+        if self.requests == 0 {
+            return Err("--requests must be at least 1".into());
+        }
+        if !(self.output_scale.is_finite() && self.output_scale > 0.0) {
+            return Err(format!(
+                "--output-scale must be a finite number > 0, got {}",
+                self.output_scale
+            ));
+        }
+        if self.output_max == 0 {
+            return Err("--output-max must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// (input, output) tokens of `r`, whose prompt has `blocks` blocks of
+    /// `from_block_tokens`, in the scaled trace.
+    fn scale(&self, from_block_tokens: u32, r: &TraceRequest, blocks: usize) -> (u64, u32) {
+        let full = blocks.saturating_sub(1) as u64;
+        let last = u64::from(r.input_tokens) - full * u64::from(from_block_tokens);
+        let last = (last * u64::from(self.block_tokens))
+            .div_ceil(u64::from(from_block_tokens))
+            .max(1);
+        let input = full * u64::from(self.block_tokens) + last;
+        let output = (f64::from(r.output_tokens) * self.output_scale).round();
+        let output = (output as u32).clamp(1, self.output_max);
+        (input, output)
+    }
 }
 
 #[cfg(test)]
@@ -307,6 +378,52 @@ mod tests {
         assert_eq!(t.blocks(&t.requests()[0]), &[ChunkHash(1), ChunkHash(2)]);
         assert_eq!(t.total_blocks(), 3);
         assert_eq!(t.span_ms(), 5);
+    }
+
+    #[test]
+    fn a_scaled_trace_keeps_the_blocks_and_reads_back_at_its_block_size() {
+        let t = parse(
+            "{\"timestamp\": 0, \"input_length\": 1100, \"output_length\": 300, \"hash_ids\": [1, 2, 3]}\n\
+             {\"timestamp\": 7, \"input_length\": 512, \"output_length\": 1, \"hash_ids\": [1]}\n\
+             {\"timestamp\": 9, \"input_length\": 5, \"output_length\": 2, \"hash_ids\": [4]}\n",
+        )
+        .unwrap();
+        let p = ScaleParams {
+            block_tokens: 16,
+            skip: 0,
+            requests: 2,
+            output_scale: 0.25,
+            output_max: 64,
+        };
+        p.validate().unwrap();
+        let mut out = Vec::new();
+        assert_eq!(t.write_scaled(&p, &mut out).unwrap(), 2);
+        let s = Trace::parse(&out[..], "scaled", 16).unwrap();
+        assert_eq!(s.len(), 2);
+        // 2 full blocks of 16, then 76 of 512 -> ceil(76 * 16 / 512) = 3.
+        assert_eq!(s.requests()[0].input_tokens, 35);
+        assert_eq!(s.requests()[0].output_tokens, 64);
+        assert_eq!(s.requests()[0].timestamp_ms, 0);
+        assert_eq!(s.requests()[1].input_tokens, 16);
+        assert_eq!(s.requests()[1].output_tokens, 1);
+        assert_eq!(s.blocks(&s.requests()[0]), t.blocks(&t.requests()[0]));
+        let mut tail = Vec::new();
+        let skip = ScaleParams { skip: 2, ..p };
+        assert_eq!(t.write_scaled(&skip, &mut tail).unwrap(), 1);
+        let s = Trace::parse(&tail[..], "tail", 16).unwrap();
+        assert_eq!(s.requests()[0].timestamp_ms, 9);
+        assert!(ScaleParams {
+            block_tokens: 0,
+            ..p
+        }
+        .validate()
+        .is_err());
+        assert!(ScaleParams {
+            output_scale: f64::NAN,
+            ..p
+        }
+        .validate()
+        .is_err());
     }
 
     #[test]

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use kvpool_conductor::actor::{
-    ConductorArgs, ConductorError, ConductorHandle, ConductorMsg, InstanceLoad, KvLocation,
-    ScheduleRequest,
+    ConductorArgs, ConductorError, ConductorHandle, ConductorMsg, InstanceKind, InstanceLoad,
+    KvLocation, ScheduleRequest,
 };
 use kvpool_conductor::chunk_hash::{chunk_hashes, ChunkHash};
 use kvpool_conductor::cost::CostModel;
@@ -23,6 +23,7 @@ fn request(id: u64, tokens: &[u32]) -> ScheduleRequest {
         id,
         input_tokens: tokens.len() as u32,
         chunks: chunk_hashes(tokens, 512).unwrap(),
+        pool_prefix_blocks: None,
     }
 }
 
@@ -334,4 +335,58 @@ async fn bad_arguments_are_refused_at_spawn() {
         ConductorHandle::spawn(args).await,
         Err(ConductorError::InvalidArgs(_))
     ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn availability_the_pools_prefix_and_the_decision_log() {
+    let dir = std::env::temp_dir().join(format!("kvpool-conductor-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("decisions.jsonl");
+    let mut args = ConductorArgs::new(
+        Policy::CacheGlobal,
+        CostModel::default(),
+        Slo::default(),
+        2,
+        2,
+    );
+    args.decision_log = Some(log.clone());
+    let (h, join) = ConductorHandle::spawn(args).await.unwrap();
+    idle_reports(&h, 2, 2);
+    let tokens = prompt(5, 8 * 512);
+
+    // The caller says the pool holds 6 of the 8 chunks: the conductor's own
+    // mirror knows none of them.
+    let mut r = request(1, &tokens);
+    r.pool_prefix_blocks = Some(6);
+    let (_, _, cached, fetched) = routed(h.schedule(r, T).await.unwrap());
+    assert_eq!((cached, fetched), (6, 6));
+
+    // Prefill 0 and decode 0 go down: everything goes to instance 1.
+    h.set_available(InstanceKind::Prefill, 0, false).unwrap();
+    h.set_available(InstanceKind::Decode, 0, false).unwrap();
+    for id in 2..6 {
+        let (p, d, _, _) = routed(h.schedule(request(id, &tokens), T).await.unwrap());
+        assert_eq!((p, d), (1, 1));
+    }
+    assert_eq!(h.pick_decode(1000, T).await.unwrap(), Some(1));
+    h.decode_finished(1, 40).unwrap();
+    // Nothing up on the decode side: refused, and no decode to pick.
+    h.set_available(InstanceKind::Decode, 1, false).unwrap();
+    assert_eq!(
+        h.schedule(request(9, &tokens), T).await.unwrap(),
+        Decision::Reject(RejectReason::NoInstances)
+    );
+    assert_eq!(h.pick_decode(1000, T).await.unwrap(), None);
+    let snap = h.snapshot(T).await.unwrap();
+    assert_eq!(snap.prefill_up, vec![false, true]);
+    assert_eq!(snap.decode_up, vec![false, false]);
+    h.stop();
+    join.await.unwrap();
+
+    // The log holds every decision with its view, and replays.
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(text.lines().count(), 1 + 6 + 1, "{text}");
+    let r = kvpool_conductor::record::replay(text.as_bytes()).unwrap();
+    assert_eq!((r.decisions, r.agreed, r.rejected), (6, 6, 1));
+    let _ = std::fs::remove_dir_all(&dir);
 }

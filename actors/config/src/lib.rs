@@ -22,6 +22,7 @@ pub struct NodeConfig {
     pub client: ClientConfig,
     pub security: SecurityConfig,
     pub engine: EngineConfig,
+    pub serving: ServingConfig,
 }
 
 /// The environment variable that holds the cluster secret (it overrides
@@ -203,6 +204,7 @@ impl NodeConfig {
         nonzero("client.max_in_flight", self.client.max_in_flight as u64)?;
         self.storage.rdma.validate("storage.rdma")?;
         self.client.rdma.validate("client.rdma")?;
+        self.serving.validate()?;
         for (k, v) in [
             ("master.max_frame_bytes", self.master.max_frame_bytes),
             ("storage.max_frame_bytes", self.storage.max_frame_bytes),
@@ -880,4 +882,203 @@ pub enum NodeError {
     Kv(#[from] kvpool_transport::KvError),
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+}
+
+/// `[serving]`: the serving path: the conductor's OpenAI-compatible front
+/// (`--role conductor`), the prefill and decode proxies (`--role
+/// prefill-proxy`, `--role decode-proxy`), and what role `all` starts of it.
+/// Addresses are `HOST:PORT` (plain HTTP). Checked by
+/// [`ServingConfig::validate`] with the rest of the file.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServingConfig {
+    /// Role all: also run the serving path (a conductor, one prefill and one
+    /// decode engine of `model`, a proxy in front of each).
+    pub enabled: bool,
+    /// Role all: the model of its two engines (`builtin:tiny`,
+    /// `builtin:small` or a model folder).
+    pub model: String,
+    pub conductor: ConductorConfig,
+    pub prefill_proxy: ProxyConfig,
+    pub decode_proxy: ProxyConfig,
+}
+
+impl Default for ServingConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            model: "builtin:tiny".into(),
+            conductor: ConductorConfig::default(),
+            prefill_proxy: ProxyConfig {
+                listen: "127.0.0.1:8200".into(),
+                engine: "127.0.0.1:8100".into(),
+                ..ProxyConfig::default()
+            },
+            decode_proxy: ProxyConfig {
+                listen: "127.0.0.1:8201".into(),
+                engine: "127.0.0.1:8101".into(),
+                ..ProxyConfig::default()
+            },
+        }
+    }
+}
+
+/// `[serving.conductor]`: the front and the live scheduler.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConductorConfig {
+    /// The OpenAI-compatible front (HTTP), also /healthz and /metrics.
+    pub listen: String,
+    /// The pool's master, asked which chunks of a prompt it holds ("": no
+    /// pool lookups; the conductor then knows only where it sent prompts).
+    pub pool: String,
+    /// Prefill proxies, in instance order.
+    pub prefill: Vec<String>,
+    /// Decode proxies, in instance order.
+    pub decode: Vec<String>,
+    /// Scheduling policy: random, round_robin, least_loaded, cache_local,
+    /// cache_global, early_reject or predictive_reject.
+    pub policy: String,
+    /// Cluster cost model file (see configs/cluster-model*.toml); "" = the
+    /// built-in model. Its block_tokens is set to `engine.chunk_tokens`.
+    pub cost_model: String,
+    /// Time-to-first-token objective, ms.
+    pub ttft_slo_ms: f64,
+    /// Time-between-tokens objective (per-request average), ms.
+    pub tbt_slo_ms: f64,
+    /// Seed of the random policy.
+    pub seed: u64,
+    /// How often each proxy's load report is fetched.
+    pub load_poll_ms: u64,
+    /// Deadline of one request, end to end.
+    pub request_timeout_ms: u64,
+    /// A decode stream silent this long after its first token counts as
+    /// failed (and is continued elsewhere).
+    pub stall_timeout_ms: u64,
+    /// Requests in flight at once; more get 503 with Retry-After.
+    pub max_in_flight: usize,
+    /// Times one request may move to another engine after one failed.
+    pub max_failovers: u32,
+    /// Retry-After (seconds) on a 503.
+    pub retry_after_s: u64,
+    /// Largest request body.
+    pub max_body_bytes: Bytes,
+    /// Write every scheduling decision and the view it was made on to this
+    /// file (JSON lines, `kvpool sim replay --log`); "" = none.
+    pub decision_log: String,
+}
+
+impl Default for ConductorConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8080".into(),
+            pool: "127.0.0.1:7070".into(),
+            prefill: vec!["127.0.0.1:8200".into()],
+            decode: vec!["127.0.0.1:8201".into()],
+            policy: "predictive_reject".into(),
+            cost_model: String::new(),
+            ttft_slo_ms: 30_000.0,
+            tbt_slo_ms: 100.0,
+            seed: 0,
+            load_poll_ms: 100,
+            request_timeout_ms: 600_000,
+            stall_timeout_ms: 30_000,
+            max_in_flight: 256,
+            max_failovers: 2,
+            retry_after_s: 1,
+            max_body_bytes: Bytes::mib(16),
+            decision_log: String::new(),
+        }
+    }
+}
+
+/// `[serving.prefill_proxy]`, `[serving.decode_proxy]`: a proxy in front of
+/// one engine.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProxyConfig {
+    /// The proxy's HTTP address (the conductor's side).
+    pub listen: String,
+    /// The engine it fronts: anything speaking vLLM's OpenAI API with
+    /// kv_transfer_params (ours, or vLLM with a KV connector).
+    pub engine: String,
+    /// How often the engine's health and model are probed.
+    pub probe_interval_ms: u64,
+    /// Probes that fail in a row before the engine counts as down (a
+    /// refused connection counts at once).
+    pub probe_failures: u32,
+    /// Deadline of connecting to the engine.
+    pub connect_timeout_ms: u64,
+    /// Deadline of one request through the proxy, end to end.
+    pub request_timeout_ms: u64,
+    /// Requests in flight to the engine at once; more get 503.
+    pub max_in_flight: usize,
+    /// Messages waiting in the proxy actor's mailbox; more are refused.
+    pub mailbox_bound: usize,
+    /// Largest request body.
+    pub max_body_bytes: Bytes,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8200".into(),
+            engine: "127.0.0.1:8100".into(),
+            probe_interval_ms: 500,
+            probe_failures: 2,
+            connect_timeout_ms: 2_000,
+            request_timeout_ms: 600_000,
+            max_in_flight: 256,
+            mailbox_bound: 1024,
+            max_body_bytes: Bytes::mib(16),
+        }
+    }
+}
+
+impl ServingConfig {
+    /// Checks values that parse but make no sense; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        let c = &self.conductor;
+        for (k, v) in [
+            ("serving.conductor.load_poll_ms", c.load_poll_ms),
+            ("serving.conductor.request_timeout_ms", c.request_timeout_ms),
+            ("serving.conductor.stall_timeout_ms", c.stall_timeout_ms),
+            ("serving.conductor.max_in_flight", c.max_in_flight as u64),
+            ("serving.conductor.max_body_bytes", c.max_body_bytes.get()),
+        ] {
+            if v == 0 {
+                return Err(format!("key `{k}`: must be greater than 0"));
+            }
+        }
+        for (k, v) in [
+            ("serving.conductor.ttft_slo_ms", c.ttft_slo_ms),
+            ("serving.conductor.tbt_slo_ms", c.tbt_slo_ms),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("key `{k}`: must be a finite number > 0, got {v}"));
+            }
+        }
+        if c.retry_after_s > 3600 {
+            return Err("key `serving.conductor.retry_after_s`: at most 3600".into());
+        }
+        for (name, p) in [
+            ("serving.prefill_proxy", &self.prefill_proxy),
+            ("serving.decode_proxy", &self.decode_proxy),
+        ] {
+            for (k, v) in [
+                ("probe_interval_ms", p.probe_interval_ms),
+                ("probe_failures", u64::from(p.probe_failures)),
+                ("connect_timeout_ms", p.connect_timeout_ms),
+                ("request_timeout_ms", p.request_timeout_ms),
+                ("max_in_flight", p.max_in_flight as u64),
+                ("mailbox_bound", p.mailbox_bound as u64),
+                ("max_body_bytes", p.max_body_bytes.get()),
+            ] {
+                if v == 0 {
+                    return Err(format!("key `{name}.{k}`: must be greater than 0"));
+                }
+            }
+        }
+        Ok(())
+    }
 }

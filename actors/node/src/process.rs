@@ -3,6 +3,8 @@
 //! ready; on SIGINT/SIGTERM unmounts its segment, lets in-flight requests
 //! finish (or fail) within the drain deadline, and returns.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use kvpool_runtime::metrics::MetricsRegistry;
@@ -45,8 +47,36 @@ impl Role {
 /// How long a storage node keeps trying to reach the master at start.
 const MOUNT_DEADLINE: Duration = Duration::from_secs(30);
 
+/// What a companion is given: the master's address (this process's, or
+/// the one it reports to) and the process's shutdown signal.
+pub struct CompanionCtx {
+    /// The master's RPC address.
+    pub master: String,
+    /// Triggered when the process stops.
+    pub shutdown: Shutdown,
+}
+
+/// More work a process runs beside its roles (role all's serving path, in
+/// the binary): started on the process's tokio runtime once the roles
+/// serve and before the ready lines, it returns its own ready lines (printed
+/// before `kvpool all listening on`). Its tasks stop with `shutdown`.
+pub type Companion = Box<
+    dyn FnOnce(CompanionCtx) -> Pin<Box<dyn Future<Output = Result<Vec<String>, NodeError>> + Send>>
+        + Send,
+>;
+
 /// Runs `role` until SIGINT or SIGTERM (or `shutdown`), then stops cleanly.
 pub fn run(role: Role, cfg: NodeConfig, shutdown: Shutdown) -> Result<(), NodeError> {
+    run_with(role, cfg, shutdown, None)
+}
+
+/// [`run`], with a [`Companion`] started once the roles serve.
+pub fn run_with(
+    role: Role,
+    cfg: NodeConfig,
+    shutdown: Shutdown,
+    companion: Option<Companion>,
+) -> Result<(), NodeError> {
     cfg.validate().map_err(NodeError::Config)?;
     let pool = ShardPool::start(&cfg.runtime.shard_pool(), shutdown.clone())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -54,7 +84,13 @@ pub fn run(role: Role, cfg: NodeConfig, shutdown: Shutdown) -> Result<(), NodeEr
         .thread_name("kvpool-actor")
         .enable_all()
         .build()?;
-    let res = rt.block_on(run_roles(role, &cfg, pool.handle(), shutdown.clone()));
+    let res = rt.block_on(run_roles(
+        role,
+        &cfg,
+        pool.handle(),
+        shutdown.clone(),
+        companion,
+    ));
     shutdown.trigger();
     rt.shutdown_timeout(Duration::from_secs(2));
     let joined = pool.shutdown_and_join();
@@ -92,6 +128,7 @@ async fn run_roles(
     cfg: &NodeConfig,
     shards: ShardHandle,
     shutdown: Shutdown,
+    companion: Option<Companion>,
 ) -> Result<(), NodeError> {
     let metrics = MetricsRegistry::new();
     let key = cfg.cluster_key().map_err(NodeError::Config)?;
@@ -147,6 +184,20 @@ async fn run_roles(
         shutdown.clone(),
     )
     .await?;
+    let companion_lines = match companion {
+        Some(start) => {
+            let master = match &master {
+                Some((_, h)) => h.addr().to_string(),
+                None => cfg.storage.master.clone(),
+            };
+            start(CompanionCtx {
+                master,
+                shutdown: shutdown.clone(),
+            })
+            .await?
+        }
+        None => Vec::new(),
+    };
     // Ready: every listener is up. The HTTP line comes first, so a script
     // that waits for the role's line has seen it too.
     println!("kvpool http listening on {http_bound}");
@@ -155,6 +206,9 @@ async fn run_roles(
     }
     if let Some(node) = &storage {
         println!("kvpool storage listening on {}", node.addr());
+    }
+    for line in companion_lines {
+        println!("{line}");
     }
     if role == Role::All {
         let (_, h) = master.as_ref().expect("role all runs a master");

@@ -1,0 +1,1746 @@
+//! The conductor's OpenAI-compatible front: the live scheduler in front of
+//! the prefill and decode proxies.
+//!
+//! ```text
+//!  client --POST /v1/(chat/)completions--> front
+//!     1. admit (max_in_flight, else 503 + Retry-After)
+//!     2. tokenize: token-id prompts as they are; text and messages through
+//!        a prefill proxy's engine (POST /tokenize), so the tokens are the
+//!        engine's own (chat template included)
+//!     3. chunk hashes (engine.chunk_tokens), one batch exists on their pool
+//!        keys -> how many leading chunks the pool holds
+//!     4. Conductor::schedule (the simulator's Scheduler) -> (prefill, decode)
+//!        or a rejection (503 + Retry-After, before any engine work)
+//!     5. prefill proxy: max_tokens 1 -> kv_transfer_params
+//!     6. decode proxy: the request + those params, streamed back event by
+//!        event (or gathered, for stream: false)
+//!  proxies' GET /v1/load every load_poll_ms -> load reports, up/down
+//! ```
+//!
+//! Failover: a prefill whose proxy or engine fails (connection refused,
+//! `engine_down`, `engine_failed`) marks that instance down and is
+//! scheduled again (at most `max_failovers` times). A decode that fails
+//! before its first event moves to the least loaded decode instance that is
+//! up, with the same `kv_transfer_params` (the KV is in the pool). One that
+//! fails mid-stream (the proxy's `engine_failed` event, a broken or silent
+//! stream) is continued there: the prompt plus the tokens already sent
+//! become a token-id prompt for the rest (the engine loads the prompt's
+//! chunks from the pool and computes the tail). The client sees one
+//! answer, or an error event and `[DONE]`: never a stream cut without one.
+//!
+//! `X-Request-Id` is taken from the request (or made), sent to the proxies
+//! and engines, and returned; the answer's id is `cmpl-<it>`.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kvpool_client::Client;
+use kvpool_conductor::actor::{
+    ConductorArgs, ConductorHandle, InstanceKind, InstanceLoad, ScheduleRequest,
+};
+use kvpool_conductor::chunk_hash::{chunk_hashes, ChunkHash, StoreKey};
+use kvpool_conductor::cost::CostModel;
+use kvpool_conductor::scheduler::{Decision, Policy, Slo};
+use kvpool_config::{ClientConfig, ConductorConfig};
+use kvpool_runtime::metrics::{latency_histogram, MetricsRegistry};
+use kvpool_runtime::Shutdown;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use serde::Serialize;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use crate::api::{self, ApiError};
+use crate::http::{self, Answer, HttpError};
+use crate::proxy::{KvNaming, ProxyReport};
+use crate::sse;
+use crate::ServeError;
+
+/// Deadline of one call to the conductor actor.
+const ACTOR_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pieces buffered between a request's generation task and its answer.
+const PIECES: usize = 64;
+/// Longest wait at start for every proxy's first report.
+const FIRST_POLL_WAIT: Duration = Duration::from_secs(5);
+
+/// What the front is started with.
+#[derive(Debug, Clone)]
+pub struct FrontOptions {
+    /// `[serving.conductor]`.
+    pub cfg: ConductorConfig,
+    /// Prefill proxies (`host:port`), in instance order.
+    pub prefill: Vec<String>,
+    /// Decode proxies, in instance order.
+    pub decode: Vec<String>,
+    /// The pool's master, for prefix lookups (`None`: no lookups).
+    pub pool: Option<String>,
+    /// The pool client's settings.
+    pub client: ClientConfig,
+    /// Tokens per KV chunk: the engines' `engine.chunk_tokens`.
+    pub chunk_tokens: usize,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteResult {
+    route: &'static str,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Reason {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Phase {
+    phase: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InstanceLabel {
+    kind: &'static str,
+    instance: String,
+}
+
+/// The front's metrics (`kvpool_conductor_*`).
+#[derive(Clone)]
+struct FrontMetrics {
+    requests: Family<RouteResult, Counter>,
+    rejected: Family<Reason, Counter>,
+    failovers: Family<Phase, Counter>,
+    in_flight: Gauge,
+    instance_up: Family<InstanceLabel, Gauge>,
+    tokenize_seconds: Histogram,
+    pool_lookup_seconds: Histogram,
+    schedule_seconds: Histogram,
+    first_token_seconds: Histogram,
+}
+
+impl FrontMetrics {
+    fn new(reg: &MetricsRegistry) -> Self {
+        let m = Self {
+            requests: Family::default(),
+            rejected: Family::default(),
+            failovers: Family::default(),
+            in_flight: Gauge::default(),
+            instance_up: Family::default(),
+            tokenize_seconds: latency_histogram(),
+            pool_lookup_seconds: latency_histogram(),
+            schedule_seconds: latency_histogram(),
+            first_token_seconds: latency_histogram(),
+        };
+        reg.register(
+            "conductor_requests",
+            "Generation requests by route and result (ok, rejected, client_error, error)",
+            m.requests.clone(),
+        );
+        reg.register(
+            "conductor_rejected",
+            "Requests refused before any engine work, by reason",
+            m.rejected.clone(),
+        );
+        reg.register(
+            "conductor_failovers",
+            "Requests moved to another engine after one failed, by phase",
+            m.failovers.clone(),
+        );
+        reg.register(
+            "conductor_in_flight",
+            "Requests being served",
+            m.in_flight.clone(),
+        );
+        reg.register(
+            "conductor_instance_up",
+            "1 while an instance's proxy and engine answer",
+            m.instance_up.clone(),
+        );
+        reg.register(
+            "conductor_tokenize_seconds",
+            "Tokenizing a prompt through an engine",
+            m.tokenize_seconds.clone(),
+        );
+        reg.register(
+            "conductor_pool_lookup_seconds",
+            "One batch exists on a prompt's chunk keys",
+            m.pool_lookup_seconds.clone(),
+        );
+        reg.register(
+            "conductor_schedule_seconds",
+            "A scheduling decision, the actor's round trip included",
+            m.schedule_seconds.clone(),
+        );
+        reg.register(
+            "conductor_first_token_seconds",
+            "Arrival to the first token sent to the client",
+            m.first_token_seconds.clone(),
+        );
+        m
+    }
+}
+
+/// The conductor's link to one proxy.
+struct Link {
+    kind: InstanceKind,
+    index: usize,
+    addr: String,
+    state: Mutex<LinkState>,
+}
+
+#[derive(Default)]
+struct LinkState {
+    up: bool,
+    polled: bool,
+    report: Option<ProxyReport>,
+    error: Option<String>,
+}
+
+/// A link as `/kvpool/v1/status` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct LinkStatus {
+    /// The proxy.
+    pub addr: String,
+    /// Whether the scheduler may use it.
+    pub up: bool,
+    /// Why not, if it may not.
+    pub error: Option<String>,
+    /// Its last report.
+    pub report: Option<ProxyReport>,
+}
+
+impl Link {
+    fn kind_str(&self) -> &'static str {
+        match self.kind {
+            InstanceKind::Prefill => "prefill",
+            InstanceKind::Decode => "decode",
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LinkState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn up(&self) -> bool {
+        self.lock().up
+    }
+}
+
+/// A running front.
+#[derive(Clone)]
+pub struct Front {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    cfg: ConductorConfig,
+    conductor: ConductorHandle,
+    prefill: Vec<Arc<Link>>,
+    decode: Vec<Arc<Link>>,
+    pool: Arc<OnceLock<Client>>,
+    chunk_tokens: usize,
+    admission: Arc<Semaphore>,
+    metrics: FrontMetrics,
+    registry: MetricsRegistry,
+    tokenize_next: AtomicUsize,
+    connect_timeout: Duration,
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The scheduler's policy, cost model and SLOs from `[serving.conductor]`.
+pub fn scheduler_settings(
+    cfg: &ConductorConfig,
+    chunk_tokens: usize,
+) -> Result<(Policy, CostModel, Slo), ServeError> {
+    let policy: Policy = cfg
+        .policy
+        .parse()
+        .map_err(|e| ServeError::Config(format!("key `serving.conductor.policy`: {e}")))?;
+    let mut cost = if cfg.cost_model.is_empty() {
+        CostModel::default()
+    } else {
+        CostModel::load(std::path::Path::new(&cfg.cost_model))
+            .map_err(|e| ServeError::Config(format!("key `serving.conductor.cost_model`: {e}")))?
+    };
+    // The scheduler counts blocks of the engines' chunk size.
+    cost.block_tokens = u32::try_from(chunk_tokens)
+        .map_err(|_| ServeError::Config("key `engine.chunk_tokens`: too large".into()))?;
+    cost.validate()
+        .map_err(|e| ServeError::Config(format!("key `serving.conductor.cost_model`: {e}")))?;
+    let slo = Slo {
+        ttft_ms: cfg.ttft_slo_ms,
+        tbt_ms: cfg.tbt_slo_ms,
+    };
+    Ok((policy, cost, slo))
+}
+
+impl Front {
+    /// Starts the conductor actor, the pool client (in the background), and
+    /// a poller per proxy; waits (at most 5 s) for every proxy's first
+    /// report, so that a request sent once this returns finds them.
+    pub async fn start(
+        opts: FrontOptions,
+        registry: &MetricsRegistry,
+        shutdown: Shutdown,
+    ) -> Result<Self, ServeError> {
+        let cfg = opts.cfg;
+        if opts.prefill.is_empty() || opts.decode.is_empty() {
+            return Err(ServeError::Config(
+                "keys `serving.conductor.prefill` and `serving.conductor.decode`: the conductor needs at least one prefill and one decode proxy".into(),
+            ));
+        }
+        let (policy, cost, slo) = scheduler_settings(&cfg, opts.chunk_tokens)?;
+        let mut args = ConductorArgs::new(policy, cost, slo, opts.prefill.len(), opts.decode.len());
+        args.seed = cfg.seed;
+        if !cfg.decision_log.is_empty() {
+            args.decision_log = Some(cfg.decision_log.clone().into());
+        }
+        let (conductor, _join) = ConductorHandle::spawn(args)
+            .await
+            .map_err(|e| ServeError::Start(e.to_string()))?;
+        let links = |kind, addrs: &[String]| -> Vec<Arc<Link>> {
+            addrs
+                .iter()
+                .enumerate()
+                .map(|(index, a)| {
+                    Arc::new(Link {
+                        kind,
+                        index,
+                        addr: http::host_port(a).to_string(),
+                        state: Mutex::new(LinkState::default()),
+                    })
+                })
+                .collect()
+        };
+        let metrics = FrontMetrics::new(registry);
+        let inner = Arc::new(Inner {
+            prefill: links(InstanceKind::Prefill, &opts.prefill),
+            decode: links(InstanceKind::Decode, &opts.decode),
+            conductor,
+            pool: Arc::new(OnceLock::new()),
+            chunk_tokens: opts.chunk_tokens,
+            admission: Arc::new(Semaphore::new(cfg.max_in_flight)),
+            metrics,
+            registry: registry.clone(),
+            tokenize_next: AtomicUsize::new(0),
+            connect_timeout: Duration::from_secs(2),
+            cfg,
+        });
+        // Nothing is up until its proxy has reported.
+        for l in inner.prefill.iter().chain(&inner.decode) {
+            let _ = inner.conductor.set_available(l.kind, l.index, false);
+            tokio::spawn(poll_link(inner.clone(), l.clone(), shutdown.clone()));
+        }
+        if let Some(master) = opts.pool {
+            tokio::spawn(connect_pool(
+                master,
+                opts.client,
+                inner.pool.clone(),
+                shutdown.clone(),
+            ));
+        }
+        // Ready once every proxy has answered (or failed) a poll and each
+        // that is up has named its engine's model and KV naming (learnt on
+        // the proxy's first probe): the first requests then get the
+        // answer's model, `/v1/models` and pool lookups like later ones.
+        let end = Instant::now() + FIRST_POLL_WAIT;
+        let known = |l: &Link| {
+            let s = l.lock();
+            s.polled && (!s.up || s.report.as_ref().is_some_and(|r| r.info.is_some()))
+        };
+        while Instant::now() < end && !inner.prefill.iter().chain(&inner.decode).all(|l| known(l)) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(Self { inner })
+    }
+
+    /// The HTTP routes: `POST /v1/completions`, `POST /v1/chat/completions`,
+    /// `GET /v1/models`, `GET /healthz`, `GET /metrics`, `GET
+    /// /kvpool/v1/status`.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/v1/completions", post(completions))
+            .route("/v1/chat/completions", post(chat_completions))
+            .route("/v1/models", get(models))
+            .route("/healthz", get(healthz))
+            .route("/metrics", get(metrics_route))
+            .route("/kvpool/v1/status", get(status))
+            .layer(DefaultBodyLimit::max(
+                self.inner.cfg.max_body_bytes.get() as usize
+            ))
+            .with_state(self.clone())
+    }
+
+    /// The conductor actor's handle.
+    pub fn conductor(&self) -> &ConductorHandle {
+        &self.inner.conductor
+    }
+}
+
+/// Connects the pool client, retrying with backoff (0.5 s doubling to
+/// 30 s) until the pool answers; prefix lookups start then.
+async fn connect_pool(
+    master: String,
+    cfg: ClientConfig,
+    slot: Arc<OnceLock<Client>>,
+    shutdown: Shutdown,
+) {
+    let mut wait = Duration::from_millis(500);
+    loop {
+        match Client::connect(&master, cfg.clone()).await {
+            Ok(c) => {
+                let _ = slot.set(c);
+                tracing::info!("conductor: reached the pool at {master}");
+                return;
+            }
+            Err(e) => tracing::warn!("conductor: pool at {master} unreachable ({e}); retrying"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.wait() => return,
+        }
+        wait = (wait * 2).min(Duration::from_secs(30));
+    }
+}
+
+/// Fetches a proxy's report every `load_poll_ms` and tells the conductor
+/// its load and whether it is up.
+async fn poll_link(inner: Arc<Inner>, link: Arc<Link>, shutdown: Shutdown) {
+    let every = Duration::from_millis(inner.cfg.load_poll_ms);
+    let timeout = (every * 5).max(Duration::from_secs(1));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.wait() => return,
+        }
+        let r = match http::get(&link.addr, "/v1/load", 1 << 20, timeout).await {
+            Ok((s, body)) if s.is_success() => serde_json::from_slice::<ProxyReport>(&body)
+                .map_err(|e| format!("GET /v1/load: {e}")),
+            Ok((s, _)) => Err(format!("GET /v1/load answered {s}")),
+            Err(e) => Err(e.to_string()),
+        };
+        let (up, error, report) = match r {
+            Ok(rep) => {
+                let want = match link.kind {
+                    InstanceKind::Prefill => crate::proxy::ProxyRole::Prefill,
+                    InstanceKind::Decode => crate::proxy::ProxyRole::Decode,
+                };
+                let naming = rep.info.as_ref().and_then(|i| i.kv.as_ref());
+                let error = if rep.role != want {
+                    Some(format!(
+                        "{} is a {} proxy, configured as {}",
+                        link.addr,
+                        rep.role.as_str(),
+                        want.as_str()
+                    ))
+                } else if let Some(n) = naming.filter(|n| n.chunk_tokens != inner.chunk_tokens) {
+                    Some(format!(
+                        "its engine's chunks hold {} tokens, the conductor's engine.chunk_tokens is {}",
+                        n.chunk_tokens, inner.chunk_tokens
+                    ))
+                } else if !rep.up {
+                    Some(format!(
+                        "engine {} down: {}",
+                        rep.engine,
+                        rep.last_error.clone().unwrap_or_default()
+                    ))
+                } else {
+                    None
+                };
+                let load = match link.kind {
+                    InstanceKind::Prefill => InstanceLoad::Prefill {
+                        queued_requests: rep.queued_requests,
+                        queued_ms: rep.queued_ms,
+                    },
+                    InstanceKind::Decode => InstanceLoad::Decode {
+                        active_seqs: rep.active_seqs,
+                        active_tokens: rep.active_tokens,
+                        waiting_seqs: rep.waiting_seqs,
+                        waiting_tokens: rep.waiting_tokens,
+                    },
+                };
+                let _ = inner.conductor.report_load(link.index, load);
+                (error.is_none(), error, Some(rep))
+            }
+            Err(e) => (false, Some(e), None),
+        };
+        set_up(&inner, &link, up, error, report);
+    }
+}
+
+/// Records whether `link` is up, telling the conductor when it changes.
+fn set_up(
+    inner: &Inner,
+    link: &Link,
+    up: bool,
+    error: Option<String>,
+    report: Option<ProxyReport>,
+) {
+    let changed = {
+        let mut s = link.lock();
+        let changed = !s.polled || s.up != up;
+        s.up = up;
+        s.polled = true;
+        if up {
+            s.error = None;
+        } else if error.is_some() {
+            s.error = error.clone();
+        }
+        if report.is_some() {
+            s.report = report;
+        }
+        changed
+    };
+    if changed {
+        if up {
+            tracing::info!(
+                "{} instance {} ({}) is up",
+                link.kind_str(),
+                link.index,
+                link.addr
+            );
+        } else {
+            tracing::warn!(
+                "{} instance {} ({}) is down: {}",
+                link.kind_str(),
+                link.index,
+                link.addr,
+                error.unwrap_or_default()
+            );
+        }
+        // Sent again on the next change if the mailbox is full now.
+        if inner
+            .conductor
+            .set_available(link.kind, link.index, up)
+            .is_err()
+        {
+            link.lock().polled = false;
+        }
+    }
+    inner
+        .metrics
+        .instance_up
+        .get_or_create(&InstanceLabel {
+            kind: link.kind_str(),
+            instance: link.index.to_string(),
+        })
+        .set(i64::from(up));
+}
+
+/// A parsed generation request.
+struct Req {
+    body: Value,
+    chat: bool,
+    path: &'static str,
+    stream: bool,
+    include_usage: bool,
+    want_ids: bool,
+    /// `max_tokens`, as the engine will apply it (completions default 16).
+    max_tokens: Option<u64>,
+}
+
+impl Req {
+    fn parse(body: &[u8], chat: bool) -> Result<Self, ApiError> {
+        let body: Value = serde_json::from_slice(body)
+            .map_err(|e| ApiError::bad(format!("invalid body: {e}")))?;
+        if !body.is_object() {
+            return Err(ApiError::bad("the body must be a JSON object"));
+        }
+        if body
+            .get("n")
+            .is_some_and(|n| !n.is_null() && n.as_u64() != Some(1))
+        {
+            return Err(ApiError::bad("n other than 1 is not supported"));
+        }
+        if chat {
+            if body["messages"].as_array().is_none_or(|m| m.is_empty()) {
+                return Err(ApiError::bad("messages must be a non-empty array"));
+            }
+        } else {
+            match &body["prompt"] {
+                Value::String(_) => {}
+                Value::Array(a) if a.iter().all(|t| t.is_u64()) && !a.is_empty() => {}
+                Value::Array(_) => {
+                    return Err(ApiError::bad(
+                        "prompt must be a string or one list of token ids (a batch of prompts is not supported)",
+                    ))
+                }
+                _ => return Err(ApiError::bad("prompt must be a string or a list of token ids")),
+            }
+        }
+        let max = |k: &str| body.get(k).and_then(Value::as_u64);
+        let max_tokens = if chat {
+            max("max_completion_tokens").or_else(|| max("max_tokens"))
+        } else {
+            Some(max("max_tokens").unwrap_or(16))
+        };
+        Ok(Self {
+            chat,
+            path: if chat {
+                "/v1/chat/completions"
+            } else {
+                "/v1/completions"
+            },
+            stream: body["stream"].as_bool().unwrap_or(false),
+            include_usage: body["stream_options"]["include_usage"]
+                .as_bool()
+                .unwrap_or(false),
+            want_ids: body["return_token_ids"].as_bool().unwrap_or(false),
+            max_tokens,
+            body,
+        })
+    }
+
+    fn model(&self) -> Option<&str> {
+        self.body["model"].as_str()
+    }
+}
+
+/// Where a request stands while it is served.
+struct Served {
+    rid: String,
+    prompt: Vec<u32>,
+    prefill: usize,
+    decode: usize,
+    cached_tokens: u64,
+    computed_tokens: Option<u64>,
+    failovers: u32,
+    arrived: Instant,
+    deadline: Instant,
+    /// The `id` of the prefill engine's answer and of the (last) decode
+    /// engine's first event: `cmpl-<X-Request-Id>` from engines that take
+    /// the header (ours, vLLM).
+    engine_ids: (Option<String>, Option<String>),
+    /// The model the prefill engine's answer names (the proxies' reports
+    /// may not have it yet just after start).
+    model: Option<String>,
+}
+
+/// One step of a generation, from its task to the answer.
+enum Piece {
+    /// Text and the token ids it came from.
+    Text { text: String, ids: Vec<u32> },
+    /// The end: a finish reason and the request's books, or an error.
+    End(Result<(String, Box<Served>), ApiError>),
+}
+
+async fn completions(State(f): State<Front>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(f, headers, body, false).await
+}
+
+async fn chat_completions(State(f): State<Front>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(f, headers, body, true).await
+}
+
+async fn generate(f: Front, headers: HeaderMap, body: Bytes, chat: bool) -> Response {
+    let rid = api::request_id(&headers).unwrap_or_else(api::new_request_id);
+    let route = if chat { "chat" } else { "completions" };
+    let r = f.serve(&rid, &body, chat).await;
+    let result = match &r {
+        Ok(_) => "ok",
+        Err(e) if e.status == StatusCode::SERVICE_UNAVAILABLE => "rejected",
+        Err(e) if e.status.is_client_error() => "client_error",
+        Err(_) => "error",
+    };
+    f.inner
+        .metrics
+        .requests
+        .get_or_create(&RouteResult { route, result })
+        .inc();
+    let resp = r.unwrap_or_else(|e| {
+        tracing::debug!(request_id = rid, "answered {}: {}", e.status, e.message);
+        e.into_response()
+    });
+    api::with_request_id(resp, &rid)
+}
+
+impl Front {
+    fn reject(&self, message: String, code: &str) -> ApiError {
+        self.inner
+            .metrics
+            .rejected
+            .get_or_create(&Reason {
+                reason: code.to_string(),
+            })
+            .inc();
+        ApiError::unavailable(message, code, self.inner.cfg.retry_after_s)
+    }
+
+    /// The model name the engines serve (the first one reported).
+    fn served_model(&self) -> Option<String> {
+        self.inner
+            .prefill
+            .iter()
+            .chain(&self.inner.decode)
+            .find_map(|l| {
+                l.lock()
+                    .report
+                    .as_ref()?
+                    .info
+                    .as_ref()
+                    .map(|i| i.model.clone())
+            })
+    }
+
+    /// The KV naming of the prefill engines, when they say.
+    fn kv_naming(&self) -> Option<KvNaming> {
+        self.inner.prefill.iter().find_map(|l| {
+            let s = l.lock();
+            let kv = s.report.as_ref()?.info.as_ref()?.kv.clone()?;
+            (kv.chunk_tokens == self.inner.chunk_tokens).then_some(kv)
+        })
+    }
+
+    fn mark_down(&self, link: &Link, why: String) {
+        set_up(&self.inner, link, false, Some(why), None);
+    }
+
+    async fn serve(&self, rid: &str, body: &[u8], chat: bool) -> Result<Response, ApiError> {
+        let arrived = Instant::now();
+        let permit = self
+            .inner
+            .admission
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| {
+                self.reject(
+                    format!(
+                        "{} requests are already being served (serving.conductor.max_in_flight)",
+                        self.inner.cfg.max_in_flight
+                    ),
+                    "queues_full",
+                )
+            })?;
+        let req = Req::parse(body, chat)?;
+        if let (Some(want), Some(have)) = (req.model(), self.served_model()) {
+            if want != have {
+                return Err(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "invalid_request_error",
+                    format!("The model `{want}` does not exist."),
+                )
+                .with_code("model_not_found"));
+            }
+        }
+        let deadline = arrived + Duration::from_millis(self.inner.cfg.request_timeout_ms);
+        let prompt = self.tokenize(&req, rid, deadline).await?;
+        let chunks = chunk_hashes(&prompt, self.inner.chunk_tokens).map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                e.to_string(),
+            )
+        })?;
+        let pool_prefix = self.pool_prefix(&chunks).await;
+        let mut served = Served {
+            rid: rid.to_string(),
+            prompt,
+            prefill: 0,
+            decode: 0,
+            cached_tokens: 0,
+            computed_tokens: None,
+            failovers: 0,
+            arrived,
+            deadline,
+            engine_ids: (None, None),
+            model: None,
+        };
+        let kv = self
+            .prefill(&req, &chunks, pool_prefix, &mut served)
+            .await?;
+        let (answer, failed_over) = self.start_decode(&req, &kv, &mut served).await?;
+        if failed_over {
+            self.count_failover("decode_start");
+        }
+        let model = served
+            .model
+            .clone()
+            .or_else(|| self.served_model())
+            .unwrap_or_default();
+        let (tx, rx) = mpsc::channel(PIECES);
+        let run = DecodeRun {
+            front: self.clone(),
+            req_body: req.body.clone(),
+            max_tokens: req.max_tokens,
+            served,
+            tx,
+        };
+        tokio::spawn(run.pump(answer, permit));
+        if req.stream {
+            Ok(stream_answer(rx, &req, rid, &model))
+        } else {
+            whole_answer(rx, &req, rid, &model).await
+        }
+    }
+
+    fn count_failover(&self, phase: &'static str) {
+        self.inner
+            .metrics
+            .failovers
+            .get_or_create(&Phase { phase })
+            .inc();
+    }
+
+    /// The prompt's tokens: as given, or from an engine's `/tokenize`
+    /// through a prefill proxy that is up (the next one if it fails).
+    async fn tokenize(
+        &self,
+        req: &Req,
+        rid: &str,
+        deadline: Instant,
+    ) -> Result<Vec<u32>, ApiError> {
+        if let Value::Array(a) = &req.body["prompt"] {
+            return a
+                .iter()
+                .map(|t| {
+                    t.as_u64()
+                        .and_then(|t| u32::try_from(t).ok())
+                        .ok_or_else(|| ApiError::bad("a prompt token id is not a u32"))
+                })
+                .collect();
+        }
+        let t0 = Instant::now();
+        let mut ask = json!({});
+        if req.chat {
+            ask["messages"] = req.body["messages"].clone();
+        } else {
+            ask["prompt"] = req.body["prompt"].clone();
+        }
+        if let Some(m) = req.model() {
+            ask["model"] = json!(m);
+        }
+        let ask = Bytes::from(ask.to_string());
+        let links = &self.inner.prefill;
+        let start = self.inner.tokenize_next.fetch_add(1, Ordering::Relaxed);
+        let mut last = None;
+        for k in 0..links.len() {
+            let link = &links[(start + k) % links.len()];
+            if !link.up() {
+                continue;
+            }
+            let r = http::send(
+                &link.addr,
+                Method::POST,
+                "/tokenize",
+                &[(api::REQUEST_ID, rid)],
+                Some(ask.clone()),
+                self.inner.connect_timeout,
+                deadline,
+            )
+            .await;
+            let a = match r {
+                Ok(a) => a,
+                Err(e) => {
+                    self.mark_down(link, e.to_string());
+                    last = Some(e.to_string());
+                    continue;
+                }
+            };
+            let status = a.status();
+            let body = match a.bytes(crate::proxy::MAX_ANSWER_BYTES).await {
+                Ok(b) => b,
+                Err(e) => {
+                    last = Some(e.to_string());
+                    continue;
+                }
+            };
+            if status.is_client_error() {
+                return Err(ApiError::from_upstream(status, &body, "the engine"));
+            }
+            if !status.is_success() {
+                last = Some(format!("POST /tokenize answered {status}"));
+                continue;
+            }
+            let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            let tokens: Option<Vec<u32>> = v["tokens"].as_array().and_then(|a| {
+                a.iter()
+                    .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                    .collect()
+            });
+            match tokens {
+                Some(t) if !t.is_empty() => {
+                    self.inner
+                        .metrics
+                        .tokenize_seconds
+                        .observe(t0.elapsed().as_secs_f64());
+                    return Ok(t);
+                }
+                _ => last = Some("POST /tokenize answered no tokens".into()),
+            }
+        }
+        Err(self.reject(
+            format!(
+                "no prefill engine could tokenize the prompt: {}",
+                last.unwrap_or_else(|| "none is up".into())
+            ),
+            "no_instances",
+        ))
+    }
+
+    /// Leading chunks of the prompt the pool holds: one batch exists on
+    /// their keys. `None` without a pool or the engines' KV naming, or when
+    /// the pool does not answer (the scheduler then uses its own mirror).
+    async fn pool_prefix(&self, chunks: &[ChunkHash]) -> Option<usize> {
+        let pool = self.inner.pool.get()?;
+        let naming = self.kv_naming()?;
+        if chunks.is_empty() {
+            return Some(0);
+        }
+        let keys: Vec<String> = chunks
+            .iter()
+            .map(|h| {
+                StoreKey::new(
+                    &naming.key_model,
+                    *h,
+                    &naming.key_format,
+                    naming.chunk_tokens as u32,
+                )
+                .map(|k| k.to_string())
+            })
+            .collect::<Result<_, _>>()
+            .ok()?;
+        let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        let t0 = Instant::now();
+        let r = tokio::time::timeout(Duration::from_secs(2), pool.batch_exists(&refs)).await;
+        self.inner
+            .metrics
+            .pool_lookup_seconds
+            .observe(t0.elapsed().as_secs_f64());
+        match r {
+            Ok(Ok(found)) => Some(found.iter().take_while(|r| matches!(r, Ok(true))).count()),
+            Ok(Err(e)) => {
+                tracing::debug!("pool lookup failed: {e}");
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// Schedules the request and runs its prefill; a prefill instance that
+    /// fails is marked down and the request scheduled again. Returns the
+    /// `kv_transfer_params` for decode.
+    async fn prefill(
+        &self,
+        req: &Req,
+        chunks: &[ChunkHash],
+        pool_prefix: Option<usize>,
+        served: &mut Served,
+    ) -> Result<Value, ApiError> {
+        let id = rand::random::<u64>() >> 1;
+        loop {
+            let t0 = Instant::now();
+            let decision = self
+                .inner
+                .conductor
+                .schedule(
+                    ScheduleRequest {
+                        id,
+                        input_tokens: served.prompt.len().min(u32::MAX as usize) as u32,
+                        chunks: chunks.to_vec(),
+                        pool_prefix_blocks: pool_prefix,
+                    },
+                    ACTOR_TIMEOUT,
+                )
+                .await
+                .map_err(|e| self.reject(e.to_string(), "conductor_busy"))?;
+            self.inner
+                .metrics
+                .schedule_seconds
+                .observe(t0.elapsed().as_secs_f64());
+            let (p, d, predicted) = match decision {
+                Decision::Reject(r) => return Err(self.reject(r.to_string(), r.kind())),
+                Decision::Route {
+                    prefill,
+                    decode,
+                    predicted_prefill_ms,
+                    ..
+                } => (prefill, decode, predicted_prefill_ms),
+            };
+            served.prefill = p;
+            served.decode = d;
+            let link = &self.inner.prefill[p];
+            let predicted = format!("{predicted:.3}");
+            let tokens = served.prompt.len().to_string();
+            let headers = [
+                (api::REQUEST_ID, served.rid.as_str()),
+                (api::PREDICTED_PREFILL_MS, predicted.as_str()),
+                (api::PROMPT_TOKENS, tokens.as_str()),
+            ];
+            let r = http::send(
+                &link.addr,
+                Method::POST,
+                req.path,
+                &headers,
+                Some(Bytes::from(req.body.to_string())),
+                self.inner.connect_timeout,
+                served.deadline,
+            )
+            .await;
+            let failure = match r {
+                Ok(a) => {
+                    let status = a.status();
+                    let body = a
+                        .bytes(crate::proxy::MAX_ANSWER_BYTES)
+                        .await
+                        .map_err(|e| e.to_string());
+                    match (status, body) {
+                        (StatusCode::OK, Ok(body)) => {
+                            let v: Value = serde_json::from_slice(&body).map_err(|e| {
+                                ApiError::new(
+                                    StatusCode::BAD_GATEWAY,
+                                    "server_error",
+                                    format!("the prefill answer is not JSON: {e}"),
+                                )
+                            })?;
+                            served.cached_tokens = v["usage"]["prompt_tokens_details"]
+                                ["cached_tokens"]
+                                .as_u64()
+                                .unwrap_or(0);
+                            served.computed_tokens = v["kvpool"]["prompt_tokens_computed"].as_u64();
+                            served.engine_ids.0 = v["id"].as_str().map(str::to_string);
+                            served.model = v["model"].as_str().map(str::to_string);
+                            let mut kv = v["kv_transfer_params"].clone();
+                            if let Some(o) = kv.as_object_mut() {
+                                o.insert("do_remote_prefill".into(), json!(true));
+                                o.insert("do_remote_decode".into(), json!(false));
+                            }
+                            return Ok(kv);
+                        }
+                        (s, Ok(body)) if is_engine_failure(s, &body) => {
+                            String::from_utf8_lossy(&body).into_owned()
+                        }
+                        (s, Ok(body)) => {
+                            return Err(ApiError::from_upstream(s, &body, "the prefill engine"))
+                        }
+                        (_, Err(e)) => e,
+                    }
+                }
+                Err(e) => e.to_string(),
+            };
+            self.mark_down(link, failure.clone());
+            served.failovers += 1;
+            if served.failovers > self.inner.cfg.max_failovers {
+                return Err(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "server_error",
+                    format!("prefill failed on every instance tried: {failure}"),
+                ));
+            }
+            self.count_failover("prefill");
+            tracing::warn!(
+                request_id = served.rid,
+                "prefill instance {p} failed ({failure}); scheduling again"
+            );
+        }
+    }
+
+    /// Starts the decode on the scheduled instance, moving to the least
+    /// loaded one that is up when it fails before streaming. Returns the
+    /// stream and whether it moved.
+    async fn start_decode(
+        &self,
+        req: &Req,
+        kv: &Value,
+        served: &mut Served,
+    ) -> Result<(Answer, bool), ApiError> {
+        let mut body = req.body.clone();
+        if kv.is_object() {
+            body["kv_transfer_params"] = kv.clone();
+        }
+        let mut moved = false;
+        loop {
+            let link = &self.inner.decode[served.decode];
+            match self.open_decode(link, req.path, &body, served).await {
+                Ok(a) => return Ok((a, moved)),
+                Err(DecodeOpen::Refused(e)) => return Err(e),
+                Err(DecodeOpen::Failed(why)) => {
+                    self.mark_down(link, why.clone());
+                    served.failovers += 1;
+                    let next = if served.failovers > self.inner.cfg.max_failovers {
+                        None
+                    } else {
+                        self.pick_decode(served.prompt.len() as u64).await
+                    };
+                    match next {
+                        Some(d) => {
+                            tracing::warn!(
+                                request_id = served.rid,
+                                "decode instance {} failed ({why}); moving to {d}",
+                                served.decode
+                            );
+                            served.decode = d;
+                            moved = true;
+                        }
+                        None => {
+                            return Err(ApiError::new(
+                                StatusCode::BAD_GATEWAY,
+                                "server_error",
+                                format!("decode failed and no other decode instance is up: {why}"),
+                            ))
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn pick_decode(&self, context_tokens: u64) -> Option<usize> {
+        self.inner
+            .conductor
+            .pick_decode(context_tokens, ACTOR_TIMEOUT)
+            .await
+            .ok()
+            .flatten()
+    }
+
+    async fn open_decode(
+        &self,
+        link: &Link,
+        path: &str,
+        body: &Value,
+        served: &Served,
+    ) -> Result<Answer, DecodeOpen> {
+        let tokens = served.prompt.len().to_string();
+        let headers = [
+            (api::REQUEST_ID, served.rid.as_str()),
+            (api::PROMPT_TOKENS, tokens.as_str()),
+        ];
+        let a = http::send(
+            &link.addr,
+            Method::POST,
+            path,
+            &headers,
+            Some(Bytes::from(body.to_string())),
+            self.inner.connect_timeout,
+            served.deadline,
+        )
+        .await
+        .map_err(|e| DecodeOpen::Failed(e.to_string()))?;
+        if a.status() == StatusCode::OK {
+            return Ok(a);
+        }
+        let status = a.status();
+        let body = a
+            .bytes(crate::proxy::MAX_ANSWER_BYTES)
+            .await
+            .map_err(|e| DecodeOpen::Failed(e.to_string()))?;
+        if is_engine_failure(status, &body) {
+            return Err(DecodeOpen::Failed(
+                String::from_utf8_lossy(&body).into_owned(),
+            ));
+        }
+        Err(DecodeOpen::Refused(ApiError::from_upstream(
+            status,
+            &body,
+            "the decode engine",
+        )))
+    }
+}
+
+enum DecodeOpen {
+    /// The instance failed: try another.
+    Failed(String),
+    /// The engine refused the request: the client's answer.
+    Refused(ApiError),
+}
+
+/// Whether a proxy's error answer says its engine is down or failed (the
+/// request should move), rather than refusing the request.
+fn is_engine_failure(status: StatusCode, body: &[u8]) -> bool {
+    if !(status == StatusCode::BAD_GATEWAY || status == StatusCode::GATEWAY_TIMEOUT) {
+        return false;
+    }
+    let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    matches!(
+        v["error"]["code"].as_str(),
+        Some("engine_down") | Some(api::ENGINE_FAILED)
+    )
+}
+
+/// One request's decode: relays the stream's pieces to the answer,
+/// continuing on another decode instance when the one serving it fails.
+struct DecodeRun {
+    front: Front,
+    req_body: Value,
+    max_tokens: Option<u64>,
+    served: Served,
+    tx: mpsc::Sender<Piece>,
+}
+
+/// How a stream from a decode proxy ended.
+enum StreamEnd {
+    /// `[DONE]` after a finish reason (or without one: "stop").
+    Finished(String),
+    /// The engine failed under it: continue elsewhere.
+    Failed(String),
+    /// The engine sent an error of its own.
+    Error(String),
+    /// The client went away.
+    Gone,
+}
+
+impl DecodeRun {
+    async fn pump(mut self, first: Answer, _permit: OwnedSemaphorePermit) {
+        let m = self.front.inner.metrics.clone();
+        m.in_flight.inc();
+        let r = self.run(first).await;
+        m.in_flight.dec();
+        match r {
+            Ok(Some((finish, generated))) => {
+                let tokens = generated;
+                let _ = self.front.inner.conductor.decode_finished(
+                    self.served.decode,
+                    tokens.clamp(1, u64::from(u32::MAX)) as u32,
+                );
+                let served = std::mem::replace(&mut self.served, empty_served());
+                let _ = self
+                    .tx
+                    .send(Piece::End(Ok((finish, Box::new(served)))))
+                    .await;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(
+                    request_id = self.served.rid,
+                    "request failed: {}",
+                    e.message
+                );
+                let _ = self.tx.send(Piece::End(Err(e))).await;
+            }
+        }
+    }
+
+    /// Returns the finish reason and the tokens generated, `None` if the
+    /// client went away.
+    async fn run(&mut self, first: Answer) -> Result<Option<(String, u64)>, ApiError> {
+        let mut answer = first;
+        let mut generated: Vec<u32> = Vec::new();
+        let mut ids_complete = true;
+        let mut sent_any = false;
+        loop {
+            let end = self
+                .relay(
+                    &mut answer,
+                    &mut generated,
+                    &mut ids_complete,
+                    &mut sent_any,
+                )
+                .await;
+            let why = match end {
+                StreamEnd::Finished(f) => return Ok(Some((f, generated.len() as u64))),
+                StreamEnd::Gone => return Ok(None),
+                StreamEnd::Error(e) => {
+                    return Err(ApiError::new(StatusCode::BAD_GATEWAY, "server_error", e))
+                }
+                StreamEnd::Failed(why) => why,
+            };
+            let link = self.front.inner.decode[self.served.decode].clone();
+            self.front.mark_down(&link, why.clone());
+            self.served.failovers += 1;
+            let remaining = self
+                .max_tokens
+                .map(|m| m.saturating_sub(generated.len() as u64));
+            if remaining == Some(0) {
+                return Ok(Some(("length".into(), generated.len() as u64)));
+            }
+            if !ids_complete || self.served.failovers > self.front.inner.cfg.max_failovers {
+                return Err(ApiError::new(StatusCode::BAD_GATEWAY, "server_error", why));
+            }
+            let ctx = (self.served.prompt.len() + generated.len()) as u64;
+            let Some(d) = self.front.pick_decode(ctx).await else {
+                return Err(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "server_error",
+                    format!("{why}; no other decode instance is up"),
+                ));
+            };
+            self.front.count_failover("decode_stream");
+            tracing::warn!(
+                request_id = self.served.rid,
+                "decode instance {} failed mid-stream after {} tokens ({why}); continuing on {d}",
+                self.served.decode,
+                generated.len()
+            );
+            self.served.decode = d;
+            let body = self.continuation(&generated, remaining);
+            let link = self.front.inner.decode[d].clone();
+            answer = match self
+                .front
+                .open_decode(&link, "/v1/completions", &body, &self.served)
+                .await
+            {
+                Ok(a) => a,
+                Err(DecodeOpen::Refused(e)) => return Err(e),
+                Err(DecodeOpen::Failed(why)) => {
+                    // The next round marks it down and tries another.
+                    answer_failed(&link, why)
+                }
+            };
+        }
+    }
+
+    /// The request that continues a stream: the prompt and the tokens sent
+    /// so far as one token-id prompt, the rest of the budget, the same
+    /// sampling settings.
+    fn continuation(&self, generated: &[u32], remaining: Option<u64>) -> Value {
+        let mut prompt = self.served.prompt.clone();
+        prompt.extend_from_slice(generated);
+        let mut body = json!({"prompt": prompt});
+        for k in [
+            "model",
+            "temperature",
+            "top_p",
+            "seed",
+            "stop",
+            "ignore_eos",
+        ] {
+            if let Some(v) = self.req_body.get(k) {
+                body[k] = v.clone();
+            }
+        }
+        let room = self
+            .front
+            .inner
+            .decode
+            .iter()
+            .find_map(|l| l.lock().report.as_ref()?.info.as_ref()?.max_model_len)
+            .map(|m| m.saturating_sub(prompt.len() as u64));
+        if let Some(n) = remaining.or(room) {
+            body["max_tokens"] = json!(n);
+        }
+        body
+    }
+
+    /// Relays one upstream stream's pieces until it ends.
+    async fn relay(
+        &mut self,
+        answer: &mut Answer,
+        generated: &mut Vec<u32>,
+        ids_complete: &mut bool,
+        sent_any: &mut bool,
+    ) -> StreamEnd {
+        let stall = Duration::from_millis(self.front.inner.cfg.stall_timeout_ms);
+        let mut reader = sse::Reader::new();
+        let mut events = Vec::new();
+        let mut finish: Option<String> = None;
+        loop {
+            let until = (!generated.is_empty()).then(|| Instant::now() + stall);
+            let chunk = match answer.chunk(until).await {
+                Ok(Some(c)) => c,
+                Ok(None) => {
+                    return StreamEnd::Failed("the decode stream ended without [DONE]".into())
+                }
+                Err(HttpError::Timeout { .. }) if Instant::now() >= self.served.deadline => {
+                    return StreamEnd::Error(
+                        "the request ran past serving.conductor.request_timeout_ms".into(),
+                    )
+                }
+                Err(HttpError::Timeout { .. }) => {
+                    return StreamEnd::Failed(format!(
+                        "the decode stream was silent for {} ms",
+                        stall.as_millis()
+                    ))
+                }
+                Err(e) => return StreamEnd::Failed(e.to_string()),
+            };
+            events.clear();
+            if reader.feed(&chunk, &mut events).is_err() {
+                return StreamEnd::Failed("an event of the decode stream is too long".into());
+            }
+            for ev in events.drain(..) {
+                let data = match ev {
+                    sse::Event::Done => {
+                        return StreamEnd::Finished(finish.take().unwrap_or_else(|| "stop".into()))
+                    }
+                    sse::Event::Data(d) => d,
+                };
+                let Ok(v) = serde_json::from_str::<Value>(&data) else {
+                    return StreamEnd::Failed(
+                        "the decode stream sent an event that is not JSON".into(),
+                    );
+                };
+                if let Some(id) = v["id"].as_str() {
+                    self.served.engine_ids.1 = Some(id.to_string());
+                }
+                if let Some((message, kind)) = api::event_error(&v) {
+                    return if kind == api::ENGINE_FAILED {
+                        StreamEnd::Failed(message)
+                    } else {
+                        StreamEnd::Error(message)
+                    };
+                }
+                let c = &v["choices"][0];
+                let text = c["text"]
+                    .as_str()
+                    .or_else(|| c["delta"]["content"].as_str())
+                    .unwrap_or("")
+                    .to_string();
+                let ids: Vec<u32> = match c["token_ids"].as_array() {
+                    Some(a) => a
+                        .iter()
+                        .filter_map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                        .collect(),
+                    None => {
+                        if !text.is_empty() {
+                            *ids_complete = false;
+                        }
+                        Vec::new()
+                    }
+                };
+                if let Some(f) = c["finish_reason"].as_str() {
+                    finish = Some(f.to_string());
+                }
+                generated.extend_from_slice(&ids);
+                if !text.is_empty() || !ids.is_empty() {
+                    if !*sent_any {
+                        *sent_any = true;
+                        self.front
+                            .inner
+                            .metrics
+                            .first_token_seconds
+                            .observe(self.served.arrived.elapsed().as_secs_f64());
+                    }
+                    if self.tx.send(Piece::Text { text, ids }).await.is_err() {
+                        return StreamEnd::Gone;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A stand-in answer that fails at once (an instance that could not be
+/// opened): the relay loop treats it like a broken stream.
+fn answer_failed(link: &Link, why: String) -> Answer {
+    Answer::failed(&link.addr, why)
+}
+
+fn empty_served() -> Served {
+    Served {
+        rid: String::new(),
+        prompt: Vec::new(),
+        prefill: 0,
+        decode: 0,
+        cached_tokens: 0,
+        computed_tokens: None,
+        failovers: 0,
+        arrived: Instant::now(),
+        deadline: Instant::now(),
+        engine_ids: (None, None),
+        model: None,
+    }
+}
+
+fn usage(s: &Served, completion: u64) -> Value {
+    let prompt = s.prompt.len() as u64;
+    json!({"prompt_tokens": prompt, "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": s.cached_tokens}})
+}
+
+fn kvpool_block(s: &Served) -> Value {
+    json!({"prefill": s.prefill, "decode": s.decode, "failovers": s.failovers,
+        "prompt_tokens_loaded": s.cached_tokens, "prompt_tokens_computed": s.computed_tokens,
+        "prefill_answer_id": s.engine_ids.0, "decode_answer_id": s.engine_ids.1})
+}
+
+/// A streamed answer: OpenAI's chunks, the usage chunk when asked, then
+/// `[DONE]`; an error after the 200 is an error event and `[DONE]`.
+fn stream_answer(rx: mpsc::Receiver<Piece>, req: &Req, rid: &str, model: &str) -> Response {
+    struct S {
+        rx: mpsc::Receiver<Piece>,
+        id: String,
+        model: String,
+        created: u64,
+        chat: bool,
+        want_ids: bool,
+        include_usage: bool,
+        first: bool,
+        ids: u64,
+        done: bool,
+    }
+    let s = S {
+        rx,
+        id: format!("{}-{rid}", if req.chat { "chatcmpl" } else { "cmpl" }),
+        model: model.to_string(),
+        created: now_s(),
+        chat: req.chat,
+        want_ids: req.want_ids,
+        include_usage: req.include_usage,
+        first: true,
+        ids: 0,
+        done: false,
+    };
+    fn chunk(s: &mut S, text: &str, ids: &[u32], finish: Option<&str>) -> Value {
+        let mut choice = if s.chat {
+            let mut d = json!({"content": text});
+            if s.first {
+                d["role"] = json!("assistant");
+            }
+            json!({"index": 0, "delta": d, "logprobs": null, "finish_reason": finish})
+        } else {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+        };
+        if s.want_ids {
+            choice["token_ids"] = json!(ids);
+        }
+        s.first = false;
+        json!({"id": s.id, "object": if s.chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": s.created, "model": s.model, "choices": [choice]})
+    }
+    let stream = futures_util::stream::unfold(s, |mut s| async move {
+        if s.done {
+            return None;
+        }
+        let piece = s.rx.recv().await;
+        let out: Bytes = match piece {
+            Some(Piece::Text { text, ids }) => {
+                s.ids += ids.len() as u64;
+                let v = chunk(&mut s, &text, &ids, None);
+                sse::event(&v)
+            }
+            Some(Piece::End(Ok((finish, served)))) => {
+                s.done = true;
+                let v = chunk(&mut s, "", &[], Some(&finish));
+                let mut out = sse::event(&v).to_vec();
+                if s.include_usage {
+                    let u = json!({"id": s.id, "object": if s.chat { "chat.completion.chunk" } else { "text_completion" },
+                        "created": s.created, "model": s.model, "choices": [],
+                        "usage": usage(&served, s.ids)});
+                    out.extend_from_slice(&sse::event(&u));
+                }
+                out.extend_from_slice(&sse::done());
+                Bytes::from(out)
+            }
+            Some(Piece::End(Err(e))) => {
+                s.done = true;
+                error_events(&e)
+            }
+            None => {
+                // The generation task ended without a last piece.
+                s.done = true;
+                error_events(&ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "the request's generation ended without an answer",
+                ))
+            }
+        };
+        Some((Ok::<Bytes, std::convert::Infallible>(out), s))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(axum::http::header::CONTENT_TYPE, "text/event-stream")
+        .header(axum::http::header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                e.to_string(),
+            )
+            .into_response()
+        })
+}
+
+/// `data: {"error": ...}` then `data: [DONE]`.
+fn error_events(e: &ApiError) -> Bytes {
+    let mut v = e.body();
+    v["error"]["code"] = json!(e.status.as_u16());
+    let mut out = sse::event(&v).to_vec();
+    out.extend_from_slice(&sse::done());
+    Bytes::from(out)
+}
+
+/// A non-streamed answer, gathered from the pieces.
+async fn whole_answer(
+    mut rx: mpsc::Receiver<Piece>,
+    req: &Req,
+    rid: &str,
+    model: &str,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut ids: Vec<u32> = Vec::new();
+    loop {
+        match rx.recv().await {
+            Some(Piece::Text { text: t, ids: i }) => {
+                text.push_str(&t);
+                ids.extend(i);
+            }
+            Some(Piece::End(Ok((finish, served)))) => {
+                let mut choice = if req.chat {
+                    json!({"index": 0, "message": {"role": "assistant", "content": text},
+                        "logprobs": null, "finish_reason": finish})
+                } else {
+                    json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+                };
+                if req.want_ids {
+                    choice["token_ids"] = json!(ids);
+                    choice["prompt_token_ids"] = json!(served.prompt);
+                }
+                let prefix = if req.chat { "chatcmpl" } else { "cmpl" };
+                let body = json!({"id": format!("{prefix}-{rid}"),
+                    "object": if req.chat { "chat.completion" } else { "text_completion" },
+                    "created": now_s(), "model": model, "choices": [choice],
+                    "usage": usage(&served, ids.len() as u64),
+                    "kvpool": kvpool_block(&served)});
+                return Ok(Json(body).into_response());
+            }
+            Some(Piece::End(Err(e))) => return Err(e),
+            None => {
+                return Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "the request's generation ended without an answer",
+                ))
+            }
+        }
+    }
+}
+
+async fn models(State(f): State<Front>) -> Response {
+    let mut names: Vec<String> = Vec::new();
+    for l in f.inner.prefill.iter().chain(&f.inner.decode) {
+        if let Some(m) = l
+            .lock()
+            .report
+            .as_ref()
+            .and_then(|r| r.info.as_ref())
+            .map(|i| i.model.clone())
+        {
+            if !names.contains(&m) {
+                names.push(m);
+            }
+        }
+    }
+    let data: Vec<Value> = names
+        .iter()
+        .map(|n| json!({"id": n, "object": "model", "created": now_s(), "owned_by": "kvpool"}))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn healthz(State(f): State<Front>) -> Response {
+    let p = f.inner.prefill.iter().filter(|l| l.up()).count();
+    let d = f.inner.decode.iter().filter(|l| l.up()).count();
+    if p > 0 && d > 0 {
+        (StatusCode::OK, "ok\n").into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("prefill instances up: {p}, decode instances up: {d}\n"),
+        )
+            .into_response()
+    }
+}
+
+async fn metrics_route(State(f): State<Front>) -> Response {
+    api::metrics_response(&f.inner.registry)
+}
+
+async fn status(State(f): State<Front>) -> Response {
+    let links = |ls: &[Arc<Link>]| -> Vec<LinkStatus> {
+        ls.iter()
+            .map(|l| {
+                let s = l.lock();
+                LinkStatus {
+                    addr: l.addr.clone(),
+                    up: s.up,
+                    error: s.error.clone(),
+                    report: s.report.clone(),
+                }
+            })
+            .collect()
+    };
+    let snap = f.inner.conductor.snapshot(ACTOR_TIMEOUT).await.ok();
+    Json(
+        json!({"conductor": snap, "chunk_tokens": f.inner.chunk_tokens,
+        "pool": f.inner.pool.get().is_some(),
+        "prefill": links(&f.inner.prefill), "decode": links(&f.inner.decode)}),
+    )
+    .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_checked_before_any_work() {
+        let r = Req::parse(br#"{"prompt": "hi"}"#, false).unwrap();
+        assert_eq!(
+            (r.max_tokens, r.stream, r.path),
+            (Some(16), false, "/v1/completions")
+        );
+        let r = Req::parse(
+            br#"{"prompt": [1, 2], "stream": true, "stream_options": {"include_usage": true}, "max_tokens": 5}"#,
+            false,
+        )
+        .unwrap();
+        assert!(r.stream && r.include_usage);
+        assert_eq!(r.max_tokens, Some(5));
+        let r = Req::parse(br#"{"messages": [{"role": "user", "content": "x"}]}"#, true).unwrap();
+        assert_eq!((r.max_tokens, r.path), (None, "/v1/chat/completions"));
+        for (bad, chat) in [
+            (&br#"{"prompt": ["a", "b"]}"#[..], false),
+            (br#"{"prompt": [[1], [2]]}"#, false),
+            (br#"{"prompt": 3}"#, false),
+            (br#"[1]"#, false),
+            (br#"{"messages": []}"#, true),
+            (br#"{"prompt": "x", "n": 2}"#, false),
+            (b"not json", false),
+        ] {
+            let e = Req::parse(bad, chat).err().expect("refused");
+            assert_eq!(
+                e.status,
+                StatusCode::BAD_REQUEST,
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[test]
+    fn engine_failures_are_told_from_refusals() {
+        let down = br#"{"error": {"message": "x", "code": "engine_down"}}"#;
+        assert!(is_engine_failure(StatusCode::BAD_GATEWAY, down));
+        assert!(!is_engine_failure(StatusCode::SERVICE_UNAVAILABLE, down));
+        assert!(!is_engine_failure(StatusCode::BAD_GATEWAY, b"{}"));
+    }
+
+    #[test]
+    fn scheduler_settings_name_the_bad_key() {
+        let mut cfg = ConductorConfig::default();
+        let (p, cost, slo) = scheduler_settings(&cfg, 16).unwrap();
+        assert_eq!(p, Policy::PredictiveReject);
+        assert_eq!(cost.block_tokens, 16);
+        assert_eq!(slo.tbt_ms, 100.0);
+        cfg.policy = "fastest".into();
+        let e = scheduler_settings(&cfg, 16).unwrap_err();
+        assert!(e.to_string().contains("serving.conductor.policy"), "{e}");
+        cfg.policy = "cache_global".into();
+        cfg.cost_model = "/nonexistent/model.toml".into();
+        let e = scheduler_settings(&cfg, 16).unwrap_err();
+        assert!(
+            e.to_string().contains("serving.conductor.cost_model"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,1051 @@
+//! The serving path end to end, every part a real process on real sockets:
+//! a pool (`kvpool run --no-serving`), engines (`--role engine`, builtin:tiny),
+//! proxies (`--role prefill-proxy`, `--role decode-proxy`) and the conductor
+//! (`--role conductor`), or role all with its serving half; clients are raw
+//! HTTP, `kvpool chat`, `kvpool bench serve`, and Python's `openai` package.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::byte_prompt as prompt;
+use common::{config_file, engine_pool as pool, start, tiny_engine as engine, Proc};
+use serde_json::{json, Value};
+
+/// A config whose serving parts probe and poll quickly (so that a failure
+/// shows soon), with `conductor` added to `[serving.conductor]` and `more`
+/// (whole sections) after.
+fn fast(conductor: &str, more: &str) -> String {
+    format!(
+        "[serving.conductor]\nload_poll_ms = 50\n{conductor}\n\
+         [serving.prefill_proxy]\nprobe_interval_ms = 100\n\
+         [serving.decode_proxy]\nprobe_interval_ms = 100\n{more}"
+    )
+}
+
+const TCP: &str = "[client]\ntransport = \"tcp\"\n";
+
+fn proxy(role: &'static str, engine: &str, config: &str) -> Proc {
+    start(
+        role,
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--engine",
+            engine,
+            "--config",
+            config,
+        ],
+    )
+}
+
+fn conductor(
+    prefill: &[&Proc],
+    decode: &[&Proc],
+    master: &str,
+    config: &str,
+    extra: &[&str],
+) -> Proc {
+    let list = |ps: &[&Proc]| {
+        ps.iter()
+            .map(|p| p.addr.clone())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let (p, d) = (list(prefill), list(decode));
+    let mut args = vec![
+        "--listen",
+        "127.0.0.1:0",
+        "--prefill",
+        &p,
+        "--decode",
+        &d,
+        "--master",
+        master,
+        "--config",
+        config,
+    ];
+    args.extend_from_slice(extra);
+    start("conductor", &args)
+}
+
+/// An HTTP answer: status, headers (lower-case names), body.
+struct Answer {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+}
+
+fn send(addr: &str, path: &str, body: &Value, headers: &[(&str, &str)]) -> TcpStream {
+    let body = body.to_string();
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    s
+}
+
+/// Reads the head of an HTTP answer.
+fn read_head(r: &mut BufReader<TcpStream>) -> (u16, Vec<(String, String)>) {
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("status line {line:?}"));
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = l.split_once(':') {
+            headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+        }
+    }
+    (status, headers)
+}
+
+/// A POST, the whole answer read (chunked bodies de-chunked).
+fn post(addr: &str, path: &str, body: &Value, headers: &[(&str, &str)]) -> Answer {
+    let mut r = BufReader::new(send(addr, path, body, headers));
+    let (status, headers) = read_head(&mut r);
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
+    let mut body = String::new();
+    if chunked {
+        for data in chunks(&mut r) {
+            body.push_str(&data);
+        }
+    } else {
+        r.read_to_string(&mut body).unwrap();
+    }
+    Answer {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// The data of a chunked body, chunk by chunk, until its end (or EOF).
+fn chunks(r: &mut BufReader<TcpStream>) -> impl Iterator<Item = String> + '_ {
+    std::iter::from_fn(move || {
+        let mut size = String::new();
+        if r.read_line(&mut size).ok()? == 0 {
+            return None;
+        }
+        let n = usize::from_str_radix(size.trim(), 16).ok()?;
+        if n == 0 {
+            return None;
+        }
+        let mut buf = vec![0; n + 2];
+        r.read_exact(&mut buf).ok()?;
+        buf.truncate(n);
+        Some(String::from_utf8_lossy(&buf).into_owned())
+    })
+}
+
+/// The `data:` payloads of an SSE body.
+fn events(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
+}
+
+fn post_ok(addr: &str, path: &str, body: &Value) -> Value {
+    let a = post(addr, path, body, &[]);
+    assert_eq!(a.status, 200, "{path}: {}", a.body);
+    a.json()
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("not token ids: {v}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+fn greedy(prompt: &[u32], max_tokens: usize) -> Value {
+    json!({"model": "builtin:tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": true, "return_token_ids": true})
+}
+
+/// The value of a counter in Prometheus text from `addr`'s /metrics.
+fn metric(addr: &str, name: &str) -> f64 {
+    let (status, text) = common::http(addr, "GET", "/metrics");
+    assert_eq!(status, 200);
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + within;
+    while !f() {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn disaggregated_greedy_output_equals_one_engine_and_a_shared_prefix_is_loaded() {
+    let pool = pool();
+    let cfg = config_file("pd", &fast("", TCP));
+    let mono = engine(None, &cfg);
+    let pe = engine(Some(&pool.addr), &cfg);
+    let de = engine(Some(&pool.addr), &cfg);
+    let pp = proxy("prefill-proxy", &pe.addr, &cfg);
+    let dp = proxy("decode-proxy", &de.addr, &cfg);
+    let front = conductor(&[&pp], &[&dp], &pool.addr, &cfg, &[]);
+
+    // One engine alone, then the same request through the front: prefill
+    // on one process, KV through the pool, decode on another.
+    let p = prompt(700, 1);
+    let want =
+        ids(&post_ok(&mono.addr, "/v1/completions", &greedy(&p, 32))["choices"][0]["token_ids"]);
+    let a = post(
+        &front.addr,
+        "/v1/completions",
+        &greedy(&p, 32),
+        &[("X-Request-Id", "pd-1")],
+    );
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(a.header("x-request-id"), Some("pd-1"));
+    let v = a.json();
+    assert_eq!(
+        ids(&v["choices"][0]["token_ids"]),
+        want,
+        "disaggregated != monolithic"
+    );
+    assert_eq!(v["id"], "cmpl-pd-1");
+    assert_eq!(v["usage"]["prompt_tokens"], 700);
+    assert_eq!(v["usage"]["completion_tokens"], 32);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // The id reached both engines.
+    assert_eq!(v["kvpool"]["prefill_answer_id"], "cmpl-pd-1", "{v}");
+    assert_eq!(v["kvpool"]["decode_answer_id"], "cmpl-pd-1", "{v}");
+    // The prefill engine computed the prompt; the decode engine loaded its
+    // two full chunks from the pool and computed the 188 tokens after them.
+    assert_eq!(
+        metric(&pe.addr, "kvpool_engine_prompt_tokens_computed_total"),
+        700.0
+    );
+    assert_eq!(
+        metric(&de.addr, "kvpool_engine_prompt_tokens_loaded_total"),
+        512.0
+    );
+    assert_eq!(
+        metric(&de.addr, "kvpool_engine_prompt_tokens_computed_total"),
+        188.0
+    );
+
+    // A second prompt sharing k = 2 chunks: prefill computes only the rest,
+    // and the streamed answer still equals one engine's.
+    let mut second = p[..512].to_vec();
+    second.extend(prompt(101, 9).into_iter().skip(1));
+    let want2 = ids(
+        &post_ok(&mono.addr, "/v1/completions", &greedy(&second, 24))["choices"][0]["token_ids"],
+    );
+    let computed = metric(&pe.addr, "kvpool_engine_prompt_tokens_computed_total");
+    let loaded = metric(&pe.addr, "kvpool_engine_prompt_tokens_loaded_total");
+    let mut body = greedy(&second, 24);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let a = post(&front.addr, "/v1/completions", &body, &[]);
+    assert_eq!(a.status, 200, "{}", a.body);
+    let rid = a
+        .header("x-request-id")
+        .expect("a request id is made")
+        .to_string();
+    let evs = events(&a.body);
+    assert_eq!(evs.last().map(String::as_str), Some("[DONE]"), "{}", a.body);
+    let mut got = Vec::new();
+    let mut finish = Value::Null;
+    let mut usage = Value::Null;
+    for e in &evs[..evs.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(v["id"], format!("cmpl-{rid}"));
+        if let Some(c) = v["choices"].get(0) {
+            got.extend(ids(&c["token_ids"]));
+            if !c["finish_reason"].is_null() {
+                finish = c["finish_reason"].clone();
+            }
+        } else {
+            usage = v["usage"].clone();
+        }
+    }
+    assert_eq!(got, want2, "streamed disaggregated != monolithic");
+    assert_eq!(finish, "length");
+    assert_eq!(usage["completion_tokens"], 24, "{usage}");
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 512,
+        "{usage}"
+    );
+    assert_eq!(
+        metric(&pe.addr, "kvpool_engine_prompt_tokens_computed_total") - computed,
+        100.0
+    );
+    assert_eq!(
+        metric(&pe.addr, "kvpool_engine_prompt_tokens_loaded_total") - loaded,
+        512.0
+    );
+
+    // Chat: the same text as one engine's chat.
+    let chat = json!({"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12,
+        "temperature": 0, "ignore_eos": true});
+    let one = post_ok(&mono.addr, "/v1/chat/completions", &chat);
+    let two = post_ok(&front.addr, "/v1/chat/completions", &chat);
+    assert_eq!(two["object"], "chat.completion");
+    assert_eq!(two["choices"][0]["message"], one["choices"][0]["message"]);
+
+    // The other routes.
+    let (status, models) = common::http(&front.addr, "GET", "/v1/models");
+    assert_eq!(status, 200);
+    assert!(models.contains("builtin:tiny"), "{models}");
+    assert_eq!(common::http(&front.addr, "GET", "/healthz").0, 200);
+    assert!(
+        metric(
+            &front.addr,
+            "kvpool_conductor_requests_total{route=\"completions\",result=\"ok\"}"
+        ) >= 2.0
+    );
+    // Bad requests get OpenAI's error shape.
+    let a = post(
+        &front.addr,
+        "/v1/completions",
+        &json!({"prompt": [[1], [2]]}),
+        &[],
+    );
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert!(
+        a.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("batch"),
+        "{}",
+        a.body
+    );
+    let a = post(
+        &front.addr,
+        "/v1/completions",
+        &json!({"model": "gpt-9", "prompt": "x"}),
+        &[],
+    );
+    assert_eq!(a.status, 404, "{}", a.body);
+    assert_eq!(a.json()["error"]["code"], "model_not_found");
+}
+
+#[test]
+fn rejected_requests_get_503_with_retry_after() {
+    let pool = pool();
+    let cfg = config_file("rej", &fast("", ""));
+    let pe = engine(Some(&pool.addr), &cfg);
+    let de = engine(Some(&pool.addr), &cfg);
+    let pp = proxy("prefill-proxy", &pe.addr, &cfg);
+    let dp = proxy("decode-proxy", &de.addr, &cfg);
+    // A TTFT objective no prefill can meet: early rejection, before any
+    // engine work.
+    let strict = config_file(
+        "strict",
+        &fast("ttft_slo_ms = 0.001\nretry_after_s = 7", ""),
+    );
+    let front = conductor(
+        &[&pp],
+        &[&dp],
+        &pool.addr,
+        &strict,
+        &["--policy", "early_reject"],
+    );
+    let a = post(
+        &front.addr,
+        "/v1/completions",
+        &json!({"prompt": "hello", "max_tokens": 4}),
+        &[],
+    );
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(a.header("retry-after"), Some("7"));
+    let e = a.json();
+    assert_eq!(e["error"]["code"], "ttft_slo", "{e}");
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("time to first token"));
+    assert_eq!(metric(&pe.addr, "kvpool_engine_requests_total"), 0.0);
+    assert_eq!(
+        metric(
+            &front.addr,
+            "kvpool_conductor_rejected_total{reason=\"ttft_slo\"}"
+        ),
+        1.0
+    );
+
+    // A full front: one request in flight at most.
+    let open = config_file("one", &fast("max_in_flight = 1", ""));
+    let front = conductor(
+        &[&pp],
+        &[&dp],
+        &pool.addr,
+        &open,
+        &["--policy", "cache_global"],
+    );
+    let mut long = greedy(&prompt(64, 3), 4000);
+    long["stream"] = json!(true);
+    let mut held = BufReader::new(send(&front.addr, "/v1/completions", &long, &[]));
+    let (status, _) = read_head(&mut held);
+    assert_eq!(status, 200);
+    let a = post(
+        &front.addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 2}),
+        &[],
+    );
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(a.json()["error"]["code"], "queues_full");
+    assert_eq!(a.header("retry-after"), Some("1"));
+    drop(held);
+    // The stream's place frees when its client goes: a request gets in again.
+    wait_for(
+        "the front to take requests again",
+        Duration::from_secs(30),
+        || {
+            post(
+                &front.addr,
+                "/v1/completions",
+                &json!({"prompt": "x", "max_tokens": 2}),
+                &[],
+            )
+            .status
+                == 200
+        },
+    );
+}
+
+/// Reads a stream's events until `[DONE]` or the end of the connection,
+/// calling `each` on each; returns the events, and whether `[DONE]` came.
+fn read_stream(r: &mut BufReader<TcpStream>, mut each: impl FnMut(&Value)) -> (Vec<Value>, bool) {
+    let mut buf = String::new();
+    let mut out = Vec::new();
+    for data in chunks(r) {
+        buf.push_str(&data);
+        while let Some(i) = buf.find("\n\n") {
+            let ev: String = buf.drain(..i + 2).collect();
+            let Some(d) = ev.trim_end().strip_prefix("data: ") else {
+                continue;
+            };
+            if d == "[DONE]" {
+                return (out, true);
+            }
+            let v: Value = serde_json::from_str(d).unwrap();
+            each(&v);
+            out.push(v);
+        }
+    }
+    (out, false)
+}
+
+#[test]
+fn killing_the_decode_engine_mid_stream_gives_a_whole_answer_or_an_error_event() {
+    let pool = pool();
+    let cfg = config_file("kill", &fast("", TCP));
+    let mono = engine(None, &cfg);
+    let pe = engine(Some(&pool.addr), &cfg);
+    let mut de = [
+        engine(Some(&pool.addr), &cfg),
+        engine(Some(&pool.addr), &cfg),
+    ];
+    let pp = proxy("prefill-proxy", &pe.addr, &cfg);
+    let dp = [
+        proxy("decode-proxy", &de[0].addr, &cfg),
+        proxy("decode-proxy", &de[1].addr, &cfg),
+    ];
+    let front = conductor(
+        &[&pp],
+        &[&dp[0], &dp[1]],
+        &pool.addr,
+        &cfg,
+        &["--policy", "round_robin"],
+    );
+    let deadline = Duration::from_secs(120);
+
+    // Streams a long greedy answer; kills the decode engine serving it
+    // after 20 tokens; reads to the end. Returns the token ids, whether
+    // [DONE] came, and the error event if one did.
+    let p = prompt(300, 5);
+    let n = 600;
+    let run = |de: &mut [Proc; 2]| {
+        let mut body = greedy(&p, n);
+        body["stream"] = json!(true);
+        let t0 = Instant::now();
+        let mut r = BufReader::new(send(&front.addr, "/v1/completions", &body, &[]));
+        let (status, _) = read_head(&mut r);
+        assert_eq!(status, 200);
+        let mut got: Vec<u64> = Vec::new();
+        let mut killed = None;
+        let (evs, done) = read_stream(&mut r, |v| {
+            if let Some(c) = v["choices"].get(0) {
+                got.extend(ids(&c["token_ids"]));
+            }
+            if killed.is_none() && got.len() >= 20 {
+                // The engine whose proxy holds the stream.
+                let busy = (0..2)
+                    .find(|&i| {
+                        let (_, load) = common::http(&dp[i].addr, "GET", "/v1/load");
+                        serde_json::from_str::<Value>(&load).unwrap()["in_flight"] == 1
+                    })
+                    .expect("a decode proxy holds the stream");
+                de[busy].child.kill().unwrap();
+                killed = Some(busy);
+            }
+        });
+        assert!(
+            t0.elapsed() < deadline,
+            "the answer took {:?}",
+            t0.elapsed()
+        );
+        assert!(done, "the stream ended without [DONE]: {evs:?}");
+        let error = evs.iter().find(|v| v.get("error").is_some()).cloned();
+        (got, error, killed.expect("an engine was killed"))
+    };
+
+    // Two decode engines: the answer continues on the other one.
+    let want =
+        ids(&post_ok(&mono.addr, "/v1/completions", &greedy(&p, n))["choices"][0]["token_ids"]);
+    assert_eq!(want.len(), n);
+    // With ignore_eos the answer holds end-of-sequence tokens (id 257): the
+    // engine streams their ids too, or a continuation would lose them.
+    let eos_at = want.iter().position(|&t| t == 257);
+    assert!(
+        eos_at.is_some_and(|i| i > 40),
+        "no EOS after the kill point: {eos_at:?}"
+    );
+    let (got, error, killed) = run(&mut de);
+    assert!(
+        error.is_none(),
+        "an error event although another engine was up: {error:?}"
+    );
+    assert_eq!(got.len(), n, "a whole answer");
+    assert_eq!(got[..20], want[..20]);
+    // Greedy, the continuation (the prompt and the 20+ tokens sent, as one
+    // prompt on the other engine) gives the uninterrupted answer.
+    assert_eq!(got, want, "the continued answer differs from one engine's");
+    assert_eq!(
+        metric(
+            &front.addr,
+            "kvpool_conductor_failovers_total{phase=\"decode_stream\"}"
+        ),
+        1.0
+    );
+    // The dead engine's instance is down; a new request goes to the other.
+    wait_for(
+        "the dead instance to be marked down",
+        Duration::from_secs(10),
+        || {
+            let (_, h) = common::http(&front.addr, "GET", "/kvpool/v1/status");
+            let v: Value = serde_json::from_str(&h).unwrap();
+            v["decode"][killed]["up"] == false
+        },
+    );
+    let v = post_ok(&front.addr, "/v1/completions", &greedy(&p, 8));
+    assert_eq!(ids(&v["choices"][0]["token_ids"]), want[..8]);
+    assert_eq!(v["kvpool"]["decode"], 1 - killed);
+
+    // The last decode engine dies mid-stream too: an error event, then
+    // [DONE], within the deadline; never a cut stream.
+    let (got, error, _) = run(&mut de);
+    let error = error.expect("an error event");
+    assert!(got.len() >= 20 && got.len() < n, "{}", got.len());
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("decode"),
+        "{error}"
+    );
+}
+
+/// Python with the `openai` package: `KVPOOL_PYTHON`, else the venv that
+/// .ci/run makes. `None` (after saying why) when there is none, unless
+/// `KVPOOL_REQUIRE_EXTERNAL=1`.
+fn python_with_openai() -> Option<String> {
+    let venv = std::env::var("HOME")
+        .map(|h| format!("{h}/.cache/kvpool-venv/bin/python"))
+        .unwrap_or_default();
+    let python = std::env::var("KVPOOL_PYTHON").unwrap_or(venv);
+    let ok = std::process::Command::new(&python)
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if ok {
+        return Some(python);
+    }
+    let why = format!(
+        "no python with the openai package at {python:?} (set KVPOOL_PYTHON, or run .ci/run)"
+    );
+    if std::env::var("KVPOOL_REQUIRE_EXTERNAL").as_deref() == Ok("1") {
+        panic!("{why}");
+    }
+    println!("skip: {why}");
+    None
+}
+
+const OPENAI_SCRIPT: &str = r#"
+import json, sys
+from openai import OpenAI
+c = OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=120)
+out = {}
+msgs = [{"role": "user", "content": "hello"}]
+s = c.chat.completions.create(model="builtin:tiny", messages=msgs, max_tokens=8,
+                              temperature=0, stream=True,
+                              stream_options={"include_usage": True})
+text, finish, usage, ids = "", None, None, set()
+for ch in s:
+    ids.add(ch.id)
+    if ch.usage is not None:
+        usage = ch.usage.completion_tokens
+    for ch_choice in ch.choices:
+        if ch_choice.delta.content:
+            text += ch_choice.delta.content
+        if ch_choice.finish_reason:
+            finish = ch_choice.finish_reason
+whole = c.chat.completions.create(model="builtin:tiny", messages=msgs, max_tokens=8,
+                                  temperature=0)
+out["chat"] = {"text": text, "finish": finish, "usage": usage, "ids": sorted(ids),
+               "whole": whole.choices[0].message.content,
+               "whole_usage": whole.usage.completion_tokens}
+s = c.completions.create(model="builtin:tiny", prompt="The pool holds", max_tokens=10,
+                         temperature=0, stream=True)
+text, finish = "", None
+for ch in s:
+    for ch_choice in ch.choices:
+        text += ch_choice.text
+        if ch_choice.finish_reason:
+            finish = ch_choice.finish_reason
+whole = c.completions.create(model="builtin:tiny", prompt="The pool holds", max_tokens=10,
+                             temperature=0)
+out["completion"] = {"text": text, "finish": finish, "whole": whole.choices[0].text}
+out["models"] = [m.id for m in c.models.list()]
+print(json.dumps(out))
+"#;
+
+#[test]
+fn the_openai_python_client_streams_a_chat_and_a_completion_from_role_all() {
+    let Some(python) = python_with_openai() else {
+        return;
+    };
+    let (all, found) = common::start_lines(
+        "all",
+        &common::ephemeral(&["--segment-size", "64MiB"]),
+        &[],
+        &["conductor"],
+    );
+    let front = found.get("conductor").expect("role all runs a conductor");
+    let out = common::wait_output(
+        std::process::Command::new(&python)
+            .args(["-c", OPENAI_SCRIPT, &format!("http://{front}/v1")])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+        Duration::from_secs(180),
+    );
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        all.stderr()
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let chat = &v["chat"];
+    assert_eq!(chat["finish"], "length", "{v}");
+    assert_eq!(chat["usage"], 8, "{v}");
+    assert_eq!(chat["text"], chat["whole"], "{v}");
+    assert_eq!(chat["whole_usage"], 8, "{v}");
+    assert_eq!(
+        chat["ids"].as_array().unwrap().len(),
+        1,
+        "one id per answer: {v}"
+    );
+    let comp = &v["completion"];
+    assert_eq!(comp["finish"], "length", "{v}");
+    assert_eq!(comp["text"], comp["whole"], "{v}");
+    assert_eq!(v["models"], json!(["builtin:tiny"]));
+}
+
+#[test]
+fn kvpool_chat_streams_from_role_all_and_a_dead_front_is_an_error() {
+    let (_all, found) = common::start_lines(
+        "all",
+        &common::ephemeral(&["--segment-size", "64MiB"]),
+        &[],
+        &["conductor"],
+    );
+    let front = found
+        .get("conductor")
+        .expect("role all runs a conductor")
+        .clone();
+    // As soon as the front is ready it knows the engines' model: its
+    // models list, and every event of the first answer, name it.
+    let (status, text) = common::http(&front, "GET", "/v1/models");
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["data"][0]["id"], "builtin:tiny", "{v}");
+    let a = post(
+        &front,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 3, "temperature": 0, "stream": true}),
+        &[],
+    );
+    assert_eq!(a.status, 200, "{}", a.body);
+    let evs = events(&a.body);
+    assert_eq!(evs.last().map(String::as_str), Some("[DONE]"), "{}", a.body);
+    for e in &evs[..evs.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(v["model"], "builtin:tiny", "{e}");
+    }
+    let chat = |args: &[&str]| {
+        let out = common::wait_output(
+            std::process::Command::new(common::BIN)
+                .arg("chat")
+                .args(args)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap(),
+            Duration::from_secs(120),
+        );
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, text, err) = chat(&["hello", "--front", &front, "--max-tokens", "6"]);
+    assert_eq!(code, Some(0), "{err}");
+    // The same greedy turn, not streamed.
+    let whole = post_ok(
+        &front,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6,
+            "temperature": 0.0}),
+    );
+    assert_eq!(
+        text.trim_end_matches('\n'),
+        whole["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    let free = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let (code, _, err) = chat(&["hello", "--front", &free]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("cannot connect"), "{err}");
+}
+
+/// `kvpool` with `args`; returns (exit code, stdout, stderr).
+fn kvpool(args: &[&str], within: Duration) -> (Option<i32>, String, String) {
+    let out = common::wait_output(
+        std::process::Command::new(common::BIN)
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+        within,
+    );
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The (prefill, decode) of every routed decision in a decision log.
+fn routes(log: &str) -> Vec<(u64, u64)> {
+    std::fs::read_to_string(log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|v| v["kind"] == "schedule" && v["decision"]["decision"] == "route")
+        .map(|v| {
+            (
+                v["decision"]["prefill"].as_u64().unwrap(),
+                v["decision"]["decode"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn live_decisions_replay_in_the_simulator_and_bench_serve_reports_them() {
+    let dir = common::scratch_dir("serving-replay");
+    let root = env!("CARGO_MANIFEST_DIR");
+    // A small copy of the synthetic trace: 16-token blocks (the engines'
+    // chunks here), short answers.
+    let trace = dir.join("trace.jsonl");
+    let (code, _, err) = kvpool(
+        &[
+            "sim",
+            "scale",
+            "--trace",
+            &format!("{root}/tests/data/synthetic_trace.jsonl"),
+            "--out",
+            trace.to_str().unwrap(),
+            "--block-tokens",
+            "16",
+            "--requests",
+            "24",
+            "--output-scale",
+            "0.1",
+            "--output-max",
+            "12",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let model = format!("{root}/configs/cluster-model-tiny.toml");
+    let pool = pool();
+    let cfg = config_file(
+        "replay",
+        &fast(
+            &format!("cost_model = \"{model}\""),
+            "[engine]\nchunk_tokens = 16\n",
+        ),
+    );
+    let pe = [
+        engine(Some(&pool.addr), &cfg),
+        engine(Some(&pool.addr), &cfg),
+    ];
+    let de = engine(Some(&pool.addr), &cfg);
+    let pp = [
+        proxy("prefill-proxy", &pe[0].addr, &cfg),
+        proxy("prefill-proxy", &pe[1].addr, &cfg),
+    ];
+    let dp = proxy("decode-proxy", &de.addr, &cfg);
+
+    for policy in ["cache_global", "round_robin"] {
+        let live_log = dir.join(format!("live-{policy}.jsonl"));
+        let front = conductor(
+            &[&pp[0], &pp[1]],
+            &[&dp],
+            &pool.addr,
+            &cfg,
+            &[
+                "--policy",
+                policy,
+                "--decision-log",
+                live_log.to_str().unwrap(),
+            ],
+        );
+        let (code, out, err) = kvpool(
+            &[
+                "bench",
+                "serve",
+                "--front",
+                &front.addr,
+                "--trace",
+                trace.to_str().unwrap(),
+                "--block-tokens",
+                "16",
+                "--speed",
+                "8",
+                "--json",
+                "--no-progress",
+            ],
+            Duration::from_secs(300),
+        );
+        assert_eq!(code, Some(0), "{err}");
+        let rep: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+        assert_eq!(rep["policy"], policy);
+        assert_eq!(rep["requests"], 24);
+        assert_eq!(rep["prefill"], 2);
+        assert_eq!(rep["completed"], 24, "{rep}");
+        for k in [
+            "ttft_ms_p50",
+            "ttft_ms_p99",
+            "tbt_ms_p50",
+            "slo_attainment",
+            "goodput_rps",
+        ] {
+            assert!(rep[k].is_number(), "{k} in {rep}");
+        }
+        // Every live decision, made again by the simulator's scheduler on
+        // the view it was made on.
+        let (code, out, err) = kvpool(
+            &["sim", "replay", "--log", live_log.to_str().unwrap()],
+            Duration::from_secs(60),
+        );
+        assert_eq!(code, Some(0), "{out}{err}");
+        assert!(out.contains("24 decisions (24 routed"), "{out}");
+        assert!(out.contains("24 made again the same"), "{out}");
+        // The same trace in `kvpool sim`, logged the same way.
+        let sim_log = dir.join(format!("sim-{policy}.jsonl"));
+        let (code, _, err) = kvpool(
+            &[
+                "sim",
+                "--trace",
+                trace.to_str().unwrap(),
+                "--model",
+                &model,
+                "--policy",
+                policy,
+                "--prefill",
+                "2",
+                "--decode",
+                "1",
+                "--speed",
+                "8",
+                "--no-progress",
+                "--decision-log",
+                sim_log.to_str().unwrap(),
+            ],
+            Duration::from_secs(60),
+        );
+        assert_eq!(code, Some(0), "{err}");
+        let (code, out, err) = kvpool(
+            &["sim", "replay", "--log", sim_log.to_str().unwrap()],
+            Duration::from_secs(60),
+        );
+        assert_eq!(code, Some(0), "{out}{err}");
+        // A policy that does not look at the cluster routes the same in
+        // both: the same pairs in the same order.
+        if policy == "round_robin" {
+            assert_eq!(
+                routes(live_log.to_str().unwrap()),
+                routes(sim_log.to_str().unwrap())
+            );
+        }
+        // A decision changed in the log is caught.
+        let text = std::fs::read_to_string(&live_log).unwrap();
+        let line = text
+            .lines()
+            .position(|l| l.contains("\"decision\":\"route\""))
+            .unwrap();
+        let changed: Vec<String> = text
+            .lines()
+            .enumerate()
+            .map(|(i, l)| {
+                if i == line {
+                    l.replace("\"decode\":0", "\"decode\":7")
+                } else {
+                    l.to_string()
+                }
+            })
+            .collect();
+        let bad = dir.join("changed.jsonl");
+        std::fs::write(&bad, changed.join("\n")).unwrap();
+        let (code, out, _) = kvpool(
+            &["sim", "replay", "--log", bad.to_str().unwrap()],
+            Duration::from_secs(60),
+        );
+        assert_eq!(code, Some(2), "{out}");
+    }
+}
+
+#[test]
+fn a_dead_prefill_engine_decode_proxy_or_pool_costs_no_answer() {
+    let mut pool = pool();
+    let cfg = config_file("deaths", &fast("", TCP));
+    let mono = engine(None, &cfg);
+    let mut pe = [
+        engine(Some(&pool.addr), &cfg),
+        engine(Some(&pool.addr), &cfg),
+    ];
+    let pp = [
+        proxy("prefill-proxy", &pe[0].addr, &cfg),
+        proxy("prefill-proxy", &pe[1].addr, &cfg),
+    ];
+    let de = [
+        engine(Some(&pool.addr), &cfg),
+        engine(Some(&pool.addr), &cfg),
+    ];
+    let mut dp = [
+        proxy("decode-proxy", &de[0].addr, &cfg),
+        proxy("decode-proxy", &de[1].addr, &cfg),
+    ];
+    let front = conductor(
+        &[&pp[0], &pp[1]],
+        &[&dp[0], &dp[1]],
+        &pool.addr,
+        &cfg,
+        &["--policy", "round_robin"],
+    );
+    let p = prompt(400, 11);
+    let want =
+        ids(&post_ok(&mono.addr, "/v1/completions", &greedy(&p, 200))["choices"][0]["token_ids"]);
+
+    // A prefill engine dies: requests (round robin would send every other
+    // one to it) are all answered, by the other one.
+    pe[0].child.kill().unwrap();
+    for _ in 0..4 {
+        let v = post_ok(&front.addr, "/v1/completions", &greedy(&p, 16));
+        assert_eq!(ids(&v["choices"][0]["token_ids"]), want[..16]);
+        assert_eq!(v["kvpool"]["prefill"], 1, "{v}");
+    }
+
+    // A decode proxy dies mid-stream: the stream breaks under the front,
+    // which continues the answer on the other decode instance.
+    let mut body = greedy(&p, 200);
+    body["stream"] = json!(true);
+    let mut r = BufReader::new(send(&front.addr, "/v1/completions", &body, &[]));
+    assert_eq!(read_head(&mut r).0, 200);
+    let mut got: Vec<u64> = Vec::new();
+    let mut killed = false;
+    let (evs, done) = read_stream(&mut r, |v| {
+        if let Some(c) = v["choices"].get(0) {
+            got.extend(ids(&c["token_ids"]));
+        }
+        if !killed && got.len() >= 10 {
+            let busy = (0..2)
+                .find(|&i| {
+                    let (_, load) = common::http(&dp[i].addr, "GET", "/v1/load");
+                    serde_json::from_str::<Value>(&load).unwrap()["in_flight"] == 1
+                })
+                .expect("a decode proxy holds the stream");
+            dp[busy].child.kill().unwrap();
+            killed = true;
+        }
+    });
+    assert!(done, "the stream ended without [DONE]: {evs:?}");
+    assert!(evs.iter().all(|v| v.get("error").is_none()), "{evs:?}");
+    assert_eq!(got, want, "the continued answer differs from one engine's");
+
+    // The pool dies: engines compute whole prompts, the front schedules
+    // without lookups; answers are the same.
+    pool.child.kill().unwrap();
+    let other = prompt(300, 12);
+    let want2 = ids(
+        &post_ok(&mono.addr, "/v1/completions", &greedy(&other, 16))["choices"][0]["token_ids"],
+    );
+    let v = post_ok(&front.addr, "/v1/completions", &greedy(&other, 16));
+    assert_eq!(ids(&v["choices"][0]["token_ids"]), want2);
+}
