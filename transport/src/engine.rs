@@ -238,8 +238,10 @@ impl TransferEngine {
         }
     }
 
-    /// Whether `dst` holds the bytes `r`'s object was written with.
-    fn verify(&self, r: &ReplicaDesc, dst: &[u8]) -> Result<(), KvError> {
+    /// Whether `dst` holds the bytes `r`'s object was written with (when
+    /// checksums are checked and the object has one); a mismatch is
+    /// counted, logged and `Corrupt`.
+    pub fn verify(&self, r: &ReplicaDesc, dst: &[u8]) -> Result<(), KvError> {
         let Some(want) = r.checksum.filter(|_| self.cfg.verify_checksums) else {
             return Ok(());
         };
