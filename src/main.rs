@@ -2,7 +2,9 @@
 //!
 //! * `kvpool run [--role all|master|storage]` serves (all roles in one process
 //!   by default, with the embedded default config); `--role engine --model M`
-//!   runs the inference engine (crate kvpool-engine).
+//!   runs the inference engine (crate kvpool-engine); `--role gateway` is a
+//!   pool client with the Redis protocol front (`--resp HOST:PORT`, which
+//!   roles all and storage take too).
 //! * `kvpool put|get|exists|rm|stat` talk to a running pool.
 //! * `kvpool sim` replays a request trace against a modelled cluster.
 //!
@@ -45,6 +47,7 @@ enum RoleArg {
     Master,
     Storage,
     Engine,
+    Gateway,
 }
 
 #[derive(Subcommand)]
@@ -73,6 +76,11 @@ enum Cmd {
         /// Shards (cores) to run; 0 = all cores.
         #[arg(long, value_name = "N")]
         shards: Option<usize>,
+        /// Serve the Redis protocol (RESP2) on this address: roles all and
+        /// storage add the listener; role gateway is a pool client with only
+        /// it (default 127.0.0.1:6379). See `[resp]` in configs/.
+        #[arg(long, value_name = "HOST:PORT")]
+        resp: Option<String>,
         /// Role engine: a Hugging Face model folder, `builtin:tiny` or
         /// `builtin:small`.
         #[arg(long, value_name = "DIR|builtin:tiny|builtin:small")]
@@ -228,17 +236,54 @@ fn main() -> ExitCode {
             data_listen,
             segment_size,
             shards,
+            resp,
             model,
         } => {
             let role = match role {
                 RoleArg::All => Role::All,
                 RoleArg::Master => Role::Master,
                 RoleArg::Storage => Role::Storage,
+                RoleArg::Gateway => Role::Gateway,
                 RoleArg::Engine => return run_engine(model, listen, cli.master, cfg),
             };
             if model.is_some() {
                 eprintln!("error: --model is for --role engine");
                 return ExitCode::from(2);
+            }
+            if role == Role::Master && resp.is_some() {
+                eprintln!("error: --resp needs a pool client: roles all, storage or gateway");
+                return ExitCode::from(2);
+            }
+            if role == Role::Gateway {
+                if data_listen.is_some() || segment_size.is_some() {
+                    eprintln!(
+                        "error: --data-listen and --segment-size are for roles all and storage"
+                    );
+                    return ExitCode::from(2);
+                }
+                // The gateway's one listener is its RESP port.
+                if let Some(l) = resp.or(listen) {
+                    cfg.resp.listen = l;
+                }
+                if let Some(h) = http {
+                    cfg.resp.http = h;
+                }
+                if let Some(m) = cli.master {
+                    cfg.resp.master = m;
+                }
+                if let Some(n) = shards {
+                    cfg.runtime.shards = n;
+                }
+                return match node::run(role, cfg, Shutdown::new()) {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        eprintln!("error: {e}");
+                        ExitCode::from(2)
+                    }
+                };
+            }
+            if let Some(r) = resp {
+                cfg.resp.listen = r;
             }
             if let Some(l) = listen {
                 if role == Role::All && data_listen.is_none() {
