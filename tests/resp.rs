@@ -680,3 +680,42 @@ fn a_storage_node_killed_mid_read_gives_resp_clients_an_error_not_a_hang_or_othe
         other => panic!("GET of the dead node's value answered {other:?}"),
     }
 }
+
+#[test]
+fn a_write_through_the_front_is_seen_at_once_by_every_connection() {
+    let p = pool_with_resp(None, &[]);
+    let addr = p.resp.clone();
+    // A reader keeps reading the key on its own connection (so views of
+    // it are kept and lookups of it are always under way).
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s2 = stop.clone();
+    let reader = std::thread::spawn(move || {
+        let mut r = Raw::connect(&addr);
+        let mut reads = 0u64;
+        while !s2.load(std::sync::atomic::Ordering::Relaxed) {
+            match r.cmd(&[b"GET", b"hot"]) {
+                Reply::Bulk(_) => reads += 1,
+                other => panic!("GET hot answered {other:?}"),
+            }
+        }
+        reads
+    });
+    let mut writer = Raw::connect(&p.resp);
+    let mut checker = Raw::connect(&p.resp);
+    for i in 0..300u64 {
+        let v = common::value(i, 2000 + (i as usize % 7) * 1000);
+        // Replaced through the front (removed, then stored again).
+        let _ = writer.cmd(&[b"DEL", b"hot"]);
+        assert_eq!(
+            checker.cmd(&[b"GET", b"hot"]),
+            Reply::Bulk(None),
+            "round {i}"
+        );
+        assert_eq!(writer.cmd(&[b"SET", b"hot", &v]), ok());
+        // Once the SET has answered, no connection sees an older value.
+        assert_eq!(checker.cmd(&[b"GET", b"hot"]), bulk(&v), "round {i}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let reads = reader.join().expect("the reader saw only values or misses");
+    assert!(reads > 0);
+}

@@ -191,6 +191,8 @@ pub struct ReadView {
     offset: u64,
     len: u64,
     valid_until: Instant,
+    /// The object's checksum, when the client checks checksums.
+    checksum: Option<u64>,
 }
 
 impl ReadView {
@@ -205,6 +207,24 @@ impl ReadView {
     /// When the lease (less a safety margin) ends.
     pub fn valid_until(&self) -> Instant {
         self.valid_until
+    }
+
+    /// The value's bytes after checking them again against the object's
+    /// checksum (when the client checks checksums): for a view kept a while
+    /// and served again. A mismatch is `Corrupt`.
+    pub fn checked_bytes(&self) -> Result<&[u8], KvError> {
+        let b = self.bytes()?;
+        match self.checksum {
+            Some(want) if xxhash_rust::xxh3::xxh3_64(b) != want => Err(KvError::new(
+                ErrorCode::Corrupt,
+                format!(
+                    "the bytes of segment {:016x} at {} no longer match the object's checksum",
+                    self.map.segment_id(),
+                    self.offset
+                ),
+            )),
+            _ => Ok(b),
+        }
     }
 
     /// The value's bytes, in the storage node's memory. Do not keep the
@@ -872,6 +892,7 @@ impl Client {
                 offset: r.offset,
                 len: r.len,
                 valid_until: granted + lease.saturating_sub(VIEW_MARGIN),
+                checksum: r.checksum.filter(|_| self.inner.cfg.checksums),
             };
             match self.inner.engine.verify(r, view.bytes()?) {
                 Ok(()) => return Ok(view),

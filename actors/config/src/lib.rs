@@ -733,6 +733,11 @@ pub struct RespConfig {
     /// Keys in one batch call to the pool (pipelined GETs, MGET, MSET,
     /// EXISTS, DEL); more are split.
     pub batch_keys: usize,
+    /// Views of recently read values kept while their read lease lasts, so
+    /// a repeated GET skips the master (0: every GET asks it). This front's
+    /// own writes are seen at once; another process's replace or removal
+    /// may be missed until the lease ends.
+    pub view_cache_entries: usize,
 }
 
 impl std::fmt::Debug for RespConfig {
@@ -759,6 +764,7 @@ impl std::fmt::Debug for RespConfig {
             .field("max_buffer_memory", &self.max_buffer_memory)
             .field("max_pipeline", &self.max_pipeline)
             .field("batch_keys", &self.batch_keys)
+            .field("view_cache_entries", &self.view_cache_entries)
             .finish()
     }
 }
@@ -785,6 +791,7 @@ impl Default for RespConfig {
             max_buffer_memory: Bytes::gib(2),
             max_pipeline: 1024,
             batch_keys: 256,
+            view_cache_entries: 65_536,
         }
     }
 }

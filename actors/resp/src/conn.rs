@@ -111,7 +111,7 @@ fn budget_spent() -> Close {
 /// A value in a reply that is not in the reply's byte buffer.
 pub(crate) enum Part {
     /// In a same-host storage node's memory, under a read lease.
-    View(ReadView),
+    View(Arc<ReadView>),
     /// Read from another host; its memory is held from the budget until
     /// the reply is sent.
     Owned { value: Vec<u8>, _held: Held },

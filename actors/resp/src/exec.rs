@@ -5,11 +5,13 @@
 //! pipelined GETs is one batch lookup; its replies still go out one per
 //! GET, in order.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvpool_client::ReadView;
 use kvpool_transport::{ErrorCode, KvError};
 
+use crate::cache::Epoch;
 use crate::commands::{Cmd, SPECS};
 use crate::conn::{Close, Conn, Held, Part, FLUSH_AT};
 use crate::proto::{parse_int, reply, Parser};
@@ -156,31 +158,50 @@ impl Conn {
     /// where a replica is here (one batch lookup), read from other hosts
     /// otherwise.
     async fn fetch(&self, keys: &[&[u8]]) -> Vec<Fetched> {
+        let client = &self.ctx.client;
+        let cache = &self.ctx.shared.views;
         let mut out: Vec<Option<Fetched>> = Vec::with_capacity(keys.len());
-        let mut ask: Vec<&[u8]> = Vec::with_capacity(keys.len());
+        // Views kept from earlier reads first (checked again against the
+        // object's checksum); the rest from one lookup.
+        let mut looked: Vec<&[u8]> = Vec::with_capacity(keys.len());
         let mut ask_at: Vec<usize> = Vec::with_capacity(keys.len());
         for (i, k) in keys.iter().enumerate() {
-            match check_key(k) {
-                Ok(()) => {
-                    out.push(None);
-                    ask.push(k);
-                    ask_at.push(i);
+            if let Err(e) = check_key(k) {
+                out.push(Some(Fetched::Error(e)));
+                continue;
+            }
+            match cache.get(k) {
+                Some(v) if v.checked_bytes().is_ok() => {
+                    out.push(Some(Fetched::Value(Part::View(v))));
+                    continue;
                 }
-                Err(e) => out.push(Some(Fetched::Error(e))),
+                Some(_) => cache.forget(k),
+                None => {}
             }
+            out.push(None);
+            looked.push(k);
+            ask_at.push(i);
         }
-        if ask.is_empty() {
-            return out.into_iter().map(|f| f.expect("set")).collect();
-        }
-        let client = &self.ctx.client;
-        let views: Vec<Result<ReadView, KvError>> = if ask.len() == 1 {
-            vec![client.get_view(ask[0]).await]
-        } else {
-            match client.batch_get_view(&ask).await {
+        let epochs: Vec<Epoch> = looked.iter().map(|k| cache.epoch(k)).collect();
+        let views: Vec<Result<ReadView, KvError>> = match looked.len() {
+            0 => Vec::new(),
+            1 => vec![client.get_view(looked[0]).await],
+            _ => match client.batch_get_view(&looked).await {
                 Ok(v) => v,
-                Err(e) => ask.iter().map(|_| Err(e.clone())).collect(),
-            }
+                Err(e) => looked.iter().map(|_| Err(e.clone())).collect(),
+            },
         };
+        let views: Vec<Result<Arc<ReadView>, KvError>> = views
+            .into_iter()
+            .zip(looked.iter().zip(epochs))
+            .map(|(r, (k, epoch))| {
+                r.map(|v| {
+                    let v = Arc::new(v);
+                    cache.put(k, v.clone(), epoch);
+                    v
+                })
+            })
+            .collect();
         let mut remote: Vec<usize> = Vec::new();
         for (r, &i) in views.into_iter().zip(&ask_at) {
             out[i] = match r {
@@ -519,7 +540,10 @@ impl Conn {
         if let Err(e) = check_key(key).and_then(|()| check_value(value)) {
             return reply::error(&mut self.out.bytes, &e);
         }
-        match self.ctx.client.put(key, value).await {
+        let r = self.ctx.client.put(key, value).await;
+        // Whatever the answer (a timed-out put may still have ended).
+        self.ctx.shared.views.forget(key);
+        match r {
             Ok(()) => reply::ok(&mut self.out.bytes),
             Err(e) => reply::error(&mut self.out.bytes, &pool_error(&e)),
         }
@@ -554,7 +578,9 @@ impl Conn {
         let mut first_err = None;
         for chunk in last.chunks(self.ctx.shared.cfg.batch_keys) {
             let puts = chunk.iter().map(|(k, v)| client.put(k, v));
-            for r in futures_util::future::join_all(puts).await {
+            let done = futures_util::future::join_all(puts).await;
+            for ((k, _), r) in chunk.iter().zip(done) {
+                self.ctx.shared.views.forget(k);
                 if let Err(e) = r {
                     first_err.get_or_insert(e);
                 }
@@ -624,7 +650,11 @@ impl Conn {
         let unique = unique_keys(keys);
         let mut removed = 0i64;
         for chunk in unique.chunks(self.ctx.shared.cfg.batch_keys) {
-            match self.ctx.client.batch_remove(chunk, true).await {
+            let r = self.ctx.client.batch_remove(chunk, true).await;
+            for k in chunk {
+                self.ctx.shared.views.forget(k);
+            }
+            match r {
                 Ok(rs) => {
                     for r in rs {
                         match r {
@@ -661,7 +691,9 @@ impl Conn {
             [m] if m.eq_ignore_ascii_case(b"ASYNC") || m.eq_ignore_ascii_case(b"SYNC") => {}
             _ => return reply::error(&mut self.out.bytes, "ERR syntax error"),
         }
-        match self.ctx.client.remove_all().await {
+        let r = self.ctx.client.remove_all().await;
+        self.ctx.shared.views.clear();
+        match r {
             Ok(n) => {
                 tracing::info!(conn = self.id, removed = n, "FLUSHALL");
                 reply::ok(&mut self.out.bytes)

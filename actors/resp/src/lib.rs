@@ -30,6 +30,7 @@
 //! the socket from there under the read lease); values on other hosts are
 //! read into memory first. A `SET` replaces the value atomically.
 
+mod cache;
 mod commands;
 mod conn;
 mod exec;
@@ -86,6 +87,8 @@ pub(crate) struct Shared {
     pub threads: usize,
     /// The port listened on (for `INFO`).
     pub port: u16,
+    /// Views of recent reads, for repeated GETs.
+    pub views: cache::ViewCache,
 }
 
 /// One RESP thread's view: the shared parts and its own pool client.
@@ -147,6 +150,7 @@ pub async fn start(opts: RespOptions) -> Result<RespServer, RespError> {
         started: Instant::now(),
         threads: n,
         port: addr.port(),
+        views: cache::ViewCache::new(cfg.view_cache_entries),
         cfg,
     });
     let mut client_cfg = opts.client;
