@@ -143,4 +143,12 @@ check(r.dbsize() == pool["pool_keys"] or r.dbsize() > 0, "DBSIZE")
 stats = r.info("commandstats")
 check(stats["cmdstat_get"]["calls"] >= 300, f"INFO commandstats {stats.get('cmdstat_get')}")
 
+# --- a URL, as LMCache's remote_url gives it ------------------------------
+from urllib.parse import quote
+
+auth = f":{quote(password, safe='')}@" if password else ""
+u = redis.Redis.from_url(f"redis://{auth}127.0.0.1:{port}/0?protocol=2")
+check(u.set(prefix + b"url", b"via url") is True, "SET through a URL")
+check(u.get(prefix + b"url") == b"via url", "GET through a URL")
+
 print(f"ok: {checks} checks")
