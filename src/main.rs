@@ -99,6 +99,10 @@ enum Cmd {
         /// Never evict the object (remove still works).
         #[arg(long)]
         hard_pin: bool,
+        /// Replace the value stored under KEY, atomically (without it, a
+        /// stored key is ObjectAlreadyExists).
+        #[arg(long)]
+        replace: bool,
     },
     /// Print a value to stdout, or write it to a file.
     Get {
@@ -451,6 +455,7 @@ async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode,
             replicas,
             soft_pin_ms,
             hard_pin,
+            replace,
         } => {
             let value = match file.as_deref() {
                 None | Some("-") => {
@@ -468,6 +473,7 @@ async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode,
                 soft_pin_ttl_ms: soft_pin_ms,
                 hard_pin,
                 preferred_host: String::new(),
+                replace,
             };
             client.put_with(key.as_bytes(), &value, &opts).await?;
             Ok(ExitCode::SUCCESS)

@@ -52,6 +52,14 @@ fn cli_puts_gets_checks_removes_and_reports_against_role_all() {
     let (code, _, err) = common::cli(m, &["put", "dash"], Some(b"again"));
     assert_eq!(code, 2);
     assert!(err.contains("ObjectAlreadyExists"), "{err}");
+    // --replace replaces it (seen through the admin route, which grants no
+    // lease: the plain rm below still takes it)
+    let (code, _, err) = common::cli(m, &["put", "--replace", "dash"], Some(b"again"));
+    assert_eq!(code, 0, "{err}");
+    let (status, body) = common::http(&node.http, "GET", "/api/v1/keys/dash");
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["size"], 5, "{v}");
 
     // stat, text and JSON
     let (code, out, _) = common::cli(m, &["stat"], None);

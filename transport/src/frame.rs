@@ -31,7 +31,8 @@ use crate::proto::WireError;
 
 pub const MAGIC: [u8; 4] = *b"KVPL";
 /// 2: checksums, grants, the auth handshake, Ping's segments (issue 12).
-pub const VERSION: u8 = 2;
+/// 3: `PutOptions::replace` (the atomic replace), `RemoveAll`'s `force` (issue 16).
+pub const VERSION: u8 = 3;
 pub const HEADER_LEN: usize = 24;
 /// Default bound on a control payload (keys are <= 4 KiB; batches are bounded).
 pub const DEFAULT_MAX_FRAME_BYTES: u32 = 4 << 20;

@@ -241,6 +241,10 @@ pub struct PutOptions {
     pub hard_pin: bool,
     /// The writer's host id, for `local_first` placement ("" for none).
     pub preferred_host: String,
+    /// An atomic replace ("upsert"): a complete object under the key stays
+    /// readable until this put ends, then the new one takes its place in
+    /// one step. Without it a put of a complete key is `ObjectAlreadyExists`.
+    pub replace: bool,
 }
 
 impl Default for PutOptions {
@@ -250,6 +254,7 @@ impl Default for PutOptions {
             soft_pin_ttl_ms: 0,
             hard_pin: false,
             preferred_host: String::new(),
+            replace: false,
         }
     }
 }
@@ -452,8 +457,10 @@ master_calls! {
     Exist("exist") { key: Vec<u8> } -> bool = MasterResponse::Exists(b) => b;
     /// Removes an object (under a lease only with `force`).
     Remove("remove") { key: Vec<u8>, force: bool } -> () = MasterResponse::Done => ();
-    /// Removes every object without a live lease; how many went.
-    RemoveAll("remove_all") -> u64 = MasterResponse::Removed(n) => n;
+    /// Removes every complete object without a live lease, or with
+    /// `force` every complete object (the space of a leased one waits for
+    /// its lease); how many went.
+    RemoveAll("remove_all") { force: bool } -> u64 = MasterResponse::Removed(n) => n;
     /// Segments, capacity, use and key count of the pool.
     Stat("stat") -> PoolStat = MasterResponse::Stat(s) => s;
     /// Metadata of one object (admin API); does not extend its lease.

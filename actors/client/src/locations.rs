@@ -10,8 +10,17 @@
 //! the read itself; a read through an entry that fails drops the entry and
 //! asks the master again. Bounded: a full table first sheds expired entries,
 //! then arbitrary ones.
+//!
+//! An answer must not outlive this client's own change of the key: a get
+//! whose `GetReplicaList` was answered before this client's put, upsert or
+//! remove of the key ended must not store that (old) answer after the
+//! change forgot the key, or a later get of this client would read the old
+//! value. So `forget` moves the key's generation on, a get notes the
+//! generation before it asks the master, and `put` keeps the answer only
+//! if the generation has not moved since.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -19,12 +28,34 @@ use kvpool_transport::proto::ReplicaDesc;
 
 /// Independent locks, so concurrent gets of different keys rarely meet.
 const PARTS: usize = 16;
+/// Generation counters, keys spread over them by hash: a change of one key
+/// only rarely stops an answer about another from being kept.
+const GENERATIONS: usize = 1024;
 
 type Entry = (Instant, Arc<[ReplicaDesc]>);
 
 pub(crate) struct Locations {
     parts: Vec<Mutex<HashMap<Vec<u8>, Entry>>>,
     per_part: usize,
+    generations: Box<[AtomicU64]>,
+}
+
+/// Runs its closure when dropped: a change forgets its keys when it is
+/// over, whether it returned or its future was dropped midway.
+pub(crate) struct OnDrop<F: FnMut()>(pub(crate) F);
+
+impl<F: FnMut()> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        (self.0)()
+    }
+}
+
+/// A key's generation when a get asked the master (see [`Locations::put`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Generation(u64);
+
+fn hash(key: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(key)
 }
 
 impl Locations {
@@ -33,11 +64,22 @@ impl Locations {
         Self {
             parts: (0..PARTS).map(|_| Mutex::new(HashMap::new())).collect(),
             per_part: entries.div_ceil(PARTS),
+            generations: (0..GENERATIONS).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
+    fn generation_of(&self, key: &[u8]) -> &AtomicU64 {
+        // The part index uses the hash's low bits; these use higher ones.
+        &self.generations[((hash(key) >> 16) % GENERATIONS as u64) as usize]
+    }
+
+    /// The key's generation now: taken before asking the master.
+    pub(crate) fn generation(&self, key: &[u8]) -> Generation {
+        Generation(self.generation_of(key).load(Ordering::SeqCst))
+    }
+
     fn part(&self, key: &[u8]) -> std::sync::MutexGuard<'_, HashMap<Vec<u8>, Entry>> {
-        let i = (xxhash_rust::xxh3::xxh3_64(key) % PARTS as u64) as usize;
+        let i = (hash(key) % PARTS as u64) as usize;
         // Nothing under the lock can leave a part half-updated (a panic there
         // is an allocation failure inside one HashMap call), so a poisoned
         // lock's map is still sound to use.
@@ -60,12 +102,25 @@ impl Locations {
         }
     }
 
-    /// Remembers `replicas` of `key` until `until`.
-    pub(crate) fn put(&self, key: &[u8], replicas: &[ReplicaDesc], until: Instant) {
+    /// Remembers `replicas` of `key` until `until`, unless this client
+    /// changed the key since `seen` (then the answer may be of the object
+    /// before the change).
+    pub(crate) fn put(
+        &self,
+        key: &[u8],
+        replicas: &[ReplicaDesc],
+        until: Instant,
+        seen: Generation,
+    ) {
         if self.per_part == 0 || replicas.is_empty() || until <= Instant::now() {
             return;
         }
         let mut part = self.part(key);
+        // Under the part's lock: a `forget` that moved the generation
+        // before this load is seen here; one after it removes the entry.
+        if self.generation(key) != seen {
+            return;
+        }
         if part.len() >= self.per_part && !part.contains_key(key) {
             let now = Instant::now();
             part.retain(|_, (u, _)| *u > now);
@@ -79,15 +134,19 @@ impl Locations {
     }
 
     /// Forgets `key` (this client removed or rewrote it, or a read through
-    /// the entry failed).
+    /// the entry failed), and any answer about it asked for before now.
     pub(crate) fn forget(&self, key: &[u8]) {
         if self.per_part > 0 {
+            self.generation_of(key).fetch_add(1, Ordering::SeqCst);
             self.part(key).remove(key);
         }
     }
 
-    /// Forgets every key.
+    /// Forgets every key, and every answer asked for before now.
     pub(crate) fn clear(&self) {
+        for g in self.generations.iter() {
+            g.fetch_add(1, Ordering::SeqCst);
+        }
         for p in &self.parts {
             p.lock().unwrap_or_else(|p| p.into_inner()).clear();
         }
@@ -130,15 +189,50 @@ mod tests {
     #[test]
     fn an_entry_lasts_until_its_lease_and_no_longer() {
         let l = Locations::new(8);
-        l.put(b"a", &[rep(64)], Instant::now() + Duration::from_millis(50));
+        let g = |k: &[u8]| l.generation(k);
+        l.put(
+            b"a",
+            &[rep(64)],
+            Instant::now() + Duration::from_millis(50),
+            g(b"a"),
+        );
         assert_eq!(l.get(b"a").unwrap()[0].offset, 64);
         std::thread::sleep(Duration::from_millis(60));
         assert!(l.get(b"a").is_none(), "the lease has ended");
-        l.put(b"b", &[rep(1)], Instant::now() - Duration::from_millis(1));
+        l.put(
+            b"b",
+            &[rep(1)],
+            Instant::now() - Duration::from_millis(1),
+            g(b"b"),
+        );
         assert!(l.get(b"b").is_none(), "an ended lease is not kept");
-        l.put(b"c", &[rep(1)], Instant::now() + Duration::from_secs(5));
+        l.put(
+            b"c",
+            &[rep(1)],
+            Instant::now() + Duration::from_secs(5),
+            g(b"c"),
+        );
         l.forget(b"c");
         assert!(l.get(b"c").is_none());
+    }
+
+    #[test]
+    fn an_answer_asked_for_before_a_forget_is_not_kept() {
+        let l = Locations::new(8);
+        let until = Instant::now() + Duration::from_secs(5);
+        // A get asks the master; meanwhile this client rewrites the key.
+        let asked = l.generation(b"k");
+        l.forget(b"k");
+        l.put(b"k", &[rep(1)], until, asked);
+        assert!(l.get(b"k").is_none(), "the old answer came back");
+        // An answer asked for after the change is kept.
+        l.put(b"k", &[rep(2)], until, l.generation(b"k"));
+        assert_eq!(l.get(b"k").unwrap()[0].offset, 2);
+        // remove_all: every answer asked for before it is stale.
+        let asked = l.generation(b"other");
+        l.clear();
+        l.put(b"other", &[rep(3)], until, asked);
+        assert!(l.get(b"other").is_none());
     }
 
     #[test]
@@ -146,13 +240,14 @@ mod tests {
         let l = Locations::new(32);
         let until = Instant::now() + Duration::from_secs(5);
         for i in 0..10_000u32 {
-            l.put(&i.to_le_bytes(), &[rep(i as u64)], until);
+            let k = i.to_le_bytes();
+            l.put(&k, &[rep(i as u64)], until, l.generation(&k));
         }
         assert!(l.len() <= 32, "{}", l.len());
         l.clear();
         assert_eq!(l.len(), 0);
         let off = Locations::new(0);
-        off.put(b"a", &[rep(1)], until);
+        off.put(b"a", &[rep(1)], until, off.generation(b"a"));
         assert!(off.get(b"a").is_none());
     }
 }

@@ -15,10 +15,16 @@
 //!                         space quarantined for stale_put_grace
 //!  Complete: GetReplicaList extends the read lease; space of a removed
 //!  object is freed only when its lease has ended (forced removal defers it).
+//!
+//!  Replace (PutStart with `replace` of a complete key): the new object is
+//!  Processing beside the complete one, which readers still get; its PutEnd
+//!  retires the old object as a forced Remove would and puts the new one in
+//!  its place in the same step; a revoked or stale replace leaves the old.
 //! ```
 //!
 //! Processing objects live in their own (small) map, so the housekeeping
-//! sweep for stale puts scans only puts in flight, not the whole pool.
+//! sweep for stale puts scans only puts in flight, not the whole pool. A
+//! key may be in both maps at once only while a replace of it is Processing.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -209,6 +215,9 @@ const DEBUG_CHECK_MAX_KEYS: u64 = 100_000;
 const HARD_PIN: u8 = 1;
 /// `Object::sum` holds the writer's checksum.
 const HAS_SUM: u8 = 2;
+/// Processing: the put was started with `replace` (it may stand beside a
+/// complete object of the same key, which its PutEnd retires).
+const REPLACE: u8 = 4;
 
 /// One object's metadata. Kept small: the master holds tens of millions.
 #[derive(Debug)]
@@ -560,31 +569,40 @@ impl ShardState {
         }
     }
 
-    /// Frees one replica's DRAM space (NVMe space is the node's).
     /// A demotion's DRAM replica `r` (already taken off its object) is
     /// evicted: counted, and its space freed once the object's read lease
-    /// (`lease_end`) is over, since a reader may still be copying it.
-    fn evict_dram_replica(&mut self, mut r: Replica, size: u64, lease_end: u64, now_ms: u64) {
-        r.state = ReplicaState::Ready; // the node is done with it
+    /// (`lease_end`) is over, since a reader may still be copying it (the
+    /// node is done with it: it reported).
+    fn evict_dram_replica(&mut self, r: Replica, size: u64, lease_end: u64, now_ms: u64) {
         self.evictions += 1;
         self.evicted_bytes += demoting_extent(size);
-        let one = Object {
-            size,
-            t: lease_end,
-            aux: 0,
-            soft_pin_ttl_ms: 0,
-            flags: 0,
-            nvme_reads: 0,
-            sum: 0,
-            replicas: smallvec::smallvec![r],
-        };
-        self.free_at(&one, lease_end, now_ms);
+        self.free_replica_at(&r, size, lease_end, now_ms);
     }
 
+    /// Frees one replica's DRAM space (NVMe space is the node's).
     fn free_replica_now(&mut self, r: &Replica, size: u64) {
         let slot = self.slot_mut(r.slot);
         if slot.tier() == Tier::Dram {
             slot.alloc.dealloc(r.offset, size);
+        }
+    }
+
+    /// Frees one replica's DRAM space at `at_ms` (now, if that has passed).
+    fn free_replica_at(&mut self, r: &Replica, size: u64, at_ms: u64, now_ms: u64) {
+        if at_ms <= now_ms {
+            self.free_replica_now(r, size);
+            return;
+        }
+        let slot = self.slot(r.slot);
+        if slot.tier() == Tier::Dram {
+            let segment = slot.id;
+            self.pending.push(Reverse(PendingFree {
+                at_ms,
+                segment,
+                slot: r.slot,
+                offset: r.offset,
+                size,
+            }));
         }
     }
 
@@ -626,35 +644,38 @@ impl ShardState {
         }
     }
 
-    /// Frees `obj`'s space at `at_ms` (now, if that has passed). A replica
-    /// that a node may still be copying to NVMe (demotion) waits at least
-    /// `stale_put_grace_ms`.
-    fn free_at(&mut self, obj: &Object, at_ms: u64, now_ms: u64) {
-        let demoting = obj
-            .replicas
-            .iter()
-            .any(|r| r.state == ReplicaState::Demoting);
-        if at_ms <= now_ms && !demoting {
-            self.free_now(obj);
-            return;
-        }
-        for r in &obj.replicas {
-            if self.slot(r.slot).tier() != Tier::Dram {
-                continue;
+    /// Whether a node may still be copying replica `r` of an object (which
+    /// has an NVMe copy already if `on_nvme`): out to NVMe (a demotion, or
+    /// the write-through copy asked for at PutEnd of an object that has no
+    /// NVMe copy yet) or in from NVMe (a promotion).
+    fn node_may_copy(&self, r: &Replica, on_nvme: bool) -> bool {
+        match r.state {
+            ReplicaState::Demoting | ReplicaState::Promoting => true,
+            ReplicaState::Ready => {
+                !on_nvme
+                    && self
+                        .slot(r.slot)
+                        .spec
+                        .nvme
+                        .as_ref()
+                        .is_some_and(|a| a.write_through)
             }
-            let at_ms = if r.state == ReplicaState::Demoting {
+        }
+    }
+
+    /// Frees `obj`'s space at `at_ms` (now, if that has passed). A replica
+    /// that a node may still be copying (`node_may_copy`) waits at least
+    /// `stale_put_grace_ms`: the node reads or writes the range without
+    /// asking the master, so no writer may be sent to it meanwhile.
+    fn free_at(&mut self, obj: &Object, at_ms: u64, now_ms: u64) {
+        let on_nvme = has_nvme(&self.slots, obj);
+        for r in &obj.replicas {
+            let at_ms = if self.node_may_copy(r, on_nvme) {
                 at_ms.max(now_ms + self.cfg.stale_put_grace_ms)
             } else {
                 at_ms
             };
-            let segment = self.slot(r.slot).id;
-            self.pending.push(Reverse(PendingFree {
-                at_ms,
-                segment,
-                slot: r.slot,
-                offset: r.offset,
-                size: obj.size,
-            }));
+            self.free_replica_at(r, obj.size, at_ms, now_ms);
         }
     }
 
@@ -926,7 +947,8 @@ impl ShardState {
         if opts.replicas == 0 {
             return Err(err(ErrorCode::InvalidParams, "replicas must be at least 1"));
         }
-        if self.complete.contains_key(key) {
+        let exists = self.complete.contains_key(key);
+        if exists && !opts.replace {
             return Err(err(
                 ErrorCode::ObjectAlreadyExists,
                 format!("key {} exists", show_key(key)),
@@ -934,14 +956,30 @@ impl ShardState {
         }
         if let Some(o) = self.processing.get(key) {
             if !self.is_stale(o, now_ms) {
-                return Err(err(
-                    ErrorCode::ObjectAlreadyExists,
-                    format!("key {} is being put", show_key(key)),
-                ));
+                // Two replaces by different writers: one waits for the other
+                // to end, then replaces its object (the last PutEnd wins).
+                // One writer's second put of a key it is putting is a bug.
+                return Err(if opts.replace && o.writer() != client {
+                    err(
+                        ErrorCode::TryAgain,
+                        format!(
+                            "another writer is putting key {}; try again when it is done",
+                            show_key(key)
+                        ),
+                    )
+                } else {
+                    err(
+                        ErrorCode::ObjectAlreadyExists,
+                        format!("key {} is being put", show_key(key)),
+                    )
+                });
             }
             self.discard_processing(key, now_ms);
         }
-        if self.key_count() >= self.cfg.max_keys {
+        // A replace of a stored key adds no key in the end: the count does
+        // not refuse it. Its Processing entry counts while it lasts (so at
+        // most one replace per stored key stands beyond the limit).
+        if !exists && self.key_count() >= self.cfg.max_keys {
             return Err(err(
                 ErrorCode::ResourceExhausted,
                 format!(
@@ -982,7 +1020,8 @@ impl ShardState {
                 // held for longer than a put's deadline.
                 let coming = idxs.iter().any(|&idx| {
                     let s = self.slot(idx);
-                    !s.suspect && s.alloc.free() + self.demoting_bytes(idx) >= s.alloc.rounded(len)
+                    let demoting = self.demoting_bytes(idx);
+                    !s.suspect && demoting > 0 && s.alloc.free() + demoting >= s.alloc.rounded(len)
                 });
                 if coming {
                     return Err(err(
@@ -1012,7 +1051,8 @@ impl ShardState {
             t: now_ms,
             aux: client,
             soft_pin_ttl_ms: opts.soft_pin_ttl_ms.min(u32::MAX as u64) as u32,
-            flags: if opts.hard_pin { HARD_PIN } else { 0 },
+            flags: if opts.hard_pin { HARD_PIN } else { 0 }
+                | if opts.replace { REPLACE } else { 0 },
             nvme_reads: 0,
             sum: 0,
             replicas,
@@ -1081,6 +1121,17 @@ impl ShardState {
             obj.flags |= HAS_SUM;
         }
         obj.complete_at(now_ms);
+        // A replace: the object it replaces goes now, as a forced Remove
+        // would take it (its space waits for its readers' lease, its NVMe
+        // copies are dropped before the new object's copy is asked for).
+        if let Some(old) = self.complete.remove(&k) {
+            debug_assert!(
+                obj.flags & REPLACE != 0,
+                "only a replace meets a complete key"
+            );
+            self.retire(&k, &old, now_ms);
+        }
+        obj.flags &= !REPLACE;
         // Write-through: the first replica on a node with an NVMe tier is
         // copied there now (the node does it when it next asks for work).
         let through = obj.replicas.iter().find_map(|r| {
@@ -1351,6 +1402,11 @@ impl ShardState {
                     .iter()
                     .find(|r| r.slot == nslot)
                     .map(|r| r.offset);
+                let pos = dslot.and_then(|d| {
+                    obj.replicas.iter().position(|r| {
+                        r.slot == d && r.offset == *offset && r.state != ReplicaState::Promoting
+                    })
+                });
                 match existing {
                     Some(l) if l != *loc => {
                         return Err(err(
@@ -1359,17 +1415,27 @@ impl ShardState {
                         ))
                     }
                     Some(_) => {}
+                    // The copy was made from a DRAM range this object does
+                    // not hold: the object it was asked for was replaced (or
+                    // removed and put again) meanwhile, so these bytes may
+                    // be another version's. (The range itself is not reused
+                    // while a node may still read it: see `free_at`.)
+                    None if dslot.is_some() && pos.is_none() => {
+                        return Err(err(
+                            ErrorCode::ObjectNotFound,
+                            format!(
+                                "the object under {} no longer holds the DRAM range the copy \
+                                 was made from",
+                                show_key(key)
+                            ),
+                        ))
+                    }
                     None => obj.replicas.push(Replica {
                         slot: nslot,
                         state: ReplicaState::Ready,
                         offset: *loc,
                     }),
                 }
-                let pos = dslot.and_then(|d| {
-                    obj.replicas.iter().position(|r| {
-                        r.slot == d && r.offset == *offset && r.state != ReplicaState::Promoting
-                    })
-                });
                 if let Some(pos) = pos {
                     let was = (obj.replicas[pos].state == ReplicaState::Demoting)
                         .then_some((obj.replicas[pos].slot, obj.size));
@@ -1480,9 +1546,6 @@ impl ShardState {
                         format!("a recovered object of {len} bytes"),
                     ));
                 }
-                if self.processing.contains_key(key.as_slice()) {
-                    return Err(err(ErrorCode::ObjectAlreadyExists, "the key is being put"));
-                }
                 match self.complete.get_mut(key.as_slice()) {
                     Some(o) if o.size != *len || o.checksum().is_some_and(|s| s != *sum) => {
                         Err(err(
@@ -1498,6 +1561,11 @@ impl ShardState {
                             offset: *loc,
                         });
                         Ok(())
+                    }
+                    // A put of the key under way (a replace of a complete
+                    // key is the arm above: its copy is the complete one's).
+                    None if self.processing.contains_key(key.as_slice()) => {
+                        Err(err(ErrorCode::ObjectAlreadyExists, "the key is being put"))
                     }
                     None => {
                         if self.key_count() >= self.cfg.max_keys {
@@ -1562,26 +1630,34 @@ impl ShardState {
             ));
         }
         let obj = self.complete.remove(key).expect("present");
-        self.demotions_over(&obj);
-        self.drop_nvme_copies(key, &obj);
-        // A reader may still hold a lease: the space waits for it to end.
-        self.free_at(&obj, obj.lease_end_ms(), now_ms);
+        self.retire(key, &obj, now_ms);
         Ok(())
     }
 
-    /// Removes every complete object that has no live lease; returns the count.
-    pub fn remove_all(&mut self, now_ms: u64) -> u64 {
+    /// A complete object taken out of `complete` (removed, or replaced by a
+    /// new one) lets go of everything: its demotions under way stop
+    /// counting, its NVMe copies are dropped, and its DRAM space is freed
+    /// once its readers' lease is over (and any copy a node may be making
+    /// of it, see `free_at`).
+    fn retire(&mut self, key: &[u8], obj: &Object, now_ms: u64) {
+        self.demotions_over(obj);
+        self.drop_nvme_copies(key, obj);
+        self.free_at(obj, obj.lease_end_ms(), now_ms);
+    }
+
+    /// Removes every complete object that has no live lease (with `force`,
+    /// every complete object: a leased one's space is freed when its lease
+    /// ends, as a forced remove does); returns the count.
+    pub fn remove_all(&mut self, now_ms: u64, force: bool) -> u64 {
         let keys: Vec<Box<[u8]>> = self
             .complete
             .iter()
-            .filter(|(_, o)| o.lease_end_ms() <= now_ms)
+            .filter(|(_, o)| force || o.lease_end_ms() <= now_ms)
             .map(|(k, _)| k.clone())
             .collect();
         for k in &keys {
             let obj = self.complete.remove(k).expect("present");
-            self.demotions_over(&obj);
-            self.drop_nvme_copies(k, &obj);
-            self.free_now(&obj);
+            self.retire(k, &obj, now_ms);
         }
         keys.len() as u64
     }
@@ -1664,7 +1740,8 @@ impl ShardState {
     /// copied in, demotions under way) plus the extents waiting to be freed
     /// (leased removals, quarantined puts); no two of those extents overlap
     /// (so a leased object's space is never handed out again) and each lies
-    /// in this shard's range; every replica points at a mounted segment.
+    /// in this shard's range; every replica points at a mounted segment; a
+    /// key is both complete and Processing only while a replace of it is.
     /// O(objects): the model test runs it after every step, debug builds
     /// after every tick of a small shard.
     pub fn check_invariants(&self) -> Result<(), String> {
@@ -1675,6 +1752,14 @@ impl ShardState {
                 if r.state == ReplicaState::Demoting {
                     *demoting.entry(r.slot).or_default() += demoting_extent(o.size);
                 }
+            }
+        }
+        for (k, o) in &self.processing {
+            if o.flags & REPLACE == 0 && self.complete.contains_key(k) {
+                return Err(format!(
+                    "{} is complete and being put by a put that is not a replace",
+                    show_key(k)
+                ));
             }
         }
         for (state, map) in [
@@ -1756,9 +1841,19 @@ impl ShardState {
         Ok(())
     }
 
+    /// Distinct keys: a key being replaced is in both maps, and counts once.
+    fn distinct_keys(&self) -> u64 {
+        let replacing = self
+            .processing
+            .keys()
+            .filter(|k| self.complete.contains_key(&k[..]))
+            .count();
+        self.key_count() - replacing as u64
+    }
+
     pub fn stat(&self) -> ShardStat {
         ShardStat {
-            keys: self.key_count(),
+            keys: self.distinct_keys(),
             segments: self
                 .slots
                 .iter()

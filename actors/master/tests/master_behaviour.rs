@@ -642,10 +642,272 @@ fn remove_all_removes_what_it_may_and_returns_the_count() {
     }
     m.get("k0").unwrap(); // leased: stays
     m.start("p", 100).unwrap(); // processing: stays
-    let r = m.call(Q::RemoveAll).unwrap();
+    let r = m.call(Q::RemoveAll { force: false }).unwrap();
     assert_eq!(r, A::Removed(9));
     assert!(m.exist("k0"));
     assert_eq!(m.stat().keys, 2);
+}
+
+#[test]
+fn forced_remove_all_removes_leased_objects_but_their_space_waits_for_the_lease() {
+    let mut m = M::new(1);
+    m.mount("seg", 8 * KIB);
+    let first = m.put("k", 8 * KIB);
+    m.get("k").unwrap(); // leased
+    assert_eq!(m.call(Q::RemoveAll { force: true }).unwrap(), A::Removed(1));
+    assert!(!m.exist("k"));
+    // The reader may still be reading: the space is not handed out yet.
+    assert_eq!(code(m.start("new", 8 * KIB)), ErrorCode::NoSpace);
+    m.advance(m.cfg.lease_ttl_ms);
+    let second = m.start("new", 8 * KIB).unwrap();
+    assert_eq!(second[0].offset, first[0].offset);
+    // Processing objects stay, forced or not.
+    m.start("q", 10).ok();
+    assert_eq!(m.call(Q::RemoveAll { force: true }).unwrap(), A::Removed(0));
+}
+
+// ---- replace (upsert) -------------------------------------------------------------
+
+fn replacing(replicas: u32) -> PutOptions {
+    PutOptions {
+        replace: true,
+        ..opts(replicas)
+    }
+}
+
+impl M {
+    fn replace_as(
+        &mut self,
+        client: u64,
+        key: &str,
+        len: u64,
+    ) -> Result<Vec<ReplicaDesc>, KvError> {
+        self.start_with(client, key, len, replacing(1))
+    }
+
+    /// A whole replace by `client`: start, then end.
+    fn upsert_as(&mut self, client: u64, key: &str, len: u64) {
+        self.replace_as(client, key, len).expect("a replace starts");
+        self.end_as(client, key).expect("a replace ends");
+    }
+
+    /// Every shard's space accounting holds (`ShardState::check_invariants`).
+    fn check(&self) {
+        for (i, sh) in self.m.shards.iter().enumerate() {
+            if let Err(e) = sh.check_invariants() {
+                panic!("shard {i}: {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_replace_of_a_stored_key_is_read_as_the_old_object_until_its_put_end() {
+    let mut m = M::new(2);
+    m.mount("seg", 64 * KIB);
+    let old = m.put("k", 100);
+    let new = m.replace_as(WRITER, "k", 200).unwrap();
+    assert_ne!(new[0].offset, old[0].offset, "new space, beside the old");
+    m.check();
+    // Readers, probes and the admin view still see the old object.
+    assert_eq!(m.get("k").unwrap(), old);
+    assert!(m.exist("k"));
+    let info = m.describe("k");
+    assert!(info.complete);
+    assert_eq!(info.size, 100);
+    assert_eq!(m.stat().keys, 1, "a key being replaced counts once");
+    m.end("k").unwrap();
+    // In one step: the new object is the one read.
+    let got = m.get("k").unwrap();
+    assert_eq!((got[0].offset, got[0].len), (new[0].offset, 200));
+    assert_eq!(m.describe("k").size, 200);
+    assert_eq!(m.stat().keys, 1);
+    m.check();
+}
+
+#[test]
+fn the_replaced_objects_space_is_freed_at_once_when_nobody_reads_it() {
+    let mut m = M::new(1);
+    m.mount("seg", 64 * KIB);
+    m.put("k", 4 * KIB);
+    m.replace_as(WRITER, "k", 4 * KIB).unwrap();
+    assert_eq!(m.used(), 8 * KIB, "both while the replace is under way");
+    m.end("k").unwrap();
+    assert_eq!(m.used(), 4 * KIB, "no lease: the old space is back at once");
+    m.check();
+}
+
+#[test]
+fn the_replaced_objects_space_is_not_reused_while_a_lease_on_it_lives() {
+    let mut m = M::new(1);
+    m.mount("seg", 16 * KIB);
+    let old = m.put("k", 8 * KIB);
+    m.get("k").unwrap(); // a reader holds a lease on the old object
+    m.advance(1_000);
+    m.replace_as(WRITER, "k", 8 * KIB).unwrap();
+    m.end("k").unwrap();
+    m.get("k").unwrap(); // and one on the new (so eviction takes neither)
+    m.check();
+    // The old object is gone, but its reader may still be copying it.
+    assert_eq!(m.used(), 16 * KIB);
+    assert_eq!(code(m.start("x", 8 * KIB)), ErrorCode::NoSpace);
+    // The old lease ends first: then exactly its space is handed out.
+    m.advance(m.cfg.lease_ttl_ms - 1_000);
+    let x = m.start("x", 8 * KIB).unwrap();
+    assert_eq!(x[0].offset, old[0].offset);
+    m.check();
+}
+
+#[test]
+fn a_revoked_or_stale_replace_leaves_the_old_object_as_it_was() {
+    let mut m = M::new(1);
+    m.mount("seg", 64 * KIB);
+    let old = m.put("k", 100);
+    let used = m.used();
+    m.replace_as(WRITER, "k", 5 * KIB).unwrap();
+    m.revoke_as(WRITER, "k").unwrap();
+    assert_eq!(m.get("k").unwrap(), old);
+    assert_eq!(m.used(), used, "the replace's space went back");
+    // A replace nobody finishes is discarded as stale; the old object stays.
+    m.replace_as(OTHER, "k", 5 * KIB).unwrap();
+    m.advance(m.cfg.put_timeout_ms);
+    assert_eq!(code(m.end_as(OTHER, "k")), ErrorCode::ObjectAlreadyExists);
+    let got = m.get("k").unwrap();
+    assert_eq!((got[0].offset, got[0].len), (old[0].offset, 100));
+    m.check();
+}
+
+#[test]
+fn a_replace_while_another_client_puts_the_key_is_try_again() {
+    let mut m = M::new(1);
+    m.mount("seg", 64 * KIB);
+    m.put("k", 100);
+    m.replace_as(WRITER, "k", 200).unwrap();
+    let e = m.replace_as(OTHER, "k", 300).unwrap_err();
+    assert_eq!(e.code, ErrorCode::TryAgain, "{e}");
+    assert!(e.message.contains("another writer"), "{e}");
+    // The same writer twice is a bug of that writer, as before.
+    assert_eq!(
+        code(m.replace_as(WRITER, "k", 200)),
+        ErrorCode::ObjectAlreadyExists
+    );
+    // A plain put of a stored key is refused, replace under way or not.
+    assert_eq!(
+        code(m.start_with(OTHER, "k", 300, opts(1))),
+        ErrorCode::ObjectAlreadyExists
+    );
+    // Once the first ends, the second replaces its object: the last wins.
+    m.end("k").unwrap();
+    m.upsert_as(OTHER, "k", 300);
+    assert_eq!(m.get("k").unwrap()[0].len, 300);
+    // Another client's plain put of a new key under way: the same wait.
+    m.start("fresh", 100).unwrap();
+    assert_eq!(code(m.replace_as(OTHER, "fresh", 50)), ErrorCode::TryAgain);
+    m.end("fresh").unwrap();
+    m.upsert_as(OTHER, "fresh", 50);
+    assert_eq!(m.get("fresh").unwrap()[0].len, 50);
+    m.check();
+}
+
+#[test]
+fn a_replace_meeting_a_stale_put_of_the_key_discards_it_and_goes_ahead() {
+    let mut m = M::new(1);
+    m.mount("seg", 64 * KIB);
+    m.put("k", 100);
+    m.replace_as(WRITER, "k", 200).unwrap();
+    m.now += m.cfg.put_timeout_ms; // no housekeeping ran yet
+    m.upsert_as(OTHER, "k", 300);
+    assert_eq!(m.get("k").unwrap()[0].len, 300);
+    m.check();
+}
+
+#[test]
+fn a_replace_of_a_missing_key_is_an_ordinary_put() {
+    let mut m = M::new(1);
+    m.mount("seg", 64 * KIB);
+    let r = m.replace_as(WRITER, "k", 100).unwrap();
+    assert!(!m.exist("k"));
+    assert_eq!(code(m.get("k")), ErrorCode::ReplicaNotReady);
+    m.end("k").unwrap();
+    assert_eq!(m.get("k").unwrap(), r);
+    m.check();
+}
+
+#[test]
+fn a_replace_of_a_stored_key_is_not_refused_for_the_key_count() {
+    let mut c = cfg();
+    c.max_keys = 2;
+    let mut m = M::with(1, c);
+    m.mount("seg", 64 * KIB);
+    m.put("a", 10);
+    m.put("b", 10);
+    assert_eq!(code(m.start("c", 10)), ErrorCode::ResourceExhausted);
+    // Not a new key in the end: allowed at the limit.
+    m.replace_as(WRITER, "a", 20).unwrap();
+    // Its entry counts while it lasts; a new key is still refused.
+    assert_eq!(code(m.start("c", 10)), ErrorCode::ResourceExhausted);
+    assert_eq!(
+        code(m.replace_as(OTHER, "c", 10)),
+        ErrorCode::ResourceExhausted,
+        "a replace of a missing key adds one"
+    );
+    m.end("a").unwrap();
+    assert_eq!(m.stat().keys, 2);
+    assert_eq!(code(m.start("c", 10)), ErrorCode::ResourceExhausted);
+    m.check();
+}
+
+#[test]
+fn remove_during_a_replace_takes_the_old_object_and_the_replace_still_completes() {
+    let mut m = M::new(1);
+    m.mount("seg", 64 * KIB);
+    m.put("k", 100);
+    let new = m.replace_as(WRITER, "k", 200).unwrap();
+    m.remove("k", false).unwrap();
+    assert!(!m.exist("k"));
+    assert_eq!(code(m.get("k")), ErrorCode::ReplicaNotReady);
+    assert_eq!(code(m.remove("k", true)), ErrorCode::ReplicaNotReady);
+    m.end("k").unwrap();
+    assert_eq!(m.get("k").unwrap(), new);
+    assert_eq!(m.used(), 256, "only the new object's space is held");
+    m.check();
+}
+
+#[test]
+fn batch_put_start_with_replace_replaces_each_stored_key() {
+    let mut m = M::new(4);
+    m.mount("seg", 256 * KIB);
+    for k in ["a", "b"] {
+        m.put(k, 100);
+    }
+    let r = m
+        .call(Q::BatchPutStart {
+            client_id: WRITER,
+            items: items(&["a", "b", "new"], 300),
+            opts: replacing(1),
+        })
+        .unwrap();
+    let A::BatchReplicas(v) = r else {
+        panic!("{r:?}")
+    };
+    assert!(v.iter().all(|i| matches!(i, ItemResult::Ok(_))), "{v:?}");
+    assert_eq!(m.get("a").unwrap()[0].len, 100, "old until the end");
+    m.call(Q::BatchPutEnd {
+        client_id: WRITER,
+        items: ["a", "b", "new"]
+            .iter()
+            .map(|k| kvpool_transport::proto::PutDone {
+                key: k.as_bytes().to_vec(),
+                checksum: None,
+            })
+            .collect(),
+    })
+    .unwrap();
+    for k in ["a", "b", "new"] {
+        assert_eq!(m.get(k).unwrap()[0].len, 300, "{k}");
+    }
+    assert_eq!(m.stat().keys, 3);
+    m.check();
 }
 
 // ---- batches --------------------------------------------------------------------
@@ -1296,6 +1558,32 @@ fn update(m: &mut M, u: NvmeUpdate) -> Result<(), KvError> {
     }
 }
 
+/// The node's report of a copy at `loc` made for a Persist task (as the
+/// task named it), without a checksum of its own to offer.
+fn stored(task: &NodeTask, loc: u64) -> NvmeUpdate {
+    let NodeTask::Persist {
+        key,
+        dram,
+        offset,
+        len,
+        demote,
+        ..
+    } = task.clone()
+    else {
+        panic!("not a Persist task: {task:?}")
+    };
+    NvmeUpdate::Stored {
+        key,
+        nvme: nvme_id(),
+        loc,
+        len,
+        dram,
+        offset,
+        demote,
+        sum: 0,
+    }
+}
+
 #[test]
 fn eviction_demotes_to_the_nodes_nvme_tier_instead_of_dropping() {
     let (mut m, dram) = tiered(false);
@@ -1384,27 +1672,9 @@ fn write_through_asks_for_a_copy_at_put_end_and_keeps_the_dram_replica() {
 fn a_stored_report_for_an_object_removed_meanwhile_is_refused_so_the_node_deletes_its_copy() {
     let (mut m, dram) = tiered(true);
     m.put("k", 100);
-    let Some(NodeTask::Persist {
-        key, offset, len, ..
-    }) = tasks(&mut m, dram).first().cloned()
-    else {
-        panic!()
-    };
+    let copy = tasks(&mut m, dram).remove(0);
     m.remove("k", false).unwrap();
-    let e = update(
-        &mut m,
-        NvmeUpdate::Stored {
-            key,
-            nvme: nvme_id(),
-            loc: 3,
-            len,
-            dram,
-            offset,
-            demote: false,
-            sum: 0,
-        },
-    )
-    .unwrap_err();
+    let e = update(&mut m, stored(&copy, 3)).unwrap_err();
     assert_eq!(e.code, ErrorCode::ObjectNotFound);
 }
 
@@ -1568,20 +1838,130 @@ fn removing_an_object_asks_its_node_to_drop_the_nvme_copy_before_a_new_put_of_th
     m.remove("k", true).unwrap();
     // The same key, put again: its copy must not be confused with the old one.
     m.put("k", 100);
-    let t = tasks(&mut m, dram);
+    drop_then_copy(&mut m, dram, "k", 3);
+}
+
+/// The node's next tasks: drop the old object's NVMe copy of `key` at
+/// `loc`, then copy the new object of `key`, in that order, and no others.
+fn drop_then_copy(m: &mut M, dram: SegmentId, key: &str, loc: u64) {
+    let t = tasks(m, dram);
     assert_eq!(
         t.first(),
         Some(&NodeTask::Drop {
-            key: b"k".to_vec(),
-            loc: 3
+            key: key.as_bytes().to_vec(),
+            loc
         }),
-        "the removed object's NVMe copy is dropped first: {t:?}"
+        "the old object's NVMe copy is dropped first: {t:?}"
     );
     assert!(
-        matches!(t.get(1), Some(NodeTask::Persist { key, .. }) if key == b"k"),
+        matches!(t.get(1), Some(NodeTask::Persist { key: k, demote: false, .. }) if k == key.as_bytes()),
         "then the new object's copy is made: {t:?}"
     );
     assert_eq!(t.len(), 2, "{t:?}");
+}
+
+#[test]
+fn a_replace_drops_the_old_objects_nvme_copy_before_the_new_object_is_copied() {
+    let (mut m, dram) = tiered(true);
+    m.put("k", 100);
+    write_through_copy(&mut m, dram, 3);
+    m.replace_as(WRITER, "k", 100).unwrap();
+    assert_eq!(m.get("k").unwrap().len(), 2, "the old object, both copies");
+    assert!(tasks(&mut m, dram).is_empty(), "nothing until the put ends");
+    m.end("k").unwrap();
+    drop_then_copy(&mut m, dram, "k", 3);
+    let r = m.get("k").unwrap();
+    assert_eq!((r.len(), r[0].tier), (1, Tier::Dram), "no copy listed yet");
+    m.check();
+}
+
+#[test]
+fn a_copy_made_from_the_replaced_objects_range_is_never_listed_for_the_new_one() {
+    // Same size, no checksums: only the DRAM range tells the two apart.
+    let (mut m, dram) = tiered(true);
+    m.put("k", 100);
+    let copy = tasks(&mut m, dram).remove(0);
+    // Replaced while the node is still copying the old object out.
+    let used = m.used();
+    m.replace_as(WRITER, "k", 100).unwrap();
+    m.end("k").unwrap();
+    assert_eq!(
+        m.used(),
+        2 * used,
+        "the range the node is reading is not handed out again yet"
+    );
+    let e = update(&mut m, stored(&copy, 3)).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectNotFound, "{e}");
+    let r = m.get("k").unwrap();
+    assert_eq!((r.len(), r[0].tier), (1, Tier::Dram), "{r:?}");
+    // Once a node can no longer be copying it, the range comes back.
+    m.advance(m.cfg.stale_put_grace_ms.max(m.cfg.lease_ttl_ms));
+    assert_eq!(m.used(), used);
+    m.check();
+}
+
+#[test]
+fn a_restarted_node_reporting_the_copy_of_an_object_being_replaced_keeps_it() {
+    let (mut m, dram) = tiered(true);
+    m.put("k", 100);
+    write_through_copy(&mut m, dram, 3);
+    m.replace_as(WRITER, "k", 100).unwrap();
+    // The node restarts and reports what its tier holds: the copy is the
+    // complete object's, which readers still get (the node deletes copies
+    // the master refuses).
+    update(
+        &mut m,
+        NvmeUpdate::Recovered {
+            key: b"k".to_vec(),
+            nvme: nvme_id(),
+            loc: 3,
+            len: 100,
+            sum: 0,
+        },
+    )
+    .unwrap();
+    let r = m.get("k").unwrap();
+    assert_eq!((r.len(), r[1].tier, r[1].offset), (2, Tier::Nvme, 3));
+    // A copy under a key that is only being put is still refused.
+    m.start("fresh", 100).unwrap();
+    let e = update(
+        &mut m,
+        NvmeUpdate::Recovered {
+            key: b"fresh".to_vec(),
+            nvme: nvme_id(),
+            loc: 4,
+            len: 100,
+            sum: 0,
+        },
+    )
+    .unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectAlreadyExists);
+    m.check();
+}
+
+#[test]
+fn replacing_an_object_under_demotion_keeps_the_demotion_accounting() {
+    let (mut m, dram) = tiered(false);
+    fill(&mut m, "k", 10, opts(1)); // full: the oldest are being demoted
+    let demotion = tasks(&mut m, dram).remove(0);
+    let NodeTask::Persist {
+        key, demote: true, ..
+    } = &demotion
+    else {
+        panic!("{demotion:?}")
+    };
+    let name = String::from_utf8(key.clone()).unwrap();
+    // Room for the replace: remove an object that is not being demoted.
+    m.remove("k9", true).unwrap();
+    m.replace_as(WRITER, &name, KIB).unwrap();
+    m.end(&name).unwrap();
+    m.check(); // the demoting bytes no longer count the replaced object
+               // The node reports the old object's copy: not the new object's.
+    let e = update(&mut m, stored(&demotion, 11)).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectNotFound, "{e}");
+    let r = m.get(&name).unwrap();
+    assert_eq!((r.len(), r[0].tier), (1, Tier::Dram), "{r:?}");
+    m.check();
 }
 
 // ---- trust: owners, checksums, suspects, grants (issue 12) -------------------
@@ -1824,6 +2204,24 @@ fn a_full_segment_whose_space_is_being_demoted_says_try_again() {
     };
     fill(&mut m, "p", 100, pinned);
     assert_eq!(code(m.start("one-more", KIB)), ErrorCode::NoSpace);
+}
+
+#[test]
+fn free_space_in_pieces_too_small_with_no_demotion_under_way_is_no_space_not_try_again() {
+    let mut m = M::new(1);
+    m.mount("seg", 4 * KIB);
+    let hard = PutOptions {
+        hard_pin: true,
+        ..opts(1)
+    };
+    for k in ["a", "b", "c", "d"] {
+        m.put_with(k, KIB, hard.clone());
+    }
+    m.remove("b", false).unwrap();
+    m.remove("d", false).unwrap();
+    // 2 KiB free, in two 1 KiB holes, nothing to evict and nothing coming:
+    // waiting would not help, so the writer must not be told to.
+    assert_eq!(code(m.start("e", 2 * KIB)), ErrorCode::NoSpace);
 }
 
 #[test]

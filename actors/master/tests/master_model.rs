@@ -1,15 +1,18 @@
-//! Property test: random sequences of put/end/revoke/get/exist/remove/
-//! remove-all/unmount/time advances against a plain reference model (a
-//! `HashMap` of objects and a list of reserved extents). After every step it
-//! checks that
+//! Property test: random sequences of put/replace/end/revoke/get/exist/
+//! remove/remove-all/unmount/time advances against a plain reference model (a
+//! `HashMap` of objects, one of replaces under way beside a complete object,
+//! and a list of reserved extents). After every step it checks that
 //!
 //! * no two live replicas overlap in memory (an allocation never lands on an
 //!   extent the model holds: live objects, leased removals, quarantined puts),
 //! * no leased or hard-pinned object is evicted, and no leased space reused,
 //! * every complete object with a live segment is still readable (or was
 //!   evicted legally), with the replicas the model expects,
-//! * the answers the model can predict (codes, `Exist`, `RemoveAll` counts)
-//!   are the answers the master gives,
+//! * the answers the model can predict (codes, `Exist`, `RemoveAll` counts,
+//!   `TryAgain` for a replace that meets another writer, the key limit that
+//!   a replace of a stored key is not refused for) are the answers the
+//!   master gives; a replace is read as the old object until its PutEnd and
+//!   as the new one after, and the old object's space is held for its lease,
 //! * the master's own space accounting holds (`ShardState::check_invariants`:
 //!   used bytes equal the extents held, none overlapping, all in range).
 //!
@@ -61,7 +64,11 @@ struct Held {
 }
 
 struct Model {
+    /// What a key shows: its complete object, or its put under way.
     objs: HashMap<String, Obj>,
+    /// Replaces under way (Processing) of keys whose complete object is in
+    /// `objs`, until their PutEnd puts them there.
+    replacing: HashMap<String, Obj>,
     held: Vec<Held>,
     segments: Vec<SegmentId>,
 }
@@ -74,6 +81,14 @@ struct Seen {
     held_removals: u64,
     stale: u64,
     no_space: u64,
+    /// PutEnds of a replace that took a complete object's place.
+    replaced: u64,
+    /// Replaces told to wait for another writer.
+    try_again: u64,
+    /// Puts refused for the key limit.
+    key_limit: u64,
+    /// Replaces of a stored key taken at the key limit.
+    replace_at_limit: u64,
 }
 
 struct Run {
@@ -107,7 +122,8 @@ impl Run {
     fn new(seed: u64) -> Self {
         let cfg = MasterConfig {
             placement: Placement::Random,
-            max_keys: 1_000,
+            // Half the runs at a limit the keys reach (6 per shard).
+            max_keys: if seed.is_multiple_of(2) { 1_000 } else { 12 },
             lease_ttl_ms: 2_000,
             put_timeout_ms: 6_000,
             stale_put_grace_ms: 3_000,
@@ -119,6 +135,7 @@ impl Run {
             m: MasterCore::new(2, &cfg, seed),
             model: Model {
                 objs: HashMap::new(),
+                replacing: HashMap::new(),
                 held: Vec::new(),
                 segments: Vec::new(),
             },
@@ -160,6 +177,7 @@ impl Run {
             .model
             .objs
             .values()
+            .chain(self.model.replacing.values())
             .flat_map(|o| {
                 o.replicas
                     .iter()
@@ -180,7 +198,8 @@ impl Run {
         format!("key-{}", self.rng.random_range(0..KEYS))
     }
 
-    /// Mostly a key the model holds in the wanted state, sometimes any key.
+    /// Mostly a key the model holds complete (or, if not `complete`, being
+    /// put), sometimes any key.
     fn key_where(&mut self, complete: bool) -> String {
         let mut ks: Vec<&String> = self
             .model
@@ -188,6 +207,7 @@ impl Run {
             .iter()
             .filter(|(_, o)| matches!(o.state, State::Complete { .. }) == complete)
             .map(|(k, _)| k)
+            .chain(self.model.replacing.keys().filter(|_| !complete))
             .collect();
         ks.sort();
         if ks.is_empty() || self.rng.random_ratio(1, 5) {
@@ -227,7 +247,12 @@ impl Run {
     }
 
     fn put_start(&mut self) {
-        let key = self.key();
+        let replace = self.rng.random_ratio(1, 3);
+        let key = if replace && self.rng.random_ratio(2, 3) {
+            self.key_where(true)
+        } else {
+            self.key()
+        };
         let client = CLIENTS[self.rng.random_range(0..CLIENTS.len())];
         // Few distinct sizes, so freed extents are reused exactly.
         let len = [1u64, 512, 1000, 1024, 2048][self.rng.random_range(0..5)];
@@ -248,16 +273,36 @@ impl Run {
                     soft_pin_ttl_ms: soft,
                     hard_pin,
                     preferred_host: String::new(),
+                    replace,
                 },
             },
             self.now,
         );
-        let exists = self.model.objs.contains_key(&key);
+        let complete = self.complete(&key);
+        let writer = self.processing_of(&key);
+        // What the master must answer before it looks for space.
+        let want = match writer {
+            Some(w) if replace && w != client => Some(ErrorCode::TryAgain),
+            Some(_) => Some(ErrorCode::ObjectAlreadyExists),
+            None if complete && !replace => Some(ErrorCode::ObjectAlreadyExists),
+            None if !complete && self.entries_in_shard_of(&key) >= self.max_keys_per_shard() => {
+                Some(ErrorCode::ResourceExhausted)
+            }
+            None => None,
+        };
+        let at_limit = self.entries_in_shard_of(&key) >= self.max_keys_per_shard();
+        match (&res, want) {
+            (Ok(_), None) if complete && at_limit => self.seen.replace_at_limit += 1,
+            (Err(e), Some(w)) if e.code == w => {}
+            (Err(e), None) if e.code == ErrorCode::NoSpace => {}
+            (Ok(_), None) => {}
+            (r, w) => self.fail(format!(
+                "put_start {key} by {client} replace={replace} (complete {complete}, \
+                 writer {writer:?}): {r:?}, model expects {w:?}"
+            )),
+        }
         match res {
             Ok(A::Replicas(reps)) => {
-                if exists {
-                    self.fail(format!("put_start of existing {key} succeeded"));
-                }
                 if reps.is_empty() || reps.len() > replicas as usize {
                     self.fail(format!("{} replicas for {replicas} asked", reps.len()));
                 }
@@ -267,9 +312,26 @@ impl Run {
                 if segs.len() != reps.len() {
                     self.fail(format!("replicas of {key} share a segment"));
                 }
-                // The put may have evicted (legally) to make room: learn that
-                // first, then nothing the model still holds may be reused.
+                let obj = Obj {
+                    state: State::Processing {
+                        writer: client,
+                        started: self.now,
+                    },
+                    size: len,
+                    replicas: reps.iter().map(|r| (r.segment_id, r.offset)).collect(),
+                    hard_pin,
+                };
+                // The put may have evicted (legally) to make room, the object
+                // it replaces too: learn that first (with the put in place),
+                // then nothing else the model still holds may be reused.
+                self.add_put(&key, obj);
                 self.reconcile();
+                let obj = self
+                    .model
+                    .replacing
+                    .remove(&key)
+                    .or_else(|| self.model.objs.remove(&key))
+                    .expect("the put just made");
                 let reserved = self.reserved();
                 for r in &reps {
                     if !self.model.segments.contains(&r.segment_id) {
@@ -286,39 +348,85 @@ impl Run {
                     }
                 }
                 self.seen.puts += 1;
-                self.model.objs.insert(
-                    key,
-                    Obj {
-                        state: State::Processing {
-                            writer: client,
-                            started: self.now,
-                        },
-                        size: len,
-                        replicas: reps.iter().map(|r| (r.segment_id, r.offset)).collect(),
-                        hard_pin,
-                    },
-                );
+                self.add_put(&key, obj);
             }
-            Err(e) if e.code == ErrorCode::ObjectAlreadyExists => {
-                if !exists {
-                    self.fail(format!("put_start of new {key}: {e}"));
-                }
-            }
-            // TryAgain: no room now, but demotions under way will make some.
-            Err(e) if e.code == ErrorCode::NoSpace || e.code == ErrorCode::TryAgain => {
-                self.seen.no_space += 1;
-                if exists {
-                    self.fail(format!("put_start of existing {key} gave NoSpace"));
-                }
-            }
-            other => self.fail(format!("put_start {key}: {other:?}")),
+            Ok(other) => self.fail(format!("put_start {key}: {other:?}")),
+            Err(e) => match e.code {
+                ErrorCode::NoSpace => self.seen.no_space += 1,
+                ErrorCode::TryAgain => self.seen.try_again += 1,
+                ErrorCode::ResourceExhausted => self.seen.key_limit += 1,
+                _ => {}
+            },
         }
     }
 
+    /// A put just started: beside the key's complete object (a replace), or
+    /// what the key shows.
+    fn add_put(&mut self, key: &str, obj: Obj) {
+        if self.complete(key) {
+            self.model.replacing.insert(key.to_string(), obj);
+        } else {
+            self.model.objs.insert(key.to_string(), obj);
+        }
+    }
+
+    fn complete(&self, key: &str) -> bool {
+        matches!(
+            self.model.objs.get(key).map(|o| &o.state),
+            Some(State::Complete { .. })
+        )
+    }
+
+    /// The writer of the key's put under way (a replace, or a first put).
     fn processing_of(&self, key: &str) -> Option<u64> {
-        match self.model.objs.get(key).map(|o| &o.state) {
+        let o = self.model.replacing.get(key).or(self.model.objs.get(key));
+        match o.map(|o| &o.state) {
             Some(State::Processing { writer, .. }) => Some(*writer),
             _ => None,
+        }
+    }
+
+    fn max_keys_per_shard(&self) -> usize {
+        self.cfg.max_keys.div_ceil(self.m.shards.len() as u64) as usize
+    }
+
+    /// Objects the key's shard holds, complete and Processing (a key being
+    /// replaced has one of each).
+    fn entries_in_shard_of(&self, key: &str) -> usize {
+        let s = self.m.shard_of(key.as_bytes());
+        let m = &self.model;
+        m.objs
+            .keys()
+            .chain(m.replacing.keys())
+            .filter(|k| self.m.shard_of(k.as_bytes()) == s)
+            .count()
+    }
+
+    /// Holds a complete object's extents until its lease ends (it was
+    /// removed or replaced; a reader may still be copying it).
+    fn retire(&mut self, o: &Obj) {
+        let State::Complete { lease_until, .. } = o.state else {
+            self.fail(format!("retiring a processing object {o:?}"));
+        };
+        if lease_until > self.now {
+            self.seen.held_removals += 1;
+            for &(seg, off) in &o.replicas {
+                self.model.held.push(Held {
+                    seg,
+                    off,
+                    len: rounded(o.size),
+                    until: lease_until,
+                });
+            }
+        }
+    }
+
+    /// The key's complete object is gone (removed, evicted, unmounted): a
+    /// replace under way is now what the key shows.
+    fn complete_gone(&mut self, key: &str) {
+        self.model.objs.remove(key);
+        if let Some(p) = self.model.replacing.remove(key) {
+            self.model.objs.insert(key.to_string(), p);
         }
     }
 
@@ -335,11 +443,20 @@ impl Run {
         );
         match (self.processing_of(&key), res) {
             (Some(w), Ok(_)) if w == client => {
-                let o = self.model.objs.get_mut(&key).expect("present");
+                let mut o = match self.model.replacing.remove(&key) {
+                    Some(new) => {
+                        let old = self.model.objs.remove(&key).expect("replaced");
+                        self.retire(&old);
+                        self.seen.replaced += 1;
+                        new
+                    }
+                    None => self.model.objs.remove(&key).expect("present"),
+                };
                 o.state = State::Complete {
                     lease_until: self.now,
                     hard_pin: o.hard_pin,
                 };
+                self.model.objs.insert(key, o);
             }
             (Some(w), Err(e)) if w != client && e.code == ErrorCode::IllegalClient => {}
             (None, Err(e))
@@ -363,7 +480,10 @@ impl Run {
         );
         match (self.processing_of(&key), res) {
             (Some(w), Ok(_)) if w == client => {
-                self.model.objs.remove(&key);
+                // A revoked replace leaves the object it would have replaced.
+                if self.model.replacing.remove(&key).is_none() {
+                    self.model.objs.remove(&key);
+                }
             }
             (Some(w), Err(e)) if w != client && e.code == ErrorCode::IllegalClient => {}
             (None, Err(e))
@@ -459,18 +579,9 @@ impl Run {
                     let leased = lease_until > now;
                     match r {
                         Ok(_) if force || !leased => {
-                            self.model.objs.remove(&key);
-                            if leased {
-                                self.seen.held_removals += 1;
-                                for (seg, off) in o.replicas {
-                                    self.model.held.push(Held {
-                                        seg,
-                                        off,
-                                        len: rounded(o.size),
-                                        until: lease_until,
-                                    });
-                                }
-                            }
+                            // A replace under way goes on (and completes).
+                            self.complete_gone(&key);
+                            self.retire(&o);
                         }
                         Err(e) if leased && !force && e.code == ErrorCode::ObjectHasLease => {}
                         r => {
@@ -493,10 +604,10 @@ impl Run {
             .filter(|(_, o)| matches!(o.state, State::Complete { lease_until, .. } if lease_until <= now))
             .map(|(k, _)| k.clone())
             .collect();
-        match self.m.call(Q::RemoveAll, now) {
+        match self.m.call(Q::RemoveAll { force: false }, now) {
             Ok(A::Removed(n)) if n == gone.len() as u64 => {
                 for k in gone {
-                    self.model.objs.remove(&k);
+                    self.complete_gone(&k);
                 }
             }
             other => self.fail(format!(
@@ -521,10 +632,20 @@ impl Run {
                 self.now,
             )
             .unwrap_or_else(|e| self.fail(format!("unmount: {e}")));
-        self.model.objs.retain(|_, o| {
+        self.model.replacing.retain(|_, o| {
             o.replicas.retain(|r| r.0 != seg);
             !o.replicas.is_empty()
         });
+        let mut gone = Vec::new();
+        for (k, o) in self.model.objs.iter_mut() {
+            o.replicas.retain(|r| r.0 != seg);
+            if o.replicas.is_empty() {
+                gone.push(k.clone());
+            }
+        }
+        for k in gone {
+            self.complete_gone(&k);
+        }
         self.model.held.retain(|h| h.seg != seg);
         self.mount();
     }
@@ -550,16 +671,16 @@ impl Run {
                 self.cfg.stale_put_grace_ms,
                 self.now,
             );
-            let stale: Vec<String> = self
+            let is_stale = |o: &Obj| matches!(o.state, State::Processing { started, .. } if now - started >= timeout);
+            let stale: Vec<Obj> = self
                 .model
                 .objs
-                .iter()
-                .filter(|(_, o)| matches!(o.state, State::Processing { started, .. } if now - started >= timeout))
-                .map(|(k, _)| k.clone())
+                .extract_if(|_, o| is_stale(o))
+                .chain(self.model.replacing.extract_if(|_, o| is_stale(o)))
+                .map(|(_, o)| o)
                 .collect();
-            for k in stale {
+            for o in stale {
                 self.seen.stale += 1;
-                let o = self.model.objs.remove(&k).expect("present");
                 for (seg, off) in o.replicas {
                     self.model.held.push(Held {
                         seg,
@@ -597,7 +718,7 @@ impl Run {
                 Err(e) if e.code == ErrorCode::ObjectNotFound => None,
                 other => self.fail(format!("describe {key}: {other:?}")),
             };
-            let still: Vec<(SegmentId, u64)> = info
+            let shown: Vec<(SegmentId, u64)> = info
                 .as_ref()
                 .map(|i| {
                     i.replicas
@@ -606,6 +727,16 @@ impl Run {
                         .collect()
                 })
                 .unwrap_or_default();
+            // A key whose complete object was evicted while a replace of it
+            // is under way shows the replace.
+            let replace_shown = info.as_ref().is_some_and(|i| !i.complete)
+                && matches!(o.state, State::Complete { .. })
+                && self.model.replacing.contains_key(&key);
+            let still = if replace_shown {
+                Vec::new()
+            } else {
+                shown.clone()
+            };
             let lost: Vec<(SegmentId, u64)> = o
                 .replicas
                 .iter()
@@ -651,9 +782,20 @@ impl Run {
             }
             self.seen.evictions += lost.len() as u64;
             if still.is_empty() {
-                self.model.objs.remove(&key);
+                self.complete_gone(&key);
             } else {
                 self.model.objs.get_mut(&key).expect("present").replicas = still;
+            }
+            if replace_shown {
+                let mut want = self.model.objs[&key].replicas.clone();
+                want.sort();
+                let mut got = shown;
+                got.sort();
+                if got != want {
+                    self.fail(format!(
+                        "{key}: the replace under way shows {got:?}, model {want:?}"
+                    ));
+                }
             }
         }
     }
@@ -685,6 +827,10 @@ fn random_call_sequences_keep_the_masters_invariants() {
                 total.held_removals += s.held_removals;
                 total.stale += s.stale;
                 total.no_space += s.no_space;
+                total.replaced += s.replaced;
+                total.try_again += s.try_again;
+                total.key_limit += s.key_limit;
+                total.replace_at_limit += s.replace_at_limit;
             }
             Err(panic) => {
                 eprintln!("master model check failed: replay with KVPOOL_MODEL_SEED={seed}");
@@ -696,4 +842,6 @@ fn random_call_sequences_keep_the_masters_invariants() {
     // The checks mean something only if the hard cases happened.
     assert!(total.puts > 0 && total.evictions > 0 && total.held_removals > 0);
     assert!(total.stale > 0 && total.no_space > 0);
+    assert!(total.replaced > 0 && total.try_again > 0);
+    assert!(total.key_limit > 0 && total.replace_at_limit > 0);
 }

@@ -1,11 +1,18 @@
-//! Property test of the NVMe tier's transitions: random sequences of puts,
-//! reads (which promote), removals, time (which evicts and demotes), the
-//! node taking its tasks and answering them in any order (`Stored`,
-//! `PersistFailed`, `Promoted` ok or not), and the tier evicting copies on
-//! its own (`Evicted`), on a small DRAM segment whose node has a tier. After
-//! every step every shard's space accounting must hold
-//! (`ShardState::check_invariants`), and every object the master lists must
-//! have a replica where its answers say.
+//! Property test of the NVMe tier's transitions: random sequences of puts
+//! and replaces (upserts), reads (which promote), removals, time (which
+//! evicts and demotes), the node taking its tasks and answering them in any
+//! order (`Stored`, `PersistFailed`, `Promoted` ok or not), and the tier
+//! evicting copies on its own (`Evicted`), on a small DRAM segment whose
+//! node has a tier. After every step every shard's space accounting must
+//! hold (`ShardState::check_invariants`), and every object the master lists
+//! must have a replica where its answers say.
+//!
+//! The run also follows the bytes: which put's value each DRAM range and
+//! each NVMe copy holds (the node copies whatever the range holds when it
+//! runs a task, as the real one does, within `stale_put_grace_ms` of taking
+//! it). Every replica a read is sent to must hold the value of the key's
+//! last completed put, never an earlier version's, another key's, or a
+//! range a writer was still filling: with or without writer checksums.
 //!
 //! A failure prints the seed; `KVPOOL_MODEL_SEED=<seed>` replays that case.
 
@@ -46,6 +53,7 @@ fn spec(name: &str, size: u64, tier: Tier, nvme: Option<NvmeAttach>) -> SegmentS
 /// Counts of what a run did, so the test can say it reached every transition.
 #[derive(Default, Debug)]
 struct Seen {
+    replaced: u64,
     stored: u64,
     demoted: u64,
     persist_failed: u64,
@@ -55,17 +63,35 @@ struct Seen {
     steps: u64,
 }
 
+/// What a range or a copy holds: the value of put number n, or bytes of no
+/// complete value (a writer was still filling the range).
+type Content = Option<u64>;
+
+/// The checksum of put number `n`'s value (what a writer or node computes).
+fn sum_of(c: Content) -> u64 {
+    match c {
+        Some(n) => n.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1,
+        None => 0, // no value has this checksum
+    }
+}
+
 struct Run {
     m: MasterCore,
     now: u64,
     rng: ChaCha8Rng,
     dram: SegmentId,
     nvme: SegmentId,
-    /// Tasks the node has taken and not answered yet.
-    tasks: Vec<NodeTask>,
-    /// The tier's contents: location -> key.
-    on_disk: HashMap<u64, Vec<u8>>,
+    /// Tasks the node has taken and not answered yet, with when it took them.
+    tasks: Vec<(NodeTask, u64)>,
+    /// The tier's contents: location -> (key, value).
+    on_disk: HashMap<u64, (Vec<u8>, Content)>,
     next_loc: u64,
+    /// What each DRAM range holds, by offset.
+    in_dram: HashMap<u64, Content>,
+    /// The key's last completed put.
+    current: HashMap<Vec<u8>, u64>,
+    puts: u64,
+    grace_ms: u64,
     seen: Seen,
 }
 
@@ -80,6 +106,7 @@ impl Run {
             client_ttl_ms: 1 << 40,
             ..Default::default()
         };
+        let grace_ms = cfg.stale_put_grace_ms;
         let mut m = MasterCore::new(SHARDS, &cfg, seed);
         let nvme = ask(
             &mut m,
@@ -113,6 +140,10 @@ impl Run {
             tasks: Vec::new(),
             on_disk: HashMap::new(),
             next_loc: 1,
+            in_dram: HashMap::new(),
+            current: HashMap::new(),
+            puts: 0,
+            grace_ms,
             seen: Seen::default(),
         }
     }
@@ -145,16 +176,25 @@ impl Run {
 
     fn put(&mut self) {
         let key = self.key();
+        // Few sizes: a replace often has its object's size (then only the
+        // checksum, when there is one, tells the versions apart).
         let len = [1u64, 700, 2048, 4096, 9000][self.rng.random_range(0..5)];
-        let opts = PutOptions::default();
-        let started = self.call(call::PutStart {
+        let replace = self.rng.random_ratio(1, 2);
+        let opts = PutOptions {
+            replace,
+            ..PutOptions::default()
+        };
+        let Ok(replicas) = self.call(call::PutStart {
             client_id: WRITER,
             key: key.clone(),
             len,
             opts,
-        });
-        if started.is_err() {
+        }) else {
             return; // no room, a put under way, ...: all legal answers
+        };
+        // The writer fills its ranges: no complete value there until it ends.
+        for r in &replicas {
+            self.in_dram.insert(r.offset, None);
         }
         if self.rng.random_ratio(1, 8) {
             let _ = self.call(call::PutRevoke {
@@ -163,26 +203,43 @@ impl Run {
             });
             return;
         }
-        let checksum = self.rng.random_ratio(1, 2).then_some(len ^ 0xabc);
-        let _ = self.call(call::PutEnd {
+        self.puts += 1;
+        let n = self.puts;
+        for r in &replicas {
+            self.in_dram.insert(r.offset, Some(n));
+        }
+        let checksum = self.rng.random_ratio(1, 2).then_some(sum_of(Some(n)));
+        let ended = self.call(call::PutEnd {
             client_id: WRITER,
-            key,
+            key: key.clone(),
             checksum,
         });
+        if ended.is_ok() && self.current.insert(key, n).is_some() && replace {
+            self.seen.replaced += 1;
+        }
     }
 
     fn get(&mut self) {
         let key = self.key();
         if let Ok(replicas) = self.call(call::GetReplicaList { key: key.clone() }) {
+            let want = Some(self.current[&key]);
             for r in &replicas {
                 match r.tier {
-                    Tier::Dram => assert_eq!(r.segment_id, self.dram, "{r:?}"),
+                    Tier::Dram => {
+                        assert_eq!(r.segment_id, self.dram, "{r:?}");
+                        assert_eq!(
+                            self.in_dram.get(&r.offset),
+                            Some(&want),
+                            "a DRAM replica of {} holds the last value put",
+                            String::from_utf8_lossy(&key)
+                        );
+                    }
                     Tier::Nvme => {
                         assert_eq!(r.segment_id, self.nvme, "{r:?}");
                         assert_eq!(
                             self.on_disk.get(&r.offset),
-                            Some(&key),
-                            "an NVMe replica the tier holds for this key"
+                            Some(&(key.clone(), want)),
+                            "an NVMe replica the tier holds for this key, of its last value"
                         );
                     }
                 }
@@ -204,7 +261,12 @@ impl Run {
                 segments: vec![self.dram, self.nvme],
                 max: 8,
             });
-            self.tasks.extend(got.expect("the owner's tasks"));
+            let now = self.now;
+            self.tasks.extend(
+                got.expect("the owner's tasks")
+                    .into_iter()
+                    .map(|t| (t, now)),
+            );
         }
     }
 
@@ -221,7 +283,14 @@ impl Run {
             return;
         }
         let i = self.rng.random_range(0..self.tasks.len());
-        match self.tasks.swap_remove(i) {
+        let (t, _) = self.tasks.swap_remove(i);
+        self.answer(t);
+    }
+
+    /// Runs one task as the node does: copies whatever the range or copy
+    /// holds now, refusing bytes that do not match the task's checksum.
+    fn answer(&mut self, t: NodeTask) {
+        match t {
             NodeTask::Persist {
                 key,
                 dram,
@@ -230,7 +299,9 @@ impl Run {
                 demote,
                 checksum,
             } => {
-                if self.rng.random_ratio(1, 5) {
+                let content = self.in_dram.get(&offset).copied().flatten();
+                let matches = checksum.is_none_or(|c| c == sum_of(content));
+                if !matches || self.rng.random_ratio(1, 5) {
                     let u = NvmeUpdate::PersistFailed {
                         key,
                         dram,
@@ -252,12 +323,12 @@ impl Run {
                     dram,
                     offset,
                     demote,
-                    sum: checksum.unwrap_or(len ^ 0xabc),
+                    sum: sum_of(content),
                 };
                 // The tier holds the copy whether or not the master takes it
                 // (a refused report: the node drops it, as the real one does).
                 if self.update(u).is_ok() {
-                    self.on_disk.insert(loc, key);
+                    self.on_disk.insert(loc, (key, content));
                     self.seen.stored += 1;
                     if demote {
                         self.seen.demoted += 1;
@@ -265,9 +336,22 @@ impl Run {
                 }
             }
             NodeTask::Promote {
-                key, dram, offset, ..
+                key,
+                loc,
+                dram,
+                offset,
+                checksum,
+                ..
             } => {
-                let ok = !self.rng.random_ratio(1, 5);
+                // The node reads the copy and writes it into the range.
+                let copy = match self.on_disk.get(&loc) {
+                    Some((k, c)) if *k == key && checksum.is_none_or(|s| s == sum_of(*c)) => {
+                        Some(*c)
+                    }
+                    _ => None,
+                };
+                let ok = copy.is_some() && !self.rng.random_ratio(1, 5);
+                self.in_dram.insert(offset, copy.flatten().filter(|_| ok));
                 let u = NvmeUpdate::Promoted {
                     key,
                     dram,
@@ -283,7 +367,7 @@ impl Run {
                 }
             }
             NodeTask::Drop { key, loc } => {
-                if self.on_disk.get(&loc) == Some(&key) {
+                if self.on_disk.get(&loc).is_some_and(|(k, _)| *k == key) {
                     self.on_disk.remove(&loc);
                 }
             }
@@ -298,7 +382,7 @@ impl Run {
         else {
             return;
         };
-        let key = key.clone();
+        let key = key.0.clone();
         self.on_disk.remove(&loc);
         let u = NvmeUpdate::Evicted {
             key,
@@ -312,6 +396,17 @@ impl Run {
 
     fn advance(&mut self) {
         self.now += self.rng.random_range(1..300);
+        // The master keeps a range a node may be copying for the grace
+        // after it lets go of it: a node finishes its tasks within that.
+        let (now, grace) = (self.now, self.grace_ms);
+        let due: Vec<NodeTask> = self
+            .tasks
+            .extract_if(.., |(_, taken)| now >= *taken + grace / 2)
+            .map(|(t, _)| t)
+            .collect();
+        for t in due {
+            self.answer(t);
+        }
         let _ = self.call(call::Ping {
             client_id: NODE,
             segments: vec![self.dram, self.nvme],
@@ -346,6 +441,7 @@ fn random_tier_transitions_keep_the_space_accounting() {
         match r {
             Ok(s) => {
                 total.stored += s.stored;
+                total.replaced += s.replaced;
                 total.demoted += s.demoted;
                 total.persist_failed += s.persist_failed;
                 total.promoted += s.promoted;
@@ -370,4 +466,5 @@ fn random_tier_transitions_keep_the_space_accounting() {
     assert!(total.promoted > 0, "{total:?}");
     assert!(total.promote_failed > 0, "{total:?}");
     assert!(total.tier_evicted > 0, "{total:?}");
+    assert!(total.replaced > 0, "{total:?}");
 }
