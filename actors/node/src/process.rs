@@ -199,20 +199,20 @@ async fn run_roles(
         shutdown.clone(),
     )
     .await?;
-    // Ready: every listener is up. The HTTP line comes first, so a script
-    // that waits for the role's line has seen it too.
+    // Ready: every listener is up. The HTTP and RESP lines come first, so a
+    // script that waits for the role's line has seen them too.
     println!("kvpool http listening on {http_bound}");
+    if let Some(r) = &resp {
+        println!("kvpool resp listening on {}", r.addr());
+    }
     if let Some((_, h)) = &master {
         println!("kvpool master listening on {}", h.addr());
     }
     if let Some(node) = &storage {
         println!("kvpool storage listening on {}", node.addr());
     }
-    if let Some(r) = &resp {
-        println!("kvpool resp listening on {}", r.addr());
-        if role == Role::Gateway {
-            println!("kvpool gateway listening on {}", r.addr());
-        }
+    if let (Some(r), Role::Gateway) = (&resp, role) {
+        println!("kvpool gateway listening on {}", r.addr());
     }
     if role == Role::All {
         let (_, h) = master.as_ref().expect("role all runs a master");

@@ -6,9 +6,10 @@
 //! GET, in order.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvpool_client::ReadView;
+use kvpool_transport::proto::PutOptions;
 use kvpool_transport::{ErrorCode, KvError};
 
 use crate::cache::Epoch;
@@ -71,6 +72,11 @@ fn is_get(p: &Parser, buf: &[u8], i: usize) -> bool {
     p.argc(i) == 2 && p.arg(buf, i, 0).eq_ignore_ascii_case(b"get")
 }
 
+/// A plain `SET key value` (no options).
+fn is_plain_set(p: &Parser, buf: &[u8], i: usize) -> bool {
+    p.argc(i) == 3 && p.arg(buf, i, 0).eq_ignore_ascii_case(b"set")
+}
+
 impl Conn {
     fn need_auth(&self) -> bool {
         !self.authed
@@ -129,6 +135,34 @@ impl Conn {
                     let ok = !matches!(f, Fetched::Error(_));
                     self.put_fetched(f);
                     self.ctx.shared.metrics.record(Cmd::Get.index(), ok, took);
+                }
+                i = j;
+            } else if cmd == Cmd::Set && is_plain_set(p, buf, i) {
+                // A run of pipelined SETs of distinct keys is one batch
+                // (a key set twice must land in order: the run ends there).
+                let batch = self.ctx.shared.cfg.batch_keys;
+                let mut items: Vec<(&[u8], &[u8])> = Vec::new();
+                let mut keys = std::collections::HashSet::new();
+                let mut j = i;
+                while j < n && j - i < batch && is_plain_set(p, buf, j) {
+                    let key = p.arg(buf, j, 1);
+                    if !keys.insert(key) {
+                        break;
+                    }
+                    items.push((key, p.arg(buf, j, 2)));
+                    j += 1;
+                }
+                let results = self.store(&items).await;
+                let took = t.elapsed();
+                for r in results {
+                    match &r {
+                        Ok(()) => reply::ok(&mut self.out.bytes),
+                        Err(e) => reply::error(&mut self.out.bytes, e),
+                    }
+                    self.ctx
+                        .shared
+                        .metrics
+                        .record(Cmd::Set.index(), r.is_ok(), took);
                 }
                 i = j;
             } else {
@@ -272,7 +306,7 @@ impl Conn {
             Cmd::Hello => self.hello(args),
             Cmd::Client => self.client_cmd(args),
             Cmd::Command => self.command_cmd(args),
-            Cmd::Set => self.set(args).await,
+            Cmd::Set => self.set_with_options(args),
             Cmd::Mget => self.mget(args).await,
             Cmd::Mset => self.mset(args).await,
             Cmd::Exists => self.exists(args).await,
@@ -525,28 +559,70 @@ impl Conn {
         }
     }
 
-    /// `SET key value`: replaces any value atomically.
-    async fn set(&mut self, args: &[&[u8]]) {
-        if let Some(opt) = args.get(2) {
-            return reply::error(
-                &mut self.out.bytes,
-                &format!(
-                    "ERR SET option '{}' is not supported by kvpool (only SET key value)",
-                    shown(opt)
-                ),
-            );
+    /// `SET key value` with options: refused, naming the first option
+    /// (plain SETs run in [`Conn::store`]).
+    fn set_with_options(&mut self, args: &[&[u8]]) {
+        let opt = args.get(2).copied().unwrap_or_default();
+        reply::error(
+            &mut self.out.bytes,
+            &format!(
+                "ERR SET option '{}' is not supported by kvpool (only SET key value)",
+                shown(opt)
+            ),
+        );
+    }
+
+    /// Stores `items` (distinct keys), each replacing any value atomically
+    /// (the pool's replace): one result per item, in order, as the error
+    /// reply's text. One batch for several; the keys are this thread's
+    /// while it runs (see [`crate::locks`]).
+    async fn store(&self, items: &[(&[u8], &[u8])]) -> Vec<Result<(), String>> {
+        let mut out: Vec<Result<(), String>> = items
+            .iter()
+            .map(|(k, v)| check_key(k).and_then(|()| check_value(v)))
+            .collect();
+        let todo: Vec<(&[u8], &[u8])> = items
+            .iter()
+            .zip(&out)
+            .filter(|(_, r)| r.is_ok())
+            .map(|(kv, _)| *kv)
+            .collect();
+        if todo.is_empty() {
+            return out;
         }
-        let (key, value) = (args[0], args[1]);
-        if let Err(e) = check_key(key).and_then(|()| check_value(value)) {
-            return reply::error(&mut self.out.bytes, &e);
+        let keys: Vec<&[u8]> = todo.iter().map(|(k, _)| *k).collect();
+        let within = Duration::from_millis(self.ctx.client_timeout_ms);
+        let Ok(_held) = self.ctx.keys.lock(&keys, within).await else {
+            let e = "ERR another SET of this key on this connection's thread did not end in time";
+            for r in out.iter_mut().filter(|r| r.is_ok()) {
+                *r = Err(e.into());
+            }
+            return out;
+        };
+        let client = &self.ctx.client;
+        let done: Vec<Result<(), KvError>> = if todo.len() == 1 {
+            vec![client.upsert(todo[0].0, todo[0].1).await]
+        } else {
+            let opts = PutOptions {
+                replace: true,
+                ..PutOptions::default()
+            };
+            match client.batch_put(&todo, &opts).await {
+                Ok(v) => v,
+                Err(e) => todo.iter().map(|_| Err(e.clone())).collect(),
+            }
+        };
+        // Whatever the answers (a put that timed out may still have ended).
+        for k in &keys {
+            self.ctx.shared.views.forget(k);
         }
-        let r = self.ctx.client.put(key, value).await;
-        // Whatever the answer (a timed-out put may still have ended).
-        self.ctx.shared.views.forget(key);
-        match r {
-            Ok(()) => reply::ok(&mut self.out.bytes),
-            Err(e) => reply::error(&mut self.out.bytes, &pool_error(&e)),
+        let mut done = done.into_iter();
+        for r in out.iter_mut().filter(|r| r.is_ok()) {
+            if let Some(Err(e)) = done.next() {
+                *r = Err(pool_error(&e));
+            }
         }
+        out
     }
 
     /// `MSET k v [k v ..]`: every key replaced (each atomically on its own);
@@ -574,21 +650,15 @@ impl Conn {
             .copied()
             .collect();
         last.reverse();
-        let client = &self.ctx.client;
         let mut first_err = None;
         for chunk in last.chunks(self.ctx.shared.cfg.batch_keys) {
-            let puts = chunk.iter().map(|(k, v)| client.put(k, v));
-            let done = futures_util::future::join_all(puts).await;
-            for ((k, _), r) in chunk.iter().zip(done) {
-                self.ctx.shared.views.forget(k);
-                if let Err(e) = r {
-                    first_err.get_or_insert(e);
-                }
+            if let Some(Err(e)) = self.store(chunk).await.into_iter().find(|r| r.is_err()) {
+                first_err.get_or_insert(e);
             }
         }
         match first_err {
             None => reply::ok(&mut self.out.bytes),
-            Some(e) => reply::error(&mut self.out.bytes, &pool_error(&e)),
+            Some(e) => reply::error(&mut self.out.bytes, &e),
         }
     }
 

@@ -35,6 +35,7 @@ mod commands;
 mod conn;
 mod exec;
 mod info;
+mod locks;
 mod metrics;
 pub mod proto;
 
@@ -95,6 +96,10 @@ pub(crate) struct Shared {
 pub(crate) struct ThreadCtx {
     pub shared: Arc<Shared>,
     pub client: Client,
+    /// The client's deadline for one call.
+    pub client_timeout_ms: u64,
+    /// Keys this thread's connections are writing.
+    pub keys: locks::KeyLocks,
     pub shutdown: Shutdown,
 }
 
@@ -272,6 +277,7 @@ fn thread_main(
     };
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async move {
+        let client_timeout_ms = client_cfg.timeout_ms;
         let client = match connect(&master, client_cfg).await {
             Ok(c) => c,
             Err(e) => {
@@ -282,6 +288,8 @@ fn thread_main(
         let ctx = std::rc::Rc::new(ThreadCtx {
             shared,
             client,
+            client_timeout_ms,
+            keys: locks::KeyLocks::default(),
             shutdown: shutdown.clone(),
         });
         if let Some((listener, senders)) = accept {
