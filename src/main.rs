@@ -1,11 +1,13 @@
 //! `kvpool`: one binary, every role, and the CLI.
 //!
-//! * `kvpool run [--role all|master|storage]` serves (all roles in one process
+//! * `kvpool run [--role all|master|storage|gateway]` serves (all roles in one process
 //!   by default, with the embedded default config: master, storage node, and
 //!   the serving path: conductor, a prefill and a decode engine with their
 //!   proxies); `--role engine --model M` runs the inference engine (crate
 //!   kvpool-engine); `--role conductor|prefill-proxy|decode-proxy` the
-//!   serving path's parts (crate kvpool-serving).
+//!   serving path's parts (crate kvpool-serving); `--role gateway` is a pool
+//!   client with the Redis protocol front (`--resp HOST:PORT`, which roles
+//!   all and storage take too).
 //! * `kvpool chat "..."` and `kvpool bench serve` talk to the front.
 //! * `kvpool put|get|exists|rm|stat` talk to a running pool.
 //! * `kvpool sim` replays a request trace against a modelled cluster.
@@ -52,6 +54,7 @@ enum RoleArg {
     Conductor,
     PrefillProxy,
     DecodeProxy,
+    Gateway,
 }
 
 #[derive(Subcommand)]
@@ -80,6 +83,13 @@ enum Cmd {
         /// Shards (cores) to run; 0 = all cores.
         #[arg(long, value_name = "N")]
         shards: Option<usize>,
+        /// Role engine (and role all's two engines): a Hugging Face model
+        /// folder, `builtin:tiny` or `builtin:small`.
+        /// Serve the Redis protocol (RESP2) on this address: roles all and
+        /// storage add the listener; role gateway is a pool client with only
+        /// it (default 127.0.0.1:6379). See `[resp]` in configs/.
+        #[arg(long, value_name = "HOST:PORT")]
+        resp: Option<String>,
         /// Role engine (and role all's two engines): a Hugging Face model
         /// folder, `builtin:tiny` or `builtin:small`.
         #[arg(long, value_name = "DIR|builtin:tiny|builtin:small")]
@@ -285,6 +295,7 @@ fn main() -> ExitCode {
             data_listen,
             segment_size,
             shards,
+            resp,
             model,
             no_serving,
             engine,
@@ -306,6 +317,7 @@ fn main() -> ExitCode {
                 RoleArg::All => Role::All,
                 RoleArg::Master => Role::Master,
                 RoleArg::Storage => Role::Storage,
+                RoleArg::Gateway => Role::Gateway,
                 RoleArg::Engine => return run_engine(model, listen, cli.master, cfg),
                 RoleArg::Conductor | RoleArg::PrefillProxy | RoleArg::DecodeProxy => {
                     return run_serving_role(role, listen, cli.master, serving, cfg)
@@ -326,6 +338,41 @@ fn main() -> ExitCode {
             // storage node's, and the serving path's).
             let ephemeral =
                 role == Role::All && listen.as_deref().is_some_and(|l| l.ends_with(":0"));
+            if role == Role::Master && resp.is_some() {
+                eprintln!("error: --resp needs a pool client: roles all, storage or gateway");
+                return ExitCode::from(2);
+            }
+            if role == Role::Gateway {
+                if data_listen.is_some() || segment_size.is_some() {
+                    eprintln!(
+                        "error: --data-listen and --segment-size are for roles all and storage"
+                    );
+                    return ExitCode::from(2);
+                }
+                // The gateway's one listener is its RESP port.
+                if let Some(l) = resp.or(listen) {
+                    cfg.resp.listen = l;
+                }
+                if let Some(h) = http {
+                    cfg.resp.http = h;
+                }
+                if let Some(m) = cli.master {
+                    cfg.resp.master = m;
+                }
+                if let Some(n) = shards {
+                    cfg.runtime.shards = n;
+                }
+                return match node::run(role, cfg, Shutdown::new()) {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        eprintln!("error: {e}");
+                        ExitCode::from(2)
+                    }
+                };
+            }
+            if let Some(r) = resp {
+                cfg.resp.listen = r;
+            }
             if let Some(l) = listen {
                 if role == Role::All && data_listen.is_none() {
                     if let Some(host) = l.strip_suffix(":0") {

@@ -159,20 +159,59 @@ fn a_config_typo_stops_start_up_with_an_error_naming_the_key() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Every process config in configs/ (all but the simulator's cost model).
+fn process_configs() -> Vec<(String, String)> {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut v: Vec<(String, String)> = std::fs::read_dir(format!("{root}/configs"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        // Cluster cost models (cluster-model*.toml) are the simulator's, not
+        // a process's.
+        .filter(|p| {
+            !p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("cluster-model"))
+        })
+        .map(|p| {
+            let text = std::fs::read_to_string(&p).unwrap();
+            (p.display().to_string(), text)
+        })
+        .collect();
+    v.sort();
+    assert!(v.len() >= 5, "configs/ lost files: {v:?}");
+    v
+}
+
 #[test]
 fn the_example_configs_parse() {
-    let root = env!("CARGO_MANIFEST_DIR");
-    for name in [
-        "single-node.toml",
-        "master.toml",
-        "storage.toml",
-        "engine.toml",
-        "serving.toml",
-    ] {
-        let path = format!("{root}/configs/{name}");
-        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    for (path, text) in process_configs() {
         kvpool_config::NodeConfig::from_toml(&text, &path)
             .unwrap_or_else(|e| panic!("{path}: {e}"));
+    }
+}
+
+#[test]
+fn an_unknown_key_in_any_section_of_the_example_configs_is_named() {
+    for (path, text) in process_configs() {
+        let sections: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with('[') && l.ends_with(']'))
+            .collect();
+        assert!(!sections.is_empty(), "{path} has no section");
+        for section in sections {
+            let bad = text.replacen(
+                &format!("{section}\n"),
+                &format!("{section}\nno_such_key_here = 1\n"),
+                1,
+            );
+            let e = kvpool_config::NodeConfig::from_toml(&bad, &path)
+                .expect_err(&format!("{path} {section}: an unknown key was accepted"));
+            assert!(
+                e.to_string().contains("no_such_key_here"),
+                "{path} {section}: {e}"
+            );
+        }
     }
 }
 

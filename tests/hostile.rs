@@ -747,6 +747,12 @@ fn bytes_changed_behind_the_masters_back_are_corrupt_never_returned() {
                 .corrupt_reads
                 .load(std::sync::atomic::Ordering::Relaxed);
             assert!(corrupt >= 1, "{transport:?}: the bad replica was noticed");
+            if transport == kvpool_config::Transport::Auto {
+                // A view in place is checked as a read is: the good
+                // same-host replica, never the changed bytes.
+                let view = c.get_view(key.as_bytes()).await.unwrap();
+                assert!(view.bytes().unwrap() == v, "a view showed other bytes");
+            }
             // Both bad: an error, never the bytes.
             let second = &reps[1];
             scribble(
@@ -763,6 +769,12 @@ fn bytes_changed_behind_the_masters_back_are_corrupt_never_returned() {
             let mut buf = vec![0u8; v.len()];
             let e = c.get_into(key.as_bytes(), &mut buf).await.unwrap_err();
             assert_eq!(e.code, ErrorCode::Corrupt);
+            if transport == kvpool_config::Transport::Auto {
+                let e = c.get_view(key.as_bytes()).await.unwrap_err();
+                assert_eq!(e.code, ErrorCode::Corrupt, "a view of changed bytes: {e}");
+                let views = c.batch_get_view(&[key.as_bytes()]).await.unwrap();
+                assert_eq!(views[0].as_ref().unwrap_err().code, ErrorCode::Corrupt);
+            }
             // The CLI says so too.
             let (code, out, err) = common::cli(&node.addr, &["get", &key], None);
             assert_eq!(code, 2, "{err}");

@@ -17,6 +17,8 @@ pub struct Proc {
     pub addr: String,
     /// Its HTTP address (from `kvpool http listening on`).
     pub http: String,
+    /// Its RESP address (from `kvpool resp listening on`), "" if none.
+    pub resp: String,
     pub role: &'static str,
     stderr_path: PathBuf,
 }
@@ -139,6 +141,7 @@ pub fn start_lines(
     std::thread::spawn(move || {
         let mut http = String::new();
         let mut found = std::collections::HashMap::new();
+        let mut resp = String::new();
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
             if let Some(addr) = line.strip_prefix("kvpool http listening on ") {
@@ -149,17 +152,26 @@ pub fn start_lines(
                     found.insert(n.clone(), addr.trim().to_string());
                 }
             }
+            if let Some(addr) = line.strip_prefix("kvpool resp listening on ") {
+                resp = addr.trim().to_string();
+            }
             if let Some(addr) = line.strip_prefix(&want) {
-                let _ = tx.send((addr.trim().to_string(), http.clone(), found.clone()));
+                let _ = tx.send((
+                    addr.trim().to_string(),
+                    http.clone(),
+                    resp.clone(),
+                    found.clone(),
+                ));
             }
         }
     });
     match rx.recv_timeout(Duration::from_secs(30)) {
-        Ok((addr, http, found)) => (
+        Ok((addr, http, resp, found)) => (
             Proc {
                 child,
                 addr,
                 http,
+                resp,
                 role,
                 stderr_path,
             },
@@ -206,13 +218,25 @@ pub fn cli_env(
     stdin: Option<&[u8]>,
     env: &[(&str, &str)],
 ) -> (i32, Vec<u8>, String) {
-    use std::io::Write;
-    let mut child = Command::new(BIN)
-        .env_remove("KVPOOL_SECRET")
+    let mut cmd = Command::new(BIN);
+    cmd.env_remove("KVPOOL_SECRET")
         .envs(env.iter().copied())
         .arg("--master")
         .arg(master)
-        .args(args)
+        .args(args);
+    run_command(&mut cmd, stdin, Duration::from_secs(60))
+}
+
+/// Runs `cmd` with `stdin` (fed from a thread, so a command that answers
+/// before reading all of it cannot block us); returns (exit code, stdout,
+/// stderr). A command still running after `within` fails the test.
+pub fn run_command(
+    cmd: &mut Command,
+    stdin: Option<&[u8]>,
+    within: Duration,
+) -> (i32, Vec<u8>, String) {
+    use std::io::Write;
+    let mut child = cmd
         .stdin(if stdin.is_some() {
             Stdio::piped()
         } else {
@@ -221,12 +245,15 @@ pub fn cli_env(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("spawn kvpool cli");
+        .expect("spawn a command");
     if let Some(data) = stdin {
         let mut s = child.stdin.take().expect("stdin");
-        s.write_all(data).expect("write stdin");
+        let data = data.to_vec();
+        std::thread::spawn(move || {
+            let _ = s.write_all(&data);
+        });
     }
-    let out = wait_output(child, Duration::from_secs(60));
+    let out = wait_output(child, within);
     (
         out.status.code().unwrap_or(-1),
         out.stdout,
@@ -396,4 +423,51 @@ pub fn byte_prompt(n: usize, seed: u64) -> Vec<u32> {
         v.push((x % 256) as u32);
     }
     v
+}
+
+/// Whether tests must fail, not skip, when a tool they drive is missing
+/// (`.ci/run` sets `KVPOOL_REQUIRE_EXTERNAL=1` after installing them).
+fn external_required() -> bool {
+    std::env::var("KVPOOL_REQUIRE_EXTERNAL").is_ok_and(|v| v == "1")
+}
+
+/// Says a tool is missing: prints `skip: <what> not found` and returns
+/// `None`, or fails the test when `KVPOOL_REQUIRE_EXTERNAL=1`.
+fn missing<T>(what: &str) -> Option<T> {
+    if external_required() {
+        panic!("{what} not found, and KVPOOL_REQUIRE_EXTERNAL=1 requires it");
+    }
+    println!("skip: {what} not found");
+    None
+}
+
+/// The path of `name` on PATH (a tool nobody here wrote: redis-cli,
+/// redis-benchmark, redis-server), or a skip (see [`missing`]).
+pub fn external_tool(name: &str) -> Option<String> {
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join(name))
+            .find(|p| p.is_file())
+    });
+    match found {
+        Some(p) => Some(p.to_string_lossy().into_owned()),
+        None => missing(name),
+    }
+}
+
+/// A Python with the `redis` package (redis-py): `KVPOOL_PYTHON` (what
+/// `.ci/run` sets up), else `python3` if it has the package; or a skip.
+pub fn python_with_redis() -> Option<String> {
+    let py = std::env::var("KVPOOL_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&py)
+        .args(["-c", "import redis"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if ok {
+        Some(py)
+    } else {
+        missing(&format!("python with the redis package ({py})"))
+    }
 }

@@ -261,9 +261,11 @@ impl TransferEngine {
         r.checksum.is_some() && self.cfg.verify_checksums
     }
 
-    /// Whether `dst` holds the bytes `r`'s object was written with; `sum`:
-    /// their checksum if the read computed it on the way.
-    fn verify(&self, r: &ReplicaDesc, dst: &[u8], sum: Option<u64>) -> Result<(), KvError> {
+    /// Whether `dst` holds the bytes `r`'s object was written with (when
+    /// checksums are checked and the object has one); `sum`: their checksum
+    /// if the read computed it on the way. A mismatch is counted, logged and
+    /// `Corrupt`.
+    pub fn verify(&self, r: &ReplicaDesc, dst: &[u8], sum: Option<u64>) -> Result<(), KvError> {
         let Some(want) = r.checksum.filter(|_| self.cfg.verify_checksums) else {
             return Ok(());
         };

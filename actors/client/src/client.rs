@@ -263,6 +263,8 @@ pub struct ReadView {
     offset: u64,
     len: u64,
     valid_until: Instant,
+    /// The object's checksum, when the client checks checksums.
+    checksum: Option<u64>,
 }
 
 impl ReadView {
@@ -277,6 +279,24 @@ impl ReadView {
     /// When the lease (less a safety margin) ends.
     pub fn valid_until(&self) -> Instant {
         self.valid_until
+    }
+
+    /// The value's bytes after checking them again against the object's
+    /// checksum (when the client checks checksums): for a view kept a while
+    /// and served again. A mismatch is `Corrupt`.
+    pub fn checked_bytes(&self) -> Result<&[u8], KvError> {
+        let b = self.bytes()?;
+        match self.checksum {
+            Some(want) if kvpool_transport::checksum::value_sum(b) != want => Err(KvError::new(
+                ErrorCode::Corrupt,
+                format!(
+                    "the bytes of segment {:016x} at {} no longer match the object's checksum",
+                    self.map.segment_id(),
+                    self.offset
+                ),
+            )),
+            _ => Ok(b),
+        }
     }
 
     /// The value's bytes, in the storage node's memory. Do not keep the
@@ -970,30 +990,86 @@ impl Client {
     }
 
     /// A view of the value under `key` in place, in the memory of a storage
-    /// node on this host (no copy), valid while its read lease lasts.
-    /// `Unavailable` when no replica is on this host or shared memory cannot
-    /// be used.
+    /// node on this host (no copy), valid while its read lease lasts. Its
+    /// bytes are checked against the object's checksum first (when this
+    /// client checks checksums): `Corrupt` if no same-host replica matches.
+    /// `Unavailable` when no DRAM replica is on this host or shared memory
+    /// cannot be used.
     pub async fn get_view(&self, key: &[u8]) -> Result<ReadView, KvError> {
         self.deadline("get_view", async {
             let granted = Instant::now();
             let replicas = self.replicas(key).await?;
-            for r in replicas.iter().filter(|r| r.host_id == self.inner.host_id) {
-                if let Some(map) = self.inner.engine.shm_map(r).await {
-                    let lease = Duration::from_millis(self.inner.cluster.lease_ttl_ms);
-                    return Ok(ReadView {
-                        map,
-                        offset: r.offset,
-                        len: r.len,
-                        valid_until: granted + lease.saturating_sub(VIEW_MARGIN),
-                    });
-                }
-            }
-            Err(KvError::new(
-                ErrorCode::Unavailable,
-                "no replica of this object can be mapped on this host",
-            ))
+            self.view_of(&replicas, granted).await
         })
         .await
+    }
+
+    /// Views of several values in place (see [`Client::get_view`]), from one
+    /// batch lookup; one result per key, in order: `ObjectNotFound`,
+    /// `ReplicaNotReady` (still being put), `Unavailable` (no replica that
+    /// can be mapped on this host: read it with [`Client::batch_get`]),
+    /// `Corrupt`, or the view.
+    pub async fn batch_get_view(
+        &self,
+        keys: &[&[u8]],
+    ) -> Result<Vec<Result<ReadView, KvError>>, KvError> {
+        self.deadline("batch_get_view", async {
+            let granted = Instant::now();
+            let req = call::BatchGet {
+                keys: keys.iter().map(|k| k.to_vec()).collect(),
+            };
+            let lists = self.ask(req).await?;
+            let mut out = Vec::with_capacity(lists.len());
+            for list in lists {
+                out.push(match Result::<Vec<ReplicaDesc>, KvError>::from(list) {
+                    Ok(reps) if reps.is_empty() => Err(KvError::new(
+                        ErrorCode::ObjectNotFound,
+                        "the object has no readable replica",
+                    )),
+                    Ok(reps) => self.view_of(&reps, granted).await,
+                    Err(e) => Err(e),
+                });
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    /// The first same-host DRAM replica of `replicas` that maps and whose
+    /// bytes match the object's checksum, as a view under the lease granted
+    /// at `granted`.
+    async fn view_of(
+        &self,
+        replicas: &[ReplicaDesc],
+        granted: Instant,
+    ) -> Result<ReadView, KvError> {
+        let mut corrupt = None;
+        let local = replicas
+            .iter()
+            .filter(|r| r.tier == Tier::Dram && r.host_id == self.inner.host_id);
+        for r in local {
+            let Some(map) = self.inner.engine.shm_map(r).await else {
+                continue;
+            };
+            let lease = Duration::from_millis(self.inner.cluster.lease_ttl_ms);
+            let view = ReadView {
+                map,
+                offset: r.offset,
+                len: r.len,
+                valid_until: granted + lease.saturating_sub(VIEW_MARGIN),
+                checksum: r.checksum.filter(|_| self.inner.cfg.checksums),
+            };
+            match self.inner.engine.verify(r, view.bytes()?, None) {
+                Ok(()) => return Ok(view),
+                Err(e) => corrupt = Some(e),
+            }
+        }
+        Err(corrupt.unwrap_or_else(|| {
+            KvError::new(
+                ErrorCode::Unavailable,
+                "no replica of this object can be mapped on this host",
+            )
+        }))
     }
 
     /// Reads through a remembered replica list; on any failure the entry is

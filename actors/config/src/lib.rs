@@ -23,6 +23,7 @@ pub struct NodeConfig {
     pub security: SecurityConfig,
     pub engine: EngineConfig,
     pub serving: ServingConfig,
+    pub resp: RespConfig,
 }
 
 /// The environment variable that holds the cluster secret (it overrides
@@ -202,6 +203,7 @@ impl NodeConfig {
         nonzero("client.tcp_slice_bytes", self.client.tcp_slice_bytes.get())?;
         nonzero("client.lanes", self.client.lanes as u64)?;
         nonzero("client.max_in_flight", self.client.max_in_flight as u64)?;
+        self.resp.validate()?;
         self.storage.rdma.validate("storage.rdma")?;
         self.client.rdma.validate("client.rdma")?;
         self.serving.validate()?;
@@ -686,6 +688,182 @@ impl Default for ClientConfig {
     }
 }
 
+/// `[resp]`: the Redis protocol (RESP2) front: a listener on processes that
+/// have a pool client (roles all and storage, with `listen` set) and the
+/// whole of role gateway. Checked by [`RespConfig::validate`].
+#[derive(Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RespConfig {
+    /// Listen address (`--resp`); "" = no RESP listener (role gateway then
+    /// listens on 127.0.0.1:6379).
+    pub listen: String,
+    /// The master's RPC address, for role gateway (`--master` overrides it;
+    /// roles all and storage use their own master).
+    pub master: String,
+    /// HTTP address (`/healthz`, `/metrics`) of role gateway (`--http`).
+    pub http: String,
+    /// The password of `AUTH`; "" = none, and then `listen` must be a
+    /// loopback address unless `protected_mode = false`.
+    pub requirepass: String,
+    /// Without a password, refuse to listen beyond loopback.
+    pub protected_mode: bool,
+    /// Threads serving RESP connections, each with its own pool client;
+    /// 0 = one per shard of the process.
+    pub threads: usize,
+    /// Pin thread i to the core of shard i.
+    pub pin_threads: bool,
+    /// Open connections at most; one more gets `-ERR max number of clients
+    /// reached` and is closed.
+    pub max_clients: usize,
+    /// Close a connection that sends nothing for this long (0 = never).
+    pub idle_timeout_ms: u64,
+    /// Once a command's first byte has arrived, the whole command must
+    /// arrive within this long; a reply must be taken by the client within
+    /// it too. Otherwise the connection is closed.
+    pub io_timeout_ms: u64,
+    /// Largest bulk string (a key or a value); a longer one is refused from
+    /// its length line, before its bytes are read, and the connection closed.
+    pub proto_max_bulk_len: Bytes,
+    /// A connection's read buffer (one command in full, or pipelined ones)
+    /// at most.
+    pub max_query_buffer: Bytes,
+    /// Read buffers and values in flight over all connections at most; a
+    /// connection that finds it spent gets an error and is closed.
+    pub max_buffer_memory: Bytes,
+    /// Commands executed from one connection before its replies are sent.
+    pub max_pipeline: usize,
+    /// Keys in one batch call to the pool (pipelined GETs, MGET, MSET,
+    /// EXISTS, DEL); more are split.
+    pub batch_keys: usize,
+    /// Views of recently read values kept while their read lease lasts, so
+    /// a repeated GET skips the master (0: every GET asks it). This front's
+    /// own writes are seen at once; another process's replace or removal
+    /// may be missed until the lease ends.
+    pub view_cache_entries: usize,
+}
+
+impl std::fmt::Debug for RespConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RespConfig")
+            .field("listen", &self.listen)
+            .field("master", &self.master)
+            .field("http", &self.http)
+            .field(
+                "requirepass",
+                &if self.requirepass.is_empty() {
+                    ""
+                } else {
+                    "<set>"
+                },
+            )
+            .field("protected_mode", &self.protected_mode)
+            .field("threads", &self.threads)
+            .field("max_clients", &self.max_clients)
+            .field("idle_timeout_ms", &self.idle_timeout_ms)
+            .field("io_timeout_ms", &self.io_timeout_ms)
+            .field("proto_max_bulk_len", &self.proto_max_bulk_len)
+            .field("max_query_buffer", &self.max_query_buffer)
+            .field("max_buffer_memory", &self.max_buffer_memory)
+            .field("max_pipeline", &self.max_pipeline)
+            .field("batch_keys", &self.batch_keys)
+            .field("view_cache_entries", &self.view_cache_entries)
+            .finish()
+    }
+}
+
+/// Where role gateway listens when neither `--resp` nor `[resp] listen`
+/// says.
+pub const RESP_GATEWAY_DEFAULT_LISTEN: &str = "127.0.0.1:6379";
+
+impl Default for RespConfig {
+    fn default() -> Self {
+        Self {
+            listen: String::new(),
+            master: "127.0.0.1:7070".into(),
+            http: "127.0.0.1:9400".into(),
+            requirepass: String::new(),
+            protected_mode: true,
+            threads: 0,
+            pin_threads: true,
+            max_clients: 10_000,
+            idle_timeout_ms: 600_000,
+            io_timeout_ms: 60_000,
+            proto_max_bulk_len: Bytes::mib(512),
+            max_query_buffer: Bytes::gib(1),
+            max_buffer_memory: Bytes::gib(2),
+            max_pipeline: 1024,
+            batch_keys: 256,
+            view_cache_entries: 65_536,
+        }
+    }
+}
+
+impl RespConfig {
+    /// Checks values that parse but make no sense; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        for (k, v) in [
+            ("resp.max_clients", self.max_clients as u64),
+            ("resp.io_timeout_ms", self.io_timeout_ms),
+            ("resp.proto_max_bulk_len", self.proto_max_bulk_len.get()),
+            ("resp.max_pipeline", self.max_pipeline as u64),
+            ("resp.batch_keys", self.batch_keys as u64),
+        ] {
+            if v == 0 {
+                return Err(format!("key `{k}`: must be greater than 0"));
+            }
+        }
+        if self.batch_keys > 4096 {
+            return Err("key `resp.batch_keys`: at most 4096 (the master's max_batch)".into());
+        }
+        // One command holding the largest bulk string, with room for its
+        // header and a pipelined neighbour.
+        let one = self.proto_max_bulk_len.get() + 64 * 1024;
+        if self.max_query_buffer.get() < one {
+            return Err(format!(
+                "key `resp.max_query_buffer`: {} cannot hold one bulk string of \
+                 resp.proto_max_bulk_len ({}) and its header (64 KiB)",
+                self.max_query_buffer, self.proto_max_bulk_len
+            ));
+        }
+        if self.max_buffer_memory.get() < one {
+            return Err(format!(
+                "key `resp.max_buffer_memory`: {} cannot hold one bulk string of \
+                 resp.proto_max_bulk_len ({}) and its header (64 KiB)",
+                self.max_buffer_memory, self.proto_max_bulk_len
+            ));
+        }
+        if self.requirepass.len() > 512 {
+            return Err("key `resp.requirepass`: at most 512 bytes".into());
+        }
+        if self.requirepass.bytes().any(|b| b.is_ascii_control()) {
+            return Err("key `resp.requirepass`: no control characters".into());
+        }
+        Ok(())
+    }
+
+    /// The address to listen on for `role_is_gateway` (`None`: no listener).
+    pub fn listen_addr(&self, role_is_gateway: bool) -> Option<String> {
+        match (self.listen.is_empty(), role_is_gateway) {
+            (false, _) => Some(self.listen.clone()),
+            (true, true) => Some(RESP_GATEWAY_DEFAULT_LISTEN.into()),
+            (true, false) => None,
+        }
+    }
+
+    /// Refuses an unprotected listener beyond loopback: without a password,
+    /// anyone who reaches the port could read, write and flush the pool.
+    pub fn check_exposure(&self, listen: &str) -> Result<(), String> {
+        if self.requirepass.is_empty() && self.protected_mode && !is_loopback(listen) {
+            return Err(format!(
+                "key `resp.listen`: {listen} is beyond loopback and `resp.requirepass` is \
+                 empty: set a password, listen on 127.0.0.1, or set `resp.protected_mode = \
+                 false` to serve anyone who reaches the port"
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// `[security]`: who may do what.
 #[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -787,6 +965,41 @@ mod tests {
         assert!(e.to_string().contains("segment_sise"), "{e}");
         let e = NodeConfig::from_toml("[stroage]\n", "t").unwrap_err();
         assert!(e.to_string().contains("stroage"), "{e}");
+    }
+
+    #[test]
+    fn resp_limits_that_cannot_work_are_errors_naming_the_key() {
+        let c = NodeConfig::from_toml("[resp]\nlisten = \"127.0.0.1:6379\"\n", "t").unwrap();
+        assert_eq!(c.resp.listen_addr(false).as_deref(), Some("127.0.0.1:6379"));
+        assert_eq!(NodeConfig::default().resp.listen_addr(false), None);
+        assert_eq!(
+            NodeConfig::default().resp.listen_addr(true).as_deref(),
+            Some(RESP_GATEWAY_DEFAULT_LISTEN)
+        );
+        let e = NodeConfig::from_toml("[resp]\nmax_query_buffer = \"1 MiB\"\n", "t").unwrap_err();
+        assert!(e.to_string().contains("resp.max_query_buffer"), "{e}");
+        let e = NodeConfig::from_toml("[resp]\nmax_clients = 0\n", "t").unwrap_err();
+        assert!(e.to_string().contains("resp.max_clients"), "{e}");
+        let e = NodeConfig::from_toml("[resp]\nmax_client = 5\n", "t").unwrap_err();
+        assert!(e.to_string().contains("max_client"), "{e}");
+        let c = NodeConfig::from_toml("[resp]\nrequirepass = \"hunter2hunter2\"\n", "t").unwrap();
+        assert!(
+            !format!("{c:?}").contains("hunter2"),
+            "Debug hides the password"
+        );
+    }
+
+    #[test]
+    fn an_open_resp_listener_beyond_loopback_is_refused_unless_asked_for() {
+        let mut r = RespConfig::default();
+        assert!(r.check_exposure("127.0.0.1:6379").is_ok());
+        let e = r.check_exposure("0.0.0.0:6379").unwrap_err();
+        assert!(e.contains("resp.requirepass"), "{e}");
+        r.requirepass = "a password".into();
+        assert!(r.check_exposure("0.0.0.0:6379").is_ok());
+        r.requirepass.clear();
+        r.protected_mode = false;
+        assert!(r.check_exposure("0.0.0.0:6379").is_ok());
     }
 
     #[test]

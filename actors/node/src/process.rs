@@ -24,6 +24,8 @@ pub enum Role {
     All,
     Master,
     Storage,
+    /// A pool client and the RESP front only (`[resp]`, `--master`).
+    Gateway,
 }
 
 impl Role {
@@ -32,6 +34,7 @@ impl Role {
             Role::All => "all",
             Role::Master => "master",
             Role::Storage => "storage",
+            Role::Gateway => "gateway",
         }
     }
 
@@ -41,6 +44,11 @@ impl Role {
 
     fn has_storage(self) -> bool {
         matches!(self, Role::All | Role::Storage)
+    }
+
+    /// Roles with a pool client of their own may serve RESP.
+    fn may_serve_resp(self) -> bool {
+        matches!(self, Role::All | Role::Storage | Role::Gateway)
     }
 }
 
@@ -104,6 +112,20 @@ pub fn run_with(
 /// listens beyond loopback: anyone who reaches its ports may write, remove
 /// and mount.
 fn warn_if_open(role: Role, cfg: &NodeConfig) {
+    if let Some(l) = cfg.resp.listen_addr(role == Role::Gateway) {
+        if role.may_serve_resp()
+            && cfg.resp.requirepass.is_empty()
+            && !kvpool_config::is_loopback(&l)
+        {
+            let msg = format!(
+                "THE RESP FRONT IS OPEN: it listens on {l} without a password \
+                 (resp.protected_mode = false). Anyone who can reach it can read, write and \
+                 FLUSHALL the pool. Set resp.requirepass."
+            );
+            eprintln!("kvpool: WARNING: {msg}");
+            tracing::warn!("{msg}");
+        }
+    }
     if !cfg.security.secret.is_empty() {
         return;
     }
@@ -169,8 +191,38 @@ async fn run_roles(
         storage = Some(node);
     }
 
+    let mut resp = None;
+    if let Some(listen) = cfg
+        .resp
+        .listen_addr(role == Role::Gateway)
+        .filter(|_| role.may_serve_resp())
+    {
+        let master_addr = match (&master, role) {
+            (Some((_, h)), _) => h.addr().to_string(),
+            (None, Role::Gateway) => cfg.resp.master.clone(),
+            (None, _) => cfg.storage.master.clone(),
+        };
+        let threads = match cfg.resp.threads {
+            0 => shards.nr_shards(),
+            n => n,
+        };
+        let server = kvpool_resp::start(kvpool_resp::RespOptions {
+            cfg: cfg.resp.clone(),
+            listen,
+            master: master_addr,
+            client: cfg.client_config(),
+            threads,
+            metrics: metrics.clone(),
+            shutdown: shutdown.clone(),
+        })
+        .await
+        .map_err(|e| NodeError::Start(e.to_string()))?;
+        resp = Some(server);
+    }
+
     let http_addr = match role {
         Role::Storage => &cfg.storage.http,
+        Role::Gateway => &cfg.resp.http,
         _ => &cfg.master.http,
     };
     let http_bound = http::serve(
@@ -198,9 +250,12 @@ async fn run_roles(
         }
         None => Vec::new(),
     };
-    // Ready: every listener is up. The HTTP line comes first, so a script
-    // that waits for the role's line has seen it too.
+    // Ready: every listener is up. The HTTP and RESP lines come first, so a
+    // script that waits for the role's line has seen them too.
     println!("kvpool http listening on {http_bound}");
+    if let Some(r) = &resp {
+        println!("kvpool resp listening on {}", r.addr());
+    }
     if let Some((_, h)) = &master {
         println!("kvpool master listening on {}", h.addr());
     }
@@ -209,6 +264,9 @@ async fn run_roles(
     }
     for line in companion_lines {
         println!("{line}");
+    }
+    if let (Some(r), Role::Gateway) = (&resp, role) {
+        println!("kvpool gateway listening on {}", r.addr());
     }
     if role == Role::All {
         let (_, h) = master.as_ref().expect("role all runs a master");
@@ -227,6 +285,10 @@ async fn run_roles(
         node.leave().await;
     }
     shutdown.trigger();
+    if let Some(r) = resp {
+        // Its threads see the signal, close their connections and end.
+        let _ = tokio::task::spawn_blocking(move || r.join(Duration::from_secs(2))).await;
+    }
     if let Some((actor, _)) = master {
         actor.stop(None);
     }

@@ -1,0 +1,834 @@
+//! The Redis protocol front (`--resp`, role gateway) against real clients
+//! nobody here wrote (redis-cli, redis-benchmark, redis-py: installed by
+//! `.ci/run`; without them these tests print `skip: <tool> not found`
+//! unless `KVPOOL_REQUIRE_EXTERNAL=1`), and raw sockets for what no client
+//! sends on purpose (malformed requests, limits).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+
+use std::time::{Duration, Instant};
+
+use common::Proc;
+
+/// Role all with a RESP listener on an ephemeral port; `config` (TOML) is
+/// written to a file first when given.
+fn pool_with_resp(config: Option<&str>, extra: &[&str]) -> Proc {
+    let dir = common::scratch_dir("resp-cfg");
+    let mut args: Vec<&str> =
+        common::ephemeral(&["--segment-size", "256MiB", "--resp", "127.0.0.1:0"]);
+    let path;
+    if let Some(text) = config {
+        path = common::write_config(&dir, &format!("{}.toml", rand::random::<u32>()), text);
+        args.push("--config");
+        args.push(&path);
+    }
+    args.extend_from_slice(extra);
+    let p = common::start("all", &args);
+    assert!(!p.resp.is_empty(), "no `kvpool resp listening on` line");
+    p
+}
+
+/// A reply as the wire carries it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Reply {
+    Simple(String),
+    Error(String),
+    Int(i64),
+    Bulk(Option<Vec<u8>>),
+    Array(Option<Vec<Reply>>),
+}
+
+/// A raw RESP connection (for requests no client library sends).
+struct Raw {
+    r: BufReader<TcpStream>,
+}
+
+impl Raw {
+    fn connect(addr: &str) -> Self {
+        let s = TcpStream::connect(addr).expect("connect resp");
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        Self {
+            r: BufReader::new(s),
+        }
+    }
+
+    fn send(&mut self, bytes: &[u8]) {
+        self.r.get_mut().write_all(bytes).expect("send");
+    }
+
+    fn cmd(&mut self, args: &[&[u8]]) -> Reply {
+        self.send(&encode(args));
+        self.reply()
+    }
+
+    fn line(&mut self) -> String {
+        let mut l = Vec::new();
+        self.r.read_until(b'\n', &mut l).expect("read reply line");
+        assert!(l.ends_with(b"\r\n"), "bad line {l:?}");
+        String::from_utf8(l[..l.len() - 2].to_vec()).unwrap()
+    }
+
+    fn reply(&mut self) -> Reply {
+        let l = self.line();
+        let (t, rest) = l.split_at(1);
+        match t {
+            "+" => Reply::Simple(rest.into()),
+            "-" => Reply::Error(rest.into()),
+            ":" => Reply::Int(rest.parse().unwrap()),
+            "$" => {
+                let n: i64 = rest.parse().unwrap();
+                if n < 0 {
+                    return Reply::Bulk(None);
+                }
+                let mut v = vec![0u8; n as usize + 2];
+                self.r.read_exact(&mut v).expect("bulk");
+                assert_eq!(&v[n as usize..], b"\r\n");
+                v.truncate(n as usize);
+                Reply::Bulk(Some(v))
+            }
+            "*" => {
+                let n: i64 = rest.parse().unwrap();
+                if n < 0 {
+                    return Reply::Array(None);
+                }
+                Reply::Array(Some((0..n).map(|_| self.reply()).collect()))
+            }
+            _ => panic!("bad reply line {l:?}"),
+        }
+    }
+
+    /// Waits (bounded) for the server to close the connection; returns what
+    /// came before the close.
+    fn until_closed(&mut self, within: Duration) -> Vec<u8> {
+        self.r.get_ref().set_read_timeout(Some(within)).unwrap();
+        let mut rest = Vec::new();
+        match self.r.read_to_end(&mut rest) {
+            Ok(_) => rest,
+            Err(e) => panic!("the connection was not closed within {within:?}: {e}"),
+        }
+    }
+}
+
+fn encode(args: &[&[u8]]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        out.extend_from_slice(a);
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+fn ok() -> Reply {
+    Reply::Simple("OK".into())
+}
+
+fn bulk(v: &[u8]) -> Reply {
+    Reply::Bulk(Some(v.to_vec()))
+}
+
+fn port_of(addr: &str) -> &str {
+    addr.rsplit_once(':').expect("host:port").1
+}
+
+use common::run_command as run_tool;
+
+#[test]
+fn redis_cli_moves_a_16_mib_file_byte_exact_and_answers_exists_and_del() {
+    let Some(cli) = common::external_tool("redis-cli") else {
+        return;
+    };
+    let p = pool_with_resp(None, &[]);
+    let port = port_of(&p.resp);
+    let file = common::value(7, 16 << 20);
+    let rc = |args: &[&str], stdin: Option<&[u8]>| {
+        let mut c = Command::new(&cli);
+        c.args(["-p", port]).args(args);
+        run_tool(&mut c, stdin, Duration::from_secs(60))
+    };
+    let (st, out, err) = rc(&["-x", "set", "file"], Some(&file));
+    assert_eq!((st, out.as_slice()), (0, &b"OK\n"[..]), "{err}");
+    let (st, out, err) = rc(&["--raw", "get", "file"], None);
+    assert_eq!(st, 0, "{err}");
+    // --raw prints the value, then a newline.
+    assert_eq!(out.len(), file.len() + 1);
+    assert!(out[..file.len()] == file[..], "GET returned other bytes");
+    let (_, out, _) = rc(&["strlen", "file"], None);
+    assert_eq!(out, format!("{}\n", 16 << 20).as_bytes());
+    let (_, out, _) = rc(&["exists", "file", "nope", "file"], None);
+    assert_eq!(out, b"2\n");
+    let (_, out, _) = rc(&["del", "file", "nope"], None);
+    assert_eq!(out, b"1\n");
+    let (_, out, _) = rc(&["exists", "file"], None);
+    assert_eq!(out, b"0\n");
+    let (_, out, _) = rc(&["get", "file"], None);
+    assert_eq!(out, b"\n", "a miss prints nothing (nil)");
+}
+
+#[test]
+fn redis_cli_pipe_mode_runs_pipelined_input_in_order() {
+    let Some(cli) = common::external_tool("redis-cli") else {
+        return;
+    };
+    let p = pool_with_resp(None, &[]);
+    // 2000 SETs then DELs of every other key, all in one pipelined stream.
+    let mut input = Vec::new();
+    for i in 0..2000u32 {
+        let v = common::value(i as u64, 100 + i as usize % 900);
+        input.extend(encode(&[b"SET", format!("pk{i}").as_bytes(), &v]));
+    }
+    for i in (0..2000u32).step_by(2) {
+        input.extend(encode(&[b"DEL", format!("pk{i}").as_bytes()]));
+    }
+    let mut c = Command::new(&cli);
+    c.args(["-p", port_of(&p.resp), "--pipe"]);
+    let (st, out, err) = run_tool(&mut c, Some(&input), Duration::from_secs(120));
+    let out = String::from_utf8_lossy(&out);
+    assert_eq!(st, 0, "{out} {err}");
+    assert!(out.contains("errors: 0, replies: 3000"), "{out}");
+    let mut raw = Raw::connect(&p.resp);
+    for i in [0u32, 1, 998, 999, 1999] {
+        let got = raw.cmd(&[b"GET", format!("pk{i}").as_bytes()]);
+        if i % 2 == 0 {
+            assert_eq!(got, Reply::Bulk(None), "pk{i} was deleted");
+        } else {
+            assert_eq!(
+                got,
+                bulk(&common::value(i as u64, 100 + i as usize % 900)),
+                "pk{i}"
+            );
+        }
+    }
+    // The same over one raw connection, replies checked one by one.
+    let mut req = Vec::new();
+    for i in 0..200u32 {
+        req.extend(encode(&[b"GET", format!("pk{i}").as_bytes()]));
+        req.extend(encode(&[b"PING"]));
+    }
+    raw.send(&req);
+    for i in 0..200u32 {
+        let want = if i % 2 == 0 {
+            Reply::Bulk(None)
+        } else {
+            bulk(&common::value(i as u64, 100 + i as usize % 900))
+        };
+        assert_eq!(raw.reply(), want, "GET pk{i}");
+        assert_eq!(raw.reply(), Reply::Simple("PONG".into()));
+    }
+}
+
+#[test]
+fn redis_cli_interactive_mode_starts_runs_commands_and_shows_help() {
+    let Some(cli) = common::external_tool("redis-cli") else {
+        return;
+    };
+    let Ok(py) = which_python() else {
+        return;
+    };
+    let p = pool_with_resp(None, &[]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/resp/cli_interactive.py");
+    let mut c = Command::new(py);
+    c.args([script, &cli, port_of(&p.resp)]);
+    let (st, out, err) = run_tool(&mut c, None, Duration::from_secs(60));
+    assert_eq!(st, 0, "{}{err}", String::from_utf8_lossy(&out));
+}
+
+/// Any python 3 (the pty script needs nothing else).
+fn which_python() -> Result<String, ()> {
+    if let Ok(p) = std::env::var("KVPOOL_PYTHON") {
+        return Ok(p);
+    }
+    common::external_tool("python3").ok_or(())
+}
+
+#[test]
+fn redis_benchmark_set_get_finishes_without_an_error() {
+    let Some(bench) = common::external_tool("redis-benchmark") else {
+        return;
+    };
+    let p = pool_with_resp(None, &[]);
+    for extra in [
+        &["-c", "4"][..],
+        &["-c", "8", "-P", "16"],
+        &["-c", "2", "-r", "1000", "-d", "4096"],
+    ] {
+        let mut c = Command::new(&bench);
+        c.args([
+            "-p",
+            port_of(&p.resp),
+            "-t",
+            "set,get",
+            "-n",
+            "3000",
+            "--csv",
+        ])
+        .args(extra);
+        let (st, out, err) = run_tool(&mut c, None, Duration::from_secs(120));
+        let out = String::from_utf8_lossy(&out);
+        assert_eq!(st, 0, "{extra:?}: {out} {err}");
+        assert!(
+            out.contains("\"SET\"") && out.contains("\"GET\""),
+            "{extra:?}: {out}"
+        );
+        assert!(!err.to_lowercase().contains("error"), "{extra:?}: {err}");
+    }
+    // The server counted no failed SET or GET.
+    let mut raw = Raw::connect(&p.resp);
+    let Reply::Bulk(Some(info)) = raw.cmd(&[b"INFO", b"commandstats"]) else {
+        panic!("INFO");
+    };
+    let info = String::from_utf8(info).unwrap();
+    for cmd in ["set", "get"] {
+        let line = info
+            .lines()
+            .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))
+            .unwrap_or_else(|| panic!("no {cmd} in {info}"));
+        assert!(line.ends_with("failed_calls=0"), "{line}");
+    }
+}
+
+#[test]
+fn redis_py_mget_mset_auth_binary_keys_and_pipelines() {
+    let Some(py) = common::python_with_redis() else {
+        return;
+    };
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/resp/redis_py.py");
+    // Without a password, then with one.
+    let open = pool_with_resp(None, &[]);
+    let mut c = Command::new(&py);
+    c.args([script, port_of(&open.resp)]);
+    let (st, out, err) = run_tool(&mut c, None, Duration::from_secs(180));
+    assert_eq!(st, 0, "{}{err}", String::from_utf8_lossy(&out));
+    assert!(String::from_utf8_lossy(&out).starts_with("ok: "));
+    drop(open);
+    let locked = pool_with_resp(Some("[resp]\nrequirepass = \"s3cret pass\"\n"), &[]);
+    let mut c = Command::new(&py);
+    c.args([script, port_of(&locked.resp), "s3cret pass"]);
+    let (st, out, err) = run_tool(&mut c, None, Duration::from_secs(180));
+    assert_eq!(st, 0, "{}{err}", String::from_utf8_lossy(&out));
+}
+
+#[test]
+fn a_malformed_request_closes_only_its_own_connection_with_an_error() {
+    let p = pool_with_resp(None, &[]);
+    let mut good = Raw::connect(&p.resp);
+    assert_eq!(good.cmd(&[b"SET", b"k", b"v"]), ok());
+    for (bad, want) in [
+        (
+            &b"*2\r\n$3\r\nGET\r\n+k\r\n"[..],
+            "-ERR Protocol error: expected '$', got '+'\r\n",
+        ),
+        (
+            b"*x\r\n",
+            "-ERR Protocol error: invalid multibulk length\r\n",
+        ),
+        (
+            b"*1\r\n$-7\r\n",
+            "-ERR Protocol error: invalid bulk length\r\n",
+        ),
+        (
+            b"SET \"unbalanced\r\n",
+            "-ERR Protocol error: unbalanced quotes in request\r\n",
+        ),
+    ] {
+        let mut raw = Raw::connect(&p.resp);
+        // A good command first: it is answered before the error.
+        let mut req = encode(&[b"PING"]);
+        req.extend_from_slice(bad);
+        raw.send(&req);
+        let rest = raw.until_closed(Duration::from_secs(10));
+        let want = format!("+PONG\r\n{want}");
+        assert_eq!(
+            String::from_utf8_lossy(&rest),
+            want,
+            "{:?}",
+            String::from_utf8_lossy(bad)
+        );
+        // The other connection noticed nothing.
+        assert_eq!(good.cmd(&[b"GET", b"k"]), bulk(b"v"));
+    }
+    let (_, metrics) = common::http(&p.http, "GET", "/metrics");
+    assert!(
+        metrics.contains("kvpool_resp_protocol_errors_total 4"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn limits_refuse_before_buffering_cap_clients_and_close_idle_ones() {
+    let p = pool_with_resp(
+        Some(
+            "[resp]\nproto_max_bulk_len = \"1 MiB\"\nmax_query_buffer = \"2 MiB\"\n\
+             max_clients = 3\nidle_timeout_ms = 1500\nio_timeout_ms = 1500\n",
+        ),
+        &[],
+    );
+    // A bulk over the limit is refused from its length line alone: none of
+    // its bytes are sent, yet the error comes and the connection closes.
+    let mut raw = Raw::connect(&p.resp);
+    raw.send(format!("*3\r\n$3\r\nSET\r\n$1\r\nk\r\n${}\r\n", (1 << 20) + 1).as_bytes());
+    let rest = raw.until_closed(Duration::from_secs(10));
+    assert_eq!(rest, b"-ERR Protocol error: invalid bulk length\r\n");
+    // One byte less than the limit plus one is fine: exactly the limit.
+    let mut raw = Raw::connect(&p.resp);
+    let v = common::value(1, 1 << 20);
+    assert_eq!(raw.cmd(&[b"SET", b"max", &v]), ok());
+    assert_eq!(raw.cmd(&[b"GET", b"max"]), bulk(&v));
+    // A key longer than the pool's limit is an error, not a closed
+    // connection.
+    let long = vec![b'k'; 4097];
+    let Reply::Error(e) = raw.cmd(&[b"SET", &long, b"v"]) else {
+        panic!("a 4097-byte key was accepted");
+    };
+    assert!(e.contains("4096"), "{e}");
+    let Reply::Error(e) = raw.cmd(&[b"GET", &long]) else {
+        panic!("GET of a 4097-byte key was not an error");
+    };
+    assert!(e.contains("4096"), "{e}");
+    assert_eq!(raw.cmd(&[b"PING"]), Reply::Simple("PONG".into()));
+    drop(raw);
+    // Clients up to the cap; one more gets Redis's error. First wait until
+    // the server has counted the closed connections out.
+    let mut probe = Raw::connect(&p.resp);
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let Reply::Bulk(Some(info)) = probe.cmd(&[b"INFO", b"clients"]) else {
+            panic!("INFO clients");
+        };
+        if String::from_utf8_lossy(&info).contains("connected_clients:1\r\n") {
+            break;
+        }
+        assert!(Instant::now() < end, "closed connections still counted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut held: Vec<Raw> = (0..2).map(|_| Raw::connect(&p.resp)).collect();
+    for c in &mut held {
+        assert_eq!(c.cmd(&[b"PING"]), Reply::Simple("PONG".into()));
+    }
+    held.push(probe);
+    let mut extra = Raw::connect(&p.resp);
+    assert_eq!(
+        extra.until_closed(Duration::from_secs(10)),
+        b"-ERR max number of clients reached\r\n"
+    );
+    let (_, metrics) = common::http(&p.http, "GET", "/metrics");
+    assert!(
+        metrics.contains("kvpool_resp_connections_rejected_total 1"),
+        "{metrics}"
+    );
+    // Idle connections are closed at idle_timeout_ms; then there is room.
+    let t = Instant::now();
+    for c in &mut held {
+        assert!(c.until_closed(Duration::from_secs(10)).is_empty());
+    }
+    assert!(
+        t.elapsed() >= Duration::from_millis(1000),
+        "{:?}",
+        t.elapsed()
+    );
+    // A command that starts and never ends is cut at io_timeout_ms.
+    let mut slow = Raw::connect(&p.resp);
+    slow.send(b"*2\r\n$3\r\nGET\r\n$10\r\nabc");
+    assert!(slow.until_closed(Duration::from_secs(10)).is_empty());
+    let mut raw = Raw::connect(&p.resp);
+    assert_eq!(raw.cmd(&[b"GET", b"max"]), bulk(&v));
+}
+
+/// A gateway (a pool client and the RESP front only) for `master`, with
+/// `config` (TOML) when given.
+fn gateway(master: &str, config: Option<&str>) -> Proc {
+    let dir = common::scratch_dir("resp-gw");
+    let mut args: Vec<String> = [
+        "--master",
+        master,
+        "--resp",
+        "127.0.0.1:0",
+        "--http",
+        "127.0.0.1:0",
+        "--shards",
+        "2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if let Some(text) = config {
+        args.push("--config".into());
+        args.push(common::write_config(
+            &dir,
+            &format!("gw-{}.toml", rand::random::<u32>()),
+            text,
+        ));
+    }
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    let p = common::start("gateway", &a);
+    assert_eq!(p.addr, p.resp, "a gateway's address is its RESP port");
+    p
+}
+
+/// Where the master keeps `key`'s first replica: its node's data address.
+fn replica_node(master: &str, key: &[u8]) -> Option<String> {
+    let rt = common::rt();
+    rt.block_on(async {
+        let c = kvpool_client::Client::connect(
+            master,
+            kvpool_config::ClientConfig {
+                ping_interval_ms: 0,
+                ..Default::default()
+            },
+        )
+        .await
+        .ok()?;
+        let info = c.describe(key).await.ok()?;
+        info.replicas.first().map(|r| r.endpoint.shard_addr(0))
+    })
+}
+
+#[test]
+fn a_gateway_serves_the_pool_of_its_master_and_its_metrics() {
+    let master = common::start("master", &common::ephemeral(&[]));
+    // A storage node serves RESP too.
+    let mut node = common::start_storage(&master.addr, "128MiB", &["--resp", "127.0.0.1:0"]);
+    let gw = gateway(&master.addr, None);
+    let mut raw = Raw::connect(&gw.resp);
+    let v = common::value(3, 300_000);
+    assert_eq!(raw.cmd(&[b"SET", b"gk", &v]), ok());
+    assert_eq!(raw.cmd(&[b"GET", b"gk"]), bulk(&v));
+    assert_eq!(
+        raw.cmd(&[b"MGET", b"gk", b"none"]),
+        Reply::Array(Some(vec![bulk(&v), Reply::Bulk(None)]))
+    );
+    assert_eq!(raw.cmd(&[b"DBSIZE"]), Reply::Int(1));
+    // The value is in the pool: the CLI (another client) reads it.
+    let (code, out, err) = common::cli(&master.addr, &["get", "gk"], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(out == v, "the pool holds other bytes");
+    let (status, metrics) = common::http(&gw.http, "GET", "/metrics");
+    assert_eq!(status, 200);
+    for want in [
+        "kvpool_resp_commands_total{op=\"get\",result=\"ok\"} 1",
+        "kvpool_resp_commands_total{op=\"set\",result=\"ok\"} 1",
+        "kvpool_resp_command_seconds_count{op=\"mget\"} 1",
+        "kvpool_resp_connections 1",
+    ] {
+        assert!(metrics.contains(want), "{want} not in:\n{metrics}");
+    }
+    let (status, _) = common::http(&gw.http, "GET", "/healthz");
+    assert_eq!(status, 200);
+    // The storage node's RESP port sees the same pool.
+    let mut on_node = Raw::connect(&node.resp);
+    assert_eq!(on_node.cmd(&[b"GET", b"gk"]), bulk(&v));
+    // SIGTERM with RESP connections open: a clean exit, the connections
+    // closed.
+    let mut gw = gw;
+    gw.signal(common::Signal::TERM);
+    let st = gw
+        .wait_exit(Duration::from_secs(15))
+        .expect("the gateway exits");
+    assert!(st.success(), "{st:?}");
+    assert!(raw.until_closed(Duration::from_secs(5)).is_empty());
+    node.signal(common::Signal::TERM);
+    let st = node
+        .wait_exit(Duration::from_secs(15))
+        .expect("the node exits");
+    assert!(st.success(), "{st:?}");
+}
+
+#[test]
+fn an_unprotected_resp_listener_beyond_loopback_stops_start_up() {
+    let child = Command::new(common::BIN)
+        .args([
+            "run",
+            "--role",
+            "gateway",
+            "--resp",
+            "0.0.0.0:0",
+            "--http",
+            "127.0.0.1:0",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = common::wait_output(child, Duration::from_secs(30));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("resp.requirepass") && err.contains("protected_mode"),
+        "{err}"
+    );
+}
+
+#[test]
+fn auth_gates_every_command_and_flushall_empties_the_pool() {
+    let p = pool_with_resp(Some("[resp]\nrequirepass = \"opensesame\"\n"), &[]);
+    let mut raw = Raw::connect(&p.resp);
+    assert_eq!(
+        raw.cmd(&[b"GET", b"k"]),
+        Reply::Error("NOAUTH Authentication required.".into())
+    );
+    assert_eq!(
+        raw.cmd(&[b"FLUSHALL"]),
+        Reply::Error("NOAUTH Authentication required.".into())
+    );
+    let Reply::Error(e) = raw.cmd(&[b"HELLO", b"2"]) else {
+        panic!("HELLO without auth");
+    };
+    assert!(e.starts_with("NOAUTH HELLO must be called"), "{e}");
+    assert_eq!(
+        raw.cmd(&[b"AUTH", b"wrong"]),
+        Reply::Error("WRONGPASS invalid username-password pair or user is disabled.".into())
+    );
+    let Reply::Array(Some(hello)) = raw.cmd(&[b"HELLO", b"2", b"AUTH", b"default", b"opensesame"])
+    else {
+        panic!("HELLO 2 AUTH");
+    };
+    assert_eq!(hello[4], bulk(b"proto"));
+    assert_eq!(hello[5], Reply::Int(2));
+    for i in 0..20 {
+        assert_eq!(raw.cmd(&[b"SET", format!("f{i}").as_bytes(), b"v"]), ok());
+    }
+    assert_eq!(raw.cmd(&[b"DBSIZE"]), Reply::Int(20));
+    assert_eq!(raw.cmd(&[b"FLUSHALL"]), ok());
+    assert_eq!(raw.cmd(&[b"DBSIZE"]), Reply::Int(0));
+    assert_eq!(raw.cmd(&[b"GET", b"f1"]), Reply::Bulk(None));
+    let mut other = Raw::connect(&p.resp);
+    assert_eq!(other.cmd(&[b"AUTH", b"default", b"opensesame"]), ok());
+    assert_eq!(
+        other.cmd(&[b"HELLO", b"3"]),
+        Reply::Error("NOPROTO unsupported protocol version".into())
+    );
+    assert_eq!(other.cmd(&[b"CLIENT", b"SETNAME", b"me"]), ok());
+    assert_eq!(other.cmd(&[b"CLIENT", b"GETNAME"]), bulk(b"me"));
+    assert_eq!(other.cmd(&[b"SELECT", b"0"]), ok());
+    assert_eq!(other.cmd(&[b"QUIT"]), ok());
+    assert!(other.until_closed(Duration::from_secs(5)).is_empty());
+}
+
+#[test]
+fn a_storage_node_killed_mid_read_gives_resp_clients_an_error_not_a_hang_or_other_bytes() {
+    let master = common::start("master", &common::ephemeral(&[]));
+    let mut a = common::start_storage(&master.addr, "128MiB", &[]);
+    // TCP to the nodes, so the kill breaks the read (over shared memory the
+    // gateway's mapping would outlive the node and still hold the bytes).
+    let gw = gateway(
+        &master.addr,
+        Some("[client]\ntransport = \"tcp\"\ntimeout_ms = 3000\n"),
+    );
+    let big = common::value(11, 32 << 20);
+    let mut reader = Raw::connect(&gw.resp);
+    assert_eq!(reader.cmd(&[b"SET", b"big", &big]), ok());
+    assert_eq!(
+        replica_node(&master.addr, b"big").as_deref(),
+        Some(a.addr.as_str())
+    );
+    // A second node, and a key on it (the emptier node takes new puts).
+    let b = common::start_storage(&master.addr, "128MiB", &[]);
+    let mut other = Raw::connect(&gw.resp);
+    let mut on_b = None;
+    for i in 0..50 {
+        let k = format!("small{i}");
+        assert_eq!(other.cmd(&[b"SET", k.as_bytes(), b"on b?"]), ok());
+        if replica_node(&master.addr, k.as_bytes()).as_deref() == Some(b.addr.as_str()) {
+            on_b = Some(k);
+            break;
+        }
+    }
+    let on_b = on_b.expect("no key landed on the second node");
+    // Reads of the big value run back to back; the node dies under them.
+    let addr = gw.resp.clone();
+    let big2 = big.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<(Instant, Result<(), String>)>();
+    let reads = std::thread::spawn(move || {
+        let mut r = Raw::connect(&addr);
+        loop {
+            r.send(&encode(&[b"GET", b"big"]));
+            let got = r.reply();
+            let at = Instant::now();
+            let res = match got {
+                Reply::Bulk(Some(v)) if v == big2 => Ok(()),
+                Reply::Bulk(Some(v)) => panic!("GET returned {} other bytes", v.len()),
+                Reply::Error(e) => Err(e),
+                other => panic!("GET answered {other:?}"),
+            };
+            let failed = res.is_err();
+            if tx.send((at, res)).is_err() || failed {
+                return;
+            }
+        }
+    });
+    // Let a few reads complete, then kill the node mid-stream.
+    for _ in 0..3 {
+        let (_, r) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("reads before the kill");
+        r.expect("a read before the kill");
+    }
+    let killed = Instant::now();
+    a.signal(common::Signal::KILL);
+    let _ = a.wait_exit(Duration::from_secs(10));
+    let error = loop {
+        let (at, r) = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("a GET hung after the node was killed");
+        if let Err(e) = r {
+            break (at, e);
+        }
+    };
+    reads.join().expect("no read returned other bytes");
+    assert!(error.1.starts_with("ERR"), "{}", error.1);
+    // Within the client's deadline (3 s) and then some for the reply.
+    assert!(
+        error.0.duration_since(killed) < Duration::from_secs(8),
+        "{:?}",
+        error.0.duration_since(killed)
+    );
+    // Other connections and keys keep working.
+    assert_eq!(other.cmd(&[b"GET", on_b.as_bytes()]), bulk(b"on b?"));
+    assert_eq!(other.cmd(&[b"PING"]), Reply::Simple("PONG".into()));
+    let mut fresh = Raw::connect(&gw.resp);
+    assert_eq!(fresh.cmd(&[b"GET", on_b.as_bytes()]), bulk(b"on b?"));
+    // An error while the master still lists the dead node's replica, a
+    // miss once it has dropped it: never bytes.
+    match fresh.cmd(&[b"GET", b"big"]) {
+        Reply::Error(_) | Reply::Bulk(None) => {}
+        other => panic!("GET of the dead node's value answered {other:?}"),
+    }
+}
+
+#[test]
+fn a_write_through_the_front_is_seen_at_once_by_every_connection() {
+    let p = pool_with_resp(None, &[]);
+    let addr = p.resp.clone();
+    // A reader keeps reading the key on its own connection (so views of
+    // it are kept and lookups of it are always under way).
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s2 = stop.clone();
+    let reader = std::thread::spawn(move || {
+        let mut r = Raw::connect(&addr);
+        let mut reads = 0u64;
+        while !s2.load(std::sync::atomic::Ordering::Relaxed) {
+            match r.cmd(&[b"GET", b"hot"]) {
+                Reply::Bulk(_) => reads += 1,
+                other => panic!("GET hot answered {other:?}"),
+            }
+        }
+        reads
+    });
+    let mut writer = Raw::connect(&p.resp);
+    let mut checker = Raw::connect(&p.resp);
+    for i in 0..300u64 {
+        let v = common::value(i, 2000 + (i as usize % 7) * 1000);
+        if i % 10 == 0 {
+            // Removed through the front: no connection sees it any more.
+            let _ = writer.cmd(&[b"DEL", b"hot"]);
+            assert_eq!(
+                checker.cmd(&[b"GET", b"hot"]),
+                Reply::Bulk(None),
+                "round {i}"
+            );
+        }
+        // Replaced through the front: once the SET has answered, no
+        // connection sees an older value.
+        assert_eq!(writer.cmd(&[b"SET", b"hot", &v]), ok());
+        assert_eq!(checker.cmd(&[b"GET", b"hot"]), bulk(&v), "round {i}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let reads = reader.join().expect("the reader saw only values or misses");
+    assert!(reads > 0);
+}
+
+#[test]
+fn a_reply_that_outlives_its_read_lease_closes_the_connection_never_other_bytes() {
+    // Leases of 1.5 s: a view is good for 1 s (the client's margin).
+    let p = pool_with_resp(Some("[master]\nlease_ttl_ms = 1500\n"), &[]);
+    let v = common::value(5, 48 << 20);
+    let mut w = Raw::connect(&p.resp);
+    assert_eq!(w.cmd(&[b"SET", b"slow", &v]), ok());
+    // A client that asks and then does not read for longer than the lease.
+    let mut s = TcpStream::connect(&p.resp).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(&encode(&[b"GET", b"slow"])).unwrap();
+    std::thread::sleep(Duration::from_millis(3000));
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).expect("the connection ends");
+    let mut want = format!("${}\r\n", v.len()).into_bytes();
+    want.extend_from_slice(&v);
+    want.extend_from_slice(b"\r\n");
+    assert!(
+        got.len() < want.len(),
+        "the whole reply came after the lease ended"
+    );
+    assert!(
+        got == want[..got.len()],
+        "bytes other than the value's were sent"
+    );
+    // The server goes on.
+    assert_eq!(w.cmd(&[b"STRLEN", b"slow"]), Reply::Int(v.len() as i64));
+}
+
+#[test]
+fn set_replaces_atomically_readers_see_the_old_or_the_new_value_never_a_mix_or_a_miss() {
+    let p = pool_with_resp(None, &[]);
+    let a = common::value(21, 1 << 20);
+    let b = common::value(22, 1 << 20);
+    let mut first = Raw::connect(&p.resp);
+    assert_eq!(first.cmd(&[b"SET", b"swap", &a]), ok());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Two writers of the one key on their own connections (four
+    // connections in all: both RESP threads get some), two readers.
+    let writers: Vec<_> = (0..2)
+        .map(|w| {
+            let (addr, a, b) = (p.resp.clone(), a.clone(), b.clone());
+            std::thread::spawn(move || {
+                let mut c = Raw::connect(&addr);
+                for i in 0..60 {
+                    let v = if (i + w) % 2 == 0 { &b } else { &a };
+                    assert_eq!(c.cmd(&[b"SET", b"swap", v]), ok(), "writer {w} SET {i}");
+                }
+            })
+        })
+        .collect();
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (addr, a, b, stop) = (p.resp.clone(), a.clone(), b.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut c = Raw::connect(&addr);
+                let (mut seen_a, mut seen_b) = (0, 0);
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    match c.cmd(&[b"GET", b"swap"]) {
+                        Reply::Bulk(Some(v)) if v == a => seen_a += 1,
+                        Reply::Bulk(Some(v)) if v == b => seen_b += 1,
+                        Reply::Bulk(Some(v)) => {
+                            panic!("GET returned {} bytes of neither value", v.len())
+                        }
+                        other => panic!("GET during replaces answered {other:?}"),
+                    }
+                }
+                (seen_a, seen_b)
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().expect("every SET answered OK");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for r in readers {
+        let (sa, sb) = r.join().expect("readers saw only the two values");
+        assert!(sa + sb > 0);
+    }
+    // Pipelined SETs of one key land in order: the last one wins.
+    let mut req = Vec::new();
+    for v in [&a, &b, &a, &b] {
+        req.extend(encode(&[b"SET", b"swap", v]));
+    }
+    req.extend(encode(&[b"GET", b"swap"]));
+    first.send(&req);
+    for _ in 0..4 {
+        assert_eq!(first.reply(), ok());
+    }
+    assert_eq!(first.reply(), bulk(&b));
+}

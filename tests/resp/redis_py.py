@@ -1,0 +1,160 @@
+"""redis-py (the `redis` package) against kvpool's RESP front.
+
+Usage: redis_py.py PORT [PASSWORD]
+
+Every check raises on failure (the exit status is then non-zero and the
+traceback names the check); on success it prints `ok: N checks`.
+"""
+import os
+import sys
+
+import redis
+
+port = int(sys.argv[1])
+password = sys.argv[2] if len(sys.argv) > 2 else None
+checks = 0
+
+
+def check(cond, what):
+    global checks
+    if not cond:
+        raise AssertionError(what)
+    checks += 1
+
+
+def expect_error(fn, *words):
+    """`fn` raises a redis error whose text holds every word."""
+    try:
+        fn()
+    except redis.exceptions.RedisError as e:
+        text = str(e)
+        for w in words:
+            check(w in text, f"error {text!r} lacks {w!r}")
+        return e
+    raise AssertionError(f"no error, wanted one with {words}")
+
+
+def connect(**kw):
+    # RESP2: redis-py 8 and later ask for RESP3 by default and, refused
+    # (NOPROTO, as Redis without RESP3 answers), do not fall back.
+    return redis.Redis(host="127.0.0.1", port=port, socket_timeout=20, protocol=2, **kw)
+
+
+# --- auth ---------------------------------------------------------------
+if password:
+    anon = connect()
+    # The reply is "-NOAUTH Authentication required."; redis-py 8 turns the
+    # NOAUTH prefix into the exception's class and drops it from the text.
+    for call in (lambda: anon.get("k"), lambda: anon.flushall()):
+        e = expect_error(call, "Authentication required")
+        check(
+            "NOAUTH" in str(e) or isinstance(e, redis.exceptions.AuthenticationError),
+            f"{type(e)} {e!r} is not NOAUTH",
+        )
+    wrong = connect(password="not-" + password)
+    e = expect_error(lambda: wrong.ping(), "invalid username-password pair")
+    check(isinstance(e, redis.exceptions.AuthenticationError), f"{type(e)}")
+    named = connect(username="default", password=password)
+    check(named.ping() is True, "AUTH default <pass>")
+    other_user = connect(username="alice", password=password)
+    expect_error(lambda: other_user.ping(), "invalid username-password pair")
+    r = connect(password=password)
+else:
+    r = connect()
+    expect_error(lambda: r.execute_command("AUTH", "x"), "without any password configured")
+
+prefix = os.urandom(4).hex().encode() + b":"
+
+# --- basics -------------------------------------------------------------
+check(r.ping() is True, "PING")
+check(r.echo(b"hi\r\nthere") == b"hi\r\nthere", "ECHO")
+check(r.set(prefix + b"a", b"1") is True, "SET")
+check(r.get(prefix + b"a") == b"1", "GET")
+check(r.get(prefix + b"missing") is None, "GET of a missing key is None")
+check(r.strlen(prefix + b"a") == 1, "STRLEN")
+check(r.strlen(prefix + b"missing") == 0, "STRLEN missing")
+check(r.exists(prefix + b"a", prefix + b"missing", prefix + b"a") == 2, "EXISTS counts twice")
+expect_error(lambda: r.set(prefix + b"t", b"v", ex=10), "EX", "not supported")
+expect_error(lambda: r.set(prefix + b"t", b"v", nx=True), "NX", "not supported")
+expect_error(lambda: r.execute_command("HELLO", 3), "NOPROTO")
+hello = r.execute_command("HELLO", 2)
+check(b"proto" in hello or "proto" in hello, f"HELLO 2 {hello}")
+check(r.execute_command("SELECT", 0) in (True, b"OK", "OK"), "SELECT 0")
+expect_error(lambda: r.execute_command("SELECT", 1), "out of range")
+expect_error(lambda: r.execute_command("NOSUCHCMD", "x"), "unknown command 'NOSUCHCMD'")
+
+# --- replacing a value ----------------------------------------------------
+check(r.set(prefix + b"a", b"two") is True, "SET over an existing key")
+check(r.get(prefix + b"a") == b"two", "GET sees the replacing value")
+
+# --- binary-safe keys and values ----------------------------------------
+bkey = prefix + bytes(range(256))
+bval = bytes(range(256)) * 4099
+check(r.set(bkey, bval) is True, "SET binary")
+check(r.get(bkey) == bval, "GET binary")
+check(r.exists(bkey) == 1, "EXISTS binary")
+long_key = prefix + b"k" * (4096 - len(prefix))
+check(r.set(long_key, b"v") is True, "a 4096-byte key")
+check(r.get(long_key) == b"v", "GET of a 4096-byte key")
+expect_error(lambda: r.set(long_key + b"x", b"v"), "4096")
+check(r.ping() is True, "the connection survives a refused key")
+expect_error(lambda: r.set(prefix + b"empty", b""), "empty value")
+big = os.urandom(8 << 20)
+check(r.set(prefix + b"big", big) is True, "SET 8 MiB")
+check(r.get(prefix + b"big") == big, "GET 8 MiB")
+
+# --- MSET / MGET ----------------------------------------------------------
+items = {prefix + b"m%d" % i: os.urandom(100 + i) for i in range(50)}
+check(r.mset(items) is True, "MSET")
+keys = list(items) + [prefix + b"nothere"]
+got = r.mget(keys)
+check(got[:-1] == list(items.values()), "MGET values in order")
+check(got[-1] is None, "MGET of a missing key is None")
+check(r.execute_command("MSET", prefix + b"dup", b"first", prefix + b"dup", b"last"), "MSET dup")
+check(r.get(prefix + b"dup") == b"last", "MSET: the last value of a key wins")
+check(r.delete(*items.keys(), prefix + b"nothere") == 50, "DEL counts removed keys")
+check(r.mget(list(items)) == [None] * 50, "MGET after DEL")
+check(r.unlink(prefix + b"dup", prefix + b"dup") == 1, "UNLINK counts a key once")
+
+# --- pipelines ------------------------------------------------------------
+p = r.pipeline(transaction=False)
+vals = [os.urandom(1000 + i) for i in range(300)]
+for i, v in enumerate(vals):
+    p.set(prefix + b"p%d" % i, v)
+for i in range(300):
+    p.get(prefix + b"p%d" % i)
+p.get(prefix + b"nothere")
+p.exists(prefix + b"p0", prefix + b"p1")
+p.set(prefix + b"p0", b"x", ex=5)  # an error inside a pipeline
+p.get(prefix + b"p0")
+res = p.execute(raise_on_error=False)
+check(res[:300] == [True] * 300, "pipelined SETs")
+check(res[300:600] == vals, "pipelined GETs in order")
+check(res[600] is None, "pipelined GET miss")
+check(res[601] == 2, "pipelined EXISTS")
+check(isinstance(res[602], redis.exceptions.ResponseError), f"pipelined error {res[602]!r}")
+check(res[603] == vals[0], "the pipeline goes on after an error")
+
+# --- connection commands and INFO -----------------------------------------
+check(r.client_setname("kvpool-test") is True, "CLIENT SETNAME")
+check(r.client_getname() in ("kvpool-test", b"kvpool-test"), "CLIENT GETNAME")
+check(isinstance(r.client_id(), int), "CLIENT ID")
+info = r.info()
+check(info["redis_version"] == "7.0.0", f"INFO {info.get('redis_version')}")
+check(info["role"] == "master", "INFO role")
+pool = r.info("pool")
+check(pool["pool_keys"] >= 300, f"INFO pool {pool}")
+check(pool["pool_capacity_bytes"] > 0, "INFO pool capacity")
+check(r.dbsize() == pool["pool_keys"] or r.dbsize() > 0, "DBSIZE")
+stats = r.info("commandstats")
+check(stats["cmdstat_get"]["calls"] >= 300, f"INFO commandstats {stats.get('cmdstat_get')}")
+
+# --- a URL, as LMCache's remote_url gives it ------------------------------
+from urllib.parse import quote
+
+auth = f":{quote(password, safe='')}@" if password else ""
+u = redis.Redis.from_url(f"redis://{auth}127.0.0.1:{port}/0?protocol=2")
+check(u.set(prefix + b"url", b"via url") is True, "SET through a URL")
+check(u.get(prefix + b"url") == b"via url", "GET through a URL")
+
+print(f"ok: {checks} checks")
