@@ -191,7 +191,7 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
 
     // Raw master frames from a peer without the secret.
     let attempts = [
-        MasterRequest::RemoveAll,
+        MasterRequest::RemoveAll { force: false },
         MasterRequest::MountSegment {
             client_id: 1,
             spec: fake_spec(),

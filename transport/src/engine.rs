@@ -23,10 +23,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures_util::stream::{self, TryStreamExt};
+use futures_util::stream::{self, StreamExt, TryStreamExt};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+use crate::checksum;
 use crate::error::{ErrorCode, KvError};
 use crate::frame::{self, FrameKind};
 use crate::pool::{ConnPool, Stream};
@@ -123,6 +124,10 @@ pub struct Transfer<'a> {
     pub replicas: &'a [ReplicaDesc],
     /// Set when the batch returns.
     pub status: Option<Result<(), KvError>>,
+    /// A write made with [`Transfer::write_summed`]: the checksum of the
+    /// bytes written ([`checksum::value_sum`]), set when it succeeded.
+    pub sum: Option<u64>,
+    want_sum: bool,
 }
 
 impl<'a> Transfer<'a> {
@@ -131,6 +136,8 @@ impl<'a> Transfer<'a> {
             buf: Buf::Read(dst),
             replicas,
             status: None,
+            sum: None,
+            want_sum: false,
         }
     }
 
@@ -139,6 +146,17 @@ impl<'a> Transfer<'a> {
             buf: Buf::Write(src),
             replicas,
             status: None,
+            sum: None,
+            want_sum: false,
+        }
+    }
+
+    /// A write that also computes the checksum of `src` (into `sum`),
+    /// piece by piece as the bytes go out, while each piece is in cache.
+    pub fn write_summed(src: &'a [u8], replicas: &'a [ReplicaDesc]) -> Self {
+        Self {
+            want_sum: true,
+            ..Self::write(src, replicas)
         }
     }
 }
@@ -238,12 +256,18 @@ impl TransferEngine {
         }
     }
 
-    /// Whether `dst` holds the bytes `r`'s object was written with.
-    fn verify(&self, r: &ReplicaDesc, dst: &[u8]) -> Result<(), KvError> {
+    /// Whether a read of `r` checks its bytes against the object's checksum.
+    fn checks(&self, r: &ReplicaDesc) -> bool {
+        r.checksum.is_some() && self.cfg.verify_checksums
+    }
+
+    /// Whether `dst` holds the bytes `r`'s object was written with; `sum`:
+    /// their checksum if the read computed it on the way.
+    fn verify(&self, r: &ReplicaDesc, dst: &[u8], sum: Option<u64>) -> Result<(), KvError> {
         let Some(want) = r.checksum.filter(|_| self.cfg.verify_checksums) else {
             return Ok(());
         };
-        if xxhash_rust::xxh3::xxh3_64(dst) == want {
+        if sum.unwrap_or_else(|| checksum::value_sum(dst)) == want {
             return Ok(());
         }
         self.stats.corrupt_reads.fetch_add(1, Ordering::Relaxed);
@@ -382,7 +406,10 @@ impl TransferEngine {
         let work = futures_util::future::join_all(batch.iter_mut().map(|t| async move {
             let r = match &mut t.buf {
                 Buf::Read(dst) => self.read_any(t.replicas, dst, deadline).await,
-                Buf::Write(src) => self.write_all(t.replicas, src, deadline).await,
+                Buf::Write(src) => self
+                    .write_all(t.replicas, src, deadline, t.want_sum)
+                    .await
+                    .map(|sum| t.sum = sum),
             };
             t.status = Some(r);
         }));
@@ -433,6 +460,21 @@ impl TransferEngine {
         self.run(&mut t, deadline, None).await;
         let [t] = t;
         t.status.expect("set by run")
+    }
+
+    /// Writes `src` to every replica and returns its checksum
+    /// ([`checksum::value_sum`]), computed piece by piece as the bytes go out.
+    pub async fn write_summed(
+        &self,
+        replicas: &[ReplicaDesc],
+        src: &[u8],
+        deadline: Instant,
+    ) -> Result<u64, KvError> {
+        let mut t = [Transfer::write_summed(src, replicas)];
+        self.run(&mut t, deadline, None).await;
+        let [t] = t;
+        t.status.expect("set by run")?;
+        Ok(t.sum.expect("a summed write that succeeded has its sum"))
     }
 
     /// Orders replicas: DRAM before NVMe, then same host first when shm
@@ -519,12 +561,19 @@ impl TransferEngine {
             if i > 0 {
                 self.stats.replica_failovers.fetch_add(1, Ordering::Relaxed);
             }
-            let res = if r.tier == Tier::Nvme {
-                self.nvme_read(r, dst).await
+            // The checksum is computed on the way where the path allows
+            // (`Some`), else over `dst` afterwards.
+            let summing = self.checks(r);
+            let res: Result<Option<u64>, KvError> = if r.tier == Tier::Nvme {
+                self.nvme_read(r, dst).await.map(|()| None)
             } else {
                 match self.shm_for(r).await {
                     Some(Ok(map)) => {
-                        let res = map.read_into(r.offset, dst);
+                        let res = if summing {
+                            map.read_into_summed(r.offset, dst).map(Some)
+                        } else {
+                            map.read_into(r.offset, dst).map(|()| None)
+                        };
                         if res.is_ok() {
                             self.stats
                                 .shm_bytes
@@ -534,12 +583,12 @@ impl TransferEngine {
                     }
                     Some(Err(e)) => Err(e),
                     None => match self.rdma_read(r, dst, deadline).await {
-                        Some(res) => res,
-                        None => self.tcp_read(r, dst).await,
+                        Some(res) => res.map(|()| None),
+                        None => self.tcp_read(r, dst, summing).await,
                     },
                 }
             };
-            match res.and_then(|()| self.verify(r, dst)) {
+            match res.and_then(|sum| self.verify(r, dst, sum)) {
                 Ok(()) => return Ok(()),
                 Err(e) => {
                     tracing::debug!(segment = r.segment_id, "read from replica failed: {e}");
@@ -551,37 +600,47 @@ impl TransferEngine {
         Err(last.expect("at least one replica"))
     }
 
+    /// Writes `src` to every replica; with `summing`, also returns its
+    /// checksum, computed on the way by the first replica's write where its
+    /// path allows (shm, TCP), else over `src` afterwards.
     async fn write_all(
         &self,
         replicas: &[ReplicaDesc],
         src: &[u8],
         deadline: Instant,
-    ) -> Result<(), KvError> {
+        summing: bool,
+    ) -> Result<Option<u64>, KvError> {
         if replicas.is_empty() {
             return Err(KvError::new(
                 ErrorCode::InvalidParams,
                 "no replica to write",
             ));
         }
-        let writes = replicas.iter().map(|r| async move {
+        let writes = replicas.iter().enumerate().map(|(i, r)| async move {
             if r.len != src.len() as u64 {
                 return Err(KvError::new(
                     ErrorCode::InvalidParams,
                     format!("{} bytes for an allocation of {}", src.len(), r.len),
                 ));
             }
+            let summing = summing && i == 0;
             let res = match self.shm_for(r).await {
                 Some(Ok(map)) => {
-                    map.write_from(r.offset, src)?;
+                    let sum = if summing {
+                        Some(map.write_from_summed(r.offset, src)?)
+                    } else {
+                        map.write_from(r.offset, src)?;
+                        None
+                    };
                     self.stats
                         .shm_bytes
                         .fetch_add(src.len() as u64, Ordering::Relaxed);
-                    Ok(())
+                    Ok(sum)
                 }
                 Some(Err(e)) => Err(e),
                 None => match self.rdma_write(r, src, deadline).await {
-                    Some(res) => res,
-                    None => self.tcp_write(r, src).await,
+                    Some(res) => res.map(|()| None),
+                    None => self.tcp_write(r, src, summing).await,
                 },
             };
             if let Err(e) = &res {
@@ -589,7 +648,13 @@ impl TransferEngine {
             }
             res
         });
-        futures_util::future::try_join_all(writes).await.map(|_| ())
+        let sums = futures_util::future::try_join_all(writes).await?;
+        Ok(summing.then(|| {
+            sums.first()
+                .copied()
+                .flatten()
+                .unwrap_or_else(|| checksum::value_sum(src))
+        }))
     }
 
     /// The shm mapping to use for `r`: `None` means use TCP.
@@ -750,73 +815,115 @@ impl TransferEngine {
         })
     }
 
-    async fn tcp_read(&self, r: &ReplicaDesc, dst: &mut [u8]) -> Result<(), KvError> {
+    /// Reads `dst` in slices over the lanes; with `summing`, also returns the
+    /// checksum of what it read, each slice hashed as soon as the slices
+    /// before it have landed (see [`checksum::Frontier`]).
+    async fn tcp_read(
+        &self,
+        r: &ReplicaDesc,
+        dst: &mut [u8],
+        summing: bool,
+    ) -> Result<Option<u64>, KvError> {
         let slice = self.cfg.tcp_slice_bytes.max(1) as usize;
         let n = self.slices(dst.len());
+        let total = dst.len() as u64;
         let chunks: Vec<(usize, &mut [u8])> = if dst.is_empty() {
             Vec::new()
         } else {
             dst.chunks_mut(slice).enumerate().collect()
         };
+        let pieces = chunks.len();
         let lanes = self.cfg.lanes.max(1).min(n);
         let pools = self.slice_pools(r, n);
         let pools = &pools;
-        stream::iter(chunks.into_iter().map(Ok::<_, KvError>))
-            .try_for_each_concurrent(lanes, |(i, chunk)| async move {
+        // The slices' futures are made up front (they start when polled): a
+        // stream adaptor holding the closure would make the whole read's
+        // future !Send for some callers (a higher-ranked lifetime).
+        let slices: Vec<_> = chunks
+            .into_iter()
+            .map(|(i, chunk)| async move {
                 let off = r.offset + (i * slice) as u64;
                 let _p = self.permit().await?;
                 let first = self
                     .read_slice(&pools[i % pools.len()], r, off, chunk)
                     .await;
                 match first {
-                    Ok(()) => Ok(()),
+                    Ok(()) => {}
                     Err(e) if retryable(&e) => {
                         // Another lane: the next shard port, a fresh connection.
                         self.stats.slice_retries.fetch_add(1, Ordering::Relaxed);
                         tracing::debug!("slice {i} failed ({e}); retrying on another lane");
                         let pool = &pools[(i + 1) % pools.len()];
                         pool.clear();
-                        self.read_slice(pool, r, off, chunk).await
+                        self.read_slice(pool, r, off, chunk).await?;
                     }
-                    Err(e) => Err(e),
+                    Err(e) => return Err(e),
                 }
+                let piece: &[u8] = chunk;
+                Ok::<_, KvError>((i, piece))
             })
-            .await?;
-        self.stats
-            .tcp_bytes
-            .fetch_add(dst.len() as u64, Ordering::Relaxed);
-        Ok(())
+            .collect();
+        let mut landing = stream::iter(slices).buffer_unordered(lanes);
+        let mut frontier = summing.then(|| checksum::Frontier::new(pieces));
+        let mut landed: Vec<&[u8]> = vec![&[]; pieces];
+        while let Some((i, piece)) = landing.try_next().await? {
+            if let Some(f) = frontier.as_mut() {
+                landed[i] = piece;
+                f.landed(i, |j| landed[j]);
+            }
+        }
+        self.stats.tcp_bytes.fetch_add(total, Ordering::Relaxed);
+        Ok(match frontier {
+            Some(_) if pieces == 0 => Some(checksum::value_sum(&[])),
+            Some(f) => Some(f.digest().expect("every slice landed")),
+            None => None,
+        })
     }
 
-    async fn tcp_write(&self, r: &ReplicaDesc, src: &[u8]) -> Result<(), KvError> {
+    /// Writes `src` in slices over the lanes; with `summing`, also returns
+    /// its checksum, each slice hashed just before it is sent.
+    async fn tcp_write(
+        &self,
+        r: &ReplicaDesc,
+        src: &[u8],
+        summing: bool,
+    ) -> Result<Option<u64>, KvError> {
         let slice = self.cfg.tcp_slice_bytes.max(1) as usize;
         let n = self.slices(src.len());
         let lanes = self.cfg.lanes.max(1).min(n);
         let pools = self.slice_pools(r, n);
         let pools = &pools;
+        let mut hasher = summing.then(xxhash_rust::xxh3::Xxh3::new);
         stream::iter(src.chunks(slice).enumerate().map(Ok::<_, KvError>))
-            .try_for_each_concurrent(lanes, |(i, chunk)| async move {
-                let off = r.offset + (i * slice) as u64;
-                let _p = self.permit().await?;
-                match self
-                    .write_slice(&pools[i % pools.len()], r, off, chunk)
-                    .await
-                {
-                    Ok(()) => Ok(()),
-                    Err(e) if retryable(&e) => {
-                        self.stats.slice_retries.fetch_add(1, Ordering::Relaxed);
-                        let pool = &pools[(i + 1) % pools.len()];
-                        pool.clear();
-                        self.write_slice(pool, r, off, chunk).await
+            .try_for_each_concurrent(lanes, |(i, chunk)| {
+                // Slices are taken in order: hashed here, the slice is in
+                // cache when its write copies it into the socket.
+                if let Some(h) = hasher.as_mut() {
+                    h.update(chunk);
+                }
+                async move {
+                    let off = r.offset + (i * slice) as u64;
+                    let _p = self.permit().await?;
+                    match self
+                        .write_slice(&pools[i % pools.len()], r, off, chunk)
+                        .await
+                    {
+                        Ok(()) => Ok(()),
+                        Err(e) if retryable(&e) => {
+                            self.stats.slice_retries.fetch_add(1, Ordering::Relaxed);
+                            let pool = &pools[(i + 1) % pools.len()];
+                            pool.clear();
+                            self.write_slice(pool, r, off, chunk).await
+                        }
+                        Err(e) => Err(e),
                     }
-                    Err(e) => Err(e),
                 }
             })
             .await?;
         self.stats
             .tcp_bytes
             .fetch_add(src.len() as u64, Ordering::Relaxed);
-        Ok(())
+        Ok(hasher.map(|h| h.digest()))
     }
 
     async fn read_slice(

@@ -31,7 +31,7 @@ use crate::proto::WireError;
 
 pub const MAGIC: [u8; 4] = *b"KVPL";
 /// 2: checksums, grants, the auth handshake, Ping's segments (issue 12).
-/// 3: `PutOptions::replace` (the atomic replace).
+/// 3: `PutOptions::replace` (the atomic replace), `RemoveAll`'s `force` (issue 16).
 pub const VERSION: u8 = 3;
 pub const HEADER_LEN: usize = 24;
 /// Default bound on a control payload (keys are <= 4 KiB; batches are bounded).

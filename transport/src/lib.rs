@@ -8,6 +8,7 @@
 //!   owning shard and merged back in order.
 //! * `server` (feature `server`): the shard-side TCP server loop (glommio)
 //!   of the master and storage nodes.
+//! * [`checksum`]: the value checksum, computed piece by piece while in cache.
 //! * [`auth`]: the cluster secret: connection proofs and data-plane grants.
 //! * [`error`]: the stable error codes, the same on the wire and in Rust.
 //! * [`engine`]: the transfer engine (batches of reads and writes over shm
@@ -23,6 +24,7 @@
 //! control frame and are read straight into the destination buffer.
 
 pub mod auth;
+pub mod checksum;
 pub mod engine;
 #[cfg(feature = "rdma")]
 mod engine_rdma;

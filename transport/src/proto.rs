@@ -457,8 +457,10 @@ master_calls! {
     Exist("exist") { key: Vec<u8> } -> bool = MasterResponse::Exists(b) => b;
     /// Removes an object (under a lease only with `force`).
     Remove("remove") { key: Vec<u8>, force: bool } -> () = MasterResponse::Done => ();
-    /// Removes every object without a live lease; how many went.
-    RemoveAll("remove_all") -> u64 = MasterResponse::Removed(n) => n;
+    /// Removes every complete object without a live lease, or with
+    /// `force` every complete object (the space of a leased one waits for
+    /// its lease); how many went.
+    RemoveAll("remove_all") { force: bool } -> u64 = MasterResponse::Removed(n) => n;
     /// Segments, capacity, use and key count of the pool.
     Stat("stat") -> PoolStat = MasterResponse::Stat(s) => s;
     /// Metadata of one object (admin API); does not extend its lease.

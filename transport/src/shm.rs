@@ -338,6 +338,42 @@ impl ShmMap {
         Ok(())
     }
 
+    /// [`ShmMap::read_into`], and the checksum of the bytes read, each
+    /// piece hashed right after it was copied ([`checksum::copy_and_sum`]).
+    pub fn read_into_summed(&self, offset: u64, dst: &mut [u8]) -> Result<u64, KvError> {
+        self.check(offset, dst.len() as u64)?;
+        self.populate(offset, dst.len() as u64);
+        // SAFETY: in bounds (checked); the lease keeps writers away from the
+        // source (as in `read_into`); `dst` is ours, distinct from the
+        // mapping, and it is the side hashed.
+        Ok(unsafe {
+            crate::checksum::copy_and_sum(
+                dst.as_mut_ptr(),
+                self.ptr.as_ptr().add(offset as usize),
+                dst.len(),
+                crate::checksum::Side::Dst,
+            )
+        })
+    }
+
+    /// [`ShmMap::write_from`], and the checksum of `src`, each piece hashed
+    /// right after it was copied.
+    pub fn write_from_summed(&self, offset: u64, src: &[u8]) -> Result<u64, KvError> {
+        self.check(offset, src.len() as u64)?;
+        self.populate(offset, src.len() as u64);
+        // SAFETY: in bounds (checked); the range is this writer's alone (as
+        // in `write_from`); `src` is a shared borrow, so it does not change,
+        // and it is the side hashed.
+        Ok(unsafe {
+            crate::checksum::copy_and_sum(
+                self.ptr.as_ptr().add(offset as usize),
+                src.as_ptr(),
+                src.len(),
+                crate::checksum::Side::Src,
+            )
+        })
+    }
+
     /// The bytes at `offset..offset+len`, borrowed.
     ///
     /// # Safety

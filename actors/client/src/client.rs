@@ -185,6 +185,77 @@ impl std::fmt::Debug for RegisteredBuffer {
     }
 }
 
+/// Memory the caller owns, registered with this client for transfers
+/// ([`Client::register_memory`]): with RDMA on, the NIC holds a memory region
+/// for it and gets into it and puts from it are zero copy; without RDMA the
+/// range is only recorded (TCP and shared memory read and write any memory
+/// straight). Dropping it unregisters the range; the memory itself stays the
+/// caller's.
+pub struct MemoryRegistration {
+    addr: usize,
+    len: usize,
+    #[cfg(feature = "rdma")]
+    nic: Option<(
+        Arc<kvpool_transport::rdma::Registration>,
+        Arc<kvpool_transport::rdma::RdmaContext>,
+    )>,
+}
+
+impl MemoryRegistration {
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the NIC holds a memory region for the range (RDMA on).
+    pub fn nic_registered(&self) -> bool {
+        #[cfg(feature = "rdma")]
+        {
+            self.nic.is_some()
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            false
+        }
+    }
+
+    /// Whether `addr..addr + len` lies inside this range.
+    pub fn covers(&self, addr: usize, len: usize) -> bool {
+        addr >= self.addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= self.addr + self.len)
+    }
+}
+
+impl Drop for MemoryRegistration {
+    fn drop(&mut self) {
+        #[cfg(feature = "rdma")]
+        if let Some((reg, ctx)) = self.nic.take() {
+            // The cache lets go; the MRs go when the last work request
+            // holding the registration does.
+            ctx.unregister(reg.addr(), reg.len());
+        }
+    }
+}
+
+impl std::fmt::Debug for MemoryRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegistration")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("nic_registered", &self.nic_registered())
+            .finish()
+    }
+}
+
 /// A value read in place from a same-host segment, valid while its read lease
 /// lasts. [`ReadView::bytes`] refuses once the lease has (nearly) ended.
 pub struct ReadView {
@@ -566,6 +637,50 @@ impl Client {
         })
     }
 
+    /// Registers memory the caller owns, `addr..addr + len`, for transfers:
+    /// with RDMA on, the NIC gets a memory region for it, so that
+    /// [`Client::get_into`] into it and puts from it are zero copy (other
+    /// memory is staged through a bounce buffer); without RDMA nothing is
+    /// needed and the range is only recorded. An empty or null range is
+    /// `InvalidParams`; a full MR cache is `ResourceExhausted`.
+    ///
+    /// # Safety
+    /// The range must be mapped, writable memory that stays valid, at the
+    /// same address, until the returned value is dropped and every transfer
+    /// on it has ended (a transfer abandoned at its deadline may still be
+    /// written by the NIC for a moment after its call returned).
+    pub unsafe fn register_memory(
+        &self,
+        addr: usize,
+        len: usize,
+    ) -> Result<MemoryRegistration, KvError> {
+        if len == 0 || addr == 0 || addr.checked_add(len).is_none() {
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!("cannot register {len} bytes at {addr:#x}"),
+            ));
+        }
+        #[cfg(feature = "rdma")]
+        if let Some(ctx) = self.inner.engine.rdma_context() {
+            // SAFETY: the range's validity until the registration is gone
+            // is this function's own contract, passed on.
+            let raw = unsafe { kvpool_transport::rdma::RawMemory::new(addr as *mut u8, len) }
+                .ok_or_else(|| KvError::new(ErrorCode::InvalidParams, "null address"))?;
+            let reg = ctx.register(Arc::new(raw)).map_err(KvError::from)?;
+            return Ok(MemoryRegistration {
+                addr,
+                len,
+                nic: Some((reg, ctx.clone())),
+            });
+        }
+        Ok(MemoryRegistration {
+            addr,
+            len,
+            #[cfg(feature = "rdma")]
+            nic: None,
+        })
+    }
+
     /// Stores `value` under `key` with one replica. A key that is stored
     /// already is `ObjectAlreadyExists` (objects are written once; see
     /// [`Client::upsert`] to replace one).
@@ -655,17 +770,12 @@ impl Client {
         // leave the old object's replicas behind for the next get.
         let _forget = OnDrop(|| self.inner.locations.forget(key));
         let deadline = self.call_deadline();
-        let sum = self
-            .inner
-            .cfg
-            .checksums
-            .then(|| xxhash_rust::xxh3::xxh3_64(value));
         let res = self
             .deadline("put", async {
                 let mut backoff = Duration::from_millis(1);
                 let mut placements = 0;
                 loop {
-                    match self.put_inner(key, value, sum, opts, deadline).await {
+                    match self.put_inner(key, value, opts, deadline).await {
                         Err(e) if e.code == ErrorCode::TryAgain => {
                             // Space is on its way out, or another writer's
                             // put of the key is ending: wait for it, bounded
@@ -751,11 +861,12 @@ impl Client {
         }
     }
 
+    /// One placement of a put. The checksum is computed as the bytes go out
+    /// (each piece while it is in cache), not in a pass of its own.
     async fn put_inner(
         &self,
         key: &[u8],
         value: &[u8],
-        checksum: Option<u64>,
         opts: &PutOptions,
         deadline: Instant,
     ) -> Result<(), KvError> {
@@ -767,8 +878,20 @@ impl Client {
                 opts: self.with_host(opts),
             })
             .await?;
-        match self.inner.engine.write(&replicas, value, deadline).await {
-            Ok(()) => {
+        let engine = &self.inner.engine;
+        let written = if self.inner.cfg.checksums {
+            engine
+                .write_summed(&replicas, value, deadline)
+                .await
+                .map(Some)
+        } else {
+            engine
+                .write(&replicas, value, deadline)
+                .await
+                .map(|()| None)
+        };
+        match written {
+            Ok(checksum) => {
                 self.ask(call::PutEnd {
                     client_id: self.inner.id,
                     key: key.to_vec(),
@@ -950,10 +1073,17 @@ impl Client {
         .await
     }
 
-    /// Removes every object that may be removed; returns how many went.
+    /// Removes every object that may be removed (none under a live
+    /// lease); returns how many went.
     pub async fn remove_all(&self) -> Result<u64, KvError> {
+        self.remove_all_with(false).await
+    }
+
+    /// [`Client::remove_all`]; with `force`, objects under a lease go too
+    /// (their space waits for the lease).
+    pub async fn remove_all_with(&self, force: bool) -> Result<u64, KvError> {
         let _forget = OnDrop(|| self.inner.locations.clear()); // as in `put_with`
-        self.call(call::RemoveAll).await
+        self.call(call::RemoveAll { force }).await
     }
 
     /// Segments, capacity, use and key count of the pool.
@@ -979,23 +1109,13 @@ impl Client {
             }
         });
         let deadline = self.call_deadline();
-        let sums: Vec<Option<u64>> = items
-            .iter()
-            .map(|(_, v)| {
-                self.inner
-                    .cfg
-                    .checksums
-                    .then(|| xxhash_rust::xxh3::xxh3_64(v))
-            })
-            .collect();
         self.deadline("batch_put", async {
             let mut out: Vec<Option<Result<(), KvError>>> = vec![None; items.len()];
             let mut todo: Vec<usize> = (0..items.len()).collect();
             let mut backoff = Duration::from_millis(1);
             loop {
                 let sub: Vec<(&[u8], &[u8])> = todo.iter().map(|&i| items[i]).collect();
-                let sub_sums: Vec<Option<u64>> = todo.iter().map(|&i| sums[i]).collect();
-                let res = self.batch_put_once(&sub, &sub_sums, opts, deadline).await?;
+                let res = self.batch_put_once(&sub, opts, deadline).await?;
                 let mut again = Vec::new();
                 for (&i, r) in todo.iter().zip(res) {
                     match r {
@@ -1021,7 +1141,6 @@ impl Client {
     async fn batch_put_once(
         &self,
         items: &[(&[u8], &[u8])],
-        sums: &[Option<u64>],
         opts: &PutOptions,
         deadline: Instant,
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
@@ -1039,30 +1158,37 @@ impl Client {
             };
             let started: Vec<Result<Vec<ReplicaDesc>, KvError>> =
                 self.ask(req).await?.into_iter().map(Result::from).collect();
-            // Per item: Ok(()) written; Err((e, true)) allocated but not
-            // written (its space must go back); Err((e, false)) refused.
+            // Per item: Ok(checksum) written; Err((e, true)) allocated but
+            // not written (its space must go back); Err((e, false)) refused.
+            let summing = self.inner.cfg.checksums;
             let mut transfers: Vec<Transfer<'_>> = Vec::new();
             let mut which: Vec<usize> = Vec::new();
             for (i, (s, (_, v))) in started.iter().zip(items).enumerate() {
                 if let Ok(reps) = s {
-                    transfers.push(Transfer::write(v, reps));
+                    transfers.push(if summing {
+                        Transfer::write_summed(v, reps)
+                    } else {
+                        Transfer::write(v, reps)
+                    });
                     which.push(i);
                 }
             }
             self.inner.engine.run(&mut transfers, deadline, None).await;
-            let mut written: Vec<Result<(), (KvError, bool)>> = started
+            let mut written: Vec<Result<Option<u64>, (KvError, bool)>> = started
                 .iter()
                 .map(|s| match s {
-                    Ok(_) => Ok(()),
+                    Ok(_) => Ok(None),
                     Err(e) => Err((e.clone(), false)),
                 })
                 .collect();
             for (t, &i) in transfers.into_iter().zip(&which) {
-                if let Some(Err(e)) = t.status {
-                    written[i] = Err((e, true));
-                }
+                written[i] = match t.status {
+                    Some(Err(e)) => Err((e, true)),
+                    _ => Ok(t.sum),
+                };
             }
-            let keys_where = |pred: fn(&Result<(), (KvError, bool)>) -> bool| -> Vec<Vec<u8>> {
+            type Written = Result<Option<u64>, (KvError, bool)>;
+            let keys_where = |pred: fn(&Written) -> bool| -> Vec<Vec<u8>> {
                 written
                     .iter()
                     .zip(items)
@@ -1072,11 +1198,12 @@ impl Client {
             };
             let ok_items: Vec<PutDone> = written
                 .iter()
-                .zip(items.iter().zip(sums))
-                .filter(|(w, _)| w.is_ok())
-                .map(|(_, ((k, _), sum))| PutDone {
-                    key: k.to_vec(),
-                    checksum: *sum,
+                .zip(items)
+                .filter_map(|(w, (k, _))| {
+                    w.as_ref().ok().map(|sum| PutDone {
+                        key: k.to_vec(),
+                        checksum: *sum,
+                    })
                 })
                 .collect();
             let failed_keys = keys_where(|w| matches!(w, Err((_, true))));
@@ -1101,7 +1228,7 @@ impl Client {
             Ok(written
                 .into_iter()
                 .map(|w| match w {
-                    Ok(()) => ended.next().map(Result::from).unwrap_or_else(|| {
+                    Ok(_) => ended.next().map(Result::from).unwrap_or_else(|| {
                         Err(KvError::new(ErrorCode::Internal, "missing put_end result"))
                     }),
                     Err((e, _)) => Err(e),

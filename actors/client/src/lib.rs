@@ -10,6 +10,6 @@ mod client;
 mod locations;
 pub mod rdma;
 
-pub use client::{local_host_id, Client, ReadView, RegisteredBuffer};
+pub use client::{local_host_id, Client, MemoryRegistration, ReadView, RegisteredBuffer};
 pub use kvpool_config::ClientConfig;
 pub use kvpool_transport::{ErrorCode, KvError};

@@ -53,7 +53,9 @@ pub enum ShardCommand {
         client: ClientId,
     },
     Stat,
-    RemoveAll,
+    RemoveAll {
+        force: bool,
+    },
 }
 
 /// A shard's answer to a command.
@@ -86,7 +88,9 @@ impl ShardState {
                 CommandResult::Count(self.revoke_client(*client, now_ms))
             }
             ShardCommand::Stat => CommandResult::Stat(self.stat()),
-            ShardCommand::RemoveAll => CommandResult::Count(self.remove_all(now_ms)),
+            ShardCommand::RemoveAll { force } => {
+                CommandResult::Count(self.remove_all(now_ms, *force))
+            }
         }
     }
 }
@@ -389,8 +393,8 @@ impl CoordState {
                 cmd: ShardCommand::Stat,
                 finish: Finish::Stat,
             }),
-            MasterRequest::RemoveAll => Ok(Decision::Broadcast {
-                cmd: ShardCommand::RemoveAll,
+            MasterRequest::RemoveAll { force } => Ok(Decision::Broadcast {
+                cmd: ShardCommand::RemoveAll { force },
                 finish: Finish::Removed,
             }),
             other => Err(KvError::new(

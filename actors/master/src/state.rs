@@ -1575,13 +1575,14 @@ impl ShardState {
         self.free_at(obj, obj.stored().lease_end_ms, now_ms);
     }
 
-    /// Removes every complete object that has no live lease; returns the
-    /// count. O(objects).
-    pub fn remove_all(&mut self, now_ms: u64) -> u64 {
+    /// Removes every complete object that has no live lease (with `force`,
+    /// every complete object: a leased one's space is freed when its lease
+    /// ends, as a forced remove does); returns the count. O(objects).
+    pub fn remove_all(&mut self, now_ms: u64, force: bool) -> u64 {
         let ids: Vec<Id> = self
             .objs
             .complete_ids()
-            .filter(|&id| self.objs.get(id).stored().lease_end_ms <= now_ms)
+            .filter(|&id| force || self.objs.get(id).stored().lease_end_ms <= now_ms)
             .collect();
         for &id in &ids {
             let (k, obj) = self.objs.remove(id);

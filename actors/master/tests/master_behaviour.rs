@@ -642,10 +642,28 @@ fn remove_all_removes_what_it_may_and_returns_the_count() {
     }
     m.get("k0").unwrap(); // leased: stays
     m.start("p", 100).unwrap(); // processing: stays
-    let r = m.call(Q::RemoveAll).unwrap();
+    let r = m.call(Q::RemoveAll { force: false }).unwrap();
     assert_eq!(r, A::Removed(9));
     assert!(m.exist("k0"));
     assert_eq!(m.stat().keys, 2);
+}
+
+#[test]
+fn forced_remove_all_removes_leased_objects_but_their_space_waits_for_the_lease() {
+    let mut m = M::new(1);
+    m.mount("seg", 8 * KIB);
+    let first = m.put("k", 8 * KIB);
+    m.get("k").unwrap(); // leased
+    assert_eq!(m.call(Q::RemoveAll { force: true }).unwrap(), A::Removed(1));
+    assert!(!m.exist("k"));
+    // The reader may still be reading: the space is not handed out yet.
+    assert_eq!(code(m.start("new", 8 * KIB)), ErrorCode::NoSpace);
+    m.advance(m.cfg.lease_ttl_ms);
+    let second = m.start("new", 8 * KIB).unwrap();
+    assert_eq!(second[0].offset, first[0].offset);
+    // Processing objects stay, forced or not.
+    m.start("q", 10).ok();
+    assert_eq!(m.call(Q::RemoveAll { force: true }).unwrap(), A::Removed(0));
 }
 
 // ---- replace (upsert) -------------------------------------------------------------

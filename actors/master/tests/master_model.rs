@@ -632,7 +632,7 @@ impl Run {
             .filter(|(_, o)| matches!(o.state, State::Complete { lease_until, .. } if lease_until <= now))
             .map(|(k, _)| k.clone())
             .collect();
-        match self.m.call(Q::RemoveAll, now) {
+        match self.m.call(Q::RemoveAll { force: false }, now) {
             Ok(A::Removed(n)) if n == gone.len() as u64 => {
                 for k in gone {
                     self.complete_gone(&k);

@@ -253,7 +253,7 @@ async fn remove_all(State(st): State<HttpState>, headers: HeaderMap) -> Response
     if let Err(e) = authorize(&st, &headers, "/api/v1/remove_all") {
         return error_response(&e);
     }
-    match admin_call(&st, call::RemoveAll).await {
+    match admin_call(&st, call::RemoveAll { force: false }).await {
         Ok(n) => Json(json!({ "removed": n })).into_response(),
         Err(r) => r,
     }

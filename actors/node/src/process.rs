@@ -7,15 +7,13 @@ use std::time::Duration;
 
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardHandle, ShardPool, Shutdown};
-use kvpool_transport::ErrorCode;
 use ractor::{call, Actor, ActorRef};
 
 use crate::http::{self, HttpState};
-use kvpool_client::Client;
 use kvpool_config::NodeConfig;
 use kvpool_config::NodeError;
 use kvpool_master::{Master, MasterArgs, MasterHandle, MasterMsg};
-use kvpool_storage_node::{self as storage_node, StorageNode, StorageNodeArgs, StorageNodeMsg};
+use kvpool_storage_node as storage_node;
 
 /// Which roles a process runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,46 +112,24 @@ async fn run_roles(
         master = Some((actor, handle));
     }
 
-    let mut storage: Option<ActorRef<StorageNodeMsg>> = None;
-    let mut storage_addr = None;
-    let mut nvme: Option<(kvpool_client::Client, kvpool_transport::proto::SegmentId)> = None;
+    let mut storage: Option<storage_node::MountedNode> = None;
     if role.has_storage() {
-        let svc = storage_node::start(
-            &shards,
-            &cfg.storage,
-            key.clone(),
-            cfg.security.clock_skew_ms,
-            &metrics,
-        )
-        .await?;
-        if cfg.storage.shm {
-            storage_node::spawn_shm_server(&svc, shutdown.clone())?;
-        }
         let master_addr = match &master {
             Some((_, h)) => h.addr().to_string(),
             None => cfg.storage.master.clone(),
         };
-        let client = connect_with_retry(&master_addr, cfg, &svc.spec.host_id).await?;
-        let args = StorageNodeArgs {
-            client,
-            spec: svc.spec.clone(),
-            nvme: svc.nvme.clone(),
-            ping_interval: Duration::from_millis(cfg.storage.ping_interval_ms),
-            mount_deadline: MOUNT_DEADLINE,
+        let opts = storage_node::MountOptions {
+            master: master_addr,
+            client: cfg.client_config(),
+            key: key.clone(),
+            skew_ms: cfg.security.clock_skew_ms,
+            deadline: MOUNT_DEADLINE,
+            actor_name: Some("storage".into()),
         };
-        let node_client = args.client.clone();
-        // The actor mounts the segment and the tier (reporting what
-        // survived on it) before it counts as started.
-        let (actor, _) = Actor::spawn(Some("storage".into()), StorageNode, args)
-            .await
-            .map_err(|e| NodeError::Start(format!("storage: {e}")))?;
-        if let Some(tier) = &svc.nvme {
-            tier.clone()
-                .spawn_loop(node_client.clone(), shutdown.clone());
-            nvme = Some((node_client, tier.segment_id));
-        }
-        storage_addr = Some(svc.addr);
-        storage = Some(actor);
+        let node =
+            storage_node::start_mounted(&shards, &cfg.storage, &opts, &metrics, shutdown.clone())
+                .await?;
+        storage = Some(node);
     }
 
     let http_addr = match role {
@@ -177,8 +153,8 @@ async fn run_roles(
     if let Some((_, h)) = &master {
         println!("kvpool master listening on {}", h.addr());
     }
-    if let Some(a) = storage_addr {
-        println!("kvpool storage listening on {a}");
+    if let Some(node) = &storage {
+        println!("kvpool storage listening on {}", node.addr());
     }
     if role == Role::All {
         let (_, h) = master.as_ref().expect("role all runs a master");
@@ -194,50 +170,11 @@ async fn run_roles(
     }
 
     if let Some(node) = storage {
-        // Leave gracefully: the master stops placing data here at once.
-        let r = call!(node, StorageNodeMsg::Unmount);
-        match r {
-            Ok(Ok(())) => tracing::info!("segment unmounted"),
-            Ok(Err(e)) => tracing::warn!("unmount at the master failed: {e}"),
-            Err(e) => tracing::warn!("unmount did not complete: {e}"),
-        }
-        node.stop(None);
-    }
-    if let Some((client, id)) = nvme {
-        // Its objects come back when the node restarts on the same path.
-        if let Err(e) = client.unmount_segment(id).await {
-            tracing::warn!("NVMe tier unmount failed: {e}");
-        }
+        node.leave().await;
     }
     shutdown.trigger();
     if let Some((actor, _)) = master {
         actor.stop(None);
     }
     Ok(())
-}
-
-async fn connect_with_retry(
-    master: &str,
-    cfg: &NodeConfig,
-    host_id: &str,
-) -> Result<Client, NodeError> {
-    let deadline = tokio::time::Instant::now() + MOUNT_DEADLINE;
-    let id = rand::random::<u64>().max(1);
-    loop {
-        match Client::connect_as(master, cfg.client_config(), id, host_id.to_string()).await {
-            Ok(c) => return Ok(c),
-            Err(e)
-                if tokio::time::Instant::now() < deadline
-                    && matches!(e.code, ErrorCode::Unavailable | ErrorCode::Timeout) =>
-            {
-                tracing::warn!("master {master} not reachable yet, retrying: {e}");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            Err(e) => {
-                return Err(NodeError::Start(format!(
-                    "cannot reach the master at {master}: {e}"
-                )))
-            }
-        }
-    }
 }

@@ -6,12 +6,16 @@
 //! * [`nvme_tier`]: the NVMe tier at work (demotions, promotions, eviction,
 //!   recovery reports).
 //! * [`metrics`]: what the node exports on `/metrics`.
+//! * [`mounted`]: a node started and mounted at a master as one value (the
+//!   storage role, and a process that embeds a node).
 
 pub mod metrics;
+pub mod mounted;
 pub mod node;
 pub mod nvme_tier;
 pub mod rdma;
 
+pub use mounted::{start_mounted, MountOptions, MountedNode};
 pub use node::{
     spawn_shm_server, start, StorageNode, StorageNodeArgs, StorageNodeMsg, StorageService,
 };

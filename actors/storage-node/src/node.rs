@@ -54,6 +54,32 @@ pub struct StorageService {
 /// Creates the segment and starts serving it on every shard. With `key`
 /// (the cluster secret), every data request needs a grant the master
 /// signed; `skew_ms` is how long after its expiry one is still accepted.
+/// Where the kernel says whether shared memory gets transparent huge pages.
+const SHMEM_THP: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+
+/// Whether the kernel setting at `path` (its current choice in brackets, e.g.
+/// `always within_size [advise] never deny force`) gives the segment, which
+/// asks for huge pages, huge pages. `None` when it cannot be read.
+pub fn shmem_huge_pages(path: &str) -> Option<bool> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let chosen = text.split('[').nth(1)?.split(']').next()?;
+    Some(!matches!(chosen, "never" | "deny"))
+}
+
+/// Says once, at start, that same-host clients will map the segment in 4 KiB
+/// pages: each fresh client pays a page-table fill per page it first touches
+/// (docs/BENCHMARKS.md: a fresh client's 16 MiB shm put 3.8 vs 6.1 GB/s).
+fn warn_without_shmem_huge_pages(path: &str) {
+    if shmem_huge_pages(path) == Some(false) {
+        tracing::warn!(
+            "shared memory gets no transparent huge pages here ({path} is never or deny): \
+             same-host clients map the segment in 4 KiB pages, which slows their first \
+             writes to each region; `echo advise > {path}` (as root) lets the segment use \
+             huge pages"
+        );
+    }
+}
+
 pub async fn start(
     shards: &ShardHandle,
     cfg: &StorageConfig,
@@ -88,6 +114,9 @@ pub async fn start(
         nr_shards: n as u16,
     };
     let segment_id = segment_id_for(&name);
+    if cfg.shm {
+        warn_without_shmem_huge_pages(SHMEM_THP);
+    }
     let rdma = crate::rdma::NodeRdma::start(&cfg.rdma, &segment).map_err(NodeError::Start)?;
     let m = StorageMetrics::register(metrics);
     let nvme = if cfg.nvme.path.is_empty() {
@@ -768,5 +797,36 @@ impl Actor for StorageNode {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shmem_huge_pages;
+
+    #[test]
+    fn the_kernels_shmem_huge_page_choice_is_read_from_its_brackets() {
+        let dir = std::env::temp_dir().join(format!("kvpool-thp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("shmem_enabled");
+        let f = f.to_str().unwrap();
+        for (text, want) in [
+            (
+                "always within_size advise [never] deny force\n",
+                Some(false),
+            ),
+            (
+                "always within_size advise never [deny] force\n",
+                Some(false),
+            ),
+            ("always within_size [advise] never deny force\n", Some(true)),
+            ("[always] within_size advise never deny force\n", Some(true)),
+            ("garbage\n", None),
+        ] {
+            std::fs::write(f, text).unwrap();
+            assert_eq!(shmem_huge_pages(f), want, "{text}");
+        }
+        assert_eq!(shmem_huge_pages("/nonexistent/kvpool/thp"), None);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -1,0 +1,187 @@
+"""Mooncake's store API on kvpool.
+
+``MooncakeDistributedStore``, ``ReplicateConfig``, ``BufferHandle`` and
+``MooncakeHostMemAllocator`` with Mooncake's names, signatures and return
+conventions, so that programs written for ``mooncake.store`` (vLLM's
+MooncakeStoreConnector, SGLang's HiCache, LMCache's ``mooncakestore://``)
+run on a kvpool pool. Errors are Mooncake's negative codes (kvpool's codes
+mapped through one table: ``mooncake_code_table()``); a call before
+``setup`` returns -600.
+
+``setup`` connects to kvpool's master (``master_server_addr``, host:port);
+``global_segment_size > 0`` starts a storage node inside this process that
+gives that much of its DRAM to the pool (0: a pure client).
+``metadata_server`` is accepted and not needed (kvpool's master holds the
+metadata). A kvpool config file named by ``KVPOOL_CONFIG`` tunes the client
+(``[client]``) and the embedded node (``[storage]``, ``[runtime]``);
+``KVPOOL_SECRET`` is the cluster secret.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+
+from kvpool._native import (
+    BufferHandle,
+    MooncakeHostMemAllocator,
+    ObjectDataType,
+    ReplicateConfig,
+    SoftPinAction,
+    _MooncakeStore,
+    mooncake_code_table,
+)
+
+__all__ = [
+    "MooncakeDistributedStore",
+    "ReplicateConfig",
+    "BufferHandle",
+    "MooncakeHostMemAllocator",
+    "SoftPinAction",
+    "ObjectDataType",
+    "mooncake_code_table",
+]
+
+# Mooncake exports ObjectDataType's values into the module.
+UNKNOWN = ObjectDataType.UNKNOWN
+KVCACHE = ObjectDataType.KVCACHE
+TENSOR = ObjectDataType.TENSOR
+WEIGHT = ObjectDataType.WEIGHT
+SAMPLE = ObjectDataType.SAMPLE
+ACTIVATION = ObjectDataType.ACTIVATION
+GRADIENT = ObjectDataType.GRADIENT
+OPTIMIZER_STATE = ObjectDataType.OPTIMIZER_STATE
+METADATA = ObjectDataType.METADATA
+GENERAL = ObjectDataType.GENERAL
+
+_log = logging.getLogger("kvpool.mooncake")
+
+INVALID_PARAMS = -600
+_KIB = 1 << 10
+_TIB = 1 << 40
+#: Units of Mooncake's size strings (powers of 1024, case-insensitive).
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+#: Mooncake's default master address in the dict form of ``setup``.
+_DEFAULT_MASTER = "127.0.0.1:50051"
+
+
+def _parse_size(v) -> int | None:
+    """Bytes from an int or a string such as "16MB", "16 MB", "1.5 GB",
+    "infinite"; None when it is not a size."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v if v >= 0 else None
+    s = str(v).strip()
+    if s.lower() == "infinite":
+        return (1 << 64) - 1
+    m = _SIZE.match(s)
+    if not m or m.group(2).lower() not in _UNITS:
+        return None
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _parse_bool(v) -> bool:
+    return str(v).strip().lower() in ("1", "true", "yes", "on")
+
+
+class MooncakeDistributedStore(_MooncakeStore):
+    """Mooncake's ``MooncakeDistributedStore`` on kvpool.
+
+    Create it with no arguments, then ``setup(...)`` (seven positional
+    arguments and keyword extras, or one dict). Every I/O method releases
+    the GIL and may be called from many threads at once.
+    """
+
+    def setup(self, *args, **kwargs) -> int:
+        """``setup(local_hostname, metadata_server, global_segment_size,
+        local_buffer_size, protocol, rdma_devices, master_server_addr,
+        engine=None, enable_ssd_offload=False, ssd_offload_path="",
+        tenant_id="default", enable_client_http_server=False,
+        client_http_port=9300)`` or ``setup(config: dict)``. Returns 0 or a
+        negative code."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], dict):
+            return self._setup_dict(args[0])
+        if not args and list(kwargs) == ["config"] and isinstance(kwargs["config"], dict):
+            return self._setup_dict(kwargs["config"])
+        return _setup_positional(self, *args, **kwargs)
+
+    def _setup_dict(self, config: dict) -> int:
+        cfg = {str(k): str(v) for k, v in config.items()}
+        if "local_hostname" not in cfg or "metadata_server" not in cfg:
+            _log.warning("setup: the dict needs local_hostname and metadata_server")
+            return INVALID_PARAMS
+        sizes = {}
+        for name in ("global_segment_size", "local_buffer_size"):
+            n = _parse_size(cfg.get(name, 16 << 20))
+            if n is None:
+                _log.warning("setup: %s=%r is not a size", name, cfg.get(name))
+                return INVALID_PARAMS
+            sizes[name] = n
+        return self._setup(
+            cfg["local_hostname"],
+            sizes["global_segment_size"],
+            sizes["local_buffer_size"],
+            cfg.get("protocol", "tcp"),
+            cfg.get("rdma_devices", ""),
+            cfg.get("master_server_addr", _DEFAULT_MASTER),
+            enable_ssd_offload=_parse_bool(cfg.get("enable_ssd_offload", "false")),
+            tenant_id=cfg.get("tenant_id", "default"),
+        )
+
+    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
+        """Mooncake's standalone client. kvpool needs no resource-owning
+        holder: the store connects to the master at ``server_address``
+        (host:port) as a pure client. Returns 0 or a negative code."""
+        operator.index(mem_pool_size)
+        operator.index(local_buffer_size)
+        if not isinstance(server_address, str):
+            raise TypeError("setup_dummy(): server_address must be a str")
+        return self._setup("localhost", 0, local_buffer_size, "tcp", "", server_address)
+
+    def _setup(self, local_hostname, global_segment_size, local_buffer_size, protocol,
+               rdma_devices, master_server_addr, enable_ssd_offload=False,
+               tenant_id="default") -> int:
+        if global_segment_size != 0 and global_segment_size < _KIB:
+            _log.warning("setup: global_segment_size must be 0 or at least 1 KiB")
+            return INVALID_PARAMS
+        if local_buffer_size != 0 and not (_KIB <= local_buffer_size <= _TIB):
+            _log.warning("setup: local_buffer_size must be 0 or in [1 KiB, 1 TiB]")
+            return INVALID_PARAMS
+        if enable_ssd_offload:
+            _log.warning("setup: enable_ssd_offload is ignored; a node's NVMe tier is "
+                         "[storage.nvme] in the kvpool config (KVPOOL_CONFIG)")
+        if tenant_id != "default":
+            _log.warning("setup: tenant_id %r is ignored (kvpool has one namespace)", tenant_id)
+        return self._setup_native(local_hostname, master_server_addr, global_segment_size,
+                                  protocol, rdma_devices)
+
+
+def _setup_positional(self, local_hostname, metadata_server, global_segment_size,
+                      local_buffer_size, protocol, rdma_devices, master_server_addr,
+                      engine=None, enable_ssd_offload=False, ssd_offload_path="",
+                      tenant_id="default", enable_client_http_server=False,
+                      client_http_port=9300) -> int:
+    for name, v in (("local_hostname", local_hostname), ("metadata_server", metadata_server),
+                    ("protocol", protocol), ("rdma_devices", rdma_devices),
+                    ("master_server_addr", master_server_addr)):
+        if not isinstance(v, str):
+            raise TypeError(f"setup(): {name} must be a str, not {type(v).__name__}")
+    gss = operator.index(global_segment_size)
+    lbs = operator.index(local_buffer_size)
+    if gss < 0 or lbs < 0:
+        return INVALID_PARAMS
+    if engine is not None:
+        _log.warning("setup: a Mooncake TransferEngine cannot be shared with kvpool; ignored")
+    return self._setup(local_hostname, gss, lbs, protocol, rdma_devices, master_server_addr,
+                       enable_ssd_offload=bool(enable_ssd_offload), tenant_id=str(tenant_id))
+
+
+# TypeError messages name the call as Mooncake's do ("setup() got an
+# unexpected keyword argument 'x'"); SGLang retries without that argument.
+_setup_positional.__name__ = "setup"
+_setup_positional.__qualname__ = "setup"
+_setup_positional.__code__ = _setup_positional.__code__.replace(co_name="setup", co_qualname="setup")

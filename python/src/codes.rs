@@ -1,0 +1,120 @@
+//! Errors as Python sees them: [`KvpoolError`] for `kvpool.Client`, and the
+//! one table that turns kvpool's error codes into Mooncake's negative codes
+//! for `kvpool.mooncake`.
+
+use kvpool_transport::{ErrorCode, KvError};
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+/// Mooncake's codes that the shim returns without a kvpool error behind them.
+pub const OK: i64 = 0;
+pub const INTERNAL_ERROR: i64 = -1;
+pub const INVALID_PARAMS: i64 = -600;
+
+/// kvpool's error code -> Mooncake's code and name (`mooncake-store`'s
+/// `ErrorCode`). The only place the two meet; README lists it.
+pub const TABLE: [(ErrorCode, i64, &str); 18] = [
+    (ErrorCode::InvalidParams, -600, "INVALID_PARAMS"),
+    (ErrorCode::ObjectNotFound, -704, "OBJECT_NOT_FOUND"),
+    (
+        ErrorCode::ObjectAlreadyExists,
+        -705,
+        "OBJECT_ALREADY_EXISTS",
+    ),
+    (ErrorCode::ReplicaNotReady, -703, "REPLICA_IS_NOT_READY"),
+    (ErrorCode::ObjectHasLease, -706, "OBJECT_HAS_LEASE"),
+    (ErrorCode::IllegalClient, -601, "ILLEGAL_CLIENT"),
+    (ErrorCode::NoSpace, -200, "NO_AVAILABLE_HANDLE"),
+    (ErrorCode::SegmentNotFound, -101, "SEGMENT_NOT_FOUND"),
+    (ErrorCode::Timeout, -901, "RPC_TIMEOUT"),
+    (ErrorCode::Malformed, -900, "RPC_FAIL"),
+    (ErrorCode::Unsupported, -1012, "NOT_SUPPORTED"),
+    (ErrorCode::TooLarge, -600, "INVALID_PARAMS"),
+    (ErrorCode::Unavailable, -900, "RPC_FAIL"),
+    (ErrorCode::ResourceExhausted, -200, "NO_AVAILABLE_HANDLE"),
+    (ErrorCode::Internal, -1, "INTERNAL_ERROR"),
+    (ErrorCode::Corrupt, -801, "CHECKSUM_MISMATCH"),
+    (ErrorCode::Unauthenticated, -601, "ILLEGAL_CLIENT"),
+    (ErrorCode::TryAgain, -1010, "UNAVAILABLE_IN_CURRENT_STATUS"),
+];
+
+/// Mooncake's code for a kvpool error.
+pub fn mooncake_code(e: &KvError) -> i64 {
+    TABLE
+        .iter()
+        .find(|(c, _, _)| *c == e.code)
+        .map(|t| t.1)
+        .unwrap_or(INTERNAL_ERROR)
+}
+
+/// The table as `[(kvpool_code, kvpool_name, mooncake_code, mooncake_name)]`.
+#[pyfunction]
+pub fn mooncake_code_table() -> Vec<(u16, &'static str, i64, &'static str)> {
+    TABLE
+        .iter()
+        .map(|(c, m, n)| (c.code(), c.name(), *m, *n))
+        .collect()
+}
+
+/// An error from kvpool: `code` is kvpool's stable error code (see
+/// `kvpool.ERROR_CODES`), `name` its name, `message` why.
+#[pyclass(extends = PyException, module = "kvpool", name = "KvpoolError", subclass)]
+pub struct KvpoolError {
+    #[pyo3(get)]
+    code: u16,
+    #[pyo3(get)]
+    name: String,
+    #[pyo3(get)]
+    message: String,
+}
+
+#[pymethods]
+impl KvpoolError {
+    #[new]
+    fn new(code: u16, name: String, message: String) -> Self {
+        Self {
+            code,
+            name,
+            message,
+        }
+    }
+
+    fn __str__(&self) -> String {
+        format!("{} ({}): {}", self.name, self.code, self.message)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "KvpoolError(code={}, name={:?}, message={:?})",
+            self.code, self.name, self.message
+        )
+    }
+}
+
+/// The Python exception for a kvpool error.
+pub fn to_py(py: Python<'_>, e: &KvError) -> PyErr {
+    match Bound::new(
+        py,
+        KvpoolError::new(e.code.code(), e.code.name().into(), e.message.clone()),
+    ) {
+        Ok(v) => PyErr::from_value(v.into_any()),
+        Err(err) => err,
+    }
+}
+
+/// The error as a Python value (for per-item batch results).
+pub fn to_py_value(py: Python<'_>, e: &KvError) -> PyResult<Py<PyAny>> {
+    let v = Bound::new(
+        py,
+        KvpoolError::new(e.code.code(), e.code.name().into(), e.message.clone()),
+    )?;
+    Ok(v.into_any().unbind())
+}
+
+/// `kvpool.ERROR_CODES`: every kvpool error name and its code.
+pub fn error_codes() -> Vec<(&'static str, u16)> {
+    ErrorCode::ALL
+        .iter()
+        .map(|c| (c.name(), c.code()))
+        .collect()
+}

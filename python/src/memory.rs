@@ -1,0 +1,242 @@
+//! Memory the module reads and writes: Python buffers held for one call,
+//! raw ranges the caller registered (Mooncake's `register_buffer(ptr, size)`),
+//! and shareable host memory (`MooncakeHostMemAllocator`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::OwnedFd;
+use std::sync::Mutex;
+
+use kvpool_client::{Client, MemoryRegistration};
+use kvpool_transport::{ErrorCode, KvError};
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::{PyBufferError, PyRuntimeError};
+use pyo3::prelude::*;
+
+/// A Python object's memory, exported to us (the object cannot resize or
+/// free it) for as long as this value lives. Drop it with the GIL held.
+pub struct PyMem {
+    _buf: PyUntypedBuffer,
+    pub addr: usize,
+    pub len: usize,
+}
+
+impl PyMem {
+    /// Any C-contiguous buffer-protocol object (bytes, bytearray,
+    /// memoryview, numpy arrays, ...), read-only use.
+    pub fn readable(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let buf = PyUntypedBuffer::get(obj)?;
+        if !buf.is_c_contiguous() {
+            return Err(PyBufferError::new_err(
+                "the buffer must be C-contiguous (one run of bytes)",
+            ));
+        }
+        let (addr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
+        Ok(Self {
+            _buf: buf,
+            addr,
+            len,
+        })
+    }
+
+    /// A writable C-contiguous buffer-protocol object (bytearray, a numpy
+    /// array, a writable memoryview, a tensor's storage, ...).
+    pub fn writable(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let m = Self::readable(obj)?;
+        if m._buf.readonly() {
+            return Err(PyBufferError::new_err(
+                "the buffer is read-only: get_into needs a writable one",
+            ));
+        }
+        Ok(m)
+    }
+}
+
+/// The bytes at `addr..addr + len` (empty for `len == 0`, whatever `addr`).
+///
+/// # Safety
+/// For the returned lifetime the range must be mapped, readable memory that
+/// nobody frees or writes.
+pub unsafe fn slice<'a>(addr: usize, len: usize) -> &'a [u8] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: per this function's contract.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+}
+
+/// The bytes at `addr..addr + len`, writable.
+///
+/// # Safety
+/// For the returned lifetime the range must be mapped, writable memory that
+/// nobody else reads, writes or frees, and that no other live slice covers.
+#[allow(clippy::mut_from_ref)]
+pub unsafe fn slice_mut<'a>(addr: usize, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: per this function's contract.
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+}
+
+/// Whether no two of the ranges `(addr, len)` overlap (writable slices of a
+/// batch must not alias).
+pub fn disjoint(ranges: &[(usize, usize)]) -> bool {
+    let mut v: Vec<(usize, usize)> = ranges.iter().copied().filter(|r| r.1 > 0).collect();
+    v.sort_unstable();
+    v.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0)
+}
+
+/// Ranges registered with one client, by start address.
+#[derive(Default)]
+pub struct Registry {
+    map: Mutex<BTreeMap<usize, MemoryRegistration>>,
+}
+
+impl Registry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, MemoryRegistration>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers `addr..addr + len` with `client`. The same range again is
+    /// a no-op; another length at the same address replaces the old range
+    /// (unregistered first, so that the old one's release cannot drop the
+    /// new one's entry in the RDMA cache).
+    ///
+    /// # Safety
+    /// As [`Client::register_memory`]: the range stays valid until it is
+    /// unregistered (or the registry dropped) and its transfers have ended.
+    pub unsafe fn register(&self, client: &Client, addr: usize, len: usize) -> Result<(), KvError> {
+        let mut map = self.lock();
+        match map.get(&addr) {
+            Some(r) if r.len() == len => return Ok(()),
+            Some(_) => drop(map.remove(&addr)),
+            None => {}
+        }
+        // SAFETY: this function's contract, passed on.
+        let reg = unsafe { client.register_memory(addr, len) }?;
+        map.insert(addr, reg);
+        Ok(())
+    }
+
+    /// Forgets the range that starts at `addr`; whether there was one.
+    pub fn unregister(&self, addr: usize) -> bool {
+        self.lock().remove(&addr).is_some()
+    }
+
+    /// Whether `addr..addr + len` lies inside one registered range.
+    pub fn covers(&self, addr: usize, len: usize) -> bool {
+        let map = self.lock();
+        map.range(..=addr)
+            .next_back()
+            .is_some_and(|(_, r)| r.covers(addr, len))
+    }
+
+    /// Whether every range lies inside a registered one.
+    pub fn covers_all(&self, ranges: &[(usize, usize)]) -> bool {
+        ranges.iter().all(|&(a, l)| l == 0 || self.covers(a, l))
+    }
+
+    pub fn clear(&self) {
+        self.lock().clear();
+    }
+}
+
+/// Shared host memory for a process that hands its buffers to another
+/// (Mooncake's standalone mode): each allocation is its own memfd, mapped
+/// shared and populated.
+#[pyclass(module = "kvpool.mooncake", name = "MooncakeHostMemAllocator")]
+pub struct HostMemAllocator;
+
+struct HostAlloc {
+    len: usize,
+    _fd: OwnedFd,
+}
+
+/// Live allocations of every allocator of the process, by address.
+static HOST_ALLOCS: Mutex<Option<HashMap<usize, HostAlloc>>> = Mutex::new(None);
+
+fn host_alloc(size: usize) -> Result<usize, String> {
+    use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
+    use rustix::mm::{mmap, MapFlags, ProtFlags};
+    if size == 0 {
+        return Err("cannot allocate 0 bytes".into());
+    }
+    let fd = memfd_create("kvpool_host_mem", MemfdFlags::CLOEXEC)
+        .map_err(|e| format!("memfd_create: {e}"))?;
+    ftruncate(&fd, size as u64).map_err(|e| format!("ftruncate({size}): {e}"))?;
+    // SAFETY: a new shared mapping of our own memfd at an address the
+    // kernel picks: it aliases no Rust memory.
+    let ptr = unsafe {
+        mmap(
+            std::ptr::null_mut(),
+            size,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED | MapFlags::POPULATE,
+            &fd,
+            0,
+        )
+    }
+    .map_err(|e| format!("mmap({size}): {e}"))?;
+    let addr = ptr as usize;
+    HOST_ALLOCS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .insert(addr, HostAlloc { len: size, _fd: fd });
+    Ok(addr)
+}
+
+fn host_free(addr: usize) -> bool {
+    let a = HOST_ALLOCS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_mut()
+        .and_then(|m| m.remove(&addr));
+    match a {
+        Some(a) => {
+            // SAFETY: `addr..addr + len` is a mapping `host_alloc` made and
+            // nobody else unmaps (it just left the table); the caller said
+            // it is done with it (Mooncake's contract for `free`).
+            if let Err(e) = unsafe { rustix::mm::munmap(addr as *mut _, a.len) } {
+                tracing::warn!("munmap of host memory at {addr:#x}: {e}");
+            }
+            true
+        }
+        None => false,
+    }
+}
+
+#[pymethods]
+impl HostMemAllocator {
+    #[new]
+    fn new() -> Self {
+        Self
+    }
+
+    /// Allocates `size` bytes of shareable host memory (a memfd, mapped
+    /// shared and populated); returns its address. Failure raises
+    /// RuntimeError.
+    #[pyo3(signature = (size, /))]
+    fn alloc(&self, py: Python<'_>, size: usize) -> PyResult<usize> {
+        py.detach(|| host_alloc(size))
+            .map_err(|e| PyRuntimeError::new_err(format!("MooncakeHostMemAllocator.alloc: {e}")))
+    }
+
+    /// Frees memory from `alloc`: 0, or -1 for an address it did not give.
+    #[pyo3(signature = (ptr, /))]
+    fn free(&self, py: Python<'_>, ptr: usize) -> i64 {
+        if py.detach(|| host_free(ptr)) {
+            0
+        } else {
+            -1
+        }
+    }
+}
+
+/// `InvalidParams` for a range that is not registered.
+pub fn unregistered(addr: usize, len: usize) -> KvError {
+    KvError::new(
+        ErrorCode::InvalidParams,
+        format!("{len} bytes at {addr:#x} are not inside a registered buffer"),
+    )
+}

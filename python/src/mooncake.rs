@@ -1,0 +1,1292 @@
+//! The native half of `kvpool.mooncake`: Mooncake's `MooncakeDistributedStore`
+//! methods with their names, signatures and return conventions (`setup`'s
+//! argument forms are parsed in Python, `kvpool/mooncake.py`), and
+//! `ReplicateConfig`, `BufferHandle`, `SoftPinAction`, `ObjectDataType`.
+//!
+//! Conventions (Mooncake's): every call returns; errors are negative ints
+//! (kvpool's codes through [`codes::TABLE`]), never exceptions, but for
+//! arguments of the wrong type (TypeError). A call before `setup` returns
+//! -600 (`b""`, `None` or lists of those where the result is data). Puts are
+//! write-once: a put of a stored key returns 0 and keeps the old bytes.
+//! Raw-pointer calls (`put_from`, `get_into`, the batch and multi-buffer
+//! forms) accept only memory inside a range given to `register_buffer`.
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use kvpool_client::Client;
+use kvpool_config::Transport;
+use kvpool_transport::proto::PutOptions;
+use kvpool_transport::{ErrorCode, KvError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
+
+use crate::client::{key_of, keys_of};
+use crate::codes::{mooncake_code, INTERNAL_ERROR, INVALID_PARAMS, OK};
+use crate::memory::{self, PyMem, Registry};
+use crate::node::EmbeddedNode;
+use crate::{config, runtime};
+
+/// Keys per master request: batches are cut into pieces of this many (the
+/// master refuses more than `master.max_batch`, 4096 by default).
+const MAX_BATCH: usize = 1024;
+/// Soft pin of `with_soft_pin` without a TTL (Mooncake's default pin TTL).
+const DEFAULT_SOFT_PIN_TTL_MS: u64 = 30 * 60 * 1000;
+/// `health_check`'s bound on asking the master.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
+/// Mooncake's codes of `health_check`.
+const HEALTHY: i64 = 0;
+const NOT_INITIALIZED: i64 = 1;
+const MASTER_UNREACHABLE: i64 = 2;
+
+/// What a soft pin does on put (Mooncake's `SoftPinAction`).
+#[pyclass(
+    module = "kvpool.mooncake",
+    name = "SoftPinAction",
+    eq,
+    eq_int,
+    from_py_object
+)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum SoftPinAction {
+    PRESERVE = 0,
+    ENABLE = 1,
+    DISABLE = 2,
+}
+
+/// What an object holds (Mooncake's `ObjectDataType`; kvpool records
+/// nothing of it).
+#[pyclass(
+    module = "kvpool.mooncake",
+    name = "ObjectDataType",
+    eq,
+    eq_int,
+    from_py_object
+)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum ObjectDataType {
+    UNKNOWN = 0,
+    KVCACHE = 1,
+    TENSOR = 2,
+    WEIGHT = 3,
+    SAMPLE = 4,
+    ACTIVATION = 5,
+    GRADIENT = 6,
+    OPTIMIZER_STATE = 7,
+    METADATA = 8,
+    GENERAL = 9,
+}
+
+/// How a put is placed (Mooncake's `ReplicateConfig`). kvpool uses
+/// `replica_num`, the soft pin (`with_soft_pin`, or `soft_pin_action` ENABLE
+/// with `soft_pin_ttl_ms`) and `with_hard_pin`; the other fields are kept
+/// for compatibility and change nothing (placement is the master's:
+/// same-host first; kvpool has no NVMe-oF or DFS replicas, no groups).
+#[pyclass(
+    module = "kvpool.mooncake",
+    name = "ReplicateConfig",
+    get_all,
+    set_all,
+    from_py_object
+)]
+#[derive(Clone, Debug)]
+pub struct ReplicateConfig {
+    replica_num: u64,
+    nof_replica_num: u64,
+    dfs_replica_num: u64,
+    with_soft_pin: bool,
+    soft_pin_action: SoftPinAction,
+    soft_pin_ttl_ms: Option<u64>,
+    with_hard_pin: bool,
+    preferred_segments: Vec<String>,
+    preferred_segment: String,
+    preferred_nof_segments: Vec<String>,
+    prefer_alloc_in_same_node: bool,
+    data_type: ObjectDataType,
+    group_ids: Option<Vec<String>>,
+}
+
+impl Default for ReplicateConfig {
+    fn default() -> Self {
+        Self {
+            replica_num: 1,
+            nof_replica_num: 0,
+            dfs_replica_num: 0,
+            with_soft_pin: false,
+            soft_pin_action: SoftPinAction::PRESERVE,
+            soft_pin_ttl_ms: None,
+            with_hard_pin: false,
+            preferred_segments: Vec::new(),
+            preferred_segment: String::new(),
+            preferred_nof_segments: Vec::new(),
+            prefer_alloc_in_same_node: false,
+            data_type: ObjectDataType::UNKNOWN,
+            group_ids: None,
+        }
+    }
+}
+
+#[pymethods]
+impl ReplicateConfig {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+
+    fn __str__(&self) -> String {
+        format!(
+            "ReplicateConfig: {{ replica_num: {}, with_soft_pin: {}, soft_pin_action: {:?}, \
+             soft_pin_ttl_ms: {:?}, with_hard_pin: {}, preferred_segments: {:?}, \
+             preferred_segment: {:?}, prefer_alloc_in_same_node: {} }}",
+            self.replica_num,
+            self.with_soft_pin,
+            self.soft_pin_action,
+            self.soft_pin_ttl_ms,
+            self.with_hard_pin,
+            self.preferred_segments,
+            self.preferred_segment,
+            self.prefer_alloc_in_same_node
+        )
+    }
+}
+
+impl ReplicateConfig {
+    /// The put options; `Err(code)` for a config Mooncake refuses.
+    fn put_options(&self) -> Result<PutOptions, i64> {
+        let soft = self.with_soft_pin || self.soft_pin_action == SoftPinAction::ENABLE;
+        if self.soft_pin_ttl_ms.is_some() && !soft {
+            return Err(INVALID_PARAMS);
+        }
+        let replicas = u32::try_from(self.replica_num).map_err(|_| INVALID_PARAMS)?;
+        Ok(PutOptions {
+            replicas,
+            soft_pin_ttl_ms: if soft {
+                self.soft_pin_ttl_ms.unwrap_or(DEFAULT_SOFT_PIN_TTL_MS)
+            } else {
+                0
+            },
+            hard_pin: self.with_hard_pin,
+            ..PutOptions::default()
+        })
+    }
+}
+
+/// The options of `config` (None: the defaults) for a put, or with
+/// `replace` an upsert; `Err(code)` when refused. `single` calls refuse
+/// `prefer_alloc_in_same_node` as Mooncake does.
+fn options_of(
+    config: Option<&ReplicateConfig>,
+    single: bool,
+    replace: bool,
+) -> Result<PutOptions, i64> {
+    let mut opts = match config {
+        None => PutOptions::default(),
+        Some(c) if single && c.prefer_alloc_in_same_node => return Err(INVALID_PARAMS),
+        Some(c) => c.put_options()?,
+    };
+    opts.replace = replace;
+    Ok(opts)
+}
+
+/// A value read by `get_buffer`: owns its bytes; `ptr()`, `size()`, `len()`
+/// and the buffer protocol (1-D bytes, format 'b' as Mooncake's, writable).
+#[pyclass(module = "kvpool.mooncake", name = "BufferHandle", frozen)]
+pub struct BufferHandle {
+    data: Box<[u8]>,
+}
+
+#[pymethods]
+impl BufferHandle {
+    /// The address of the bytes.
+    fn ptr(&self) -> usize {
+        self.data.as_ptr() as usize
+    }
+
+    /// The number of bytes.
+    fn size(&self) -> usize {
+        self.data.len()
+    }
+
+    fn __len__(&self) -> usize {
+        self.data.len()
+    }
+
+    /// # Safety
+    /// Called by Python with a valid `view` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let (ptr, len) = {
+            let h = slf.get();
+            (h.data.as_ptr(), h.data.len())
+        };
+        // SAFETY: `view` is Python's to fill; the bytes live as long as the
+        // handle, which the view references (FillInfo takes a reference to
+        // `slf`), and the handle never moves or frees them while it lives.
+        // They are handed out writable, as Mooncake's handle does: the
+        // handle owns them and nothing else reads them.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr as *mut std::os::raw::c_void,
+                len as ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        if flags & ffi::PyBUF_FORMAT == ffi::PyBUF_FORMAT {
+            // Mooncake's handles say `char` ('b'); FillInfo says 'B'.
+            // SAFETY: FillInfo filled `view`; the format is a static string.
+            unsafe { (*view).format = c"b".as_ptr() as *mut std::os::raw::c_char };
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// Called by Python with a view this object filled.
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+
+    fn __repr__(&self) -> String {
+        format!("BufferHandle(ptr={:#x}, size={})", self.ptr(), self.size())
+    }
+}
+
+struct Inner {
+    client: Client,
+    node: std::sync::Mutex<Option<EmbeddedNode>>,
+    hostname: String,
+    regs: Registry,
+}
+
+/// The base of `kvpool.mooncake.MooncakeDistributedStore`.
+#[pyclass(module = "kvpool.mooncake", name = "_MooncakeStore", subclass, frozen)]
+pub struct Store {
+    inner: RwLock<Option<Arc<Inner>>>,
+}
+
+/// The code of a put, or (`opts.replace`) of an upsert.
+fn put_code(r: &Result<(), KvError>, opts: &PutOptions) -> i64 {
+    match r {
+        Ok(()) => OK,
+        // Write-once, as Mooncake: the stored bytes stay, the put succeeds.
+        Err(e) if e.code == ErrorCode::ObjectAlreadyExists && !opts.replace => OK,
+        Err(e) => mooncake_code(e),
+    }
+}
+
+fn code(r: &Result<(), KvError>) -> i64 {
+    match r {
+        Ok(()) => OK,
+        Err(e) => mooncake_code(e),
+    }
+}
+
+/// Runs a future with the GIL released; a runtime failure becomes its code.
+fn run<T: Send, F>(py: Python<'_>, f: F) -> Result<T, i64>
+where
+    F: std::future::Future<Output = T> + Send,
+{
+    py.detach(|| runtime::block_on(f))
+        .map_err(|e| mooncake_code(&e))
+}
+
+impl Store {
+    fn state(&self) -> Option<Arc<Inner>> {
+        self.inner.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// `host[:port]` split; `None` for an empty host or a bad port.
+fn split_host(s: &str) -> Option<(String, u16)> {
+    let s = s.trim();
+    if s.is_empty() {
+        return None;
+    }
+    if let Some(rest) = s.strip_prefix('[') {
+        let (h, tail) = rest.split_once(']')?;
+        let port = match tail.strip_prefix(':') {
+            Some(p) => p.parse().ok()?,
+            None if tail.is_empty() => 0,
+            None => return None,
+        };
+        return Some((h.to_string(), port));
+    }
+    match s.rsplit_once(':') {
+        Some((h, p)) if !h.contains(':') => Some((h.to_string(), p.parse().ok()?)),
+        Some(_) => Some((s.to_string(), 0)), // a bare IPv6 address
+        None => Some((s.to_string(), 0)),
+    }
+}
+
+/// The writes behind `put*` and `upsert*` (`replace`).
+impl Store {
+    fn write_value(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        config: Option<ReplicateConfig>,
+        replace: bool,
+    ) -> PyResult<i64> {
+        let key = key_of(key)?;
+        let mem = PyMem::readable(value)?;
+        let Some(inner) = self.state() else {
+            return Ok(INVALID_PARAMS);
+        };
+        let opts = match options_of(config.as_ref(), true, replace) {
+            Ok(o) => o,
+            Err(c) => return Ok(c),
+        };
+        let (addr, len) = (mem.addr, mem.len);
+        let r = run(py, async move {
+            // SAFETY: `mem` holds the export until after the call; read only.
+            let v = unsafe { memory::slice(addr, len) };
+            put_code(&inner.client.put_with(&key, v, &opts).await, &opts)
+        });
+        drop(mem);
+        Ok(r.unwrap_or_else(|c| c))
+    }
+
+    fn write_parts(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        parts: &Bound<'_, PyTuple>,
+        config: Option<ReplicateConfig>,
+        replace: bool,
+    ) -> PyResult<i64> {
+        let key = key_of(key)?;
+        let mut value = Vec::new();
+        for p in parts.iter() {
+            let m = PyMem::readable(&p).map_err(|_| {
+                pyo3::exceptions::PyRuntimeError::new_err("parts must be 1-D bytes-like")
+            })?;
+            // SAFETY: `m` holds the export while we copy, GIL held.
+            value.extend_from_slice(unsafe { memory::slice(m.addr, m.len) });
+        }
+        let Some(inner) = self.state() else {
+            return Ok(INVALID_PARAMS);
+        };
+        let opts = match options_of(config.as_ref(), true, replace) {
+            Ok(o) => o,
+            Err(c) => return Ok(c),
+        };
+        let r = run(py, async move {
+            put_code(&inner.client.put_with(&key, &value, &opts).await, &opts)
+        });
+        Ok(r.unwrap_or_else(|c| c))
+    }
+
+    fn write_batch(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        config: Option<ReplicateConfig>,
+        replace: bool,
+    ) -> PyResult<i64> {
+        let keys = keys_of(keys)?;
+        let mems: Vec<PyMem> = values
+            .try_iter()?
+            .map(|v| PyMem::readable(&v?))
+            .collect::<PyResult<_>>()?;
+        let Some(inner) = self.state() else {
+            return Ok(INVALID_PARAMS);
+        };
+        if keys.len() != mems.len() {
+            return Ok(INVALID_PARAMS);
+        }
+        let opts = match options_of(config.as_ref(), true, replace) {
+            Ok(o) => o,
+            Err(c) => return Ok(c),
+        };
+        let ranges: Vec<(usize, usize)> = mems.iter().map(|m| (m.addr, m.len)).collect();
+        let r = run(py, async move {
+            // SAFETY: `mems` hold the exports until after the call; read only.
+            let values: Vec<&[u8]> = ranges
+                .iter()
+                .map(|&(a, l)| unsafe { memory::slice(a, l) })
+                .collect();
+            let codes = batch_put(&inner.client, &keys, &values, &opts).await;
+            codes.into_iter().find(|&c| c != OK).unwrap_or(OK)
+        });
+        drop(mems);
+        Ok(r.unwrap_or_else(|c| c))
+    }
+
+    fn write_from(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        buffer_ptr: usize,
+        size: usize,
+        config: Option<ReplicateConfig>,
+        replace: bool,
+    ) -> PyResult<i64> {
+        let key = key_of(key)?;
+        let Some(inner) = self.state() else {
+            return Ok(INVALID_PARAMS);
+        };
+        if size == 0 {
+            return Ok(OK);
+        }
+        let opts = match options_of(config.as_ref(), true, replace) {
+            Ok(o) => o,
+            Err(c) => return Ok(c),
+        };
+        if !inner.regs.covers(buffer_ptr, size) {
+            return Ok(mooncake_code(&memory::unregistered(buffer_ptr, size)));
+        }
+        let r = run(py, async move {
+            // SAFETY: Mooncake's contract for `put_from`: the range lies in
+            // registered memory (checked) that the caller keeps valid and
+            // does not write during the call.
+            let v = unsafe { memory::slice(buffer_ptr, size) };
+            put_code(&inner.client.put_with(&key, v, &opts).await, &opts)
+        });
+        Ok(r.unwrap_or_else(|c| c))
+    }
+
+    fn write_batch_from(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        config: Option<ReplicateConfig>,
+        replace: bool,
+    ) -> PyResult<Vec<i64>> {
+        let keys = keys_of(keys)?;
+        let n = keys.len();
+        let Some(inner) = self.state() else {
+            return Ok(vec![INVALID_PARAMS; n]);
+        };
+        let Some(parts) = one_part_each(n, buffer_ptrs, sizes) else {
+            return Ok(vec![INVALID_PARAMS; n]);
+        };
+        let opts = match options_of(config.as_ref(), true, replace) {
+            Ok(o) => o,
+            Err(c) => return Ok(vec![c; n]),
+        };
+        Ok(put_multi(py, inner, keys, parts, opts))
+    }
+}
+
+#[pymethods]
+impl Store {
+    #[new]
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn new(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, pyo3::types::PyDict>>) -> Self {
+        Self {
+            inner: RwLock::new(None),
+        }
+    }
+
+    /// Connects to the master (`master`, host:port) and, with
+    /// `global_segment_size > 0`, starts a storage node in this process that
+    /// gives that many bytes of its DRAM to the pool, listening on
+    /// `local_hostname`'s host (and port, if it has one) and advertised to
+    /// clients under it. `protocol`: "tcp" (shared memory on the same host,
+    /// TCP elsewhere) or "rdma" (`rdma_devices`, comma-separated, "" = any).
+    /// Returns 0 or a negative code.
+    #[pyo3(signature = (local_hostname, master, global_segment_size, protocol, rdma_devices))]
+    fn _setup_native(
+        &self,
+        py: Python<'_>,
+        local_hostname: &str,
+        master: &str,
+        global_segment_size: u64,
+        protocol: &str,
+        rdma_devices: &str,
+    ) -> i64 {
+        if self.state().is_some() {
+            tracing::warn!("setup on a store that is set up already: close() it first");
+            return INVALID_PARAMS;
+        }
+        let Some((host, port)) = split_host(local_hostname) else {
+            tracing::warn!("setup: local_hostname {local_hostname:?} is not host[:port]");
+            return INVALID_PARAMS;
+        };
+        if split_host(master).is_none_or(|(_, p)| p == 0) {
+            tracing::warn!("setup: master_server_addr {master:?} is not host:port");
+            return INVALID_PARAMS;
+        }
+        let mut cfg = match config::node_config() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!("setup: {e}");
+                return INVALID_PARAMS;
+            }
+        };
+        let devices: Vec<String> = rdma_devices
+            .split(',')
+            .map(str::trim)
+            .filter(|d| !d.is_empty())
+            .map(String::from)
+            .collect();
+        match protocol.to_ascii_lowercase().as_str() {
+            "tcp" => {
+                cfg.client.transport = Transport::Auto;
+                cfg.client.rdma.enabled = kvpool_config::RdmaMode::Off;
+                cfg.storage.rdma.enabled = kvpool_config::RdmaMode::Off;
+            }
+            "rdma" => {
+                cfg.client.transport = Transport::Rdma;
+                cfg.client.rdma.enabled = kvpool_config::RdmaMode::Required;
+                cfg.client.rdma.devices = devices.clone();
+                cfg.storage.rdma.enabled = kvpool_config::RdmaMode::Required;
+                cfg.storage.rdma.devices = devices;
+            }
+            other => {
+                tracing::warn!("setup: protocol {other:?} is not supported (tcp, rdma)");
+                return INVALID_PARAMS;
+            }
+        }
+        let client_cfg = cfg.client_config();
+        let addr = master.to_string();
+        let client = match run(py, async move { Client::connect(&addr, client_cfg).await }) {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                tracing::warn!("setup: cannot connect to the master at {master}: {e}");
+                return mooncake_code(&e);
+            }
+            Err(c) => return c,
+        };
+        let mut hostname = local_hostname.trim().to_string();
+        let mut node = None;
+        if global_segment_size > 0 {
+            let bytes = global_segment_size.div_ceil(4096) * 4096;
+            let listen = if host.contains(':') {
+                format!("[{host}]:{port}")
+            } else {
+                format!("{host}:{port}")
+            };
+            let started =
+                py.detach(|| EmbeddedNode::start(&cfg, master, bytes, listen, host.clone()));
+            match started {
+                Ok(n) => {
+                    hostname = if host.contains(':') {
+                        format!("[{host}]:{}", n.port())
+                    } else {
+                        format!("{host}:{}", n.port())
+                    };
+                    node = Some(n);
+                }
+                Err(e) => {
+                    tracing::error!("setup: the embedded storage node did not start: {e}");
+                    return INTERNAL_ERROR;
+                }
+            }
+        }
+        *self.inner.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(Inner {
+            client,
+            node: std::sync::Mutex::new(node),
+            hostname,
+            regs: Registry::default(),
+        }));
+        OK
+    }
+
+    /// Closes the store: unmounts and stops an embedded node, forgets
+    /// registered buffers. 0; a later `setup` starts afresh.
+    fn close(&self, py: Python<'_>) -> i64 {
+        let inner = self.inner.write().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(inner) = inner {
+            inner.regs.clear();
+            let node = inner.node.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(n) = node {
+                py.detach(|| n.stop());
+            }
+        }
+        OK
+    }
+
+    /// `host:port` of this store's embedded node, or `local_hostname` as
+    /// given to `setup` for a pure client ("" before `setup`).
+    fn get_hostname(&self) -> String {
+        self.state().map(|i| i.hostname.clone()).unwrap_or_default()
+    }
+
+    /// 0 healthy, 1 not set up (or closed), 2 the master does not answer.
+    fn health_check(&self, py: Python<'_>) -> i64 {
+        let Some(inner) = self.state() else {
+            return NOT_INITIALIZED;
+        };
+        let r = run(py, async move {
+            tokio::time::timeout(HEALTH_TIMEOUT, inner.client.ping()).await
+        });
+        match r {
+            Ok(Ok(Ok(()))) => HEALTHY,
+            _ => MASTER_UNREACHABLE,
+        }
+    }
+
+    /// Registers `size` bytes at `buffer_ptr` for the zero-copy calls (with
+    /// RDMA, a memory region on the NIC). The memory must stay valid until
+    /// `unregister_buffer` or `close`. 0 or a negative code.
+    #[pyo3(signature = (buffer_ptr, size))]
+    fn register_buffer(&self, py: Python<'_>, buffer_ptr: usize, size: usize) -> i64 {
+        let Some(inner) = self.state() else {
+            return INVALID_PARAMS;
+        };
+        // SAFETY: Mooncake's contract for `register_buffer`: the caller
+        // keeps the range mapped and in place until it unregisters it (or
+        // closes the store), and not freed while a transfer uses it.
+        let r = py.detach(|| unsafe { inner.regs.register(&inner.client, buffer_ptr, size) });
+        code(&r)
+    }
+
+    /// Forgets a range from `register_buffer`: 0, or -600 if none starts at
+    /// `buffer_ptr`.
+    #[pyo3(signature = (buffer_ptr))]
+    fn unregister_buffer(&self, py: Python<'_>, buffer_ptr: usize) -> i64 {
+        let Some(inner) = self.state() else {
+            return INVALID_PARAMS;
+        };
+        if py.detach(|| inner.regs.unregister(buffer_ptr)) {
+            OK
+        } else {
+            INVALID_PARAMS
+        }
+    }
+
+    /// Stores `value` (bytes-like, read in place) under `key`. 0 (also for
+    /// a key stored already: its bytes stay) or a negative code.
+    #[pyo3(signature = (key, value, config = None))]
+    fn put(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<i64> {
+        self.write_value(py, key, value, config, false)
+    }
+
+    /// Stores `value` under `key`, replacing what is stored there (the atomic replace: readers get the old bytes or the new, never a mix or a miss). 0 or a negative code.
+    #[pyo3(signature = (key, value, config = None))]
+    fn upsert(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<i64> {
+        self.write_value(py, key, value, config, true)
+    }
+
+    /// Stores the concatenation of `parts` (each 1-D bytes-like) under
+    /// `key`. 0 or a negative code.
+    #[pyo3(signature = (key, *parts, config = None))]
+    fn put_parts(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        parts: &Bound<'_, PyTuple>,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<i64> {
+        self.write_parts(py, key, parts, config, false)
+    }
+
+    /// `upsert` of the concatenation of `parts`. 0 or a negative code.
+    #[pyo3(signature = (key, *parts, config = None))]
+    fn upsert_parts(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        parts: &Bound<'_, PyTuple>,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<i64> {
+        self.write_parts(py, key, parts, config, true)
+    }
+
+    /// Stores several values: one int, 0 or the first failing key's code.
+    #[pyo3(signature = (keys, values, config = None))]
+    fn put_batch(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<i64> {
+        self.write_batch(py, keys, values, config, false)
+    }
+
+    /// `upsert` of several values: one int, 0 or the first failing key's code.
+    #[pyo3(signature = (keys, values, config = None))]
+    fn upsert_batch(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<i64> {
+        self.write_batch(py, keys, values, config, true)
+    }
+
+    /// The value under `key`; `b""` on a miss or any error.
+    #[pyo3(signature = (key, /))]
+    fn get<'py>(&self, py: Python<'py>, key: &Bound<'_, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+        let key = key_of(key)?;
+        let Some(inner) = self.state() else {
+            return Ok(PyBytes::new(py, b""));
+        };
+        match run(py, async move { inner.client.get(&key).await }) {
+            Ok(Ok(v)) => Ok(PyBytes::new(py, &v)),
+            _ => Ok(PyBytes::new(py, b"")),
+        }
+    }
+
+    /// The values under `keys`, in order; `b""` for each miss or error.
+    #[pyo3(signature = (keys, /))]
+    fn get_batch<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let keys = keys_of(keys)?;
+        let n = keys.len();
+        let Some(inner) = self.state() else {
+            return Ok((0..n).map(|_| PyBytes::new(py, b"")).collect());
+        };
+        let got = run(py, async move { batch_get(&inner.client, &keys).await })
+            .unwrap_or_else(|_| vec![None; n]);
+        Ok(got
+            .into_iter()
+            .map(|v| PyBytes::new(py, v.as_deref().unwrap_or(b"")))
+            .collect())
+    }
+
+    /// The value under `key` as a BufferHandle, or None on a miss or error.
+    #[pyo3(signature = (key, /))]
+    fn get_buffer(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Option<BufferHandle>> {
+        let key = key_of(key)?;
+        let Some(inner) = self.state() else {
+            return Ok(None);
+        };
+        Ok(match run(py, async move { inner.client.get(&key).await }) {
+            Ok(Ok(v)) => Some(BufferHandle {
+                data: v.into_boxed_slice(),
+            }),
+            _ => None,
+        })
+    }
+
+    /// `get_buffer` of each key, in order.
+    #[pyo3(signature = (keys, /))]
+    fn batch_get_buffer(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<Option<BufferHandle>>> {
+        let keys = keys_of(keys)?;
+        let n = keys.len();
+        let Some(inner) = self.state() else {
+            return Ok((0..n).map(|_| None).collect());
+        };
+        let got = run(py, async move { batch_get(&inner.client, &keys).await })
+            .unwrap_or_else(|_| vec![None; n]);
+        Ok(got
+            .into_iter()
+            .map(|v| {
+                v.map(|v| BufferHandle {
+                    data: v.into_boxed_slice(),
+                })
+            })
+            .collect())
+    }
+
+    /// Stores `size` bytes at `buffer_ptr` (inside a registered buffer)
+    /// under `key`, sent straight from that memory. `size == 0` stores
+    /// nothing and returns 0. 0 or a negative code.
+    #[pyo3(signature = (key, buffer_ptr, size, config = None))]
+    fn put_from(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        buffer_ptr: usize,
+        size: usize,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<i64> {
+        self.write_from(py, key, buffer_ptr, size, config, false)
+    }
+
+    /// `upsert` of `size` bytes at `buffer_ptr` (inside a registered buffer), sent straight from that memory. 0 or a negative code.
+    #[pyo3(signature = (key, buffer_ptr, size, config = None))]
+    fn upsert_from(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        buffer_ptr: usize,
+        size: usize,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<i64> {
+        self.write_from(py, key, buffer_ptr, size, config, true)
+    }
+
+    /// Reads the value under `key` into `size` bytes at `buffer_ptr`
+    /// (inside a registered buffer): the value's length, or a negative code
+    /// (-704 a miss, -600 a buffer too small).
+    #[pyo3(signature = (key, buffer_ptr, size))]
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        buffer_ptr: usize,
+        size: usize,
+    ) -> PyResult<i64> {
+        let key = key_of(key)?;
+        let Some(inner) = self.state() else {
+            return Ok(INVALID_PARAMS);
+        };
+        if !inner.regs.covers(buffer_ptr, size) {
+            return Ok(mooncake_code(&memory::unregistered(buffer_ptr, size)));
+        }
+        let r = run(py, async move {
+            // SAFETY: Mooncake's contract for `get_into`: the range lies in
+            // registered memory (checked) that the caller keeps valid and
+            // neither reads nor writes during the call.
+            let dst = unsafe { memory::slice_mut(buffer_ptr, size) };
+            match inner.client.get_into(&key, dst).await {
+                Ok(n) => n as i64,
+                Err(e) => mooncake_code(&e),
+            }
+        });
+        Ok(r.unwrap_or_else(|c| c))
+    }
+
+    /// `put_from` of each key; per key 0 or a negative code.
+    #[pyo3(signature = (keys, buffer_ptrs, sizes, config = None))]
+    fn batch_put_from(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<Vec<i64>> {
+        self.write_batch_from(py, keys, buffer_ptrs, sizes, config, false)
+    }
+
+    /// `upsert_from` of each key; per key 0 or a negative code.
+    #[pyo3(signature = (keys, buffer_ptrs, sizes, config = None))]
+    fn batch_upsert_from(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<Vec<i64>> {
+        self.write_batch_from(py, keys, buffer_ptrs, sizes, config, true)
+    }
+
+    /// `get_into` of each key; per key its length or a negative code.
+    #[pyo3(signature = (keys, buffer_ptrs, sizes))]
+    fn batch_get_into(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Vec<i64>> {
+        let keys = keys_of(keys)?;
+        let n = keys.len();
+        let Some(inner) = self.state() else {
+            return Ok(vec![INVALID_PARAMS; n]);
+        };
+        let Some(parts) = one_part_each(n, buffer_ptrs, sizes) else {
+            return Ok(vec![INVALID_PARAMS; n]);
+        };
+        Ok(get_multi(py, inner, keys, parts))
+    }
+
+    /// Stores each key's buffers, concatenated, as one object; per key 0 or
+    /// a negative code.
+    #[pyo3(signature = (keys, all_buffer_ptrs, all_sizes, config = None))]
+    fn batch_put_from_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        all_buffer_ptrs: Vec<Vec<usize>>,
+        all_sizes: Vec<Vec<usize>>,
+        config: Option<ReplicateConfig>,
+    ) -> PyResult<Vec<i64>> {
+        let keys = keys_of(keys)?;
+        let n = keys.len();
+        let Some(inner) = self.state() else {
+            return Ok(Vec::new());
+        };
+        let Some(parts) = zip_parts(n, all_buffer_ptrs, all_sizes) else {
+            return Ok(vec![INVALID_PARAMS; n]);
+        };
+        let opts = match options_of(config.as_ref(), false, false) {
+            Ok(o) => o,
+            Err(c) => return Ok(vec![c; n]),
+        };
+        Ok(put_multi(py, inner, keys, parts, opts))
+    }
+
+    /// Reads each key's object across its buffers, in order; per key the
+    /// bytes read or a negative code.
+    #[pyo3(signature = (keys, all_buffer_ptrs, all_sizes, prefer_alloc_in_same_node = false))]
+    fn batch_get_into_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        all_buffer_ptrs: Vec<Vec<usize>>,
+        all_sizes: Vec<Vec<usize>>,
+        prefer_alloc_in_same_node: bool,
+    ) -> PyResult<Vec<i64>> {
+        let _ = prefer_alloc_in_same_node; // placement of reads is the engine's
+        let keys = keys_of(keys)?;
+        let n = keys.len();
+        let Some(inner) = self.state() else {
+            return Ok(vec![INVALID_PARAMS; n]);
+        };
+        let Some(parts) = zip_parts(n, all_buffer_ptrs, all_sizes) else {
+            return Ok(vec![INVALID_PARAMS; n]);
+        };
+        Ok(get_multi(py, inner, keys, parts))
+    }
+
+    /// 1 if a complete object is stored under `key`, 0 if not, or a
+    /// negative code.
+    #[pyo3(signature = (key, /))]
+    fn is_exist(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<i64> {
+        let key = key_of(key)?;
+        let Some(inner) = self.state() else {
+            return Ok(INVALID_PARAMS);
+        };
+        let r = run(py, async move {
+            match inner.client.exists(&key).await {
+                Ok(b) => b as i64,
+                Err(e) => mooncake_code(&e),
+            }
+        });
+        Ok(r.unwrap_or_else(|c| c))
+    }
+
+    /// `is_exist` of each key.
+    #[pyo3(signature = (keys))]
+    fn batch_is_exist(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+        let keys = keys_of(keys)?;
+        let n = keys.len();
+        let Some(inner) = self.state() else {
+            return Ok(vec![INVALID_PARAMS; n]);
+        };
+        let r = run(py, async move {
+            let mut out = Vec::with_capacity(keys.len());
+            for chunk in keys.chunks(MAX_BATCH) {
+                let ks: Vec<&[u8]> = chunk.iter().map(|k| k.as_slice()).collect();
+                match inner.client.batch_exists(&ks).await {
+                    Ok(v) => out.extend(v.into_iter().map(|r| match r {
+                        Ok(b) => b as i64,
+                        Err(e) => mooncake_code(&e),
+                    })),
+                    Err(e) => out.extend(std::iter::repeat_n(mooncake_code(&e), chunk.len())),
+                }
+            }
+            out
+        });
+        Ok(r.unwrap_or_else(|c| vec![c; n]))
+    }
+
+    /// The size of the object under `key`, or a negative code (-704 a
+    /// miss).
+    #[pyo3(signature = (key, /))]
+    fn get_size(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<i64> {
+        let key = key_of(key)?;
+        let Some(inner) = self.state() else {
+            return Ok(INVALID_PARAMS);
+        };
+        let r = run(py, async move {
+            match inner.client.describe(&key).await {
+                Ok(i) if i.complete => i.size as i64,
+                Ok(_) => mooncake_code(&KvError::new(ErrorCode::ReplicaNotReady, "")),
+                Err(e) => mooncake_code(&e),
+            }
+        });
+        Ok(r.unwrap_or_else(|c| c))
+    }
+
+    /// Removes the object under `key`: 0, or -704 (none), -706 (a reader's
+    /// lease; `force` removes anyway), -703 (still being put), ...
+    #[pyo3(signature = (key, force = false))]
+    fn remove(&self, py: Python<'_>, key: &Bound<'_, PyAny>, force: bool) -> PyResult<i64> {
+        let key = key_of(key)?;
+        let Some(inner) = self.state() else {
+            return Ok(INVALID_PARAMS);
+        };
+        let r = run(py, async move {
+            code(&inner.client.remove_with(&key, force).await)
+        });
+        Ok(r.unwrap_or_else(|c| c))
+    }
+
+    /// `remove` of each key; per key 0 or a negative code.
+    #[pyo3(signature = (keys, force = false))]
+    fn batch_remove(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        force: bool,
+    ) -> PyResult<Vec<i64>> {
+        let keys = keys_of(keys)?;
+        let n = keys.len();
+        let Some(inner) = self.state() else {
+            return Ok(vec![INVALID_PARAMS; n]);
+        };
+        let r = run(py, async move {
+            let mut out = Vec::with_capacity(keys.len());
+            for chunk in keys.chunks(MAX_BATCH) {
+                let ks: Vec<&[u8]> = chunk.iter().map(|k| k.as_slice()).collect();
+                match inner.client.batch_remove(&ks, force).await {
+                    Ok(v) => out.extend(v.iter().map(code)),
+                    Err(e) => out.extend(std::iter::repeat_n(mooncake_code(&e), chunk.len())),
+                }
+            }
+            out
+        });
+        Ok(r.unwrap_or_else(|c| vec![c; n]))
+    }
+
+    /// Removes every complete object without a live lease (with `force`,
+    /// leased ones too); how many went, or a negative code.
+    #[pyo3(signature = (force = false))]
+    fn remove_all(&self, py: Python<'_>, force: bool) -> i64 {
+        let Some(inner) = self.state() else {
+            return INVALID_PARAMS;
+        };
+        let r = run(py, async move {
+            match inner.client.remove_all_with(force).await {
+                Ok(n) => n as i64,
+                Err(e) => mooncake_code(&e),
+            }
+        });
+        r.unwrap_or_else(|c| c)
+    }
+}
+
+/// Per key, its one `(ptr, size)`; `None` when the lists' lengths differ
+/// (Mooncake then fails every key).
+fn one_part_each(
+    n: usize,
+    ptrs: Vec<usize>,
+    sizes: Vec<usize>,
+) -> Option<Vec<Vec<(usize, usize)>>> {
+    (ptrs.len() == n && sizes.len() == n)
+        .then(|| ptrs.into_iter().zip(sizes).map(|r| vec![r]).collect())
+}
+
+/// Per key, its list of `(ptr, size)`; `None` when the lists' lengths differ.
+fn zip_parts(
+    n: usize,
+    ptrs: Vec<Vec<usize>>,
+    sizes: Vec<Vec<usize>>,
+) -> Option<Vec<Vec<(usize, usize)>>> {
+    if ptrs.len() != n || sizes.len() != n {
+        return None;
+    }
+    ptrs.into_iter()
+        .zip(sizes)
+        .map(|(p, s)| (p.len() == s.len()).then(|| p.into_iter().zip(s).collect()))
+        .collect()
+}
+
+/// `batch_put` in pieces of [`MAX_BATCH`]; per key 0 or a negative code.
+async fn batch_put(
+    client: &Client,
+    keys: &[Vec<u8>],
+    values: &[&[u8]],
+    opts: &PutOptions,
+) -> Vec<i64> {
+    let mut out = Vec::with_capacity(keys.len());
+    for (ks, vs) in keys.chunks(MAX_BATCH).zip(values.chunks(MAX_BATCH)) {
+        let items: Vec<(&[u8], &[u8])> = ks
+            .iter()
+            .map(|k| k.as_slice())
+            .zip(vs.iter().copied())
+            .collect();
+        match client.batch_put(&items, opts).await {
+            Ok(v) => out.extend(v.iter().map(|r| put_code(r, opts))),
+            Err(e) => out.extend(std::iter::repeat_n(mooncake_code(&e), ks.len())),
+        }
+    }
+    out
+}
+
+/// `batch_get` in pieces of [`MAX_BATCH`]; per key its bytes, or `None`.
+async fn batch_get(client: &Client, keys: &[Vec<u8>]) -> Vec<Option<Vec<u8>>> {
+    let mut out = Vec::with_capacity(keys.len());
+    for chunk in keys.chunks(MAX_BATCH) {
+        let ks: Vec<&[u8]> = chunk.iter().map(|k| k.as_slice()).collect();
+        match client.batch_get(&ks).await {
+            Ok(v) => out.extend(v.into_iter().map(Result::ok)),
+            Err(_) => out.extend(std::iter::repeat_n(None, chunk.len())),
+        }
+    }
+    out
+}
+
+/// Puts each key's parts as one object: a key with one part is sent
+/// straight from its memory; several parts are gathered into one buffer
+/// first (one copy). Keys whose parts are not all registered get -600;
+/// empty objects store nothing and get 0.
+fn put_multi(
+    py: Python<'_>,
+    inner: Arc<Inner>,
+    keys: Vec<Vec<u8>>,
+    parts: Vec<Vec<(usize, usize)>>,
+    opts: PutOptions,
+) -> Vec<i64> {
+    let n = keys.len();
+    let r = run(py, async move {
+        let mut out = vec![OK; n];
+        let mut idx = Vec::new();
+        let mut gathered: Vec<Vec<u8>> = Vec::new();
+        let mut values: Vec<&[u8]> = Vec::new();
+        let mut sel_keys: Vec<Vec<u8>> = Vec::new();
+        for (i, p) in parts.iter().enumerate() {
+            if !inner.regs.covers_all(p) {
+                out[i] = INVALID_PARAMS;
+                continue;
+            }
+            if p.iter().map(|r| r.1).sum::<usize>() == 0 {
+                continue; // Mooncake: nothing to store, success
+            }
+            if p.len() > 1 {
+                let mut g = Vec::with_capacity(p.iter().map(|r| r.1).sum());
+                for &(a, l) in p {
+                    // SAFETY: registered memory (checked) that the caller
+                    // keeps valid and unwritten during the call.
+                    g.extend_from_slice(unsafe { memory::slice(a, l) });
+                }
+                gathered.push(g);
+            }
+            idx.push(i);
+        }
+        let mut g = gathered.iter();
+        for &i in &idx {
+            let p = &parts[i];
+            values.push(if p.len() > 1 {
+                g.next()
+                    .expect("one gathered buffer per multi-part key")
+                    .as_slice()
+            } else {
+                let (a, l) = p[0];
+                // SAFETY: as above (registered, valid, unwritten).
+                unsafe { memory::slice(a, l) }
+            });
+            sel_keys.push(keys[i].clone());
+        }
+        let codes = batch_put(&inner.client, &sel_keys, &values, &opts).await;
+        for (&i, c) in idx.iter().zip(codes) {
+            out[i] = c;
+        }
+        out
+    });
+    r.unwrap_or_else(|c| vec![c; n])
+}
+
+/// Reads each key's object into its parts: one part is read into straight;
+/// several are read into one buffer and scattered (one copy). Per key the
+/// object's length, or a negative code (-600: parts not registered, or
+/// overlapping another key's; an object longer than the parts).
+fn get_multi(
+    py: Python<'_>,
+    inner: Arc<Inner>,
+    keys: Vec<Vec<u8>>,
+    parts: Vec<Vec<(usize, usize)>>,
+) -> Vec<i64> {
+    let n = keys.len();
+    let all: Vec<(usize, usize)> = parts.iter().flatten().copied().collect();
+    if !memory::disjoint(&all) {
+        return vec![INVALID_PARAMS; n];
+    }
+    let r = run(py, async move {
+        let mut out = vec![INVALID_PARAMS; n];
+        let mut staged: Vec<Vec<u8>> = Vec::new();
+        let mut idx = Vec::new();
+        for (i, p) in parts.iter().enumerate() {
+            if !inner.regs.covers_all(p) {
+                continue;
+            }
+            if p.len() > 1 {
+                staged.push(vec![0u8; p.iter().map(|r| r.1).sum()]);
+            }
+            idx.push(i);
+        }
+        {
+            let mut st = staged.iter_mut();
+            let mut items: Vec<(&[u8], &mut [u8])> = Vec::with_capacity(idx.len());
+            for &i in &idx {
+                let p = &parts[i];
+                let dst: &mut [u8] = if p.len() > 1 {
+                    st.next().expect("one staging buffer per multi-part key")
+                } else {
+                    let (a, l) = p[0];
+                    // SAFETY: registered memory (checked), disjoint from
+                    // every other destination (checked), which the caller
+                    // keeps valid and untouched during the call.
+                    unsafe { memory::slice_mut(a, l) }
+                };
+                items.push((keys[i].as_slice(), dst));
+            }
+            let mut done = 0;
+            for chunk in items.chunks_mut(MAX_BATCH) {
+                let got = inner.client.batch_get_into(chunk).await;
+                let these = &idx[done..done + chunk.len()];
+                match got {
+                    Ok(v) => {
+                        for (&i, r) in these.iter().zip(v) {
+                            out[i] = match r {
+                                Ok(len) => len as i64,
+                                Err(e) => mooncake_code(&e),
+                            };
+                        }
+                    }
+                    Err(e) => {
+                        for &i in these {
+                            out[i] = mooncake_code(&e);
+                        }
+                    }
+                }
+                done += chunk.len();
+            }
+        }
+        let mut st = staged.iter();
+        for &i in &idx {
+            let p = &parts[i];
+            if p.len() <= 1 {
+                continue;
+            }
+            let buf = st.next().expect("one staging buffer per multi-part key");
+            if out[i] < 0 {
+                continue;
+            }
+            let mut off = 0usize;
+            let len = out[i] as usize;
+            for &(a, l) in p {
+                if off >= len {
+                    break;
+                }
+                let take = l.min(len - off);
+                // SAFETY: as above (registered, disjoint, the caller's).
+                unsafe { memory::slice_mut(a, take) }.copy_from_slice(&buf[off..off + take]);
+                off += take;
+            }
+        }
+        out
+    });
+    r.unwrap_or_else(|c| vec![c; n])
+}
