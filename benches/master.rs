@@ -4,7 +4,8 @@
 //! single calls and batches of 32 and 128, with 1 and 2 shards; then the
 //! master process's RSS per object at 1 M and 10 M objects; then the cost of
 //! one put on the state machine while eviction runs, with 1 M and 10 M
-//! objects in the pool.
+//! objects in the pool, and the cost of each step of the off-path eviction
+//! run between the puts as the live shard runs it.
 //!
 //!     cargo bench --bench master          # full run
 //!     cargo test --release --bench master # small run (part of the suite)
@@ -17,7 +18,8 @@ use std::time::{Duration, Instant};
 
 use kvpool_client::Client;
 use kvpool_config::{ClientConfig, MasterConfig};
-use kvpool_master::core::MasterCore;
+use kvpool_master::core::{EvictDrive, MasterCore};
+use kvpool_master::state::EVICT_STEP_VICTIMS;
 use kvpool_master::{call as master_call, Master, MasterArgs, MasterMsg};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardPool, ShardPoolConfig, Shutdown};
@@ -170,11 +172,14 @@ fn bench_state_machine(n: usize) {
 /// in a segment sized so that they fill it to the high watermark: every
 /// further put runs with eviction going on (an episode frees
 /// `eviction_ratio` of the segment whenever use crosses the watermark).
-/// Reports per-put latency over `puts` further puts and how many episodes
-/// they triggered.
+/// Between two puts one step of the off-path eviction runs, if one is owed,
+/// as the live shard's eviction task runs one between requests. Reports
+/// per-put and per-step latency over `puts` further puts, the longest stall
+/// of the shard (a put or a step), and how many replicas went.
 fn bench_evict(n: usize, puts: usize) {
     let cfg = master_cfg();
     let mut m = MasterCore::new(1, &cfg, 1);
+    m.evict = EvictDrive::Manual;
     // 64-byte objects (the allocator's alignment): n of them are the high
     // watermark's share of the segment.
     let size = ((n as f64 * 64.0 / cfg.high_watermark).ceil() as u64).next_multiple_of(64);
@@ -212,24 +217,33 @@ fn bench_evict(n: usize, puts: usize) {
         now += 1;
     }
     let fill = fill.elapsed();
-    let evictions = |m: &mut MasterCore, now: u64| match m.call(Q::Stat, now) {
-        Ok(A::Stat(s)) => s.evictions,
-        other => panic!("stat: {other:?}"),
-    };
-    let before = evictions(&mut m, now);
+    let evictions = |m: &MasterCore| m.shards[0].stat().evictions;
+    let before = evictions(&m);
     let mut l = Lat::new();
+    let mut steps = Lat::new();
+    let mut in_puts = 0;
     let t = Instant::now();
     for i in 0..puts {
         let k = key("ev", 1, i);
+        let e = evictions(&m);
         let s = Instant::now();
         put(&mut m, &k, now);
         l.record(s.elapsed(), 0);
+        // Evictions inside the put: it found no room and evicted to fit.
+        in_puts += evictions(&m) - e;
+        if m.shards[0].evicting() {
+            let s = Instant::now();
+            m.evict_step(now, EVICT_STEP_VICTIMS);
+            steps.record(s.elapsed(), 0);
+        }
         now += 1;
     }
     let wall = t.elapsed();
-    let evicted = evictions(&mut m, now) - before;
+    let evicted = evictions(&m) - before;
+    let n_steps = steps.h.len();
+    let stall = l.us(1.0).max(if n_steps > 0 { steps.us(1.0) } else { 0.0 });
     println!(
-        "evict    objects {n:>9}  fill {:>6.1} s  puts {puts:>7}  evicted {evicted:>8}  p50 {:>7.1} us  p99 {:>7.1} us  p99.9 {:>7.1} us  max {:>10.1} us  {:>9.0} puts/s",
+        "evict    objects {n:>9}  fill {:>6.1} s  puts {puts:>7}  evicted {evicted:>8} (in puts {in_puts})  put p50 {:>5.1} us  p99 {:>5.1} us  p99.9 {:>6.1} us  max {:>8.1} us  {:>9.0} puts/s",
         fill.as_secs_f64(),
         l.us(0.5),
         l.us(0.99),
@@ -237,6 +251,15 @@ fn bench_evict(n: usize, puts: usize) {
         l.us(1.0),
         puts as f64 / wall.as_secs_f64(),
     );
+    if n_steps > 0 {
+        println!(
+            "evict    objects {n:>9}  steps {n_steps:>7} of <= {EVICT_STEP_VICTIMS} victims  step p50 {:>5.1} us  p99 {:>5.1} us  p99.9 {:>6.1} us  max {:>8.1} us  longest stall {stall:>8.1} us",
+            steps.us(0.5),
+            steps.us(0.99),
+            steps.us(0.999),
+            steps.us(1.0),
+        );
+    }
 }
 
 /// (b) Through the actor API in this process.

@@ -11,7 +11,7 @@ use kvpool_transport::proto::{MasterRequest, MasterResponse};
 use kvpool_transport::{ErrorCode, KvError};
 
 use super::coord::{CommandResult, CoordState, Decision, ShardCommand};
-use super::state::{ShardConfig, ShardState, TickReport};
+use super::state::{ShardConfig, ShardState, TickReport, EVICT_STEP_VICTIMS};
 use kvpool_config::MasterConfig;
 use kvpool_transport::route::{self, merge_batch, split_batch, Target};
 
@@ -39,12 +39,29 @@ pub fn check_batch(
     }))
 }
 
+/// How `MasterCore` runs the shards' off-path eviction
+/// ([`ShardState::evict_step`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvictDrive {
+    /// After every call and tick, every shard's steps until nothing is owed:
+    /// the pool is as the live shard leaves it once its eviction task has
+    /// caught up (the default).
+    UntilDone,
+    /// After every call and tick, one step of at most this many victims per
+    /// shard: episodes span calls, as they span requests on a busy shard.
+    StepOf(usize),
+    /// Never by itself: the caller runs [`MasterCore::evict_step`].
+    Manual,
+}
+
 /// The master's logic without threads or sockets.
 pub struct MasterCore {
     pub coord: CoordState,
     pub shards: Vec<ShardState>,
     map: ShardMap,
     max_batch: usize,
+    /// How the off-path eviction runs.
+    pub evict: EvictDrive,
 }
 
 impl MasterCore {
@@ -58,6 +75,28 @@ impl MasterCore {
                 .collect(),
             map: ShardMap::new(nr_shards).expect("1..=4096 shards"),
             max_batch: cfg.max_batch,
+            evict: EvictDrive::UntilDone,
+        }
+    }
+
+    /// One step of every shard's off-path eviction (at most `budget` victims
+    /// each); whether any shard is owed more.
+    pub fn evict_step(&mut self, now_ms: u64, budget: usize) -> bool {
+        let mut more = false;
+        for s in &mut self.shards {
+            more |= s.evict_step(now_ms, budget);
+        }
+        more
+    }
+
+    /// Runs the off-path eviction as `self.evict` says.
+    fn drive_eviction(&mut self, now_ms: u64) {
+        match self.evict {
+            EvictDrive::UntilDone => while self.evict_step(now_ms, EVICT_STEP_VICTIMS) {},
+            EvictDrive::StepOf(budget) => {
+                self.evict_step(now_ms, budget);
+            }
+            EvictDrive::Manual => {}
         }
     }
 
@@ -72,8 +111,15 @@ impl MasterCore {
             .collect()
     }
 
-    /// Handles one request at `now_ms`.
+    /// Handles one request at `now_ms`, then runs the off-path eviction as
+    /// `self.evict` says (as the live shard runs it between requests).
     pub fn call(&mut self, req: MasterRequest, now_ms: u64) -> Result<MasterResponse, KvError> {
+        let res = self.route(req, now_ms);
+        self.drive_eviction(now_ms);
+        res
+    }
+
+    fn route(&mut self, req: MasterRequest, now_ms: u64) -> Result<MasterResponse, KvError> {
         let map = &self.map;
         match route::target(&req, |k| map.shard_of(k), self.shards.len())? {
             Target::Connection => Err(KvError::new(
@@ -105,19 +151,20 @@ impl MasterCore {
         }
     }
 
-    /// Housekeeping at `now_ms`: every shard's tick, then liveness.
+    /// Housekeeping at `now_ms`: every shard's tick, then liveness, then
+    /// the off-path eviction as `self.evict` says.
     pub fn tick(&mut self, now_ms: u64) -> TickReport {
         let mut total = TickReport::default();
         for s in &mut self.shards {
             let r = s.tick(now_ms);
             total.stale_discarded += r.stale_discarded;
             total.freed_bytes += r.freed_bytes;
-            total.evicted += r.evicted;
         }
         let expired = self.coord.expire(now_ms);
         for cmd in &expired.commands {
             self.broadcast(cmd, now_ms);
         }
+        self.drive_eviction(now_ms);
         total
     }
 }

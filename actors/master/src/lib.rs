@@ -2,7 +2,8 @@
 //! and node liveness. It never touches payload bytes.
 //!
 //! * [`state`]: one shard's metadata as a pure state machine (no I/O, the
-//!   clock is an argument).
+//!   clock is an argument); its objects live in `objects` (a slab, key
+//!   tables of ids, and the eviction index per DRAM range).
 //! * [`coord`]: the coordinator's state (segments, liveness) and the routing
 //!   rules for batches and cross-shard commands.
 //! * [`core`]: all of it in one thread with a simulated clock (tests).
@@ -14,6 +15,7 @@ pub mod clock;
 pub mod coord;
 pub mod core;
 pub mod metrics;
+mod objects;
 pub mod service;
 pub mod state;
 

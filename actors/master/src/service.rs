@@ -7,7 +7,9 @@
 //!                    | batch: split by owner, local part here, others by inbox, merged in order
 //!                    | admin op (mount, unmount, drain, stat, remove_all, ping)
 //!                    +-> coordinator on shard 0 (one op at a time) -> every inbox -> acks
-//!  every shard: tick every tick_ms (stale puts, due frees, watermark eviction)
+//!  every shard: tick every tick_ms (stale puts, due frees, ranges past the watermark)
+//!  every shard: an eviction task, woken when a range is owed an episode, that
+//!               evicts EVICT_STEP_VICTIMS at a time and lets requests run between
 //!  coordinator: liveness every tick_ms (silent owners unmounted, writers revoked)
 //!  actor / HTTP (tokio) --MasterHandle::call--> same inboxes and coordinator
 //! ```
@@ -36,7 +38,7 @@ use kvpool_transport::{ErrorCode, KvError};
 
 use super::coord::{CommandResult, CoordState, Decision, ShardCommand};
 use super::core::check_batch;
-use super::state::{GrantSigner, ShardConfig, ShardState};
+use super::state::{GrantSigner, ShardConfig, ShardState, EVICT_STEP_VICTIMS};
 use crate::clock::now_ms;
 use crate::metrics::MasterMetrics;
 use kvpool_config::MasterConfig;
@@ -321,13 +323,18 @@ pub async fn start(
         ready.push(ready_rx);
         shards
             .spawn_on(i, move |ctx: ShardCtx| async move {
-                let state = Rc::new(RefCell::new(
-                    ShardState::new(i as u32, n as u32, shard_cfg, seed).with_signer(signer),
-                ));
+                let (wake_tx, wake_rx) = flume::bounded(1);
+                let state = Rc::new(Shard {
+                    state: RefCell::new(
+                        ShardState::new(i as u32, n as u32, shard_cfg, seed).with_signer(signer),
+                    ),
+                    evict_wake: wake_tx,
+                });
                 glommio::spawn_local(inbox_loop(ctx.clone(), state.clone(), rx, metrics.clone()))
                     .detach();
                 glommio::spawn_local(tick_loop(ctx.clone(), state.clone(), tick, metrics.clone()))
                     .detach();
+                glommio::spawn_local(evict_loop(ctx.clone(), state.clone(), wake_rx)).detach();
                 if let Some(admin_rx) = admin_rx {
                     let coord = CoordState::new(client_ttl_ms);
                     glommio::spawn_local(coordinator(
@@ -371,23 +378,76 @@ fn vshard_range(map: &ShardMap, shard: u32) -> (u32, u32) {
     (start, end)
 }
 
+/// One master shard on its glommio shard: its state, and the bell of its
+/// eviction task.
+struct Shard {
+    state: RefCell<ShardState>,
+    /// Rung (a bounded queue of one: a ring while one is pending is lost,
+    /// which is fine) when the state owes a range an eviction episode.
+    evict_wake: flume::Sender<()>,
+}
+
+impl Shard {
+    /// Wakes the eviction task if the state owes an episode.
+    fn wake_eviction(&self) {
+        if self.state.borrow().evicting() {
+            let _ = self.evict_wake.try_send(());
+        }
+    }
+}
+
 /// Applies a request to this shard's state, with metrics.
 fn apply_local(
-    state: &RefCell<ShardState>,
+    shard: &Shard,
     metrics: &MasterMetrics,
     req: MasterRequest,
 ) -> Result<MasterResponse, KvError> {
     let op = req.op_name();
     let started = Instant::now();
-    let res = state.borrow_mut().apply(req, now_ms());
+    let res = shard.state.borrow_mut().apply(req, now_ms());
     metrics.observe(op, res.is_ok(), started.elapsed());
+    shard.wake_eviction();
     res
 }
+
+/// Evicts for the ranges of this shard that are owed an episode, off the
+/// request path: a bounded step (`EVICT_STEP_VICTIMS` replicas), then a
+/// pause that lets the executor poll its sockets and run the requests that
+/// came in, then the next step, until nothing is owed; then it sleeps until
+/// woken.
+async fn evict_loop(ctx: ShardCtx, shard: Rc<Shard>, wake: flume::Receiver<()>) {
+    loop {
+        let woken = futures_lite::future::or(async { wake.recv_async().await.is_ok() }, async {
+            ctx.shutdown().wait().await;
+            false
+        })
+        .await;
+        if !woken {
+            break;
+        }
+        while shard
+            .state
+            .borrow_mut()
+            .evict_step(now_ms(), EVICT_STEP_VICTIMS)
+        {
+            // A timer, not a bare yield: a task that only yields stays in
+            // its task queue until the preemption timer, without the
+            // executor polling its sockets; a timer waits for that poll.
+            glommio::timer::sleep(EVICT_PAUSE).await;
+            if ctx.shutdown().is_triggered() {
+                return;
+            }
+        }
+    }
+}
+
+/// The pause between two eviction steps (see `evict_loop`).
+const EVICT_PAUSE: Duration = Duration::from_micros(1);
 
 /// Applies forwarded requests and coordinator commands to this shard's state.
 async fn inbox_loop(
     ctx: ShardCtx,
-    state: Rc<RefCell<ShardState>>,
+    state: Rc<Shard>,
     rx: flume::Receiver<ShardMsg>,
     metrics: MasterMetrics,
 ) {
@@ -401,7 +461,8 @@ async fn inbox_loop(
         match msg {
             ShardMsg::Request { req, reply } => reply(apply_local(&state, &metrics, req)),
             ShardMsg::Command { cmd, done } => {
-                let _ = done.send(state.borrow_mut().command(&cmd, now_ms()));
+                let _ = done.send(state.state.borrow_mut().command(&cmd, now_ms()));
+                state.wake_eviction();
             }
             ShardMsg::Probe(done) => {
                 let _ = done.send(());
@@ -411,12 +472,7 @@ async fn inbox_loop(
 }
 
 /// Housekeeping of one shard every `tick`.
-async fn tick_loop(
-    ctx: ShardCtx,
-    state: Rc<RefCell<ShardState>>,
-    tick: Duration,
-    metrics: MasterMetrics,
-) {
+async fn tick_loop(ctx: ShardCtx, state: Rc<Shard>, tick: Duration, metrics: MasterMetrics) {
     loop {
         let stop = futures_lite::future::or(
             async {
@@ -432,7 +488,8 @@ async fn tick_loop(
         if stop {
             break;
         }
-        let r = state.borrow_mut().tick(now_ms());
+        let r = state.state.borrow_mut().tick(now_ms());
+        state.wake_eviction();
         if r.stale_discarded > 0 {
             metrics.stale_puts.inc_by(r.stale_discarded);
             tracing::info!(
@@ -525,7 +582,7 @@ async fn broadcast(
 /// Serves master RPC on one shard.
 struct MasterConn {
     shard: u32,
-    state: Rc<RefCell<ShardState>>,
+    state: Rc<Shard>,
     handle: MasterHandle,
     io_timeout: Duration,
     metrics: MasterMetrics,

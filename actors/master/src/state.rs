@@ -22,9 +22,17 @@
 //!  its place in the same step; a revoked or stale replace leaves the old.
 //! ```
 //!
-//! Processing objects live in their own (small) map, so the housekeeping
-//! sweep for stale puts scans only puts in flight, not the whole pool. A
-//! key may be in both maps at once only while a replace of it is Processing.
+//! Objects are stored once, in [`super::objects::Objects`]: a slab with a
+//! table of complete objects and one of puts in flight (so the housekeeping
+//! sweep for stale puts scans only puts in flight, not the whole pool; a key
+//! is in both only while a replace of it is Processing), and per DRAM range
+//! an index of the replicas eviction may take, in eviction order.
+//!
+//! Eviction runs off the request path: a put that takes a range past
+//! `high_watermark` owes the range an episode (`eviction_ratio` of it), which
+//! the driver pays in bounded steps ([`ShardState::evict_step`]) between
+//! requests. Only a put that finds no room evicts in its own call, and only
+//! until it fits (at most the ratio); the rest of the ratio is owed.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -42,6 +50,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use smallvec::SmallVec;
 use std::hash::{BuildHasher, Hasher};
+
+use super::objects::{Complete, Id, Object, Objects, Phase, Processing, Replica, ReplicaState};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -161,6 +171,9 @@ struct SegmentSlot {
     /// Bytes of this segment's `Demoting` replicas (space on its way out),
     /// kept as they change so a put need not count them.
     demoting: u64,
+    /// Bytes the off-path eviction still owes this range (an episode under
+    /// way; 0: none).
+    evict_owed: u64,
 }
 
 impl SegmentSlot {
@@ -169,127 +182,15 @@ impl SegmentSlot {
     }
 }
 
-/// Where one replica lies: a slot index (into `ShardState::slots`) and offset.
-#[derive(Debug, Clone, Copy)]
-struct Replica {
-    slot: u32,
-    state: ReplicaState,
-    /// DRAM: offset in the segment. NVMe: the packed location.
-    offset: u64,
-}
-
-/// A replica's life: `Promoting -> Ready` (or dropped if the copy failed),
-/// `Ready -> Demoting -> dropped` (once its NVMe copy is in, or the copy
-/// failed and the eviction goes ahead without it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-enum ReplicaState {
-    /// Readable; may be evicted.
-    Ready,
-    /// A promotion is copying the bytes in from NVMe: not readable yet.
-    Promoting,
-    /// An eviction is copying the bytes out to NVMe: readable, not evicted
-    /// again; its space counts as on its way out.
-    Demoting,
-}
-
-impl Replica {
-    fn dram(slot: u32, offset: u64) -> Self {
-        Self::ready(slot, offset)
-    }
-
-    fn ready(slot: u32, offset: u64) -> Self {
-        Self {
-            slot,
-            state: ReplicaState::Ready,
-            offset,
-        }
-    }
-}
-
 /// Debug builds check the space invariants after every tick of a shard
 /// with at most this many objects (the check is O(objects)).
 #[cfg(debug_assertions)]
 const DEBUG_CHECK_MAX_KEYS: u64 = 100_000;
 
-const HARD_PIN: u8 = 1;
-/// `Object::sum` holds the writer's checksum.
-const HAS_SUM: u8 = 2;
-/// Processing: the put was started with `replace` (it may stand beside a
-/// complete object of the same key, which its PutEnd retires).
-const REPLACE: u8 = 4;
-
-/// One object's metadata. Kept small: the master holds tens of millions.
-#[derive(Debug)]
-struct Object {
-    size: u64,
-    /// Processing: when the put started. Complete: when the read lease ends
-    /// (the completion time until the first GetReplicaList); eviction takes
-    /// the smallest first ("oldest lease first").
-    t: u64,
-    /// Processing: the writer. Complete: when the soft pin ends (0: none).
-    aux: u64,
-    /// Soft-pin TTL asked for at PutStart, applied at PutEnd.
-    soft_pin_ttl_ms: u32,
-    flags: u8,
-    /// Reads served from NVMe only since the last promotion decision.
-    nvme_reads: u16,
-    /// xxh3-64 of the value (when `HAS_SUM`): set by the writer at PutEnd,
-    /// or by the tier's index for a recovered object.
-    sum: u64,
-    replicas: SmallVec<[Replica; 1]>,
-}
-
-/// `t` and `aux` hold different things while the object is Processing (in
-/// `ShardState::processing`) and once Complete (in `complete`); the map an
-/// object is in is its state, and these name each reading (an enum would add
-/// 8 bytes to every object).
-impl Object {
-    /// Processing: when the put started.
-    fn started_ms(&self) -> u64 {
-        self.t
-    }
-
-    /// Processing: the client writing it.
-    fn writer(&self) -> ClientId {
-        self.aux
-    }
-
-    /// Complete: when the last read lease ends (the completion time until
-    /// the first read).
-    fn lease_end_ms(&self) -> u64 {
-        self.t
-    }
-
-    /// Complete: when the soft pin ends (0: none).
-    fn pin_end_ms(&self) -> u64 {
-        self.aux
-    }
-
-    /// Processing -> Complete at `now_ms`: no lease yet, the soft pin asked
-    /// for at PutStart starts now.
-    fn complete_at(&mut self, now_ms: u64) {
-        self.t = now_ms;
-        self.aux = if self.soft_pin_ttl_ms > 0 {
-            now_ms + self.soft_pin_ttl_ms as u64
-        } else {
-            0
-        };
-    }
-
-    /// Complete: a read lease until at least `until_ms`.
-    fn extend_lease(&mut self, until_ms: u64) {
-        self.t = self.t.max(until_ms);
-    }
-
-    fn hard_pinned(&self) -> bool {
-        self.flags & HARD_PIN != 0
-    }
-
-    fn checksum(&self) -> Option<u64> {
-        (self.flags & HAS_SUM != 0).then_some(self.sum)
-    }
-}
+/// Replicas one eviction step takes at most (`ShardState::evict_step`): the
+/// longest the shard's off-path eviction holds it before serving requests
+/// again.
+pub const EVICT_STEP_VICTIMS: usize = 64;
 
 /// Space to free once `at_ms` has passed (lease or quarantine).
 #[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -318,7 +219,6 @@ pub struct ShardStat {
 pub struct TickReport {
     pub stale_discarded: u64,
     pub freed_bytes: u64,
-    pub evicted: u64,
 }
 
 /// One master shard's state.
@@ -329,8 +229,7 @@ pub struct ShardState {
     cfg: ShardConfig,
     slots: Vec<Option<SegmentSlot>>,
     by_id: HashMap<SegmentId, u32>,
-    complete: HashMap<Box<[u8]>, Object, KeyHashBuilder>,
-    processing: HashMap<Box<[u8]>, Object, KeyHashBuilder>,
+    objs: Objects,
     pending: BinaryHeap<Reverse<PendingFree>>,
     rng: ChaCha8Rng,
     evictions: u64,
@@ -402,12 +301,12 @@ fn describe(
     v
 }
 
-/// Whether `obj` has a readable NVMe replica.
 /// The space a demotion frees: the object's extent as segments round it.
 fn demoting_extent(size: u64) -> u64 {
     size.max(1).next_multiple_of(SEGMENT_ALIGN)
 }
 
+/// Whether `obj` has a readable NVMe replica.
 fn has_nvme(slots: &[Option<SegmentSlot>], obj: &Object) -> bool {
     obj.replicas.iter().any(|r| {
         r.state != ReplicaState::Promoting
@@ -416,10 +315,6 @@ fn has_nvme(slots: &[Option<SegmentSlot>], obj: &Object) -> bool {
                 .is_some_and(|s| s.tier() == Tier::Nvme)
     })
 }
-
-/// Candidates with the same class and lease end go together; a total order
-/// over (class, lease end) picks victims.
-type EvictRank = (u8, u64);
 
 impl ShardState {
     pub fn new(shard: u32, nr_shards: u32, cfg: ShardConfig, seed: u64) -> Self {
@@ -432,8 +327,7 @@ impl ShardState {
             cfg,
             slots: Vec::new(),
             by_id: HashMap::new(),
-            complete: HashMap::with_hasher(hash),
-            processing: HashMap::with_hasher(hash),
+            objs: Objects::new(hash),
             pending: BinaryHeap::new(),
             rng,
             evictions: 0,
@@ -452,7 +346,7 @@ impl ShardState {
     }
 
     pub fn key_count(&self) -> u64 {
-        (self.complete.len() + self.processing.len()) as u64
+        (self.objs.complete_len() + self.objs.processing_len()) as u64
     }
 
     /// This shard's range of a segment of `size` bytes.
@@ -491,7 +385,9 @@ impl ShardState {
             owner,
             suspect: false,
             demoting: 0,
+            evict_owed: 0,
         };
+        let dram = slot.tier() == Tier::Dram;
         let idx = match self.slots.iter().position(Option::is_none) {
             Some(i) => {
                 self.slots[i] = Some(slot);
@@ -502,26 +398,32 @@ impl ShardState {
                 self.slots.len() - 1
             }
         };
+        if dram {
+            self.objs.mount_range(idx as u32);
+        }
         self.by_id.insert(id, idx as u32);
     }
 
     /// Removes a segment and every replica on it; objects left with no replica
-    /// are removed. Returns how many objects went. Idempotent.
+    /// are removed. Returns how many objects went. Idempotent. O(objects).
     pub fn remove_segment(&mut self, id: SegmentId) -> u64 {
         let Some(idx) = self.by_id.remove(&id) else {
             return 0;
         };
+        let mut gone = 0;
+        for oid in self.objs.ids_with_replica_in(idx) {
+            let left = self.objs.update(oid, |o| {
+                o.replicas.retain(|r| r.slot != idx);
+                o.replicas.len()
+            });
+            if left == 0 {
+                self.objs.remove(oid);
+                gone += 1;
+            }
+        }
+        self.objs.unmount_range(idx);
         self.slots[idx as usize] = None;
         self.tasks.remove(&id);
-        let mut gone = 0;
-        for map in [&mut self.complete, &mut self.processing] {
-            let before = map.len();
-            map.retain(|_, o| {
-                o.replicas.retain(|r| r.slot != idx);
-                !o.replicas.is_empty()
-            });
-            gone += (before - map.len()) as u64;
-        }
         gone
     }
 
@@ -697,15 +599,14 @@ impl ShardState {
 
     /// Discards a Processing object nobody will finish; its space is
     /// quarantined, since a late writer may still be sending bytes into it.
-    fn discard_processing(&mut self, key: &[u8], now_ms: u64) {
-        if let Some(obj) = self.processing.remove(key) {
-            let at = now_ms.saturating_add(self.cfg.stale_put_grace_ms);
-            self.free_at(&obj, at, now_ms);
-        }
+    fn discard_processing(&mut self, id: Id, now_ms: u64) {
+        let (_, obj) = self.objs.remove(id);
+        let at = now_ms.saturating_add(self.cfg.stale_put_grace_ms);
+        self.free_at(&obj, at, now_ms);
     }
 
     fn is_stale(&self, obj: &Object, now_ms: u64) -> bool {
-        now_ms.saturating_sub(obj.started_ms()) >= self.cfg.put_timeout_ms
+        now_ms.saturating_sub(obj.put().started_ms) >= self.cfg.put_timeout_ms
     }
 
     /// Chooses up to `n` distinct segments with room for `size` bytes.
@@ -747,115 +648,63 @@ impl ShardState {
         cands.into_iter().take(n).map(|c| c.0).collect()
     }
 
-    /// Evicts replicas in slot `idx` until `target` bytes are freed (or will
-    /// be, once scheduled demotions land) or no candidate is left.
-    /// Candidates: complete, lease ended, not hard-pinned, not already being
-    /// demoted; unpinned before soft-pinned, oldest lease first. A victim
-    /// with an NVMe copy loses its DRAM replica at once; one whose node has an
-    /// NVMe tier is demoted (copied there first); others are dropped.
-    /// Returns the bytes freed now.
-    fn evict_slot(&mut self, idx: u32, target: u64, now_ms: u64) -> u64 {
-        let rank = |o: &Object| -> Option<EvictRank> {
-            if o.lease_end_ms() > now_ms
-                || o.hard_pinned()
-                || !o
-                    .replicas
-                    .iter()
-                    .any(|r| r.slot == idx && r.state == ReplicaState::Ready)
-            {
-                return None;
-            }
-            Some((u8::from(o.pin_end_ms() > now_ms), o.lease_end_ms()))
-        };
-        // Pass 1: the rank below which enough bytes lie (no key copies).
-        let mut ranked: Vec<(EvictRank, u64)> = self
-            .complete
-            .values()
-            .filter_map(|o| rank(o).map(|r| (r, o.size)))
-            .collect();
-        if ranked.is_empty() {
-            return 0;
-        }
-        ranked.sort_unstable_by_key(|(r, _)| *r);
-        let align = SEGMENT_ALIGN;
-        let mut acc = 0u64;
-        let mut cut = ranked.len();
-        for (i, (_, size)) in ranked.iter().enumerate() {
-            acc += size.max(&1).next_multiple_of(align);
-            if acc >= target {
-                cut = i + 1;
-                break;
-            }
-        }
-        let threshold = ranked[cut - 1].0;
-        let quota_at_threshold = ranked[..cut]
-            .iter()
-            .filter(|(r, _)| *r == threshold)
-            .count();
-        // Pass 2: the victims' keys (ties at the threshold by map order).
-        let mut victims: Vec<Box<[u8]>> = Vec::with_capacity(cut);
-        let mut at_threshold = 0;
-        for (k, o) in &self.complete {
-            match rank(o) {
-                Some(r) if r < threshold => victims.push(k.clone()),
-                Some(r) if r == threshold && at_threshold < quota_at_threshold => {
-                    at_threshold += 1;
-                    victims.push(k.clone());
-                }
-                _ => {}
-            }
-        }
-        let (seg_id, attach) = {
+    // ---- eviction ---------------------------------------------------------
+
+    /// Evicts the replica in slot `idx` that ranks first (see
+    /// [`super::objects`]: complete, lease ended, not hard-pinned, `Ready`;
+    /// unpinned before soft-pinned, oldest lease first). A victim with an
+    /// NVMe copy loses its DRAM replica at once; one whose node has an NVMe
+    /// tier is demoted (copied there first, its space on its way out);
+    /// others are dropped, and an object left without a replica goes.
+    /// Returns the bytes it frees now or once its demotion lands; `None`
+    /// when nothing in the range may be evicted. Pins must have been swept
+    /// to `now_ms`.
+    fn evict_next(&mut self, idx: u32, now_ms: u64) -> Option<u64> {
+        let id = self.objs.first_victim(idx, now_ms)?;
+        let (seg_id, tiered) = {
             let s = self.slot(idx);
-            (s.id, s.spec.nvme.clone())
+            (s.id, s.spec.nvme.is_some())
         };
-        let mut freed = 0;
-        for k in victims {
-            let obj = self.complete.get(&k).expect("collected above");
-            let size = obj.size;
-            let pos = obj
-                .replicas
-                .iter()
-                .position(|r| r.slot == idx && r.state == ReplicaState::Ready)
-                .expect("ranked by having a replica here");
-            let on_nvme = has_nvme(&self.slots, obj);
-            let queue_room = self
-                .tasks
-                .get(&seg_id)
-                .is_none_or(|q| q.len() < MAX_TASKS_PER_SEGMENT);
-            if !on_nvme && attach.is_some() && queue_room {
-                // Demote: the node copies it to NVMe, then the DRAM replica goes.
-                let offset = obj.replicas[pos].offset;
-                let checksum = obj.checksum();
-                self.complete.get_mut(&k).expect("present").replicas[pos].state =
-                    ReplicaState::Demoting;
-                self.slot_mut(idx).demoting += demoting_extent(size);
-                self.tasks
-                    .entry(seg_id)
-                    .or_default()
-                    .push_back(NodeTask::Persist {
-                        key: k.to_vec(),
-                        dram: seg_id,
-                        offset,
-                        len: size,
-                        demote: true,
-                        checksum,
-                    });
-                continue;
-            }
-            let obj = self.complete.get_mut(&k).expect("present");
-            let r = obj.replicas.remove(pos);
-            if obj.replicas.is_empty() {
-                self.complete.remove(&k);
-            }
-            let slot = self.slot_mut(idx);
-            slot.alloc.dealloc(r.offset, size);
-            let bytes = slot.alloc.rounded(size);
-            freed += bytes;
-            self.evictions += 1;
-            self.evicted_bytes += bytes;
+        let obj = self.objs.get(id);
+        let size = obj.size;
+        let pos = obj
+            .replicas
+            .iter()
+            .position(|r| r.slot == idx && r.state == ReplicaState::Ready)
+            .expect("indexed by a Ready replica in this range");
+        let queue_room = self
+            .tasks
+            .get(&seg_id)
+            .is_none_or(|q| q.len() < MAX_TASKS_PER_SEGMENT);
+        if tiered && queue_room && !has_nvme(&self.slots, obj) {
+            // Demote: the node copies it to NVMe, then the DRAM replica goes.
+            let task = NodeTask::Persist {
+                key: self.objs.key(id).to_vec(),
+                dram: seg_id,
+                offset: obj.replicas[pos].offset,
+                len: size,
+                demote: true,
+                checksum: obj.checksum(),
+            };
+            self.objs
+                .update(id, |o| o.replicas[pos].state = ReplicaState::Demoting);
+            self.slot_mut(idx).demoting += demoting_extent(size);
+            self.tasks.entry(seg_id).or_default().push_back(task);
+            return Some(demoting_extent(size));
         }
-        freed
+        let (r, left) = self.objs.update(id, |o| {
+            let r = o.replicas.remove(pos);
+            (r, o.replicas.len())
+        });
+        if left == 0 {
+            self.objs.remove(id);
+        }
+        let slot = self.slot_mut(idx);
+        slot.alloc.dealloc(r.offset, size);
+        let bytes = slot.alloc.rounded(size);
+        self.evictions += 1;
+        self.evicted_bytes += bytes;
+        Some(bytes)
     }
 
     /// DRAM bytes of slot `idx` whose demotion to NVMe is under way.
@@ -880,24 +729,113 @@ impl ShardState {
         }
     }
 
-    /// Evicts `eviction_ratio` of the slot's range if its use is past the
-    /// high watermark.
-    fn evict_if_high(&mut self, idx: u32, now_ms: u64) -> u64 {
+    /// What one eviction episode frees in slot `idx`: `eviction_ratio` of
+    /// the range.
+    fn episode_bytes(&self, idx: u32) -> u64 {
+        (self.cfg.eviction_ratio * self.slot(idx).alloc.capacity() as f64).ceil() as u64
+    }
+
+    /// If the range in slot `idx` is past the high watermark (space on its
+    /// way out to NVMe counting as freed) and no episode is under way, the
+    /// off-path eviction now owes it an episode.
+    fn owe_if_high(&mut self, idx: u32) {
         let s = self.slot(idx);
         let cap = s.alloc.capacity();
-        if cap == 0 || (s.alloc.used() as f64) <= self.cfg.high_watermark * cap as f64 {
-            return 0;
+        if s.evict_owed > 0 || cap == 0 {
+            return;
         }
-        let has_tier = s.spec.nvme.is_some();
-        // Space already on its way out (demotions) counts as freed.
-        if has_tier {
-            let left = s.alloc.used().saturating_sub(self.demoting_bytes(idx));
-            if (left as f64) <= self.cfg.high_watermark * cap as f64 {
-                return 0;
+        let left = s.alloc.used().saturating_sub(s.demoting);
+        if (left as f64) <= self.cfg.high_watermark * cap as f64 {
+            return;
+        }
+        let owed = self.episode_bytes(idx);
+        self.slot_mut(idx).evict_owed = owed;
+    }
+
+    /// Whether the off-path eviction owes some range an episode: the driver
+    /// should run [`Self::evict_step`].
+    pub fn evicting(&self) -> bool {
+        self.slots.iter().flatten().any(|s| s.evict_owed > 0)
+    }
+
+    /// One bounded step of the off-path eviction at `now_ms`: at most
+    /// `budget` replicas evicted, or pins swept, over the ranges owed an
+    /// episode (an episode ends when its bytes are freed or nothing in its
+    /// range may be evicted). Returns whether more is owed. The live shard
+    /// runs steps in a task that yields between them; `MasterCore` runs
+    /// them after every call.
+    pub fn evict_step(&mut self, now_ms: u64, budget: usize) -> bool {
+        if !self.evicting() {
+            return false;
+        }
+        let mut left = budget.max(1);
+        if !self.objs.sweep_pins(now_ms, &mut left) {
+            return true;
+        }
+        for idx in 0..self.slots.len() as u32 {
+            while left > 0 {
+                let owed = match &self.slots[idx as usize] {
+                    Some(s) if s.evict_owed > 0 => s.evict_owed,
+                    _ => break,
+                };
+                left -= 1;
+                self.slot_mut(idx).evict_owed = match self.evict_next(idx, now_ms) {
+                    Some(bytes) => owed.saturating_sub(bytes),
+                    None => 0,
+                };
             }
         }
-        let target = (self.cfg.eviction_ratio * cap as f64).ceil() as u64;
-        self.evict_slot(idx, target, now_ms)
+        self.evicting()
+    }
+
+    /// A put of `len` bytes found no room: evicts in the ranges that could
+    /// hold it, in each until the object fits there (at most
+    /// `max(eviction_ratio of the range, len)`), until `want` ranges fit;
+    /// what is left of the ratio in a range it evicted in is owed to the
+    /// off-path eviction. O(victims + pins that ended).
+    fn evict_to_fit(&mut self, len: u64, want: usize, now_ms: u64) -> SmallVec<[u32; 4]> {
+        let idxs: SmallVec<[u32; 4]> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let s = s.as_ref()?;
+                (s.tier() == Tier::Dram
+                    && !s.draining
+                    && !s.suspect
+                    && s.alloc.capacity() >= s.alloc.rounded(len))
+                .then_some(i as u32)
+            })
+            .collect();
+        let mut unbounded = usize::MAX;
+        self.objs.sweep_pins(now_ms, &mut unbounded);
+        let fits = |s: &SegmentSlot| s.alloc.largest_free() >= s.alloc.rounded(len);
+        let mut fitting = idxs.iter().filter(|&&i| fits(self.slot(i))).count();
+        for &idx in &idxs {
+            if fitting >= want {
+                break;
+            }
+            if fits(self.slot(idx)) {
+                continue;
+            }
+            let ratio = self.episode_bytes(idx);
+            let bound = ratio.max(self.slot(idx).alloc.rounded(len));
+            let mut done = 0;
+            while done < bound && !fits(self.slot(idx)) {
+                match self.evict_next(idx, now_ms) {
+                    Some(bytes) => done += bytes,
+                    None => break,
+                }
+            }
+            if fits(self.slot(idx)) {
+                fitting += 1;
+            }
+            if done > 0 && ratio > done {
+                let s = self.slot_mut(idx);
+                s.evict_owed = s.evict_owed.max(ratio - done);
+            }
+        }
+        idxs
     }
 
     // ---- object calls -----------------------------------------------------
@@ -947,19 +885,20 @@ impl ShardState {
         if opts.replicas == 0 {
             return Err(err(ErrorCode::InvalidParams, "replicas must be at least 1"));
         }
-        let exists = self.complete.contains_key(key);
+        let exists = self.objs.complete_id(key).is_some();
         if exists && !opts.replace {
             return Err(err(
                 ErrorCode::ObjectAlreadyExists,
                 format!("key {} exists", show_key(key)),
             ));
         }
-        if let Some(o) = self.processing.get(key) {
+        if let Some(id) = self.objs.processing_id(key) {
+            let o = self.objs.get(id);
             if !self.is_stale(o, now_ms) {
                 // Two replaces by different writers: one waits for the other
                 // to end, then replaces its object (the last PutEnd wins).
                 // One writer's second put of a key it is putting is a bug.
-                return Err(if opts.replace && o.writer() != client {
+                return Err(if opts.replace && o.put().writer != client {
                     err(
                         ErrorCode::TryAgain,
                         format!(
@@ -974,12 +913,12 @@ impl ShardState {
                     )
                 });
             }
-            self.discard_processing(key, now_ms);
+            self.discard_processing(id, now_ms);
         }
         // A replace of a stored key adds no key in the end: the count does
         // not refuse it. Its Processing entry counts while it lasts (so at
         // most one replace per stored key stands beyond the limit).
-        if !exists && self.key_count() >= self.cfg.max_keys {
+        if (!exists && self.key_count() >= self.cfg.max_keys) || !self.objs.has_room() {
             return Err(err(
                 ErrorCode::ResourceExhausted,
                 format!(
@@ -992,26 +931,9 @@ impl ShardState {
         let want = opts.replicas as usize;
         let mut targets = self.place(len, want, &opts.preferred_host);
         if targets.is_empty() {
-            // Allocation failed: evict in every range that could hold the
-            // object, then try once more.
-            let idxs: Vec<u32> = self
-                .slots
-                .iter()
-                .enumerate()
-                .filter_map(|(i, s)| {
-                    let s = s.as_ref()?;
-                    (s.tier() == Tier::Dram
-                        && !s.draining
-                        && s.alloc.capacity() >= s.alloc.rounded(len))
-                    .then_some(i as u32)
-                })
-                .collect();
-            for &idx in &idxs {
-                let cap = self.slot(idx).alloc.capacity();
-                let target = ((self.cfg.eviction_ratio * cap as f64).ceil() as u64)
-                    .max(self.slot(idx).alloc.rounded(len));
-                self.evict_slot(idx, target, now_ms);
-            }
+            // Allocation failed: evict until the object fits, then try once
+            // more.
+            let idxs = self.evict_to_fit(len, want, now_ms);
             targets = self.place(len, want, &opts.preferred_host);
             if targets.is_empty() {
                 // Space on its way out to the NVMe tier (demotions under
@@ -1021,7 +943,7 @@ impl ShardState {
                 let coming = idxs.iter().any(|&idx| {
                     let s = self.slot(idx);
                     let demoting = self.demoting_bytes(idx);
-                    !s.suspect && demoting > 0 && s.alloc.free() + demoting >= s.alloc.rounded(len)
+                    demoting > 0 && s.alloc.free() + demoting >= s.alloc.rounded(len)
                 });
                 if coming {
                     return Err(err(
@@ -1044,17 +966,17 @@ impl ShardState {
                 .alloc
                 .alloc(len)
                 .expect("placement checked the largest free extent");
-            replicas.push(Replica::dram(idx, offset));
+            replicas.push(Replica::ready(idx, offset));
         }
         let obj = Object {
             size: len,
-            t: now_ms,
-            aux: client,
-            soft_pin_ttl_ms: opts.soft_pin_ttl_ms.min(u32::MAX as u64) as u32,
-            flags: if opts.hard_pin { HARD_PIN } else { 0 }
-                | if opts.replace { REPLACE } else { 0 },
-            nvme_reads: 0,
-            sum: 0,
+            phase: Phase::Processing(Processing {
+                started_ms: now_ms,
+                writer: client,
+                soft_pin_ttl_ms: opts.soft_pin_ttl_ms.min(u32::MAX as u64) as u32,
+                hard_pin: opts.hard_pin,
+                replace: opts.replace,
+            }),
             replicas,
         };
         let descs = describe(
@@ -1065,18 +987,18 @@ impl ShardState {
                 until_ms: now_ms + self.cfg.put_timeout_ms,
             },
         );
-        self.processing.insert(key.into(), obj);
+        self.objs.insert(key, obj);
         for idx in targets {
-            self.evict_if_high(idx, now_ms);
+            self.owe_if_high(idx);
         }
         Ok(descs)
     }
 
     /// The caller's own Processing object; a stale one is discarded first.
-    fn own_processing(&mut self, client: ClientId, key: &[u8], now_ms: u64) -> Result<(), KvError> {
+    fn own_processing(&mut self, client: ClientId, key: &[u8], now_ms: u64) -> Result<Id, KvError> {
         self.check_key(key)?;
-        let Some(obj) = self.processing.get(key) else {
-            return Err(if self.complete.contains_key(key) {
+        let Some(id) = self.objs.processing_id(key) else {
+            return Err(if self.objs.complete_id(key).is_some() {
                 err(
                     ErrorCode::ObjectAlreadyExists,
                     format!("key {} is already complete", show_key(key)),
@@ -1085,14 +1007,15 @@ impl ShardState {
                 not_found(key)
             });
         };
-        if obj.writer() != client {
+        let obj = self.objs.get(id);
+        if obj.put().writer != client {
             return Err(err(
                 ErrorCode::IllegalClient,
                 format!("key {} is being put by another client", show_key(key)),
             ));
         }
         if self.is_stale(obj, now_ms) {
-            self.discard_processing(key, now_ms);
+            self.discard_processing(id, now_ms);
             return Err(err(
                 ErrorCode::ObjectNotFound,
                 format!(
@@ -1102,7 +1025,7 @@ impl ShardState {
                 ),
             ));
         }
-        Ok(())
+        Ok(id)
     }
 
     /// Completes a put; `checksum` is what the writer computed over the
@@ -1114,26 +1037,22 @@ impl ShardState {
         checksum: Option<u64>,
         now_ms: u64,
     ) -> Result<(), KvError> {
-        self.own_processing(client, key, now_ms)?;
-        let (k, mut obj) = self.processing.remove_entry(key).expect("checked above");
-        if let Some(sum) = checksum {
-            obj.sum = sum;
-            obj.flags |= HAS_SUM;
-        }
-        obj.complete_at(now_ms);
+        let id = self.own_processing(client, key, now_ms)?;
         // A replace: the object it replaces goes now, as a forced Remove
         // would take it (its space waits for its readers' lease, its NVMe
         // copies are dropped before the new object's copy is asked for).
-        if let Some(old) = self.complete.remove(&k) {
+        if let Some(old) = self.objs.complete_id(key) {
             debug_assert!(
-                obj.flags & REPLACE != 0,
+                self.objs.get(id).put().replace,
                 "only a replace meets a complete key"
             );
+            let (k, old) = self.objs.remove(old);
             self.retire(&k, &old, now_ms);
         }
-        obj.flags &= !REPLACE;
+        self.objs.update(id, |o| o.complete_at(now_ms, checksum));
         // Write-through: the first replica on a node with an NVMe tier is
         // copied there now (the node does it when it next asks for work).
+        let obj = self.objs.get(id);
         let through = obj.replicas.iter().find_map(|r| {
             let s = self.slot(r.slot);
             match &s.spec.nvme {
@@ -1142,25 +1061,25 @@ impl ShardState {
             }
         });
         if let Some((seg, offset)) = through {
+            let (len, checksum) = (obj.size, obj.checksum());
             let q = self.tasks.entry(seg).or_default();
             if q.len() < MAX_TASKS_PER_SEGMENT {
                 q.push_back(NodeTask::Persist {
-                    key: k.to_vec(),
+                    key: key.to_vec(),
                     dram: seg,
                     offset,
-                    len: obj.size,
+                    len,
                     demote: false,
-                    checksum: obj.checksum(),
+                    checksum,
                 });
             }
         }
-        self.complete.insert(k, obj);
         Ok(())
     }
 
     pub fn put_revoke(&mut self, client: ClientId, key: &[u8], now_ms: u64) -> Result<(), KvError> {
-        self.own_processing(client, key, now_ms)?;
-        let obj = self.processing.remove(key).expect("checked above");
+        let id = self.own_processing(client, key, now_ms)?;
+        let (_, obj) = self.objs.remove(id);
         // The writer says it is done with the space: free it at once.
         self.free_now(&obj);
         Ok(())
@@ -1173,24 +1092,28 @@ impl ShardState {
         now_ms: u64,
     ) -> Result<Vec<ReplicaDesc>, KvError> {
         self.check_key(key)?;
-        if let Some(obj) = self.complete.get_mut(key) {
-            obj.extend_lease(now_ms + self.cfg.lease_ttl_ms);
+        if let Some(id) = self.objs.complete_id(key) {
+            let until_ms = now_ms + self.cfg.lease_ttl_ms;
+            if self.objs.get(id).stored().lease_end_ms < until_ms {
+                self.objs.update(id, |o| o.extend_lease(until_ms));
+            }
+            let obj = self.objs.get(id);
             let descs = describe(
                 &self.slots,
                 obj,
                 self.signer.as_ref(),
                 Access::Read {
-                    until_ms: obj.lease_end_ms(),
+                    until_ms: obj.stored().lease_end_ms,
                 },
             );
             if descs.first().is_some_and(|d| d.tier == Tier::Nvme) {
-                self.count_nvme_read(key, now_ms);
+                self.count_nvme_read(id);
             }
             return Ok(descs);
         }
-        match self.processing.get(key) {
-            Some(o) if self.is_stale(o, now_ms) => {
-                self.discard_processing(key, now_ms);
+        match self.objs.processing_id(key) {
+            Some(id) if self.is_stale(self.objs.get(id), now_ms) => {
+                self.discard_processing(id, now_ms);
                 Err(not_found(key))
             }
             Some(_) => Err(err(
@@ -1203,14 +1126,16 @@ impl ShardState {
 
     /// An NVMe-only object was read: after `promote_after_reads` reads, give
     /// it a DRAM replica (pending until its node has copied the bytes in).
-    fn count_nvme_read(&mut self, key: &[u8], now_ms: u64) {
+    fn count_nvme_read(&mut self, id: Id) {
         let n = self.cfg.promote_after_reads;
-        let Some(obj) = self.complete.get_mut(key) else {
-            return;
-        };
-        obj.nvme_reads = obj.nvme_reads.saturating_add(1);
+        let reads = self.objs.update(id, |o| {
+            let c = o.stored_mut();
+            c.nvme_reads = c.nvme_reads.saturating_add(1);
+            c.nvme_reads
+        });
+        let obj = self.objs.get(id);
         if n == 0
-            || obj.nvme_reads < n
+            || reads < n
             || obj
                 .replicas
                 .iter()
@@ -1218,7 +1143,8 @@ impl ShardState {
         {
             return;
         }
-        obj.nvme_reads = 0;
+        self.objs.update(id, |o| o.stored_mut().nvme_reads = 0);
+        let obj = self.objs.get(id);
         let size = obj.size;
         let Some(nvme) = obj
             .replicas
@@ -1251,7 +1177,7 @@ impl ShardState {
         let Some(offset) = self.slot_mut(idx).alloc.alloc(size) else {
             return;
         };
-        let checksum = self.complete.get(key).and_then(Object::checksum);
+        let checksum = self.objs.get(id).checksum();
         let dram = self.slot(idx).id;
         let q = self.tasks.entry(nvme_seg).or_default();
         if q.len() >= MAX_TASKS_PER_SEGMENT {
@@ -1259,20 +1185,20 @@ impl ShardState {
             return;
         }
         q.push_back(NodeTask::Promote {
-            key: key.to_vec(),
+            key: self.objs.key(id).to_vec(),
             loc: nvme.offset,
             dram,
             offset,
             len: size,
             checksum,
         });
-        let obj = self.complete.get_mut(key).expect("present");
-        obj.replicas.push(Replica {
-            slot: idx,
-            state: ReplicaState::Promoting,
-            offset,
+        self.objs.update(id, |o| {
+            o.replicas.push(Replica {
+                slot: idx,
+                state: ReplicaState::Promoting,
+                offset,
+            })
         });
-        let _ = now_ms;
     }
 
     /// The slot of segment `seg` if it is mounted, of tier `tier`, and owned
@@ -1381,13 +1307,14 @@ impl ShardState {
                     Err(e) if e.code == ErrorCode::SegmentNotFound => None,
                     Err(e) => return Err(e),
                 };
-                let obj = self
-                    .complete
-                    .get_mut(key.as_slice())
-                    .filter(|o| o.size == *len);
-                let Some(obj) = obj else {
+                let id = self
+                    .objs
+                    .complete_id(key)
+                    .filter(|&id| self.objs.get(id).size == *len);
+                let Some(id) = id else {
                     return Err(not_found(key));
                 };
+                let obj = self.objs.get(id);
                 if obj.checksum().is_some_and(|s| s != *sum) {
                     return Err(err(
                         ErrorCode::Corrupt,
@@ -1430,22 +1357,23 @@ impl ShardState {
                             ),
                         ))
                     }
-                    None => obj.replicas.push(Replica {
-                        slot: nslot,
-                        state: ReplicaState::Ready,
-                        offset: *loc,
-                    }),
+                    None => self
+                        .objs
+                        .update(id, |o| o.replicas.push(Replica::ready(nslot, *loc))),
                 }
                 if let Some(pos) = pos {
+                    let obj = self.objs.get(id);
                     let was = (obj.replicas[pos].state == ReplicaState::Demoting)
                         .then_some((obj.replicas[pos].slot, obj.size));
                     if *demote {
-                        let r = obj.replicas.remove(pos);
-                        let (size, lease_end) = (obj.size, obj.lease_end_ms());
+                        let r = self.objs.update(id, |o| o.replicas.remove(pos));
+                        let obj = self.objs.get(id);
+                        let (size, lease_end) = (obj.size, obj.stored().lease_end_ms);
                         self.demotions += 1;
                         self.evict_dram_replica(r, size, lease_end, now_ms);
                     } else {
-                        obj.replicas[pos].state = ReplicaState::Ready;
+                        self.objs
+                            .update(id, |o| o.replicas[pos].state = ReplicaState::Ready);
                     }
                     if let Some((idx, size)) = was {
                         self.demotion_over(idx, size);
@@ -1460,10 +1388,8 @@ impl ShardState {
                 demote,
             } => {
                 let dslot = self.owned_slot(client, *dram, Tier::Dram)?;
-                let obj = self
-                    .complete
-                    .get_mut(key.as_slice())
-                    .ok_or_else(|| not_found(key))?;
+                let id = self.objs.complete_id(key).ok_or_else(|| not_found(key))?;
+                let obj = self.objs.get(id);
                 let Some(pos) = obj.replicas.iter().position(|r| {
                     r.slot == dslot && r.offset == *offset && r.state == ReplicaState::Demoting
                 }) else {
@@ -1471,15 +1397,19 @@ impl ShardState {
                 };
                 let size = obj.size;
                 if !*demote {
-                    obj.replicas[pos].state = ReplicaState::Ready;
+                    self.objs
+                        .update(id, |o| o.replicas[pos].state = ReplicaState::Ready);
                     self.demotion_over(dslot, size);
                     return Ok(());
                 }
                 // The eviction goes ahead without an NVMe copy.
-                let r = obj.replicas.remove(pos);
-                let lease_end = obj.lease_end_ms();
-                if obj.replicas.is_empty() {
-                    self.complete.remove(key.as_slice());
+                let (r, left) = self.objs.update(id, |o| {
+                    let r = o.replicas.remove(pos);
+                    (r, o.replicas.len())
+                });
+                let lease_end = self.objs.get(id).stored().lease_end_ms;
+                if left == 0 {
+                    self.objs.remove(id);
                 }
                 self.demotion_over(dslot, size);
                 self.evict_dram_replica(r, size, lease_end, now_ms);
@@ -1492,10 +1422,8 @@ impl ShardState {
                 ok,
             } => {
                 let dslot = self.owned_slot(client, *dram, Tier::Dram)?;
-                let obj = self
-                    .complete
-                    .get_mut(key.as_slice())
-                    .ok_or_else(|| not_found(key))?;
+                let id = self.objs.complete_id(key).ok_or_else(|| not_found(key))?;
+                let obj = self.objs.get(id);
                 let pos = obj
                     .replicas
                     .iter()
@@ -1506,11 +1434,12 @@ impl ShardState {
                         err(ErrorCode::ObjectNotFound, "no promotion under way there")
                     })?;
                 if *ok {
-                    obj.replicas[pos].state = ReplicaState::Ready;
+                    self.objs
+                        .update(id, |o| o.replicas[pos].state = ReplicaState::Ready);
                     self.promotions += 1;
                 } else {
-                    let r = obj.replicas.remove(pos);
                     let size = obj.size;
+                    let r = self.objs.update(id, |o| o.replicas.remove(pos));
                     self.free_replica_now(&r, size);
                 }
                 Ok(())
@@ -1522,11 +1451,14 @@ impl ShardState {
                     Err(e) if e.code == ErrorCode::SegmentNotFound => return Ok(()),
                     Err(e) => return Err(e),
                 };
-                if let Some(obj) = self.complete.get_mut(key.as_slice()) {
-                    obj.replicas
-                        .retain(|r| !(r.slot == nslot && r.offset == *loc));
-                    if obj.replicas.is_empty() {
-                        self.complete.remove(key.as_slice());
+                if let Some(id) = self.objs.complete_id(key) {
+                    let left = self.objs.update(id, |o| {
+                        o.replicas
+                            .retain(|r| !(r.slot == nslot && r.offset == *loc));
+                        o.replicas.len()
+                    });
+                    if left == 0 {
+                        self.objs.remove(id);
                     }
                 }
                 Ok(())
@@ -1546,49 +1478,46 @@ impl ShardState {
                         format!("a recovered object of {len} bytes"),
                     ));
                 }
-                match self.complete.get_mut(key.as_slice()) {
-                    Some(o) if o.size != *len || o.checksum().is_some_and(|s| s != *sum) => {
-                        Err(err(
-                            ErrorCode::ObjectAlreadyExists,
-                            "a different object is stored under this key now",
-                        ))
-                    }
-                    Some(o) => {
-                        o.replicas.retain(|r| r.slot != nslot);
-                        o.replicas.push(Replica {
-                            slot: nslot,
-                            state: ReplicaState::Ready,
-                            offset: *loc,
+                match self.objs.complete_id(key) {
+                    Some(id) => {
+                        let o = self.objs.get(id);
+                        if o.size != *len || o.checksum().is_some_and(|s| s != *sum) {
+                            return Err(err(
+                                ErrorCode::ObjectAlreadyExists,
+                                "a different object is stored under this key now",
+                            ));
+                        }
+                        self.objs.update(id, |o| {
+                            o.replicas.retain(|r| r.slot != nslot);
+                            o.replicas.push(Replica::ready(nslot, *loc));
                         });
                         Ok(())
                     }
                     // A put of the key under way (a replace of a complete
                     // key is the arm above: its copy is the complete one's).
-                    None if self.processing.contains_key(key.as_slice()) => {
+                    None if self.objs.processing_id(key).is_some() => {
                         Err(err(ErrorCode::ObjectAlreadyExists, "the key is being put"))
                     }
                     None => {
-                        if self.key_count() >= self.cfg.max_keys {
+                        if self.key_count() >= self.cfg.max_keys || !self.objs.has_room() {
                             return Err(err(
                                 ErrorCode::ResourceExhausted,
                                 "the pool holds its maximum of keys",
                             ));
                         }
-                        self.complete.insert(
-                            key.as_slice().into(),
+                        self.objs.insert(
+                            key,
                             Object {
                                 size: *len,
-                                t: now_ms,
-                                aux: 0,
-                                soft_pin_ttl_ms: 0,
-                                flags: HAS_SUM,
-                                nvme_reads: 0,
-                                sum: *sum,
-                                replicas: smallvec::smallvec![Replica {
-                                    slot: nslot,
-                                    state: ReplicaState::Ready,
-                                    offset: *loc,
-                                }],
+                                phase: Phase::Complete(Complete {
+                                    lease_end_ms: now_ms,
+                                    pin_end_ms: 0,
+                                    sum: *sum,
+                                    has_sum: true,
+                                    hard_pin: false,
+                                    nvme_reads: 0,
+                                }),
+                                replicas: smallvec::smallvec![Replica::ready(nslot, *loc)],
                             },
                         );
                         Ok(())
@@ -1601,40 +1530,41 @@ impl ShardState {
     /// Whether a complete object is stored. Does not extend leases.
     pub fn exist(&self, key: &[u8], _now_ms: u64) -> Result<bool, KvError> {
         self.check_key(key)?;
-        Ok(self.complete.contains_key(key))
+        Ok(self.objs.complete_id(key).is_some())
     }
 
     pub fn remove(&mut self, key: &[u8], force: bool, now_ms: u64) -> Result<(), KvError> {
         self.check_key(key)?;
-        let Some(obj) = self.complete.get(key) else {
-            return Err(match self.processing.get(key) {
-                Some(o) if !self.is_stale(o, now_ms) => err(
+        let Some(id) = self.objs.complete_id(key) else {
+            return Err(match self.objs.processing_id(key) {
+                Some(id) if !self.is_stale(self.objs.get(id), now_ms) => err(
                     ErrorCode::ReplicaNotReady,
                     format!("key {} is still being put", show_key(key)),
                 ),
-                Some(_) => {
-                    self.discard_processing(key, now_ms);
+                Some(id) => {
+                    self.discard_processing(id, now_ms);
                     not_found(key)
                 }
                 None => not_found(key),
             });
         };
-        if obj.lease_end_ms() > now_ms && !force {
+        let lease_end = self.objs.get(id).stored().lease_end_ms;
+        if lease_end > now_ms && !force {
             return Err(err(
                 ErrorCode::ObjectHasLease,
                 format!(
                     "key {} is leased to a reader for {} ms more (remove with force to override)",
                     show_key(key),
-                    obj.lease_end_ms() - now_ms
+                    lease_end - now_ms
                 ),
             ));
         }
-        let obj = self.complete.remove(key).expect("present");
-        self.retire(key, &obj, now_ms);
+        let (k, obj) = self.objs.remove(id);
+        self.retire(&k, &obj, now_ms);
         Ok(())
     }
 
-    /// A complete object taken out of `complete` (removed, or replaced by a
+    /// A complete object taken out of the shard (removed, or replaced by a
     /// new one) lets go of everything: its demotions under way stop
     /// counting, its NVMe copies are dropped, and its DRAM space is freed
     /// once its readers' lease is over (and any copy a node may be making
@@ -1642,89 +1572,90 @@ impl ShardState {
     fn retire(&mut self, key: &[u8], obj: &Object, now_ms: u64) {
         self.demotions_over(obj);
         self.drop_nvme_copies(key, obj);
-        self.free_at(obj, obj.lease_end_ms(), now_ms);
+        self.free_at(obj, obj.stored().lease_end_ms, now_ms);
     }
 
     /// Removes every complete object that has no live lease (with `force`,
     /// every complete object: a leased one's space is freed when its lease
-    /// ends, as a forced remove does); returns the count.
+    /// ends, as a forced remove does); returns the count. O(objects).
     pub fn remove_all(&mut self, now_ms: u64, force: bool) -> u64 {
-        let keys: Vec<Box<[u8]>> = self
-            .complete
-            .iter()
-            .filter(|(_, o)| force || o.lease_end_ms() <= now_ms)
-            .map(|(k, _)| k.clone())
+        let ids: Vec<Id> = self
+            .objs
+            .complete_ids()
+            .filter(|&id| force || self.objs.get(id).stored().lease_end_ms <= now_ms)
             .collect();
-        for k in &keys {
-            let obj = self.complete.remove(k).expect("present");
-            self.retire(k, &obj, now_ms);
+        for &id in &ids {
+            let (k, obj) = self.objs.remove(id);
+            self.retire(&k, &obj, now_ms);
         }
-        keys.len() as u64
+        ids.len() as u64
     }
 
     /// Revokes every Processing put of a client that is gone.
     pub fn revoke_client(&mut self, client: ClientId, now_ms: u64) -> u64 {
-        let keys: Vec<Box<[u8]>> = self
-            .processing
-            .iter()
-            .filter(|(_, o)| o.writer() == client)
-            .map(|(k, _)| k.clone())
+        let ids: Vec<Id> = self
+            .objs
+            .processing_ids()
+            .filter(|&id| self.objs.get(id).put().writer == client)
             .collect();
-        for k in &keys {
-            self.discard_processing(k, now_ms);
+        for &id in &ids {
+            self.discard_processing(id, now_ms);
         }
-        keys.len() as u64
+        ids.len() as u64
     }
 
     pub fn describe(&self, key: &[u8], now_ms: u64) -> Result<ObjectInfo, KvError> {
         self.check_key(key)?;
-        if let Some(o) = self.complete.get(key) {
+        if let Some(id) = self.objs.complete_id(key) {
+            let o = self.objs.get(id);
+            let c = o.stored();
             return Ok(ObjectInfo {
                 key: key.to_vec(),
                 complete: true,
                 size: o.size,
                 replicas: self.describe_replicas(o),
-                lease_remaining_ms: o.lease_end_ms().saturating_sub(now_ms),
-                soft_pin_remaining_ms: o.pin_end_ms().saturating_sub(now_ms),
-                hard_pin: o.hard_pinned(),
+                lease_remaining_ms: c.lease_end_ms.saturating_sub(now_ms),
+                soft_pin_remaining_ms: c.pin_end_ms.saturating_sub(now_ms),
+                hard_pin: c.hard_pin,
             });
         }
-        match self.processing.get(key) {
-            Some(o) => Ok(ObjectInfo {
-                key: key.to_vec(),
-                complete: false,
-                size: o.size,
-                replicas: self.describe_replicas(o),
-                lease_remaining_ms: 0,
-                soft_pin_remaining_ms: 0,
-                hard_pin: o.hard_pinned(),
-            }),
+        match self.objs.processing_id(key) {
+            Some(id) => {
+                let o = self.objs.get(id);
+                Ok(ObjectInfo {
+                    key: key.to_vec(),
+                    complete: false,
+                    size: o.size,
+                    replicas: self.describe_replicas(o),
+                    lease_remaining_ms: 0,
+                    soft_pin_remaining_ms: 0,
+                    hard_pin: o.hard_pinned(),
+                })
+            }
             None => Err(not_found(key)),
         }
     }
 
-    /// Housekeeping: frees what has waited long enough, discards stale puts,
-    /// evicts in ranges past the high watermark.
+    /// Housekeeping: discards stale puts, frees what has waited long
+    /// enough, and owes an eviction episode to every range past the high
+    /// watermark (the driver runs [`Self::evict_step`] for it).
     pub fn tick(&mut self, now_ms: u64) -> TickReport {
         let mut report = TickReport::default();
-        let stale: Vec<Box<[u8]>> = self
-            .processing
-            .iter()
-            .filter(|(_, o)| self.is_stale(o, now_ms))
-            .map(|(k, _)| k.clone())
+        let stale: Vec<Id> = self
+            .objs
+            .processing_ids()
+            .filter(|&id| self.is_stale(self.objs.get(id), now_ms))
             .collect();
-        for k in &stale {
-            self.discard_processing(k, now_ms);
+        for &id in &stale {
+            self.discard_processing(id, now_ms);
         }
         report.stale_discarded = stale.len() as u64;
         report.freed_bytes = self.release_due(now_ms);
-        let before = self.evictions;
         for idx in 0..self.slots.len() as u32 {
             if self.slots[idx as usize].is_some() {
-                report.freed_bytes += self.evict_if_high(idx, now_ms);
+                self.owe_if_high(idx);
             }
         }
-        report.evicted = self.evictions - before;
         #[cfg(debug_assertions)]
         if self.key_count() <= DEBUG_CHECK_MAX_KEYS {
             if let Err(e) = self.check_invariants() {
@@ -1734,39 +1665,56 @@ impl ShardState {
         report
     }
 
-    /// Checks the shard's space accounting; the first broken rule, named.
-    /// For every DRAM segment: its allocator's used bytes equal the extents
-    /// of the replicas (complete and processing objects, promotions being
-    /// copied in, demotions under way) plus the extents waiting to be freed
-    /// (leased removals, quarantined puts); no two of those extents overlap
-    /// (so a leased object's space is never handed out again) and each lies
-    /// in this shard's range; every replica points at a mounted segment; a
-    /// key is both complete and Processing only while a replace of it is.
-    /// O(objects): the model test runs it after every step, debug builds
-    /// after every tick of a small shard.
+    /// Checks the shard's space accounting and its object index; the first
+    /// broken rule, named. For every DRAM segment: its allocator's used
+    /// bytes equal the extents of the replicas (complete and processing
+    /// objects, promotions being copied in, demotions under way) plus the
+    /// extents waiting to be freed (leased removals, quarantined puts); no
+    /// two of those extents overlap (so a leased object's space is never
+    /// handed out again) and each lies in this shard's range; every replica
+    /// points at a mounted segment; a key is both complete and Processing
+    /// only while a replace of it is. The object store's tables and its
+    /// eviction index match a recount (`Objects::check`), and the index has
+    /// a range for exactly the mounted DRAM segments. O(objects): the model
+    /// tests run it after every step, debug builds after every tick of a
+    /// small shard.
     pub fn check_invariants(&self) -> Result<(), String> {
+        self.objs.check()?;
+        for (idx, slot) in self.slots.iter().enumerate() {
+            let dram = slot.as_ref().is_some_and(|s| s.tier() == Tier::Dram);
+            if self.objs.has_range(idx as u32) != dram {
+                return Err(format!(
+                    "slot {idx}: the eviction index has a range for it: {}, it is a mounted \
+                     DRAM segment: {dram}",
+                    !dram
+                ));
+            }
+        }
         let mut extents: HashMap<u32, Vec<(u64, u64, String)>> = HashMap::new();
         let mut demoting: HashMap<u32, u64> = HashMap::new();
-        for o in self.complete.values() {
+        for id in self.objs.complete_ids() {
+            let o = self.objs.get(id);
             for r in &o.replicas {
                 if r.state == ReplicaState::Demoting {
                     *demoting.entry(r.slot).or_default() += demoting_extent(o.size);
                 }
             }
         }
-        for (k, o) in &self.processing {
-            if o.flags & REPLACE == 0 && self.complete.contains_key(k) {
+        for id in self.objs.processing_ids() {
+            let (k, o) = (self.objs.key(id), self.objs.get(id));
+            if !o.put().replace && self.objs.complete_id(k).is_some() {
                 return Err(format!(
                     "{} is complete and being put by a put that is not a replace",
                     show_key(k)
                 ));
             }
         }
-        for (state, map) in [
-            ("complete", &self.complete),
-            ("processing", &self.processing),
+        for (state, ids) in [
+            ("complete", self.objs.complete_ids().collect::<Vec<_>>()),
+            ("processing", self.objs.processing_ids().collect()),
         ] {
-            for (k, o) in map.iter() {
+            for id in ids {
+                let (k, o) = (self.objs.key(id), self.objs.get(id));
                 for r in &o.replicas {
                     let Some(Some(slot)) = self.slots.get(r.slot as usize) else {
                         return Err(format!(
@@ -1841,12 +1789,13 @@ impl ShardState {
         Ok(())
     }
 
-    /// Distinct keys: a key being replaced is in both maps, and counts once.
+    /// Distinct keys: a key being replaced is in both tables, and counts
+    /// once.
     fn distinct_keys(&self) -> u64 {
         let replacing = self
-            .processing
-            .keys()
-            .filter(|k| self.complete.contains_key(&k[..]))
+            .objs
+            .processing_ids()
+            .filter(|&id| self.objs.complete_id(self.objs.key(id)).is_some())
             .count();
         self.key_count() - replacing as u64
     }
@@ -1984,7 +1933,13 @@ mod tests {
         assert_eq!(std::mem::size_of::<Replica>(), 16);
     }
 
-    fn shard_with_objects() -> ShardState {
+    /// The id of the complete object under `key`.
+    fn id(sh: &ShardState, key: &[u8]) -> Id {
+        sh.objs.complete_id(key).expect("a complete object")
+    }
+
+    /// A shard with one DRAM segment of 1 MiB in slot 0.
+    fn shard_with_a_segment() -> ShardState {
         let cfg = ShardConfig::from_master(&MasterConfig::default(), 1);
         let mut sh = ShardState::new(0, 1, cfg, 7);
         let spec = SegmentSpec {
@@ -2001,6 +1956,11 @@ mod tests {
             nvme: None,
         };
         sh.add_segment(9, Arc::new(spec), 1);
+        sh
+    }
+
+    fn shard_with_objects() -> ShardState {
+        let mut sh = shard_with_a_segment();
         for k in [&b"a"[..], b"b", b"c"] {
             sh.put_start(1, k, 1000, &PutOptions::default(), 0).unwrap();
             sh.put_end(1, k, None, 0).unwrap();
@@ -2016,7 +1976,7 @@ mod tests {
     fn space_accounting_that_does_not_add_up_is_reported() {
         let mut sh = shard_with_objects();
         // A replica's extent given back behind the object's back.
-        let off = sh.complete.get(&b"a"[..]).unwrap().replicas[0].offset;
+        let off = sh.objs.get(id(&sh, b"a")).replicas[0].offset;
         sh.slots[0].as_mut().unwrap().alloc.dealloc(off, 1000);
         let e = sh.check_invariants().unwrap_err();
         assert!(e.contains("in use"), "{e}");
@@ -2025,12 +1985,13 @@ mod tests {
     #[test]
     fn two_objects_on_one_extent_are_reported() {
         let mut sh = shard_with_objects();
-        let off_a = sh.complete.get(&b"a"[..]).unwrap().replicas[0].offset;
-        let off_b = sh.complete.get(&b"b"[..]).unwrap().replicas[0].offset;
+        let off_a = sh.objs.get(id(&sh, b"a")).replicas[0].offset;
+        let b = id(&sh, b"b");
+        let off_b = sh.objs.get(b).replicas[0].offset;
         // b now claims a's bytes; its own extent is released so the total
         // still adds up: only the overlap is wrong.
         sh.slots[0].as_mut().unwrap().alloc.dealloc(off_b, 1000);
-        sh.complete.get_mut(&b"b"[..]).unwrap().replicas[0].offset = off_a;
+        sh.objs.update(b, |o| o.replicas[0].offset = off_a);
         sh.slots[0].as_mut().unwrap().alloc.alloc(1000).unwrap();
         let e = sh.check_invariants().unwrap_err();
         assert!(e.contains("overlaps"), "{e}");
@@ -2043,5 +2004,102 @@ mod tests {
         let (off, size) = (p.offset, p.size);
         sh.slots[0].as_mut().unwrap().alloc.dealloc(off, size);
         assert!(sh.check_invariants().is_err());
+    }
+
+    #[test]
+    fn an_eviction_index_that_misses_a_lease_change_is_reported() {
+        let mut sh = shard_with_objects();
+        // A read lease set behind the index's back: the object now ranks
+        // later than its entry says.
+        let a = id(&sh, b"a");
+        sh.objs.get_mut_unindexed(a).extend_lease(60_000);
+        let e = sh.check_invariants().unwrap_err();
+        assert!(e.contains("eviction index"), "{e}");
+    }
+
+    #[test]
+    fn an_eviction_index_that_misses_a_replica_state_change_is_reported() {
+        let mut sh = shard_with_objects();
+        // A replica taken out of eviction's reach (Demoting) behind the
+        // index's back: its entry stays.
+        let a = id(&sh, b"a");
+        sh.objs.get_mut_unindexed(a).replicas[0].state = ReplicaState::Demoting;
+        sh.slots[0].as_mut().unwrap().demoting += demoting_extent(1000);
+        let e = sh.check_invariants().unwrap_err();
+        assert!(e.contains("eviction index"), "{e}");
+    }
+
+    #[test]
+    fn an_eviction_index_that_misses_a_soft_pin_is_reported() {
+        let mut sh = shard_with_objects();
+        let a = id(&sh, b"a");
+        sh.objs.get_mut_unindexed(a).stored_mut().pin_end_ms = 60_000;
+        let e = sh.check_invariants().unwrap_err();
+        assert!(e.contains("soft pins"), "{e}");
+    }
+
+    #[test]
+    fn the_eviction_index_follows_changes_made_through_update() {
+        let mut sh = shard_with_objects();
+        let a = id(&sh, b"a");
+        sh.objs.update(a, |o| o.extend_lease(60_000));
+        sh.objs.update(a, |o| o.stored_mut().pin_end_ms = 90_000);
+        sh.objs
+            .update(a, |o| o.replicas[0].state = ReplicaState::Promoting);
+        sh.check_invariants().expect("kept in step");
+        sh.objs
+            .update(a, |o| o.replicas[0].state = ReplicaState::Ready);
+        sh.check_invariants().expect("kept in step");
+    }
+
+    #[test]
+    fn victims_come_in_rank_order_and_ended_pins_move_over_when_swept() {
+        let mut sh = shard_with_a_segment();
+        let put = |sh: &mut ShardState, k: &[u8], pin_ms: u64, now: u64| {
+            let opts = PutOptions {
+                soft_pin_ttl_ms: pin_ms,
+                ..PutOptions::default()
+            };
+            sh.put_start(1, k, 64, &opts, now).unwrap();
+            sh.put_end(1, k, None, now).unwrap();
+        };
+        put(&mut sh, b"pinned-long", 10_000, 1);
+        put(&mut sh, b"pinned-short", 100, 2);
+        put(&mut sh, b"plain-late", 0, 5);
+        put(&mut sh, b"plain-early", 0, 3);
+        put(&mut sh, b"read", 0, 4);
+        sh.get_replica_list(b"read", 6).unwrap(); // lease to 6 + lease_ttl
+        let mut order = Vec::new();
+        let mut budget = usize::MAX;
+        assert!(sh.objs.sweep_pins(50, &mut budget));
+        while let Some(v) = sh.objs.first_victim(0, 50) {
+            order.push(sh.objs.key(v).to_vec());
+            let r = sh.objs.update(v, |o| o.replicas.remove(0));
+            sh.slots[0].as_mut().unwrap().alloc.dealloc(r.offset, 64);
+            sh.objs.remove(v);
+            sh.check_invariants().expect("kept in step");
+        }
+        // Unpinned by lease end, then soft-pinned by lease end; the leased
+        // object not at all.
+        let want: Vec<&[u8]> = vec![
+            b"plain-early",
+            b"plain-late",
+            b"pinned-long",
+            b"pinned-short",
+        ];
+        assert_eq!(order, want);
+
+        // A pin that ends moves over only when swept, one per unit of budget.
+        put(&mut sh, b"p1", 10, 100);
+        put(&mut sh, b"p2", 10, 100);
+        put(&mut sh, b"plain", 0, 150);
+        let mut budget = 1;
+        assert!(!sh.objs.sweep_pins(200, &mut budget), "two pins ended");
+        sh.check_invariants().expect("kept in step");
+        let mut budget = 1;
+        assert!(sh.objs.sweep_pins(200, &mut budget));
+        // Both pins ended: the two (ties by id) rank before the later lease.
+        let first = sh.objs.key(sh.objs.first_victim(0, 200).unwrap());
+        assert!(first == b"p1" || first == b"p2", "{first:?}");
     }
 }

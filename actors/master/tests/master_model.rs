@@ -6,6 +6,10 @@
 //! * no two live replicas overlap in memory (an allocation never lands on an
 //!   extent the model holds: live objects, leased removals, quarantined puts),
 //! * no leased or hard-pinned object is evicted, and no leased space reused,
+//! * eviction takes a segment's replicas in rank order: no replica it could
+//!   have taken (complete, lease ended, not hard-pinned) ranks before one it
+//!   took, unpinned before soft-pinned and the oldest lease first (checked
+//!   in every step that does not move the clock; soft pins end with time),
 //! * every complete object with a live segment is still readable (or was
 //!   evicted legally), with the replicas the model expects,
 //! * the answers the model can predict (codes, `Exist`, `RemoveAll` counts,
@@ -40,8 +44,16 @@ fn rounded(len: u64) -> u64 {
 
 #[derive(Debug, Clone)]
 enum State {
-    Processing { writer: u64, started: u64 },
-    Complete { lease_until: u64, hard_pin: bool },
+    Processing {
+        writer: u64,
+        started: u64,
+    },
+    Complete {
+        lease_until: u64,
+        hard_pin: bool,
+        /// When the soft pin ends (0: none).
+        pin_until: u64,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -50,8 +62,9 @@ struct Obj {
     size: u64,
     /// (segment, offset)
     replicas: Vec<(SegmentId, u64)>,
-    /// When it became complete (eviction order tie-breaking is not modelled).
     hard_pin: bool,
+    /// The soft pin asked for, from PutEnd on.
+    soft_pin_ms: u64,
 }
 
 /// An extent that must not be handed out before `until`.
@@ -89,6 +102,10 @@ struct Seen {
     key_limit: u64,
     /// Replaces of a stored key taken at the key limit.
     replace_at_limit: u64,
+    /// Steps whose evictions were checked for rank order.
+    ranked_evictions: u64,
+    /// Evictions of soft-pinned replicas (pinned ones go last).
+    pinned_evictions: u64,
 }
 
 struct Run {
@@ -100,6 +117,9 @@ struct Run {
     rng: ChaCha8Rng,
     next_segment: u32,
     seed: u64,
+    /// The clock has moved during this step: evictions happened at other
+    /// times than `now`, so their rank order is not checked.
+    clock_moved: bool,
 }
 
 fn spec(name: &str, size: u64) -> SegmentSpec {
@@ -144,6 +164,7 @@ impl Run {
             rng: ChaCha8Rng::seed_from_u64(seed),
             next_segment: 0,
             seed,
+            clock_moved: false,
         };
         for _ in 0..2 {
             r.mount();
@@ -244,6 +265,7 @@ impl Run {
             _ => self.advance(),
         }
         self.reconcile();
+        self.clock_moved = false;
     }
 
     fn put_start(&mut self) {
@@ -320,6 +342,7 @@ impl Run {
                     size: len,
                     replicas: reps.iter().map(|r| (r.segment_id, r.offset)).collect(),
                     hard_pin,
+                    soft_pin_ms: soft,
                 };
                 // The put may have evicted (legally) to make room, the object
                 // it replaces too: learn that first (with the put in place),
@@ -455,6 +478,11 @@ impl Run {
                 o.state = State::Complete {
                     lease_until: self.now,
                     hard_pin: o.hard_pin,
+                    pin_until: if o.soft_pin_ms > 0 {
+                        self.now + o.soft_pin_ms
+                    } else {
+                        0
+                    },
                 };
                 self.model.objs.insert(key, o);
             }
@@ -651,6 +679,7 @@ impl Run {
     }
 
     fn advance(&mut self) {
+        self.clock_moved = true;
         let ms = self.rng.random_range(1..=4_000u64);
         let target = self.now + ms;
         while self.now < target {
@@ -704,6 +733,8 @@ impl Run {
                 panic!("shard {i} at {} ms: {e}", self.now);
             }
         }
+        // (segment, rank, key) of every replica evicted since the last look.
+        let mut evicted: Vec<(SegmentId, (bool, u64), String)> = Vec::new();
         let keys: Vec<String> = self.model.objs.keys().cloned().collect();
         for key in keys {
             let o = self.model.objs[&key].clone();
@@ -768,6 +799,7 @@ impl Run {
                 State::Complete {
                     lease_until,
                     hard_pin,
+                    pin_until,
                 } => {
                     if lease_until > self.now {
                         self.fail(format!(
@@ -777,6 +809,10 @@ impl Run {
                     }
                     if hard_pin {
                         self.fail(format!("hard-pinned {key} was evicted"));
+                    }
+                    let rank = (pin_until > self.now, lease_until);
+                    for &(seg, _) in &lost {
+                        evicted.push((seg, rank, key.clone()));
                     }
                 }
             }
@@ -797,6 +833,46 @@ impl Run {
                     ));
                 }
             }
+        }
+        if !self.clock_moved {
+            self.check_rank_order(&evicted);
+        }
+    }
+
+    /// Evictions at `now` took, per segment and shard (each shard evicts in
+    /// its own range of a segment), replicas in rank order: no replica
+    /// eviction could have taken there ranks before one it took. Rank:
+    /// soft-pinned after unpinned, then the lease end (ties unordered).
+    fn check_rank_order(&mut self, evicted: &[(SegmentId, (bool, u64), String)]) {
+        let now = self.now;
+        for (seg, rank, key) in evicted {
+            if rank.0 {
+                self.seen.pinned_evictions += 1;
+            }
+            for (k, o) in &self.model.objs {
+                let State::Complete {
+                    lease_until,
+                    hard_pin: false,
+                    pin_until,
+                } = o.state
+                else {
+                    continue;
+                };
+                let theirs = (pin_until > now, lease_until);
+                if lease_until <= now
+                    && theirs < *rank
+                    && self.m.shard_of(k.as_bytes()) == self.m.shard_of(key.as_bytes())
+                    && o.replicas.iter().any(|r| r.0 == *seg)
+                {
+                    self.fail(format!(
+                        "{key} (rank {rank:?}) was evicted from segment {seg:016x} while {k} \
+                         (rank {theirs:?}, same shard) stays there"
+                    ));
+                }
+            }
+        }
+        if !evicted.is_empty() {
+            self.seen.ranked_evictions += 1;
         }
     }
 }
@@ -831,6 +907,8 @@ fn random_call_sequences_keep_the_masters_invariants() {
                 total.try_again += s.try_again;
                 total.key_limit += s.key_limit;
                 total.replace_at_limit += s.replace_at_limit;
+                total.ranked_evictions += s.ranked_evictions;
+                total.pinned_evictions += s.pinned_evictions;
             }
             Err(panic) => {
                 eprintln!("master model check failed: replay with KVPOOL_MODEL_SEED={seed}");
@@ -844,4 +922,5 @@ fn random_call_sequences_keep_the_masters_invariants() {
     assert!(total.stale > 0 && total.no_space > 0);
     assert!(total.replaced > 0 && total.try_again > 0);
     assert!(total.key_limit > 0 && total.replace_at_limit > 0);
+    assert!(total.ranked_evictions > 0 && total.pinned_evictions > 0);
 }

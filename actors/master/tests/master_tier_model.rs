@@ -1,11 +1,14 @@
 //! Property test of the NVMe tier's transitions: random sequences of puts
-//! and replaces (upserts), reads (which promote), removals, time (which
-//! evicts and demotes), the node taking its tasks and answering them in any
-//! order (`Stored`, `PersistFailed`, `Promoted` ok or not), and the tier
-//! evicting copies on its own (`Evicted`), on a small DRAM segment whose
-//! node has a tier. After every step every shard's space accounting must
-//! hold (`ShardState::check_invariants`), and every object the master lists
-//! must have a replica where its answers say.
+//! and replaces (upserts, some soft- or hard-pinned), reads (which extend
+//! leases and promote), removals, time (which ends leases and pins, evicts
+//! and demotes), the node taking its tasks and answering them in any order
+//! (`Stored`, `PersistFailed`, `Promoted` ok or not), and the tier evicting
+//! copies on its own (`Evicted`), on a small DRAM segment whose node has a
+//! tier. In half the runs the off-path eviction takes a few replicas after
+//! each call instead of finishing at once, so episodes run while the node
+//! reports. After every step every shard's space accounting and eviction
+//! index must hold (`ShardState::check_invariants`), and every object the
+//! master lists must have a replica where its answers say.
 //!
 //! The run also follows the bytes: which put's value each DRAM range and
 //! each NVMe copy holds (the node copies whatever the range holds when it
@@ -19,7 +22,7 @@
 use std::collections::HashMap;
 
 use kvpool_config::MasterConfig;
-use kvpool_master::core::MasterCore;
+use kvpool_master::core::{EvictDrive, MasterCore};
 use kvpool_transport::proto::call::{self, Call};
 use kvpool_transport::proto::{
     segment_id_for, Endpoint, MasterRequest, NodeTask, NvmeAttach, NvmeUpdate, PutOptions,
@@ -61,6 +64,8 @@ struct Seen {
     promote_failed: u64,
     tier_evicted: u64,
     steps: u64,
+    /// Steps that ended with an eviction episode still under way.
+    evicting: u64,
 }
 
 /// What a range or a copy holds: the value of put number n, or bytes of no
@@ -108,6 +113,9 @@ impl Run {
         };
         let grace_ms = cfg.stale_put_grace_ms;
         let mut m = MasterCore::new(SHARDS, &cfg, seed);
+        if rng.random_ratio(1, 2) {
+            m.evict = EvictDrive::StepOf(rng.random_range(1..=3));
+        }
         let nvme = ask(
             &mut m,
             call::MountSegment {
@@ -172,6 +180,9 @@ impl Run {
                 panic!("shard {i} at {} ms: {e}", self.now);
             }
         }
+        if self.m.shards.iter().any(|s| s.evicting()) {
+            self.seen.evicting += 1;
+        }
     }
 
     fn put(&mut self) {
@@ -182,6 +193,12 @@ impl Run {
         let replace = self.rng.random_ratio(1, 2);
         let opts = PutOptions {
             replace,
+            soft_pin_ttl_ms: if self.rng.random_ratio(1, 4) {
+                self.rng.random_range(1..600)
+            } else {
+                0
+            },
+            hard_pin: self.rng.random_ratio(1, 20),
             ..PutOptions::default()
         };
         let Ok(replicas) = self.call(call::PutStart {
@@ -448,6 +465,7 @@ fn random_tier_transitions_keep_the_space_accounting() {
                 total.promote_failed += s.promote_failed;
                 total.tier_evicted += s.tier_evicted;
                 total.steps += s.steps;
+                total.evicting += s.evicting;
             }
             Err(e) => std::panic::resume_unwind(Box::new(format!(
                 "seed {seed} (replay: KVPOOL_MODEL_SEED={seed}): {}",
@@ -467,4 +485,5 @@ fn random_tier_transitions_keep_the_space_accounting() {
     assert!(total.promote_failed > 0, "{total:?}");
     assert!(total.tier_evicted > 0, "{total:?}");
     assert!(total.replaced > 0, "{total:?}");
+    assert!(total.evicting > 0, "{total:?}");
 }

@@ -1,0 +1,630 @@
+//! One shard's objects: each stored once, found by key, ranked for eviction.
+//!
+//! * A slab (a `Vec` of slots, `u32` ids, a free list) holds every object's
+//!   key and metadata once.
+//! * Two hash tables of ids find an object by key: one for complete
+//!   objects, one for puts in flight (a key is in both only while a replace
+//!   of it is Processing). They hash and compare through the slab, with the
+//!   shard's randomly seeded key hasher. An object's phase names its table.
+//! * Per DRAM range (a segment slot of the shard) an index of the replicas
+//!   eviction may take, in eviction order: unpinned before soft-pinned, then
+//!   the oldest lease end (the completion time until the first read), then
+//!   the id. A replica is indexed when it is `Ready`, in a DRAM range, of a
+//!   complete object that is not hard-pinned. A running lease does not take
+//!   it out: a walk stops at the first entry whose lease has not ended.
+//! * Soft pins end with time, not with an event: pinned objects are also
+//!   kept ordered by pin end, and [`Objects::sweep_pins`] moves those whose
+//!   pin has ended to the unpinned side before a walk. Choosing victims costs
+//!   O(victims + pins that ended), never O(objects) or O(pinned objects).
+//!
+//! Every change to an object goes through [`Objects::insert`],
+//! [`Objects::update`] or [`Objects::remove`], which take the object's index
+//! entries out before the change and put them back after (when they differ),
+//! so no caller can leave the index behind; [`Objects::check`] recounts it.
+
+use std::collections::BTreeSet;
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
+use kvpool_transport::proto::ClientId;
+use smallvec::SmallVec;
+
+use super::state::KeyHashBuilder;
+
+/// An object's slot in the slab.
+pub(crate) type Id = u32;
+
+/// Where one replica lies: a slot index (into the shard's segment slots),
+/// its life, and its offset.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Replica {
+    pub slot: u32,
+    pub state: ReplicaState,
+    /// DRAM: offset in the segment. NVMe: the packed location.
+    pub offset: u64,
+}
+
+/// A replica's life: `Promoting -> Ready` (or dropped if the copy failed),
+/// `Ready -> Demoting -> dropped` (once its NVMe copy is in, or the copy
+/// failed and the eviction goes ahead without it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum ReplicaState {
+    /// Readable; may be evicted.
+    Ready,
+    /// A promotion is copying the bytes in from NVMe: not readable yet.
+    Promoting,
+    /// An eviction is copying the bytes out to NVMe: readable, not evicted
+    /// again; its space counts as on its way out.
+    Demoting,
+}
+
+impl Replica {
+    pub fn ready(slot: u32, offset: u64) -> Self {
+        Self {
+            slot,
+            state: ReplicaState::Ready,
+            offset,
+        }
+    }
+}
+
+/// A put in flight.
+#[derive(Debug)]
+pub(crate) struct Processing {
+    pub started_ms: u64,
+    pub writer: ClientId,
+    /// Soft-pin TTL asked for at PutStart, applied at PutEnd.
+    pub soft_pin_ttl_ms: u32,
+    pub hard_pin: bool,
+    /// Started with `replace`: it may stand beside a complete object of the
+    /// same key, which its PutEnd retires.
+    pub replace: bool,
+}
+
+/// A stored object.
+#[derive(Debug)]
+pub(crate) struct Complete {
+    /// When the last read lease ends (the completion time until the first
+    /// read); eviction takes the smallest first.
+    pub lease_end_ms: u64,
+    /// When the soft pin ends (0: none).
+    pub pin_end_ms: u64,
+    /// xxh3-64 of the value (when `has_sum`): set by the writer at PutEnd,
+    /// or by the tier's index for a recovered object.
+    pub sum: u64,
+    pub has_sum: bool,
+    pub hard_pin: bool,
+    /// Reads served from NVMe only since the last promotion decision.
+    pub nvme_reads: u16,
+}
+
+/// An object's state; it names the table the object is found in.
+#[derive(Debug)]
+pub(crate) enum Phase {
+    Processing(Processing),
+    Complete(Complete),
+}
+
+/// One object's metadata. Kept small: the master holds tens of millions.
+#[derive(Debug)]
+pub(crate) struct Object {
+    pub size: u64,
+    pub phase: Phase,
+    pub replicas: SmallVec<[Replica; 1]>,
+}
+
+impl Object {
+    pub fn processing(&self) -> Option<&Processing> {
+        match &self.phase {
+            Phase::Processing(p) => Some(p),
+            Phase::Complete(_) => None,
+        }
+    }
+
+    pub fn complete(&self) -> Option<&Complete> {
+        match &self.phase {
+            Phase::Complete(c) => Some(c),
+            Phase::Processing(_) => None,
+        }
+    }
+
+    /// The state of an object found in the complete table.
+    pub fn stored(&self) -> &Complete {
+        self.complete()
+            .expect("an object in the complete table is Complete")
+    }
+
+    /// The state of an object found in the complete table, to change.
+    pub fn stored_mut(&mut self) -> &mut Complete {
+        match &mut self.phase {
+            Phase::Complete(c) => c,
+            Phase::Processing(_) => panic!("an object in the complete table is Complete"),
+        }
+    }
+
+    /// The state of an object found in the processing table.
+    pub fn put(&self) -> &Processing {
+        self.processing()
+            .expect("an object in the processing table is Processing")
+    }
+
+    pub fn hard_pinned(&self) -> bool {
+        match &self.phase {
+            Phase::Processing(p) => p.hard_pin,
+            Phase::Complete(c) => c.hard_pin,
+        }
+    }
+
+    pub fn checksum(&self) -> Option<u64> {
+        self.complete().filter(|c| c.has_sum).map(|c| c.sum)
+    }
+
+    /// Processing -> Complete at `now_ms` with the writer's checksum: no
+    /// lease yet, the soft pin asked for at PutStart starts now.
+    pub fn complete_at(&mut self, now_ms: u64, checksum: Option<u64>) {
+        let p = self.put();
+        let pin_end_ms = if p.soft_pin_ttl_ms > 0 {
+            now_ms + p.soft_pin_ttl_ms as u64
+        } else {
+            0
+        };
+        self.phase = Phase::Complete(Complete {
+            lease_end_ms: now_ms,
+            pin_end_ms,
+            sum: checksum.unwrap_or(0),
+            has_sum: checksum.is_some(),
+            hard_pin: p.hard_pin,
+            nvme_reads: 0,
+        });
+    }
+
+    /// Complete: a read lease until at least `until_ms`.
+    pub fn extend_lease(&mut self, until_ms: u64) {
+        if let Phase::Complete(c) = &mut self.phase {
+            c.lease_end_ms = c.lease_end_ms.max(until_ms);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    key: Box<[u8]>,
+    obj: Object,
+}
+
+/// The evictable replicas of one DRAM range, by (lease end, id).
+#[derive(Debug, Default)]
+struct RangeIndex {
+    unpinned: BTreeSet<(u64, Id)>,
+    pinned: BTreeSet<(u64, Id)>,
+}
+
+impl RangeIndex {
+    fn side(&mut self, pinned: bool) -> &mut BTreeSet<(u64, Id)> {
+        if pinned {
+            &mut self.pinned
+        } else {
+            &mut self.unpinned
+        }
+    }
+}
+
+/// What the index holds of one object: its rank, and the ranges it can be
+/// evicted from. `None` for an object eviction never takes (Processing,
+/// hard-pinned).
+#[derive(Debug, PartialEq, Eq)]
+struct Entries {
+    lease_end_ms: u64,
+    pin_end_ms: u64,
+    pinned: bool,
+    slots: SmallVec<[u32; 2]>,
+}
+
+/// See the module doc.
+pub(crate) struct Objects {
+    slab: Vec<Option<Entry>>,
+    free: Vec<Id>,
+    complete: HashTable<Id>,
+    processing: HashTable<Id>,
+    hasher: KeyHashBuilder,
+    /// By slot index: `Some` for a mounted DRAM range.
+    ranges: Vec<Option<RangeIndex>>,
+    /// (pin end, id) of every indexable object whose soft pin is counted
+    /// as running: exactly those with `(pin_end, id) > pin_cursor`.
+    pins: BTreeSet<(u64, Id)>,
+    /// How far pins have been swept: a pin at or below it has ended.
+    pin_cursor: (u64, Id),
+}
+
+impl std::fmt::Debug for Objects {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Objects")
+            .field("complete", &self.complete.len())
+            .field("processing", &self.processing.len())
+            .field("pins", &self.pins.len())
+            .field("pin_cursor", &self.pin_cursor)
+            .finish_non_exhaustive()
+    }
+}
+
+fn hash_key(hasher: &KeyHashBuilder, key: &[u8]) -> u64 {
+    hasher.hash_one(key)
+}
+
+fn entry(slab: &[Option<Entry>], id: Id) -> &Entry {
+    slab[id as usize]
+        .as_ref()
+        .expect("an id in a table or the index names a live slot")
+}
+
+fn find(table: &HashTable<Id>, slab: &[Option<Entry>], hash: u64, key: &[u8]) -> Option<Id> {
+    table.find(hash, |&i| *entry(slab, i).key == *key).copied()
+}
+
+impl Objects {
+    pub fn new(hasher: KeyHashBuilder) -> Self {
+        Self {
+            slab: Vec::new(),
+            free: Vec::new(),
+            complete: HashTable::new(),
+            processing: HashTable::new(),
+            hasher,
+            ranges: Vec::new(),
+            pins: BTreeSet::new(),
+            pin_cursor: (0, Id::MAX),
+        }
+    }
+
+    pub fn complete_len(&self) -> usize {
+        self.complete.len()
+    }
+
+    pub fn processing_len(&self) -> usize {
+        self.processing.len()
+    }
+
+    /// Whether one more object has an id.
+    pub fn has_room(&self) -> bool {
+        !self.free.is_empty() || self.slab.len() < Id::MAX as usize
+    }
+
+    pub fn complete_id(&self, key: &[u8]) -> Option<Id> {
+        find(&self.complete, &self.slab, hash_key(&self.hasher, key), key)
+    }
+
+    pub fn processing_id(&self, key: &[u8]) -> Option<Id> {
+        find(
+            &self.processing,
+            &self.slab,
+            hash_key(&self.hasher, key),
+            key,
+        )
+    }
+
+    pub fn get(&self, id: Id) -> &Object {
+        &entry(&self.slab, id).obj
+    }
+
+    pub fn key(&self, id: Id) -> &[u8] {
+        &entry(&self.slab, id).key
+    }
+
+    pub fn complete_ids(&self) -> impl Iterator<Item = Id> + '_ {
+        self.complete.iter().copied()
+    }
+
+    pub fn processing_ids(&self) -> impl Iterator<Item = Id> + '_ {
+        self.processing.iter().copied()
+    }
+
+    /// Objects with a replica in `slot` (a scan of every object).
+    pub fn ids_with_replica_in(&self, slot: u32) -> Vec<Id> {
+        self.slab
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| {
+                let e = e.as_ref()?;
+                e.obj
+                    .replicas
+                    .iter()
+                    .any(|r| r.slot == slot)
+                    .then_some(i as Id)
+            })
+            .collect()
+    }
+
+    /// Stores a new object under `key`, in the table its phase names. The
+    /// caller checked `has_room` and that no object of that phase has `key`.
+    pub fn insert(&mut self, key: &[u8], obj: Object) -> Id {
+        let id = match self.free.pop() {
+            Some(id) => id,
+            None => {
+                assert!(self.has_room(), "the caller checks has_room");
+                self.slab.push(None);
+                (self.slab.len() - 1) as Id
+            }
+        };
+        self.slab[id as usize] = Some(Entry {
+            key: key.into(),
+            obj,
+        });
+        self.link(id);
+        let e = self.entries(id);
+        self.add_entries(id, &e);
+        id
+    }
+
+    /// Takes an object out: out of the index, its table and the slab.
+    pub fn remove(&mut self, id: Id) -> (Box<[u8]>, Object) {
+        let e = self.entries(id);
+        self.drop_entries(id, &e);
+        let complete = self.get(id).complete().is_some();
+        self.unlink(id, complete);
+        let Entry { key, obj } = self.slab[id as usize].take().expect("a live slot");
+        self.free.push(id);
+        (key, obj)
+    }
+
+    /// Changes an object through `f`, keeping the index and the tables in
+    /// step: its index entries are taken out before and put back after
+    /// (when they differ), and a change of phase moves it to the other
+    /// table (PutEnd: a complete object of the key must be gone by then).
+    pub fn update<R>(&mut self, id: Id, f: impl FnOnce(&mut Object) -> R) -> R {
+        let before = self.entries(id);
+        let was_complete = self.get(id).complete().is_some();
+        let r = f(&mut self.slab[id as usize].as_mut().expect("a live slot").obj);
+        if self.get(id).complete().is_some() != was_complete {
+            self.unlink(id, was_complete);
+            self.link(id);
+        }
+        let after = self.entries(id);
+        if before != after {
+            self.drop_entries(id, &before);
+            self.add_entries(id, &after);
+        }
+        r
+    }
+
+    /// Puts `id` in the table its phase names.
+    fn link(&mut self, id: Id) {
+        let e = entry(&self.slab, id);
+        let hash = hash_key(&self.hasher, &e.key);
+        let table = match e.obj.phase {
+            Phase::Complete(_) => &mut self.complete,
+            Phase::Processing(_) => &mut self.processing,
+        };
+        assert!(
+            find(table, &self.slab, hash, &e.key).is_none(),
+            "one object per key in each table"
+        );
+        let (slab, hasher) = (&self.slab, &self.hasher);
+        table.insert_unique(hash, id, |&i| hash_key(hasher, &entry(slab, i).key));
+    }
+
+    /// Takes `id` out of the complete table (or the processing one).
+    fn unlink(&mut self, id: Id, complete: bool) {
+        let hash = hash_key(&self.hasher, &entry(&self.slab, id).key);
+        let table = if complete {
+            &mut self.complete
+        } else {
+            &mut self.processing
+        };
+        match table.find_entry(hash, |&i| i == id) {
+            Ok(e) => {
+                e.remove();
+            }
+            Err(_) => panic!("object {id} is missing from its table"),
+        }
+    }
+
+    // ---- the eviction index ---------------------------------------------
+
+    /// A DRAM range was mounted in `slot`: its index starts empty.
+    pub fn mount_range(&mut self, slot: u32) {
+        let i = slot as usize;
+        if self.ranges.len() <= i {
+            self.ranges.resize_with(i + 1, || None);
+        }
+        self.ranges[i] = Some(RangeIndex::default());
+    }
+
+    /// The range in `slot` goes; the caller took every replica in it off
+    /// its object first.
+    pub fn unmount_range(&mut self, slot: u32) {
+        if let Some(r) = self.ranges.get_mut(slot as usize).and_then(Option::take) {
+            debug_assert!(r.unpinned.is_empty() && r.pinned.is_empty());
+        }
+    }
+
+    pub fn has_range(&self, slot: u32) -> bool {
+        self.ranges.get(slot as usize).is_some_and(Option::is_some)
+    }
+
+    fn entries(&self, id: Id) -> Option<Entries> {
+        let o = self.get(id);
+        let c = o.complete().filter(|c| !c.hard_pin)?;
+        Some(Entries {
+            lease_end_ms: c.lease_end_ms,
+            pin_end_ms: c.pin_end_ms,
+            pinned: (c.pin_end_ms, id) > self.pin_cursor,
+            slots: o
+                .replicas
+                .iter()
+                .filter(|r| r.state == ReplicaState::Ready && self.has_range(r.slot))
+                .map(|r| r.slot)
+                .collect(),
+        })
+    }
+
+    /// The pinned or unpinned side of the index of the range in `slot`.
+    fn side(&mut self, slot: u32, pinned: bool) -> &mut BTreeSet<(u64, Id)> {
+        self.ranges[slot as usize]
+            .as_mut()
+            .expect("indexed range")
+            .side(pinned)
+    }
+
+    fn add_entries(&mut self, id: Id, e: &Option<Entries>) {
+        let Some(e) = e else { return };
+        if e.pinned {
+            let new = self.pins.insert((e.pin_end_ms, id));
+            debug_assert!(new, "object {id} pinned twice");
+        }
+        for &s in &e.slots {
+            let new = self.side(s, e.pinned).insert((e.lease_end_ms, id));
+            debug_assert!(new, "object {id} indexed twice in slot {s}");
+        }
+    }
+
+    fn drop_entries(&mut self, id: Id, e: &Option<Entries>) {
+        let Some(e) = e else { return };
+        if e.pinned {
+            let had = self.pins.remove(&(e.pin_end_ms, id));
+            debug_assert!(had, "object {id} missing from the pins");
+        }
+        for &s in &e.slots {
+            let had = self.side(s, e.pinned).remove(&(e.lease_end_ms, id));
+            debug_assert!(had, "object {id} missing from the index of slot {s}");
+        }
+    }
+
+    /// Moves the objects whose soft pin ended by `now_ms` to the unpinned
+    /// side, at most `budget` of them (each one counted off it). Returns
+    /// whether it is done: only then does a walk see the ranks as of
+    /// `now_ms`. (The master's clock is monotonic; a `now_ms` below an
+    /// earlier sweep's sees pins ended at the later time.)
+    pub fn sweep_pins(&mut self, now_ms: u64, budget: &mut usize) -> bool {
+        while let Some(&(pin_end, id)) = self.pins.first() {
+            if pin_end > now_ms {
+                break;
+            }
+            if *budget == 0 {
+                return false;
+            }
+            *budget -= 1;
+            let before = self.entries(id);
+            self.drop_entries(id, &before);
+            self.pin_cursor = (pin_end, id);
+            let after = self.entries(id);
+            self.add_entries(id, &after);
+        }
+        self.pin_cursor = self.pin_cursor.max((now_ms, Id::MAX));
+        true
+    }
+
+    /// The next replica to evict from the range in `slot` at `now_ms`: the
+    /// first by rank whose lease has ended, unpinned ones first. Pins must
+    /// have been swept to `now_ms`.
+    pub fn first_victim(&self, slot: u32, now_ms: u64) -> Option<Id> {
+        debug_assert!(self.pin_cursor.0 >= now_ms, "pins swept first");
+        let r = self.ranges.get(slot as usize)?.as_ref()?;
+        let due = |set: &BTreeSet<(u64, Id)>| set.first().filter(|e| e.0 <= now_ms).map(|e| e.1);
+        due(&r.unpinned).or_else(|| due(&r.pinned))
+    }
+
+    /// Checks the tables and the index against a recount: every live slot
+    /// is in the table its phase names and found there by its key, nothing
+    /// else is in a table, and the index holds exactly the entries, with the
+    /// ranks, the objects call for. O(objects).
+    pub fn check(&self) -> Result<(), String> {
+        let live = self.slab.iter().filter(|e| e.is_some()).count();
+        if live != self.complete.len() + self.processing.len() {
+            return Err(format!(
+                "{live} objects in the slab, {} + {} in the tables",
+                self.complete.len(),
+                self.processing.len()
+            ));
+        }
+        for &f in &self.free {
+            if self.slab.get(f as usize).is_none_or(Option::is_some) {
+                return Err(format!("free id {f} names a live or missing slot"));
+            }
+        }
+        if self.free.len() + live != self.slab.len() {
+            return Err(format!(
+                "{} free ids and {live} live objects in a slab of {}",
+                self.free.len(),
+                self.slab.len()
+            ));
+        }
+        for (complete, table) in [(true, &self.complete), (false, &self.processing)] {
+            for &id in table.iter() {
+                let Some(Some(e)) = self.slab.get(id as usize) else {
+                    return Err(format!("table entry {id} names no object"));
+                };
+                if e.obj.complete().is_some() != complete {
+                    return Err(format!(
+                        "{} is in the {} table in another phase",
+                        super::state::show_key(&e.key),
+                        if complete { "complete" } else { "processing" }
+                    ));
+                }
+                let hash = hash_key(&self.hasher, &e.key);
+                if find(table, &self.slab, hash, &e.key) != Some(id) {
+                    return Err(format!(
+                        "{} is not found by its key",
+                        super::state::show_key(&e.key)
+                    ));
+                }
+            }
+        }
+        let mut ranges: Vec<Option<RangeIndex>> = self
+            .ranges
+            .iter()
+            .map(|r| r.as_ref().map(|_| RangeIndex::default()))
+            .collect();
+        let mut pins = BTreeSet::new();
+        for (i, e) in self.slab.iter().enumerate() {
+            if e.is_none() {
+                continue;
+            }
+            let Some(en) = self.entries(i as Id) else {
+                continue;
+            };
+            if en.pinned {
+                pins.insert((en.pin_end_ms, i as Id));
+            }
+            for &s in &en.slots {
+                let r = ranges[s as usize].as_mut().expect("has_range");
+                r.side(en.pinned).insert((en.lease_end_ms, i as Id));
+            }
+        }
+        if pins != self.pins {
+            return Err(format!(
+                "the index has {} running soft pins, the objects {}",
+                self.pins.len(),
+                pins.len()
+            ));
+        }
+        for (s, (want, have)) in ranges.iter().zip(&self.ranges).enumerate() {
+            let (Some(want), Some(have)) = (want, have) else {
+                continue;
+            };
+            for (side, w, h) in [
+                ("unpinned", &want.unpinned, &have.unpinned),
+                ("soft-pinned", &want.pinned, &have.pinned),
+            ] {
+                if w != h {
+                    let missing = w.difference(h).next();
+                    let extra = h.difference(w).next();
+                    return Err(format!(
+                        "slot {s}: the eviction index's {side} side has {} entries, the \
+                         objects call for {} (first missing (lease end, id): {missing:?}, \
+                         first not called for: {extra:?})",
+                        h.len(),
+                        w.len()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Changes an object without keeping the index in step (tests of
+    /// `check`).
+    #[cfg(test)]
+    pub fn get_mut_unindexed(&mut self, id: Id) -> &mut Object {
+        &mut self.slab[id as usize].as_mut().expect("a live slot").obj
+    }
+}
