@@ -591,6 +591,7 @@ pub struct StorageNodeState {
     /// The tier is mounted but the master has not heard all it holds yet
     /// (a report failed): the next tick reports again.
     unreported: bool,
+    ping_interval: Duration,
 }
 
 impl StorageNodeState {
@@ -676,6 +677,7 @@ impl Actor for StorageNode {
             nvme: args.nvme,
             mounted: true,
             unreported: false,
+            ping_interval: args.ping_interval,
         };
         // The tier is mounted (or mounted again, after a restart) and what
         // it holds is reported back before the node counts as started.
@@ -683,18 +685,22 @@ impl Actor for StorageNode {
             .mount_tier()
             .await
             .map_err(|e| format!("NVMe tier: {e}"))?;
-        myself.send_interval(args.ping_interval, || StorageNodeMsg::Tick);
+        // One tick at a time: each handled tick schedules the next, so a
+        // tick slower than the interval (the master down, a long remount)
+        // cannot pile ticks up in the mailbox, as `send_interval` would.
+        myself.send_after(state.ping_interval, || StorageNodeMsg::Tick);
         Ok(state)
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         msg: Self::Msg,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             StorageNodeMsg::Tick => {
+                myself.send_after(state.ping_interval, || StorageNodeMsg::Tick);
                 if state.mounted {
                     match state.client.ping_segments(&state.owned()).await {
                         Ok(unknown) if !unknown.is_empty() => state.remount(&unknown).await,
