@@ -22,7 +22,7 @@ use glommio::net::TcpStream;
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardCtx, ShardHandle};
 use kvpool_storage::Segment;
-use kvpool_transport::auth::{ClusterKey, Grant, GrantClock, GrantOp};
+use kvpool_transport::auth::{ClusterKey, GrantClock};
 use kvpool_transport::frame::{self, FrameHeader, FrameKind};
 use kvpool_transport::proto::{
     segment_id_for, DataRequest, DataResponse, Endpoint, NvmeAttach, SegmentId, SegmentSpec, Tier,
@@ -30,6 +30,7 @@ use kvpool_transport::proto::{
 use kvpool_transport::{ErrorCode, KvError, RdmaCaps, RdmaRequest, RdmaResponse};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
+use crate::gate::DataGate;
 use crate::metrics::StorageMetrics;
 use kvpool_client::Client;
 use kvpool_config::NodeError;
@@ -318,45 +319,6 @@ struct DataConn {
 }
 
 impl DataConn {
-    fn check(&self, segment_id: SegmentId, offset: u64, len: u64) -> Result<(), KvError> {
-        if segment_id != self.segment_id {
-            return Err(KvError::new(
-                ErrorCode::SegmentNotFound,
-                format!(
-                    "segment {segment_id:016x} is not served here (this node serves {:016x})",
-                    self.segment_id
-                ),
-            ));
-        }
-        self.segment
-            .check_range(offset, len)
-            .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))
-    }
-
-    /// With a cluster secret: `grant` must be the master's, live, for `op`
-    /// on this range of `segment_id`.
-    fn authorize(
-        &self,
-        grant: &Grant,
-        op: GrantOp,
-        segment_id: SegmentId,
-        offset: u64,
-        len: u64,
-    ) -> Result<(), KvError> {
-        let Some(k) = &self.key else { return Ok(()) };
-        k.check_grant(
-            grant,
-            op,
-            segment_id,
-            (offset, len),
-            GrantClock::now(self.skew_ms),
-        )
-        .inspect_err(|e| {
-            self.metrics.auth_refusals.inc();
-            self.refusals.refused("storage", &format!("a {op:?}"), e);
-        })
-    }
-
     /// A frame and the payload after it, both within `io_timeout`. A small
     /// payload goes out in the same write as its frame (one segment, so
     /// the reader wakes once), a large one straight from its memory.
@@ -407,25 +369,40 @@ impl Handler for DataConn {
         };
         drop(payload);
         let started = Instant::now();
+        let gate = DataGate {
+            segment: &self.segment,
+            segment_id: self.segment_id,
+            nvme_id: self.nvme_id,
+            shard: self.shard,
+            key: self.key.as_ref(),
+        };
+        if let Err(refused) = gate.admit(&req, GrantClock::now(self.skew_ms)) {
+            let (op, what) = match &req {
+                DataRequest::Write { .. } => (Some("write"), "a Write"),
+                DataRequest::Read { .. } => (Some("read"), "a Read"),
+                DataRequest::ReadNvme { .. } => (Some("read_nvme"), "a ReadNvme"),
+                DataRequest::Rdma { .. } => (None, "an RDMA connect"),
+            };
+            if refused.auth {
+                self.metrics.auth_refusals.inc();
+                self.refusals.refused("storage", what, &refused.error);
+            }
+            if let Some(op) = op {
+                self.metrics.observe(op, false, started.elapsed());
+            }
+            let next =
+                server::answer(stream, &frame::encode_error(hdr.request_id, &refused.error)).await;
+            // A refused write's payload follows unread: answer, then close.
+            return match req {
+                DataRequest::Write { .. } => Next::Close,
+                _ => next,
+            };
+        }
         match req {
-            DataRequest::Write {
-                segment_id,
-                offset,
-                len,
-                grant,
-            } => {
-                let ok = self
-                    .check(segment_id, offset, len)
-                    .and_then(|()| self.authorize(&grant, GrantOp::Write, segment_id, offset, len));
-                if let Err(e) = ok {
-                    self.metrics.observe("write", false, started.elapsed());
-                    // The payload that follows is unread: answer, then close.
-                    let _ = server::answer(stream, &frame::encode_error(hdr.request_id, &e)).await;
-                    return Next::Close;
-                }
-                // SAFETY: the range is inside the segment (checked above), and
+            DataRequest::Write { offset, len, .. } => {
+                // SAFETY: the range is inside the segment (the gate checked), and
                 // the master gave it to this writer alone between PutStart and
-                // PutEnd (with a cluster secret, the grant checked above says
+                // PutEnd (with a cluster secret, the grant the gate checked says
                 // so); no reader is directed to it before PutEnd.
                 let dst = unsafe { self.segment.slice_mut(offset, len) };
                 let read = glommio::timer::timeout(self.io_timeout, async {
@@ -445,25 +422,13 @@ impl Handler for DataConn {
                 );
                 server::answer_within(stream, &ok, self.io_timeout).await
             }
-            DataRequest::Read {
-                segment_id,
-                offset,
-                len,
-                grant,
-            } => {
-                let ok = self
-                    .check(segment_id, offset, len)
-                    .and_then(|()| self.authorize(&grant, GrantOp::Read, segment_id, offset, len));
-                if let Err(e) = ok {
-                    self.metrics.observe("read", false, started.elapsed());
-                    return server::answer(stream, &frame::encode_error(hdr.request_id, &e)).await;
-                }
+            DataRequest::Read { offset, len, .. } => {
                 let head = frame::encode(
                     FrameKind::DataResponse,
                     hdr.request_id,
                     &DataResponse::Data { len },
                 );
-                // SAFETY: in bounds (checked above); the reader holds the
+                // SAFETY: in bounds (the gate checked); the reader holds the
                 // object's replica list, and the master does not hand its
                 // space to a writer while the object exists (and, with
                 // leases, while any lease on it is live).
@@ -476,45 +441,20 @@ impl Handler for DataConn {
                 self.metrics.observe("read", ok, started.elapsed());
                 next
             }
-            DataRequest::ReadNvme {
-                segment_id,
-                loc,
-                len,
-                grant,
-            } => {
-                let packed = loc;
+            DataRequest::ReadNvme { loc, len, .. } => {
                 let loc = kvpool_storage::nvme::NvmeLoc::unpack(loc);
-                let value = if Some(segment_id) != self.nvme_id {
-                    Err(KvError::new(
-                        ErrorCode::SegmentNotFound,
-                        format!("NVMe tier {segment_id:016x} is not served here"),
-                    ))
-                } else if let Err(e) =
-                    self.authorize(&grant, GrantOp::ReadNvme, segment_id, packed, len)
-                {
-                    Err(e)
-                } else if loc.region != self.shard {
-                    Err(KvError::new(
-                        ErrorCode::InvalidParams,
-                        format!(
-                            "NVMe region {} is served by shard {}, not {}",
-                            loc.region, loc.region, self.shard
-                        ),
-                    ))
-                } else {
-                    crate::nvme_tier::read_local(loc, &self.metrics)
-                        .await
-                        .and_then(|v| {
-                            if v.len() as u64 == len {
-                                Ok(v)
-                            } else {
-                                Err(KvError::new(
-                                    ErrorCode::InvalidParams,
-                                    "length differs from the object's",
-                                ))
-                            }
-                        })
-                };
+                let value = crate::nvme_tier::read_local(loc, &self.metrics)
+                    .await
+                    .and_then(|v| {
+                        if v.len() as u64 == len {
+                            Ok(v)
+                        } else {
+                            Err(KvError::new(
+                                ErrorCode::InvalidParams,
+                                "length differs from the object's",
+                            ))
+                        }
+                    });
                 let v = match value {
                     Ok(v) => v,
                     Err(e) => {
@@ -536,7 +476,7 @@ impl Handler for DataConn {
                 self.metrics.observe("read_nvme", ok, started.elapsed());
                 next
             }
-            DataRequest::Rdma { req, grant } => self.rdma(req, grant, hdr.request_id, stream).await,
+            DataRequest::Rdma { req, .. } => self.rdma(req, hdr.request_id, stream).await,
         }
     }
 }
@@ -545,7 +485,7 @@ impl DataConn {
     /// RDMA set-up. After `Connect`, the node's queue pairs live as long as
     /// this TCP connection: the handler holds them until the client closes
     /// it (or the node shuts down), then closes it too.
-    async fn rdma(&self, req: RdmaRequest, grant: Grant, id: u64, stream: &mut TcpStream) -> Next {
+    async fn rdma(&self, req: RdmaRequest, id: u64, stream: &mut TcpStream) -> Next {
         let reply =
             |r: RdmaResponse| frame::encode(FrameKind::DataResponse, id, &DataResponse::Rdma(r));
         match req {
@@ -558,29 +498,7 @@ impl DataConn {
                 server::answer(stream, &reply(RdmaResponse::Caps(caps))).await
             }
             RdmaRequest::Connect(req) => {
-                // Queue pairs to the segment reach all of it: the client must
-                // show a live grant the master signed for this segment.
-                if let Some(k) = &self.key {
-                    if let Err(e) = k.check_segment_access(
-                        &grant,
-                        req.segment_id,
-                        GrantClock::now(self.skew_ms),
-                    ) {
-                        self.metrics.auth_refusals.inc();
-                        self.refusals.refused("storage", "an RDMA connect", &e);
-                        return server::answer(stream, &frame::encode_error(id, &e)).await;
-                    }
-                }
-                if req.segment_id != self.segment_id {
-                    let e = KvError::new(
-                        ErrorCode::SegmentNotFound,
-                        format!(
-                            "segment {:016x} is not served here (this node serves {:016x})",
-                            req.segment_id, self.segment_id
-                        ),
-                    );
-                    return server::answer(stream, &frame::encode_error(id, &e)).await;
-                }
+                // The gate checked the grant and the segment.
                 match &self.rdma {
                     #[cfg(feature = "rdma")]
                     crate::rdma::NodeRdma::On { ctx, region } => match ctx.accept(&req, region) {
@@ -604,6 +522,7 @@ impl DataConn {
                         }
                     },
                     crate::rdma::NodeRdma::Off(why) => {
+                        drop(req);
                         let e = KvError::new(
                             ErrorCode::Unsupported,
                             format!("this node has no RDMA: {why}"),
@@ -672,6 +591,7 @@ pub struct StorageNodeState {
     /// The tier is mounted but the master has not heard all it holds yet
     /// (a report failed): the next tick reports again.
     unreported: bool,
+    ping_interval: Duration,
 }
 
 impl StorageNodeState {
@@ -757,6 +677,7 @@ impl Actor for StorageNode {
             nvme: args.nvme,
             mounted: true,
             unreported: false,
+            ping_interval: args.ping_interval,
         };
         // The tier is mounted (or mounted again, after a restart) and what
         // it holds is reported back before the node counts as started.
@@ -764,18 +685,22 @@ impl Actor for StorageNode {
             .mount_tier()
             .await
             .map_err(|e| format!("NVMe tier: {e}"))?;
-        myself.send_interval(args.ping_interval, || StorageNodeMsg::Tick);
+        // One tick at a time: each handled tick schedules the next, so a
+        // tick slower than the interval (the master down, a long remount)
+        // cannot pile ticks up in the mailbox, as `send_interval` would.
+        myself.send_after(state.ping_interval, || StorageNodeMsg::Tick);
         Ok(state)
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         msg: Self::Msg,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             StorageNodeMsg::Tick => {
+                myself.send_after(state.ping_interval, || StorageNodeMsg::Tick);
                 if state.mounted {
                     match state.client.ping_segments(&state.owned()).await {
                         Ok(unknown) if !unknown.is_empty() => state.remount(&unknown).await,

@@ -1,0 +1,136 @@
+//! The checks a storage shard makes on a data request before it touches the
+//! segment's memory, reads the NVMe tier or sets up queue pairs: the segment
+//! it names, the range (in bounds, no overflow), the grant (with a cluster
+//! secret) and the NVMe region. One pure function, so that the data port and
+//! the `data_request` fuzz target (`fuzz/`) run the same code.
+
+use kvpool_storage::nvme::NvmeLoc;
+use kvpool_storage::Segment;
+use kvpool_transport::auth::{ClusterKey, GrantClock, GrantOp};
+use kvpool_transport::proto::{DataRequest, SegmentId};
+use kvpool_transport::{ErrorCode, KvError, RdmaRequest};
+
+/// What one shard of a storage node serves.
+pub struct DataGate<'a> {
+    pub segment: &'a Segment,
+    pub segment_id: SegmentId,
+    /// The node's NVMe tier, if it has one.
+    pub nvme_id: Option<SegmentId>,
+    /// This shard: it serves NVMe region `shard` only.
+    pub shard: u32,
+    /// The cluster secret: every request needs a grant.
+    pub key: Option<&'a ClusterKey>,
+}
+
+/// Why a request was refused.
+#[derive(Debug)]
+pub struct Refused {
+    pub error: KvError,
+    /// The grant was missing, forged, expired or for something else
+    /// (counted and logged as an authentication refusal).
+    pub auth: bool,
+}
+
+fn invalid(error: KvError) -> Refused {
+    Refused { error, auth: false }
+}
+
+impl DataGate<'_> {
+    /// Checks `req` at `clock`. `Ok` means: a `Write`/`Read` range lies inside
+    /// the segment (so the shard may slice it), a `ReadNvme` names this
+    /// shard's region of this node's tier, an RDMA `Connect` names this
+    /// segment; with a cluster secret, each carries a live grant for it.
+    pub fn admit(&self, req: &DataRequest, clock: GrantClock) -> Result<(), Refused> {
+        match req {
+            DataRequest::Write {
+                segment_id,
+                offset,
+                len,
+                grant,
+            }
+            | DataRequest::Read {
+                segment_id,
+                offset,
+                len,
+                grant,
+            } => {
+                let op = if matches!(req, DataRequest::Write { .. }) {
+                    GrantOp::Write
+                } else {
+                    GrantOp::Read
+                };
+                self.check_range(*segment_id, *offset, *len)
+                    .map_err(invalid)?;
+                self.authorize(|k| k.check_grant(grant, op, *segment_id, (*offset, *len), clock))
+            }
+            DataRequest::ReadNvme {
+                segment_id,
+                loc,
+                len,
+                grant,
+            } => {
+                if Some(*segment_id) != self.nvme_id {
+                    return Err(invalid(KvError::new(
+                        ErrorCode::SegmentNotFound,
+                        format!("NVMe tier {segment_id:016x} is not served here"),
+                    )));
+                }
+                self.authorize(|k| {
+                    k.check_grant(grant, GrantOp::ReadNvme, *segment_id, (*loc, *len), clock)
+                })?;
+                let region = NvmeLoc::unpack(*loc).region;
+                if region != self.shard {
+                    return Err(invalid(KvError::new(
+                        ErrorCode::InvalidParams,
+                        format!(
+                            "NVMe region {region} is served by shard {region}, not {}",
+                            self.shard
+                        ),
+                    )));
+                }
+                Ok(())
+            }
+            DataRequest::Rdma { req, grant } => match req {
+                RdmaRequest::Connect(c) => {
+                    // Queue pairs to the segment reach all of it: the client
+                    // must show a live grant the master signed for it.
+                    self.authorize(|k| k.check_segment_access(grant, c.segment_id, clock))?;
+                    if c.segment_id != self.segment_id {
+                        return Err(invalid(self.not_here(c.segment_id)));
+                    }
+                    Ok(())
+                }
+                _ => Ok(()),
+            },
+        }
+    }
+
+    fn not_here(&self, segment_id: SegmentId) -> KvError {
+        KvError::new(
+            ErrorCode::SegmentNotFound,
+            format!(
+                "segment {segment_id:016x} is not served here (this node serves {:016x})",
+                self.segment_id
+            ),
+        )
+    }
+
+    fn check_range(&self, segment_id: SegmentId, offset: u64, len: u64) -> Result<(), KvError> {
+        if segment_id != self.segment_id {
+            return Err(self.not_here(segment_id));
+        }
+        self.segment
+            .check_range(offset, len)
+            .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))
+    }
+
+    fn authorize(
+        &self,
+        check: impl FnOnce(&ClusterKey) -> Result<(), KvError>,
+    ) -> Result<(), Refused> {
+        match self.key {
+            None => Ok(()),
+            Some(k) => check(k).map_err(|error| Refused { error, auth: true }),
+        }
+    }
+}
