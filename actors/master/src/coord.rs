@@ -277,7 +277,12 @@ impl CoordState {
                     let m = &self.segments[&id];
                     let same = *m.spec == spec;
                     let old_owner = m.owner;
+                    // An NVMe tier back at a new address: NVMe before and
+                    // now, the same size. A DRAM segment is never taken for
+                    // one (its allocator and replicas would be read as
+                    // NVMe's: found by the master_request fuzz target).
                     let same_tier_back = spec.tier == kvpool_transport::proto::Tier::Nvme
+                        && m.spec.tier == kvpool_transport::proto::Tier::Nvme
                         && m.spec.size == spec.size;
                     if same || same_tier_back {
                         // A retried mount is the same mount. Mounted by

@@ -253,6 +253,26 @@ fn mount_of_a_mounted_name_with_another_size_is_invalid_params() {
 }
 
 #[test]
+fn a_dram_segment_mounted_again_as_nvme_of_the_same_size_is_invalid_params_and_keeps_its_objects() {
+    // Found by the master_request fuzz target: the remount was taken for
+    // an NVMe tier back at a new address, and the DRAM segment's slot
+    // became NVMe under its allocator and replicas.
+    let mut m = M::new(1);
+    m.mount("seg", 64 * KIB);
+    m.put("k", 100);
+    let mut nv = spec("seg", 64 * KIB, "host-a");
+    nv.tier = kvpool_transport::proto::Tier::Nvme;
+    let r = m.call(Q::MountSegment {
+        client_id: NODE,
+        spec: nv,
+    });
+    assert_eq!(code(r), ErrorCode::InvalidParams);
+    let r = m.get("k").unwrap();
+    assert_eq!(r[0].tier, kvpool_transport::proto::Tier::Dram);
+    assert_eq!(m.stat().capacity, 64 * KIB);
+}
+
+#[test]
 fn unmount_segment_is_idempotent() {
     let mut m = M::new(1);
     let id = m.mount("seg", 64 * KIB);
