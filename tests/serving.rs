@@ -365,14 +365,66 @@ fn disaggregated_greedy_output_equals_one_engine_and_a_shared_prefix_is_loaded()
     assert_eq!(a.json()["error"]["code"], "model_not_found");
 }
 
-#[test]
-fn rejected_requests_get_503_with_retry_after() {
+/// A pool, a prefill and a decode engine (builtin:tiny, with the pool) and
+/// their proxies, under a quickly probing config named `name`.
+struct Parts {
+    pool: Proc,
+    pe: Proc,
+    // Held so that its process lives as long as the others.
+    _de: Proc,
+    pp: Proc,
+    dp: Proc,
+}
+
+fn parts(name: &str) -> Parts {
     let pool = pool();
-    let cfg = config_file("rej", &fast("", ""));
+    let cfg = config_file(name, &fast("", ""));
     let pe = engine(Some(&pool.addr), &cfg);
     let de = engine(Some(&pool.addr), &cfg);
     let pp = proxy("prefill-proxy", &pe.addr, &cfg);
     let dp = proxy("decode-proxy", &de.addr, &cfg);
+    Parts {
+        pool,
+        pe,
+        _de: de,
+        pp,
+        dp,
+    }
+}
+
+/// A conductor that serves one request at a time (`max_in_flight = 1`, and
+/// `more` in its section), policy cache_global.
+fn one_at_a_time(pool: &Proc, pp: &Proc, dp: &Proc, name: &str, more: &str) -> Proc {
+    let cfg = config_file(name, &fast(&format!("max_in_flight = 1\n{more}"), ""));
+    conductor(
+        &[pp],
+        &[dp],
+        &pool.addr,
+        &cfg,
+        &["--policy", "cache_global"],
+    )
+}
+
+/// The status of a two-token completion.
+fn small_request(addr: &str) -> u16 {
+    post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 2}),
+        &[],
+    )
+    .status
+}
+
+#[test]
+fn rejected_requests_get_503_with_retry_after() {
+    let Parts {
+        pool,
+        pe,
+        _de,
+        pp,
+        dp,
+    } = parts("rej");
     // A TTFT objective no prefill can meet: early rejection, before any
     // engine work.
     let strict = config_file(
@@ -410,14 +462,7 @@ fn rejected_requests_get_503_with_retry_after() {
     );
 
     // A full front: one request in flight at most.
-    let open = config_file("one", &fast("max_in_flight = 1", ""));
-    let front = conductor(
-        &[&pp],
-        &[&dp],
-        &pool.addr,
-        &open,
-        &["--policy", "cache_global"],
-    );
+    let front = one_at_a_time(&pool, &pp, &dp, "one", "");
     let mut long = greedy(&prompt(64, 3), 4000);
     long["stream"] = json!(true);
     let mut held = BufReader::new(send(&front.addr, "/v1/completions", &long, &[]));
@@ -437,17 +482,65 @@ fn rejected_requests_get_503_with_retry_after() {
     wait_for(
         "the front to take requests again",
         Duration::from_secs(30),
-        || {
-            post(
-                &front.addr,
-                "/v1/completions",
-                &json!({"prompt": "x", "max_tokens": 2}),
-                &[],
-            )
-            .status
-                == 200
-        },
+        || small_request(&front.addr) == 200,
     );
+}
+
+/// Connects with a receive buffer of 4 KiB (set before the handshake, so
+/// the window it offers stays small).
+fn connect_small_window(addr: &str) -> TcpStream {
+    use rustix::net::{sockopt, AddressFamily, SocketType};
+    let addr: std::net::SocketAddr = addr.parse().unwrap();
+    let fd = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+    sockopt::set_socket_recv_buffer_size(&fd, 4096).unwrap();
+    rustix::net::connect(&fd, &addr).unwrap();
+    TcpStream::from(fd)
+}
+
+/// Finding 1 of the RESP/HTTP review: a streaming client that never reads
+/// held its request's run, and its admission place, forever (the relay's
+/// send into the answer had no deadline): `max_in_flight` such sockets made
+/// every other request a 503. Now a client that takes nothing for
+/// `stall_timeout_ms` is dropped and its place freed.
+#[test]
+fn a_streaming_client_that_never_reads_loses_its_place() {
+    let Parts {
+        pool,
+        pe: _pe,
+        _de,
+        pp,
+        dp,
+    } = parts("noread");
+    let front = one_at_a_time(&pool, &pp, &dp, "noread1", "stall_timeout_ms = 1000");
+    // As long an answer as the model takes, each event made long by a
+    // long request id: far more than the socket buffers, hyper's and the
+    // relay channel hold.
+    let mut body = greedy(&prompt(64, 3), 32_000);
+    body["stream"] = json!(true);
+    let body = body.to_string();
+    let rid = "r".repeat(128);
+    let mut s = connect_small_window(&front.addr);
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         x-request-id: {rid}\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // The stream has started (its place is taken) ...
+    wait_for("the stream to start", Duration::from_secs(60), || {
+        metric(&front.addr, "kvpool_conductor_in_flight") == 1.0
+    });
+    // ... and is dropped once its client has taken nothing for a second:
+    // another request gets in, with the silent socket still open.
+    wait_for(
+        "the silent client's place to free",
+        Duration::from_secs(300),
+        || small_request(&front.addr) == 200,
+    );
+    assert!(metric(&front.addr, "kvpool_conductor_clients_stalled_total") >= 1.0);
+    assert_eq!(metric(&front.addr, "kvpool_conductor_in_flight"), 0.0);
+    drop(s);
 }
 
 /// Reads a stream's events until `[DONE]` or the end of the connection,

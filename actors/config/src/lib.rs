@@ -1166,7 +1166,8 @@ pub struct ConductorConfig {
     /// Deadline of one request, end to end.
     pub request_timeout_ms: u64,
     /// A decode stream silent this long after its first token counts as
-    /// failed (and is continued elsewhere).
+    /// failed (and is continued elsewhere); a streaming client that takes
+    /// nothing this long is dropped.
     pub stall_timeout_ms: u64,
     /// Requests in flight at once; more get 503 with Retry-After.
     pub max_in_flight: usize,

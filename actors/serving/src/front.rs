@@ -120,6 +120,7 @@ struct FrontMetrics {
     rejected: Family<Reason, Counter>,
     failovers: Family<Phase, Counter>,
     in_flight: Gauge,
+    clients_stalled: Counter,
     instance_up: Family<InstanceLabel, Gauge>,
     tokenize_seconds: Histogram,
     pool_lookup_seconds: Histogram,
@@ -134,6 +135,7 @@ impl FrontMetrics {
             rejected: Family::default(),
             failovers: Family::default(),
             in_flight: Gauge::default(),
+            clients_stalled: Counter::default(),
             instance_up: Family::default(),
             tokenize_seconds: latency_histogram(),
             pool_lookup_seconds: latency_histogram(),
@@ -159,6 +161,11 @@ impl FrontMetrics {
             "conductor_in_flight",
             "Requests being served",
             m.in_flight.clone(),
+        );
+        reg.register(
+            "conductor_clients_stalled",
+            "Streamed answers dropped because the client took nothing for stall_timeout_ms",
+            m.clients_stalled.clone(),
         );
         reg.register(
             "conductor_instance_up",
@@ -1210,10 +1217,8 @@ impl DecodeRun {
                     tokens.clamp(1, u64::from(u32::MAX)) as u32,
                 );
                 let served = std::mem::replace(&mut self.served, empty_served());
-                let _ = self
-                    .tx
-                    .send(Piece::End(Ok((finish, Box::new(served)))))
-                    .await;
+                let end = Piece::End(Ok((finish, Box::new(served))));
+                let _ = self.send_by(end, None).await;
             }
             Ok(None) => {}
             Err(e) => {
@@ -1222,7 +1227,38 @@ impl DecodeRun {
                     "request failed: {}",
                     e.message
                 );
-                let _ = self.tx.send(Piece::End(Err(e))).await;
+                let _ = self.send_by(Piece::End(Err(e)), None).await;
+            }
+        }
+    }
+
+    /// Hands `piece` to the answer; false if the client went away or took
+    /// nothing for `stall_timeout_ms` (or past the request's deadline). A
+    /// streaming client that stops reading fills the answer's buffers and
+    /// then this channel: without this deadline its run, its admission
+    /// place and its engine sequence would be held for as long as it keeps
+    /// the socket open.
+    async fn send(&self, piece: Piece) -> bool {
+        self.send_by(piece, Some(self.served.deadline)).await
+    }
+
+    /// [`Self::send`], also bounded by `deadline` when given (the last
+    /// piece, which may say the deadline passed, gets `stall_timeout_ms`).
+    async fn send_by(&self, piece: Piece, deadline: Option<Instant>) -> bool {
+        let stall = Duration::from_millis(self.front.inner.cfg.stall_timeout_ms);
+        let until = Instant::now() + stall;
+        let until = deadline.map_or(until, |d| d.min(until));
+        match tokio::time::timeout_at(until, self.tx.send(piece)).await {
+            Ok(Ok(())) => true,
+            Ok(Err(_)) => false,
+            Err(_) => {
+                self.front.inner.metrics.clients_stalled.inc();
+                tracing::warn!(
+                    request_id = self.served.rid,
+                    "the client took no part of its answer within {} ms; dropping the request",
+                    stall.as_millis()
+                );
+                false
             }
         }
     }
@@ -1417,7 +1453,7 @@ impl DecodeRun {
                             .first_token_seconds
                             .observe(self.served.arrived.elapsed().as_secs_f64());
                     }
-                    if self.tx.send(Piece::Text { text, ids }).await.is_err() {
+                    if !self.send(Piece::Text { text, ids }).await {
                         return StreamEnd::Gone;
                     }
                 }
