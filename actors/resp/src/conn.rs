@@ -291,12 +291,22 @@ impl Conn {
                     }
                     if buf.len() == buf.capacity() {
                         // Grow with what arrives, never to an announced
-                        // length at once: doubling, up to what is needed.
-                        let want = (buf.capacity() * 2)
-                            .max(INITIAL_BUFFER)
-                            .min(need.max(buf.len() + 1));
+                        // length at once: doubling, or to what a pending
+                        // bulk needs when that is less (but by half at
+                        // least). Never by what the next element needs
+                        // alone: with no length pending that is one byte,
+                        // and a large pipeline or inline line would be read
+                        // (and rescanned) a byte at a time.
+                        let cap = buf.capacity();
+                        let doubled = (cap * 2).max(INITIAL_BUFFER);
+                        let want = if parser.bulk_pending() {
+                            doubled.min(need.max(cap + cap / 2))
+                        } else {
+                            doubled
+                        };
                         let want = want.max(buf.len() + 1).min(max_query);
                         let more = want - buf.capacity();
+                        shared.metrics.buffer_grows.inc();
                         if !held.grow(more as u64) {
                             return Err(budget_spent());
                         }
