@@ -479,6 +479,55 @@ fn a_large_request_grows_the_read_buffer_geometrically() {
     assert_eq!(raw.cmd(&[b"GET", b"g19999"]), bulk(b"19999"));
 }
 
+/// Finding 5 of the RESP/HTTP review: with `requirepass` set, a client that
+/// had not authenticated still got the full limits (`proto_max_bulk_len`
+/// bulks, a million arguments, `max_query_buffer`, `idle_timeout_ms`).
+/// Until AUTH it now gets Redis's: 10 arguments, 16 KiB bulks, and
+/// `io_timeout_ms` to send each command.
+#[test]
+fn an_unauthenticated_client_gets_small_limits_until_auth() {
+    let p = pool_with_resp(
+        Some("[resp]\nrequirepass = \"opensesame\"\nio_timeout_ms = 1500\n"),
+        &[],
+    );
+    for (bad, want) in [
+        (
+            &b"*2\r\n$4\r\nECHO\r\n$20000\r\n"[..],
+            "-ERR Protocol error: unauthenticated bulk length\r\n",
+        ),
+        (
+            b"*11\r\n",
+            "-ERR Protocol error: unauthenticated multibulk length\r\n",
+        ),
+    ] {
+        let mut raw = Raw::connect(&p.resp);
+        raw.send(bad);
+        assert_eq!(
+            String::from_utf8_lossy(&raw.until_closed(Duration::from_secs(10))),
+            want
+        );
+    }
+    // AUTH lifts them, also for a command pipelined right behind it.
+    let mut raw = Raw::connect(&p.resp);
+    let v = common::value(5, 100_000);
+    let mut req = encode(&[b"AUTH", b"opensesame"]);
+    req.extend_from_slice(&encode(&[b"SET", b"big", &v]));
+    raw.send(&req);
+    assert_eq!(raw.reply(), ok());
+    assert_eq!(raw.reply(), ok());
+    assert_eq!(raw.cmd(&[b"GET", b"big"]), bulk(&v));
+    // An authenticated connection idles up to idle_timeout_ms (ten
+    // minutes here); one that never authenticated is closed after
+    // io_timeout_ms.
+    let mut idle = Raw::connect(&p.resp);
+    assert_eq!(
+        idle.cmd(&[b"PING"]),
+        Reply::Error("NOAUTH Authentication required.".into())
+    );
+    assert!(idle.until_closed(Duration::from_secs(20)).is_empty());
+    assert_eq!(raw.cmd(&[b"PING"]), Reply::Simple("PONG".into()));
+}
+
 /// A gateway (a pool client and the RESP front only) for `master`, with
 /// `config` (TOML) when given.
 fn gateway(master: &str, config: Option<&str>) -> Proc {

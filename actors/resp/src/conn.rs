@@ -250,8 +250,14 @@ impl Conn {
         let shared = self.ctx.shared.clone();
         let cfg = &shared.cfg;
         let max_query = cfg.max_query_buffer.get() as usize;
-        let mut parser = Parser::new(Limits {
-            max_bulk: cfg.proto_max_bulk_len.get() as usize,
+        let full = Limits::full(cfg.proto_max_bulk_len.get() as usize);
+        // Until AUTH, Redis's small limits, and one command parsed at a
+        // time (so that a pipelined AUTH lifts them for what follows).
+        let mut authed = self.authed;
+        let mut parser = Parser::new(if authed {
+            full
+        } else {
+            Limits::unauthenticated()
         });
         let mut held = Held::none(&shared);
         if !held.grow(INITIAL_BUFFER as u64) {
@@ -261,7 +267,12 @@ impl Conn {
         // When the command now arriving began (its deadline runs from there).
         let mut started: Option<Instant> = None;
         loop {
-            match parser.parse(&buf, cfg.max_pipeline) {
+            if self.authed != authed {
+                authed = self.authed;
+                parser.set_limits(full);
+            }
+            let max = if authed { cfg.max_pipeline } else { 1 };
+            match parser.parse(&buf, max) {
                 Progress::Ready => {
                     self.execute(&parser, &buf).await?;
                     self.flush().await?;
@@ -342,6 +353,12 @@ impl Conn {
             Some(t) => Some((
                 t + self.io_timeout(),
                 "a command did not arrive in full within resp.io_timeout_ms",
+            )),
+            // A client that has not authenticated gets io_timeout_ms, not
+            // the (long) idle timeout, to send its next command.
+            None if !self.authed => Some((
+                Instant::now() + self.io_timeout(),
+                "unauthenticated and idle past resp.io_timeout_ms",
             )),
             None if self.ctx.shared.cfg.idle_timeout_ms > 0 => Some((
                 Instant::now() + Duration::from_millis(self.ctx.shared.cfg.idle_timeout_ms),

@@ -25,6 +25,43 @@ pub const MAX_ARGS: usize = 1024 * 1024;
 pub struct Limits {
     /// Longest bulk string (`proto-max-bulk-len`).
     pub max_bulk: usize,
+    /// Most arguments in one multibulk request.
+    pub max_args: usize,
+    /// These are the limits of a client that has not authenticated (the
+    /// errors say so, as Redis's do).
+    pub unauthenticated: bool,
+}
+
+impl Limits {
+    /// An authenticated client's limits: `max_bulk`, [`MAX_ARGS`].
+    pub fn full(max_bulk: usize) -> Self {
+        Self {
+            max_bulk,
+            max_args: MAX_ARGS,
+            unauthenticated: false,
+        }
+    }
+
+    /// Redis's limits for a client that has not authenticated yet: 10
+    /// arguments, 16 KiB bulks (enough for AUTH and HELLO ... AUTH ...
+    /// SETNAME; nothing else runs before AUTH). Without them anyone who
+    /// can connect could make the front buffer `proto-max-bulk-len` bytes
+    /// and a million-argument table before being asked for a password.
+    pub fn unauthenticated() -> Self {
+        Self {
+            max_bulk: 16 * 1024,
+            max_args: 10,
+            unauthenticated: true,
+        }
+    }
+
+    fn refused(&self, what: &str) -> ProtocolError {
+        ProtocolError(if self.unauthenticated {
+            format!("Protocol error: unauthenticated {what} length")
+        } else {
+            format!("Protocol error: invalid {what} length")
+        })
+    }
 }
 
 /// A request the parser cannot accept: the message for the error reply
@@ -130,6 +167,11 @@ impl Parser {
         }
     }
 
+    /// Applies to elements not yet parsed.
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+    }
+
     /// Completed commands waiting to be executed.
     pub fn ready(&self) -> usize {
         self.cmds.len()
@@ -231,6 +273,9 @@ impl Parser {
                 "Protocol error: invalid multibulk length".into(),
             ));
         };
+        if n > self.limits.max_args as i64 {
+            return Err(self.limits.refused("multibulk"));
+        }
         self.pos = end;
         if n <= 0 {
             // An empty request: nothing to run.
@@ -260,6 +305,7 @@ impl Parser {
                 self.bulk = Some(n as usize);
                 Ok(true)
             }
+            Some(n) if n >= 0 => Err(self.limits.refused("bulk")),
             _ => Err(ProtocolError("Protocol error: invalid bulk length".into())),
         }
     }
@@ -526,7 +572,7 @@ mod tests {
     use super::*;
 
     fn limits() -> Limits {
-        Limits { max_bulk: 1 << 20 }
+        Limits::full(1 << 20)
     }
 
     fn all(p: &Parser, buf: &[u8]) -> Vec<Vec<Vec<u8>>> {
@@ -626,13 +672,13 @@ mod tests {
 
     #[test]
     fn a_bulk_over_the_limit_is_refused_from_its_length_line() {
-        let mut p = Parser::new(Limits { max_bulk: 100 });
+        let mut p = Parser::new(Limits::full(100));
         let buf = b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$101\r\n";
         assert_eq!(
             p.parse(buf, 10),
             Progress::Error(ProtocolError("Protocol error: invalid bulk length".into()))
         );
-        let mut p = Parser::new(Limits { max_bulk: 100 });
+        let mut p = Parser::new(Limits::full(100));
         let buf = b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$100\r\n";
         assert_eq!(p.parse(buf, 10), Progress::Need(buf.len() + 102));
     }
@@ -719,6 +765,29 @@ mod tests {
                 line.len()
             );
         }
+    }
+
+    #[test]
+    fn an_unauthenticated_client_gets_redis_s_small_limits() {
+        for (input, want) in [
+            (
+                &b"*11\r\n"[..],
+                "Protocol error: unauthenticated multibulk length",
+            ),
+            (
+                b"*2\r\n$4\r\nECHO\r\n$16385\r\n",
+                "Protocol error: unauthenticated bulk length",
+            ),
+        ] {
+            let mut p = Parser::new(Limits::unauthenticated());
+            assert_eq!(
+                p.parse(input, 10),
+                Progress::Error(ProtocolError(want.into()))
+            );
+        }
+        let mut p = Parser::new(Limits::unauthenticated());
+        let buf = b"*10\r\n$16384\r\n";
+        assert_eq!(p.parse(buf, 10), Progress::Need(buf.len() + 16386));
     }
 
     #[test]
