@@ -528,6 +528,26 @@ fn an_unauthenticated_client_gets_small_limits_until_auth() {
     assert_eq!(raw.cmd(&[b"PING"]), Reply::Simple("PONG".into()));
 }
 
+/// Finding 8 of the RESP/HTTP review: empty requests (`*0`, `*-1`, blank
+/// lines) were skipped but their bytes kept until a real command came, so
+/// enough of them filled the query buffer and closed the connection with an
+/// error. They are now dropped as they are parsed.
+#[test]
+fn empty_requests_are_dropped_as_they_come() {
+    let p = pool_with_resp(
+        Some("[resp]\nproto_max_bulk_len = \"64 KiB\"\nmax_query_buffer = \"128 KiB\"\n"),
+        &[],
+    );
+    let mut raw = Raw::connect(&p.resp);
+    // 200 KB of empty requests, well over the 128 KiB query buffer.
+    let mut req = Vec::new();
+    while req.len() < 200_000 {
+        req.extend_from_slice(b"*0\r\n*-1\r\n\r\n");
+    }
+    raw.send(&req);
+    assert_eq!(raw.cmd(&[b"PING"]), Reply::Simple("PONG".into()));
+}
+
 /// A gateway (a pool client and the RESP front only) for `master`, with
 /// `config` (TOML) when given.
 fn gateway(master: &str, config: Option<&str>) -> Proc {

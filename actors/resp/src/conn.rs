@@ -291,6 +291,18 @@ impl Conn {
                     return Err(Close::Reply(format!("ERR {}", e.0)));
                 }
                 Progress::Need(need) => {
+                    // Empty requests (`*0`, `*-1`, blank lines) parsed
+                    // before the partial command: their bytes go now, not
+                    // with the next command (which may never come), and the
+                    // idle timeout applies again if nothing else arrived.
+                    let done = parser.consume();
+                    let need = need - done;
+                    if done > 0 {
+                        buf.drain(..done);
+                        if !parser.in_command() {
+                            started = None;
+                        }
+                    }
                     if need > max_query {
                         return Err(Close::Reply(format!(
                             "ERR a request of more than {max_query} bytes is over the query \
