@@ -548,6 +548,36 @@ fn empty_requests_are_dropped_as_they_come() {
     assert_eq!(raw.cmd(&[b"PING"]), Reply::Simple("PONG".into()));
 }
 
+/// Finding 4 of the RESP/HTTP review: the parser's argument table (24 B an
+/// argument) was outside `max_buffer_memory`: a request of a million empty
+/// arguments is 6 MB on the wire and 24 MB of table, none of it counted.
+/// The table is now charged to the budget (and shown in
+/// `kvpool_resp_buffer_bytes`).
+#[test]
+fn the_argument_table_is_charged_to_the_buffer_budget() {
+    let p = pool_with_resp(None, &[]);
+    let mut raw = Raw::connect(&p.resp);
+    // 600,000 arguments announced and sent (3.6 MB), the request unfinished.
+    let mut req = b"*1048576\r\n$3\r\nDEL\r\n".to_vec();
+    for _ in 0..600_000 {
+        req.extend_from_slice(b"$0\r\n\r\n");
+    }
+    raw.send(&req);
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        let held = metric(&p.http, "kvpool_resp_buffer_bytes");
+        if held >= 600_000 * 24 {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "{held} bytes held for 600,000 arguments"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(raw);
+}
+
 /// A gateway (a pool client and the RESP front only) for `master`, with
 /// `config` (TOML) when given.
 fn gateway(master: &str, config: Option<&str>) -> Proc {

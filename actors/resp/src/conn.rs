@@ -86,6 +86,17 @@ impl Held {
         true
     }
 
+    /// Holds exactly `n` bytes: takes more (if the budget has them) or
+    /// gives some back.
+    pub(crate) fn set(&mut self, n: u64) -> bool {
+        if n >= self.bytes {
+            self.grow(n - self.bytes)
+        } else {
+            self.shrink(self.bytes - n);
+            true
+        }
+    }
+
     /// Gives `n` bytes back.
     pub(crate) fn shrink(&mut self, n: u64) {
         let n = n.min(self.bytes);
@@ -264,6 +275,8 @@ impl Conn {
             return Err(budget_spent());
         }
         let mut buf: Vec<u8> = Vec::with_capacity(INITIAL_BUFFER);
+        // The parser's tables, charged as they grow and shrink.
+        let mut tables = Held::none(&shared);
         // When the command now arriving began (its deadline runs from there).
         let mut started: Option<Instant> = None;
         loop {
@@ -272,12 +285,19 @@ impl Conn {
                 parser.set_limits(full);
             }
             let max = if authed { cfg.max_pipeline } else { 1 };
-            match parser.parse(&buf, max) {
+            let progress = parser.parse(&buf, max);
+            if !tables.set(parser.heap_bytes() as u64) {
+                return Err(budget_spent());
+            }
+            match progress {
                 Progress::Ready => {
                     self.execute(&parser, &buf).await?;
                     self.flush().await?;
                     let done = parser.consume();
                     buf.drain(..done);
+                    if !tables.set(parser.heap_bytes() as u64) {
+                        return Err(budget_spent());
+                    }
                     started = parser.in_command().then(Instant::now);
                     if self.quit {
                         return Ok(());
