@@ -543,6 +543,71 @@ fn a_streaming_client_that_never_reads_loses_its_place() {
     drop(s);
 }
 
+/// Finding 3 of the RESP/HTTP review: every HTTP listener was served by
+/// `axum::serve`, which gives hyper no timer, so its header read timeout
+/// was off; nothing bounded a request body's arrival either. A client that
+/// sent part of a request head, or of a body, and stopped held its
+/// connection open for ever. Now each listener closes such a connection:
+/// a head must arrive within 30 s, a body within 60 s of its head (then a 4xx answer).
+#[test]
+fn a_request_that_stops_half_way_is_cut_off_on_every_http_listener() {
+    let pool = pool();
+    let cfg = config_file("slow", &fast("", ""));
+    let pe = engine(Some(&pool.addr), &cfg);
+    let pp = proxy("prefill-proxy", &pe.addr, &cfg);
+    let dp = proxy("decode-proxy", &pe.addr, &cfg);
+    let front = conductor(&[&pp], &[&dp], &pool.addr, &cfg, &[]);
+    let head = |addr: &str| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty").unwrap();
+        s
+    };
+    let body = |addr: &str| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: 1000\r\n\r\n{{\"prompt\": "
+        )
+        .unwrap();
+        s
+    };
+    let mut slow = vec![
+        ("node head", head(&pool.http), false),
+        ("engine head", head(&pe.addr), false),
+        ("proxy head", head(&pp.addr), false),
+        ("conductor head", head(&front.addr), false),
+        ("engine body", body(&pe.addr), true),
+        ("proxy body", body(&pp.addr), true),
+        ("conductor body", body(&front.addr), true),
+    ];
+    // Each is closed (a body after a 400) within its deadline; all wait at
+    // once.
+    let threads: Vec<_> = slow
+        .drain(..)
+        .map(|(what, mut s, answered)| {
+            std::thread::spawn(move || {
+                s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+                let mut got = Vec::new();
+                let r = s.read_to_end(&mut got);
+                assert!(r.is_ok(), "{what}: not closed: {r:?}");
+                if answered {
+                    let text = String::from_utf8_lossy(&got);
+                    assert!(text.starts_with("HTTP/1.1 4"), "{what}: {text}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    // The listeners still serve.
+    let (status, _) = common::http(&pool.http, "GET", "/healthz");
+    assert_eq!(status, 200);
+    let (status, _) = common::http(&front.addr, "GET", "/v1/models");
+    assert_eq!(status, 200);
+}
+
 /// Reads a stream's events until `[DONE]` or the end of the connection,
 /// calling `each` on each; returns the events, and whether `[DONE]` came.
 fn read_stream(r: &mut BufReader<TcpStream>, mut each: impl FnMut(&Value)) -> (Vec<Value>, bool) {
