@@ -608,6 +608,34 @@ fn a_request_that_stops_half_way_is_cut_off_on_every_http_listener() {
     assert_eq!(status, 200);
 }
 
+/// Finding 9 of the RESP/HTTP review: error answers named the cluster's
+/// inner addresses (`cannot connect to 10.0.0.5:8200 ...`). Clients now
+/// read the instance's name; the log keeps the address.
+#[test]
+fn error_answers_name_instances_not_their_addresses() {
+    let pool = pool();
+    let cfg = config_file("names", &fast("", ""));
+    let pe = engine(Some(&pool.addr), &cfg);
+    let mut pp = proxy("prefill-proxy", &pe.addr, &cfg);
+    let dp = proxy("decode-proxy", &pe.addr, &cfg);
+    // No poll after the first: the dead proxy is found by the request.
+    let slow_poll = config_file("names1", "[serving.conductor]\nload_poll_ms = 600000\n");
+    let front = conductor(&[&pp], &[&dp], &pool.addr, &slow_poll, &[]);
+    pp.child.kill().unwrap();
+    pp.child.wait().unwrap();
+    let a = post(
+        &front.addr,
+        "/v1/completions",
+        &json!({"prompt": "hello", "max_tokens": 2}),
+        &[],
+    );
+    assert!(a.status >= 500, "{} {}", a.status, a.body);
+    assert!(a.body.contains("prefill instance 0"), "{}", a.body);
+    for addr in [&pp.addr, &dp.addr, &pe.addr] {
+        assert!(!a.body.contains(addr.as_str()), "{addr} in {}", a.body);
+    }
+}
+
 /// Reads a stream's events until `[DONE]` or the end of the connection,
 /// calling `each` on each; returns the events, and whether `[DONE]` came.
 fn read_stream(r: &mut BufReader<TcpStream>, mut each: impl FnMut(&Value)) -> (Vec<Value>, bool) {

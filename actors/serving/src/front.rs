@@ -671,14 +671,42 @@ async fn generate(f: Front, headers: HeaderMap, body: Bytes, chat: bool) -> Resp
         .requests
         .get_or_create(&RouteResult { route, result })
         .inc();
-    let resp = r.unwrap_or_else(|e| {
+    let resp = r.unwrap_or_else(|mut e| {
         tracing::debug!(request_id = rid, "answered {}: {}", e.status, e.message);
+        e.message = f.scrub(&e.message);
         e.into_response()
     });
     api::with_request_id(resp, &rid)
 }
 
 impl Front {
+    /// `message` with every proxy's and engine's address replaced by the
+    /// instance's name (`prefill instance 0`, `decode engine 1`): error
+    /// answers go to clients, who have no business learning the cluster's
+    /// inner addresses (the log keeps them).
+    fn scrub(&self, message: &str) -> String {
+        let mut names: Vec<(String, String)> = Vec::new();
+        for (kind, links) in [
+            ("prefill", &self.inner.prefill),
+            ("decode", &self.inner.decode),
+        ] {
+            for (i, link) in links.iter().enumerate() {
+                let engine = link.lock().report.as_ref().map(|r| r.engine.clone());
+                if let Some(engine) = engine.filter(|e| !e.is_empty()) {
+                    names.push((engine, format!("{kind} engine {i}")));
+                }
+                names.push((link.addr.clone(), format!("{kind} instance {i}")));
+            }
+        }
+        // Longest first: one address may begin another ("h:80", "h:8000").
+        names.sort_by_key(|(a, _)| std::cmp::Reverse(a.len()));
+        let mut out = message.to_string();
+        for (addr, name) in names {
+            out = out.replace(&addr, &name);
+        }
+        out
+    }
+
     fn reject(&self, message: String, code: &str) -> ApiError {
         self.inner
             .metrics
@@ -1221,12 +1249,13 @@ impl DecodeRun {
                 let _ = self.send_by(end, None).await;
             }
             Ok(None) => {}
-            Err(e) => {
+            Err(mut e) => {
                 tracing::warn!(
                     request_id = self.served.rid,
                     "request failed: {}",
                     e.message
                 );
+                e.message = self.front.scrub(&e.message);
                 let _ = self.send_by(Piece::End(Err(e)), None).await;
             }
         }
