@@ -543,6 +543,41 @@ fn a_streaming_client_that_never_reads_loses_its_place() {
     drop(s);
 }
 
+/// A pool, one engine (builtin:tiny, with the pool) behind a prefill and a
+/// decode proxy, and a conductor: with the quickly probing config, or with
+/// `front_section` as its `[serving.conductor]` when that is given.
+struct OneEngine {
+    pool: Proc,
+    pe: Proc,
+    pp: Proc,
+    dp: Proc,
+    front: Proc,
+}
+
+fn one_engine(name: &str, front_section: &str) -> OneEngine {
+    let pool = pool();
+    let cfg = config_file(name, &fast("", ""));
+    let pe = engine(Some(&pool.addr), &cfg);
+    let pp = proxy("prefill-proxy", &pe.addr, &cfg);
+    let dp = proxy("decode-proxy", &pe.addr, &cfg);
+    let front_cfg = if front_section.is_empty() {
+        cfg
+    } else {
+        config_file(
+            &format!("{name}-front"),
+            &format!("[serving.conductor]\n{front_section}\n"),
+        )
+    };
+    let front = conductor(&[&pp], &[&dp], &pool.addr, &front_cfg, &[]);
+    OneEngine {
+        pool,
+        pe,
+        pp,
+        dp,
+        front,
+    }
+}
+
 /// Finding 3 of the RESP/HTTP review: every HTTP listener was served by
 /// `axum::serve`, which gives hyper no timer, so its header read timeout
 /// was off; nothing bounded a request body's arrival either. A client that
@@ -551,12 +586,13 @@ fn a_streaming_client_that_never_reads_loses_its_place() {
 /// a head must arrive within 30 s, a body within 60 s of its head (then a 4xx answer).
 #[test]
 fn a_request_that_stops_half_way_is_cut_off_on_every_http_listener() {
-    let pool = pool();
-    let cfg = config_file("slow", &fast("", ""));
-    let pe = engine(Some(&pool.addr), &cfg);
-    let pp = proxy("prefill-proxy", &pe.addr, &cfg);
-    let dp = proxy("decode-proxy", &pe.addr, &cfg);
-    let front = conductor(&[&pp], &[&dp], &pool.addr, &cfg, &[]);
+    let OneEngine {
+        pool,
+        pe,
+        pp,
+        dp: _dp,
+        front,
+    } = one_engine("slow", "");
     let head = |addr: &str| {
         let mut s = TcpStream::connect(addr).unwrap();
         write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty").unwrap();
@@ -613,14 +649,14 @@ fn a_request_that_stops_half_way_is_cut_off_on_every_http_listener() {
 /// read the instance's name; the log keeps the address.
 #[test]
 fn error_answers_name_instances_not_their_addresses() {
-    let pool = pool();
-    let cfg = config_file("names", &fast("", ""));
-    let pe = engine(Some(&pool.addr), &cfg);
-    let mut pp = proxy("prefill-proxy", &pe.addr, &cfg);
-    let dp = proxy("decode-proxy", &pe.addr, &cfg);
     // No poll after the first: the dead proxy is found by the request.
-    let slow_poll = config_file("names1", "[serving.conductor]\nload_poll_ms = 600000\n");
-    let front = conductor(&[&pp], &[&dp], &pool.addr, &slow_poll, &[]);
+    let OneEngine {
+        pool: _pool,
+        pe,
+        mut pp,
+        dp,
+        front,
+    } = one_engine("names", "load_poll_ms = 600000");
     pp.child.kill().unwrap();
     pp.child.wait().unwrap();
     let a = post(
@@ -634,6 +670,40 @@ fn error_answers_name_instances_not_their_addresses() {
     for addr in [&pp.addr, &dp.addr, &pe.addr] {
         assert!(!a.body.contains(addr.as_str()), "{addr} in {}", a.body);
     }
+}
+
+/// Finding 7 of the RESP/HTTP review: a token-id prompt was parsed into
+/// JSON values (16 MiB of ids: about 256 MiB), then hashed, looked up in the
+/// pool and scheduled before the engine refused it for its length. A
+/// prompt longer than the context is now refused first, as the engine
+/// words it.
+#[test]
+fn a_token_prompt_longer_than_the_context_is_refused_before_any_work() {
+    let OneEngine {
+        pool: _pool,
+        pe: _pe,
+        pp: _pp,
+        dp: _dp,
+        front,
+    } = one_engine("ctx", "");
+    // The front knows the engines' context once it lists their model.
+    wait_for("the model to be listed", Duration::from_secs(30), || {
+        let (_, body) = common::http(&front.addr, "GET", "/v1/models");
+        body.contains("builtin:tiny")
+    });
+    let long = vec![7u32; 40_000];
+    let a = post(
+        &front.addr,
+        "/v1/completions",
+        &json!({"prompt": long, "max_tokens": 1}),
+        &[],
+    );
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert!(a.body.contains("context is 32768 tokens"), "{}", a.body);
+    assert_eq!(
+        metric(&front.addr, "kvpool_conductor_schedule_seconds_count"),
+        0.0
+    );
 }
 
 /// Reads a stream's events until `[DONE]` or the end of the connection,

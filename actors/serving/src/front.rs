@@ -551,6 +551,77 @@ fn set_up(
         .set(i64::from(up));
 }
 
+/// The length of a token-id `prompt` in a request body, counted without
+/// building it: a 16 MiB body of ids is 8 M of them, 256 MiB as JSON
+/// values, so a prompt longer than the model's context is refused before
+/// that. `None` when the body has no list prompt (or is not a JSON object:
+/// the full parse then says what is wrong).
+fn token_prompt_len(body: &[u8]) -> Option<usize> {
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    struct Count(Option<usize>);
+    struct Counter;
+    impl<'de> Visitor<'de> for Counter {
+        type Value = Count;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a prompt")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Count, A::Error> {
+            let mut n = 0;
+            while seq.next_element::<IgnoredAny>()?.is_some() {
+                n += 1;
+            }
+            Ok(Count(Some(n)))
+        }
+        fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Count, E> {
+            Ok(Count(None))
+        }
+    }
+    impl<'de> serde::Deserialize<'de> for Count {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(Counter)
+        }
+    }
+    // Every "prompt" key is counted (JSON allows one twice; the full parse
+    // keeps the last): the longest stands.
+    struct Probe(Option<usize>);
+    struct Keys;
+    impl<'de> Visitor<'de> for Keys {
+        type Value = Probe;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Probe, A::Error> {
+            let mut longest = None;
+            while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                if key == "prompt" {
+                    let Count(n) = map.next_value()?;
+                    longest = longest.max(n);
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(Probe(longest))
+        }
+    }
+    impl<'de> serde::Deserialize<'de> for Probe {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_map(Keys)
+        }
+    }
+    serde_json::from_slice::<Probe>(body).ok()?.0
+}
+
+/// A prompt of `n` tokens fits a context of `max` (with room for one
+/// generated token), or the request is refused as the engine would.
+fn check_context(n: usize, max: u64) -> Result<(), ApiError> {
+    if n as u64 >= max {
+        return Err(ApiError::bad(format!(
+            "the prompt has {n} tokens; this model's context is {max} tokens"
+        )));
+    }
+    Ok(())
+}
+
 /// A parsed generation request.
 struct Req {
     body: Value,
@@ -718,6 +789,15 @@ impl Front {
         ApiError::unavailable(message, code, self.inner.cfg.retry_after_s)
     }
 
+    /// The engines' context length in tokens (the first one reported).
+    fn max_model_len(&self) -> Option<u64> {
+        self.inner
+            .prefill
+            .iter()
+            .chain(&self.inner.decode)
+            .find_map(|l| l.lock().report.as_ref()?.info.as_ref()?.max_model_len)
+    }
+
     /// The model name the engines serve (the first one reported).
     fn served_model(&self) -> Option<String> {
         self.inner
@@ -763,6 +843,10 @@ impl Front {
                     "queues_full",
                 )
             })?;
+        let max_len = self.max_model_len();
+        if let (Some(n), Some(max)) = (token_prompt_len(body), max_len) {
+            check_context(n, max)?;
+        }
         let req = Req::parse(body, chat)?;
         if let (Some(want), Some(have)) = (req.model(), self.served_model()) {
             if want != have {
@@ -776,6 +860,9 @@ impl Front {
         }
         let deadline = arrived + Duration::from_millis(self.inner.cfg.request_timeout_ms);
         let prompt = self.tokenize(&req, rid, deadline).await?;
+        if let Some(max) = max_len {
+            check_context(prompt.len(), max)?;
+        }
         let chunks = chunk_hashes(&prompt, self.inner.chunk_tokens).map_err(|e| {
             ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -1382,10 +1469,7 @@ impl DecodeRun {
         }
         let room = self
             .front
-            .inner
-            .decode
-            .iter()
-            .find_map(|l| l.lock().report.as_ref()?.info.as_ref()?.max_model_len)
+            .max_model_len()
             .map(|m| m.saturating_sub(prompt.len() as u64));
         if let Some(n) = remaining.or(room) {
             body["max_tokens"] = json!(n);
@@ -1780,6 +1864,32 @@ mod tests {
                 String::from_utf8_lossy(bad)
             );
         }
+    }
+
+    /// Finding 7 of the RESP/HTTP review: a token-id prompt is counted
+    /// before it is parsed into JSON values (and refused when longer than
+    /// the context).
+    #[test]
+    fn a_token_prompt_is_counted_without_being_built() {
+        assert_eq!(
+            token_prompt_len(br#"{"model": "m", "prompt": [1, 2, 3], "x": {"y": [4]}}"#),
+            Some(3)
+        );
+        assert_eq!(token_prompt_len(br#"{"prompt": "text"}"#), None);
+        assert_eq!(token_prompt_len(br#"{"messages": []}"#), None);
+        assert_eq!(token_prompt_len(b"not json"), None);
+        assert_eq!(
+            token_prompt_len(br#"{"prompt": [1, 2, 3, 4], "prompt": [1]}"#),
+            Some(4)
+        );
+        let mut big = b"{\"prompt\": [".to_vec();
+        for _ in 0..40_000 {
+            big.extend_from_slice(b"7,");
+        }
+        big.extend_from_slice(b"7]}");
+        assert_eq!(token_prompt_len(&big), Some(40_001));
+        assert!(check_context(40_001, 32_768).is_err());
+        assert!(check_context(32_767, 32_768).is_ok());
     }
 
     #[test]
