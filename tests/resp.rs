@@ -438,6 +438,146 @@ fn limits_refuse_before_buffering_cap_clients_and_close_idle_ones() {
     assert_eq!(raw.cmd(&[b"GET", b"max"]), bulk(&v));
 }
 
+/// The value of an unlabelled figure on `/metrics`.
+fn metric(http: &str, name: &str) -> u64 {
+    let (_, text) = common::http(http, "GET", "/metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+}
+
+/// Finding 2 of the RESP/HTTP review: past its first 16 KiB a read buffer
+/// grew by one byte per read when no bulk length was pending, so a large
+/// pipeline or inline line was read a byte at a time (and rescanned each
+/// time). It now doubles: a 20,000-pair MSET sent in one write grows the
+/// buffer a handful of times.
+#[test]
+fn a_large_request_grows_the_read_buffer_geometrically() {
+    let p = pool_with_resp(None, &[]);
+    let mut raw = Raw::connect(&p.resp);
+    let pairs: Vec<(Vec<u8>, Vec<u8>)> = (0..20_000)
+        .map(|i| (format!("g{i}").into_bytes(), format!("{i}").into_bytes()))
+        .collect();
+    let mut args: Vec<&[u8]> = vec![b"MSET"];
+    for (k, v) in &pairs {
+        args.push(k);
+        args.push(v);
+    }
+    let req = encode(&args);
+    assert!(req.len() > 400_000, "{}", req.len());
+    let before = metric(&p.http, "kvpool_resp_buffer_grows_total");
+    assert_eq!(raw.cmd(&args), ok());
+    let grows = metric(&p.http, "kvpool_resp_buffer_grows_total") - before;
+    // From 16 KiB to ~450 KB by at least half each time: 9 grows at most
+    // (5 when each doubles).
+    assert!(
+        grows <= 9,
+        "{grows} grows for one {} byte request",
+        req.len()
+    );
+    assert_eq!(raw.cmd(&[b"GET", b"g19999"]), bulk(b"19999"));
+}
+
+/// Finding 5 of the RESP/HTTP review: with `requirepass` set, a client that
+/// had not authenticated still got the full limits (`proto_max_bulk_len`
+/// bulks, a million arguments, `max_query_buffer`, `idle_timeout_ms`).
+/// Until AUTH it now gets Redis's: 10 arguments, 16 KiB bulks, and
+/// `io_timeout_ms` to send each command.
+#[test]
+fn an_unauthenticated_client_gets_small_limits_until_auth() {
+    let p = pool_with_resp(
+        Some("[resp]\nrequirepass = \"opensesame\"\nio_timeout_ms = 1500\n"),
+        &[],
+    );
+    for (bad, want) in [
+        (
+            &b"*2\r\n$4\r\nECHO\r\n$20000\r\n"[..],
+            "-ERR Protocol error: unauthenticated bulk length\r\n",
+        ),
+        (
+            b"*11\r\n",
+            "-ERR Protocol error: unauthenticated multibulk length\r\n",
+        ),
+    ] {
+        let mut raw = Raw::connect(&p.resp);
+        raw.send(bad);
+        assert_eq!(
+            String::from_utf8_lossy(&raw.until_closed(Duration::from_secs(10))),
+            want
+        );
+    }
+    // AUTH lifts them, also for a command pipelined right behind it.
+    let mut raw = Raw::connect(&p.resp);
+    let v = common::value(5, 100_000);
+    let mut req = encode(&[b"AUTH", b"opensesame"]);
+    req.extend_from_slice(&encode(&[b"SET", b"big", &v]));
+    raw.send(&req);
+    assert_eq!(raw.reply(), ok());
+    assert_eq!(raw.reply(), ok());
+    assert_eq!(raw.cmd(&[b"GET", b"big"]), bulk(&v));
+    // An authenticated connection idles up to idle_timeout_ms (ten
+    // minutes here); one that never authenticated is closed after
+    // io_timeout_ms.
+    let mut idle = Raw::connect(&p.resp);
+    assert_eq!(
+        idle.cmd(&[b"PING"]),
+        Reply::Error("NOAUTH Authentication required.".into())
+    );
+    assert!(idle.until_closed(Duration::from_secs(20)).is_empty());
+    assert_eq!(raw.cmd(&[b"PING"]), Reply::Simple("PONG".into()));
+}
+
+/// Finding 8 of the RESP/HTTP review: empty requests (`*0`, `*-1`, blank
+/// lines) were skipped but their bytes kept until a real command came, so
+/// enough of them filled the query buffer and closed the connection with an
+/// error. They are now dropped as they are parsed.
+#[test]
+fn empty_requests_are_dropped_as_they_come() {
+    let p = pool_with_resp(
+        Some("[resp]\nproto_max_bulk_len = \"64 KiB\"\nmax_query_buffer = \"128 KiB\"\n"),
+        &[],
+    );
+    let mut raw = Raw::connect(&p.resp);
+    // 200 KB of empty requests, well over the 128 KiB query buffer.
+    let mut req = Vec::new();
+    while req.len() < 200_000 {
+        req.extend_from_slice(b"*0\r\n*-1\r\n\r\n");
+    }
+    raw.send(&req);
+    assert_eq!(raw.cmd(&[b"PING"]), Reply::Simple("PONG".into()));
+}
+
+/// Finding 4 of the RESP/HTTP review: the parser's argument table (24 B an
+/// argument) was outside `max_buffer_memory`: a request of a million empty
+/// arguments is 6 MB on the wire and 24 MB of table, none of it counted.
+/// The table is now charged to the budget (and shown in
+/// `kvpool_resp_buffer_bytes`).
+#[test]
+fn the_argument_table_is_charged_to_the_buffer_budget() {
+    let p = pool_with_resp(None, &[]);
+    let mut raw = Raw::connect(&p.resp);
+    // 600,000 arguments announced and sent (3.6 MB), the request unfinished.
+    let mut req = b"*1048576\r\n$3\r\nDEL\r\n".to_vec();
+    for _ in 0..600_000 {
+        req.extend_from_slice(b"$0\r\n\r\n");
+    }
+    raw.send(&req);
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        let held = metric(&p.http, "kvpool_resp_buffer_bytes");
+        if held >= 600_000 * 24 {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "{held} bytes held for 600,000 arguments"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(raw);
+}
+
 /// A gateway (a pool client and the RESP front only) for `master`, with
 /// `config` (TOML) when given.
 fn gateway(master: &str, config: Option<&str>) -> Proc {

@@ -365,14 +365,66 @@ fn disaggregated_greedy_output_equals_one_engine_and_a_shared_prefix_is_loaded()
     assert_eq!(a.json()["error"]["code"], "model_not_found");
 }
 
-#[test]
-fn rejected_requests_get_503_with_retry_after() {
+/// A pool, a prefill and a decode engine (builtin:tiny, with the pool) and
+/// their proxies, under a quickly probing config named `name`.
+struct Parts {
+    pool: Proc,
+    pe: Proc,
+    // Held so that its process lives as long as the others.
+    _de: Proc,
+    pp: Proc,
+    dp: Proc,
+}
+
+fn parts(name: &str) -> Parts {
     let pool = pool();
-    let cfg = config_file("rej", &fast("", ""));
+    let cfg = config_file(name, &fast("", ""));
     let pe = engine(Some(&pool.addr), &cfg);
     let de = engine(Some(&pool.addr), &cfg);
     let pp = proxy("prefill-proxy", &pe.addr, &cfg);
     let dp = proxy("decode-proxy", &de.addr, &cfg);
+    Parts {
+        pool,
+        pe,
+        _de: de,
+        pp,
+        dp,
+    }
+}
+
+/// A conductor that serves one request at a time (`max_in_flight = 1`, and
+/// `more` in its section), policy cache_global.
+fn one_at_a_time(pool: &Proc, pp: &Proc, dp: &Proc, name: &str, more: &str) -> Proc {
+    let cfg = config_file(name, &fast(&format!("max_in_flight = 1\n{more}"), ""));
+    conductor(
+        &[pp],
+        &[dp],
+        &pool.addr,
+        &cfg,
+        &["--policy", "cache_global"],
+    )
+}
+
+/// The status of a two-token completion.
+fn small_request(addr: &str) -> u16 {
+    post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 2}),
+        &[],
+    )
+    .status
+}
+
+#[test]
+fn rejected_requests_get_503_with_retry_after() {
+    let Parts {
+        pool,
+        pe,
+        _de,
+        pp,
+        dp,
+    } = parts("rej");
     // A TTFT objective no prefill can meet: early rejection, before any
     // engine work.
     let strict = config_file(
@@ -410,14 +462,7 @@ fn rejected_requests_get_503_with_retry_after() {
     );
 
     // A full front: one request in flight at most.
-    let open = config_file("one", &fast("max_in_flight = 1", ""));
-    let front = conductor(
-        &[&pp],
-        &[&dp],
-        &pool.addr,
-        &open,
-        &["--policy", "cache_global"],
-    );
+    let front = one_at_a_time(&pool, &pp, &dp, "one", "");
     let mut long = greedy(&prompt(64, 3), 4000);
     long["stream"] = json!(true);
     let mut held = BufReader::new(send(&front.addr, "/v1/completions", &long, &[]));
@@ -437,16 +482,227 @@ fn rejected_requests_get_503_with_retry_after() {
     wait_for(
         "the front to take requests again",
         Duration::from_secs(30),
-        || {
-            post(
-                &front.addr,
-                "/v1/completions",
-                &json!({"prompt": "x", "max_tokens": 2}),
-                &[],
-            )
-            .status
-                == 200
-        },
+        || small_request(&front.addr) == 200,
+    );
+}
+
+/// Connects with a receive buffer of 4 KiB (set before the handshake, so
+/// the window it offers stays small).
+fn connect_small_window(addr: &str) -> TcpStream {
+    use rustix::net::{sockopt, AddressFamily, SocketType};
+    let addr: std::net::SocketAddr = addr.parse().unwrap();
+    let fd = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+    sockopt::set_socket_recv_buffer_size(&fd, 4096).unwrap();
+    rustix::net::connect(&fd, &addr).unwrap();
+    TcpStream::from(fd)
+}
+
+/// Finding 1 of the RESP/HTTP review: a streaming client that never reads
+/// held its request's run, and its admission place, forever (the relay's
+/// send into the answer had no deadline): `max_in_flight` such sockets made
+/// every other request a 503. Now a client that takes nothing for
+/// `stall_timeout_ms` is dropped and its place freed.
+#[test]
+fn a_streaming_client_that_never_reads_loses_its_place() {
+    let Parts {
+        pool,
+        pe: _pe,
+        _de,
+        pp,
+        dp,
+    } = parts("noread");
+    let front = one_at_a_time(&pool, &pp, &dp, "noread1", "stall_timeout_ms = 1000");
+    // As long an answer as the model takes, each event made long by a
+    // long request id: far more than the socket buffers, hyper's and the
+    // relay channel hold.
+    let mut body = greedy(&prompt(64, 3), 32_000);
+    body["stream"] = json!(true);
+    let body = body.to_string();
+    let rid = "r".repeat(128);
+    let mut s = connect_small_window(&front.addr);
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         x-request-id: {rid}\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // The stream has started (its place is taken) ...
+    wait_for("the stream to start", Duration::from_secs(60), || {
+        metric(&front.addr, "kvpool_conductor_in_flight") == 1.0
+    });
+    // ... and is dropped once its client has taken nothing for a second:
+    // another request gets in, with the silent socket still open.
+    wait_for(
+        "the silent client's place to free",
+        Duration::from_secs(300),
+        || small_request(&front.addr) == 200,
+    );
+    assert!(metric(&front.addr, "kvpool_conductor_clients_stalled_total") >= 1.0);
+    assert_eq!(metric(&front.addr, "kvpool_conductor_in_flight"), 0.0);
+    drop(s);
+}
+
+/// A pool, one engine (builtin:tiny, with the pool) behind a prefill and a
+/// decode proxy, and a conductor: with the quickly probing config, or with
+/// `front_section` as its `[serving.conductor]` when that is given.
+struct OneEngine {
+    pool: Proc,
+    pe: Proc,
+    pp: Proc,
+    dp: Proc,
+    front: Proc,
+}
+
+fn one_engine(name: &str, front_section: &str) -> OneEngine {
+    let pool = pool();
+    let cfg = config_file(name, &fast("", ""));
+    let pe = engine(Some(&pool.addr), &cfg);
+    let pp = proxy("prefill-proxy", &pe.addr, &cfg);
+    let dp = proxy("decode-proxy", &pe.addr, &cfg);
+    let front_cfg = if front_section.is_empty() {
+        cfg
+    } else {
+        config_file(
+            &format!("{name}-front"),
+            &format!("[serving.conductor]\n{front_section}\n"),
+        )
+    };
+    let front = conductor(&[&pp], &[&dp], &pool.addr, &front_cfg, &[]);
+    OneEngine {
+        pool,
+        pe,
+        pp,
+        dp,
+        front,
+    }
+}
+
+/// Finding 3 of the RESP/HTTP review: every HTTP listener was served by
+/// `axum::serve`, which gives hyper no timer, so its header read timeout
+/// was off; nothing bounded a request body's arrival either. A client that
+/// sent part of a request head, or of a body, and stopped held its
+/// connection open for ever. Now each listener closes such a connection:
+/// a head must arrive within 30 s, a body within 60 s of its head (then a 4xx answer).
+#[test]
+fn a_request_that_stops_half_way_is_cut_off_on_every_http_listener() {
+    let OneEngine {
+        pool,
+        pe,
+        pp,
+        dp: _dp,
+        front,
+    } = one_engine("slow", "");
+    let head = |addr: &str| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty").unwrap();
+        s
+    };
+    let body = |addr: &str| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: 1000\r\n\r\n{{\"prompt\": "
+        )
+        .unwrap();
+        s
+    };
+    let mut slow = vec![
+        ("node head", head(&pool.http), false),
+        ("engine head", head(&pe.addr), false),
+        ("proxy head", head(&pp.addr), false),
+        ("conductor head", head(&front.addr), false),
+        ("engine body", body(&pe.addr), true),
+        ("proxy body", body(&pp.addr), true),
+        ("conductor body", body(&front.addr), true),
+    ];
+    // Each is closed (a body after a 400) within its deadline; all wait at
+    // once.
+    let threads: Vec<_> = slow
+        .drain(..)
+        .map(|(what, mut s, answered)| {
+            std::thread::spawn(move || {
+                s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+                let mut got = Vec::new();
+                let r = s.read_to_end(&mut got);
+                assert!(r.is_ok(), "{what}: not closed: {r:?}");
+                if answered {
+                    let text = String::from_utf8_lossy(&got);
+                    assert!(text.starts_with("HTTP/1.1 4"), "{what}: {text}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    // The listeners still serve.
+    let (status, _) = common::http(&pool.http, "GET", "/healthz");
+    assert_eq!(status, 200);
+    let (status, _) = common::http(&front.addr, "GET", "/v1/models");
+    assert_eq!(status, 200);
+}
+
+/// Finding 9 of the RESP/HTTP review: error answers named the cluster's
+/// inner addresses (`cannot connect to 10.0.0.5:8200 ...`). Clients now
+/// read the instance's name; the log keeps the address.
+#[test]
+fn error_answers_name_instances_not_their_addresses() {
+    // No poll after the first: the dead proxy is found by the request.
+    let OneEngine {
+        pool: _pool,
+        pe,
+        mut pp,
+        dp,
+        front,
+    } = one_engine("names", "load_poll_ms = 600000");
+    pp.child.kill().unwrap();
+    pp.child.wait().unwrap();
+    let a = post(
+        &front.addr,
+        "/v1/completions",
+        &json!({"prompt": "hello", "max_tokens": 2}),
+        &[],
+    );
+    assert!(a.status >= 500, "{} {}", a.status, a.body);
+    assert!(a.body.contains("prefill instance 0"), "{}", a.body);
+    for addr in [&pp.addr, &dp.addr, &pe.addr] {
+        assert!(!a.body.contains(addr.as_str()), "{addr} in {}", a.body);
+    }
+}
+
+/// Finding 7 of the RESP/HTTP review: a token-id prompt was parsed into
+/// JSON values (16 MiB of ids: about 256 MiB), then hashed, looked up in the
+/// pool and scheduled before the engine refused it for its length. A
+/// prompt longer than the context is now refused first, as the engine
+/// words it.
+#[test]
+fn a_token_prompt_longer_than_the_context_is_refused_before_any_work() {
+    let OneEngine {
+        pool: _pool,
+        pe: _pe,
+        pp: _pp,
+        dp: _dp,
+        front,
+    } = one_engine("ctx", "");
+    // The front knows the engines' context once it lists their model.
+    wait_for("the model to be listed", Duration::from_secs(30), || {
+        let (_, body) = common::http(&front.addr, "GET", "/v1/models");
+        body.contains("builtin:tiny")
+    });
+    let long = vec![7u32; 40_000];
+    let a = post(
+        &front.addr,
+        "/v1/completions",
+        &json!({"prompt": long, "max_tokens": 1}),
+        &[],
+    );
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert!(a.body.contains("context is 32768 tokens"), "{}", a.body);
+    assert_eq!(
+        metric(&front.addr, "kvpool_conductor_schedule_seconds_count"),
+        0.0
     );
 }
 

@@ -113,15 +113,19 @@ pub fn run(opts: ServeOptions) -> Result<(), EngineError> {
         println!("kvpool engine listening on {bound}");
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async {
+        kvpool_runtime::http::serve(
+            listener,
+            app,
+            kvpool_runtime::http::HttpLimits::default(),
+            async {
                 match kvpool_runtime::wait_for_signal().await {
                     Ok(sig) => tracing::info!("{sig}: stopping the engine"),
                     Err(e) => tracing::error!("cannot wait for signals: {e}"),
                 }
-            })
-            .await
-            .map_err(|e| EngineError::Start(format!("HTTP server failed: {e}")))
+            },
+        )
+        .await;
+        Ok(())
     })
 }
 

@@ -1,6 +1,7 @@
 //! kvpool's runtime: thread-per-core shards (glommio), the bridge to the actor
 //! side (tokio), key-to-shard hashing, the prefix-chained chunk hash of KV
-//! cache chunks, config loading, metrics and tracing.
+//! cache chunks, config loading, metrics and tracing, and the HTTP server
+//! every role's listeners use (deadlines and a connection cap).
 //!
 //! This crate knows nothing of kvpool's roles; `storage`, `transport` and
 //! the crates under `actors/` build on it.
@@ -8,6 +9,7 @@
 pub mod chunk_hash;
 pub mod config;
 pub mod hash;
+pub mod http;
 pub mod metrics;
 pub mod net;
 pub mod shard;

@@ -719,7 +719,8 @@ pub struct RespConfig {
     pub idle_timeout_ms: u64,
     /// Once a command's first byte has arrived, the whole command must
     /// arrive within this long; a reply must be taken by the client within
-    /// it too. Otherwise the connection is closed.
+    /// it too. Otherwise the connection is closed. With `requirepass` set,
+    /// also the idle limit of a connection that has not authenticated.
     pub io_timeout_ms: u64,
     /// Largest bulk string (a key or a value); a longer one is refused from
     /// its length line, before its bytes are read, and the connection closed.
@@ -1166,7 +1167,8 @@ pub struct ConductorConfig {
     /// Deadline of one request, end to end.
     pub request_timeout_ms: u64,
     /// A decode stream silent this long after its first token counts as
-    /// failed (and is continued elsewhere).
+    /// failed (and is continued elsewhere); a streaming client that takes
+    /// nothing this long is dropped.
     pub stall_timeout_ms: u64,
     /// Requests in flight at once; more get 503 with Retry-After.
     pub max_in_flight: usize,

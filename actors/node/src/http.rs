@@ -88,14 +88,12 @@ pub async fn serve(
         .route("/api/v1/segments", get(segments))
         .route("/api/v1/remove_all", post(remove_all))
         .with_state(state);
-    tokio::spawn(async move {
-        let r = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { shutdown.wait().await })
-            .await;
-        if let Err(e) = r {
-            tracing::error!("HTTP server failed: {e}");
-        }
-    });
+    tokio::spawn(kvpool_runtime::http::serve(
+        listener,
+        app,
+        kvpool_runtime::http::HttpLimits::default(),
+        async move { shutdown.wait().await },
+    ));
     Ok(bound)
 }
 

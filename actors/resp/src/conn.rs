@@ -86,6 +86,17 @@ impl Held {
         true
     }
 
+    /// Holds exactly `n` bytes: takes more (if the budget has them) or
+    /// gives some back.
+    pub(crate) fn set(&mut self, n: u64) -> bool {
+        if n >= self.bytes {
+            self.grow(n - self.bytes)
+        } else {
+            self.shrink(self.bytes - n);
+            true
+        }
+    }
+
     /// Gives `n` bytes back.
     pub(crate) fn shrink(&mut self, n: u64) {
         let n = n.min(self.bytes);
@@ -250,23 +261,43 @@ impl Conn {
         let shared = self.ctx.shared.clone();
         let cfg = &shared.cfg;
         let max_query = cfg.max_query_buffer.get() as usize;
-        let mut parser = Parser::new(Limits {
-            max_bulk: cfg.proto_max_bulk_len.get() as usize,
+        let full = Limits::full(cfg.proto_max_bulk_len.get() as usize);
+        // Until AUTH, Redis's small limits, and one command parsed at a
+        // time (so that a pipelined AUTH lifts them for what follows).
+        let mut authed = self.authed;
+        let mut parser = Parser::new(if authed {
+            full
+        } else {
+            Limits::unauthenticated()
         });
         let mut held = Held::none(&shared);
         if !held.grow(INITIAL_BUFFER as u64) {
             return Err(budget_spent());
         }
         let mut buf: Vec<u8> = Vec::with_capacity(INITIAL_BUFFER);
+        // The parser's tables, charged as they grow and shrink.
+        let mut tables = Held::none(&shared);
         // When the command now arriving began (its deadline runs from there).
         let mut started: Option<Instant> = None;
         loop {
-            match parser.parse(&buf, cfg.max_pipeline) {
+            if self.authed != authed {
+                authed = self.authed;
+                parser.set_limits(full);
+            }
+            let max = if authed { cfg.max_pipeline } else { 1 };
+            let progress = parser.parse(&buf, max);
+            if !tables.set(parser.heap_bytes() as u64) {
+                return Err(budget_spent());
+            }
+            match progress {
                 Progress::Ready => {
                     self.execute(&parser, &buf).await?;
                     self.flush().await?;
                     let done = parser.consume();
                     buf.drain(..done);
+                    if !tables.set(parser.heap_bytes() as u64) {
+                        return Err(budget_spent());
+                    }
                     started = parser.in_command().then(Instant::now);
                     if self.quit {
                         return Ok(());
@@ -280,6 +311,18 @@ impl Conn {
                     return Err(Close::Reply(format!("ERR {}", e.0)));
                 }
                 Progress::Need(need) => {
+                    // Empty requests (`*0`, `*-1`, blank lines) parsed
+                    // before the partial command: their bytes go now, not
+                    // with the next command (which may never come), and the
+                    // idle timeout applies again if nothing else arrived.
+                    let done = parser.consume();
+                    let need = need - done;
+                    if done > 0 {
+                        buf.drain(..done);
+                        if !parser.in_command() {
+                            started = None;
+                        }
+                    }
                     if need > max_query {
                         return Err(Close::Reply(format!(
                             "ERR a request of more than {max_query} bytes is over the query \
@@ -291,12 +334,22 @@ impl Conn {
                     }
                     if buf.len() == buf.capacity() {
                         // Grow with what arrives, never to an announced
-                        // length at once: doubling, up to what is needed.
-                        let want = (buf.capacity() * 2)
-                            .max(INITIAL_BUFFER)
-                            .min(need.max(buf.len() + 1));
+                        // length at once: doubling, or to what a pending
+                        // bulk needs when that is less (but by half at
+                        // least). Never by what the next element needs
+                        // alone: with no length pending that is one byte,
+                        // and a large pipeline or inline line would be read
+                        // (and rescanned) a byte at a time.
+                        let cap = buf.capacity();
+                        let doubled = (cap * 2).max(INITIAL_BUFFER);
+                        let want = if parser.bulk_pending() {
+                            doubled.min(need.max(cap + cap / 2))
+                        } else {
+                            doubled
+                        };
                         let want = want.max(buf.len() + 1).min(max_query);
                         let more = want - buf.capacity();
+                        shared.metrics.buffer_grows.inc();
                         if !held.grow(more as u64) {
                             return Err(budget_spent());
                         }
@@ -332,6 +385,12 @@ impl Conn {
             Some(t) => Some((
                 t + self.io_timeout(),
                 "a command did not arrive in full within resp.io_timeout_ms",
+            )),
+            // A client that has not authenticated gets io_timeout_ms, not
+            // the (long) idle timeout, to send its next command.
+            None if !self.authed => Some((
+                Instant::now() + self.io_timeout(),
+                "unauthenticated and idle past resp.io_timeout_ms",
             )),
             None if self.ctx.shared.cfg.idle_timeout_ms > 0 => Some((
                 Instant::now() + Duration::from_millis(self.ctx.shared.cfg.idle_timeout_ms),

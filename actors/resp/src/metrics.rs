@@ -46,6 +46,8 @@ pub struct Metrics {
     pub protocol_errors: Counter,
     pub auth_failures: Counter,
     pub buffer_bytes: Gauge,
+    /// Times a read buffer was made larger.
+    pub buffer_grows: Counter,
     /// Connections open now (the cap is checked against it).
     pub open: AtomicUsize,
 }
@@ -97,6 +99,7 @@ impl Metrics {
             protocol_errors: Counter::default(),
             auth_failures: Counter::default(),
             buffer_bytes: Gauge::default(),
+            buffer_grows: Counter::default(),
             open: AtomicUsize::new(0),
         };
         reg.register(
@@ -128,6 +131,11 @@ impl Metrics {
             "resp_buffer_bytes",
             "Read buffers and values held by RESP connections (resp.max_buffer_memory)",
             m.buffer_bytes.clone(),
+        );
+        reg.register(
+            "resp_buffer_grows",
+            "Times a RESP connection's read buffer was made larger",
+            m.buffer_grows.clone(),
         );
         m
     }

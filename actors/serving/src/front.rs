@@ -120,6 +120,7 @@ struct FrontMetrics {
     rejected: Family<Reason, Counter>,
     failovers: Family<Phase, Counter>,
     in_flight: Gauge,
+    clients_stalled: Counter,
     instance_up: Family<InstanceLabel, Gauge>,
     tokenize_seconds: Histogram,
     pool_lookup_seconds: Histogram,
@@ -134,6 +135,7 @@ impl FrontMetrics {
             rejected: Family::default(),
             failovers: Family::default(),
             in_flight: Gauge::default(),
+            clients_stalled: Counter::default(),
             instance_up: Family::default(),
             tokenize_seconds: latency_histogram(),
             pool_lookup_seconds: latency_histogram(),
@@ -159,6 +161,11 @@ impl FrontMetrics {
             "conductor_in_flight",
             "Requests being served",
             m.in_flight.clone(),
+        );
+        reg.register(
+            "conductor_clients_stalled",
+            "Streamed answers dropped because the client took nothing for stall_timeout_ms",
+            m.clients_stalled.clone(),
         );
         reg.register(
             "conductor_instance_up",
@@ -544,6 +551,77 @@ fn set_up(
         .set(i64::from(up));
 }
 
+/// The length of a token-id `prompt` in a request body, counted without
+/// building it: a 16 MiB body of ids is 8 M of them, 256 MiB as JSON
+/// values, so a prompt longer than the model's context is refused before
+/// that. `None` when the body has no list prompt (or is not a JSON object:
+/// the full parse then says what is wrong).
+fn token_prompt_len(body: &[u8]) -> Option<usize> {
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    struct Count(Option<usize>);
+    struct Counter;
+    impl<'de> Visitor<'de> for Counter {
+        type Value = Count;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a prompt")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Count, A::Error> {
+            let mut n = 0;
+            while seq.next_element::<IgnoredAny>()?.is_some() {
+                n += 1;
+            }
+            Ok(Count(Some(n)))
+        }
+        fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Count, E> {
+            Ok(Count(None))
+        }
+    }
+    impl<'de> serde::Deserialize<'de> for Count {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(Counter)
+        }
+    }
+    // Every "prompt" key is counted (JSON allows one twice; the full parse
+    // keeps the last): the longest stands.
+    struct Probe(Option<usize>);
+    struct Keys;
+    impl<'de> Visitor<'de> for Keys {
+        type Value = Probe;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Probe, A::Error> {
+            let mut longest = None;
+            while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                if key == "prompt" {
+                    let Count(n) = map.next_value()?;
+                    longest = longest.max(n);
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(Probe(longest))
+        }
+    }
+    impl<'de> serde::Deserialize<'de> for Probe {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_map(Keys)
+        }
+    }
+    serde_json::from_slice::<Probe>(body).ok()?.0
+}
+
+/// A prompt of `n` tokens fits a context of `max` (with room for one
+/// generated token), or the request is refused as the engine would.
+fn check_context(n: usize, max: u64) -> Result<(), ApiError> {
+    if n as u64 >= max {
+        return Err(ApiError::bad(format!(
+            "the prompt has {n} tokens; this model's context is {max} tokens"
+        )));
+    }
+    Ok(())
+}
+
 /// A parsed generation request.
 struct Req {
     body: Value,
@@ -664,14 +742,42 @@ async fn generate(f: Front, headers: HeaderMap, body: Bytes, chat: bool) -> Resp
         .requests
         .get_or_create(&RouteResult { route, result })
         .inc();
-    let resp = r.unwrap_or_else(|e| {
+    let resp = r.unwrap_or_else(|mut e| {
         tracing::debug!(request_id = rid, "answered {}: {}", e.status, e.message);
+        e.message = f.scrub(&e.message);
         e.into_response()
     });
     api::with_request_id(resp, &rid)
 }
 
 impl Front {
+    /// `message` with every proxy's and engine's address replaced by the
+    /// instance's name (`prefill instance 0`, `decode engine 1`): error
+    /// answers go to clients, who have no business learning the cluster's
+    /// inner addresses (the log keeps them).
+    fn scrub(&self, message: &str) -> String {
+        let mut names: Vec<(String, String)> = Vec::new();
+        for (kind, links) in [
+            ("prefill", &self.inner.prefill),
+            ("decode", &self.inner.decode),
+        ] {
+            for (i, link) in links.iter().enumerate() {
+                let engine = link.lock().report.as_ref().map(|r| r.engine.clone());
+                if let Some(engine) = engine.filter(|e| !e.is_empty()) {
+                    names.push((engine, format!("{kind} engine {i}")));
+                }
+                names.push((link.addr.clone(), format!("{kind} instance {i}")));
+            }
+        }
+        // Longest first: one address may begin another ("h:80", "h:8000").
+        names.sort_by_key(|(a, _)| std::cmp::Reverse(a.len()));
+        let mut out = message.to_string();
+        for (addr, name) in names {
+            out = out.replace(&addr, &name);
+        }
+        out
+    }
+
     fn reject(&self, message: String, code: &str) -> ApiError {
         self.inner
             .metrics
@@ -681,6 +787,15 @@ impl Front {
             })
             .inc();
         ApiError::unavailable(message, code, self.inner.cfg.retry_after_s)
+    }
+
+    /// The engines' context length in tokens (the first one reported).
+    fn max_model_len(&self) -> Option<u64> {
+        self.inner
+            .prefill
+            .iter()
+            .chain(&self.inner.decode)
+            .find_map(|l| l.lock().report.as_ref()?.info.as_ref()?.max_model_len)
     }
 
     /// The model name the engines serve (the first one reported).
@@ -728,6 +843,10 @@ impl Front {
                     "queues_full",
                 )
             })?;
+        let max_len = self.max_model_len();
+        if let (Some(n), Some(max)) = (token_prompt_len(body), max_len) {
+            check_context(n, max)?;
+        }
         let req = Req::parse(body, chat)?;
         if let (Some(want), Some(have)) = (req.model(), self.served_model()) {
             if want != have {
@@ -741,6 +860,9 @@ impl Front {
         }
         let deadline = arrived + Duration::from_millis(self.inner.cfg.request_timeout_ms);
         let prompt = self.tokenize(&req, rid, deadline).await?;
+        if let Some(max) = max_len {
+            check_context(prompt.len(), max)?;
+        }
         let chunks = chunk_hashes(&prompt, self.inner.chunk_tokens).map_err(|e| {
             ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -1210,19 +1332,49 @@ impl DecodeRun {
                     tokens.clamp(1, u64::from(u32::MAX)) as u32,
                 );
                 let served = std::mem::replace(&mut self.served, empty_served());
-                let _ = self
-                    .tx
-                    .send(Piece::End(Ok((finish, Box::new(served)))))
-                    .await;
+                let end = Piece::End(Ok((finish, Box::new(served))));
+                let _ = self.send_by(end, None).await;
             }
             Ok(None) => {}
-            Err(e) => {
+            Err(mut e) => {
                 tracing::warn!(
                     request_id = self.served.rid,
                     "request failed: {}",
                     e.message
                 );
-                let _ = self.tx.send(Piece::End(Err(e))).await;
+                e.message = self.front.scrub(&e.message);
+                let _ = self.send_by(Piece::End(Err(e)), None).await;
+            }
+        }
+    }
+
+    /// Hands `piece` to the answer; false if the client went away or took
+    /// nothing for `stall_timeout_ms` (or past the request's deadline). A
+    /// streaming client that stops reading fills the answer's buffers and
+    /// then this channel: without this deadline its run, its admission
+    /// place and its engine sequence would be held for as long as it keeps
+    /// the socket open.
+    async fn send(&self, piece: Piece) -> bool {
+        self.send_by(piece, Some(self.served.deadline)).await
+    }
+
+    /// [`Self::send`], also bounded by `deadline` when given (the last
+    /// piece, which may say the deadline passed, gets `stall_timeout_ms`).
+    async fn send_by(&self, piece: Piece, deadline: Option<Instant>) -> bool {
+        let stall = Duration::from_millis(self.front.inner.cfg.stall_timeout_ms);
+        let until = Instant::now() + stall;
+        let until = deadline.map_or(until, |d| d.min(until));
+        match tokio::time::timeout_at(until, self.tx.send(piece)).await {
+            Ok(Ok(())) => true,
+            Ok(Err(_)) => false,
+            Err(_) => {
+                self.front.inner.metrics.clients_stalled.inc();
+                tracing::warn!(
+                    request_id = self.served.rid,
+                    "the client took no part of its answer within {} ms; dropping the request",
+                    stall.as_millis()
+                );
+                false
             }
         }
     }
@@ -1317,10 +1469,7 @@ impl DecodeRun {
         }
         let room = self
             .front
-            .inner
-            .decode
-            .iter()
-            .find_map(|l| l.lock().report.as_ref()?.info.as_ref()?.max_model_len)
+            .max_model_len()
             .map(|m| m.saturating_sub(prompt.len() as u64));
         if let Some(n) = remaining.or(room) {
             body["max_tokens"] = json!(n);
@@ -1417,7 +1566,7 @@ impl DecodeRun {
                             .first_token_seconds
                             .observe(self.served.arrived.elapsed().as_secs_f64());
                     }
-                    if self.tx.send(Piece::Text { text, ids }).await.is_err() {
+                    if !self.send(Piece::Text { text, ids }).await {
                         return StreamEnd::Gone;
                     }
                 }
@@ -1715,6 +1864,32 @@ mod tests {
                 String::from_utf8_lossy(bad)
             );
         }
+    }
+
+    /// Finding 7 of the RESP/HTTP review: a token-id prompt is counted
+    /// before it is parsed into JSON values (and refused when longer than
+    /// the context).
+    #[test]
+    fn a_token_prompt_is_counted_without_being_built() {
+        assert_eq!(
+            token_prompt_len(br#"{"model": "m", "prompt": [1, 2, 3], "x": {"y": [4]}}"#),
+            Some(3)
+        );
+        assert_eq!(token_prompt_len(br#"{"prompt": "text"}"#), None);
+        assert_eq!(token_prompt_len(br#"{"messages": []}"#), None);
+        assert_eq!(token_prompt_len(b"not json"), None);
+        assert_eq!(
+            token_prompt_len(br#"{"prompt": [1, 2, 3, 4], "prompt": [1]}"#),
+            Some(4)
+        );
+        let mut big = b"{\"prompt\": [".to_vec();
+        for _ in 0..40_000 {
+            big.extend_from_slice(b"7,");
+        }
+        big.extend_from_slice(b"7]}");
+        assert_eq!(token_prompt_len(&big), Some(40_001));
+        assert!(check_context(40_001, 32_768).is_err());
+        assert!(check_context(32_767, 32_768).is_ok());
     }
 
     #[test]

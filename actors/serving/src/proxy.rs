@@ -985,9 +985,9 @@ async fn relay_decode(
                     addr: engine.clone(),
                     reason: "the stream ended without [DONE]".into(),
                 };
-                return fail_stream(&tx, e, &engine, &meta, count).await;
+                return fail_stream(&tx, e, &engine, &meta, deadline, count).await;
             }
-            Err(e) => return fail_stream(&tx, e, &engine, &meta, count).await,
+            Err(e) => return fail_stream(&tx, e, &engine, &meta, deadline, count).await,
         };
         events.clear();
         if reader.feed(&chunk, &mut events).is_err() {
@@ -995,7 +995,7 @@ async fn relay_decode(
                 addr: engine.clone(),
                 reason: "an event longer than the limit".into(),
             };
-            return fail_stream(&tx, e, &engine, &meta, count).await;
+            return fail_stream(&tx, e, &engine, &meta, deadline, count).await;
         }
         for ev in events.drain(..) {
             let (bytes, done) = match ev {
@@ -1014,7 +1014,12 @@ async fn relay_decode(
                     (Bytes::from(format!("data: {d}\n\n")), false)
                 }
             };
-            if tx.send(bytes).await.is_err() {
+            // A client that stops reading (its connection full) is given
+            // up at the request's deadline, not waited for without end.
+            if !matches!(
+                tokio::time::timeout_at(deadline, tx.send(bytes)).await,
+                Ok(Ok(()))
+            ) {
                 // The conductor went away: dropping the answer closes the
                 // engine's connection and ends the sequence there.
                 count("abandoned");
@@ -1035,6 +1040,7 @@ async fn fail_stream(
     e: HttpError,
     engine: &str,
     meta: &RequestMeta,
+    deadline: Instant,
     count: impl Fn(&'static str),
 ) -> Outcome {
     tracing::warn!(
@@ -1044,7 +1050,12 @@ async fn fail_stream(
     );
     count("engine_failed");
     for b in failed_events(&format!("the decode engine failed mid-stream: {e}")) {
-        if tx.send(b).await.is_err() {
+        // Taken at once by a client that reads; one that does not is not
+        // waited for past the deadline.
+        if !matches!(
+            tokio::time::timeout_at(deadline, tx.send(b)).await,
+            Ok(Ok(()))
+        ) {
             break;
         }
     }

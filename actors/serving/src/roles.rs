@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 
 use axum::Router;
 use kvpool_config::{NodeConfig, ProxyConfig};
+use kvpool_runtime::http::{self, HttpLimits};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::Shutdown;
 
@@ -32,12 +33,11 @@ pub async fn serve_http(
         .map_err(|e| ServeError::Start(format!("{what}: {e}")))?;
     let what = what.to_string();
     tokio::spawn(async move {
-        let r = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { shutdown.wait().await })
-            .await;
-        if let Err(e) = r {
-            tracing::error!("{what}: HTTP server failed: {e}");
-        }
+        http::serve(listener, app, HttpLimits::default(), async move {
+            shutdown.wait().await
+        })
+        .await;
+        tracing::debug!("{what}: HTTP server stopped");
     });
     Ok(bound)
 }

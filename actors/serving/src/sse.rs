@@ -22,7 +22,13 @@ pub enum Event {
 #[derive(Debug, Default)]
 pub struct Reader {
     buf: Vec<u8>,
+    /// Bytes at the start of `buf` known to hold no line end (a line that
+    /// arrives in pieces is searched once, not from its start each time).
+    scanned: usize,
     data: Vec<String>,
+    /// The event's size so far: its data lines, one more byte each (so
+    /// that endless empty lines count too).
+    data_bytes: usize,
 }
 
 /// An event longer than [`MAX_EVENT_BYTES`].
@@ -40,7 +46,9 @@ impl Reader {
     pub fn feed(&mut self, chunk: &[u8], out: &mut Vec<Event>) -> Result<(), TooLong> {
         self.buf.extend_from_slice(chunk);
         let mut start = 0;
-        while let Some(nl) = self.buf[start..].iter().position(|&b| b == b'\n') {
+        let mut from = self.scanned;
+        while let Some(nl) = self.buf[from..].iter().position(|&b| b == b'\n') {
+            let nl = from - start + nl;
             let end = start + nl;
             let mut line = &self.buf[start..end];
             if line.last() == Some(&b'\r') {
@@ -50,6 +58,7 @@ impl Reader {
                 if !self.data.is_empty() {
                     let data = self.data.join("\n");
                     self.data.clear();
+                    self.data_bytes = 0;
                     out.push(if data == "[DONE]" {
                         Event::Done
                     } else {
@@ -58,12 +67,15 @@ impl Reader {
                 }
             } else if let Some(v) = line.strip_prefix(b"data:") {
                 let v = v.strip_prefix(b" ").unwrap_or(v);
+                self.data_bytes += v.len() + 1;
                 self.data.push(String::from_utf8_lossy(v).into_owned());
             }
             start = end + 1;
+            from = start;
         }
         self.buf.drain(..start);
-        let pending = self.buf.len() + self.data.iter().map(String::len).sum::<usize>();
+        self.scanned = self.buf.len();
+        let pending = self.buf.len() + self.data_bytes;
         if pending > MAX_EVENT_BYTES {
             return Err(TooLong);
         }
@@ -102,6 +114,26 @@ mod tests {
                 Event::Done
             ]
         );
+    }
+
+    /// Finding 6 of the RESP/HTTP review: empty `data:` lines were kept
+    /// (one empty string each) but counted as nothing, so an event of
+    /// endless empty data lines grew without bound.
+    #[test]
+    fn an_endless_event_of_empty_data_lines_is_an_error() {
+        let mut r = Reader::new();
+        let mut out = Vec::new();
+        let lines = b"data:\n".repeat(1000);
+        let mut failed = false;
+        // Each line counts one byte at least: 2 MiB of lines' worth.
+        for _ in 0..(2 * MAX_EVENT_BYTES / 1000) {
+            if r.feed(&lines, &mut out).is_err() {
+                failed = true;
+                break;
+            }
+        }
+        assert!(failed);
+        assert!(out.is_empty());
     }
 
     #[test]

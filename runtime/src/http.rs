@@ -1,0 +1,171 @@
+//! Serving an axum router on a TCP listener with the limits `axum::serve`
+//! lacks. `axum::serve` gives hyper no timer, so hyper's header read
+//! timeout is silently off; nothing bounds how long a request body may take
+//! to arrive, or how many connections are open. A client that sends a
+//! request head a byte a minute, or a body that never ends, or simply opens
+//! sockets, would hold a task and a file descriptor each, for ever. Every
+//! HTTP listener of kvpool (the node's, the engine's, the serving proxies'
+//! and the conductor's) is served through [`serve`].
+
+use std::future::Future;
+use std::pin::{pin, Pin};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::Router;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::Request;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+/// A request head (and the wait for the next request on a kept-alive
+/// connection) must arrive within this: hyper's own default, which
+/// `axum::serve` left without the timer it needs.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// A request body must arrive in full within this of its head: the 16 MiB
+/// bodies the serving front accepts at 0.3 MB/s; a client slower than that
+/// gets 400 and the connection closes.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
+/// Connections open at once on one listener; more wait in the kernel's
+/// accept queue until one closes. Four times what the serving front admits
+/// by default (`max_in_flight` 256), so kept-alive idle clients do not
+/// crowd out requests, and far below the descriptors a process has: a
+/// flood of sockets runs into this cap, not into `EMFILE` for the pool's
+/// own connections.
+pub const MAX_CONNECTIONS: usize = 1024;
+
+/// The limits of one listener.
+#[derive(Debug, Clone, Copy)]
+pub struct HttpLimits {
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub max_connections: usize,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: HEADER_READ_TIMEOUT,
+            body_read_timeout: BODY_READ_TIMEOUT,
+            max_connections: MAX_CONNECTIONS,
+        }
+    }
+}
+
+/// Serves `app` on `listener` (HTTP/1.1) until `shutdown` resolves; then
+/// stops accepting, lets each connection finish the request it is serving,
+/// and returns once they have closed.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: HttpLimits,
+    shutdown: impl Future<Output = ()>,
+) {
+    let open = Arc::new(Semaphore::new(limits.max_connections));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut shutdown = pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            p = open.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+            _ = &mut shutdown => break,
+        };
+        let stream = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    // Out of descriptors, or a connection reset before it
+                    // was taken: wait a little rather than spin.
+                    tracing::warn!("HTTP accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let router = TowerToHyperService::new(app.clone());
+        let body_timeout = limits.body_read_timeout;
+        let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+            use hyper::service::Service;
+            router.call(req.map(|b| BodyDeadline::new(b, body_timeout)))
+        });
+        let mut stop = stop_rx.clone();
+        let header_timeout = limits.header_read_timeout;
+        tokio::spawn(async move {
+            let mut b = hyper::server::conn::http1::Builder::new();
+            b.timer(TokioTimer::new())
+                .header_read_timeout(header_timeout);
+            let mut conn = pin!(b.serve_connection(TokioIo::new(stream), svc));
+            tokio::select! {
+                r = conn.as_mut() => {
+                    if let Err(e) = r {
+                        tracing::debug!("HTTP connection ended: {e}");
+                    }
+                }
+                _ = stop.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+            drop(permit);
+        });
+    }
+    let _ = stop_tx.send(true);
+    // Every connection gives its place back when it closes.
+    let _ = open.acquire_many(limits.max_connections as u32).await;
+}
+
+/// A request body that must arrive in full by a deadline; past it, an
+/// error (the handler answers 400, and the connection closes).
+struct BodyDeadline {
+    inner: Incoming,
+    limit: Duration,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl BodyDeadline {
+    fn new(inner: Incoming, limit: Duration) -> Self {
+        Self {
+            inner,
+            limit,
+            deadline: Box::pin(tokio::time::sleep(limit)),
+        }
+    }
+}
+
+impl Body for BodyDeadline {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if let Poll::Ready(f) = Pin::new(&mut self.inner).poll_frame(cx) {
+            return Poll::Ready(f.map(|r| r.map_err(Into::into)));
+        }
+        if self.deadline.as_mut().poll(cx).is_ready() {
+            let msg = format!(
+                "the request body did not arrive within {} s",
+                self.limit.as_secs()
+            );
+            return Poll::Ready(Some(Err(msg.into())));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
