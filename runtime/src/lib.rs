@@ -9,6 +9,7 @@
 pub mod chunk_hash;
 pub mod config;
 pub mod hash;
+#[cfg(feature = "http")]
 pub mod http;
 pub mod metrics;
 pub mod net;
