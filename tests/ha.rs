@@ -162,10 +162,11 @@ fn wait_role(m: &Proc, role: &str, within: Duration) -> Duration {
 }
 
 fn client_config(secret: &str) -> ClientConfig {
-    let mut c = ClientConfig::default();
-    c.secret = kvpool_config::Secret::new(secret.to_string());
-    c.timeout_ms = 5_000;
-    c
+    ClientConfig {
+        secret: kvpool_config::Secret::new(secret.to_string()),
+        timeout_ms: 5_000,
+        ..Default::default()
+    }
 }
 
 /// Polls `f` until it is `Some`, for at most `within`.

@@ -12,7 +12,7 @@
 //!   leader(<name>)              ---->   "rpc=HOST:PORT http=HOST:PORT" -> Hello to rpc
 //! ```
 //!
-//! * [`EtcdUrl`]: `etcd://host:port[,host:port...][/name]`.
+//! * [`EtcdUrl`] parses `etcd://host:port[,host:port...][/name]`.
 //! * [`spawn_election`]: runs one master's side of the election and moves
 //!   its [`Fence`] (standby -> leader -> deposed).
 //! * [`EtcdSource`]: a client's [`MasterSource`] for `etcd://` addresses;
@@ -216,6 +216,12 @@ async fn session(fence: &Fence, cfg: &ElectionConfig) -> Result<(), String> {
                 if Instant::now() >= valid_until {
                     return Err("won the election after the lease may have run out".into());
                 }
+                // State at failover (docs/ARCHITECTURE.md, "HA on etcd"): this
+                // is where a new leader will load the master's state log (the
+                // records a standby has not applied yet) before its fence
+                // opens. Today it starts empty: storage nodes remount on
+                // their next ping and report their NVMe objects; DRAM-only
+                // objects of the old leader are not known here.
                 fence.lead(term, valid_until, &me);
                 leading = true;
                 tracing::info!(term, "leading {name} ({me})");

@@ -61,6 +61,10 @@ enum ShardMsg {
     },
     /// Health: answered at once by a shard that is serving its inbox.
     Probe(tokio::sync::oneshot::Sender<()>),
+    // HA (docs/ARCHITECTURE.md, "HA on etcd"): a standby's shards run but
+    // serve nothing (the fence refuses every request). When the leader ships
+    // its state log, a standby applies each record to the owning shard's
+    // state through this inbox, in log order, as a message of its own here.
 }
 
 struct AdminMsg {
