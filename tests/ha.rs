@@ -31,6 +31,7 @@ impl Drop for Etcd {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_file(self.dir.with_extension("log"));
     }
 }
 
@@ -107,7 +108,11 @@ fn etcd() -> Option<Etcd> {
                 return Some(e);
             }
         }
-        assert!(Instant::now() < end, "etcd did not become healthy in 20 s");
+        assert!(
+            Instant::now() < end,
+            "etcd did not become healthy in 20 s; its log:\n{}",
+            std::fs::read_to_string(e.dir.with_extension("log")).unwrap_or_default()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
