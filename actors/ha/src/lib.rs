@@ -157,16 +157,14 @@ pub fn spawn_election(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         loop {
-            let led = fence.role() == FenceRole::Leader;
             let end = tokio::select! {
                 r = session(&fence, &cfg) => r,
                 _ = shutdown.wait() => return,
             };
-            match end {
-                Ok(()) => {}
-                Err(e) => tracing::warn!("election on {}: {e}", cfg.url.election()),
+            if let Err(e) = end {
+                tracing::warn!("election on {}: {e}", cfg.url.election());
             }
-            if led || fence.role() == FenceRole::Leader {
+            if matches!(fence.role(), FenceRole::Leader | FenceRole::Deposed) {
                 fence.depose();
                 tracing::error!(
                     "this master lost its leadership ({}): it refuses every request from now \
@@ -184,14 +182,32 @@ pub fn spawn_election(
 }
 
 /// One lease: campaign under it, keep it alive, lead while it lives.
-/// Returns when the lease is lost or etcd fails (the caller decides what
-/// that means for the role); revokes the lease when `shutdown` ends the
-/// task (dropped future) only through the leader's resign below.
+/// Returns when the lease is lost or etcd fails; a leader is deposed first.
+/// Then the lease is revoked (best effort), so a campaign key of this
+/// session cannot stay the oldest and name a master that no longer campaigns
+/// under it.
 async fn session(fence: &Fence, cfg: &ElectionConfig) -> Result<(), String> {
     let mut etcd = cfg.url.connect().await?;
     let asked = Instant::now();
     let ttl_s = cfg.ttl.as_secs().max(1) as i64;
     let lease = within(etcd.lease_grant(ttl_s, None), "lease grant").await?;
+    let id = lease.id();
+    let ended = campaign_under(fence, cfg, &mut etcd, asked, &lease).await;
+    if fence.role() == FenceRole::Leader {
+        fence.depose();
+    }
+    let _ = within(etcd.lease_revoke(id), "lease revoke").await;
+    ended
+}
+
+/// Campaigns under `lease` (granted at `asked`), then leads while it lives.
+async fn campaign_under(
+    fence: &Fence,
+    cfg: &ElectionConfig,
+    etcd: &mut Etcd,
+    asked: Instant,
+    lease: &etcd_client::LeaseGrantResponse,
+) -> Result<(), String> {
     let ttl = Duration::from_secs(lease.ttl().max(1) as u64);
     let id = lease.id();
     let margin = cfg.margin.min(ttl / 2);
