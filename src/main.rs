@@ -35,8 +35,10 @@ use kvpool_transport::KvError;
     about = "A pooled DRAM/NVMe KV-cache store for disaggregated LLM serving"
 )]
 struct Cli {
-    /// The master's RPC address (host:port of its shard 0).
-    #[arg(long, global = true, value_name = "HOST:PORT")]
+    /// The master's RPC address (host:port of its shard 0), or
+    /// etcd://host:port[,host:port...][/name] to follow the leader of
+    /// masters on etcd.
+    #[arg(long, global = true, value_name = "HOST:PORT|etcd://...")]
     master: Option<String>,
     /// A TOML config file (see configs/); every key has a default.
     #[arg(long, global = true, value_name = "FILE")]
@@ -116,6 +118,11 @@ enum Cmd {
         /// view it was made on to FILE (`kvpool sim replay --log FILE`).
         #[arg(long, value_name = "FILE")]
         decision_log: Option<String>,
+        /// Role master: campaign with the other masters on etcd
+        /// (etcd://host:port[,host:port...][/name]); one leads, the others
+        /// stand by. Sets `[master] ha`.
+        #[arg(long, value_name = "etcd://HOST:PORT,...")]
+        ha: Option<String>,
     },
     /// One chat turn against the conductor's front, streamed to the terminal.
     Chat(kvpool_serving::chat::ChatArgs),
@@ -250,6 +257,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     kvpool_runtime::telemetry::init();
     die_on_panic();
+    // Every client of this process (CLI, storage node, RESP, engines) may
+    // name the master as etcd://...: the leader of masters on etcd.
+    kvpool_ha::install();
     let mut cfg = match load_config(cli.config.as_ref()) {
         Ok(c) => c,
         Err(e) => {
@@ -304,7 +314,11 @@ fn main() -> ExitCode {
             policy,
             cost_model,
             decision_log,
+            ha,
         } => {
+            if let Some(url) = ha {
+                cfg.master.ha = url;
+            }
             let serving = ServingFlags {
                 engine,
                 prefill,

@@ -230,12 +230,14 @@ pub fn data_request(data: &[u8]) {
         skew_ms: 1_000,
     };
     for key in [None, Some(&side.key)] {
+        let term = std::sync::atomic::AtomicU64::new(0);
         let gate = DataGate {
             segment: &side.segment,
             segment_id: FUZZ_SEGMENT,
             nvme_id: Some(FUZZ_NVME),
             shard: 1,
             key,
+            term: &term,
         };
         let admitted = gate.admit(&req, clock);
         if let (
@@ -554,6 +556,7 @@ pub fn data_request_seeds() -> Vec<(&'static str, DataRequest)> {
         offset: 0,
         len: 4096,
         expires_ms: NOW_MS + 5_000,
+        term: 0,
         mac: [7; 16],
     };
     vec![

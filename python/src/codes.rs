@@ -13,7 +13,7 @@ pub const INVALID_PARAMS: i64 = -600;
 
 /// kvpool's error code -> Mooncake's code and name (`mooncake-store`'s
 /// `ErrorCode`). The only place the two meet; README lists it.
-pub const TABLE: [(ErrorCode, i64, &str); 18] = [
+pub const TABLE: [(ErrorCode, i64, &str); 19] = [
     (ErrorCode::InvalidParams, -600, "INVALID_PARAMS"),
     (ErrorCode::ObjectNotFound, -704, "OBJECT_NOT_FOUND"),
     (
@@ -36,6 +36,9 @@ pub const TABLE: [(ErrorCode, i64, &str); 18] = [
     (ErrorCode::Corrupt, -801, "CHECKSUM_MISMATCH"),
     (ErrorCode::Unauthenticated, -601, "ILLEGAL_CLIENT"),
     (ErrorCode::TryAgain, -1010, "UNAVAILABLE_IN_CURRENT_STATUS"),
+    // A master that is not the leader (HA): a failed RPC to retry, as
+    // Mooncake reports a call to a master that is gone.
+    (ErrorCode::NotLeader, -900, "RPC_FAIL"),
 ];
 
 /// Mooncake's code for a kvpool error.

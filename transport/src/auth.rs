@@ -9,7 +9,7 @@
 //!     AuthProve { mac(c | id | nonce_c | nonce_s) } ->   checks; the connection
 //!                                        <-    AuthOk { mac(s | id | nonce_c | nonce_s) }   speaks for client_id
 //!  data plane (every request, no round trip)
-//!   master: grant = mac(op | segment | offset | len | expires_ms)  in each ReplicaDesc
+//!   master: grant = mac(op | segment | offset | len | expires_ms | term)  in each ReplicaDesc
 //!   client: Write / Read / ReadNvme / Rdma Connect / shm map carry the grant
 //!   node:   checks the mac, the expiry (its clock, with a skew allowance) and
 //!           that the request's range lies inside the granted one
@@ -53,14 +53,19 @@ pub enum GrantOp {
 
 /// A data-plane permission the master signs and a storage node checks
 /// without asking anyone: `op` on `len` bytes at `offset` of a segment,
-/// until `expires_ms` (Unix time, milliseconds). `mac` is zero in an open
-/// cluster.
+/// until `expires_ms` (Unix time, milliseconds), signed by the leader of
+/// `term` (HA on etcd: the etcd revision of the signing master's leader
+/// key; 0 for a master without an election). A storage node refuses a
+/// grant of a term older than one it has seen, so a deposed leader's grants
+/// stop working once the new leader's first grant reached the node. `mac`
+/// is zero in an open cluster (the term is still carried and checked).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Grant {
     pub op: u8,
     pub offset: u64,
     pub len: u64,
     pub expires_ms: u64,
+    pub term: u64,
     pub mac: [u8; 16],
 }
 
@@ -201,23 +206,26 @@ impl ClusterKey {
         m.update(&g.offset.to_le_bytes());
         m.update(&g.len.to_le_bytes());
         m.update(&g.expires_ms.to_le_bytes());
+        m.update(&g.term.to_le_bytes());
         m
     }
 
-    /// Signs a grant of `op` on `len` bytes at `offset` of `segment`.
+    /// Signs a grant of `op` on `len` bytes at `offset` of `segment`, by
+    /// the leader of `term`.
     pub fn grant(
         &self,
         op: GrantOp,
         segment: SegmentId,
-        offset: u64,
-        len: u64,
+        (offset, len): (u64, u64),
         expires_ms: u64,
+        term: u64,
     ) -> Grant {
         let mut g = Grant {
             op: op as u8,
             offset,
             len,
             expires_ms,
+            term,
             mac: [0; 16],
         };
         let full = self.grant_mac(segment, &g).finalize().into_bytes();
@@ -330,7 +338,7 @@ mod tests {
     #[test]
     fn a_grant_checks_op_segment_range_expiry_and_signature() {
         let k = key();
-        let g = k.grant(GrantOp::Write, 42, 4096, 8192, 1_000);
+        let g = k.grant(GrantOp::Write, 42, (4096, 8192), 1_000, 5);
         assert!(k
             .check_grant(&g, GrantOp::Write, 42, (4096, 8192), at(900, 0))
             .is_ok());
@@ -359,12 +367,14 @@ mod tests {
             .check_grant(&g, GrantOp::Write, 42, (4096, 8192), at(1_500, 600))
             .is_ok());
         // A changed field breaks the signature.
-        for f in 0..4 {
+        for f in 0..5 {
             let mut h = g;
             match f {
                 0 => h.offset = 0,
                 1 => h.len = 1 << 40,
                 2 => h.expires_ms = u64::MAX,
+                // A deposed leader's grant cannot be passed off as newer.
+                3 => h.term = 6,
                 _ => h.mac[3] ^= 1,
             }
             assert!(

@@ -46,10 +46,14 @@ pub enum ErrorCode {
     /// Not possible now, but soon: space is on its way out (demotions to
     /// NVMe, ending leases). Retry within the deadline.
     TryAgain = 18,
+    /// The master asked is not the leader (a standby, or a leader whose
+    /// lease ran out): ask the leader; the message names it when known.
+    /// Nothing was done, so the call may be sent again.
+    NotLeader = 19,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 18] = [
+    pub const ALL: [ErrorCode; 19] = [
         Self::InvalidParams,
         Self::ObjectNotFound,
         Self::ObjectAlreadyExists,
@@ -68,6 +72,7 @@ impl ErrorCode {
         Self::Corrupt,
         Self::Unauthenticated,
         Self::TryAgain,
+        Self::NotLeader,
     ];
 
     pub fn code(self) -> u16 {
@@ -104,6 +109,7 @@ impl ErrorCode {
             Self::Corrupt => "Corrupt",
             Self::Unauthenticated => "Unauthenticated",
             Self::TryAgain => "TryAgain",
+            Self::NotLeader => "NotLeader",
         }
     }
 }
@@ -175,5 +181,6 @@ mod tests {
         assert_eq!(ErrorCode::Corrupt.code(), 16);
         assert_eq!(ErrorCode::Unauthenticated.code(), 17);
         assert_eq!(ErrorCode::TryAgain.code(), 18);
+        assert_eq!(ErrorCode::NotLeader.code(), 19);
     }
 }

@@ -40,8 +40,8 @@ use crate::proto::SegmentId;
 const MAGIC: [u8; 4] = *b"KVSH";
 const HEADER: usize = 20;
 const REQUEST_MAGIC: [u8; 4] = *b"KVSQ";
-/// magic, segment id, grant (op, offset, len, expires, mac).
-const REQUEST: usize = 4 + 8 + 1 + 8 + 8 + 8 + 16;
+/// magic, segment id, grant (op, offset, len, expires, mac, term).
+const REQUEST: usize = 4 + 8 + 1 + 8 + 8 + 8 + 16 + 8;
 
 fn encode_request(segment_id: SegmentId, g: &Grant) -> [u8; REQUEST] {
     let mut b = [0u8; REQUEST];
@@ -52,6 +52,7 @@ fn encode_request(segment_id: SegmentId, g: &Grant) -> [u8; REQUEST] {
     b[21..29].copy_from_slice(&g.len.to_le_bytes());
     b[29..37].copy_from_slice(&g.expires_ms.to_le_bytes());
     b[37..53].copy_from_slice(&g.mac);
+    b[53..61].copy_from_slice(&g.term.to_le_bytes());
     b
 }
 
@@ -76,6 +77,7 @@ pub async fn read_request(
             offset: u(13),
             len: u(21),
             expires_ms: u(29),
+            term: u(53),
             mac,
         },
     ))

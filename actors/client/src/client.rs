@@ -42,16 +42,35 @@ use kvpool_transport::proto::{
 use kvpool_transport::shm::ShmMap;
 use kvpool_transport::{ErrorCode, KvError};
 
+use crate::leader::{leader_may_have_moved, MasterSource};
 use crate::locations::OnDrop;
 use kvpool_config::ClientConfig;
 use kvpool_transport::route::{self, merge_batch, split_batch_by, Target};
 
-struct Inner {
-    id: ClientId,
-    cfg: ClientConfig,
+/// The master as this client knows it: its cluster map and a connection
+/// pool per master shard. Replaced as a whole when the client follows a new
+/// leader.
+struct View {
     cluster: ClusterMap,
     map: ShardMap,
     master_pools: Vec<Arc<ConnPool>>,
+    /// The leader's address this view was opened on.
+    addr: String,
+}
+
+struct Inner {
+    id: ClientId,
+    cfg: ClientConfig,
+    /// Where the master is: a fixed address, or a source that follows the
+    /// leader (HA).
+    source: Arc<dyn MasterSource>,
+    view: std::sync::RwLock<Arc<View>>,
+    /// One re-resolution at a time; the others wait for its view.
+    following: tokio::sync::Mutex<()>,
+    /// A call ran out of time on this view's master: the next call looks
+    /// for the leader first (a stalled leader accepts connections but
+    /// answers nothing).
+    stale: std::sync::atomic::AtomicBool,
     engine: TransferEngine,
     req_ids: AtomicU64,
     host_id: String,
@@ -67,6 +86,16 @@ struct Inner {
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<Inner>,
+}
+
+/// The master shard that owns `key`, by the view's cluster map ranges.
+fn shard_in(view: &View, key: &[u8]) -> usize {
+    let v = vshard_of(key);
+    view.cluster
+        .shards
+        .iter()
+        .position(|s| (s.vshard_start..s.vshard_end).contains(&v))
+        .unwrap_or_else(|| view.map.shard_of(key) as usize)
 }
 
 fn host_of(addr: &str) -> String {
@@ -332,9 +361,110 @@ const VIEW_MARGIN: Duration = Duration::from_millis(500);
 /// Times one put may be placed again after its node proved unreachable.
 const MAX_PLACEMENTS: u32 = 3;
 
+/// Pause between two looks for the leader while none answers (a failover
+/// under way); the caller's deadline bounds the whole search.
+const FOLLOW_PAUSE: Duration = Duration::from_millis(100);
+
+/// Asks `source` where the leader is and opens a view on it. A source that
+/// follows the leader is asked again (after [`FOLLOW_PAUSE`]) while the
+/// master it names is not the leader or does not answer, each try bounded by
+/// `connect_timeout_ms`; a fixed address is tried once. No deadline of its
+/// own: callers bound it.
+async fn find_leader(
+    source: &dyn MasterSource,
+    cfg: &ClientConfig,
+    key: Option<&ClusterKey>,
+    id: ClientId,
+) -> Result<View, KvError> {
+    if !source.follows() {
+        let addr = source.resolve().await?;
+        return open_view(&addr, cfg, key, id).await;
+    }
+    let attempt = Duration::from_millis(cfg.connect_timeout_ms);
+    loop {
+        let tried = tokio::time::timeout(attempt, async {
+            let addr = source.resolve().await?;
+            open_view(&addr, cfg, key, id).await
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(KvError::new(
+                ErrorCode::Timeout,
+                format!("the leader of {} did not answer", source.describe()),
+            ))
+        });
+        match tried {
+            Err(e) if leader_may_have_moved(&e) => {
+                tracing::debug!("looking for the leader of {}: {e}", source.describe());
+                tokio::time::sleep(FOLLOW_PAUSE).await;
+            }
+            r => return r,
+        }
+    }
+}
+
+/// Connects to the master at `addr`, authenticates, and learns its cluster
+/// map (`Hello`). No deadline of its own.
+async fn open_view(
+    addr: &str,
+    cfg: &ClientConfig,
+    key: Option<&ClusterKey>,
+    id: ClientId,
+) -> Result<View, KvError> {
+    let connect_timeout = Duration::from_millis(cfg.connect_timeout_ms);
+    let max_frame = cfg.max_frame_bytes.get() as u32;
+    let boot = ConnPool::new(addr.to_string(), 1);
+    let mut conn = boot.get(connect_timeout).await?;
+    if let Some(k) = key {
+        authenticate(conn.stream(), k, id, 2, max_frame)
+            .await
+            .map_err(|e| KvError::new(e.code, format!("{addr}: {}", e.message)))?;
+    }
+    let hello = call::Hello { client_id: id };
+    let resp = rpc(conn.stream(), 1, &hello.into(), max_frame)
+        .await
+        .map_err(|e| KvError::new(e.code, format!("{addr}: {}", e.message)))??;
+    let cluster = call::Hello::reply(resp)?;
+    drop(conn);
+    if cluster.shards.is_empty() {
+        return Err(KvError::new(
+            ErrorCode::Internal,
+            "master sent an empty cluster map",
+        ));
+    }
+    let map = ShardMap::new(cluster.shards.len() as u32)
+        .ok_or_else(|| KvError::new(ErrorCode::Unsupported, "cluster map has too many shards"))?;
+    let master_host = host_of(addr);
+    let max = cfg.max_connections_per_endpoint;
+    let master_pools: Vec<Arc<ConnPool>> = cluster
+        .shards
+        .iter()
+        .map(|s| {
+            let host = if s.host.is_empty() {
+                master_host.clone()
+            } else {
+                s.host.clone()
+            };
+            let ep = Endpoint {
+                host,
+                port: s.port,
+                nr_shards: 1,
+            };
+            ConnPool::new(ep.shard_addr(0), max)
+        })
+        .collect();
+    Ok(View {
+        cluster,
+        map,
+        master_pools,
+        addr: addr.to_string(),
+    })
+}
+
 impl Client {
-    /// Connects to the master at `master` (`host:port` of its shard 0) and
-    /// learns the cluster map.
+    /// Connects to the master at `master` (`host:port` of its shard 0, or
+    /// `scheme://...` of a registered [`MasterSource`], e.g. the leader of
+    /// masters on etcd) and learns the cluster map.
     pub async fn connect(master: &str, cfg: ClientConfig) -> Result<Self, KvError> {
         Self::connect_as(master, cfg, rand::random::<u64>().max(1), local_host_id()).await
     }
@@ -343,6 +473,17 @@ impl Client {
     /// storage node uses its own, so its pings keep its segment alive).
     pub async fn connect_as(
         master: &str,
+        cfg: ClientConfig,
+        id: ClientId,
+        host_id: String,
+    ) -> Result<Self, KvError> {
+        let source = crate::leader::source_for(master)?;
+        Self::connect_to(source, cfg, id, host_id).await
+    }
+
+    /// Like [`Client::connect_as`], finding the master through `source`.
+    pub async fn connect_to(
+        source: Arc<dyn MasterSource>,
         cfg: ClientConfig,
         id: ClientId,
         host_id: String,
@@ -358,54 +499,18 @@ impl Client {
                     .map_err(|e| KvError::new(ErrorCode::InvalidParams, e))?,
             )
         };
-        let boot = ConnPool::new(master.to_string(), 1);
-        let (cluster, boot_conn) = tokio::time::timeout(timeout, async {
-            let mut conn = boot.get(connect_timeout).await?;
-            if let Some(k) = &key {
-                authenticate(conn.stream(), k, id, 2, max_frame)
-                    .await
-                    .map_err(|e| KvError::new(e.code, format!("{master}: {}", e.message)))?;
-            }
-            let hello = call::Hello { client_id: id };
-            let resp = rpc(conn.stream(), 1, &hello.into(), max_frame).await??;
-            Ok::<_, KvError>((call::Hello::reply(resp)?, conn))
-        })
-        .await
-        .map_err(|_| {
-            KvError::new(
-                ErrorCode::Timeout,
-                format!("master {master} did not answer within {timeout:?}"),
-            )
-        })??;
-        if cluster.shards.is_empty() {
-            return Err(KvError::new(
-                ErrorCode::Internal,
-                "master sent an empty cluster map",
-            ));
-        }
-        let map = ShardMap::new(cluster.shards.len() as u32).ok_or_else(|| {
-            KvError::new(ErrorCode::Unsupported, "cluster map has too many shards")
-        })?;
-        let master_host = host_of(master);
+        let view = tokio::time::timeout(timeout, find_leader(&*source, &cfg, key.as_ref(), id))
+            .await
+            .map_err(|_| {
+                KvError::new(
+                    ErrorCode::Timeout,
+                    format!(
+                        "master {} did not answer within {timeout:?}",
+                        source.describe()
+                    ),
+                )
+            })??;
         let max = cfg.max_connections_per_endpoint;
-        let master_pools: Vec<Arc<ConnPool>> = cluster
-            .shards
-            .iter()
-            .map(|s| {
-                let host = if s.host.is_empty() {
-                    master_host.clone()
-                } else {
-                    s.host.clone()
-                };
-                let ep = Endpoint {
-                    host,
-                    port: s.port,
-                    nr_shards: 1,
-                };
-                ConnPool::new(ep.shard_addr(0), max)
-            })
-            .collect();
-        drop(boot_conn);
         #[allow(unused_mut)]
         let mut engine = TransferEngine::new(EngineConfig {
             transport: cfg.transport.choice(),
@@ -434,9 +539,10 @@ impl Client {
             inner: Arc::new(Inner {
                 id,
                 cfg,
-                cluster,
-                map,
-                master_pools,
+                source,
+                view: std::sync::RwLock::new(Arc::new(view)),
+                following: tokio::sync::Mutex::new(()),
+                stale: std::sync::atomic::AtomicBool::new(false),
                 engine,
                 req_ids: AtomicU64::new(1),
                 host_id,
@@ -472,8 +578,45 @@ impl Client {
         self.inner.id
     }
 
-    pub fn cluster_map(&self) -> &ClusterMap {
-        &self.inner.cluster
+    /// The cluster map of the master this client speaks to now.
+    pub fn cluster_map(&self) -> ClusterMap {
+        self.view().cluster.clone()
+    }
+
+    /// The address of the master (the leader) this client speaks to now.
+    pub fn master_addr(&self) -> String {
+        self.view().addr.clone()
+    }
+
+    fn view(&self) -> Arc<View> {
+        self.inner
+            .view
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Looks for the leader again, unless another call already replaced
+    /// `seen` meanwhile (then that view). No deadline of its own.
+    async fn follow(&self, seen: &Arc<View>) -> Result<Arc<View>, KvError> {
+        let _one = self.inner.following.lock().await;
+        let now = self.view();
+        if !Arc::ptr_eq(&now, seen) {
+            return Ok(now);
+        }
+        let i = &self.inner;
+        let view = Arc::new(find_leader(&*i.source, &i.cfg, i.key.as_ref(), i.id).await?);
+        if view.addr != seen.addr {
+            tracing::info!(
+                "following the leader of {}: {} (was {})",
+                i.source.describe(),
+                view.addr,
+                seen.addr
+            );
+        }
+        *i.view.write().unwrap_or_else(|p| p.into_inner()) = view.clone();
+        i.stale.store(false, Ordering::Relaxed);
+        Ok(view)
     }
 
     /// The transfer engine (its counters, and batches of raw transfers).
@@ -496,6 +639,10 @@ impl Client {
     ) -> Result<T, KvError> {
         let t = self.timeout();
         tokio::time::timeout(t, f).await.unwrap_or_else(|_| {
+            if self.inner.source.follows() {
+                // Perhaps a stalled leader: the next call looks again.
+                self.inner.stale.store(true, Ordering::Relaxed);
+            }
             Err(KvError::new(
                 ErrorCode::Timeout,
                 format!("{what} did not finish within {t:?}"),
@@ -503,27 +650,53 @@ impl Client {
         })
     }
 
-    /// The master shard that owns `key`, by the cluster map's ranges.
-    fn shard_of(&self, key: &[u8]) -> usize {
-        let v = vshard_of(key);
-        self.inner
-            .cluster
-            .shards
-            .iter()
-            .position(|s| (s.vshard_start..s.vshard_end).contains(&v))
-            .unwrap_or_else(|| self.inner.map.shard_of(key) as usize)
-    }
-
     /// Sends `req` where [`route::target`] says: a key's request to the
     /// shard that owns the key, a batch split by owning shard and merged back
     /// in order, a node's task request to its shard, anything else to the
     /// coordinator (shard 0). No deadline of its own.
+    ///
+    /// Following a leader (HA): a master that answers `NotLeader`, cannot be
+    /// reached or did not answer in time sends the client looking for the
+    /// leader; the request goes again to the new one when that is safe (the
+    /// old one said `NotLeader`, so did nothing that counts, or the request
+    /// is idempotent). Otherwise its error is returned, and the next call
+    /// goes to the new leader.
     async fn send(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
-        let shards = self.inner.master_pools.len();
-        match route::target(&req, |k| self.shard_of(k) as u32, shards)? {
-            Target::Shard(s) => self.master_on(s, &req).await,
-            Target::Batch => self.master_batch(req).await,
-            Target::Connection | Target::Coordinator => self.master_on(0, &req).await,
+        if !self.inner.source.follows() {
+            return self.send_on(&self.view(), req).await;
+        }
+        let mut view = self.view();
+        if self.inner.stale.load(Ordering::Relaxed) {
+            view = self.follow(&view).await?;
+        }
+        let again = req.clone();
+        match self.send_on(&view, req).await {
+            Err(e) if leader_may_have_moved(&e) => {
+                let safe = e.code == ErrorCode::NotLeader || again.is_idempotent();
+                let view = self.follow(&view).await?;
+                if safe {
+                    self.send_on(&view, again).await
+                } else {
+                    Err(KvError::new(
+                        e.code,
+                        format!(
+                            "{} (the master may have failed over: the call was not sent again; \
+                             the leader is now {})",
+                            e.message, view.addr
+                        ),
+                    ))
+                }
+            }
+            r => r,
+        }
+    }
+
+    async fn send_on(&self, view: &View, req: MasterRequest) -> Result<MasterResponse, KvError> {
+        let shards = view.master_pools.len();
+        match route::target(&req, |k| shard_in(view, k) as u32, shards)? {
+            Target::Shard(s) => self.master_on(view, s, &req).await,
+            Target::Batch => self.master_batch(view, req).await,
+            Target::Connection | Target::Coordinator => self.master_on(view, 0, &req).await,
         }
     }
 
@@ -535,11 +708,15 @@ impl Client {
 
     /// A batch request: one sub-batch per owning shard, sent at once, merged
     /// back in the order of the keys.
-    async fn master_batch(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
+    async fn master_batch(
+        &self,
+        view: &View,
+        req: MasterRequest,
+    ) -> Result<MasterResponse, KvError> {
         let n = req.batch_keys().map(|k| k.len()).unwrap_or(0);
-        let parts = split_batch_by(req, |k| self.shard_of(k) as u32);
+        let parts = split_batch_by(req, |k| shard_in(view, k) as u32);
         let calls = parts.into_iter().map(|p| async move {
-            let res = self.master_on(p.shard as usize, &p.req).await;
+            let res = self.master_on(view, p.shard as usize, &p.req).await;
             (p.positions, res)
         });
         let answers = futures_util::future::join_all(calls).await;
@@ -548,10 +725,11 @@ impl Client {
 
     async fn master_on(
         &self,
+        view: &View,
         shard: usize,
         req: &MasterRequest,
     ) -> Result<MasterResponse, KvError> {
-        match self.master_once(shard, req).await {
+        match self.master_once(view, shard, req).await {
             // A pooled connection the master closed while it sat idle (the
             // master restarted, or timed it out): once more on a new one,
             // for requests that may safely be sent twice.
@@ -560,7 +738,7 @@ impl Client {
                     && matches!(e.code, ErrorCode::Unavailable | ErrorCode::Timeout) =>
             {
                 tracing::debug!("a pooled master connection was stale ({e}); retrying");
-                self.master_once(shard, req).await.map_err(|(e, _)| e)
+                self.master_once(view, shard, req).await.map_err(|(e, _)| e)
             }
             r => r.map_err(|(e, _)| e),
         }
@@ -569,10 +747,11 @@ impl Client {
     /// One try; the error says whether it broke a reused connection.
     async fn master_once(
         &self,
+        view: &View,
         shard: usize,
         req: &MasterRequest,
     ) -> Result<MasterResponse, (KvError, bool)> {
-        let pool = &self.inner.master_pools[shard];
+        let pool = &view.master_pools[shard];
         let mut conn = pool
             .get(Duration::from_millis(self.inner.cfg.connect_timeout_ms))
             .await
@@ -1051,7 +1230,7 @@ impl Client {
             let Some(map) = self.inner.engine.shm_map(r).await else {
                 continue;
             };
-            let lease = Duration::from_millis(self.inner.cluster.lease_ttl_ms);
+            let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
             let view = ReadView {
                 map,
                 offset: r.offset,
@@ -1118,7 +1297,7 @@ impl Client {
                 .filter(|d| d.tier == Tier::Dram && d.checksum.is_some())
                 .cloned()
                 .collect();
-            let lease = Duration::from_millis(self.inner.cluster.lease_ttl_ms);
+            let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
             self.inner.locations.put(
                 key,
                 &known,

@@ -5,11 +5,15 @@
 //! * [`Client`]: `put`/`get`/`exists`/`remove`, their batch forms, borrowed
 //!   views of same-host values; see the `client` module docs.
 //! * [`rdma`]: whether a role uses RDMA, and why not.
+//! * [`leader`]: where the master is: a fixed address, or a registered
+//!   source (`etcd://...`) that follows the leader of several masters.
 
 mod client;
+pub mod leader;
 mod locations;
 pub mod rdma;
 
 pub use client::{local_host_id, Client, MemoryRegistration, ReadView, RegisteredBuffer};
 pub use kvpool_config::ClientConfig;
 pub use kvpool_transport::{ErrorCode, KvError};
+pub use leader::{register_scheme, MasterSource};

@@ -107,6 +107,20 @@ impl NodeConfig {
         nonzero("master.put_timeout_ms", self.master.put_timeout_ms)?;
         nonzero("master.client_ttl_ms", self.master.client_ttl_ms)?;
         nonzero("master.tick_ms", self.master.tick_ms)?;
+        nonzero("master.ha_lease_ttl_s", self.master.ha_lease_ttl_s)?;
+        if self.master.ha_fence_margin_ms.saturating_mul(2) > self.master.ha_lease_ttl_s * 1000 {
+            return Err(format!(
+                "key `master.ha_fence_margin_ms`: {} is more than half of \
+                 master.ha_lease_ttl_s ({} s)",
+                self.master.ha_fence_margin_ms, self.master.ha_lease_ttl_s
+            ));
+        }
+        if !self.master.ha.is_empty() && !self.master.ha.starts_with("etcd://") {
+            return Err(format!(
+                "key `master.ha`: {:?} is not an etcd://host:port[,host:port...] URL",
+                self.master.ha
+            ));
+        }
         let hw = self.master.high_watermark;
         if !(hw > 0.0 && hw <= 1.0) {
             return Err(format!(
@@ -321,6 +335,17 @@ pub struct MasterConfig {
     /// Reads of an object held only on NVMe after which it is copied back
     /// to DRAM (0: never).
     pub promote_after_reads: u16,
+    /// HA on etcd: `etcd://host:port[,host:port...][/name]`. Masters given
+    /// the same URL elect one leader under an etcd lease; the others stand
+    /// by. "" = a single master, no election (`--ha` sets it).
+    pub ha: String,
+    /// The leader's etcd lease, in seconds: a leader that cannot renew it
+    /// this long is replaced (etcd may raise it to its minimum, ~2 s).
+    pub ha_lease_ttl_s: u64,
+    /// The leader stops answering this long before its lease could run
+    /// out, measured from the last renewal it sent (fencing margin: covers
+    /// clock-rate drift between this host and etcd, and scheduling).
+    pub ha_fence_margin_ms: u64,
 }
 
 /// How the master chooses segments for a put's replicas.
@@ -360,6 +385,9 @@ impl Default for MasterConfig {
             placement: Placement::LocalFirst,
             tick_ms: 100,
             promote_after_reads: 2,
+            ha: String::new(),
+            ha_lease_ttl_s: 3,
+            ha_fence_margin_ms: 500,
         }
     }
 }
@@ -372,7 +400,8 @@ pub struct StorageConfig {
     pub listen: String,
     /// HTTP address for /healthz and /metrics.
     pub http: String,
-    /// The master's RPC address.
+    /// The master's RPC address (`host:port`), or `etcd://host:port[,...]` to
+    /// follow the leader of masters on etcd (HA).
     pub master: String,
     /// DRAM this node gives to the pool.
     pub segment_size: Bytes,

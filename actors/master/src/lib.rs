@@ -9,15 +9,19 @@
 //! * [`core`]: all of it in one thread with a simulated clock (tests).
 //! * [`service`]: the shards at work: RPC listeners, inboxes, the coordinator.
 //! * [`actor`]: the `Master` actor, the API for embedders in the same process.
+//! * [`fence`]: whether this master may answer (HA: the leader within its
+//!   etcd lease) and the term its grants carry.
 
 pub mod actor;
 pub mod clock;
 pub mod coord;
 pub mod core;
+pub mod fence;
 pub mod metrics;
 mod objects;
 pub mod service;
 pub mod state;
 
 pub use actor::{call, Master, MasterArgs, MasterMsg};
+pub use fence::{Fence, FenceRole};
 pub use service::MasterHandle;

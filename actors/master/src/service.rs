@@ -40,6 +40,7 @@ use super::coord::{CommandResult, CoordState, Decision, ShardCommand};
 use super::core::check_batch;
 use super::state::{GrantSigner, ShardConfig, ShardState, EVICT_STEP_VICTIMS};
 use crate::clock::now_ms;
+use crate::fence::Fence;
 use crate::metrics::MasterMetrics;
 use kvpool_config::MasterConfig;
 use kvpool_config::NodeError;
@@ -60,6 +61,10 @@ enum ShardMsg {
     },
     /// Health: answered at once by a shard that is serving its inbox.
     Probe(tokio::sync::oneshot::Sender<()>),
+    // HA (docs/ARCHITECTURE.md, "HA on etcd"): a standby's shards run but
+    // serve nothing (the fence refuses every request). When the leader ships
+    // its state log, a standby applies each record to the owning shard's
+    // state through this inbox, in log order, as a message of its own here.
 }
 
 struct AdminMsg {
@@ -81,6 +86,9 @@ struct HandleInner {
     addr: SocketAddr,
     max_batch: usize,
     metrics: MasterMetrics,
+    /// Whether this master may answer (HA: only the leader, within its
+    /// lease); every request path checks it.
+    fence: Fence,
 }
 
 fn unavailable() -> KvError {
@@ -97,6 +105,12 @@ impl MasterHandle {
         &self.inner.cluster
     }
 
+    /// This master's fence: its role in the election, its term, whether it
+    /// may answer now. The election (`kvpool-ha`) moves it.
+    pub fn fence(&self) -> &Fence {
+        &self.inner.fence
+    }
+
     async fn to_shard(&self, shard: usize, req: MasterRequest, reply: Reply) {
         if let Err(flume::SendError(ShardMsg::Request { reply, .. })) = self.inner.inboxes[shard]
             .send_async(ShardMsg::Request { req, reply })
@@ -110,6 +124,9 @@ impl MasterHandle {
     /// `reply` gets the answer. Waits only for room in the target queue
     /// (back-pressure). A batch whose keys span shards is split and merged.
     pub async fn submit(&self, req: MasterRequest, reply: Reply) {
+        if let Err(e) = self.inner.fence.admit() {
+            return reply(Err(e));
+        }
         let map = &self.inner.map;
         let target = match route::target(&req, |k| map.shard_of(k), self.inner.inboxes.len()) {
             Ok(t) => t,
@@ -193,12 +210,16 @@ impl MasterHandle {
             }),
         )
         .await;
-        rx.await.unwrap_or_else(|_| {
+        let answer = rx.await.unwrap_or_else(|_| {
             Err(KvError::new(
                 ErrorCode::Unavailable,
                 "the master shard stopped before answering",
             ))
-        })
+        });
+        // A leader whose lease ran out while the request was served answers
+        // nothing it decided (its grants may hand out space a new leader
+        // also hands out).
+        answer.and_then(|r| self.inner.fence.admit().map(|()| r))
     }
 
     /// Whether every master shard is serving its inbox (no deadline of its
@@ -250,6 +271,11 @@ pub async fn start(
 ) -> Result<MasterHandle, NodeError> {
     let n = shards.nr_shards();
     let (addr, listeners) = kvpool_runtime::net::bind_sharded(&cfg.listen, n)?;
+    let fence = if cfg.ha.is_empty() {
+        Fence::single()
+    } else {
+        Fence::standby()
+    };
     let map = ShardMap::new(n as u32)
         .ok_or_else(|| NodeError::Config(format!("{n} shards is more than {VSHARDS}")))?;
     let host = if addr.ip().is_unspecified() {
@@ -290,6 +316,7 @@ pub async fn start(
             addr,
             max_batch: cfg.max_batch,
             metrics: master_metrics.clone(),
+            fence: fence.clone(),
         }),
     };
     let shard_cfg = ShardConfig::from_master(cfg, n as u32);
@@ -319,6 +346,7 @@ pub async fn start(
         let signer = signer.clone();
         let key = key.clone();
         let server_limits = server_limits.clone();
+        let term = fence.term_cell();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
         ready.push(ready_rx);
         shards
@@ -326,7 +354,9 @@ pub async fn start(
                 let (wake_tx, wake_rx) = flume::bounded(1);
                 let state = Rc::new(Shard {
                     state: RefCell::new(
-                        ShardState::new(i as u32, n as u32, shard_cfg, seed).with_signer(signer),
+                        ShardState::new(i as u32, n as u32, shard_cfg, seed)
+                            .with_signer(signer)
+                            .with_term(term),
                     ),
                     evict_wake: wake_tx,
                 });
@@ -733,22 +763,30 @@ impl Handler for MasterConn {
         };
         drop(payload);
         let op = req.op_name();
+        let fence = &self.handle.inner.fence;
         let (res, close) = match self.admit(&req, conn) {
             Err(answer) => answer,
-            Ok(()) => {
-                let r = match glommio::timer::timeout(self.io_timeout, async {
-                    Ok(self.dispatch(req).await)
-                })
-                .await
-                {
-                    Ok(r) => r,
-                    Err(_) => Err(KvError::new(
-                        ErrorCode::Timeout,
-                        format!("{op} was not answered within {:?}", self.io_timeout),
-                    )),
-                };
-                (r, false)
-            }
+            // Not the leader (a standby, or past its lease): nothing is
+            // served, the caller is told who leads.
+            Ok(()) => match fence.admit() {
+                Err(e) => (Err(e), false),
+                Ok(()) => {
+                    let r = match glommio::timer::timeout(self.io_timeout, async {
+                        Ok(self.dispatch(req).await)
+                    })
+                    .await
+                    {
+                        Ok(r) => r,
+                        Err(_) => Err(KvError::new(
+                            ErrorCode::Timeout,
+                            format!("{op} was not answered within {:?}", self.io_timeout),
+                        )),
+                    };
+                    // Checked again as the answer leaves: a leader stalled
+                    // past its lease while serving sends nothing it decided.
+                    (r.and_then(|r| fence.admit().map(|()| r)), false)
+                }
+            },
         };
         let bytes = match &res {
             Ok(resp) => frame::encode(FrameKind::MasterResponse, hdr.request_id, resp),

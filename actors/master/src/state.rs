@@ -36,6 +36,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use kvpool_storage::alloc::RangeAllocator;
@@ -115,13 +116,13 @@ pub struct GrantSigner {
 }
 
 impl GrantSigner {
-    fn sign(&self, op: GrantOp, r: &ReplicaDesc, expires_now_ms: u64) -> Grant {
+    fn sign(&self, op: GrantOp, r: &ReplicaDesc, expires_now_ms: u64, term: u64) -> Grant {
         self.key.grant(
             op,
             r.segment_id,
-            r.offset,
-            r.len,
+            (r.offset, r.len),
             self.unix_at_zero_ms.saturating_add(expires_now_ms),
+            term,
         )
     }
 }
@@ -240,6 +241,9 @@ pub struct ShardState {
     promotions: u64,
     /// Signs data-plane grants; `None` in an open cluster.
     signer: Option<GrantSigner>,
+    /// The leader term grants carry (HA: set by the election, read at each
+    /// signing; 0 without one). Shared with the master's fence.
+    term: Arc<AtomicU64>,
 }
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> KvError {
@@ -264,6 +268,7 @@ fn describe(
     obj: &Object,
     signer: Option<&GrantSigner>,
     access: Access,
+    term: u64,
 ) -> Vec<ReplicaDesc> {
     let mut v: Vec<ReplicaDesc> = obj
         .replicas
@@ -287,12 +292,18 @@ fn describe(
             if let Some(s) = signer {
                 d.grant = match (access, d.tier) {
                     (Access::Describe, _) => Grant::default(),
-                    (Access::Write { until_ms }, _) => s.sign(GrantOp::Write, &d, until_ms),
-                    (Access::Read { until_ms }, Tier::Dram) => s.sign(GrantOp::Read, &d, until_ms),
+                    (Access::Write { until_ms }, _) => s.sign(GrantOp::Write, &d, until_ms, term),
+                    (Access::Read { until_ms }, Tier::Dram) => {
+                        s.sign(GrantOp::Read, &d, until_ms, term)
+                    }
                     (Access::Read { until_ms }, Tier::Nvme) => {
-                        s.sign(GrantOp::ReadNvme, &d, until_ms)
+                        s.sign(GrantOp::ReadNvme, &d, until_ms, term)
                     }
                 };
+            } else {
+                // An open cluster: no signature, but the term still fences
+                // a deposed leader's grants at the nodes.
+                d.grant.term = term;
             }
             d
         })
@@ -336,7 +347,18 @@ impl ShardState {
             demotions: 0,
             promotions: 0,
             signer: None,
+            term: Arc::new(AtomicU64::new(0)),
         }
+    }
+
+    /// Reads the term its grants carry from `term` (the fence's cell).
+    pub fn with_term(mut self, term: Arc<AtomicU64>) -> Self {
+        self.term = term;
+        self
+    }
+
+    fn term(&self) -> u64 {
+        self.term.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Signs data-plane grants with `signer` from now on (a cluster secret).
@@ -858,7 +880,7 @@ impl ShardState {
     }
 
     fn describe_replicas(&self, obj: &Object) -> Vec<ReplicaDesc> {
-        describe(&self.slots, obj, None, Access::Describe)
+        describe(&self.slots, obj, None, Access::Describe, 0)
     }
 
     pub fn put_start(
@@ -986,6 +1008,7 @@ impl ShardState {
             Access::Write {
                 until_ms: now_ms + self.cfg.put_timeout_ms,
             },
+            self.term(),
         );
         self.objs.insert(key, obj);
         for idx in targets {
@@ -1105,6 +1128,7 @@ impl ShardState {
                 Access::Read {
                     until_ms: obj.stored().lease_end_ms,
                 },
+                self.term(),
             );
             if descs.first().is_some_and(|d| d.tier == Tier::Nvme) {
                 self.count_nvme_read(id);

@@ -18,7 +18,7 @@ use kvpool_transport::{ErrorCode, KvError};
 use serde_json::{json, Value};
 
 use kvpool_config::NodeError;
-use kvpool_master::MasterHandle;
+use kvpool_master::{FenceRole, MasterHandle};
 
 #[derive(Clone)]
 pub struct HttpState {
@@ -122,6 +122,32 @@ async fn healthz(State(st): State<HttpState>) -> Response {
             })
         {
             return unhealthy(e);
+        }
+        // A master in an election says its role; a deposed one is unhealthy
+        // (it refuses everything until restarted).
+        let fence = m.fence();
+        match fence.role() {
+            FenceRole::Single => {}
+            FenceRole::Leader => {
+                return (
+                    StatusCode::OK,
+                    format!("ok role=leader term={}\n", fence.term()),
+                )
+                    .into_response()
+            }
+            FenceRole::Standby => {
+                return (
+                    StatusCode::OK,
+                    format!("ok role=standby leader={:?}\n", fence.leader()),
+                )
+                    .into_response()
+            }
+            FenceRole::Deposed => {
+                return unhealthy(format!(
+                    "role=deposed: this master lost its lease; restart it (the leader is {:?})",
+                    fence.leader()
+                ))
+            }
         }
     }
     (StatusCode::OK, "ok\n").into_response()

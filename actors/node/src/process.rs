@@ -145,6 +145,50 @@ fn warn_if_open(role: Role, cfg: &NodeConfig) {
     tracing::warn!("{msg}");
 }
 
+/// The master address this process's own roles use when it runs a master:
+/// its own, or with HA the etcd URL (so they follow whichever master leads).
+fn own_master(
+    cfg: &NodeConfig,
+    master: &Option<(ActorRef<MasterMsg>, MasterHandle)>,
+) -> Option<String> {
+    let (_, h) = master.as_ref()?;
+    Some(if cfg.master.ha.is_empty() {
+        h.addr().to_string()
+    } else {
+        cfg.master.ha.clone()
+    })
+}
+
+/// Campaigns for this master on etcd (`master.ha`): it refuses requests as
+/// a standby until it leads. The addresses it publishes are its RPC address
+/// (the host name when it listens on every interface) and `master.http` as
+/// configured.
+fn start_election(
+    cfg: &NodeConfig,
+    handle: &MasterHandle,
+    shutdown: Shutdown,
+) -> Result<(), NodeError> {
+    let url = kvpool_ha::EtcdUrl::parse(&cfg.master.ha)
+        .map_err(|e| NodeError::Config(format!("key `master.ha`: {e}")))?;
+    let addr = handle.addr();
+    let rpc = if addr.ip().is_unspecified() {
+        format!("{}:{}", kvpool_client::local_host_id(), addr.port())
+    } else {
+        addr.to_string()
+    };
+    let election = kvpool_ha::ElectionConfig {
+        url,
+        ttl: Duration::from_secs(cfg.master.ha_lease_ttl_s),
+        margin: Duration::from_millis(cfg.master.ha_fence_margin_ms),
+        me: kvpool_ha::Published {
+            rpc,
+            http: cfg.master.http.clone(),
+        },
+    };
+    kvpool_ha::spawn_election(handle.fence().clone(), election, shutdown);
+    Ok(())
+}
+
 async fn run_roles(
     role: Role,
     cfg: &NodeConfig,
@@ -168,15 +212,15 @@ async fn run_roles(
             .map_err(|e| NodeError::Start(format!("master: {e}")))?;
         let handle = call!(actor, MasterMsg::Handle)
             .map_err(|e| NodeError::Start(format!("master: {e}")))?;
+        if !cfg.master.ha.is_empty() {
+            start_election(cfg, &handle, shutdown.clone())?;
+        }
         master = Some((actor, handle));
     }
 
     let mut storage: Option<storage_node::MountedNode> = None;
     if role.has_storage() {
-        let master_addr = match &master {
-            Some((_, h)) => h.addr().to_string(),
-            None => cfg.storage.master.clone(),
-        };
+        let master_addr = own_master(cfg, &master).unwrap_or_else(|| cfg.storage.master.clone());
         let opts = storage_node::MountOptions {
             master: master_addr,
             client: cfg.client_config(),
@@ -197,8 +241,8 @@ async fn run_roles(
         .listen_addr(role == Role::Gateway)
         .filter(|_| role.may_serve_resp())
     {
-        let master_addr = match (&master, role) {
-            (Some((_, h)), _) => h.addr().to_string(),
+        let master_addr = match (own_master(cfg, &master), role) {
+            (Some(a), _) => a,
             (None, Role::Gateway) => cfg.resp.master.clone(),
             (None, _) => cfg.storage.master.clone(),
         };
@@ -238,10 +282,7 @@ async fn run_roles(
     .await?;
     let companion_lines = match companion {
         Some(start) => {
-            let master = match &master {
-                Some((_, h)) => h.addr().to_string(),
-                None => cfg.storage.master.clone(),
-            };
+            let master = own_master(cfg, &master).unwrap_or_else(|| cfg.storage.master.clone());
             start(CompanionCtx {
                 master,
                 shutdown: shutdown.clone(),
@@ -289,7 +330,14 @@ async fn run_roles(
         // Its threads see the signal, close their connections and end.
         let _ = tokio::task::spawn_blocking(move || r.join(Duration::from_secs(2))).await;
     }
-    if let Some((actor, _)) = master {
+    if let Some((actor, h)) = master {
+        if h.fence().role() == kvpool_master::FenceRole::Leader {
+            if let Ok(url) = kvpool_ha::EtcdUrl::parse(&cfg.master.ha) {
+                // A standby takes over now instead of after the lease's TTL.
+                h.fence().depose();
+                let _ = tokio::time::timeout(Duration::from_secs(3), kvpool_ha::resign(&url)).await;
+            }
+        }
         actor.stop(None);
     }
     Ok(())

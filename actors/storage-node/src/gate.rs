@@ -4,9 +4,11 @@
 //! secret) and the NVMe region. One pure function, so that the data port and
 //! the `data_request` fuzz target (`fuzz/`) run the same code.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use kvpool_storage::nvme::NvmeLoc;
 use kvpool_storage::Segment;
-use kvpool_transport::auth::{ClusterKey, GrantClock, GrantOp};
+use kvpool_transport::auth::{ClusterKey, Grant, GrantClock, GrantOp};
 use kvpool_transport::proto::{DataRequest, SegmentId};
 use kvpool_transport::{ErrorCode, KvError, RdmaRequest};
 
@@ -20,6 +22,28 @@ pub struct DataGate<'a> {
     pub shard: u32,
     /// The cluster secret: every request needs a grant.
     pub key: Option<&'a ClusterKey>,
+    /// The newest master term this node has seen in an admitted grant
+    /// (shared by its shards and its shm listener): a grant of an older
+    /// term comes from a deposed leader and is refused.
+    pub term: &'a AtomicU64,
+}
+
+/// Checks `grant`'s term against the newest one `seen` and records it. Called
+/// only after the grant's signature was checked (so a forged term cannot
+/// fence the real leader out). `NotLeader` for a grant of an older term.
+pub fn check_term(seen: &AtomicU64, grant: &Grant) -> Result<(), KvError> {
+    let newest = seen.fetch_max(grant.term, Ordering::AcqRel);
+    if grant.term < newest {
+        return Err(KvError::new(
+            ErrorCode::NotLeader,
+            format!(
+                "the grant was signed in master term {}, and a newer leader (term {newest}) \
+                 has signed grants since: the master that signed it was deposed",
+                grant.term
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Why a request was refused.
@@ -40,7 +64,24 @@ impl DataGate<'_> {
     /// the segment (so the shard may slice it), a `ReadNvme` names this
     /// shard's region of this node's tier, an RDMA `Connect` names this
     /// segment; with a cluster secret, each carries a live grant for it.
+    /// Last, a grant of an older master term than this node has seen is
+    /// refused (`NotLeader`).
     pub fn admit(&self, req: &DataRequest, clock: GrantClock) -> Result<(), Refused> {
+        self.admit_signed(req, clock)?;
+        let grant = match req {
+            DataRequest::Write { grant, .. }
+            | DataRequest::Read { grant, .. }
+            | DataRequest::ReadNvme { grant, .. } => grant,
+            DataRequest::Rdma {
+                req: RdmaRequest::Connect(_),
+                grant,
+            } => grant,
+            DataRequest::Rdma { .. } => return Ok(()),
+        };
+        check_term(self.term, grant).map_err(|error| Refused { error, auth: true })
+    }
+
+    fn admit_signed(&self, req: &DataRequest, clock: GrantClock) -> Result<(), Refused> {
         match req {
             DataRequest::Write {
                 segment_id,

@@ -50,6 +50,9 @@ pub struct StorageService {
     /// The cluster secret: data requests and shm mappings need grants.
     pub key: Option<ClusterKey>,
     pub skew_ms: u64,
+    /// The newest master term seen in an admitted grant (HA: grants of
+    /// older terms come from a deposed leader and are refused).
+    pub term: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Creates the segment and starts serving it on every shard. With `key`
@@ -160,9 +163,11 @@ pub async fn start(
     };
     m.segment_bytes.set(size as i64);
     let nvme_id = nvme.as_ref().map(|t| t.segment_id);
+    let term = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut ready = Vec::with_capacity(n);
     for (i, listener) in listeners.into_iter().enumerate() {
         let segment = segment.clone();
+        let term = term.clone();
         let metrics = m.clone();
         let rdma = rdma.clone();
         let key = key.clone();
@@ -181,6 +186,7 @@ pub async fn start(
                     metrics,
                     key,
                     skew_ms,
+                    term,
                     io_timeout: limits.io_timeout,
                     refusals: RefusalLog::default(),
                 });
@@ -203,6 +209,7 @@ pub async fn start(
         rdma,
         key,
         skew_ms,
+        term,
     })
 }
 
@@ -225,6 +232,7 @@ pub fn spawn_shm_server(
     let id = svc.segment_id;
     let key = svc.key.clone();
     let skew_ms = svc.skew_ms;
+    let term = svc.term.clone();
     let refusals = std::sync::Arc::new(std::sync::Mutex::new(RefusalCount::default()));
     tokio::spawn(async move {
         loop {
@@ -254,12 +262,15 @@ pub fn spawn_shm_server(
                 }
                 _ => continue,
             };
-            if let Some(k) = &key {
-                if let Err(e) = k.check_segment_access(&grant, id, GrantClock::now(skew_ms)) {
-                    let mut r = refusals.lock().unwrap_or_else(|p| p.into_inner());
-                    r.refused(&e);
-                    continue;
-                }
+            let checked = match &key {
+                Some(k) => k.check_segment_access(&grant, id, GrantClock::now(skew_ms)),
+                None => Ok(()),
+            }
+            .and_then(|()| crate::gate::check_term(&term, &grant));
+            if let Err(e) = checked {
+                let mut r = refusals.lock().unwrap_or_else(|p| p.into_inner());
+                r.refused(&e);
+                continue;
             }
             let sent = stream.into_std().and_then(|s| {
                 s.set_nonblocking(false)?;
@@ -314,6 +325,8 @@ struct DataConn {
     /// The cluster secret: every request needs a grant.
     key: Option<ClusterKey>,
     skew_ms: u64,
+    /// The node's newest master term (see [`StorageService::term`]).
+    term: Arc<std::sync::atomic::AtomicU64>,
     io_timeout: Duration,
     refusals: RefusalLog,
 }
@@ -375,6 +388,7 @@ impl Handler for DataConn {
             nvme_id: self.nvme_id,
             shard: self.shard,
             key: self.key.as_ref(),
+            term: &self.term,
         };
         if let Err(refused) = gate.admit(&req, GrantClock::now(self.skew_ms)) {
             let (op, what) = match &req {

@@ -1,0 +1,391 @@
+//! Masters on etcd (issue 18): several masters, one leader under an etcd
+//! lease, the others standing by; clients, storage nodes and the CLI find
+//! the leader through etcd.
+//!
+//! ```text
+//!  master (each)                        etcd (v3 election API, <name>/<lease>)
+//!   lease_grant(ttl)            ---->   lease L
+//!   campaign(<name>, "rpc=.. http=..", L)  blocks while an older key leads
+//!   every ttl/3: keepalive(L)   ---->   ttl > 0: fence deadline = sent + ttl - margin
+//!   won: term = create revision of its key; the fence opens
+//!  client / node / CLI (etcd://h1:2379,h2:2379[/name])
+//!   leader(<name>)              ---->   "rpc=HOST:PORT http=HOST:PORT" -> Hello to rpc
+//! ```
+//!
+//! * [`EtcdUrl`] parses `etcd://host:port[,host:port...][/name]`.
+//! * [`spawn_election`]: runs one master's side of the election and moves
+//!   its [`Fence`] (standby -> leader -> deposed).
+//! * [`EtcdSource`]: a client's [`MasterSource`] for `etcd://` addresses;
+//!   [`install`] registers it for the process.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client as Etcd, ConnectOptions};
+use kvpool_client::leader::Resolving;
+use kvpool_client::MasterSource;
+use kvpool_master::{Fence, FenceRole};
+use kvpool_runtime::Shutdown;
+use kvpool_transport::{ErrorCode, KvError};
+
+/// The election's name when the URL names none.
+pub const DEFAULT_NAME: &str = "kvpool";
+
+/// Deadline of one etcd call (connect, grant, keepalive, leader, revoke);
+/// a campaign waits as long as another master leads.
+const ETCD_CALL: Duration = Duration::from_secs(2);
+
+/// Pause before a master tries etcd again after a failure.
+const RETRY_PAUSE: Duration = Duration::from_millis(200);
+
+/// Where the masters' election lives: etcd endpoints and an election name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdUrl {
+    /// `http://host:port` for each endpoint.
+    pub endpoints: Vec<String>,
+    /// The election's name: masters (and clients) with the same name form
+    /// one cluster.
+    pub name: String,
+}
+
+impl EtcdUrl {
+    /// Parses `etcd://host:port[,host:port...][/name]`.
+    pub fn parse(url: &str) -> Result<Self, String> {
+        let rest = url
+            .strip_prefix("etcd://")
+            .ok_or_else(|| format!("{url:?} is not an etcd://host:port[,host:port...] URL"))?;
+        let (hosts, name) = match rest.split_once('/') {
+            Some((h, n)) if !n.is_empty() => (h, n),
+            Some((h, _)) => (h, DEFAULT_NAME),
+            None => (rest, DEFAULT_NAME),
+        };
+        if name.contains('/') || name.len() > 128 {
+            return Err(format!(
+                "{url}: the election name {name:?} must be one path segment of at most 128 bytes"
+            ));
+        }
+        let mut endpoints = Vec::new();
+        for h in hosts.split(',') {
+            let h = h.trim();
+            let Some((host, port)) = h.rsplit_once(':') else {
+                return Err(format!("{url}: {h:?} is not host:port"));
+            };
+            if host.is_empty() || port.parse::<u16>().is_err() {
+                return Err(format!("{url}: {h:?} is not host:port"));
+            }
+            endpoints.push(format!("http://{h}"));
+        }
+        Ok(Self {
+            endpoints,
+            name: name.to_string(),
+        })
+    }
+
+    /// The etcd key prefix the election uses.
+    pub fn election(&self) -> String {
+        format!("kvpool/{}/leader", self.name)
+    }
+
+    async fn connect(&self) -> Result<Etcd, String> {
+        let opts = ConnectOptions::new().with_connect_timeout(ETCD_CALL);
+        within(Etcd::connect(self.endpoints.clone(), Some(opts)), "connect").await
+    }
+}
+
+/// `f` within [`ETCD_CALL`], its error as text naming `what`.
+async fn within<T>(
+    f: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+    what: &str,
+) -> Result<T, String> {
+    match tokio::time::timeout(ETCD_CALL, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(format!("etcd {what}: {e}")),
+        Err(_) => Err(format!("etcd {what}: no answer within {ETCD_CALL:?}")),
+    }
+}
+
+/// What a leader publishes: its RPC and HTTP addresses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Published {
+    pub rpc: String,
+    pub http: String,
+}
+
+impl Published {
+    /// `rpc=HOST:PORT http=HOST:PORT`, the value of the leader's key.
+    pub fn encode(&self) -> String {
+        format!("rpc={} http={}", self.rpc, self.http)
+    }
+
+    pub fn decode(value: &str) -> Option<Self> {
+        let mut rpc = None;
+        let mut http = None;
+        for part in value.split_whitespace() {
+            match part.split_once('=') {
+                Some(("rpc", v)) => rpc = Some(v.to_string()),
+                Some(("http", v)) => http = Some(v.to_string()),
+                _ => {}
+            }
+        }
+        Some(Self {
+            rpc: rpc?,
+            http: http.unwrap_or_default(),
+        })
+    }
+}
+
+/// How one master campaigns.
+#[derive(Debug, Clone)]
+pub struct ElectionConfig {
+    pub url: EtcdUrl,
+    /// The lease's TTL asked for (etcd may raise it to its minimum).
+    pub ttl: Duration,
+    /// The leader refuses from this long before its lease could end.
+    pub margin: Duration,
+    pub me: Published,
+}
+
+/// Runs this master's side of the election until `shutdown`, moving `fence`:
+/// standby while another leads, leader once it wins (term: the create
+/// revision of its key), deposed for good if it then loses the lease or
+/// cannot renew it in time (restart it to stand by again: its state may be
+/// stale). A standby whose lease is lost campaigns again with a new one.
+pub fn spawn_election(
+    fence: Fence,
+    cfg: ElectionConfig,
+    shutdown: Shutdown,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let end = tokio::select! {
+                r = session(&fence, &cfg) => r,
+                _ = shutdown.wait() => return,
+            };
+            if let Err(e) = end {
+                tracing::warn!("election on {}: {e}", cfg.url.election());
+            }
+            if matches!(fence.role(), FenceRole::Leader | FenceRole::Deposed) {
+                fence.depose();
+                tracing::error!(
+                    "this master lost its leadership ({}): it refuses every request from now \
+                     on; restart it to stand by again",
+                    cfg.url.election()
+                );
+                return;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(RETRY_PAUSE) => {}
+                _ = shutdown.wait() => return,
+            }
+        }
+    })
+}
+
+/// One lease: campaign under it, keep it alive, lead while it lives.
+/// Returns when the lease is lost or etcd fails; a leader is deposed first.
+/// Then the lease is revoked (best effort), so a campaign key of this
+/// session cannot stay the oldest and name a master that no longer campaigns
+/// under it.
+async fn session(fence: &Fence, cfg: &ElectionConfig) -> Result<(), String> {
+    let mut etcd = cfg.url.connect().await?;
+    let asked = Instant::now();
+    let ttl_s = cfg.ttl.as_secs().max(1) as i64;
+    let lease = within(etcd.lease_grant(ttl_s, None), "lease grant").await?;
+    let id = lease.id();
+    let ended = campaign_under(fence, cfg, &mut etcd, asked, &lease).await;
+    if fence.role() == FenceRole::Leader {
+        fence.depose();
+    }
+    let _ = within(etcd.lease_revoke(id), "lease revoke").await;
+    ended
+}
+
+/// Campaigns under `lease` (granted at `asked`), then leads while it lives.
+async fn campaign_under(
+    fence: &Fence,
+    cfg: &ElectionConfig,
+    etcd: &mut Etcd,
+    asked: Instant,
+    lease: &etcd_client::LeaseGrantResponse,
+) -> Result<(), String> {
+    let ttl = Duration::from_secs(lease.ttl().max(1) as u64);
+    let id = lease.id();
+    let margin = cfg.margin.min(ttl / 2);
+    let mut valid_until = asked + ttl - margin;
+    let (mut keeper, mut stream) =
+        within(etcd.lease_keep_alive(id), "lease keepalive stream").await?;
+    let name = cfg.url.election();
+    let mut campaigner = etcd.election_client();
+    let mut observer = etcd.election_client();
+    let me = cfg.me.encode();
+    let campaign = campaigner.campaign(name.clone(), me.clone(), id);
+    tokio::pin!(campaign);
+    let mut tick = tokio::time::interval(ttl / 3);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut leading = false;
+    tracing::info!(lease = id, ttl_s = ttl.as_secs(), "campaigning on {name}");
+    loop {
+        tokio::select! {
+            won = &mut campaign, if !leading => {
+                let won = won.map_err(|e| format!("etcd campaign: {e}"))?;
+                let term = won.leader().map(|k| k.rev()).unwrap_or(0).max(1) as u64;
+                if Instant::now() >= valid_until {
+                    return Err("won the election after the lease may have run out".into());
+                }
+                // State at failover (docs/ARCHITECTURE.md, "HA on etcd"): this
+                // is where a new leader will load the master's state log (the
+                // records a standby has not applied yet) before its fence
+                // opens. Today it starts empty: storage nodes remount on
+                // their next ping and report their NVMe objects; DRAM-only
+                // objects of the old leader are not known here.
+                fence.lead(term, valid_until, &me);
+                leading = true;
+                tracing::info!(term, "leading {name} ({me})");
+            }
+            _ = tick.tick() => {
+                let sent = Instant::now();
+                let renewed = tokio::time::timeout(ttl / 3, async {
+                    keeper.keep_alive().await?;
+                    stream.message().await
+                })
+                .await;
+                match renewed {
+                    Ok(Ok(Some(r))) if r.ttl() > 0 => {
+                        valid_until = sent + ttl - margin;
+                        fence.renew(valid_until);
+                    }
+                    Ok(Ok(_)) => return Err(format!("the lease {id:x} ran out")),
+                    Ok(Err(e)) => return Err(format!("etcd keepalive: {e}")),
+                    Err(_) if Instant::now() >= valid_until => {
+                        return Err("no keepalive was answered before the lease could end".into());
+                    }
+                    Err(_) => tracing::warn!("etcd keepalive: no answer within {:?}", ttl / 3),
+                }
+                if !leading {
+                    // Standby: remember who leads, for refusals and /healthz.
+                    if let Ok(r) = within(observer.leader(name.clone()), "leader").await {
+                        if let Some(v) = r.kv().and_then(|kv| kv.value_str().ok()) {
+                            fence.set_leader(v);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Gives the lease of a leader back when it stops cleanly, so a standby
+/// takes over at once instead of after the TTL. Best effort, bounded.
+pub async fn resign(url: &EtcdUrl) {
+    let Ok(mut etcd) = url.connect().await else {
+        return;
+    };
+    if let Ok(r) = within(etcd.election_client().leader(url.election()), "leader").await {
+        if let Some(lease) = r.kv().map(|kv| kv.lease()) {
+            let _ = within(etcd.lease_revoke(lease), "lease revoke").await;
+        }
+    }
+}
+
+/// A client's [`MasterSource`] for `etcd://...`: asks etcd who leads.
+pub struct EtcdSource {
+    url: EtcdUrl,
+    text: String,
+    etcd: tokio::sync::Mutex<Option<Etcd>>,
+}
+
+impl EtcdSource {
+    pub fn new(url: &str) -> Result<Self, KvError> {
+        Ok(Self {
+            url: EtcdUrl::parse(url).map_err(|e| KvError::new(ErrorCode::InvalidParams, e))?,
+            text: url.to_string(),
+            etcd: tokio::sync::Mutex::new(None),
+        })
+    }
+
+    /// The leader's published addresses now.
+    pub async fn leader(&self) -> Result<Published, KvError> {
+        let unavailable = |e: String| KvError::new(ErrorCode::Unavailable, e);
+        let mut slot = self.etcd.lock().await;
+        if slot.is_none() {
+            *slot = Some(self.url.connect().await.map_err(unavailable)?);
+        }
+        let etcd = slot.as_mut().expect("connected above");
+        let asked = within(etcd.election_client().leader(self.url.election()), "leader").await;
+        let r = match asked {
+            Ok(r) => r,
+            Err(e) => {
+                // A new connection next time (the endpoint may be gone).
+                *slot = None;
+                return Err(unavailable(e));
+            }
+        };
+        let value = r.kv().and_then(|kv| kv.value_str().ok()).unwrap_or("");
+        Published::decode(value).ok_or_else(|| {
+            unavailable(format!(
+                "{}: no master leads {} yet",
+                self.text,
+                self.url.election()
+            ))
+        })
+    }
+}
+
+impl MasterSource for EtcdSource {
+    fn resolve(&self) -> Resolving<'_> {
+        Box::pin(async move { Ok(self.leader().await?.rpc) })
+    }
+
+    fn follows(&self) -> bool {
+        true
+    }
+
+    fn describe(&self) -> String {
+        self.text.clone()
+    }
+}
+
+fn etcd_source(url: &str) -> Result<Arc<dyn MasterSource>, KvError> {
+    Ok(Arc::new(EtcdSource::new(url)?))
+}
+
+/// Lets every client of this process take `etcd://...` master addresses.
+pub fn install() {
+    kvpool_client::register_scheme("etcd", etcd_source);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_with_and_without_a_name() {
+        let u = EtcdUrl::parse("etcd://127.0.0.1:2379,h2:2380").unwrap();
+        assert_eq!(
+            u.endpoints,
+            vec!["http://127.0.0.1:2379".to_string(), "http://h2:2380".into()]
+        );
+        assert_eq!(u.name, DEFAULT_NAME);
+        assert_eq!(u.election(), "kvpool/kvpool/leader");
+        assert_eq!(EtcdUrl::parse("etcd://h:1/pool-a").unwrap().name, "pool-a");
+        for bad in [
+            "h:2379",
+            "etcd://",
+            "etcd://h",
+            "etcd://h:x",
+            "etcd://h:1/a/b",
+        ] {
+            assert!(EtcdUrl::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn published_addresses_round_trip() {
+        let p = Published {
+            rpc: "10.0.0.1:7070".into(),
+            http: "10.0.0.1:9070".into(),
+        };
+        assert_eq!(Published::decode(&p.encode()), Some(p));
+        assert_eq!(Published::decode("http=x:1"), None);
+    }
+}
