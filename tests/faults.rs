@@ -1178,6 +1178,10 @@ fn a_full_disk_under_the_nvme_tier_fails_demotions_cleanly_and_loses_nothing_sto
                 .unwrap_or_else(|e| panic!("{} was on NVMe before the disk filled: {e}", key(i)));
             assert!(got == value(i, len), "{} byte for byte", key(i));
         }
+        // Reads promote NVMe objects, whose DRAM room may evict others (no
+        // demotion while full): objects only go, so the count read back
+        // lies between the master's counts before and after.
+        let keys_before = c.stat().await.unwrap().keys;
         let mut present = 0;
         for i in 0..192 {
             match c.get(key(i).as_bytes()).await {
@@ -1189,7 +1193,11 @@ fn a_full_disk_under_the_nvme_tier_fails_demotions_cleanly_and_loses_nothing_sto
             }
         }
         let s = c.stat().await.unwrap();
-        assert_eq!(s.keys, present, "the master counts what reads back: {s:?}");
+        assert!(
+            s.keys <= present && present <= keys_before,
+            "the master counts what reads back: {present} read, {keys_before} before, {s:?}"
+        );
+        println!("while full: {present} of 192 objects read back byte-exact, the rest evicted");
         // The node still serves from DRAM: a put and a get go through.
         put_patiently(&c, "fresh", &value(999, len)).await;
         assert!(c.get(b"fresh").await.unwrap() == value(999, len));
