@@ -261,7 +261,7 @@ fn enter(ns: &str) {
 /// Fields drop in order: the processes before the namespaces.
 struct Cluster {
     master: Proc,
-    nodes: Vec<Option<Proc>>,
+    nodes: Vec<Proc>,
     master_host: Host,
     node_hosts: Vec<Host>,
     client_host: Host,
@@ -312,7 +312,7 @@ impl Cluster {
             );
             let listen = format!("{}:7300", h.ip);
             let http = format!("{}:9300", h.ip);
-            started.push(Some(Net::start(
+            started.push(Net::start(
                 h,
                 "storage",
                 &[
@@ -329,7 +329,7 @@ impl Cluster {
                     "--segment-size",
                     "64MiB",
                 ],
-            )));
+            ));
         }
         Some(Cluster {
             master,
@@ -374,9 +374,7 @@ impl Cluster {
     fn logs(&self) -> String {
         let mut s = format!("--- master\n{}", self.master.stderr());
         for (i, n) in self.nodes.iter().enumerate() {
-            if let Some(n) = n {
-                s += &format!("--- node {i}\n{}", n.stderr());
-            }
+            s += &format!("--- node {i}\n{}", n.stderr());
         }
         s
     }
@@ -984,7 +982,7 @@ fn a_node_killed_mid_get_and_mid_put_under_packet_loss_loses_no_object_with_a_se
                 until,
             ));
             tokio::time::sleep_until(kill_at.into()).await;
-            cl.nodes[0].as_ref().unwrap().signal(common::Signal::KILL);
+            cl.nodes[0].signal(common::Signal::KILL);
             let killed = Instant::now();
             let s = task.await.unwrap();
             summary("node 0 killed under 10% loss", &s.outcomes);
