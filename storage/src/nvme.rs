@@ -401,12 +401,14 @@ pub struct NvmeShard {
 /// and succeeds without touching the device, glommio then turns the poll ring
 /// on for the whole device, and every later read of real data fails with
 /// EOPNOTSUPP on devices without polling (virtio disks, most file systems).
-/// An existing file (or a block device) already has data there.
+/// A block device, or a file with data at offset 0, is left alone; a file
+/// made ahead as a sparse file (`truncate -s`) has a hole there too.
 fn ensure_block_zero(path: &Path) -> Result<(), NvmeError> {
     use std::io::Write;
     use std::os::unix::fs::FileTypeExt;
     match std::fs::metadata(path) {
-        Ok(m) if m.file_type().is_block_device() || m.len() >= BLOCK => return Ok(()),
+        Ok(m) if m.file_type().is_block_device() => return Ok(()),
+        Ok(m) if m.len() >= BLOCK && !hole_at_zero(path) => return Ok(()),
         Ok(_) | Err(_) => {}
     }
     let mut f = std::fs::OpenOptions::new()
@@ -419,6 +421,20 @@ fn ensure_block_zero(path: &Path) -> Result<(), NvmeError> {
     f.write_all(&[0xa5; BLOCK as usize])
         .and_then(|_| f.sync_all())
         .map_err(|e| NvmeError::Io(format!("cannot write {}: {e}", path.display())))
+}
+
+/// Whether the file's first byte is in a hole (SEEK_DATA from 0 lands
+/// further on, or finds no data). A file system without SEEK_DATA reports
+/// data everywhere: no hole. Block zero is a region header, so a hole there
+/// holds no object: writing it loses nothing (`open` formats the region).
+fn hole_at_zero(path: &Path) -> bool {
+    let Ok(f) = std::fs::File::open(path) else {
+        return false;
+    };
+    match rustix::fs::seek(&f, rustix::fs::SeekFrom::Data(0)) {
+        Ok(at) => at > 0,
+        Err(e) => e == rustix::io::Errno::NXIO,
+    }
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {

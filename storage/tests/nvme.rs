@@ -72,6 +72,33 @@ fn odd_sizes_round_trip_byte_for_byte() {
     });
 }
 
+/// A tier file made ahead as a sparse file (`truncate -s`, as operators
+/// size one) reads back: a hole at block zero must not make glommio take
+/// the file system for one that polls (every read then fails with
+/// EOPNOTSUPP). Found by tests/faults.rs's full-disk test.
+#[test]
+fn a_tier_file_made_ahead_as_a_sparse_file_reads_back() {
+    let path = file("sparse-ahead");
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    on_shard(move || async move {
+        let (t, rec) = NvmeShard::open(&path, cfg(64 << 20), 0).await.unwrap();
+        assert!(rec.is_empty());
+        for (i, n) in [4096usize, (1 << 20) + 1].into_iter().enumerate() {
+            let v = value(i as u64, n);
+            let loc = t.write(format!("k{i}").as_bytes(), &v).await.unwrap();
+            let got = t
+                .read(loc)
+                .await
+                .unwrap_or_else(|e| panic!("{n} bytes from a sparse tier file: {e}"));
+            assert!(*got == *v, "{n} bytes");
+        }
+        let _ = std::fs::remove_file(&path);
+    });
+}
+
 #[test]
 fn eviction_marks_victims_unreadable_and_release_frees_their_space() {
     let path = file("evict");

@@ -115,6 +115,21 @@ pub fn start_lines(
     env: &[(&str, &str)],
     names: &[&str],
 ) -> (Proc, std::collections::HashMap<String, String>) {
+    let mut cmd = Command::new(BIN);
+    cmd.env_remove("KVPOOL_SECRET").envs(env.iter().copied());
+    spawn_ready(cmd, role, args, names)
+}
+
+/// Runs `cmd` (the `kvpool` binary, or a wrapper that execs it, such as
+/// `ip netns exec NS kvpool`) with `run --role <role> <args>`, stderr to a
+/// log file, and waits (bounded) for its `kvpool <role> listening on ADDR`
+/// line, as [`start_lines`] does.
+pub fn spawn_ready(
+    mut cmd: Command,
+    role: &'static str,
+    args: &[&str],
+    names: &[&str],
+) -> (Proc, std::collections::HashMap<String, String>) {
     let stderr_path = std::env::temp_dir().join(format!(
         "kvpool-test-{}-{}-{}.log",
         role,
@@ -122,16 +137,16 @@ pub fn start_lines(
         rand::random::<u32>()
     ));
     let stderr = std::fs::File::create(&stderr_path).expect("stderr log file");
-    let mut child = Command::new(BIN)
+    if !cmd.get_envs().any(|(k, _)| k == "RUST_LOG") {
+        cmd.env("RUST_LOG", "info");
+    }
+    let mut child = cmd
         .arg("run")
         .arg("--role")
         .arg(role)
         .args(args)
         .stdout(Stdio::piped())
         .stderr(stderr)
-        .env("RUST_LOG", "info")
-        .env_remove("KVPOOL_SECRET")
-        .envs(env.iter().copied())
         .spawn()
         .expect("spawn kvpool");
     let stdout = child.stdout.take().expect("stdout");
