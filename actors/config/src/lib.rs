@@ -321,6 +321,24 @@ pub struct MasterConfig {
     /// Reads of an object held only on NVMe after which it is copied back
     /// to DRAM (0: never).
     pub promote_after_reads: u16,
+    /// Directory of the master's log and snapshots ("" = none: a restarted
+    /// master forgets every object, and only NVMe objects come back, from
+    /// their nodes' reports).
+    pub state_dir: String,
+    /// How the log reaches the disk before replies go out: "none" (write
+    /// only: survives a killed master, not a crashed machine) or "always"
+    /// (fdatasync each commit).
+    pub state_sync: StateSync,
+}
+
+/// How the master's log reaches the disk (`[master] state_sync`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateSync {
+    /// write(2) to the page cache before replying.
+    None,
+    /// write(2), then fdatasync(2), before replying.
+    Always,
 }
 
 /// How the master chooses segments for a put's replicas.
@@ -360,6 +378,8 @@ impl Default for MasterConfig {
             placement: Placement::LocalFirst,
             tick_ms: 100,
             promote_after_reads: 2,
+            state_dir: String::new(),
+            state_sync: StateSync::None,
         }
     }
 }

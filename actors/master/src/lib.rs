@@ -14,6 +14,7 @@ pub mod actor;
 pub mod clock;
 pub mod coord;
 pub mod core;
+pub mod journal;
 pub mod metrics;
 mod objects;
 pub mod service;
