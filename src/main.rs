@@ -85,6 +85,11 @@ enum Cmd {
         /// Shards (cores) to run; 0 = all cores.
         #[arg(long, value_name = "N")]
         shards: Option<usize>,
+        /// Roles master and all: keep the master's log and snapshots in DIR,
+        /// so a restarted master remembers every object (`[master]
+        /// state_dir`).
+        #[arg(long, value_name = "DIR")]
+        state_dir: Option<String>,
         /// Role engine (and role all's two engines): a Hugging Face model
         /// folder, `builtin:tiny` or `builtin:small`.
         /// Serve the Redis protocol (RESP2) on this address: roles all and
@@ -305,6 +310,7 @@ fn main() -> ExitCode {
             data_listen,
             segment_size,
             shards,
+            state_dir,
             resp,
             model,
             no_serving,
@@ -409,6 +415,13 @@ fn main() -> ExitCode {
             }
             if let Some(m) = cli.master {
                 cfg.storage.master = m;
+            }
+            if let Some(d) = state_dir {
+                if role != Role::Master && role != Role::All {
+                    eprintln!("error: --state-dir is for --role master and --role all");
+                    return ExitCode::from(2);
+                }
+                cfg.master.state_dir = d;
             }
             if let Some(s) = segment_size {
                 cfg.storage.segment_size = s;

@@ -113,6 +113,45 @@ impl RangeAllocator {
         true
     }
 
+    /// Allocates whatever is free of `[offset, offset + len)` (clipped to
+    /// the range, rounded out to the alignment); returns the extents taken,
+    /// each to be freed by `dealloc` on its own. (Recovery: space someone
+    /// may still write into is held, around what is already allocated.)
+    pub fn alloc_free_within(&mut self, offset: u64, len: u64) -> Vec<(u64, u64)> {
+        let lo = (offset / self.align * self.align).max(self.base);
+        let hi = offset
+            .saturating_add(len)
+            .next_multiple_of(self.align)
+            .min(self.base + self.len);
+        let mut taken = Vec::new();
+        if lo >= hi {
+            return taken;
+        }
+        // Free extents that meet [lo, hi): the one starting at or before lo,
+        // and those starting inside.
+        let first = self
+            .by_offset
+            .range(..=lo)
+            .next_back()
+            .map(|(&o, &l)| (o, l));
+        let inside: Vec<(u64, u64)> = self
+            .by_offset
+            .range(lo + 1..hi)
+            .map(|(&o, &l)| (o, l))
+            .collect();
+        for (foff, flen) in first.into_iter().chain(inside) {
+            let s = foff.max(lo);
+            let e = (foff + flen).min(hi);
+            if s >= e {
+                continue;
+            }
+            let took = self.alloc_at(s, e - s);
+            debug_assert!(took, "free space was free");
+            taken.push((s, e - s));
+        }
+        taken
+    }
+
     /// Returns the extent at `offset` of `size` bytes (as passed to `alloc`).
     ///
     /// # Panics

@@ -346,6 +346,24 @@ pub struct MasterConfig {
     /// out, measured from the last renewal it sent (fencing margin: covers
     /// clock-rate drift between this host and etcd, and scheduling).
     pub ha_fence_margin_ms: u64,
+    /// Directory of the master's log and snapshots ("" = none: a restarted
+    /// master forgets every object, and only NVMe objects come back, from
+    /// their nodes' reports).
+    pub state_dir: String,
+    /// How the log reaches the disk before replies go out: "none" (write
+    /// only: survives a killed master, not a crashed machine) or "always"
+    /// (fdatasync each commit).
+    pub state_sync: StateSync,
+}
+
+/// How the master's log reaches the disk (`[master] state_sync`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateSync {
+    /// write(2) to the page cache before replying.
+    None,
+    /// write(2), then fdatasync(2), before replying.
+    Always,
 }
 
 /// How the master chooses segments for a put's replicas.
@@ -388,6 +406,8 @@ impl Default for MasterConfig {
             ha: String::new(),
             ha_lease_ttl_s: 3,
             ha_fence_margin_ms: 500,
+            state_dir: String::new(),
+            state_sync: StateSync::None,
         }
     }
 }

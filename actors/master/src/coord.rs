@@ -71,7 +71,7 @@ impl ShardState {
     pub fn command(&mut self, cmd: &ShardCommand, now_ms: u64) -> CommandResult {
         match cmd {
             ShardCommand::AddSegment { id, spec, owner } => {
-                self.add_segment(*id, spec.clone(), *owner);
+                self.add_segment(*id, spec.clone(), *owner, now_ms);
                 CommandResult::Count(0)
             }
             ShardCommand::SetSuspect { ids, suspect } => {

@@ -10,8 +10,11 @@ use kvpool_runtime::hash::ShardMap;
 use kvpool_transport::proto::{MasterRequest, MasterResponse};
 use kvpool_transport::{ErrorCode, KvError};
 
+use std::path::Path;
+
 use super::coord::{CommandResult, CoordState, Decision, ShardCommand};
-use super::state::{ShardConfig, ShardState, TickReport, EVICT_STEP_VICTIMS};
+use super::journal::{self, JournalError, LogWriter, SnapshotWriter, Sync};
+use super::state::{ShardConfig, ShardState, SnapshotCursor, TickReport, EVICT_STEP_VICTIMS};
 use kvpool_config::MasterConfig;
 use kvpool_transport::route::{self, merge_batch, split_batch, Target};
 
@@ -62,6 +65,11 @@ pub struct MasterCore {
     max_batch: usize,
     /// How the off-path eviction runs.
     pub evict: EvictDrive,
+    /// Each shard's log, with a state directory.
+    logs: Vec<LogWriter>,
+    /// Each shard's snapshot under way, if any.
+    snapshots: Vec<Option<(SnapshotWriter, SnapshotCursor)>>,
+    scratch: Vec<u8>,
 }
 
 impl MasterCore {
@@ -76,7 +84,78 @@ impl MasterCore {
             map: ShardMap::new(nr_shards).expect("1..=4096 shards"),
             max_batch: cfg.max_batch,
             evict: EvictDrive::UntilDone,
+            logs: Vec::new(),
+            snapshots: Vec::new(),
+            scratch: Vec::new(),
         }
+    }
+
+    /// A master that keeps its state in `dir` (as `[master] state_dir`):
+    /// what the directory holds is recovered, each object waiting for its
+    /// segments to mount again until `now_ms + client_ttl_ms`; every change
+    /// from now on is logged before the call that made it returns.
+    /// `unix_at_zero_ms` is the wall time at `now_ms == 0`.
+    pub fn open(
+        nr_shards: u32,
+        cfg: &MasterConfig,
+        seed: u64,
+        dir: &Path,
+        now_ms: u64,
+        unix_at_zero_ms: u64,
+    ) -> Result<Self, JournalError> {
+        journal::check_meta(dir, nr_shards)?;
+        let mut core = Self::new(nr_shards, cfg, seed);
+        let scfg = ShardConfig::from_master(cfg, nr_shards);
+        for i in 0..nr_shards {
+            let r = journal::open_shard(&journal::shard_dir(dir, i), Sync::None)?;
+            let mut st =
+                ShardState::new(i, nr_shards, scfg.clone(), seed).with_durability(unix_at_zero_ms);
+            st.recover(r.image, now_ms, cfg.client_ttl_ms);
+            core.shards[i as usize] = st;
+            core.logs.push(r.log);
+            core.snapshots.push(None);
+        }
+        Ok(core)
+    }
+
+    /// Writes every shard's durable changes to its log.
+    fn commit(&mut self) -> Result<(), KvError> {
+        for (s, log) in self.shards.iter_mut().zip(&mut self.logs) {
+            self.scratch.clear();
+            s.take_records(&mut self.scratch);
+            log.append(&self.scratch)
+                .map_err(|e| KvError::new(ErrorCode::Internal, format!("the state log: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// One step of a compaction of every shard's log: the first call starts
+    /// it (a new log, a snapshot being written), each call writes at most
+    /// `budget` objects of each shard's snapshot, and the call that writes
+    /// the last puts the snapshots in place and drops the old logs. Returns
+    /// whether a compaction is still under way. Calls and ticks may come
+    /// between steps.
+    pub fn compact_step(&mut self, budget: usize) -> Result<bool, JournalError> {
+        let mut busy = false;
+        for i in 0..self.shards.len() {
+            if self.logs.is_empty() {
+                return Ok(false);
+            }
+            let (mut w, mut cur) = match self.snapshots[i].take() {
+                Some(x) => x,
+                None => (self.logs[i].rotate()?, SnapshotCursor::default()),
+            };
+            self.scratch.clear();
+            let done = self.shards[i].snapshot_step(&mut cur, budget, &mut self.scratch);
+            w.write(&self.scratch)?;
+            if done {
+                w.finish()?;
+            } else {
+                self.snapshots[i] = Some((w, cur));
+                busy = true;
+            }
+        }
+        Ok(busy)
     }
 
     /// One step of every shard's off-path eviction (at most `budget` victims
@@ -116,6 +195,7 @@ impl MasterCore {
     pub fn call(&mut self, req: MasterRequest, now_ms: u64) -> Result<MasterResponse, KvError> {
         let res = self.route(req, now_ms);
         self.drive_eviction(now_ms);
+        self.commit()?;
         res
     }
 
@@ -165,6 +245,9 @@ impl MasterCore {
             self.broadcast(cmd, now_ms);
         }
         self.drive_eviction(now_ms);
+        if let Err(e) = self.commit() {
+            panic!("MasterCore cannot write its state log: {e}");
+        }
         total
     }
 }

@@ -17,6 +17,7 @@ pub mod clock;
 pub mod coord;
 pub mod core;
 pub mod fence;
+pub mod journal;
 pub mod metrics;
 mod objects;
 pub mod service;

@@ -235,6 +235,26 @@ pub(crate) struct Objects {
     pins: BTreeSet<(u64, Id)>,
     /// How far pins have been swept: a pin at or below it has ended.
     pin_cursor: (u64, Id),
+    /// Keys whose complete object changed in a way the state directory
+    /// records (appeared, went, gained or lost a readable replica), since
+    /// the shard last took them; `None`: not tracked (no state directory).
+    dirty: Option<Vec<Box<[u8]>>>,
+}
+
+/// What the state directory records of an object: whether it is complete,
+/// and its readable replicas.
+fn durable_sig(o: &Object) -> (bool, SmallVec<[(u32, u64); 2]>) {
+    match o.phase {
+        Phase::Processing(_) => (false, SmallVec::new()),
+        Phase::Complete(_) => (
+            true,
+            o.replicas
+                .iter()
+                .filter(|r| r.state != ReplicaState::Promoting)
+                .map(|r| (r.slot, r.offset))
+                .collect(),
+        ),
+    }
 }
 
 impl std::fmt::Debug for Objects {
@@ -273,7 +293,41 @@ impl Objects {
             ranges: Vec::new(),
             pins: BTreeSet::new(),
             pin_cursor: (0, Id::MAX),
+            dirty: None,
         }
+    }
+
+    /// From now on, keys whose complete object changes durably are kept
+    /// for [`Self::take_dirty`].
+    pub fn track_changes(&mut self) {
+        self.dirty.get_or_insert_with(Vec::new);
+    }
+
+    /// Marks `key` changed (when tracking).
+    pub fn mark_dirty(&mut self, key: &[u8]) {
+        if let Some(d) = &mut self.dirty {
+            d.push(key.into());
+        }
+    }
+
+    /// The keys changed since the last call (in order, maybe repeated).
+    pub fn take_dirty(&mut self, out: &mut Vec<Box<[u8]>>) {
+        if let Some(d) = &mut self.dirty {
+            out.append(d);
+        }
+    }
+
+    /// Slots in the slab, live or free: ids below it may name an object.
+    pub fn slab_len(&self) -> usize {
+        self.slab.len()
+    }
+
+    /// The object in slot `id`, if it is live.
+    pub fn entry_at(&self, id: Id) -> Option<(&[u8], &Object)> {
+        self.slab
+            .get(id as usize)?
+            .as_ref()
+            .map(|e| (&*e.key, &e.obj))
     }
 
     pub fn complete_len(&self) -> usize {
@@ -352,6 +406,9 @@ impl Objects {
         self.link(id);
         let e = self.entries(id);
         self.add_entries(id, &e);
+        if self.dirty.is_some() && self.get(id).complete().is_some() {
+            self.mark_dirty(key);
+        }
         id
     }
 
@@ -363,6 +420,9 @@ impl Objects {
         self.unlink(id, complete);
         let Entry { key, obj } = self.slab[id as usize].take().expect("a live slot");
         self.free.push(id);
+        if complete {
+            self.mark_dirty(&key);
+        }
         (key, obj)
     }
 
@@ -373,7 +433,14 @@ impl Objects {
     pub fn update<R>(&mut self, id: Id, f: impl FnOnce(&mut Object) -> R) -> R {
         let before = self.entries(id);
         let was_complete = self.get(id).complete().is_some();
+        let sig = self.dirty.is_some().then(|| durable_sig(self.get(id)));
         let r = f(&mut self.slab[id as usize].as_mut().expect("a live slot").obj);
+        if sig.is_some_and(|s| s != durable_sig(self.get(id))) {
+            let key = entry(&self.slab, id).key.clone();
+            if let Some(d) = &mut self.dirty {
+                d.push(key);
+            }
+        }
         if self.get(id).complete().is_some() != was_complete {
             self.unlink(id, was_complete);
             self.link(id);

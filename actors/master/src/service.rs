@@ -20,9 +20,11 @@
 //! decisions are made by the same pure pieces [`super::core::MasterCore`]
 //! composes for tests ([`CoordState`], [`ShardState`], the batch helpers).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,7 +40,8 @@ use kvpool_transport::{ErrorCode, KvError};
 
 use super::coord::{CommandResult, CoordState, Decision, ShardCommand};
 use super::core::check_batch;
-use super::state::{GrantSigner, ShardConfig, ShardState, EVICT_STEP_VICTIMS};
+use super::journal::{self, LogWriter};
+use super::state::{GrantSigner, ShardConfig, ShardState, SnapshotCursor, EVICT_STEP_VICTIMS};
 use crate::clock::now_ms;
 use crate::fence::Fence;
 use crate::metrics::MasterMetrics;
@@ -329,10 +332,21 @@ pub async fn start(
         frame_budget: kvpool_transport::frame::FrameBudget::new(cfg.max_frame_memory.get()),
         require_auth: key.is_some(),
     };
+    let unix_at_zero_ms = kvpool_transport::auth::unix_ms().saturating_sub(now_ms());
     let signer = key.as_ref().map(|k| GrantSigner {
         key: k.clone(),
-        unix_at_zero_ms: kvpool_transport::auth::unix_ms().saturating_sub(now_ms()),
+        unix_at_zero_ms,
     });
+    let state_dir = (!cfg.state_dir.is_empty()).then(|| PathBuf::from(&cfg.state_dir));
+    if let Some(d) = &state_dir {
+        journal::check_meta(d, n as u32)
+            .map_err(|e| NodeError::Config(format!("[master] state_dir: {e}")))?;
+    }
+    let sync = match cfg.state_sync {
+        kvpool_config::StateSync::None => journal::Sync::None,
+        kvpool_config::StateSync::Always => journal::Sync::Always,
+    };
+    let recover_wait_ms = cfg.client_ttl_ms;
     let tick = Duration::from_millis(cfg.tick_ms);
     let client_ttl_ms = cfg.client_ttl_ms;
     let seed: u64 = rand::random();
@@ -347,18 +361,49 @@ pub async fn start(
         let key = key.clone();
         let server_limits = server_limits.clone();
         let term = fence.term_cell();
-        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
+        let state_dir = state_dir.clone();
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
         ready.push(ready_rx);
         shards
             .spawn_on(i, move |ctx: ShardCtx| async move {
                 let (wake_tx, wake_rx) = flume::bounded(1);
+                let mut st = ShardState::new(i as u32, n as u32, shard_cfg, seed)
+                    .with_signer(signer)
+                    .with_term(term);
+                let mut log = None;
+                if let Some(dir) = &state_dir {
+                    // Replayed here, on the shard's own thread: every shard
+                    // replays its log at once.
+                    let started = Instant::now();
+                    let sdir = journal::shard_dir(dir, i as u32);
+                    match journal::open_shard(&sdir, sync) {
+                        Ok(r) => {
+                            let objects = r.image.objects.len();
+                            st = st.with_durability(unix_at_zero_ms);
+                            st.recover(r.image, now_ms(), recover_wait_ms);
+                            tracing::info!(
+                                shard = i,
+                                objects,
+                                torn_tail_cut = r.torn,
+                                ms = started.elapsed().as_millis() as u64,
+                                dir = %sdir.display(),
+                                "master state recovered; objects wait for their segments to mount again"
+                            );
+                            log = Some(r.log);
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(format!("[master] state_dir: {e}")));
+                            return;
+                        }
+                    }
+                }
                 let state = Rc::new(Shard {
-                    state: RefCell::new(
-                        ShardState::new(i as u32, n as u32, shard_cfg, seed)
-                            .with_signer(signer)
-                            .with_term(term),
-                    ),
+                    state: RefCell::new(st),
                     evict_wake: wake_tx,
+                    log: RefCell::new(log),
+                    buf: RefCell::new(Vec::new()),
+                    compacting: Arc::new(AtomicBool::new(false)),
+                    snapshot_bytes: Cell::new(0),
                 });
                 glommio::spawn_local(inbox_loop(ctx.clone(), state.clone(), rx, metrics.clone()))
                     .detach();
@@ -386,14 +431,15 @@ pub async fn start(
                     key,
                     refusals: RefusalLog::default(),
                 });
-                let _ = ready_tx.send(());
+                let _ = ready_tx.send(Ok(()));
                 server::serve(ctx, listener, server_limits, "master", handler).await;
             })
             .await?;
     }
     for r in ready {
         r.await
-            .map_err(|_| NodeError::Start("a master shard failed to start".into()))?;
+            .map_err(|_| NodeError::Start("a master shard failed to start".into()))?
+            .map_err(NodeError::Config)?;
     }
     Ok(handle)
 }
@@ -415,9 +461,56 @@ struct Shard {
     /// Rung (a bounded queue of one: a ring while one is pending is lost,
     /// which is fine) when the state owes a range an eviction episode.
     evict_wake: flume::Sender<()>,
+    /// The shard's log in the state directory (`None`: no state directory).
+    log: RefCell<Option<LogWriter>>,
+    /// Records on their way to the log.
+    buf: RefCell<Vec<u8>>,
+    /// A compaction is under way (its last part runs on a helper thread).
+    compacting: Arc<AtomicBool>,
+    /// Size of the last snapshot written.
+    snapshot_bytes: Cell<u64>,
 }
 
+/// The log is compacted once it is past this size...
+const COMPACT_MIN_LOG_BYTES: u64 = 64 << 20;
+/// ...and this many times the last snapshot.
+const COMPACT_LOG_RATIO: u64 = 4;
+/// Objects one step of a snapshot writes before requests run again.
+const SNAPSHOT_STEP_OBJECTS: usize = 4096;
+
 impl Shard {
+    /// Writes the records of every change since the last commit to the
+    /// log. Called after each request, command, tick and eviction step,
+    /// before any reply goes out. A master that cannot write its log
+    /// stops: answering would promise what a restart forgets.
+    fn commit(&self) {
+        let mut log = self.log.borrow_mut();
+        let Some(log) = log.as_mut() else { return };
+        let mut buf = self.buf.borrow_mut();
+        buf.clear();
+        self.state.borrow_mut().take_records(&mut buf);
+        if let Err(e) = log.append(&buf) {
+            tracing::error!("the master cannot write its state log ({e}): stopping");
+            eprintln!("error: the master cannot write its state log ({e}): stopping");
+            std::process::exit(70);
+        }
+    }
+
+    /// Starts a compaction if the log has grown past its bounds.
+    fn maybe_compact(self: &Rc<Self>, ctx: &ShardCtx) {
+        let bytes = match self.log.borrow().as_ref() {
+            Some(l) => l.bytes,
+            None => return,
+        };
+        if bytes < COMPACT_MIN_LOG_BYTES
+            || bytes < COMPACT_LOG_RATIO.saturating_mul(self.snapshot_bytes.get())
+            || self.compacting.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        glommio::spawn_local(compact(ctx.clone(), self.clone())).detach();
+    }
+
     /// Wakes the eviction task if the state owes an episode.
     fn wake_eviction(&self) {
         if self.state.borrow().evicting() {
@@ -435,6 +528,7 @@ fn apply_local(
     let op = req.op_name();
     let started = Instant::now();
     let res = shard.state.borrow_mut().apply(req, now_ms());
+    shard.commit();
     metrics.observe(op, res.is_ok(), started.elapsed());
     shard.wake_eviction();
     res
@@ -455,11 +549,15 @@ async fn evict_loop(ctx: ShardCtx, shard: Rc<Shard>, wake: flume::Receiver<()>) 
         if !woken {
             break;
         }
-        while shard
-            .state
-            .borrow_mut()
-            .evict_step(now_ms(), EVICT_STEP_VICTIMS)
-        {
+        loop {
+            let more = shard
+                .state
+                .borrow_mut()
+                .evict_step(now_ms(), EVICT_STEP_VICTIMS);
+            shard.commit();
+            if !more {
+                break;
+            }
             // A timer, not a bare yield: a task that only yields stays in
             // its task queue until the preemption timer, without the
             // executor polling its sockets; a timer waits for that poll.
@@ -469,6 +567,62 @@ async fn evict_loop(ctx: ShardCtx, shard: Rc<Shard>, wake: flume::Receiver<()>) 
             }
         }
     }
+}
+
+/// Compacts this shard's log: starts a new log, writes a snapshot of the
+/// state in bounded steps with requests served between them (each key's
+/// record is its state at some time after the new log began, which the new
+/// log brings up to date), then syncs it and drops the old files on a
+/// helper thread.
+async fn compact(ctx: ShardCtx, shard: Rc<Shard>) {
+    let started = Instant::now();
+    let w = shard.log.borrow_mut().as_mut().map(|l| l.rotate());
+    let mut w = match w {
+        Some(Ok(w)) => w,
+        Some(Err(e)) => {
+            tracing::warn!("compaction of the master log could not start: {e}");
+            shard.compacting.store(false, Ordering::Release);
+            return;
+        }
+        None => return,
+    };
+    let mut cur = SnapshotCursor::default();
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        let done = shard
+            .state
+            .borrow()
+            .snapshot_step(&mut cur, SNAPSHOT_STEP_OBJECTS, &mut buf);
+        if let Err(e) = w.write(&buf) {
+            tracing::warn!("master snapshot: {e}; the logs stay");
+            shard.compacting.store(false, Ordering::Release);
+            return;
+        }
+        if done {
+            break;
+        }
+        glommio::timer::sleep(EVICT_PAUSE).await;
+        if ctx.shutdown().is_triggered() {
+            return;
+        }
+    }
+    shard.snapshot_bytes.set(w.bytes);
+    let flag = shard.compacting.clone();
+    let shard_id = ctx.id();
+    let bytes = w.bytes;
+    std::thread::spawn(move || {
+        match w.finish() {
+            Ok(()) => tracing::info!(
+                shard = shard_id,
+                bytes,
+                ms = started.elapsed().as_millis() as u64,
+                "master log compacted"
+            ),
+            Err(e) => tracing::warn!("master snapshot: {e}; the logs stay"),
+        }
+        flag.store(false, Ordering::Release);
+    });
 }
 
 /// The pause between two eviction steps (see `evict_loop`).
@@ -491,7 +645,9 @@ async fn inbox_loop(
         match msg {
             ShardMsg::Request { req, reply } => reply(apply_local(&state, &metrics, req)),
             ShardMsg::Command { cmd, done } => {
-                let _ = done.send(state.state.borrow_mut().command(&cmd, now_ms()));
+                let r = state.state.borrow_mut().command(&cmd, now_ms());
+                state.commit();
+                let _ = done.send(r);
                 state.wake_eviction();
             }
             ShardMsg::Probe(done) => {
@@ -519,6 +675,8 @@ async fn tick_loop(ctx: ShardCtx, state: Rc<Shard>, tick: Duration, metrics: Mas
             break;
         }
         let r = state.state.borrow_mut().tick(now_ms());
+        state.commit();
+        state.maybe_compact(&ctx);
         state.wake_eviction();
         if r.stale_discarded > 0 {
             metrics.stale_puts.inc_by(r.stale_discarded);

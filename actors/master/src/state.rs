@@ -52,6 +52,7 @@ use rand_chacha::ChaCha8Rng;
 use smallvec::SmallVec;
 use std::hash::{BuildHasher, Hasher};
 
+use super::journal::{self, Hold, Image, ObjectRec};
 use super::objects::{Complete, Id, Object, Objects, Phase, Processing, Replica, ReplicaState};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -244,6 +245,61 @@ pub struct ShardState {
     /// The leader term grants carry (HA: set by the election, read at each
     /// signing; 0 without one). Shared with the master's fence.
     term: Arc<AtomicU64>,
+    /// What the state directory needs (`None`: the master keeps no state
+    /// directory).
+    durable: Option<Box<Durable>>,
+}
+
+/// A shard's side of the state directory: the clock's wall time, the holds
+/// to record, and what recovery brought back that waits for its segments.
+#[derive(Debug, Default)]
+struct Durable {
+    /// Unix time (ms) at `now_ms == 0`: holds outlive the process, so they
+    /// are recorded in wall time.
+    unix_at_zero_ms: u64,
+    /// Space handed to a writer (or a node) or kept for a reader, to record.
+    holds: Vec<Hold>,
+    /// Scratch for the keys taken from the object store.
+    keys: Vec<Box<[u8]>>,
+    /// Recovered replicas whose segments have not mounted again, by key.
+    parked: HashMap<Box<[u8]>, Parked>,
+    /// Recovered holds on segments that have not mounted again.
+    parked_holds: HashMap<SegmentId, Vec<Hold>>,
+    /// When replicas still parked are given up (`now_ms` clock), as an
+    /// unmount would drop them.
+    parked_until_ms: u64,
+}
+
+/// A recovered object some of whose replicas wait for their segments.
+#[derive(Debug)]
+struct Parked {
+    size: u64,
+    sum: Option<u64>,
+    hard_pin: bool,
+    /// (segment, offset) of the replicas not back yet.
+    waiting: SmallVec<[(SegmentId, u64); 2]>,
+    /// Some replica came back: the object is in the store (and if it is
+    /// not any more, it was removed since, and these go too).
+    attached: bool,
+}
+
+/// Appends the record of a recovered object none of whose replicas is back.
+fn encode_parked(key: &[u8], p: &Parked, out: &mut Vec<u8>) {
+    journal::encode_object(
+        out,
+        key,
+        p.size,
+        p.sum,
+        p.hard_pin,
+        p.waiting.iter().copied(),
+    );
+}
+
+/// Where a snapshot of a shard has got to (see [`ShardState::snapshot_step`]).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SnapshotCursor {
+    next_id: u32,
+    done: bool,
 }
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> KvError {
@@ -348,7 +404,476 @@ impl ShardState {
             promotions: 0,
             signer: None,
             term: Arc::new(AtomicU64::new(0)),
+            durable: None,
         }
+    }
+
+    /// Records durable changes from now on, for [`Self::take_records`];
+    /// `unix_at_zero_ms` is the wall time (ms) at `now_ms == 0`.
+    pub fn with_durability(mut self, unix_at_zero_ms: u64) -> Self {
+        self.objs.track_changes();
+        self.durable = Some(Box::new(Durable {
+            unix_at_zero_ms,
+            ..Durable::default()
+        }));
+        self
+    }
+
+    /// Whether this shard records durable changes.
+    pub fn is_durable(&self) -> bool {
+        self.durable.is_some()
+    }
+
+    /// Takes the state directory's image back (at start, before any
+    /// request): each object waits for its segments to mount again, and is
+    /// readable from the first that does; what has not come back by
+    /// `now_ms + wait_ms` is dropped as an unmount drops it. Space held at
+    /// the crash (a put's grant, a leased removal) stays held until its
+    /// time when its segment mounts.
+    pub fn recover(&mut self, image: Image, now_ms: u64, wait_ms: u64) {
+        let d = self
+            .durable
+            .as_mut()
+            .expect("recover needs with_durability");
+        let now_unix = d.unix_at_zero_ms.saturating_add(now_ms);
+        d.parked_until_ms = now_ms.saturating_add(wait_ms);
+        for (key, o) in image.objects {
+            d.parked.insert(
+                key.into_boxed_slice(),
+                Parked {
+                    size: o.size,
+                    sum: o.sum,
+                    hard_pin: o.hard_pin,
+                    waiting: o.replicas.into_iter().collect(),
+                    attached: false,
+                },
+            );
+        }
+        for h in image.holds {
+            if h.until_unix_ms > now_unix {
+                d.parked_holds.entry(h.segment).or_default().push(h);
+            }
+        }
+    }
+
+    /// Recovered objects still waiting for a segment (all their replicas,
+    /// or some).
+    pub fn parked_len(&self) -> usize {
+        self.durable.as_ref().map_or(0, |d| d.parked.len())
+    }
+
+    /// A hold until `until_ms` on a DRAM replica's space, to record.
+    fn hold(&mut self, slot: u32, offset: u64, size: u64, until_ms: u64) {
+        let Some(d) = self.durable.as_mut() else {
+            return;
+        };
+        let Some(Some(s)) = self.slots.get(slot as usize) else {
+            return;
+        };
+        if s.tier() != Tier::Dram {
+            return;
+        }
+        d.holds.push(Hold {
+            segment: s.id,
+            offset,
+            len: s.alloc.rounded(size),
+            until_unix_ms: d.unix_at_zero_ms.saturating_add(until_ms),
+        });
+    }
+
+    /// How long a writer or a node may still write into space it was
+    /// handed at `now_ms`: the put's deadline and the quarantine after it.
+    fn write_hold_until(&self, now_ms: u64) -> u64 {
+        now_ms
+            .saturating_add(self.cfg.put_timeout_ms)
+            .saturating_add(self.cfg.stale_put_grace_ms)
+    }
+
+    /// Appends to `out` the records of every durable change since the last
+    /// call: the whole state of each key whose complete object changed,
+    /// then the holds. The caller writes them to the log before it answers
+    /// the requests that made them.
+    pub fn take_records(&mut self, out: &mut Vec<u8>) {
+        let Some(mut d) = self.durable.take() else {
+            return;
+        };
+        self.objs.take_dirty(&mut d.keys);
+        let mut keys = std::mem::take(&mut d.keys);
+        for key in keys.drain(..) {
+            self.encode_key(&mut d, &key, out);
+        }
+        d.keys = keys;
+        for h in d.holds.drain(..) {
+            journal::encode_hold(out, &h);
+        }
+        self.durable = Some(d);
+    }
+
+    /// The record of `key` as it stands.
+    fn encode_key(&self, d: &mut Durable, key: &[u8], out: &mut Vec<u8>) {
+        let parked = d.parked.get(key);
+        if let Some(id) = self.objs.complete_id(key) {
+            // An object whose only replica is a promotion still being
+            // copied in (its NVMe copy evicted meanwhile) has nothing a
+            // restart could read: it is recorded as gone.
+            if !self.encode_complete(key, self.objs.get(id), parked, out) {
+                journal::encode_gone(out, key);
+            }
+            return;
+        }
+        match parked {
+            Some(p) if !p.attached && !p.waiting.is_empty() => encode_parked(key, p, out),
+            _ => {
+                // Removed (or evicted, or lost with its segments) since:
+                // what still waited goes with it.
+                d.parked.remove(key);
+                journal::encode_gone(out, key);
+            }
+        }
+    }
+
+    /// The replicas of `o` a restart could read: its readable ones, and
+    /// those recovered that still wait for their segment.
+    fn durable_replicas(
+        &self,
+        o: &Object,
+        parked: Option<&Parked>,
+    ) -> SmallVec<[(SegmentId, u64); 2]> {
+        o.replicas
+            .iter()
+            .filter(|r| r.state != ReplicaState::Promoting)
+            .map(|r| (self.slot(r.slot).id, r.offset))
+            .chain(parked.into_iter().flat_map(|p| p.waiting.iter().copied()))
+            .collect()
+    }
+
+    /// Appends the record of complete object `o` under `key`; false (and
+    /// nothing appended) when it has no replica a restart could read.
+    fn encode_complete(
+        &self,
+        key: &[u8],
+        o: &Object,
+        parked: Option<&Parked>,
+        out: &mut Vec<u8>,
+    ) -> bool {
+        let replicas = self.durable_replicas(o, parked);
+        if replicas.is_empty() {
+            return false;
+        }
+        journal::encode_object(
+            out,
+            key,
+            o.size,
+            o.checksum(),
+            o.hard_pinned(),
+            replicas.into_iter(),
+        );
+        true
+    }
+
+    /// Segment `id` mounted in slot `idx`: the recovered replicas on it are
+    /// taken back (their space allocated again, their objects readable),
+    /// then the recovered holds on it.
+    fn attach_parked(&mut self, idx: u32, id: SegmentId, now_ms: u64) {
+        let Some(mut d) = self.durable.take() else {
+            return;
+        };
+        let keys: Vec<Box<[u8]>> = d
+            .parked
+            .iter()
+            .filter(|(_, p)| p.waiting.iter().any(|w| w.0 == id))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in keys {
+            let p = d.parked.get_mut(&key).expect("listed");
+            let pos = p.waiting.iter().position(|w| w.0 == id).expect("listed");
+            let (_, offset) = p.waiting.remove(pos);
+            let (size, sum, hard_pin) = (p.size, p.sum, p.hard_pin);
+            let taken = match self.slot(idx).tier() {
+                Tier::Dram => {
+                    let (lo, len) = (self.slot(idx).alloc.base(), self.slot(idx).alloc.capacity());
+                    offset >= lo
+                        && offset.saturating_add(size) <= lo + len
+                        && self.slot_mut(idx).alloc.alloc_at(offset, size)
+                }
+                Tier::Nvme => self.check_loc(idx, offset).is_ok(),
+            };
+            let attached =
+                taken && self.attach_replica(&key, idx, offset, size, sum, hard_pin, now_ms);
+            if taken && !attached && self.slot(idx).tier() == Tier::Dram {
+                self.slot_mut(idx).alloc.dealloc(offset, size);
+            }
+            if !attached {
+                tracing::warn!(
+                    key = %show_key(&key),
+                    segment = format!("{id:016x}"),
+                    offset,
+                    "a recovered replica does not fit its segment as it mounted again: dropped"
+                );
+            }
+            let p = d.parked.get_mut(&key).expect("listed");
+            p.attached |= attached;
+            // The record of this key no longer names the replica.
+            self.objs.mark_dirty(&key);
+            if p.waiting.is_empty() {
+                d.parked.remove(&key);
+            }
+        }
+        if let Some(holds) = d.parked_holds.remove(&id) {
+            if self.slot(idx).tier() == Tier::Dram {
+                for h in holds {
+                    let at_ms = h.until_unix_ms.saturating_sub(d.unix_at_zero_ms);
+                    if at_ms <= now_ms {
+                        continue;
+                    }
+                    for (offset, size) in
+                        self.slot_mut(idx).alloc.alloc_free_within(h.offset, h.len)
+                    {
+                        self.pending.push(Reverse(PendingFree {
+                            at_ms,
+                            segment: id,
+                            slot: idx,
+                            offset,
+                            size,
+                        }));
+                        d.holds.push(Hold {
+                            segment: id,
+                            offset,
+                            len: size,
+                            until_unix_ms: h.until_unix_ms,
+                        });
+                    }
+                }
+            }
+        }
+        self.durable = Some(d);
+    }
+
+    /// Gives recovered object `key` a replica in slot `idx` (space taken);
+    /// false when another object holds the key now.
+    #[allow(clippy::too_many_arguments)]
+    fn attach_replica(
+        &mut self,
+        key: &[u8],
+        idx: u32,
+        offset: u64,
+        size: u64,
+        sum: Option<u64>,
+        hard_pin: bool,
+        now_ms: u64,
+    ) -> bool {
+        if let Some(cid) = self.objs.complete_id(key) {
+            let o = self.objs.get(cid);
+            if o.size != size || o.checksum() != sum || o.replicas.iter().any(|r| r.slot == idx) {
+                return false;
+            }
+            self.objs
+                .update(cid, |o| o.replicas.push(Replica::ready(idx, offset)));
+            return true;
+        }
+        if self.objs.processing_id(key).is_some() || !self.objs.has_room() {
+            return false;
+        }
+        // Readers may hold leases the restarted master never saw: the
+        // object counts as leased for one lease from now.
+        self.objs.insert(
+            key,
+            Object {
+                size,
+                phase: Phase::Complete(Complete {
+                    lease_end_ms: now_ms.saturating_add(self.cfg.lease_ttl_ms),
+                    pin_end_ms: 0,
+                    sum: sum.unwrap_or(0),
+                    has_sum: sum.is_some(),
+                    hard_pin,
+                    nvme_reads: 0,
+                }),
+                replicas: smallvec::smallvec![Replica::ready(idx, offset)],
+            },
+        );
+        true
+    }
+
+    /// Gives up the recovered replicas whose segments did not come back in
+    /// time, as an unmount would.
+    fn expire_parked(&mut self, now_ms: u64) {
+        let Some(d) = self.durable.as_mut() else {
+            return;
+        };
+        if (d.parked.is_empty() && d.parked_holds.is_empty()) || now_ms < d.parked_until_ms {
+            return;
+        }
+        tracing::warn!(
+            shard = self.shard,
+            objects = d.parked.len(),
+            "recovered replicas whose segments did not mount again in time: dropped"
+        );
+        d.parked_holds.clear();
+        let keys: Vec<Box<[u8]>> = d.parked.drain().map(|(k, _)| k).collect();
+        for k in keys {
+            self.objs.mark_dirty(&k);
+        }
+    }
+
+    /// Whether `key` is a recovered object none of whose replicas is back.
+    fn parked_only(&self, key: &[u8]) -> bool {
+        self.durable
+            .as_ref()
+            .is_some_and(|d| d.parked.get(key).is_some_and(|p| !p.attached))
+    }
+
+    fn recovering(key: &[u8]) -> KvError {
+        err(
+            ErrorCode::ReplicaNotReady,
+            format!(
+                "key {} is being recovered: its segments have not mounted again yet",
+                show_key(key)
+            ),
+        )
+    }
+
+    /// Appends to `out` the next part of a snapshot of this shard's durable
+    /// state (at most `budget` objects); returns whether it is complete.
+    /// The state may change between steps: each key's record is its state
+    /// at some time after the log was rotated, and the new log, replayed
+    /// over the snapshot, ends in the state as it is.
+    pub fn snapshot_step(
+        &self,
+        cur: &mut SnapshotCursor,
+        budget: usize,
+        out: &mut Vec<u8>,
+    ) -> bool {
+        let Some(d) = self.durable.as_ref() else {
+            return true;
+        };
+        if cur.done {
+            return true;
+        }
+        let end = self.objs.slab_len();
+        let mut n = 0;
+        while (cur.next_id as usize) < end && n < budget {
+            let id = cur.next_id;
+            cur.next_id += 1;
+            let Some((key, o)) = self.objs.entry_at(id) else {
+                continue;
+            };
+            n += 1;
+            match o.phase {
+                Phase::Complete(_) => {
+                    self.encode_complete(key, o, d.parked.get(key), out);
+                }
+                Phase::Processing(ref p) => {
+                    let until = self.write_hold_until(p.started_ms);
+                    for r in &o.replicas {
+                        self.encode_hold(d, r.slot, r.offset, o.size, until, out);
+                    }
+                }
+            }
+            // A promotion's range is written by a node.
+            for r in o
+                .replicas
+                .iter()
+                .filter(|r| r.state == ReplicaState::Promoting)
+            {
+                let until = self.write_hold_until(o.complete().map_or(0, |c| c.lease_end_ms));
+                self.encode_hold(d, r.slot, r.offset, o.size, until, out);
+            }
+        }
+        if (cur.next_id as usize) < end {
+            return false;
+        }
+        for (key, p) in &d.parked {
+            if !p.attached && !p.waiting.is_empty() {
+                encode_parked(key, p, out);
+            }
+        }
+        for h in d.parked_holds.values().flatten() {
+            journal::encode_hold(out, h);
+        }
+        for Reverse(p) in &self.pending {
+            if let Some(Some(s)) = self.slots.get(p.slot as usize) {
+                if s.id == p.segment {
+                    journal::encode_hold(
+                        out,
+                        &Hold {
+                            segment: p.segment,
+                            offset: p.offset,
+                            len: s.alloc.rounded(p.size),
+                            until_unix_ms: d.unix_at_zero_ms.saturating_add(p.at_ms),
+                        },
+                    );
+                }
+            }
+        }
+        cur.done = true;
+        true
+    }
+
+    fn encode_hold(
+        &self,
+        d: &Durable,
+        slot: u32,
+        offset: u64,
+        size: u64,
+        until_ms: u64,
+        out: &mut Vec<u8>,
+    ) {
+        let s = self.slot(slot);
+        if s.tier() == Tier::Dram {
+            journal::encode_hold(
+                out,
+                &Hold {
+                    segment: s.id,
+                    offset,
+                    len: s.alloc.rounded(size),
+                    until_unix_ms: d.unix_at_zero_ms.saturating_add(until_ms),
+                },
+            );
+        }
+    }
+
+    /// The durable state as the state directory would record it: every
+    /// complete object (with the replicas still waiting for their
+    /// segments) and every recovered one not back yet. For tests.
+    pub fn durable_image(&self) -> HashMap<Vec<u8>, ObjectRec> {
+        let mut m = HashMap::new();
+        let d = self.durable.as_deref();
+        for id in self.objs.complete_ids() {
+            let key = self.objs.key(id);
+            let o = self.objs.get(id);
+            let mut replicas = self
+                .durable_replicas(o, d.and_then(|d| d.parked.get(key)))
+                .to_vec();
+            if replicas.is_empty() {
+                continue;
+            }
+            replicas.sort_unstable();
+            m.insert(
+                key.to_vec(),
+                ObjectRec {
+                    size: o.size,
+                    sum: o.checksum(),
+                    hard_pin: o.hard_pinned(),
+                    replicas,
+                },
+            );
+        }
+        for (key, p) in d.iter().flat_map(|d| d.parked.iter()) {
+            if !p.attached {
+                let mut replicas: Vec<_> = p.waiting.to_vec();
+                replicas.sort_unstable();
+                m.insert(
+                    key.to_vec(),
+                    ObjectRec {
+                        size: p.size,
+                        sum: p.sum,
+                        hard_pin: p.hard_pin,
+                        replicas,
+                    },
+                );
+            }
+        }
+        m
     }
 
     /// Reads the term its grants carry from `term` (the fence's cell).
@@ -382,7 +907,13 @@ impl ShardState {
 
     /// Adds a segment (idempotent for the same id; a known NVMe tier that
     /// mounts again after its node restarted gets its new address and owner).
-    pub fn add_segment(&mut self, id: SegmentId, spec: Arc<SegmentSpec>, owner: ClientId) {
+    pub fn add_segment(
+        &mut self,
+        id: SegmentId,
+        spec: Arc<SegmentSpec>,
+        owner: ClientId,
+        now_ms: u64,
+    ) {
         if let Some(&idx) = self.by_id.get(&id) {
             if let Some(slot) = self.slots[idx as usize].as_mut() {
                 slot.spec = spec;
@@ -424,6 +955,7 @@ impl ShardState {
             self.objs.mount_range(idx as u32);
         }
         self.by_id.insert(id, idx as u32);
+        self.attach_parked(idx as u32, id, now_ms);
     }
 
     /// Removes a segment and every replica on it; objects left with no replica
@@ -520,6 +1052,7 @@ impl ShardState {
         let slot = self.slot(r.slot);
         if slot.tier() == Tier::Dram {
             let segment = slot.id;
+            self.hold(r.slot, r.offset, size, at_ms);
             self.pending.push(Reverse(PendingFree {
                 at_ms,
                 segment,
@@ -907,6 +1440,9 @@ impl ShardState {
         if opts.replicas == 0 {
             return Err(err(ErrorCode::InvalidParams, "replicas must be at least 1"));
         }
+        if self.parked_only(key) {
+            return Err(Self::recovering(key));
+        }
         let exists = self.objs.complete_id(key).is_some();
         if exists && !opts.replace {
             return Err(err(
@@ -989,6 +1525,10 @@ impl ShardState {
                 .alloc(len)
                 .expect("placement checked the largest free extent");
             replicas.push(Replica::ready(idx, offset));
+            // The writer may write there until its grant runs out, even
+            // past a restart of this master.
+            let until = self.write_hold_until(now_ms);
+            self.hold(idx, offset, len, until);
         }
         let obj = Object {
             size: len,
@@ -1061,6 +1601,11 @@ impl ShardState {
         now_ms: u64,
     ) -> Result<(), KvError> {
         let id = self.own_processing(client, key, now_ms)?;
+        // Recovered replicas of the key still waiting for their segment are
+        // the old object's: they go with it.
+        if let Some(d) = self.durable.as_mut() {
+            d.parked.remove(key);
+        }
         // A replace: the object it replaces goes now, as a forced Remove
         // would take it (its space waits for its readers' lease, its NVMe
         // copies are dropped before the new object's copy is asked for).
@@ -1135,6 +1680,9 @@ impl ShardState {
             }
             return Ok(descs);
         }
+        if self.parked_only(key) {
+            return Err(Self::recovering(key));
+        }
         match self.objs.processing_id(key) {
             Some(id) if self.is_stale(self.objs.get(id), now_ms) => {
                 self.discard_processing(id, now_ms);
@@ -1208,6 +1756,11 @@ impl ShardState {
             self.slot_mut(idx).alloc.dealloc(offset, size);
             return;
         }
+        // The node writes the range when it gets to the task: held as a
+        // put's grant is, from the read's lease end (no earlier than now).
+        let until = self.write_hold_until(self.objs.get(id).stored().lease_end_ms);
+        self.hold(idx, offset, size, until);
+        let q = self.tasks.entry(nvme_seg).or_default();
         q.push_back(NodeTask::Promote {
             key: self.objs.key(id).to_vec(),
             loc: nvme.offset,
@@ -1559,6 +2112,15 @@ impl ShardState {
 
     pub fn remove(&mut self, key: &[u8], force: bool, now_ms: u64) -> Result<(), KvError> {
         self.check_key(key)?;
+        if self.parked_only(key) {
+            // A recovered object not back yet: it goes from the record (its
+            // space was never taken back).
+            if let Some(d) = self.durable.as_mut() {
+                d.parked.remove(key);
+            }
+            self.objs.mark_dirty(key);
+            return Ok(());
+        }
         let Some(id) = self.objs.complete_id(key) else {
             return Err(match self.objs.processing_id(key) {
                 Some(id) if !self.is_stale(self.objs.get(id), now_ms) => err(
@@ -1665,6 +2227,7 @@ impl ShardState {
     /// watermark (the driver runs [`Self::evict_step`] for it).
     pub fn tick(&mut self, now_ms: u64) -> TickReport {
         let mut report = TickReport::default();
+        self.expire_parked(now_ms);
         let stale: Vec<Id> = self
             .objs
             .processing_ids()
@@ -1979,7 +2542,7 @@ mod tests {
             tier: Tier::Dram,
             nvme: None,
         };
-        sh.add_segment(9, Arc::new(spec), 1);
+        sh.add_segment(9, Arc::new(spec), 1, 0);
         sh
     }
 

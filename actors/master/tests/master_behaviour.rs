@@ -2257,7 +2257,7 @@ fn with_a_secret_the_master_signs_write_and_read_grants_for_each_replica() {
         }));
     let seg = Arc::new(spec("a", 64 * KIB, "host-a"));
     let id = kvpool_transport::proto::segment_id_for("a");
-    s.add_segment(id, seg, NODE);
+    s.add_segment(id, seg, NODE, 0);
     let w = s.put_start(WRITER, b"k", 4096, &opts(1), 10).unwrap();
     let g = w[0].grant;
     let until = 1_000_000 + 10 + c.put_timeout_ms;

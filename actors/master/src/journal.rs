@@ -1,0 +1,760 @@
+//! The master's durable state on disk: records, their encoding, the
+//! per-shard log and its snapshots, and replay.
+//!
+//! This module knows files and bytes, not shards: a shard hands it encoded
+//! records ([`Record::encode`]) to append, and gets back at start the
+//! [`Image`] its directory holds ([`replay`]). The same records are what a
+//! standby would be shipped.
+//!
+//! On disk, per shard, in `<state_dir>/shard-<i>/`:
+//!
+//! ```text
+//!  snap-<g>   the shard's durable state as records, complete (written to
+//!             snap-<g>.tmp, then renamed)
+//!  log-<g>    every change since log-<g> was opened, appended; log-<g+1>
+//!             is opened when a snapshot starts, so snap-<g+1> + log-<g+1>..
+//!             is the state, and older files can go once snap-<g+1> exists
+//! ```
+//!
+//! Recovery loads the newest snapshot `snap-<g>` and replays `log-<g>`,
+//! `log-<g+1>`, ... in order. Records are full states of a key (an object
+//! and all its replicas, or its absence), so replaying a change twice, or
+//! over a snapshot taken while changes went on, ends in the same state.
+//!
+//! A frame is `len: u32 | check: u32 | payload` (little-endian; `check` is
+//! the low half of xxh3-64 of the payload). A frame cut short or failing its
+//! check at the very end of the newest log is a write the crash tore: it is
+//! cut off. Anything else malformed is an error that names the file and the
+//! offset: the master refuses to start rather than forget an object.
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+
+use kvpool_transport::proto::SegmentId;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Largest payload of one record: a key of at most this much, with its
+/// replicas.
+pub const MAX_RECORD_BYTES: usize = 1 << 20;
+/// Most replicas one object record names.
+pub const MAX_RECORD_REPLICAS: usize = 64;
+/// Bytes of a frame's header.
+pub const FRAME_HEADER: usize = 8;
+
+const TAG_OBJECT: u8 = 1;
+const TAG_GONE: u8 = 2;
+const TAG_HOLD: u8 = 3;
+
+/// What the state directory records of one complete object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectRec {
+    pub size: u64,
+    pub sum: Option<u64>,
+    pub hard_pin: bool,
+    /// (segment, offset in it; an NVMe tier's packed location).
+    pub replicas: Vec<(SegmentId, u64)>,
+}
+
+/// Space someone may still write into (a writer with a grant, a node
+/// copying an object in) or read from (a leased reader) until a wall-clock
+/// time: a restarted master hands it out only after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hold {
+    pub segment: SegmentId,
+    pub offset: u64,
+    pub len: u64,
+    pub until_unix_ms: u64,
+}
+
+/// One durable fact.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Record {
+    /// The complete object under `key` is this one (put, replica added or
+    /// dropped).
+    Object {
+        key: Vec<u8>,
+        obj: ObjectRec,
+    },
+    /// No complete object under `key` (removed, evicted, lost).
+    Gone {
+        key: Vec<u8>,
+    },
+    Hold(Hold),
+}
+
+fn put_u32(out: &mut Vec<u8>, v: u32) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+fn put_u64(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+/// Starts a frame in `out`; returns where its header is.
+fn begin_frame(out: &mut Vec<u8>) -> usize {
+    let at = out.len();
+    out.extend_from_slice(&[0; FRAME_HEADER]);
+    at
+}
+
+/// Fills in the header of the frame begun at `at`.
+fn end_frame(out: &mut [u8], at: usize) {
+    let payload = &out[at + FRAME_HEADER..];
+    let len = payload.len() as u32;
+    let check = xxh3_64(payload) as u32;
+    out[at..at + 4].copy_from_slice(&len.to_le_bytes());
+    out[at + 4..at + 8].copy_from_slice(&check.to_le_bytes());
+}
+
+/// Appends the frame of an object record to `out` (what a shard does on
+/// its hot path: no allocation beyond `out`'s growth).
+pub fn encode_object(
+    out: &mut Vec<u8>,
+    key: &[u8],
+    size: u64,
+    sum: Option<u64>,
+    hard_pin: bool,
+    replicas: impl Iterator<Item = (SegmentId, u64)>,
+) {
+    let at = begin_frame(out);
+    out.push(TAG_OBJECT);
+    put_u32(out, key.len() as u32);
+    out.extend_from_slice(key);
+    put_u64(out, size);
+    out.push(u8::from(sum.is_some()) | (u8::from(hard_pin) << 1));
+    put_u64(out, sum.unwrap_or(0));
+    let n_at = out.len();
+    out.push(0);
+    let mut n = 0u8;
+    for (seg, off) in replicas {
+        put_u64(out, seg);
+        put_u64(out, off);
+        n += 1;
+    }
+    out[n_at] = n;
+    end_frame(out, at);
+}
+
+/// Appends the frame of a `Gone` record to `out`.
+pub fn encode_gone(out: &mut Vec<u8>, key: &[u8]) {
+    let at = begin_frame(out);
+    out.push(TAG_GONE);
+    put_u32(out, key.len() as u32);
+    out.extend_from_slice(key);
+    end_frame(out, at);
+}
+
+/// Appends the frame of a `Hold` record to `out`.
+pub fn encode_hold(out: &mut Vec<u8>, h: &Hold) {
+    let at = begin_frame(out);
+    out.push(TAG_HOLD);
+    put_u64(out, h.segment);
+    put_u64(out, h.offset);
+    put_u64(out, h.len);
+    put_u64(out, h.until_unix_ms);
+    end_frame(out, at);
+}
+
+impl Record {
+    /// Appends this record's frame to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            Record::Object { key, obj } => encode_object(
+                out,
+                key,
+                obj.size,
+                obj.sum,
+                obj.hard_pin,
+                obj.replicas.iter().copied(),
+            ),
+            Record::Gone { key } => encode_gone(out, key),
+            Record::Hold(h) => encode_hold(out, h),
+        }
+    }
+
+    /// Decodes one payload (its frame's check already passed).
+    pub fn decode(p: &[u8]) -> Result<Record, String> {
+        let mut c = Cursor { p, at: 0 };
+        let rec = match c.u8()? {
+            TAG_OBJECT => {
+                let key = c.key()?;
+                let size = c.u64()?;
+                let flags = c.u8()?;
+                if flags & !3 != 0 {
+                    return Err(format!("unknown object flags {flags:#x}"));
+                }
+                let sum = c.u64()?;
+                let n = c.u8()? as usize;
+                if n == 0 || n > MAX_RECORD_REPLICAS {
+                    return Err(format!("an object record with {n} replicas"));
+                }
+                let mut replicas = Vec::with_capacity(n);
+                for _ in 0..n {
+                    replicas.push((c.u64()?, c.u64()?));
+                }
+                if size == 0 {
+                    return Err("an object record of 0 bytes".into());
+                }
+                Record::Object {
+                    key,
+                    obj: ObjectRec {
+                        size,
+                        sum: (flags & 1 != 0).then_some(sum),
+                        hard_pin: flags & 2 != 0,
+                        replicas,
+                    },
+                }
+            }
+            TAG_GONE => Record::Gone { key: c.key()? },
+            TAG_HOLD => Record::Hold(Hold {
+                segment: c.u64()?,
+                offset: c.u64()?,
+                len: c.u64()?,
+                until_unix_ms: c.u64()?,
+            }),
+            t => return Err(format!("unknown record tag {t}")),
+        };
+        if c.at != p.len() {
+            return Err(format!("{} bytes after the record", p.len() - c.at));
+        }
+        Ok(rec)
+    }
+}
+
+struct Cursor<'a> {
+    p: &'a [u8],
+    at: usize,
+}
+
+impl Cursor<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], String> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.p.len())
+            .ok_or_else(|| "the record ends early".to_string())?;
+        let s = &self.p[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+    fn key(&mut self) -> Result<Vec<u8>, String> {
+        let n = self.u32()? as usize;
+        if n == 0 || n > MAX_RECORD_BYTES {
+            return Err(format!("a key of {n} bytes"));
+        }
+        Ok(self.take(n)?.to_vec())
+    }
+}
+
+/// A state directory that cannot be read back as it was written.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{path} at byte {offset}: {why}")]
+    Corrupt {
+        path: PathBuf,
+        offset: u64,
+        why: String,
+    },
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> JournalError + '_ {
+    move |source| JournalError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// What a shard's directory holds: its complete objects and the space
+/// held beyond the crash.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Image {
+    pub objects: HashMap<Vec<u8>, ObjectRec>,
+    pub holds: Vec<Hold>,
+}
+
+impl Image {
+    /// Applies one record.
+    pub fn apply(&mut self, rec: Record) {
+        match rec {
+            Record::Object { key, obj } => {
+                self.objects.insert(key, obj);
+            }
+            Record::Gone { key } => {
+                self.objects.remove(&key);
+            }
+            Record::Hold(h) => self.holds.push(h),
+        }
+    }
+
+    /// Forgets holds that end by `now_unix_ms`.
+    pub fn drop_holds_before(&mut self, now_unix_ms: u64) {
+        self.holds.retain(|h| h.until_unix_ms > now_unix_ms);
+    }
+}
+
+/// What a file replayed to: how many valid bytes, and whether the rest was
+/// a torn tail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileEnd {
+    pub valid: u64,
+    pub torn: bool,
+}
+
+/// Replays the records of one file into `img`. `last`: it is the newest
+/// log, where a torn tail is a crash's, not damage.
+pub fn replay_file(path: &Path, img: &mut Image, last: bool) -> Result<FileEnd, JournalError> {
+    let mut f = File::open(path).map_err(io_err(path))?;
+    let mut data = Vec::new();
+    f.read_to_end(&mut data).map_err(io_err(path))?;
+    let mut at = 0usize;
+    let corrupt = |offset: usize, why: String| JournalError::Corrupt {
+        path: path.to_path_buf(),
+        offset: offset as u64,
+        why,
+    };
+    while at < data.len() {
+        let rest = &data[at..];
+        // A tail of zeros (space the file system allocated before the
+        // crash) or a frame cut short, at the end of the newest log: torn.
+        let torn_here = last && (rest.len() < FRAME_HEADER || rest.iter().all(|&b| b == 0));
+        if torn_here {
+            return Ok(FileEnd {
+                valid: at as u64,
+                torn: true,
+            });
+        }
+        if rest.len() < FRAME_HEADER {
+            return Err(corrupt(at, "a frame header cut short".into()));
+        }
+        let len = u32::from_le_bytes(rest[..4].try_into().expect("4")) as usize;
+        let check = u32::from_le_bytes(rest[4..8].try_into().expect("4"));
+        if len == 0 || len > MAX_RECORD_BYTES + 64 {
+            return Err(corrupt(at, format!("a frame of {len} bytes")));
+        }
+        let end = FRAME_HEADER + len;
+        if rest.len() < end {
+            if last {
+                return Ok(FileEnd {
+                    valid: at as u64,
+                    torn: true,
+                });
+            }
+            return Err(corrupt(at, "a frame cut short".into()));
+        }
+        let payload = &rest[FRAME_HEADER..end];
+        if xxh3_64(payload) as u32 != check {
+            // The last frame of the newest log, failing its check: torn.
+            if last && rest.len() == end {
+                return Ok(FileEnd {
+                    valid: at as u64,
+                    torn: true,
+                });
+            }
+            return Err(corrupt(at, "a frame fails its checksum".into()));
+        }
+        let rec = Record::decode(payload).map_err(|why| corrupt(at, why))?;
+        img.apply(rec);
+        at += end;
+    }
+    Ok(FileEnd {
+        valid: at as u64,
+        torn: false,
+    })
+}
+
+/// Generations of `prefix-<g>` files in `dir`, ascending.
+fn generations(dir: &Path, prefix: &str) -> Result<Vec<u64>, JournalError> {
+    let mut gens = Vec::new();
+    for e in fs::read_dir(dir).map_err(io_err(dir))? {
+        let e = e.map_err(io_err(dir))?;
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if let Some(g) = name
+            .strip_prefix(prefix)
+            .and_then(|r| r.strip_prefix('-'))
+            .filter(|r| !r.contains('.'))
+        {
+            let g = g.parse::<u64>().map_err(|_| {
+                JournalError::Mismatch(format!("{}: an unexpected file {name}", dir.display()))
+            })?;
+            gens.push(g);
+        }
+    }
+    gens.sort_unstable();
+    Ok(gens)
+}
+
+fn snap_path(dir: &Path, g: u64) -> PathBuf {
+    dir.join(format!("snap-{g:08}"))
+}
+
+fn log_path(dir: &Path, g: u64) -> PathBuf {
+    dir.join(format!("log-{g:08}"))
+}
+
+/// A shard's directory, replayed: the image, and the log to append to.
+pub struct Recovered {
+    pub image: Image,
+    pub log: LogWriter,
+    /// Records replayed and whether a torn tail was cut off (for the log line).
+    pub torn: bool,
+}
+
+/// How the log reaches the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sync {
+    /// write(2) only: survives the process's death, not the machine's.
+    None,
+    /// write(2) then fdatasync(2) before the replies go out.
+    Always,
+}
+
+/// Opens (creating it if needed) a shard's directory, replays it, cuts a
+/// torn tail off the newest log, and opens that log for appending.
+pub fn open_shard(dir: &Path, sync: Sync) -> Result<Recovered, JournalError> {
+    fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let snaps = generations(dir, "snap")?;
+    let logs = generations(dir, "log")?;
+    let base = snaps.last().copied().unwrap_or(0);
+    let mut image = Image::default();
+    if let Some(&g) = snaps.last() {
+        let p = snap_path(dir, g);
+        let end = replay_file(&p, &mut image, false)?;
+        debug_assert!(!end.torn);
+    }
+    let replay: Vec<u64> = logs.iter().copied().filter(|&g| g >= base).collect();
+    if let (Some(&first), false) = (replay.first(), snaps.is_empty()) {
+        if first != base {
+            return Err(JournalError::Mismatch(format!(
+                "{}: snapshot {base} has no log-{base:08} beside it",
+                dir.display()
+            )));
+        }
+    }
+    for w in replay.windows(2) {
+        if w[1] != w[0] + 1 {
+            return Err(JournalError::Mismatch(format!(
+                "{}: log {} is missing between {} and {}",
+                dir.display(),
+                w[0] + 1,
+                w[0],
+                w[1]
+            )));
+        }
+    }
+    let mut torn = false;
+    let mut newest = base;
+    for (i, &g) in replay.iter().enumerate() {
+        let p = log_path(dir, g);
+        let last = i + 1 == replay.len();
+        let end = replay_file(&p, &mut image, last)?;
+        if end.torn {
+            torn = true;
+            let f = OpenOptions::new()
+                .write(true)
+                .open(&p)
+                .map_err(io_err(&p))?;
+            f.set_len(end.valid).map_err(io_err(&p))?;
+            f.sync_all().map_err(io_err(&p))?;
+        }
+        newest = g;
+    }
+    let log = LogWriter::open(dir, newest, sync)?;
+    Ok(Recovered { image, log, torn })
+}
+
+/// The log a shard appends to.
+pub struct LogWriter {
+    dir: PathBuf,
+    gen: u64,
+    file: File,
+    sync: Sync,
+    /// Bytes in the current log file.
+    pub bytes: u64,
+}
+
+impl LogWriter {
+    fn open(dir: &Path, gen: u64, sync: Sync) -> Result<Self, JournalError> {
+        let p = log_path(dir, gen);
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&p)
+            .map_err(io_err(&p))?;
+        let bytes = file.metadata().map_err(io_err(&p))?.len();
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            gen,
+            file,
+            sync,
+            bytes,
+        })
+    }
+
+    /// Appends encoded records (whole frames) and, with `Sync::Always`,
+    /// waits for the disk. The caller answers the requests they record
+    /// only after this returns.
+    pub fn append(&mut self, frames: &[u8]) -> io::Result<()> {
+        if frames.is_empty() {
+            return Ok(());
+        }
+        self.file.write_all(frames)?;
+        if self.sync == Sync::Always {
+            self.file.sync_data()?;
+        }
+        self.bytes += frames.len() as u64;
+        Ok(())
+    }
+
+    /// The generation appended to.
+    pub fn generation(&self) -> u64 {
+        self.gen
+    }
+
+    /// Starts log `gen + 1` (appends go there from now on) and returns a
+    /// writer for snapshot `gen + 1`: the snapshot then written from the
+    /// live state, plus this new log and its successors, is the state.
+    pub fn rotate(&mut self) -> Result<SnapshotWriter, JournalError> {
+        let next = LogWriter::open(&self.dir, self.gen + 1, self.sync)?;
+        let old = std::mem::replace(self, next);
+        drop(old);
+        SnapshotWriter::create(&self.dir, self.gen)
+    }
+}
+
+/// A snapshot being written: complete only once [`SnapshotWriter::finish`]
+/// renames it into place.
+pub struct SnapshotWriter {
+    dir: PathBuf,
+    gen: u64,
+    tmp: PathBuf,
+    file: io::BufWriter<File>,
+    pub bytes: u64,
+}
+
+impl SnapshotWriter {
+    fn create(dir: &Path, gen: u64) -> Result<Self, JournalError> {
+        let tmp = dir.join(format!("snap-{gen:08}.tmp"));
+        let file = File::create(&tmp).map_err(io_err(&tmp))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            gen,
+            tmp,
+            file: io::BufWriter::with_capacity(1 << 20, file),
+            bytes: 0,
+        })
+    }
+
+    /// Appends encoded records.
+    pub fn write(&mut self, frames: &[u8]) -> Result<(), JournalError> {
+        self.file.write_all(frames).map_err(io_err(&self.tmp))?;
+        self.bytes += frames.len() as u64;
+        Ok(())
+    }
+
+    /// Flushes and syncs the snapshot, renames it into place, and removes
+    /// the snapshots and logs it makes redundant.
+    pub fn finish(self) -> Result<(), JournalError> {
+        let f = self
+            .file
+            .into_inner()
+            .map_err(|e| io_err(&self.tmp)(e.into_error()))?;
+        f.sync_all().map_err(io_err(&self.tmp))?;
+        let dst = snap_path(&self.dir, self.gen);
+        fs::rename(&self.tmp, &dst).map_err(io_err(&dst))?;
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err(&self.dir))?;
+        for g in generations(&self.dir, "snap")? {
+            if g < self.gen {
+                let p = snap_path(&self.dir, g);
+                fs::remove_file(&p).map_err(io_err(&p))?;
+            }
+        }
+        for g in generations(&self.dir, "log")? {
+            if g < self.gen {
+                let p = log_path(&self.dir, g);
+                fs::remove_file(&p).map_err(io_err(&p))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks (or, in a new directory, writes) the shard count the directory
+/// was written with: keys and segment ranges are split by it, so a master
+/// with another count cannot use it.
+pub fn check_meta(dir: &Path, nr_shards: u32) -> Result<(), JournalError> {
+    fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let p = dir.join("meta");
+    let want = format!("kvpool-state 1\nshards {nr_shards}\n");
+    match fs::read_to_string(&p) {
+        Ok(have) if have == want => Ok(()),
+        Ok(have) => Err(JournalError::Mismatch(format!(
+            "{}: written by a master with {:?}; this one has {nr_shards} shards (start it with \
+             the shard count the directory was written with, or on another directory)",
+            p.display(),
+            have.trim().replace('\n', ", ")
+        ))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let tmp = dir.join("meta.tmp");
+            fs::write(&tmp, want).map_err(io_err(&tmp))?;
+            fs::rename(&tmp, &p).map_err(io_err(&p))?;
+            Ok(())
+        }
+        Err(e) => Err(io_err(&p)(e)),
+    }
+}
+
+/// A shard's directory under the state directory.
+pub fn shard_dir(state_dir: &Path, shard: u32) -> PathBuf {
+    state_dir.join(format!("shard-{shard}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "kvpool-journal-{name}-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        let _ = fs::remove_dir_all(&d);
+        d
+    }
+
+    fn obj(key: &str, n: u64) -> Record {
+        Record::Object {
+            key: key.as_bytes().to_vec(),
+            obj: ObjectRec {
+                size: n,
+                sum: Some(n * 7),
+                hard_pin: n.is_multiple_of(2),
+                replicas: vec![(1, n * 4096), (2, n)],
+            },
+        }
+    }
+
+    #[test]
+    fn records_round_trip() {
+        let recs = vec![
+            obj("a", 3),
+            Record::Gone { key: b"a".to_vec() },
+            Record::Hold(Hold {
+                segment: 9,
+                offset: 4096,
+                len: 100,
+                until_unix_ms: 77,
+            }),
+        ];
+        let mut buf = Vec::new();
+        for r in &recs {
+            r.encode(&mut buf);
+        }
+        let mut at = 0;
+        let mut back = Vec::new();
+        while at < buf.len() {
+            let len = u32::from_le_bytes(buf[at..at + 4].try_into().unwrap()) as usize;
+            back.push(Record::decode(&buf[at + 8..at + 8 + len]).unwrap());
+            at += 8 + len;
+        }
+        assert_eq!(back, recs);
+    }
+
+    #[test]
+    fn a_torn_tail_is_cut_off_and_damage_before_it_is_an_error() {
+        let d = tmp("torn");
+        let sd = d.join("shard-0");
+        let mut r = open_shard(&sd, Sync::None).unwrap();
+        let mut buf = Vec::new();
+        obj("a", 1).encode(&mut buf);
+        obj("b", 2).encode(&mut buf);
+        r.log.append(&buf).unwrap();
+        let whole = buf.len() as u64;
+        // A third record half written.
+        let mut third = Vec::new();
+        obj("c", 3).encode(&mut third);
+        r.log.append(&third[..third.len() / 2]).unwrap();
+        drop(r);
+        let r = open_shard(&sd, Sync::None).unwrap();
+        assert!(r.torn);
+        assert_eq!(r.image.objects.len(), 2);
+        assert_eq!(r.log.bytes, whole, "the torn tail was cut off");
+        drop(r);
+        // A flipped byte in the first record, with a valid one after it:
+        // damage, not a crash: the master refuses to start.
+        let p = log_path(&sd, 0);
+        let mut data = fs::read(&p).unwrap();
+        data[12] ^= 0xff;
+        fs::write(&p, &data).unwrap();
+        let e = open_shard(&sd, Sync::None).err().expect("corrupt");
+        assert!(
+            e.to_string().contains("checksum"),
+            "the error names the cause: {e}"
+        );
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_snapshot_and_the_logs_after_it_are_the_state() {
+        let d = tmp("snap");
+        let mut r = open_shard(&d, Sync::None).unwrap();
+        let mut buf = Vec::new();
+        obj("a", 1).encode(&mut buf);
+        obj("b", 2).encode(&mut buf);
+        r.log.append(&buf).unwrap();
+        let mut snap = r.log.rotate().unwrap();
+        // Changes while the snapshot is written go to the new log.
+        let mut buf = Vec::new();
+        Record::Gone { key: b"a".to_vec() }.encode(&mut buf);
+        obj("c", 3).encode(&mut buf);
+        r.log.append(&buf).unwrap();
+        // The snapshot saw "a" still (it was taken before the removal).
+        let mut sbuf = Vec::new();
+        obj("a", 1).encode(&mut sbuf);
+        obj("b", 2).encode(&mut sbuf);
+        snap.write(&sbuf).unwrap();
+        // Before it is finished, the old files are the state.
+        drop(r);
+        let want: Vec<&str> = vec!["b", "c"];
+        let img = open_shard(&d, Sync::None).unwrap().image;
+        let mut keys: Vec<_> = img.objects.keys().map(|k| k.as_slice()).collect();
+        keys.sort();
+        assert_eq!(keys, want.iter().map(|k| k.as_bytes()).collect::<Vec<_>>());
+        snap.finish().unwrap();
+        assert!(!log_path(&d, 0).exists(), "the old log is gone");
+        let img2 = open_shard(&d, Sync::None).unwrap().image;
+        assert_eq!(img2, img);
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_directory_of_another_shard_count_is_refused() {
+        let d = tmp("meta");
+        check_meta(&d, 2).unwrap();
+        check_meta(&d, 2).unwrap();
+        let e = check_meta(&d, 4).unwrap_err().to_string();
+        assert!(e.contains("4 shards"), "{e}");
+        let _ = fs::remove_dir_all(&d);
+    }
+}

@@ -1,0 +1,284 @@
+//! A lone master killed with SIGKILL under load and restarted on the same
+//! state directory (`--state-dir`): every object whose put returned Ok
+//! before the kill reads back byte for byte, DRAM and NVMe alike; puts in
+//! flight at the kill end with an error by their deadline; after the
+//! restart, new puts and reads of the old objects are all byte-exact (no
+//! space that holds an object is handed out again).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvpool_client::Client;
+use kvpool_config::ClientConfig;
+use kvpool_transport::proto::Tier;
+use xxhash_rust::xxh3::xxh3_64;
+
+use common::{scratch_dir, value, write_config, Signal};
+
+const WORKERS: u64 = 8;
+
+/// Value sizes: a spread from 4 KiB to 200 KiB.
+fn len_of(i: u64) -> usize {
+    4096 + ((i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) % (196 * 1024)) as usize
+}
+
+fn client_cfg() -> ClientConfig {
+    ClientConfig {
+        timeout_ms: 5_000,
+        ..ClientConfig::default()
+    }
+}
+
+/// The objects whose put returned Ok: key -> (seed, len).
+type Acked = Arc<Mutex<BTreeMap<String, (u64, usize)>>>;
+
+/// 8 clients putting (and reading back what they put) until `stop` or
+/// `max` puts each; each call's time is checked against the client's
+/// deadline.
+#[allow(clippy::too_many_arguments)]
+fn workers(
+    rt: &tokio::runtime::Runtime,
+    master: &str,
+    prefix: &'static str,
+    max: u64,
+    acked: &Acked,
+    stop: &Arc<AtomicBool>,
+    after_kill: &Arc<AtomicU64>,
+    killed: &Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<Vec<String>>> {
+    (0..WORKERS)
+        .map(|w| {
+            let (master, acked, stop) = (master.to_string(), acked.clone(), stop.clone());
+            let (after_kill, killed) = (after_kill.clone(), killed.clone());
+            rt.spawn(async move {
+                let c = Client::connect(&master, client_cfg()).await.unwrap();
+                let mut errors = Vec::new();
+                let mut i = 0u64;
+                while !stop.load(Ordering::Acquire) && i < max {
+                    let seed = w * 1_000_000 + i;
+                    let key = format!("{prefix}-{w}-{i}");
+                    let len = len_of(seed);
+                    let v = value(seed, len);
+                    let was_killed = killed.load(Ordering::Acquire);
+                    let t = Instant::now();
+                    let r = c.put(key.as_bytes(), &v).await;
+                    let took = t.elapsed();
+                    assert!(
+                        took < Duration::from_secs(10),
+                        "a put took {took:?}: past its deadline"
+                    );
+                    match r {
+                        Ok(()) => {
+                            acked.lock().unwrap().insert(key.clone(), (seed, len));
+                            // Read it back now and then: reads under load.
+                            if i % 3 == 0 {
+                                if let Ok(got) = c.get(key.as_bytes()).await {
+                                    assert_eq!(xxh3_64(&got), xxh3_64(&v), "{key} read back");
+                                }
+                            }
+                        }
+                        Err(e) => errors.push(format!("{key}: {e}")),
+                    }
+                    if was_killed {
+                        after_kill.fetch_add(1, Ordering::AcqRel);
+                    }
+                    i += 1;
+                }
+                errors
+            })
+        })
+        .collect()
+}
+
+async fn read_all(c: &Client, acked: &BTreeMap<String, (u64, usize)>) -> Result<(), String> {
+    for (k, &(seed, len)) in acked {
+        let got = c.get(k.as_bytes()).await.map_err(|e| format!("{k}: {e}"))?;
+        if got.len() != len || xxh3_64(&got) != xxh3_64(&value(seed, len)) {
+            return Err(format!("{k}: other bytes than were put"));
+        }
+    }
+    Ok(())
+}
+
+/// Reads every acknowledged object, polling until all read back (their
+/// segments mount again within a ping) or `within` passes.
+fn wait_all_readable(
+    rt: &tokio::runtime::Runtime,
+    master: &str,
+    acked: &BTreeMap<String, (u64, usize)>,
+    within: Duration,
+) {
+    rt.block_on(async {
+        let c = Client::connect(master, client_cfg()).await.unwrap();
+        let end = Instant::now() + within;
+        loop {
+            match read_all(&c, acked).await {
+                Ok(()) => return,
+                Err(e) if Instant::now() < end => {
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("after the restart, an acknowledged object: {e}"),
+            }
+        }
+    });
+}
+
+fn start_master(addr: &str, cfg: &str, state: &str) -> common::Proc {
+    common::start(
+        "master",
+        &[
+            "--config",
+            cfg,
+            "--listen",
+            addr,
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+            "--state-dir",
+            state,
+        ],
+    )
+}
+
+#[test]
+fn a_lone_master_killed_and_restarted_on_its_state_dir_forgets_no_object() {
+    let d = scratch_dir("durability-kill");
+    let state = d.join("state");
+    let nvme = d.join("tier.kvnv");
+    // Random placement: the small node's DRAM overflows into its NVMe tier
+    // (objects there NVMe-only), the large DRAM-only node never evicts.
+    let mcfg = write_config(
+        &d,
+        "master.toml",
+        "[master]\nplacement = \"random\"\nclient_ttl_ms = 10000\n",
+    );
+    let ncfg = write_config(
+        &d,
+        "node.toml",
+        &format!(
+            "[storage]\nping_interval_ms = 200\n\
+             [storage.nvme]\npath = \"{}\"\ncapacity = \"256 MiB\"\npolicy = \"on_evict\"\n\
+             avg_object_bytes = \"64 KiB\"\nsync_writes = false\ntask_poll_ms = 20\n",
+            nvme.display()
+        ),
+    );
+    let acfg = write_config(&d, "dram.toml", "[storage]\nping_interval_ms = 200\n");
+    let addr = common::fixed_addr(2);
+    let mut master = start_master(&addr, &mcfg, state.to_str().unwrap());
+    let _dram = common::start_storage(&addr, "96MiB", &["--config", &acfg]);
+    let tiered = common::start_storage(&addr, "8MiB", &["--config", &ncfg]);
+    let rt = common::rt();
+
+    // Phase 1: 8 clients put and read; the master is killed under them.
+    let acked: Acked = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let after_kill = Arc::new(AtomicU64::new(0));
+    let killed = Arc::new(AtomicBool::new(false));
+    let hs = workers(
+        &rt,
+        &addr,
+        "a",
+        u64::MAX,
+        &acked,
+        &stop,
+        &after_kill,
+        &killed,
+    );
+    let end = Instant::now() + Duration::from_secs(60);
+    while acked.lock().unwrap().len() < 320 {
+        assert!(Instant::now() < end, "the clients made no progress");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    killed.store(true, Ordering::Release);
+    master.signal(Signal::KILL);
+    master.wait_exit(Duration::from_secs(10)).expect("killed");
+    // Every client's call in flight at the kill, and one after, ends.
+    let end = Instant::now() + Duration::from_secs(30);
+    while after_kill.load(Ordering::Acquire) < 2 * WORKERS {
+        assert!(Instant::now() < end, "calls at the kill did not end");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stop.store(true, Ordering::Release);
+    let mut errors = Vec::new();
+    for h in hs {
+        errors.extend(rt.block_on(h).unwrap());
+    }
+    assert!(!errors.is_empty(), "puts after the kill failed");
+    let before: BTreeMap<_, _> = acked.lock().unwrap().clone();
+    println!(
+        "{} objects acknowledged before the kill; {} puts failed (e.g. {})",
+        before.len(),
+        errors.len(),
+        errors[0]
+    );
+
+    // Phase 2: the master comes back on the same directory; the nodes
+    // mount again; every acknowledged object reads back.
+    let master = start_master(&addr, &mcfg, state.to_str().unwrap());
+    wait_all_readable(&rt, &master.addr, &before, Duration::from_secs(30));
+    let tiers = rt.block_on(async {
+        let c = Client::connect(&master.addr, client_cfg()).await.unwrap();
+        let (mut dram, mut nvme_only) = (0, 0);
+        for k in before.keys() {
+            let info = c.describe(k.as_bytes()).await.unwrap();
+            if info.replicas.iter().all(|r| r.tier == Tier::Nvme) {
+                nvme_only += 1;
+            } else {
+                dram += 1;
+            }
+        }
+        (dram, nvme_only)
+    });
+    println!(
+        "after the restart: {} in DRAM, {} on NVMe only",
+        tiers.0, tiers.1
+    );
+    assert!(
+        tiers.0 > 0 && tiers.1 > 0,
+        "both tiers were tried: {tiers:?}"
+    );
+
+    // Phase 3: new puts under 8 clients while the old objects are read; then
+    // every object, old and new, reads back byte for byte.
+    let stop = Arc::new(AtomicBool::new(false));
+    let acked2: Acked = Arc::default();
+    let never = Arc::new(AtomicBool::new(false));
+    let hs = workers(
+        &rt,
+        &master.addr,
+        "b",
+        40,
+        &acked2,
+        &stop,
+        &after_kill,
+        &never,
+    );
+    rt.block_on(async {
+        let c = Client::connect(&master.addr, client_cfg()).await.unwrap();
+        read_all(&c, &before).await.unwrap();
+    });
+    for h in hs {
+        let errs = rt.block_on(h).unwrap();
+        assert!(errs.is_empty(), "puts after the restart failed: {errs:?}");
+    }
+    let after: BTreeMap<_, _> = acked2.lock().unwrap().clone();
+    let r = rt.block_on(async {
+        let c = Client::connect(&master.addr, client_cfg()).await.unwrap();
+        read_all(&c, &before).await?;
+        read_all(&c, &after).await
+    });
+    if let Err(e) = r {
+        panic!(
+            "after new puts: {e}\nmaster:\n{}\ntiered node:\n{}",
+            master.stderr(),
+            tiered.stderr()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
