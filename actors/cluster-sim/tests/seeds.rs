@@ -5,6 +5,8 @@
 //! * `KVPOOL_SIM_SEED=<seed>`: replays one seed (what a failure prints).
 //! * `KVPOOL_SIM_SEEDS=<n>`: runs seeds 1..=n instead of the default 1,000.
 //! * `KVPOOL_SIM_EVENTS=<n>`: events per seed (default 3,000).
+//! * `KVPOOL_SIM_NODE=pre-2367aef`: node models as the node was before
+//!   2367aef (no refusal of promotions into another node's segment).
 
 use kvpool_cluster_sim::{run_seed, Options, Stats};
 
@@ -36,6 +38,13 @@ fn options() -> Options {
     let mut o = Options::default();
     if let Some(n) = env_u64("KVPOOL_SIM_EVENTS") {
         o.events = n as usize;
+    }
+    // The node as it was before 2367aef (for the promotion experiment of
+    // docs/RELIABILITY.md): no refusal of foreign promotions, no checksum
+    // check of promoted bytes.
+    if std::env::var("KVPOOL_SIM_NODE").as_deref() == Ok("pre-2367aef") {
+        o.nodes.refuse_foreign_promotions = false;
+        o.nodes.check_promotion_checksum = false;
     }
     o
 }
