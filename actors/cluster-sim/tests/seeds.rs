@@ -5,6 +5,7 @@
 //! * `KVPOOL_SIM_SEED=<seed>`: replays one seed (what a failure prints).
 //! * `KVPOOL_SIM_SEEDS=<n>`: runs seeds 1..=n instead of the default 1,000.
 //! * `KVPOOL_SIM_EVENTS=<n>`: events per seed (default 3,000).
+//! * `KVPOOL_SIM_UNSUMMED=1`: a quarter of the clients without checksums.
 //! * `KVPOOL_SIM_NODE=pre-2367aef`: node models as the node was before
 //!   2367aef (no refusal of promotions into another node's segment).
 
@@ -38,6 +39,11 @@ fn options() -> Options {
     let mut o = Options::default();
     if let Some(n) = env_u64("KVPOOL_SIM_EVENTS") {
         o.events = n as usize;
+    }
+    // A quarter of the clients without checksums (finds the open eviction
+    // bug of docs/RELIABILITY.md, seed 132).
+    if std::env::var("KVPOOL_SIM_UNSUMMED").as_deref() == Ok("1") {
+        o.some_clients_without_checksums = true;
     }
     // The node as it was before 2367aef (for the promotion experiment of
     // docs/RELIABILITY.md): no refusal of foreign promotions, no checksum
