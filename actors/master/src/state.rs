@@ -978,6 +978,10 @@ impl ShardState {
         self.objs.unmount_range(idx);
         self.slots[idx as usize] = None;
         self.tasks.remove(&id);
+        // Extents that waited to be freed go with the mount: the same
+        // segment mounted again (a node declared dead that joins again) has
+        // a fresh allocator that never handed them out.
+        self.pending.retain(|p| p.0.slot != idx);
         gone
     }
 

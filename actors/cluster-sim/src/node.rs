@@ -1,0 +1,833 @@
+//! A storage node as a state machine: a MODEL of `actors/storage-node`
+//! (`node.rs` for the DRAM segment, mounts and pings; `nvme_tier.rs` for the
+//! tier's rounds), following the same protocol.
+//!
+//! * DRAM: the segment's ranges as written (offset -> length and value); a
+//!   write over part of a range leaves bytes of no value there. A restart
+//!   makes a new segment (the real name carries a random part), so the
+//!   master never takes the new memory for the old.
+//! * The ping lane: mount the DRAM segment (retried), mount the tier and
+//!   report every copy it holds (`Recovered`, index flushed first), then a
+//!   ping every [`PING_MS`] naming both segments; what the answer says the
+//!   master does not know is mounted (and the tier reported) again.
+//! * The round lane, every [`ROUND_MS`]: `NodeTasks` from every master
+//!   shard; Persist (demotion or write-through: DRAM bytes checked against
+//!   the object's checksum, then written to the tier unless the same copy
+//!   is there), Promote (the tier's bytes into the DRAM range), Drop; the
+//!   index flushed before the master hears of a copy (a failed flush turns
+//!   the round's fresh copies into `PersistFailed` and removes them); copies
+//!   the master refuses are removed; then the tier evicts past its
+//!   watermark: `Evicted` reported first, the copies removed after.
+//! * The simulated disk: a tier write or flush fails at random; a crash
+//!   loses DRAM and every index record not flushed (that write is torn:
+//!   after the restart the copy is not there).
+//!
+//! Every call the node makes has the client's deadline: a lane whose answer
+//! does not come by then gives up and starts over on its next timer.
+
+use std::collections::BTreeMap;
+
+use kvpool_transport::proto::{
+    segment_id_for, Endpoint, ItemResult, MasterRequest, MasterResponse, NodeTask, NvmeAttach,
+    NvmeUpdate, SegmentId, SegmentSpec, Tier,
+};
+use kvpool_transport::{ErrorCode, KvError};
+use rand::Rng;
+
+use crate::{
+    sum_of, Addr, Body, Content, Ctx, Msg, NodeRules, Timer, CLIENT_TIMEOUT_MS, DRAM_BYTES,
+    PING_MS, ROUND_MS, SHARDS,
+};
+
+/// Copies the tier holds before it evicts, and down to which it evicts.
+const TIER_HIGH: usize = 10;
+const TIER_LOW: usize = 7;
+/// Copies it can hold at all (a write past this is `NoSpace`).
+const TIER_CAP: usize = 12;
+
+#[derive(Debug, Clone)]
+struct Copy {
+    key: Vec<u8>,
+    len: u64,
+    sum: u64,
+    content: Content,
+    /// Its index record is on the device (flushed).
+    durable: bool,
+}
+
+/// The NVMe tier on the simulated disk.
+struct TierModel {
+    seg: SegmentId,
+    spec: SegmentSpec,
+    copies: BTreeMap<u64, Copy>,
+}
+
+impl TierModel {
+    fn lookup(&self, key: &[u8]) -> Option<u64> {
+        self.copies
+            .iter()
+            .find(|(_, c)| c.key == key)
+            .map(|(&l, _)| l)
+    }
+
+    /// The lowest free location (locations are reused, as the real tier
+    /// reuses slots).
+    fn free_loc(&self) -> Option<u64> {
+        (1..=TIER_CAP as u64 + 1).find(|l| !self.copies.contains_key(l))
+    }
+}
+
+#[derive(Debug, Clone)]
+enum PingStep {
+    MountDram { then_tier: bool },
+    MountTier,
+    Report(Vec<u64>),
+    Ping,
+}
+
+#[derive(Debug, Clone)]
+enum RoundStep {
+    Tasks {
+        shard: u32,
+    },
+    Updates {
+        shard: u32,
+        written: Vec<Option<u64>>,
+    },
+    Evicted(Vec<u64>),
+}
+
+pub struct NodeModel {
+    pub idx: usize,
+    pub up: bool,
+    rules: NodeRules,
+    incarnation: u64,
+    client_id: u64,
+    host: String,
+    dram_seg: SegmentId,
+    dram_spec: SegmentSpec,
+    dram: BTreeMap<u64, (u64, Content)>,
+    tier: Option<TierModel>,
+    write_through: bool,
+    /// Mounted and reported since the last start.
+    started: bool,
+    unreported: bool,
+    ping: Option<(u64, u64, PingStep)>,
+    round: Option<(u64, u64, RoundStep)>,
+}
+
+fn endpoint(i: usize) -> Endpoint {
+    Endpoint {
+        host: format!("10.0.0.{}", i + 1),
+        port: 7300,
+        nr_shards: 1,
+    }
+}
+
+impl NodeModel {
+    pub fn new(idx: usize, rules: NodeRules, ctx: &mut Ctx) -> Self {
+        let host = format!("host-{idx}");
+        let has_tier = idx == 0 || ctx.rng.random_ratio(3, 4);
+        let tier = has_tier.then(|| {
+            let name = format!("nvme:{host}:/dev/nvme0");
+            let seg = segment_id_for(&name);
+            ctx.seg_node.insert(seg, idx);
+            TierModel {
+                seg,
+                spec: SegmentSpec {
+                    name,
+                    size: 1 << 30,
+                    endpoint: endpoint(idx),
+                    slice_bytes: 0,
+                    host_id: host.clone(),
+                    tier: Tier::Nvme,
+                    nvme: None,
+                },
+                copies: BTreeMap::new(),
+            }
+        });
+        let mut n = Self {
+            idx,
+            up: false,
+            rules,
+            incarnation: 0,
+            client_id: 0,
+            host,
+            dram_seg: 0,
+            dram_spec: SegmentSpec {
+                name: String::new(),
+                size: 0,
+                endpoint: endpoint(idx),
+                slice_bytes: 0,
+                host_id: String::new(),
+                tier: Tier::Dram,
+                nvme: None,
+            },
+            dram: BTreeMap::new(),
+            tier,
+            write_through: ctx.rng.random_ratio(1, 3),
+            started: false,
+            unreported: false,
+            ping: None,
+            round: None,
+        };
+        n.restart(ctx);
+        n
+    }
+
+    fn me(&self) -> Addr {
+        Addr::Node(self.idx)
+    }
+
+    /// The process dies: DRAM is gone, and so is every tier copy whose
+    /// index record was not flushed.
+    pub fn crash(&mut self, _ctx: &mut Ctx) {
+        self.up = false;
+        self.dram.clear();
+        if let Some(t) = self.tier.as_mut() {
+            t.copies.retain(|_, c| c.durable);
+        }
+        self.ping = None;
+        self.round = None;
+        self.started = false;
+    }
+
+    /// A new process: a new client id and DRAM segment; the tier as the
+    /// disk kept it.
+    pub fn restart(&mut self, ctx: &mut Ctx) {
+        self.up = true;
+        self.incarnation += 1;
+        self.client_id = ctx.rng.random::<u64>().max(1);
+        let name = format!("{}:7300:{:016x}", self.host, ctx.rng.random::<u64>());
+        self.dram_seg = segment_id_for(&name);
+        ctx.seg_node.insert(self.dram_seg, self.idx);
+        self.dram_spec = SegmentSpec {
+            name,
+            size: DRAM_BYTES,
+            endpoint: endpoint(self.idx),
+            slice_bytes: DRAM_BYTES,
+            host_id: self.host.clone(),
+            tier: Tier::Dram,
+            nvme: self.tier.as_ref().map(|t| NvmeAttach {
+                segment_id: t.seg,
+                write_through: self.write_through,
+            }),
+        };
+        self.dram.clear();
+        self.started = false;
+        self.unreported = false;
+        self.ping = None;
+        self.round = None;
+        self.mount_dram(ctx, true);
+        let inc = self.incarnation;
+        ctx.timer(self.me(), PING_MS, Timer::NodePing(inc));
+        ctx.timer(self.me(), ROUND_MS, Timer::NodeRound(inc));
+    }
+
+    /// Whether this process serves DRAM segment `seg` (or has tier `seg`).
+    pub fn serves(&self, seg: SegmentId) -> bool {
+        self.up && (seg == self.dram_seg || self.tier.as_ref().is_some_and(|t| t.seg == seg))
+    }
+
+    pub fn tier_segment(&self) -> Option<SegmentId> {
+        self.tier.as_ref().map(|t| t.seg)
+    }
+
+    /// What the DRAM range holds, when `seg` is this process's segment.
+    pub fn dram_read(&self, seg: SegmentId, offset: u64, len: u64) -> Option<Content> {
+        if !self.up || seg != self.dram_seg {
+            return None;
+        }
+        Some(match self.dram.get(&offset) {
+            Some(&(l, c)) if l == len => c,
+            _ => None,
+        })
+    }
+
+    fn dram_write(&mut self, offset: u64, len: u64, content: Content) {
+        let end = offset + len.max(1);
+        // Every range this write touches now holds bytes of no value,
+        // unless it is exactly this range.
+        let touched: Vec<u64> = self
+            .dram
+            .range(..end)
+            .filter(|(&o, &(l, _))| o + l.max(1) > offset)
+            .map(|(&o, _)| o)
+            .collect();
+        for o in touched {
+            let (l, _) = self.dram[&o];
+            self.dram.insert(o, (l, None));
+        }
+        self.dram.insert(offset, (len, content));
+    }
+
+    /// Whether the tier durably holds `key`'s copy at `loc`.
+    pub fn tier_holds(&self, seg: SegmentId, loc: u64, key: &[u8]) -> bool {
+        self.tier.as_ref().is_some_and(|t| {
+            t.seg == seg
+                && t.copies
+                    .get(&loc)
+                    .is_some_and(|c| c.key == key && c.durable)
+        })
+    }
+
+    /// The copy at `loc` as a reader gets it (the real tier checks the
+    /// key in the slot's header).
+    pub fn tier_content(&self, loc: u64, key: &[u8]) -> Content {
+        let t = self.tier.as_ref()?;
+        let c = t.copies.get(&loc)?;
+        if c.key != key {
+            return None;
+        }
+        c.content
+    }
+
+    pub fn open_deadline(&self) -> Option<u64> {
+        [
+            self.ping.as_ref().map(|p| p.1),
+            self.round.as_ref().map(|r| r.1),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    fn call_ping(&mut self, ctx: &mut Ctx, req: MasterRequest, step: PingStep) {
+        let id = ctx.ask(self.me(), req);
+        self.ping = Some((id, ctx.now + CLIENT_TIMEOUT_MS, step));
+        ctx.timer(self.me(), CLIENT_TIMEOUT_MS, Timer::NodeDeadline(id));
+    }
+
+    fn call_round(&mut self, ctx: &mut Ctx, req: MasterRequest, step: RoundStep) {
+        let id = ctx.ask(self.me(), req);
+        self.round = Some((id, ctx.now + CLIENT_TIMEOUT_MS, step));
+        ctx.timer(self.me(), CLIENT_TIMEOUT_MS, Timer::NodeDeadline(id));
+    }
+
+    fn mount_dram(&mut self, ctx: &mut Ctx, then_tier: bool) {
+        let req = MasterRequest::MountSegment {
+            client_id: self.client_id,
+            spec: self.dram_spec.clone(),
+        };
+        self.call_ping(ctx, req, PingStep::MountDram { then_tier });
+    }
+
+    fn mount_tier(&mut self, ctx: &mut Ctx) {
+        let Some(t) = self.tier.as_ref() else {
+            self.started = true;
+            self.ping = None;
+            return;
+        };
+        let req = MasterRequest::MountSegment {
+            client_id: self.client_id,
+            spec: t.spec.clone(),
+        };
+        self.call_ping(ctx, req, PingStep::MountTier);
+    }
+
+    /// Reports every copy (its index flushed first).
+    fn report_all(&mut self, ctx: &mut Ctx) {
+        let Some(t) = self.tier.as_mut() else { return };
+        if ctx.rng.random_bool(ctx.faults.disk_fail) {
+            ctx.stats.disk_failures += 1;
+            self.unreported = true;
+            self.ping = None;
+            return;
+        }
+        for c in t.copies.values_mut() {
+            c.durable = true;
+        }
+        let locs: Vec<u64> = t.copies.keys().copied().collect();
+        let updates: Vec<NvmeUpdate> = t
+            .copies
+            .iter()
+            .map(|(&loc, c)| NvmeUpdate::Recovered {
+                key: c.key.clone(),
+                nvme: t.seg,
+                loc,
+                len: c.len,
+                sum: c.sum,
+            })
+            .collect();
+        if updates.is_empty() {
+            self.reported(ctx);
+            return;
+        }
+        let req = MasterRequest::NvmeUpdates {
+            client_id: self.client_id,
+            updates,
+        };
+        self.call_ping(ctx, req, PingStep::Report(locs));
+    }
+
+    fn reported(&mut self, _ctx: &mut Ctx) {
+        self.started = true;
+        self.unreported = false;
+        self.ping = None;
+    }
+
+    pub fn on_timer(&mut self, t: Timer, ctx: &mut Ctx) {
+        match t {
+            // The call timed out: its lane starts over on its next timer.
+            Timer::NodeDeadline(id) => {
+                if self.ping.as_ref().is_some_and(|p| p.0 == id) {
+                    let (_, _, step) = self.ping.take().expect("checked");
+                    // A tier mount or report that may not have landed is
+                    // done again.
+                    if matches!(step, PingStep::MountTier | PingStep::Report(_)) {
+                        self.unreported = true;
+                    }
+                }
+                if self.round.as_ref().is_some_and(|r| r.0 == id) {
+                    self.round = None;
+                }
+            }
+            Timer::NodePing(inc) if inc == self.incarnation && self.up => {
+                ctx.timer(self.me(), PING_MS, Timer::NodePing(inc));
+                if self.ping.is_some() {
+                    return;
+                }
+                if !self.started && !self.unreported {
+                    self.mount_dram(ctx, true);
+                } else if self.unreported {
+                    self.mount_tier(ctx);
+                } else {
+                    let mut segments = vec![self.dram_seg];
+                    segments.extend(self.tier.as_ref().map(|t| t.seg));
+                    let req = MasterRequest::Ping {
+                        client_id: self.client_id,
+                        segments,
+                    };
+                    self.call_ping(ctx, req, PingStep::Ping);
+                }
+            }
+            Timer::NodeRound(inc) if inc == self.incarnation && self.up => {
+                ctx.timer(self.me(), ROUND_MS, Timer::NodeRound(inc));
+                if self.round.is_some() || !self.started || self.tier.is_none() {
+                    return;
+                }
+                self.ask_tasks(ctx, 0);
+            }
+            _ => {}
+        }
+    }
+
+    fn ask_tasks(&mut self, ctx: &mut Ctx, shard: u32) {
+        let mut segments = vec![self.dram_seg];
+        segments.extend(self.tier.as_ref().map(|t| t.seg));
+        let req = MasterRequest::NodeTasks {
+            client_id: self.client_id,
+            shard,
+            segments,
+            max: 16,
+        };
+        self.call_round(ctx, req, RoundStep::Tasks { shard });
+    }
+
+    /// Handles a message; true when it finished reporting the whole tier.
+    pub fn on_msg(&mut self, m: Msg, ctx: &mut Ctx) -> bool {
+        match m.body {
+            Body::Write {
+                id,
+                seg,
+                offset,
+                len,
+                content,
+            } => {
+                let res = if seg == self.dram_seg && offset + len <= DRAM_BYTES {
+                    self.dram_write(offset, len, content);
+                    Ok(None)
+                } else {
+                    Err(ErrorCode::SegmentNotFound)
+                };
+                ctx.send(self.me(), m.from, Body::Data { id, res });
+                false
+            }
+            Body::Read {
+                id,
+                seg,
+                tier,
+                offset,
+                len,
+            } => {
+                let res = match tier {
+                    Tier::Dram => self
+                        .dram_read(seg, offset, len)
+                        .ok_or(ErrorCode::SegmentNotFound),
+                    Tier::Nvme => match self.tier.as_ref().filter(|t| t.seg == seg) {
+                        Some(t) => match t.copies.get(&offset) {
+                            Some(c) if c.len == len => Ok(c.content),
+                            _ => Err(ErrorCode::ObjectNotFound),
+                        },
+                        None => Err(ErrorCode::SegmentNotFound),
+                    },
+                };
+                ctx.send(self.me(), m.from, Body::Data { id, res });
+                false
+            }
+            Body::Resp { id, res } => {
+                if self.ping.as_ref().is_some_and(|p| p.0 == id) {
+                    let (_, _, step) = self.ping.take().expect("checked");
+                    return self.on_ping_answer(step, res, ctx);
+                }
+                if self.round.as_ref().is_some_and(|r| r.0 == id) {
+                    let (_, _, step) = self.round.take().expect("checked");
+                    self.on_round_answer(step, res, ctx);
+                }
+                false
+            }
+            _ => false,
+        }
+    }
+
+    fn on_ping_answer(
+        &mut self,
+        step: PingStep,
+        res: Result<MasterResponse, KvError>,
+        ctx: &mut Ctx,
+    ) -> bool {
+        match (step, res) {
+            (PingStep::MountDram { then_tier }, Ok(MasterResponse::Mounted { .. }))
+                if then_tier || !self.started =>
+            {
+                self.mount_tier(ctx);
+            }
+            (PingStep::MountTier, Ok(MasterResponse::Mounted { .. })) => self.report_all(ctx),
+            (PingStep::MountTier, _) => self.unreported = self.tier.is_some(),
+            (PingStep::Report(locs), Ok(MasterResponse::BatchDone(results))) => {
+                // Copies the master refuses as stale go; others stay.
+                let t = self.tier.as_mut().expect("reported a tier");
+                for (loc, r) in locs.iter().zip(results) {
+                    match r {
+                        ItemResult::Ok(()) => ctx.stats.recovered += 1,
+                        ItemResult::Err(e)
+                            if KvError::from(e.clone()).code == ErrorCode::ObjectAlreadyExists =>
+                        {
+                            t.copies.remove(loc);
+                        }
+                        ItemResult::Err(_) => {}
+                    }
+                }
+                self.reported(ctx);
+                return true;
+            }
+            (PingStep::Report(_), _) => self.unreported = true,
+            (PingStep::Ping, Ok(MasterResponse::Pong { unknown })) => {
+                let tier_unknown = self.tier.as_ref().is_some_and(|t| unknown.contains(&t.seg));
+                if unknown.contains(&self.dram_seg) {
+                    self.mount_dram(ctx, tier_unknown);
+                } else if tier_unknown {
+                    self.unreported = true;
+                    self.mount_tier(ctx);
+                }
+            }
+            _ => {}
+        }
+        false
+    }
+
+    fn on_round_answer(
+        &mut self,
+        step: RoundStep,
+        res: Result<MasterResponse, KvError>,
+        ctx: &mut Ctx,
+    ) {
+        match (step, res) {
+            (RoundStep::Tasks { shard }, Ok(MasterResponse::Tasks(tasks))) => {
+                let mut updates = Vec::new();
+                let mut written = Vec::new();
+                let mut fresh = Vec::new();
+                for t in tasks {
+                    if let Some((u, loc, new)) = self.run_task(t, ctx) {
+                        updates.push(u);
+                        written.push(loc);
+                        if new {
+                            fresh.extend(loc);
+                        }
+                    }
+                }
+                if updates.is_empty() {
+                    self.next_shard(shard, ctx);
+                    return;
+                }
+                self.flush(&mut updates, &mut written, &fresh, ctx);
+                let req = MasterRequest::NvmeUpdates {
+                    client_id: self.client_id,
+                    updates,
+                };
+                self.call_round(ctx, req, RoundStep::Updates { shard, written });
+            }
+            (RoundStep::Updates { shard, written }, Ok(MasterResponse::BatchDone(results))) => {
+                let t = self.tier.as_mut().expect("a tier runs rounds");
+                for (r, loc) in results.into_iter().zip(written) {
+                    if let (ItemResult::Err(_), Some(loc)) = (r, loc) {
+                        // The master no longer wants this copy.
+                        t.copies.remove(&loc);
+                    }
+                }
+                self.next_shard(shard, ctx);
+            }
+            (RoundStep::Evicted(locs), Ok(MasterResponse::BatchDone(_))) => {
+                let t = self.tier.as_mut().expect("a tier evicts");
+                for l in locs {
+                    t.copies.remove(&l);
+                }
+            }
+            // A failed call: the round starts over on the next timer.
+            _ => {}
+        }
+    }
+
+    fn next_shard(&mut self, shard: u32, ctx: &mut Ctx) {
+        if shard + 1 < SHARDS {
+            self.ask_tasks(ctx, shard + 1);
+            return;
+        }
+        // The round's end: evict past the watermark, reported first.
+        let t = self.tier.as_ref().expect("a tier runs rounds");
+        if t.copies.len() <= TIER_HIGH {
+            return;
+        }
+        let n = t.copies.len() - TIER_LOW;
+        let pick: Vec<(u64, Vec<u8>)> = t
+            .copies
+            .iter()
+            .filter(|(_, c)| c.durable)
+            .take(n)
+            .map(|(&l, c)| (l, c.key.clone()))
+            .collect();
+        if pick.is_empty() {
+            return;
+        }
+        let updates = pick
+            .iter()
+            .map(|(loc, key)| NvmeUpdate::Evicted {
+                key: key.clone(),
+                nvme: t.seg,
+                loc: *loc,
+            })
+            .collect();
+        let req = MasterRequest::NvmeUpdates {
+            client_id: self.client_id,
+            updates,
+        };
+        let locs = pick.into_iter().map(|(l, _)| l).collect();
+        self.call_round(ctx, req, RoundStep::Evicted(locs));
+    }
+
+    /// The index records of this round's copies go to the device before
+    /// the master hears of them; a failed flush turns the fresh ones into
+    /// `PersistFailed` and removes them.
+    fn flush(
+        &mut self,
+        updates: &mut [NvmeUpdate],
+        written: &mut [Option<u64>],
+        fresh: &[u64],
+        ctx: &mut Ctx,
+    ) {
+        let t = self.tier.as_mut().expect("a tier runs rounds");
+        if ctx.rng.random_bool(ctx.faults.disk_fail) {
+            ctx.stats.disk_failures += 1;
+            for (u, w) in updates.iter_mut().zip(written.iter_mut()) {
+                if w.is_some_and(|l| fresh.contains(&l)) {
+                    persist_failed(u);
+                    *w = None;
+                }
+            }
+            for l in fresh {
+                t.copies.remove(l);
+            }
+            return;
+        }
+        for c in t.copies.values_mut() {
+            c.durable = true;
+        }
+        // A copy no longer in its place after the flush is not reported
+        // (`flush_written` looks the key up: same location). Checked by
+        // key and location alone, a later task of the round that replaced
+        // the key's copy in the same (reused) slot passes for the earlier
+        // copy; see `NodeRules::stored_copy_checks_sum`.
+        for (u, w) in updates.iter_mut().zip(written.iter_mut()) {
+            let (NvmeUpdate::Stored { key, sum, len, .. }, Some(l)) = (&*u, *w) else {
+                continue;
+            };
+            let here = t.lookup(key) == Some(l)
+                && (!self.rules.stored_copy_checks_sum
+                    || t.copies
+                        .get(&l)
+                        .is_some_and(|c| c.sum == *sum && c.len == *len));
+            if !here {
+                persist_failed(u);
+                *w = None;
+            }
+        }
+    }
+
+    /// Runs one task; the update to report, the copy's location and
+    /// whether this task wrote it.
+    fn run_task(
+        &mut self,
+        task: NodeTask,
+        ctx: &mut Ctx,
+    ) -> Option<(NvmeUpdate, Option<u64>, bool)> {
+        let rules = self.rules;
+        ctx.note(format!("node {} runs {}", self.idx, short_task(&task)));
+        match task {
+            NodeTask::Persist {
+                key,
+                dram,
+                offset,
+                len,
+                demote,
+                checksum,
+            } => {
+                if dram != self.dram_seg {
+                    return None;
+                }
+                let content = self.dram_read(dram, offset, len).flatten();
+                let sum = sum_of(content);
+                let failed = NvmeUpdate::PersistFailed {
+                    key: key.clone(),
+                    dram,
+                    offset,
+                    demote,
+                };
+                if checksum.is_some_and(|c| c != sum) {
+                    return Some((failed, None, false));
+                }
+                let t = self.tier.as_mut().expect("tasks come to a tier");
+                let (loc, fresh) = match t.lookup(&key) {
+                    Some(l) if t.copies[&l].len == len && t.copies[&l].sum == sum => (l, false),
+                    old => {
+                        if let Some(l) = old {
+                            t.copies.remove(&l);
+                        }
+                        let Some(l) = t.free_loc().filter(|_| t.copies.len() < TIER_CAP) else {
+                            return Some((failed, None, false));
+                        };
+                        if ctx.rng.random_bool(ctx.faults.disk_fail) {
+                            ctx.stats.disk_failures += 1;
+                            return Some((failed, None, false));
+                        }
+                        t.copies.insert(
+                            l,
+                            Copy {
+                                key: key.clone(),
+                                len,
+                                sum,
+                                content,
+                                durable: false,
+                            },
+                        );
+                        (l, true)
+                    }
+                };
+                ctx.stats.stored += 1;
+                Some((
+                    NvmeUpdate::Stored {
+                        key,
+                        nvme: t.seg,
+                        loc,
+                        len,
+                        dram,
+                        offset,
+                        demote,
+                        sum,
+                    },
+                    Some(loc),
+                    fresh,
+                ))
+            }
+            NodeTask::Promote {
+                key,
+                loc,
+                dram,
+                offset,
+                len,
+                checksum,
+            } => {
+                let t = self.tier.as_ref().expect("tasks come to a tier");
+                let copy = t
+                    .copies
+                    .get(&loc)
+                    .filter(|c| c.len == len)
+                    .map(|c| c.content);
+                let ok = match copy {
+                    _ if rules.refuse_foreign_promotions && dram != self.dram_seg => false,
+                    None => false,
+                    Some(c) => {
+                        let bad_sum = rules.check_promotion_checksum
+                            && checksum.is_some_and(|s| s != sum_of(c));
+                        if bad_sum || offset + len > DRAM_BYTES {
+                            false
+                        } else {
+                            // Into this node's own memory at that offset
+                            // (what the node before 2367aef did whatever
+                            // segment the task named).
+                            self.dram_write(offset, len, c);
+                            ctx.stats.promoted += 1;
+                            true
+                        }
+                    }
+                };
+                Some((
+                    NvmeUpdate::Promoted {
+                        key,
+                        dram,
+                        offset,
+                        ok,
+                    },
+                    None,
+                    false,
+                ))
+            }
+            NodeTask::Drop { key, loc } => {
+                let t = self.tier.as_mut().expect("tasks come to a tier");
+                if t.copies.get(&loc).is_some_and(|c| c.key == key) {
+                    t.copies.remove(&loc);
+                }
+                None
+            }
+        }
+    }
+}
+
+/// Turns a Stored report into PersistFailed (the copy is not to be listed).
+fn persist_failed(u: &mut NvmeUpdate) {
+    if let NvmeUpdate::Stored {
+        key,
+        dram,
+        offset,
+        demote,
+        ..
+    } = u
+    {
+        *u = NvmeUpdate::PersistFailed {
+            key: std::mem::take(key),
+            dram: *dram,
+            offset: *offset,
+            demote: *demote,
+        };
+    }
+}
+
+fn short_task(t: &NodeTask) -> String {
+    match t {
+        NodeTask::Persist {
+            key,
+            offset,
+            demote,
+            ..
+        } => format!(
+            "Persist {} from {offset} demote {demote}",
+            String::from_utf8_lossy(key)
+        ),
+        NodeTask::Promote {
+            key, loc, offset, ..
+        } => format!(
+            "Promote {} loc {loc} to {offset}",
+            String::from_utf8_lossy(key)
+        ),
+        NodeTask::Drop { key, loc } => format!("Drop {} loc {loc}", String::from_utf8_lossy(key)),
+    }
+}
