@@ -4,6 +4,9 @@
 //! them without nightly. Also checks that the seed corpus holds a valid
 //! encoding of every request type.
 
+// The fuzz crate's library, compiled here on stable: this test replays the
+// corpus through some of its entry points; the others serve only the
+// cargo-fuzz targets.
 #[allow(dead_code)]
 #[path = "../fuzz/src/lib.rs"]
 mod fuzz;

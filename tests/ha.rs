@@ -7,7 +7,7 @@ mod common;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -166,6 +166,18 @@ fn wait_role(m: &Proc, role: &str, within: Duration) -> Duration {
     }
 }
 
+/// Polls `done` every 20 ms until it holds; fails the test after `within`.
+fn poll_until(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
+    let end = Instant::now() + within;
+    while !done() {
+        assert!(
+            Instant::now() < end,
+            "timed out after {within:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn client_config(secret: &str) -> ClientConfig {
     ClientConfig {
         secret: kvpool_config::Secret::new(secret.to_string()),
@@ -272,11 +284,16 @@ fn the_leader_killed_under_eight_clients_a_standby_leads_and_nvme_objects_read_b
     let stop = Arc::new(AtomicBool::new(false));
     let killed_at = Arc::new(Mutex::new(None::<Instant>));
     let led_at = Arc::new(Mutex::new(None::<Instant>));
+    // Writers whose first put has ended, and puts Ok after the standby led.
+    let under_way = Arc::new(AtomicUsize::new(0));
+    let ok_after_led = Arc::new(AtomicUsize::new(0));
     let writers: Vec<_> = (0..8u64)
         .map(|w| {
             let url = url.clone();
             let stop = stop.clone();
             let led_at = led_at.clone();
+            let under_way = under_way.clone();
+            let ok_after_led = ok_after_led.clone();
             std::thread::spawn(move || {
                 let rt = common::rt();
                 rt.block_on(async move {
@@ -299,9 +316,13 @@ fn the_leader_killed_under_eight_clients_a_standby_leads_and_nvme_objects_read_b
                                 let led = *led_at.lock().unwrap();
                                 if led.is_some_and(|t| started > t) {
                                     ok_after.push((key, seed, 4096 + (i as usize % 7) * 1000));
+                                    ok_after_led.fetch_add(1, Ordering::Relaxed);
                                 }
                             }
                             Err(e) => errors.push(e),
+                        }
+                        if i == 1 {
+                            under_way.fetch_add(1, Ordering::Relaxed);
                         }
                         // Paced, so the pool does not fill up meanwhile.
                         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -311,7 +332,10 @@ fn the_leader_killed_under_eight_clients_a_standby_leads_and_nvme_objects_read_b
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(500));
+    // The kill comes once every writer is putting.
+    poll_until("all 8 writers putting", Duration::from_secs(20), || {
+        under_way.load(Ordering::Relaxed) == 8
+    });
 
     let mut a = a;
     a.signal(Signal::KILL);
@@ -336,8 +360,12 @@ fn the_leader_killed_under_eight_clients_a_standby_leads_and_nvme_objects_read_b
         assert_eq!(c.master_addr(), b.addr, "the client follows the new leader");
     });
 
-    // Writers go on for a moment on the new leader, then stop.
-    std::thread::sleep(Duration::from_secs(2));
+    // Writers go on on the new leader until some of their puts landed there.
+    poll_until(
+        "8 puts Ok on the new leader",
+        Duration::from_secs(30),
+        || ok_after_led.load(Ordering::Relaxed) >= 8,
+    );
     stop.store(true, Ordering::Relaxed);
     let mut after = 0;
     rt.block_on(async {
