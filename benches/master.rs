@@ -142,6 +142,7 @@ fn bench_state_machine(n: usize) {
         m.call(
             Q::PutEnd {
                 client_id: 2,
+                put_id: 0,
                 key: k.clone(),
                 checksum: None,
             },
@@ -202,6 +203,7 @@ fn bench_evict(n: usize, puts: usize) {
         m.call(
             Q::PutEnd {
                 client_id: 2,
+                put_id: 0,
                 key: k.to_vec(),
                 checksum: None,
             },
@@ -341,6 +343,7 @@ async fn actor_put(m: ActorRef<MasterMsg>, prefix: &'static str, batch: usize, t
             &m,
             call::PutEnd {
                 client_id: 2,
+                put_id: 0,
                 key: k,
                 checksum: None,
             },
@@ -370,6 +373,7 @@ async fn actor_put(m: ActorRef<MasterMsg>, prefix: &'static str, batch: usize, t
             &m,
             call::BatchPutEnd {
                 client_id: 2,
+                put_id: 0,
                 items: done(keys),
             },
         )
@@ -471,6 +475,7 @@ async fn tcp_put(c: Client, prefix: &'static str, batch: usize, t: usize, i: usi
         .expect("put_start");
         c.request(Q::PutEnd {
             client_id: c.id(),
+            put_id: 0,
             key: k,
             checksum: None,
         })
@@ -494,6 +499,7 @@ async fn tcp_put(c: Client, prefix: &'static str, batch: usize, t: usize, i: usi
         .expect("batch_put_start");
         c.request(Q::BatchPutEnd {
             client_id: c.id(),
+            put_id: 0,
             items: done(keys),
         })
         .await
@@ -584,6 +590,7 @@ fn bench_rss(marks: &[usize], rt: &tokio::runtime::Runtime) {
                         let r = c
                             .request(Q::BatchPutEnd {
                                 client_id: c.id(),
+                                put_id: 0,
                                 items: done(keys),
                             })
                             .await

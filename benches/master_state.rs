@@ -82,6 +82,7 @@ fn puts(m: &mut MasterCore, from: u64, to: u64, lat: Option<&mut Lat>) {
             m,
             call::PutEnd {
                 client_id: 2,
+                put_id: 0,
                 key,
                 checksum: Some(i),
             },

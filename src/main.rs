@@ -769,6 +769,7 @@ async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode,
                 hard_pin,
                 preferred_host: String::new(),
                 replace,
+                put_id: 0, // the client names each placement
             };
             client.put_with(key.as_bytes(), &value, &opts).await?;
             Ok(ExitCode::SUCCESS)

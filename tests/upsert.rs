@@ -289,6 +289,7 @@ fn an_upsert_that_meets_another_writers_put_waits_for_it_to_end() {
         // Once a's put is over, b's goes through.
         a.call(call::PutRevoke {
             client_id: a.id(),
+            put_id: 0,
             key: b"k".to_vec(),
         })
         .await

@@ -163,6 +163,7 @@ fn populated_master() -> MasterCore {
                 &mut m,
                 MasterRequest::PutEnd {
                     client_id: WRITER,
+                    put_id: 0,
                     key: key.into(),
                     checksum: Some(1),
                 },
@@ -410,11 +411,13 @@ pub fn master_request_seeds() -> Vec<MasterRequest> {
         },
         MasterRequest::PutEnd {
             client_id: WRITER,
+            put_id: 0,
             key: b"open".to_vec(),
             checksum: Some(9),
         },
         MasterRequest::PutRevoke {
             client_id: WRITER,
+            put_id: 0,
             key: b"open".to_vec(),
         },
         MasterRequest::GetReplicaList { key: key() },
@@ -442,6 +445,7 @@ pub fn master_request_seeds() -> Vec<MasterRequest> {
         },
         MasterRequest::BatchPutEnd {
             client_id: WRITER,
+            put_id: 0,
             items: vec![PutDone {
                 key: b"open".to_vec(),
                 checksum: None,
@@ -449,6 +453,7 @@ pub fn master_request_seeds() -> Vec<MasterRequest> {
         },
         MasterRequest::BatchPutRevoke {
             client_id: WRITER,
+            put_id: 0,
             keys: vec![b"open".to_vec(), b"x".to_vec()],
         },
         MasterRequest::BatchGet {

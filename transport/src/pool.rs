@@ -2,7 +2,7 @@
 //!
 //! A call takes a connection, uses it, and gives it back only if it is in a
 //! known state (the whole answer was read). A connection dropped mid-request
-//! is closed, never reused. More concurrent calls than connections wait for
+//! is reset (unsent bytes discarded), never reused. More concurrent calls than connections wait for
 //! one (under the caller's deadline): the bound is the back-pressure.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -77,6 +77,18 @@ impl Conn {
     }
 }
 
+impl Drop for Conn {
+    /// A connection given up mid-request is reset, not closed: bytes still
+    /// in its send buffer (a write abandoned on its deadline) are thrown
+    /// away instead of reaching the peer late, when the master may already
+    /// have given their destination to another put.
+    fn drop(&mut self) {
+        if let Some(s) = &self.stream {
+            let _ = s.0.get_ref().set_zero_linger();
+        }
+    }
+}
+
 impl ConnPool {
     pub fn new(addr: String, max_connections: usize) -> Arc<Self> {
         Arc::new(Self {
@@ -133,5 +145,50 @@ impl ConnPool {
     /// Closes every idle connection (after a peer failure).
     pub fn clear(&self) {
         self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_lite::AsyncWriteExt;
+    use std::io::Read;
+
+    /// What the peer reads after the pool's side is dropped: a clean end of
+    /// stream (`Ok(0)`) or an error.
+    fn peer_end(release: bool) -> std::io::Result<usize> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let pool = ConnPool::new(addr, 1);
+        let mut conn = rt
+            .block_on(pool.get(Duration::from_secs(5)))
+            .expect("connects");
+        let (mut peer, _) = listener.accept().unwrap();
+        rt.block_on(conn.stream().write_all(b"half a request"))
+            .unwrap();
+        let mut buf = [0u8; 14];
+        peer.read_exact(&mut buf).unwrap();
+        if release {
+            conn.release();
+            pool.clear();
+        } else {
+            drop(conn);
+        }
+        peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        peer.read(&mut buf)
+    }
+
+    /// A connection given up mid-request is reset, so bytes still in its
+    /// send buffer never reach the peer late; a released one that is then
+    /// closed ends cleanly.
+    #[test]
+    fn a_connection_dropped_mid_request_is_reset_not_closed() {
+        let e = peer_end(false).expect_err("the peer sees a reset");
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
+        assert_eq!(peer_end(true).unwrap(), 0, "a clean end of stream");
     }
 }

@@ -245,6 +245,15 @@ pub struct PutOptions {
     /// readable until this put ends, then the new one takes its place in
     /// one step. Without it a put of a complete key is `ObjectAlreadyExists`.
     pub replace: bool,
+    /// Names this placement of the put, so that its `PutEnd`/`PutRevoke`
+    /// (which carry the same id) act on it and on no later placement of the
+    /// key: a revoke or end that reaches the master late, after the writer
+    /// placed the key again, is refused. The writer chooses it (a client
+    /// counts, wrapping after 65,535: it tells apart the placements of one
+    /// key by one writer, which are never that many at once); 0 names none,
+    /// and an end or revoke with 0 acts on whichever put of the key the
+    /// writer has under way.
+    pub put_id: u16,
 }
 
 impl Default for PutOptions {
@@ -255,6 +264,7 @@ impl Default for PutOptions {
             hard_pin: false,
             preferred_host: String::new(),
             replace: false,
+            put_id: 0,
         }
     }
 }
@@ -444,11 +454,13 @@ master_calls! {
     PutEnd("put_end") {
         client_id: ClientId,
         key: Vec<u8>,
+        /// The `put_id` of the `PutStart` it ends (see [`PutOptions::put_id`]).
+        put_id: u16,
         /// xxh3-64 of the bytes written; readers check it.
         checksum: Option<u64>,
     } -> () = MasterResponse::Done => ();
-    /// Gives a put's space back (its writer gave up).
-    PutRevoke("put_revoke") { client_id: ClientId, key: Vec<u8> } -> ()
+    /// Gives a put's space back (its writer gave up); `put_id` as in `PutEnd`.
+    PutRevoke("put_revoke") { client_id: ClientId, key: Vec<u8>, put_id: u16 } -> ()
         = MasterResponse::Done => ();
     /// Where to read an object (with read grants); grants a read lease.
     GetReplicaList("get_replica_list") { key: Vec<u8> } -> Vec<ReplicaDesc>
@@ -468,11 +480,11 @@ master_calls! {
     /// `PutStart` of every item; one result per item, in order.
     BatchPutStart("batch_put_start") { client_id: ClientId, items: Vec<PutItem>, opts: PutOptions }
         -> Vec<ItemResult<Vec<ReplicaDesc>>> = MasterResponse::BatchReplicas(v) => v;
-    /// `PutEnd` of every item.
-    BatchPutEnd("batch_put_end") { client_id: ClientId, items: Vec<PutDone> }
+    /// `PutEnd` of every item; `put_id` is the `BatchPutStart`'s.
+    BatchPutEnd("batch_put_end") { client_id: ClientId, put_id: u16, items: Vec<PutDone> }
         -> Vec<ItemResult<()>> = MasterResponse::BatchDone(v) => v;
-    /// `PutRevoke` of every key.
-    BatchPutRevoke("batch_put_revoke") { client_id: ClientId, keys: Vec<Vec<u8>> }
+    /// `PutRevoke` of every key; `put_id` is the `BatchPutStart`'s.
+    BatchPutRevoke("batch_put_revoke") { client_id: ClientId, put_id: u16, keys: Vec<Vec<u8>> }
         -> Vec<ItemResult<()>> = MasterResponse::BatchDone(v) => v;
     /// GetReplicaList of every key (grants leases).
     BatchGet("batch_get") { keys: Vec<Vec<u8>> } -> Vec<ItemResult<Vec<ReplicaDesc>>>

@@ -90,16 +90,24 @@ pub fn split_batch_by(req: MasterRequest, shard_of: impl Fn(&[u8]) -> u32) -> Ve
                     items: pick(items, &positions),
                     opts: opts.clone(),
                 },
-                MasterRequest::BatchPutEnd { client_id, items } => MasterRequest::BatchPutEnd {
+                MasterRequest::BatchPutEnd {
+                    client_id,
+                    put_id,
+                    items,
+                } => MasterRequest::BatchPutEnd {
                     client_id: *client_id,
+                    put_id: *put_id,
                     items: pick(items, &positions),
                 },
-                MasterRequest::BatchPutRevoke { client_id, keys } => {
-                    MasterRequest::BatchPutRevoke {
-                        client_id: *client_id,
-                        keys: pick(keys, &positions),
-                    }
-                }
+                MasterRequest::BatchPutRevoke {
+                    client_id,
+                    put_id,
+                    keys,
+                } => MasterRequest::BatchPutRevoke {
+                    client_id: *client_id,
+                    put_id: *put_id,
+                    keys: pick(keys, &positions),
+                },
                 MasterRequest::BatchGet { keys } => MasterRequest::BatchGet {
                     keys: pick(keys, &positions),
                 },
@@ -228,7 +236,8 @@ mod tests {
         assert_eq!(
             t(call::PutRevoke {
                 client_id: 1,
-                key: b"abcd".to_vec()
+                key: b"abcd".to_vec(),
+                put_id: 0,
             }
             .into()),
             Target::Shard(1)

@@ -25,7 +25,7 @@
 //! # Ok(()) }
 //! ```
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -73,6 +73,8 @@ struct Inner {
     stale: std::sync::atomic::AtomicBool,
     engine: TransferEngine,
     req_ids: AtomicU64,
+    /// Names each placement of a put (`PutOptions::put_id`); never 0.
+    put_ids: AtomicU16,
     host_id: String,
     /// The cluster secret: master connections authenticate with it.
     key: Option<ClusterKey>,
@@ -545,6 +547,7 @@ impl Client {
                 stale: std::sync::atomic::AtomicBool::new(false),
                 engine,
                 req_ids: AtomicU64::new(1),
+                put_ids: AtomicU16::new(1),
                 host_id,
                 key,
                 locations: crate::locations::Locations::new(location_entries),
@@ -969,18 +972,40 @@ impl Client {
         // leave the old object's replicas behind for the next get.
         let _forget = OnDrop(|| self.inner.locations.forget(key));
         let deadline = self.call_deadline();
+        // The put id of the last placement asked for (0: none yet).
+        let last_put = AtomicU16::new(0);
         let res = self
             .deadline("put", async {
                 let mut backoff = Duration::from_millis(1);
                 let mut placements = 0;
                 loop {
-                    match self.put_inner(key, value, opts, deadline).await {
+                    match self.put_inner(key, value, opts, deadline, &last_put).await {
                         Err(e) if e.code == ErrorCode::TryAgain => {
                             // Space is on its way out, or another writer's
                             // put of the key is ending: wait for it, bounded
                             // by the call's deadline (then it is a Timeout).
                             tokio::time::sleep(backoff).await;
                             backoff = (backoff * 2).min(Duration::from_millis(50));
+                        }
+                        Err(e) if e.code == ErrorCode::ObjectNotFound => {
+                            // The PutEnd found the put gone: the master
+                            // discarded it (it ran past put_timeout_ms, or
+                            // heard nothing from this client for
+                            // client_ttl_ms and dropped its puts). The bytes
+                            // are written again, in a new placement.
+                            if placements >= MAX_PLACEMENTS {
+                                return Err(KvError::new(
+                                    ErrorCode::Unavailable,
+                                    format!(
+                                        "the master discarded the put before it ended, {} \
+                                         times: {}",
+                                        placements + 1,
+                                        e.message
+                                    ),
+                                ));
+                            }
+                            placements += 1;
+                            tracing::debug!("a put is placed again: {e}");
                         }
                         Err(e) if placements < MAX_PLACEMENTS => {
                             // A node that could not be reached: the master
@@ -996,10 +1021,12 @@ impl Client {
                 }
             })
             .await;
+        let put_id = last_put.load(Ordering::Relaxed);
         if let Err(e) = &res {
-            if e.code == ErrorCode::Timeout {
+            if e.code == ErrorCode::Timeout && put_id != 0 {
                 // The put may be half done: give its space back, best effort,
-                // under a deadline of its own.
+                // under a deadline of its own. It names its placement, so if
+                // it arrives late it touches no later put of the key.
                 let me = self.clone();
                 let key = key.to_vec();
                 tokio::spawn(async move {
@@ -1009,6 +1036,7 @@ impl Client {
                             me.ask(call::PutRevoke {
                                 client_id: me.inner.id,
                                 key,
+                                put_id,
                             }),
                         )
                         .await;
@@ -1016,6 +1044,16 @@ impl Client {
             }
         }
         res
+    }
+
+    /// A name for a new placement of a put (wraps, skipping 0).
+    fn next_put_id(&self) -> u16 {
+        loop {
+            let id = self.inner.put_ids.fetch_add(1, Ordering::Relaxed);
+            if id != 0 {
+                return id;
+            }
+        }
     }
 
     fn with_host(&self, opts: &PutOptions) -> PutOptions {
@@ -1068,13 +1106,20 @@ impl Client {
         value: &[u8],
         opts: &PutOptions,
         deadline: Instant,
+        last_put: &AtomicU16,
     ) -> Result<(), KvError> {
+        let mut opts = self.with_host(opts);
+        opts.put_id = self.next_put_id();
+        let put_id = opts.put_id;
+        // Before it is sent: the master may hear of it though no answer
+        // comes back.
+        last_put.store(put_id, Ordering::Relaxed);
         let replicas = self
             .ask(call::PutStart {
                 client_id: self.inner.id,
                 key: key.to_vec(),
                 len: value.len() as u64,
-                opts: self.with_host(opts),
+                opts,
             })
             .await?;
         let engine = &self.inner.engine;
@@ -1094,6 +1139,7 @@ impl Client {
                 self.ask(call::PutEnd {
                     client_id: self.inner.id,
                     key: key.to_vec(),
+                    put_id,
                     checksum,
                 })
                 .await
@@ -1103,6 +1149,7 @@ impl Client {
                     .ask(call::PutRevoke {
                         client_id: self.inner.id,
                         key: key.to_vec(),
+                        put_id,
                     })
                     .await;
                 Err(e)
@@ -1400,6 +1447,9 @@ impl Client {
         deadline: Instant,
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
         {
+            let mut opts = self.with_host(opts);
+            opts.put_id = self.next_put_id();
+            let put_id = opts.put_id;
             let req = call::BatchPutStart {
                 client_id: self.inner.id,
                 items: items
@@ -1409,7 +1459,7 @@ impl Client {
                         len: v.len() as u64,
                     })
                     .collect(),
-                opts: self.with_host(opts),
+                opts,
             };
             let started: Vec<Result<Vec<ReplicaDesc>, KvError>> =
                 self.ask(req).await?.into_iter().map(Result::from).collect();
@@ -1466,6 +1516,7 @@ impl Client {
                 let _ = self
                     .ask(call::BatchPutRevoke {
                         client_id: self.inner.id,
+                        put_id,
                         keys: failed_keys,
                     })
                     .await;
@@ -1475,6 +1526,7 @@ impl Client {
             } else {
                 self.ask(call::BatchPutEnd {
                     client_id: self.inner.id,
+                    put_id,
                     items: ok_items,
                 })
                 .await?

@@ -68,6 +68,8 @@ pub struct ClientModel {
     id: u64,
     checksums: bool,
     op: Option<Op>,
+    /// The next placement's `put_id` (as the real client counts them).
+    next_put: u16,
 }
 
 impl ClientModel {
@@ -79,6 +81,7 @@ impl ClientModel {
             id: ctx.rng.random::<u64>().max(1),
             checksums,
             op: None,
+            next_put: 1,
         };
         let me = Addr::Client(idx);
         let first = ctx.rng.random_range(1..200);
@@ -122,6 +125,7 @@ impl ClientModel {
                         let req = MasterRequest::PutRevoke {
                             client_id: self.id,
                             key: o.key.clone(),
+                            put_id: o.opts.put_id,
                         };
                         ctx.ask(self.me(), req);
                     }
@@ -165,6 +169,7 @@ impl ClientModel {
                     soft_pin_ttl_ms: if ctx.rng.random_ratio(1, 5) { 300 } else { 0 },
                     hard_pin: ctx.rng.random_ratio(1, 30),
                     preferred_host: format!("host-{}", ctx.rng.random_range(0..3)),
+                    put_id: 0,
                 };
                 self.op = Some(op);
                 self.put_start(ctx);
@@ -187,6 +192,8 @@ impl ClientModel {
         let me = self.me();
         let o = self.op.as_mut().expect("a put");
         o.stage = Stage::Start;
+        o.opts.put_id = self.next_put;
+        self.next_put = self.next_put.wrapping_add(1).max(1);
         o.awaiting = ctx.ask(
             me,
             MasterRequest::PutStart {
@@ -330,6 +337,7 @@ impl ClientModel {
                         MasterRequest::PutRevoke {
                             client_id: self.id,
                             key: o.key.clone(),
+                            put_id: o.opts.put_id,
                         },
                     );
                     return;
@@ -342,6 +350,7 @@ impl ClientModel {
                         MasterRequest::PutEnd {
                             client_id: self.id,
                             key: o.key.clone(),
+                            put_id: o.opts.put_id,
                             checksum,
                         },
                     );

@@ -599,9 +599,14 @@ impl World {
                 }
             }
             Event::MasterCrash => {
-                self.master_crash();
-                let down = self.ctx.rng.random_range(50..2_000);
-                self.ctx.at(self.ctx.now + down, Event::MasterRestart);
+                // A master already down does not crash again (nor come
+                // back twice: a second restart would be a crash no one
+                // noted, of a master that had half heard the nodes).
+                if self.master.is_some() {
+                    self.master_crash();
+                    let down = self.ctx.rng.random_range(50..2_000);
+                    self.ctx.at(self.ctx.now + down, Event::MasterRestart);
+                }
                 self.schedule_next_fault();
             }
             Event::MasterRestart => self.master_restart(),

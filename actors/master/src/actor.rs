@@ -49,7 +49,7 @@
 //!         client_id: 7, key: key.clone(), len: 4096, opts: Default::default(),
 //!     }).await.unwrap();
 //!     assert_eq!(replicas[0].segment_id, seg);
-//!     call(&master, PutEnd { client_id: 7, key: key.clone(), checksum: None }).await.unwrap();
+//!     call(&master, PutEnd { client_id: 7, key: key.clone(), put_id: 0, checksum: None }).await.unwrap();
 //!     let found: bool = call(&master, Exist { key: key.clone() }).await.unwrap();
 //!     assert!(found);
 //!     master.stop(None);

@@ -80,6 +80,8 @@ pub(crate) struct Processing {
     /// Started with `replace`: it may stand beside a complete object of the
     /// same key, which its PutEnd retires.
     pub replace: bool,
+    /// The writer's name for this placement (`PutOptions::put_id`).
+    pub put_id: u16,
 }
 
 /// A stored object.

@@ -10,9 +10,11 @@
 //!
 //! ```text
 //!  PutStart --> Processing --PutEnd--> Complete --Remove/evict--> gone
-//!                   |  \--PutRevoke (writer) --> gone, space free at once
+//!                   |  \--PutRevoke (writer) --> gone,
 //!                   \---- stale (put_timeout) or writer dead --> gone,
-//!                         space quarantined for stale_put_grace
+//!                         space quarantined for stale_put_grace (all three)
+//!  PutEnd/PutRevoke name the placement (`put_id`): a late one of an earlier
+//!  placement of the key does not touch a later one.
 //!  Complete: GetReplicaList extends the read lease; space of a removed
 //!  object is freed only when its lease has ended (forced removal defers it).
 //!
@@ -1023,12 +1025,6 @@ impl ShardState {
 
     // ---- space ------------------------------------------------------------
 
-    fn free_now(&mut self, obj: &Object) {
-        for r in &obj.replicas {
-            self.free_replica_now(r, obj.size);
-        }
-    }
-
     /// A demotion's DRAM replica `r` (already taken off its object) is
     /// evicted: counted, and its space freed once the object's read lease
     /// (`lease_end`) is over, since a reader may still be copying it (the
@@ -1542,6 +1538,7 @@ impl ShardState {
                 soft_pin_ttl_ms: opts.soft_pin_ttl_ms.min(u32::MAX as u64) as u32,
                 hard_pin: opts.hard_pin,
                 replace: opts.replace,
+                put_id: opts.put_id,
             }),
             replicas,
         };
@@ -1561,8 +1558,15 @@ impl ShardState {
         Ok(descs)
     }
 
-    /// The caller's own Processing object; a stale one is discarded first.
-    fn own_processing(&mut self, client: ClientId, key: &[u8], now_ms: u64) -> Result<Id, KvError> {
+    /// The caller's own Processing object, of the placement `put_id` names
+    /// (any, for 0); a stale one is discarded first.
+    fn own_processing(
+        &mut self,
+        client: ClientId,
+        key: &[u8],
+        put_id: u16,
+        now_ms: u64,
+    ) -> Result<Id, KvError> {
         self.check_key(key)?;
         let Some(id) = self.objs.processing_id(key) else {
             return Err(if self.objs.complete_id(key).is_some() {
@@ -1579,6 +1583,17 @@ impl ShardState {
             return Err(err(
                 ErrorCode::IllegalClient,
                 format!("key {} is being put by another client", show_key(key)),
+            ));
+        }
+        if put_id != 0 && obj.put().put_id != put_id {
+            // An end or revoke of an earlier placement that reached us after
+            // the writer placed the key again: that placement is over.
+            return Err(err(
+                ErrorCode::ObjectNotFound,
+                format!(
+                    "put {put_id} of key {} is over (the writer placed the key again since)",
+                    show_key(key)
+                ),
             ));
         }
         if self.is_stale(obj, now_ms) {
@@ -1601,10 +1616,11 @@ impl ShardState {
         &mut self,
         client: ClientId,
         key: &[u8],
+        put_id: u16,
         checksum: Option<u64>,
         now_ms: u64,
     ) -> Result<(), KvError> {
-        let id = self.own_processing(client, key, now_ms)?;
+        let id = self.own_processing(client, key, put_id, now_ms)?;
         // Recovered replicas of the key still waiting for their segment are
         // the old object's: they go with it.
         if let Some(d) = self.durable.as_mut() {
@@ -1649,11 +1665,19 @@ impl ShardState {
         Ok(())
     }
 
-    pub fn put_revoke(&mut self, client: ClientId, key: &[u8], now_ms: u64) -> Result<(), KvError> {
-        let id = self.own_processing(client, key, now_ms)?;
-        let (_, obj) = self.objs.remove(id);
-        // The writer says it is done with the space: free it at once.
-        self.free_now(&obj);
+    /// Ends a put its writer gave up. Its space is quarantined for
+    /// `stale_put_grace_ms`, not freed at once: the writer stopped, but
+    /// bytes it had sent may still be on their way to a node (a write that
+    /// failed on a deadline), and they must not land in another key's put.
+    pub fn put_revoke(
+        &mut self,
+        client: ClientId,
+        key: &[u8],
+        put_id: u16,
+        now_ms: u64,
+    ) -> Result<(), KvError> {
+        let id = self.own_processing(client, key, put_id, now_ms)?;
+        self.discard_processing(id, now_ms);
         Ok(())
     }
 
@@ -2437,13 +2461,18 @@ impl ShardState {
             R::PutEnd {
                 client_id,
                 key,
+                put_id,
                 checksum,
             } => {
-                self.put_end(client_id, &key, checksum, now_ms)?;
+                self.put_end(client_id, &key, put_id, checksum, now_ms)?;
                 MasterResponse::Done
             }
-            R::PutRevoke { client_id, key } => {
-                self.put_revoke(client_id, &key, now_ms)?;
+            R::PutRevoke {
+                client_id,
+                key,
+                put_id,
+            } => {
+                self.put_revoke(client_id, &key, put_id, now_ms)?;
                 MasterResponse::Done
             }
             R::GetReplicaList { key } => {
@@ -2462,15 +2491,26 @@ impl ShardState {
             } => MasterResponse::BatchReplicas(
                 self.batch_put_start(client_id, &items, &opts, now_ms),
             ),
-            R::BatchPutEnd { client_id, items } => MasterResponse::BatchDone(
+            R::BatchPutEnd {
+                client_id,
+                put_id,
+                items,
+            } => MasterResponse::BatchDone(
                 items
                     .iter()
-                    .map(|i| self.put_end(client_id, &i.key, i.checksum, now_ms).into())
+                    .map(|i| {
+                        self.put_end(client_id, &i.key, put_id, i.checksum, now_ms)
+                            .into()
+                    })
                     .collect(),
             ),
-            R::BatchPutRevoke { client_id, keys } => MasterResponse::BatchDone(
+            R::BatchPutRevoke {
+                client_id,
+                put_id,
+                keys,
+            } => MasterResponse::BatchDone(
                 keys.iter()
-                    .map(|k| self.put_revoke(client_id, k, now_ms).into())
+                    .map(|k| self.put_revoke(client_id, k, put_id, now_ms).into())
                     .collect(),
             ),
             R::BatchGet { keys } => MasterResponse::BatchReplicas(
@@ -2554,7 +2594,7 @@ mod tests {
         let mut sh = shard_with_a_segment();
         for k in [&b"a"[..], b"b", b"c"] {
             sh.put_start(1, k, 1000, &PutOptions::default(), 0).unwrap();
-            sh.put_end(1, k, None, 0).unwrap();
+            sh.put_end(1, k, 0, None, 0).unwrap();
         }
         // A leased removal: its extent waits in `pending`.
         sh.get_replica_list(b"c", 0).unwrap();
@@ -2652,7 +2692,7 @@ mod tests {
                 ..PutOptions::default()
             };
             sh.put_start(1, k, 64, &opts, now).unwrap();
-            sh.put_end(1, k, None, now).unwrap();
+            sh.put_end(1, k, 0, None, now).unwrap();
         };
         put(&mut sh, b"pinned-long", 10_000, 1);
         put(&mut sh, b"pinned-short", 100, 2);

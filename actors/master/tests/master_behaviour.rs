@@ -142,6 +142,7 @@ impl M {
     fn end_as(&mut self, client: u64, key: &str) -> Result<(), KvError> {
         self.call(Q::PutEnd {
             client_id: client,
+            put_id: 0,
             key: key.into(),
             checksum: None,
         })
@@ -152,9 +153,31 @@ impl M {
         self.end_as(WRITER, key)
     }
 
+    /// PutEnd of the writer's placement `put_id`.
+    fn end_put(&mut self, key: &str, put_id: u16) -> Result<(), KvError> {
+        self.call(Q::PutEnd {
+            client_id: WRITER,
+            put_id,
+            key: key.into(),
+            checksum: None,
+        })
+        .map(|_| ())
+    }
+
+    /// PutRevoke of the writer's placement `put_id`.
+    fn revoke_put(&mut self, key: &str, put_id: u16) -> Result<(), KvError> {
+        self.call(Q::PutRevoke {
+            client_id: WRITER,
+            put_id,
+            key: key.into(),
+        })
+        .map(|_| ())
+    }
+
     fn revoke_as(&mut self, client: u64, key: &str) -> Result<(), KvError> {
         self.call(Q::PutRevoke {
             client_id: client,
+            put_id: 0,
             key: key.into(),
         })
         .map(|_| ())
@@ -474,15 +497,81 @@ fn put_end_of_an_unknown_key_is_object_not_found() {
 }
 
 #[test]
-fn put_revoke_frees_the_processing_replicas_at_once() {
+fn put_revoke_ends_the_put_and_the_key_can_be_put_again() {
     let mut m = M::new(1);
     m.mount("seg", 64 * KIB);
     m.start("k", 10 * KIB).unwrap();
     assert!(m.used() >= 10 * KIB);
     m.revoke_as(WRITER, "k").unwrap();
-    assert_eq!(m.used(), 0);
     assert_eq!(code(m.get("k")), ErrorCode::ObjectNotFound);
     assert!(m.start("k", 10).is_ok(), "the key can be put again");
+}
+
+/// The writer gave up, but bytes it had sent may still reach the node (a
+/// write abandoned on its deadline under packet loss): its space goes to
+/// no other put until the grace has passed. Seen in tests/faults.rs before
+/// the fix: a revoked put's late bytes landed in the next key's object.
+#[test]
+fn a_revoked_puts_space_is_reused_only_after_the_grace() {
+    let mut m = M::new(1);
+    m.mount("seg", 8 * KIB);
+    let first = m.start("old", 8 * KIB).unwrap();
+    m.revoke_as(WRITER, "old").unwrap();
+    assert_eq!(
+        code(m.start_with(OTHER, "new", 8 * KIB, opts(1))),
+        ErrorCode::NoSpace
+    );
+    m.advance(m.cfg.stale_put_grace_ms);
+    assert_eq!(m.used(), 0);
+    let second = m.start_with(OTHER, "new", 8 * KIB, opts(1)).unwrap();
+    assert_eq!(second[0].offset, first[0].offset, "now the space is reused");
+}
+
+fn placement(put_id: u16) -> PutOptions {
+    PutOptions { put_id, ..opts(1) }
+}
+
+/// A revoke of placement 1 that reaches the master after the writer placed
+/// the key again (placement 2) must not end placement 2: before put ids,
+/// it did, freeing placement 2's space while its bytes were being written.
+#[test]
+fn a_late_revoke_of_an_earlier_placement_leaves_the_later_one() {
+    let mut m = M::new(1);
+    m.mount("seg", 64 * KIB);
+    m.start_with(WRITER, "k", 10, placement(1)).unwrap();
+    m.revoke_put("k", 1).unwrap();
+    m.start_with(WRITER, "k", 10, placement(2)).unwrap();
+    let used = m.used();
+    assert_eq!(code(m.revoke_put("k", 1)), ErrorCode::ObjectNotFound);
+    assert_eq!(m.used(), used, "placement 2 keeps its space");
+    m.end_put("k", 2).unwrap();
+    assert!(m.exist("k"));
+}
+
+/// Likewise a late PutEnd of placement 1 does not complete placement 2,
+/// whose bytes may not be written yet.
+#[test]
+fn a_late_end_of_an_earlier_placement_does_not_complete_the_later_one() {
+    let mut m = M::new(1);
+    m.mount("seg", 64 * KIB);
+    m.start_with(WRITER, "k", 10, placement(1)).unwrap();
+    m.revoke_put("k", 1).unwrap();
+    m.start_with(WRITER, "k", 10, placement(2)).unwrap();
+    assert_eq!(code(m.end_put("k", 1)), ErrorCode::ObjectNotFound);
+    assert_eq!(code(m.get("k")), ErrorCode::ReplicaNotReady);
+    m.end_put("k", 2).unwrap();
+    assert!(m.exist("k"));
+}
+
+/// Put id 0 names no placement: an end or revoke with it acts on the
+/// writer's put of the key, whichever it is.
+#[test]
+fn put_id_zero_ends_whichever_put_the_writer_has() {
+    let mut m = M::new(1);
+    m.mount("seg", 64 * KIB);
+    m.start_with(WRITER, "k", 10, placement(7)).unwrap();
+    m.end_put("k", 0).unwrap();
+    assert!(m.exist("k"));
 }
 
 #[test]
@@ -787,6 +876,7 @@ fn a_revoked_or_stale_replace_leaves_the_old_object_as_it_was() {
     m.replace_as(WRITER, "k", 5 * KIB).unwrap();
     m.revoke_as(WRITER, "k").unwrap();
     assert_eq!(m.get("k").unwrap(), old);
+    m.advance(m.cfg.stale_put_grace_ms); // the revoked put's quarantine
     assert_eq!(m.used(), used, "the replace's space went back");
     // A replace nobody finishes is discarded as stale; the old object stays.
     m.replace_as(OTHER, "k", 5 * KIB).unwrap();
@@ -914,6 +1004,7 @@ fn batch_put_start_with_replace_replaces_each_stored_key() {
     assert_eq!(m.get("a").unwrap()[0].len, 100, "old until the end");
     m.call(Q::BatchPutEnd {
         client_id: WRITER,
+        put_id: 0,
         items: ["a", "b", "new"]
             .iter()
             .map(|k| kvpool_transport::proto::PutDone {
@@ -984,6 +1075,7 @@ fn batch_put_end_and_revoke_report_each_key() {
     let r = m
         .call(Q::BatchPutEnd {
             client_id: WRITER,
+            put_id: 0,
             items: keys(&[ks[0], ks[1], "missing", ks[2]])
                 .into_iter()
                 .map(|key| kvpool_transport::proto::PutDone {
@@ -1001,6 +1093,7 @@ fn batch_put_end_and_revoke_report_each_key() {
     let r = m
         .call(Q::BatchPutRevoke {
             client_id: OTHER,
+            put_id: 0,
             keys: keys(&[ks[3], ks[4]]),
         })
         .unwrap();
@@ -1011,6 +1104,7 @@ fn batch_put_end_and_revoke_report_each_key() {
     let r = m
         .call(Q::BatchPutRevoke {
             client_id: WRITER,
+            put_id: 0,
             keys: keys(&[ks[3], ks[4]]),
         })
         .unwrap();
@@ -2002,6 +2096,7 @@ fn update_as(m: &mut M, client: u64, u: NvmeUpdate) -> Result<(), KvError> {
 fn end_with_sum(m: &mut M, key: &str, sum: u64) {
     m.call(Q::PutEnd {
         client_id: WRITER,
+        put_id: 0,
         key: key.into(),
         checksum: Some(sum),
     })
@@ -2268,7 +2363,7 @@ fn with_a_secret_the_master_signs_write_and_read_grants_for_each_replica() {
     assert!(key
         .check_grant(&g, GrantOp::Read, id, (w[0].offset, 4096), at(until))
         .is_err());
-    s.put_end(WRITER, b"k", Some(1), 20).unwrap();
+    s.put_end(WRITER, b"k", 0, Some(1), 20).unwrap();
     let r = s.get_replica_list(b"k", 30).unwrap();
     let lease_end = 1_000_000 + 30 + c.lease_ttl_ms;
     assert_eq!(r[0].grant.expires_ms, lease_end);

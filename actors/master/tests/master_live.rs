@@ -77,6 +77,7 @@ fn the_live_shards_eviction_task_brings_a_range_back_under_the_watermark() {
                 &master,
                 PutEnd {
                     client_id: 7,
+                    put_id: 0,
                     key,
                     checksum: None,
                 },

@@ -296,6 +296,7 @@ impl Run {
                     hard_pin,
                     preferred_host: String::new(),
                     replace,
+                    put_id: 0,
                 },
             },
             self.now,
@@ -459,6 +460,7 @@ impl Run {
         let res = self.m.call(
             Q::PutEnd {
                 client_id: client,
+                put_id: 0,
                 key: key.clone().into_bytes(),
                 checksum: None,
             },
@@ -502,6 +504,7 @@ impl Run {
         let res = self.m.call(
             Q::PutRevoke {
                 client_id: client,
+                put_id: 0,
                 key: key.clone().into_bytes(),
             },
             self.now,

@@ -237,6 +237,7 @@ impl Run {
         if self.rng.random_ratio(1, 8) {
             let _ = self.call(call::PutRevoke {
                 client_id: WRITER,
+                put_id: 0,
                 key,
             });
             return;
@@ -249,6 +250,7 @@ impl Run {
         let checksum = self.rng.random_ratio(1, 2).then_some(sum_of(Some(n)));
         let ended = self.call(call::PutEnd {
             client_id: WRITER,
+            put_id: 0,
             key: key.clone(),
             checksum,
         });
