@@ -1063,6 +1063,30 @@ impl ShardState {
         }
     }
 
+    /// The DRAM segment the NVMe tier `nvme` is attached to (its node's
+    /// task queue), if it is mounted.
+    fn dram_of_tier(&self, nvme: SegmentId) -> Option<SegmentId> {
+        self.slots.iter().flatten().find_map(|d| {
+            d.spec
+                .nvme
+                .as_ref()
+                .is_some_and(|a| a.segment_id == nvme)
+                .then_some(d.id)
+        })
+    }
+
+    /// Whether a `Drop` of `key`'s copy at `loc` of tier `nvme` waits in its
+    /// node's queue: that copy's object was removed or replaced.
+    fn drop_queued(&self, nvme: SegmentId, key: &[u8], loc: u64) -> bool {
+        self.dram_of_tier(nvme)
+            .and_then(|dram| self.tasks.get(&dram))
+            .is_some_and(|q| {
+                q.iter().any(
+                    |t| matches!(t, NodeTask::Drop { key: k, loc: l } if k == key && *l == loc),
+                )
+            })
+    }
+
     /// Tells the nodes holding NVMe copies of a removed object to drop them.
     /// NVMe space is the node's: without this a copy would outlive its
     /// object, until NVMe eviction, and come back as `Recovered` when the
@@ -1076,14 +1100,7 @@ impl ShardState {
             if s.tier() != Tier::Nvme {
                 continue;
             }
-            let nvme = s.id;
-            let Some(dram) = self.slots.iter().flatten().find_map(|d| {
-                d.spec
-                    .nvme
-                    .as_ref()
-                    .is_some_and(|a| a.segment_id == nvme)
-                    .then_some(d.id)
-            }) else {
+            let Some(dram) = self.dram_of_tier(s.id) else {
                 continue; // the node's DRAM segment is gone: nobody to ask
             };
             let q = self.tasks.entry(dram).or_default();
@@ -2081,6 +2098,15 @@ impl ShardState {
                     return Err(err(
                         ErrorCode::InvalidParams,
                         format!("a recovered object of {len} bytes"),
+                    ));
+                }
+                if self.drop_queued(*nvme, key, *loc) {
+                    // Reported before the node ran the Drop it is owed (the
+                    // node restarted, or reported its tier again): taking it
+                    // would bring back a removed or replaced object.
+                    return Err(err(
+                        ErrorCode::ObjectAlreadyExists,
+                        "this copy's object was removed or replaced: its Drop is queued",
                     ));
                 }
                 match self.objs.complete_id(key) {
