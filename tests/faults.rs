@@ -697,6 +697,19 @@ fn a_cut_between_the_client_and_a_node_mid_get_and_mid_put_ends_every_call_by_it
             )
             .await;
             summary("client cut from node 0, later", &late.outcomes);
+            // Every object kept has a replica on the node still reached:
+            // each get fails over to it within its deadline (the cut node
+            // costs a get its share of the deadline, not all of it).
+            let gets: Vec<&Outcome> = late.outcomes.iter().filter(|o| !o.put).collect();
+            assert!(!gets.is_empty(), "gets ran while the cut lasted");
+            for o in &gets {
+                if let Err(e) = &o.result {
+                    panic!(
+                        "get {} of a 2-replica object failed while one node was cut: {e}",
+                        o.key
+                    );
+                }
+            }
 
             Net::heal(&[&cl.client_host, victim]);
             let within = Duration::from_secs(20);

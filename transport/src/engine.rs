@@ -553,7 +553,9 @@ impl TransferEngine {
             ));
         }
         let mut last = None;
-        for (i, r) in self.ordered(replicas).into_iter().enumerate() {
+        let order = self.ordered(replicas);
+        let n = order.len();
+        for (i, r) in order.into_iter().enumerate() {
             if r.len != dst.len() as u64 {
                 return Err(KvError::new(
                     ErrorCode::InvalidParams,
@@ -563,32 +565,58 @@ impl TransferEngine {
             if i > 0 {
                 self.stats.replica_failovers.fetch_add(1, Ordering::Relaxed);
             }
+            // Each replica left gets an equal share of the time left (the
+            // last one all of it): a node that stays silent (a cut cable,
+            // no reset) costs its share, not the whole call, and the next
+            // replica is still tried in time.
+            let left = (n - i) as u32;
+            let share = deadline.saturating_duration_since(Instant::now()) / left;
+            let attempt_deadline = Instant::now() + share;
             // The checksum is computed on the way where the path allows
             // (`Some`), else over `dst` afterwards.
             let summing = self.checks(r);
-            let res: Result<Option<u64>, KvError> = if r.tier == Tier::Nvme {
-                self.nvme_read(r, dst).await.map(|()| None)
-            } else {
-                match self.shm_for(r).await {
-                    Some(Ok(map)) => {
-                        let res = if summing {
-                            map.read_into_summed(r.offset, dst).map(Some)
-                        } else {
-                            map.read_into(r.offset, dst).map(|()| None)
-                        };
-                        if res.is_ok() {
-                            self.stats
-                                .shm_bytes
-                                .fetch_add(dst.len() as u64, Ordering::Relaxed);
+            let attempt = async {
+                let res: Result<Option<u64>, KvError> = if r.tier == Tier::Nvme {
+                    self.nvme_read(r, dst).await.map(|()| None)
+                } else {
+                    match self.shm_for(r).await {
+                        Some(Ok(map)) => {
+                            let res = if summing {
+                                map.read_into_summed(r.offset, dst).map(Some)
+                            } else {
+                                map.read_into(r.offset, dst).map(|()| None)
+                            };
+                            if res.is_ok() {
+                                self.stats
+                                    .shm_bytes
+                                    .fetch_add(dst.len() as u64, Ordering::Relaxed);
+                            }
+                            res
                         }
-                        res
+                        Some(Err(e)) => Err(e),
+                        None => match self.rdma_read(r, dst, attempt_deadline).await {
+                            Some(res) => res.map(|()| None),
+                            None => self.tcp_read(r, dst, summing).await,
+                        },
                     }
-                    Some(Err(e)) => Err(e),
-                    None => match self.rdma_read(r, dst, deadline).await {
-                        Some(res) => res.map(|()| None),
-                        None => self.tcp_read(r, dst, summing).await,
-                    },
-                }
+                };
+                res
+            };
+            let res = if left > 1 {
+                tokio::time::timeout(share, attempt)
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(KvError::new(
+                            ErrorCode::Timeout,
+                            format!(
+                                "the replica on segment {:016x} did not answer within its \
+                                 share of the deadline ({share:?}); trying the next",
+                                r.segment_id
+                            ),
+                        ))
+                    })
+            } else {
+                attempt.await
             };
             match res.and_then(|sum| self.verify(r, dst, sum)) {
                 Ok(()) => return Ok(()),

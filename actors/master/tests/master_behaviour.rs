@@ -2081,8 +2081,7 @@ fn a_recovered_copy_whose_drop_is_queued_is_refused() {
     // as any other (a later put's copy may sit in the reused slot).
     let t = tasks(&mut m, dram);
     assert!(
-        t.iter()
-            .any(|t| matches!(t, NodeTask::Drop { loc: 3, .. })),
+        t.iter().any(|t| matches!(t, NodeTask::Drop { loc: 3, .. })),
         "{t:?}"
     );
     update(
