@@ -710,6 +710,18 @@ fn a_cut_between_the_client_and_a_node_mid_get_and_mid_put_ends_every_call_by_it
                     );
                 }
             }
+            // A put placed on the cut node gives up on it after half the
+            // time left, reports it, and is placed on the other node. One
+            // can still run out of time: the node's next ping to the master
+            // clears the report, and the master may place it there again
+            // (docs/RELIABILITY.md). Measured 0 or 1 failed of 18 to 200.
+            let puts: Vec<&Outcome> = late.outcomes.iter().filter(|o| o.put).collect();
+            let failed = puts.iter().filter(|o| o.result.is_err()).count();
+            assert!(
+                !puts.is_empty() && failed * 4 <= puts.len(),
+                "{failed} of {} puts failed while one of two nodes was cut",
+                puts.len()
+            );
 
             Net::heal(&[&cl.client_host, victim]);
             let within = Duration::from_secs(20);

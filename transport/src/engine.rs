@@ -198,6 +198,8 @@ enum ShmEntry {
 const SHM_RETRY: Duration = Duration::from_secs(10);
 /// Segments remembered as unreachable until a caller takes them.
 const MAX_UNREACHABLE: usize = 64;
+/// How long a segment that could not be reached is read last.
+const SUSPECT_FOR: Duration = Duration::from_secs(2);
 
 /// Moves bytes to and from storage nodes. Cheap to share (`Arc`).
 pub struct TransferEngine {
@@ -211,6 +213,9 @@ pub struct TransferEngine {
     stats: EngineStats,
     /// Segments whose node could not be reached, for the caller to report.
     unreachable: Mutex<Vec<SegmentId>>,
+    /// Segments that could not be reached lately, and until when reads try
+    /// their replicas last (at most `MAX_UNREACHABLE`).
+    suspect: Mutex<Vec<(SegmentId, Instant)>>,
     #[cfg(feature = "rdma")]
     rdma: Option<crate::engine_rdma::RdmaPath>,
 }
@@ -226,6 +231,7 @@ impl TransferEngine {
             req_ids: AtomicU64::new(1),
             stats: EngineStats::default(),
             unreachable: Mutex::new(Vec::new()),
+            suspect: Mutex::new(Vec::new()),
             #[cfg(feature = "rdma")]
             rdma: None,
         }
@@ -250,10 +256,28 @@ impl TransferEngine {
         if !matches!(e.code, ErrorCode::Unavailable | ErrorCode::Timeout) {
             return;
         }
-        let mut v = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
-        if !v.contains(&segment) && v.len() < MAX_UNREACHABLE {
-            v.push(segment);
+        {
+            let mut v = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+            if !v.contains(&segment) && v.len() < MAX_UNREACHABLE {
+                v.push(segment);
+            }
         }
+        let now = Instant::now();
+        let mut s = self.suspect.lock().unwrap_or_else(|p| p.into_inner());
+        s.retain(|&(seg, until)| until > now && seg != segment);
+        if s.len() < MAX_UNREACHABLE {
+            s.push((segment, now + SUSPECT_FOR));
+        }
+    }
+
+    /// Whether `segment` could not be reached in the last `SUSPECT_FOR`.
+    fn suspect(&self, segment: SegmentId) -> bool {
+        let s = self.suspect.lock().unwrap_or_else(|p| p.into_inner());
+        if s.is_empty() {
+            return false;
+        }
+        let now = Instant::now();
+        s.iter().any(|&(seg, until)| seg == segment && until > now)
     }
 
     /// Whether a read of `r` checks its bytes against the object's checksum.
@@ -479,12 +503,19 @@ impl TransferEngine {
         Ok(t.sum.expect("a summed write that succeeded has its sum"))
     }
 
-    /// Orders replicas: DRAM before NVMe, then same host first when shm
-    /// may be used.
+    /// Orders replicas: those of a node that could not be reached lately
+    /// last, then DRAM before NVMe, then same host first when shm may be
+    /// used.
     fn ordered<'r>(&self, replicas: &'r [ReplicaDesc]) -> Vec<&'r ReplicaDesc> {
         let mut v: Vec<&ReplicaDesc> = replicas.iter().collect();
         let shm = self.cfg.transport != TransportChoice::Tcp;
-        v.sort_by_key(|r| (r.tier == Tier::Nvme, shm && r.host_id != self.cfg.host_id));
+        v.sort_by_key(|r| {
+            (
+                self.suspect(r.segment_id),
+                r.tier == Tier::Nvme,
+                shm && r.host_id != self.cfg.host_id,
+            )
+        });
         v
     }
 
@@ -670,7 +701,23 @@ impl TransferEngine {
                 Some(Err(e)) => Err(e),
                 None => match self.rdma_write(r, src, deadline).await {
                     Some(res) => res.map(|()| None),
-                    None => self.tcp_write(r, src, summing).await,
+                    // Timed here, not only by `run`, so that a node that fell
+                    // silent is named (noted unreachable: the put is placed
+                    // elsewhere next).
+                    None => tokio::time::timeout_at(
+                        tokio::time::Instant::from_std(deadline),
+                        self.tcp_write(r, src, summing),
+                    )
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(KvError::new(
+                            ErrorCode::Timeout,
+                            format!(
+                                "the write to segment {:016x} did not finish before its deadline",
+                                r.segment_id
+                            ),
+                        ))
+                    }),
                 },
             };
             if let Err(e) = &res {

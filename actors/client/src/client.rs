@@ -979,7 +979,15 @@ impl Client {
                 let mut backoff = Duration::from_millis(1);
                 let mut placements = 0;
                 loop {
-                    match self.put_inner(key, value, opts, deadline, &last_put).await {
+                    // A placement that is not the last may use half the time
+                    // left for its bytes: if a node it was placed on fell
+                    // silent, the next placement still has time.
+                    let write_by = if placements < MAX_PLACEMENTS {
+                        Instant::now() + deadline.saturating_duration_since(Instant::now()) / 2
+                    } else {
+                        deadline
+                    };
+                    match self.put_inner(key, value, opts, write_by, &last_put).await {
                         Err(e) if e.code == ErrorCode::TryAgain => {
                             // Space is on its way out, or another writer's
                             // put of the key is ending: wait for it, bounded
@@ -1009,8 +1017,14 @@ impl Client {
                         }
                         Err(e) if placements < MAX_PLACEMENTS => {
                             // A node that could not be reached: the master
-                            // hears of it and places the put elsewhere.
-                            if self.report_unreachable().await == 0 {
+                            // hears of it and places the put elsewhere. (The
+                            // report may have gone with another call's: a
+                            // write that timed out or found its node gone is
+                            // placed again all the same.)
+                            let reported = self.report_unreachable().await;
+                            let unreached =
+                                matches!(e.code, ErrorCode::Timeout | ErrorCode::Unavailable);
+                            if reported == 0 && !unreached {
                                 return Err(e);
                             }
                             placements += 1;
@@ -1098,8 +1112,9 @@ impl Client {
         }
     }
 
-    /// One placement of a put. The checksum is computed as the bytes go out
-    /// (each piece while it is in cache), not in a pass of its own.
+    /// One placement of a put; its bytes are written by `deadline`. The
+    /// checksum is computed as the bytes go out (each piece while it is in
+    /// cache), not in a pass of its own.
     async fn put_inner(
         &self,
         key: &[u8],
