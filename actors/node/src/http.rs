@@ -131,14 +131,23 @@ async fn healthz(State(st): State<HttpState>) -> Response {
             FenceRole::Leader => {
                 return (
                     StatusCode::OK,
-                    format!("ok role=leader term={}\n", fence.term()),
+                    format!(
+                        "ok role=leader term={} standbys_in_sync={}\n",
+                        fence.term(),
+                        m.ship_status().1
+                    ),
                 )
                     .into_response()
             }
             FenceRole::Standby => {
                 return (
                     StatusCode::OK,
-                    format!("ok role=standby leader={:?}\n", fence.leader()),
+                    format!(
+                        "ok role=standby leader={:?} synced_shards={}/{}\n",
+                        fence.leader(),
+                        m.ship_status().0,
+                        m.cluster_map().shards.len()
+                    ),
                 )
                     .into_response()
             }
