@@ -593,13 +593,14 @@ fn a_stalled_leader_is_fenced_its_grants_refused_and_no_space_is_handed_out_twic
     assert_eq!(role_of(&b), "leader");
 }
 
-/// The number after `name=` in `m`'s /healthz (`synced_shards=2/2` gives 2).
-fn healthz_count(m: &Proc, name: &str) -> Option<u64> {
-    let (_, body) = try_get(&m.http, "/healthz")?;
-    let v = body
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{name}=")))?;
-    v.split('/').next()?.parse().ok()
+/// Whether every master shard's figure `name=` in `m`'s /healthz is `want`
+/// (`synced=1,1`: both shards of a standby in sync).
+fn healthz_all(m: &Proc, name: &str, want: &str) -> bool {
+    try_get(&m.http, "/healthz").is_some_and(|(_, body)| {
+        body.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{name}=")))
+            .is_some_and(|v| v.split(',').all(|x| x == want))
+    })
 }
 
 #[test]
@@ -613,16 +614,12 @@ fn the_leader_killed_under_eight_clients_every_dram_object_reads_back_from_the_s
     // The standby follows every shard of the leader (authenticated with the
     // cluster secret), and the leader's replies wait for it.
     poll_until("the standby in sync", Duration::from_secs(20), || {
-        let (_, body) = try_get(&b.http, "/healthz").unwrap_or_default();
-        body.split_whitespace()
-            .find_map(|w| w.strip_prefix("synced_shards="))
-            .and_then(|v| v.split_once('/'))
-            .is_some_and(|(x, n)| x == n && x != "0")
+        healthz_all(&b, "synced", "1")
     });
     poll_until(
         "the leader's standby in sync",
         Duration::from_secs(20),
-        || healthz_count(&a, "standbys_in_sync") == Some(1),
+        || healthz_all(&a, "standbys_in_sync", "1"),
     );
 
     kvpool_ha::install();

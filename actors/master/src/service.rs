@@ -232,17 +232,15 @@ impl MasterHandle {
         answer.and_then(|r| self.inner.fence.admit().map(|()| r))
     }
 
-    /// HA: (shards whose copy of the leader's is in sync, as a standby;
-    /// the fewest standbys in sync with any shard, as a leader).
-    pub fn ship_status(&self) -> (usize, u32) {
-        let g = &self.inner.ship_gauge;
-        let synced = g.iter().filter(|v| v.load(Ordering::Relaxed) > 0).count();
-        let min = g
+    /// HA, per shard: as a standby, 1 when its copy of the leader's shard
+    /// is in sync (else 0); as a leader, how many standbys are in sync with
+    /// the shard (its replies wait for them).
+    pub fn ship_status(&self) -> Vec<u32> {
+        self.inner
+            .ship_gauge
             .iter()
             .map(|v| v.load(Ordering::Relaxed))
-            .min()
-            .unwrap_or(0);
-        (synced, min)
+            .collect()
     }
 
     /// HA, once this master has won the election and before its fence
