@@ -487,6 +487,11 @@ fn a_stalled_leader_is_fenced_its_grants_refused_and_no_space_is_handed_out_twic
     let url = etcd.url();
     let secret = "ha test secret of more than sixteen bytes";
     let (a, b, _node) = secured_cluster(&url, "ha-stall", secret, "64MiB");
+    // The standby follows the leader: the new leader will know the old
+    // one's objects and the space its grants hold.
+    poll_until("the standby in sync", Duration::from_secs(20), || {
+        healthz_all(&b, "synced", "1")
+    });
     kvpool_ha::install();
     let rt = common::rt();
     // A client of the old leader alone (a fixed address: it cannot follow),
@@ -516,8 +521,9 @@ fn a_stalled_leader_is_fenced_its_grants_refused_and_no_space_is_handed_out_twic
     let took = wait_role(&b, "leader", Duration::from_secs(10));
     println!("a standby led {took:?} after the leader stalled");
 
-    // The new leader hands out the pool's space again (it knows no DRAM
-    // object of the old one): fill it with objects of its own.
+    // The new leader hands out the pool's space (all but what it was
+    // shipped: the old leader's object and its grant's range, held until
+    // its time): fill it with objects of its own.
     let n = 64u64;
     let c = rt.block_on(async {
         let c = Client::connect(&url, tcp.clone()).await.unwrap();
@@ -576,6 +582,10 @@ fn a_stalled_leader_is_fenced_its_grants_refused_and_no_space_is_handed_out_twic
                 "{key}"
             );
         }
+        // The old leader's DRAM object was shipped to the new one.
+        let got = c.get(b"before").await;
+        let got = got.unwrap_or_else(|e| panic!("before: {e}; new leader's log:\n{}", b.stderr()));
+        assert_eq!(got, value(1, 50_000));
     });
     // The old leader learns it lost the lease and says so.
     let end = Instant::now() + Duration::from_secs(10);

@@ -109,7 +109,8 @@ impl NodeConfig {
         nonzero("master.tick_ms", self.master.tick_ms)?;
         nonzero("master.ha_lease_ttl_s", self.master.ha_lease_ttl_s)?;
         nonzero("master.ha_sync_timeout_ms", self.master.ha_sync_timeout_ms)?;
-        if self.master.ha_sync_timeout_ms >= self.master.io_timeout_ms {
+        if !self.master.ha.is_empty() && self.master.ha_sync_timeout_ms >= self.master.io_timeout_ms
+        {
             return Err(format!(
                 "key `master.ha_sync_timeout_ms`: {} must be below master.io_timeout_ms ({})",
                 self.master.ha_sync_timeout_ms, self.master.io_timeout_ms
@@ -356,7 +357,8 @@ pub struct MasterConfig {
     /// HA: how long a leader's reply waits for a following standby to
     /// confirm the reply's state-log records; a standby that has not by
     /// then is dropped from the set the replies wait for (it starts again
-    /// from a snapshot). Below `io_timeout_ms`.
+    /// from a snapshot). Below `io_timeout_ms` (checked with `ha` set; a
+    /// master given `--ha` later waits at most half of `io_timeout_ms`).
     pub ha_sync_timeout_ms: u64,
     /// Directory of the master's log and snapshots ("" = none: a restarted
     /// master forgets every object, and only NVMe objects come back, from

@@ -385,7 +385,10 @@ pub async fn start(
     };
     let recover_wait_ms = cfg.client_ttl_ms;
     let ha = !cfg.ha.is_empty();
-    let sync_timeout = Duration::from_millis(cfg.ha_sync_timeout_ms);
+    let takeover_wait_ms = cfg.client_ttl_ms.saturating_add(cfg.io_timeout_ms);
+    // Below the I/O timeout the reply is sent within, whatever the config
+    // said (it is checked there only when `ha` was set in it).
+    let sync_timeout = Duration::from_millis(cfg.ha_sync_timeout_ms.min(cfg.io_timeout_ms / 2));
     let tick = Duration::from_millis(cfg.tick_ms);
     let client_ttl_ms = cfg.client_ttl_ms;
     let seed: u64 = rand::random();
@@ -466,7 +469,7 @@ pub async fn start(
                     ship_acked: tokio::sync::Notify::new(),
                     standby: RefCell::new(standby),
                     waiting: Cell::new(0),
-                    recover_wait_ms,
+                    takeover_wait_ms,
                     ship_gauge: handle.inner.ship_gauge.clone(),
                     index: i,
                 });
@@ -565,8 +568,10 @@ struct Shard {
     standby: RefCell<Standby>,
     /// Replies of forwarded requests waiting for the standbys.
     waiting: Cell<usize>,
-    /// How long recovered objects wait for their segments.
-    recover_wait_ms: u64,
+    /// How long objects taken over wait for their segments: a node whose
+    /// call hangs on a stalled old leader finds the new one only after that
+    /// call's deadline, so longer than after a restart.
+    takeover_wait_ms: u64,
     /// Where this shard's shipping state is shown ([`MasterHandle::ship_status`]).
     ship_gauge: Arc<[AtomicU32]>,
     index: usize,
@@ -916,7 +921,7 @@ async fn take_over(ctx: &ShardCtx, shard: &Rc<Shard>) -> Result<usize, String> {
     shard
         .state
         .borrow_mut()
-        .recover(image, now_ms(), shard.recover_wait_ms);
+        .recover(image, now_ms(), shard.takeover_wait_ms);
     shard.commit();
     let w = shard.log.borrow_mut().as_mut().map(|l| l.rotate());
     if let Some(w) = w {
