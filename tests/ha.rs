@@ -135,6 +135,54 @@ fn start_master(url: &str, cfg: &str) -> Proc {
     common::start("master", &args)
 }
 
+/// A master that leads on `url`, then one that stands by (config `cfg`).
+fn leader_and_standby(url: &str, cfg: &str) -> (Proc, Proc) {
+    let a = start_master(url, cfg);
+    wait_role(&a, "leader", Duration::from_secs(10));
+    let b = start_master(url, cfg);
+    wait_role(&b, "standby", Duration::from_secs(10));
+    (a, b)
+}
+
+/// With the cluster secret `secret`: a leader and a standby on `url`, and a
+/// DRAM-only storage node of `size`.
+fn secured_cluster(url: &str, tag: &str, secret: &str, size: &str) -> (Proc, Proc, Proc) {
+    let security = format!("[security]\nsecret = \"{secret}\"\n");
+    let mcfg = master_config(&format!("{tag}-master"), &security);
+    let (a, b) = leader_and_standby(url, &mcfg);
+    let scfg = common::config_file(&format!("{tag}-storage"), &security);
+    let node = common::start_storage(url, size, &["--config", &scfg]);
+    (a, b, node)
+}
+
+/// Objects `obj-0..n` (of `len(i)` bytes) read back byte-exact, each once
+/// its node has mounted its segment on the new leader again.
+async fn read_back(c: &Client, n: u64, len: impl Fn(u64) -> usize) {
+    for i in 0..n {
+        let key = format!("obj-{i}");
+        let got = eventually("a read after failover", Duration::from_secs(20), || async {
+            c.get(key.as_bytes()).await.map_err(|e| e.to_string())
+        })
+        .await;
+        assert_eq!(got, value(i, len(i)), "{key} after failover");
+    }
+}
+
+/// kill -9 of leader `a`; standby `b` must lead within 10 s (told to the
+/// writers, if any). Returns when the kill was sent.
+fn kill_leader(mut a: Proc, b: &Proc, w: Option<&Writers>) -> Instant {
+    a.signal(Signal::KILL);
+    let killed_at = Instant::now();
+    a.wait_exit(Duration::from_secs(10))
+        .expect("the leader died");
+    let took = wait_role(b, "leader", Duration::from_secs(10));
+    if let Some(w) = w {
+        *w.led_at.lock().unwrap() = Some(Instant::now());
+    }
+    println!("a standby led {took:?} after the leader was killed");
+    killed_at
+}
+
 /// The role a master's /healthz reports (`leader`, `standby`, `deposed`),
 /// or "" when it does not answer.
 fn role_of(m: &Proc) -> String {
@@ -213,15 +261,115 @@ fn clear_failover_error(e: &kvpool_client::KvError) -> bool {
     ) && !e.message.is_empty()
 }
 
+/// A put that returned Ok: its key, value seed and length, and when it
+/// started and ended.
+struct Put {
+    key: String,
+    seed: u64,
+    len: usize,
+    started: Instant,
+    ended: Instant,
+}
+
+/// Eight clients that put (each `pause` apart) until stopped, following
+/// the leader through etcd.
+struct Writers {
+    stop: Arc<AtomicBool>,
+    /// When the new leader led (set by the test): puts started after it
+    /// are counted in `ok_after_led`.
+    led_at: Arc<Mutex<Option<Instant>>>,
+    /// Writers whose first put has ended.
+    under_way: Arc<AtomicUsize>,
+    oks: Arc<AtomicUsize>,
+    ok_after_led: Arc<AtomicUsize>,
+    threads: Vec<std::thread::JoinHandle<(Vec<Put>, Vec<kvpool_client::KvError>)>>,
+}
+
+impl Writers {
+    fn start(url: &str, secret: &'static str, pause: Duration) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let led_at = Arc::new(Mutex::new(None::<Instant>));
+        let under_way = Arc::new(AtomicUsize::new(0));
+        let oks = Arc::new(AtomicUsize::new(0));
+        let ok_after_led = Arc::new(AtomicUsize::new(0));
+        let threads = (0..8u64)
+            .map(|w| {
+                let url = url.to_string();
+                let (stop, led_at) = (stop.clone(), led_at.clone());
+                let (under_way, oks) = (under_way.clone(), oks.clone());
+                let ok_after_led = ok_after_led.clone();
+                std::thread::spawn(move || {
+                    common::rt().block_on(async move {
+                        let c = Client::connect(&url, client_config(secret)).await.unwrap();
+                        let mut done = Vec::new();
+                        let mut errors = Vec::new();
+                        let mut i = 0u64;
+                        while !stop.load(Ordering::Relaxed) {
+                            let seed = 1_000_000 * (w + 1) + i;
+                            let key = format!("live-{w}-{i}");
+                            let len = 4096 + (i as usize % 7) * 1000;
+                            i += 1;
+                            let started = Instant::now();
+                            match c.put(key.as_bytes(), &value(seed, len)).await {
+                                Ok(()) => {
+                                    let ended = Instant::now();
+                                    done.push(Put {
+                                        key,
+                                        seed,
+                                        len,
+                                        started,
+                                        ended,
+                                    });
+                                    oks.fetch_add(1, Ordering::Relaxed);
+                                    if led_at.lock().unwrap().is_some_and(|t| started > t) {
+                                        ok_after_led.fetch_add(1, Ordering::Relaxed);
+                                    }
+                                }
+                                Err(e) => errors.push(e),
+                            }
+                            if i == 1 {
+                                under_way.fetch_add(1, Ordering::Relaxed);
+                            }
+                            // Paced, so the pool does not fill up meanwhile.
+                            tokio::time::sleep(pause).await;
+                        }
+                        (done, errors)
+                    })
+                })
+            })
+            .collect();
+        Self {
+            stop,
+            led_at,
+            under_way,
+            oks,
+            ok_after_led,
+            threads,
+        }
+    }
+
+    /// Stops the writers; the puts that returned Ok. Every put that failed
+    /// must have failed with a clear error.
+    fn stop(self) -> Vec<Put> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut puts = Vec::new();
+        for t in self.threads {
+            let (done, errors) = t.join().expect("a writer panicked");
+            for e in &errors {
+                assert!(clear_failover_error(e), "a put failed unclearly: {e}");
+            }
+            puts.extend(done);
+        }
+        puts
+    }
+}
+
 #[test]
 fn the_leader_killed_under_eight_clients_a_standby_leads_and_nvme_objects_read_back() {
     let Some(etcd) = etcd() else { return };
     let url = etcd.url();
     let mcfg = master_config("ha-kill-master", "");
-    let a = start_master(&url, &mcfg);
-    wait_role(&a, "leader", Duration::from_secs(10));
-    let b = start_master(&url, &mcfg);
-    wait_role(&b, "standby", Duration::from_secs(10));
+    let (a, b) = leader_and_standby(&url, &mcfg);
 
     let d = common::scratch_dir("ha-kill");
     let nvme = d.join("tier.kvnv");
@@ -281,82 +429,18 @@ fn the_leader_killed_under_eight_clients_a_standby_leads_and_nvme_objects_read_b
     });
 
     // Eight clients put until told to stop, through the kill.
-    let stop = Arc::new(AtomicBool::new(false));
-    let killed_at = Arc::new(Mutex::new(None::<Instant>));
-    let led_at = Arc::new(Mutex::new(None::<Instant>));
-    // Writers whose first put has ended, and puts Ok after the standby led.
-    let under_way = Arc::new(AtomicUsize::new(0));
-    let ok_after_led = Arc::new(AtomicUsize::new(0));
-    let writers: Vec<_> = (0..8u64)
-        .map(|w| {
-            let url = url.clone();
-            let stop = stop.clone();
-            let led_at = led_at.clone();
-            let under_way = under_way.clone();
-            let ok_after_led = ok_after_led.clone();
-            std::thread::spawn(move || {
-                let rt = common::rt();
-                rt.block_on(async move {
-                    let c = Client::connect(&url, client_config("")).await.unwrap();
-                    // (key, value seed) of each put that returned Ok after
-                    // the standby led; the errors, each with its text.
-                    let mut ok_after = Vec::new();
-                    let mut errors = Vec::new();
-                    let mut i = 0u64;
-                    while !stop.load(Ordering::Relaxed) {
-                        let seed = 1_000_000 * (w + 1) + i;
-                        let key = format!("live-{w}-{i}");
-                        i += 1;
-                        let started = Instant::now();
-                        match c
-                            .put(key.as_bytes(), &value(seed, 4096 + (i as usize % 7) * 1000))
-                            .await
-                        {
-                            Ok(()) => {
-                                let led = *led_at.lock().unwrap();
-                                if led.is_some_and(|t| started > t) {
-                                    ok_after.push((key, seed, 4096 + (i as usize % 7) * 1000));
-                                    ok_after_led.fetch_add(1, Ordering::Relaxed);
-                                }
-                            }
-                            Err(e) => errors.push(e),
-                        }
-                        if i == 1 {
-                            under_way.fetch_add(1, Ordering::Relaxed);
-                        }
-                        // Paced, so the pool does not fill up meanwhile.
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                    (ok_after, errors)
-                })
-            })
-        })
-        .collect();
+    let w = Writers::start(&url, "", Duration::from_millis(10));
     // The kill comes once every writer is putting.
     poll_until("all 8 writers putting", Duration::from_secs(20), || {
-        under_way.load(Ordering::Relaxed) == 8
+        w.under_way.load(Ordering::Relaxed) == 8
     });
 
-    let mut a = a;
-    a.signal(Signal::KILL);
-    *killed_at.lock().unwrap() = Some(Instant::now());
-    a.wait_exit(Duration::from_secs(10))
-        .expect("the leader died");
-    let took = wait_role(&b, "leader", Duration::from_secs(10));
-    *led_at.lock().unwrap() = Some(Instant::now());
-    println!("a standby led {took:?} after the leader was killed");
+    kill_leader(a, &b, Some(&w));
 
     rt.block_on(async {
         // Every object complete before the kill had an NVMe copy: all read
         // back byte-exact once the node has remounted on the new leader.
-        for i in 0..n {
-            let key = format!("obj-{i}");
-            let got = eventually("a read after failover", Duration::from_secs(20), || async {
-                c.get(key.as_bytes()).await.map_err(|e| e.to_string())
-            })
-            .await;
-            assert_eq!(got, value(i, len(i)), "{key} after failover");
-        }
+        read_back(&c, n, len).await;
         assert_eq!(c.master_addr(), b.addr, "the client follows the new leader");
     });
 
@@ -364,19 +448,20 @@ fn the_leader_killed_under_eight_clients_a_standby_leads_and_nvme_objects_read_b
     poll_until(
         "8 puts Ok on the new leader",
         Duration::from_secs(30),
-        || ok_after_led.load(Ordering::Relaxed) >= 8,
+        || w.ok_after_led.load(Ordering::Relaxed) >= 8,
     );
-    stop.store(true, Ordering::Relaxed);
+    let led = w.led_at.lock().unwrap().expect("set above");
     let mut after = 0;
     rt.block_on(async {
-        for w in writers {
-            let (ok_after, errors) = w.join().expect("a writer panicked");
-            for e in &errors {
-                assert!(clear_failover_error(e), "a put failed unclearly: {e}");
-            }
-            for (key, seed, l) in ok_after {
-                let got = c.get(key.as_bytes()).await.unwrap();
-                assert_eq!(got, value(seed, l), "{key}, put after the failover");
+        for p in w.stop() {
+            if p.started > led {
+                let got = c.get(p.key.as_bytes()).await.unwrap();
+                assert_eq!(
+                    got,
+                    value(p.seed, p.len),
+                    "{}, put after the failover",
+                    p.key
+                );
                 after += 1;
             }
         }
@@ -401,14 +486,12 @@ fn a_stalled_leader_is_fenced_its_grants_refused_and_no_space_is_handed_out_twic
     let Some(etcd) = etcd() else { return };
     let url = etcd.url();
     let secret = "ha test secret of more than sixteen bytes";
-    let security = format!("[security]\nsecret = \"{secret}\"\n");
-    let mcfg = master_config("ha-stall-master", &security);
-    let a = start_master(&url, &mcfg);
-    wait_role(&a, "leader", Duration::from_secs(10));
-    let b = start_master(&url, &mcfg);
-    wait_role(&b, "standby", Duration::from_secs(10));
-    let scfg = common::config_file("ha-stall-storage", &security);
-    let _node = common::start_storage(&url, "64MiB", &["--config", &scfg]);
+    let (a, b, _node) = secured_cluster(&url, "ha-stall", secret, "64MiB");
+    // The standby follows the leader: the new leader will know the old
+    // one's objects and the space its grants hold.
+    poll_until("the standby in sync", Duration::from_secs(20), || {
+        healthz_all(&b, "synced", "1")
+    });
     kvpool_ha::install();
     let rt = common::rt();
     // A client of the old leader alone (a fixed address: it cannot follow),
@@ -438,8 +521,9 @@ fn a_stalled_leader_is_fenced_its_grants_refused_and_no_space_is_handed_out_twic
     let took = wait_role(&b, "leader", Duration::from_secs(10));
     println!("a standby led {took:?} after the leader stalled");
 
-    // The new leader hands out the pool's space again (it knows no DRAM
-    // object of the old one): fill it with objects of its own.
+    // The new leader hands out the pool's space (all but what it was
+    // shipped: the old leader's object and its grant's range, held until
+    // its time): fill it with objects of its own.
     let n = 64u64;
     let c = rt.block_on(async {
         let c = Client::connect(&url, tcp.clone()).await.unwrap();
@@ -498,6 +582,10 @@ fn a_stalled_leader_is_fenced_its_grants_refused_and_no_space_is_handed_out_twic
                 "{key}"
             );
         }
+        // The old leader's DRAM object was shipped to the new one.
+        let got = c.get(b"before").await;
+        let got = got.unwrap_or_else(|e| panic!("before: {e}; new leader's log:\n{}", b.stderr()));
+        assert_eq!(got, value(1, 50_000));
     });
     // The old leader learns it lost the lease and says so.
     let end = Instant::now() + Duration::from_secs(10);
@@ -515,4 +603,133 @@ fn a_stalled_leader_is_fenced_its_grants_refused_and_no_space_is_handed_out_twic
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(role_of(&b), "leader");
+}
+
+/// Whether every master shard's figure `name=` in `m`'s /healthz is `want`
+/// (`synced=1,1`: both shards of a standby in sync).
+fn healthz_all(m: &Proc, name: &str, want: &str) -> bool {
+    try_get(&m.http, "/healthz").is_some_and(|(_, body)| {
+        body.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{name}=")))
+            .is_some_and(|v| v.split(',').all(|x| x == want))
+    })
+}
+
+#[test]
+fn the_leader_killed_under_eight_clients_every_dram_object_reads_back_from_the_standby() {
+    let Some(etcd) = etcd() else { return };
+    let url = etcd.url();
+    let secret = "ha shipping secret of more than sixteen bytes";
+    // DRAM only: the new leader can learn these objects from nowhere but
+    // the log the old one shipped it.
+    let (a, b, _node) = secured_cluster(&url, "ha-ship", secret, "256MiB");
+    // The standby follows every shard of the leader (authenticated with the
+    // cluster secret), and the leader's replies wait for it.
+    poll_until("the standby in sync", Duration::from_secs(20), || {
+        healthz_all(&b, "synced", "1")
+    });
+    poll_until(
+        "the leader's standby in sync",
+        Duration::from_secs(20),
+        || healthz_all(&a, "standbys_in_sync", "1"),
+    );
+
+    kvpool_ha::install();
+    let rt = common::rt();
+    let n = 48u64;
+    let len = |i: u64| 8_000 + (i as usize * 7919) % 60_000;
+    let c = rt.block_on(async {
+        let c = Client::connect(&url, client_config(secret)).await.unwrap();
+        assert_eq!(c.master_addr(), a.addr);
+        for i in 0..n {
+            c.put(format!("obj-{i}").as_bytes(), &value(i, len(i)))
+                .await
+                .unwrap();
+        }
+        c
+    });
+
+    // Eight clients put until told to stop, through the kill.
+    let w = Writers::start(&url, secret, Duration::from_millis(5));
+    poll_until(
+        "80 puts Ok from the writers",
+        Duration::from_secs(30),
+        || w.oks.load(Ordering::Relaxed) >= 80,
+    );
+
+    let killed_at = kill_leader(a, &b, Some(&w));
+    poll_until(
+        "8 puts Ok on the new leader",
+        Duration::from_secs(30),
+        || w.ok_after_led.load(Ordering::Relaxed) >= 8,
+    );
+    let puts = w.stop();
+
+    let mut before = 0;
+    rt.block_on(async {
+        // Every object complete before the kill reads back byte-exact (once
+        // the node has mounted its segment on the new leader again).
+        read_back(&c, n, len).await;
+        assert_eq!(c.master_addr(), b.addr, "the client follows the new leader");
+        for p in puts {
+            let got = c.get(p.key.as_bytes()).await;
+            let when = if p.ended < killed_at {
+                before += 1;
+                "before"
+            } else {
+                "after"
+            };
+            let got = got.unwrap_or_else(|e| panic!("{}, put {when} the kill: {e}", p.key));
+            assert_eq!(got, value(p.seed, p.len), "{}, put {when} the kill", p.key);
+        }
+    });
+    assert!(before >= 80, "only {before} puts ended before the kill");
+}
+
+#[test]
+fn a_stalled_standby_is_dropped_catches_up_from_a_snapshot_and_then_loses_nothing_at_failover() {
+    let Some(etcd) = etcd() else { return };
+    let url = etcd.url();
+    // An open cluster this time (no secret): the same sessions, unauthenticated.
+    let mcfg = master_config("ha-catchup-master", "");
+    let (a, b) = leader_and_standby(&url, &mcfg);
+    let _node = common::start_storage(&url, "128MiB", &[]);
+    poll_until("the standby in sync", Duration::from_secs(20), || {
+        healthz_all(&b, "synced", "1")
+    });
+    kvpool_ha::install();
+    let rt = common::rt();
+    let len = |i: u64| 4_000 + (i as usize * 7919) % 30_000;
+    let c = rt.block_on(async { Client::connect(&url, client_config("")).await.unwrap() });
+    let put = |from: u64, to: u64| {
+        rt.block_on(async {
+            for i in from..to {
+                c.put(format!("obj-{i}").as_bytes(), &value(i, len(i)))
+                    .await
+                    .unwrap_or_else(|e| panic!("put obj-{i}: {e}"));
+            }
+        })
+    };
+    put(0, 40);
+    // The standby stalls: the leader's replies wait for it at most the
+    // sync timeout, then it is dropped and puts go on without it.
+    b.freeze();
+    put(40, 80);
+    poll_until(
+        "the stalled standby dropped on every shard",
+        Duration::from_secs(10),
+        || healthz_all(&a, "standbys_in_sync", "0"),
+    );
+    // Resumed, it starts a new session: a snapshot holding the 80 objects
+    // (40 of which it never saw in the log), then the log.
+    b.signal(Signal::CONT);
+    poll_until("the standby in sync again", Duration::from_secs(20), || {
+        healthz_all(&a, "standbys_in_sync", "1") && healthz_all(&b, "synced", "1")
+    });
+    put(80, 120);
+    kill_leader(a, &b, None);
+    rt.block_on(async {
+        read_back(&c, 120, len).await;
+        assert_eq!(c.master_addr(), b.addr, "the client follows the new leader");
+    });
 }

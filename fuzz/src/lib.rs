@@ -342,6 +342,20 @@ fn typed_replies(resp: MasterResponse) {
     let _ = call::AuthProve::reply(resp.clone());
     let _ = call::Ping::reply(resp.clone());
     let _ = call::RemoveAll::reply(resp.clone());
+    // A standby checks shipped records before it applies any.
+    if let Ok(shipped) = call::Follow::reply(resp.clone()) {
+        // Keys of even length are shard 0's here.
+        let shard_of = |k: &[u8]| (k.len() % 2) as u32;
+        if let Ok(recs) = kvpool_master::ship::decode_records(&shipped.records, 0, shard_of) {
+            let mut sb = kvpool_master::ship::Standby::default();
+            sb.apply(
+                shipped.session,
+                recs,
+                shipped.records.len() as u64,
+                shipped.synced,
+            );
+        }
+    }
     let _ = call::Exist::reply(resp);
 }
 
@@ -515,6 +529,13 @@ pub fn master_request_seeds() -> Vec<MasterRequest> {
             client_id: WRITER,
             segment_id: 1,
         },
+        MasterRequest::Follow {
+            client_id: WRITER,
+            shard: 0,
+            shards: 1,
+            session: 0,
+            acked: 0,
+        },
     ]
 }
 
@@ -548,11 +569,12 @@ pub fn master_variant(r: &MasterRequest) -> usize {
         Q::NodeTasks { .. } => 22,
         Q::NvmeUpdates { .. } => 23,
         Q::ReportUnreachable { .. } => 24,
+        Q::Follow { .. } => 25,
     }
 }
 
 /// How many `MasterRequest` variants there are.
-pub const MASTER_VARIANTS: usize = 25;
+pub const MASTER_VARIANTS: usize = 26;
 
 /// One request of every `DataRequest` variant (and RDMA request), named.
 pub fn data_request_seeds() -> Vec<(&'static str, DataRequest)> {
@@ -711,7 +733,41 @@ fn master_response_seeds() -> Vec<(&'static str, MasterResponse)> {
                 loc: 1,
             }]),
         ),
+        ("shipped", MasterResponse::Shipped(shipped_seed())),
     ]
+}
+
+/// A `Shipped` answer with an object, a removal and a hold of shard 0
+/// (keys of even length, in [`typed_replies`]).
+fn shipped_seed() -> kvpool_transport::proto::Shipped {
+    use kvpool_master::journal::{Hold, ObjectRec, Record};
+    let key = b"k0".to_vec();
+    let mut records = Vec::new();
+    Record::Object {
+        key: key.clone(),
+        obj: ObjectRec {
+            size: 4096,
+            sum: Some(7),
+            hard_pin: false,
+            replicas: vec![(1, 0)],
+        },
+    }
+    .encode(&mut records);
+    Record::Gone { key }.encode(&mut records);
+    Record::Hold(Hold {
+        segment: 1,
+        offset: 4096,
+        len: 4096,
+        until_unix_ms: 1,
+    })
+    .encode(&mut records);
+    kvpool_transport::proto::Shipped {
+        session: 3,
+        term: 2,
+        start: 0,
+        records,
+        synced: true,
+    }
 }
 
 /// The seed corpus: valid encodings of every request and reply type, a

@@ -505,6 +505,30 @@ master_calls! {
     /// new replicas there until the node's next ping.
     ReportUnreachable("report_unreachable") { client_id: ClientId, segment_id: SegmentId } -> ()
         = MasterResponse::Done => ();
+    /// HA: a standby follows the leader's state log of master shard `shard`
+    /// (docs/ARCHITECTURE.md, "Log shipping"), on that shard's own port.
+    /// `session` 0 starts a session (a snapshot of the shard, then its log);
+    /// `acked`: the bytes of the session's stream the standby has applied
+    /// (the leader's put replies wait for it). `shards`: the standby's shard
+    /// count, which must be the leader's.
+    Follow("follow") { client_id: ClientId, shard: u32, shards: u32, session: u64, acked: u64 }
+        -> Shipped = MasterResponse::Shipped(s) => s;
+}
+
+/// The leader's answer to `Follow`: the next bytes of the session's stream
+/// (whole state-log records, each framed `len | check | payload`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct Shipped {
+    /// The session (new when `Follow` asked for 0).
+    pub session: u64,
+    /// The leader's term.
+    pub term: u64,
+    /// Offset of `records` in the session's stream (the `acked` asked with).
+    pub start: u64,
+    pub records: Vec<u8>,
+    /// The snapshot is complete within the stream up to `start + records.len()`:
+    /// from the next `Follow`, the leader's replies wait for this standby.
+    pub synced: bool,
 }
 
 /// Where a master request is served.
@@ -568,7 +592,8 @@ impl MasterRequest {
             | Self::BatchPutRevoke { client_id, .. }
             | Self::NodeTasks { client_id, .. }
             | Self::NvmeUpdates { client_id, .. }
-            | Self::ReportUnreachable { client_id, .. } => Some(*client_id),
+            | Self::ReportUnreachable { client_id, .. }
+            | Self::Follow { client_id, .. } => Some(*client_id),
             _ => None,
         }
     }
@@ -601,9 +626,10 @@ impl MasterRequest {
     /// master's connections, its handle and `MasterCore` all follow.
     pub fn route(&self) -> Route<'_> {
         match self {
-            Self::Hello { .. } | Self::AuthBegin { .. } | Self::AuthProve { .. } => {
-                Route::Connection
-            }
+            Self::Hello { .. }
+            | Self::AuthBegin { .. }
+            | Self::AuthProve { .. }
+            | Self::Follow { .. } => Route::Connection,
             Self::NodeTasks { shard, .. } => Route::Shard(*shard),
             r if r.batch_keys().is_some() => Route::Batch,
             r => match r.key() {
@@ -679,6 +705,8 @@ pub enum MasterResponse {
     BatchDone(Vec<ItemResult<()>>),
     BatchExists(Vec<ItemResult<bool>>),
     Tasks(Vec<NodeTask>),
+    /// The leader's state log, to a following standby.
+    Shipped(Shipped),
 }
 
 /// Requests to a storage node's data port. A `Write` is followed on the wire

@@ -108,6 +108,14 @@ impl NodeConfig {
         nonzero("master.client_ttl_ms", self.master.client_ttl_ms)?;
         nonzero("master.tick_ms", self.master.tick_ms)?;
         nonzero("master.ha_lease_ttl_s", self.master.ha_lease_ttl_s)?;
+        nonzero("master.ha_sync_timeout_ms", self.master.ha_sync_timeout_ms)?;
+        if !self.master.ha.is_empty() && self.master.ha_sync_timeout_ms >= self.master.io_timeout_ms
+        {
+            return Err(format!(
+                "key `master.ha_sync_timeout_ms`: {} must be below master.io_timeout_ms ({})",
+                self.master.ha_sync_timeout_ms, self.master.io_timeout_ms
+            ));
+        }
         if self.master.ha_fence_margin_ms.saturating_mul(2) > self.master.ha_lease_ttl_s * 1000 {
             return Err(format!(
                 "key `master.ha_fence_margin_ms`: {} is more than half of \
@@ -346,6 +354,12 @@ pub struct MasterConfig {
     /// out, measured from the last renewal it sent (fencing margin: covers
     /// clock-rate drift between this host and etcd, and scheduling).
     pub ha_fence_margin_ms: u64,
+    /// HA: how long a leader's reply waits for a following standby to
+    /// confirm the reply's state-log records; a standby that has not by
+    /// then is dropped from the set the replies wait for (it starts again
+    /// from a snapshot). Below `io_timeout_ms` (checked with `ha` set; a
+    /// master given `--ha` later waits at most half of `io_timeout_ms`).
+    pub ha_sync_timeout_ms: u64,
     /// Directory of the master's log and snapshots ("" = none: a restarted
     /// master forgets every object, and only NVMe objects come back, from
     /// their nodes' reports).
@@ -406,6 +420,7 @@ impl Default for MasterConfig {
             ha: String::new(),
             ha_lease_ttl_s: 3,
             ha_fence_margin_ms: 500,
+            ha_sync_timeout_ms: 1000,
             state_dir: String::new(),
             state_sync: StateSync::None,
         }

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use etcd_client::{Client as Etcd, ConnectOptions};
 use kvpool_client::leader::Resolving;
 use kvpool_client::MasterSource;
-use kvpool_master::{Fence, FenceRole};
+use kvpool_master::{Fence, FenceRole, MasterHandle};
 use kvpool_runtime::Shutdown;
 use kvpool_transport::{ErrorCode, KvError};
 
@@ -150,15 +150,19 @@ pub struct ElectionConfig {
 /// revision of its key), deposed for good if it then loses the lease or
 /// cannot renew it in time (restart it to stand by again: its state may be
 /// stale). A standby whose lease is lost campaigns again with a new one.
+///
+/// Before its fence opens, a winner takes over the state the old leader
+/// shipped it ([`MasterHandle::take_over`]), within its lease.
 pub fn spawn_election(
-    fence: Fence,
+    master: MasterHandle,
     cfg: ElectionConfig,
     shutdown: Shutdown,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
+        let fence = master.fence().clone();
         loop {
             let end = tokio::select! {
-                r = session(&fence, &cfg) => r,
+                r = session(&master, &cfg) => r,
                 _ = shutdown.wait() => return,
             };
             if let Err(e) = end {
@@ -186,13 +190,14 @@ pub fn spawn_election(
 /// Then the lease is revoked (best effort), so a campaign key of this
 /// session cannot stay the oldest and name a master that no longer campaigns
 /// under it.
-async fn session(fence: &Fence, cfg: &ElectionConfig) -> Result<(), String> {
+async fn session(master: &MasterHandle, cfg: &ElectionConfig) -> Result<(), String> {
+    let fence = master.fence();
     let mut etcd = cfg.url.connect().await?;
     let asked = Instant::now();
     let ttl_s = cfg.ttl.as_secs().max(1) as i64;
     let lease = within(etcd.lease_grant(ttl_s, None), "lease grant").await?;
     let id = lease.id();
-    let ended = campaign_under(fence, cfg, &mut etcd, asked, &lease).await;
+    let ended = campaign_under(master, cfg, &mut etcd, asked, &lease).await;
     if fence.role() == FenceRole::Leader {
         fence.depose();
     }
@@ -202,12 +207,13 @@ async fn session(fence: &Fence, cfg: &ElectionConfig) -> Result<(), String> {
 
 /// Campaigns under `lease` (granted at `asked`), then leads while it lives.
 async fn campaign_under(
-    fence: &Fence,
+    master: &MasterHandle,
     cfg: &ElectionConfig,
     etcd: &mut Etcd,
     asked: Instant,
     lease: &etcd_client::LeaseGrantResponse,
 ) -> Result<(), String> {
+    let fence: &Fence = master.fence();
     let ttl = Duration::from_secs(lease.ttl().max(1) as u64);
     let id = lease.id();
     let margin = cfg.margin.min(ttl / 2);
@@ -232,12 +238,29 @@ async fn campaign_under(
                 if Instant::now() >= valid_until {
                     return Err("won the election after the lease may have run out".into());
                 }
-                // State at failover (docs/ARCHITECTURE.md, "HA on etcd"): this
-                // is where a new leader will load the master's state log (the
-                // records a standby has not applied yet) before its fence
-                // opens. Today it starts empty: storage nodes remount on
-                // their next ping and report their NVMe objects; DRAM-only
-                // objects of the old leader are not known here.
+                // State at failover (docs/ARCHITECTURE.md, "Log shipping"):
+                // every shard takes the state the old leader shipped it
+                // before the fence opens; its objects wait for their
+                // segments to mount again, as after a restart. It must be
+                // done within the lease: a winner that cannot is deposed.
+                let left = valid_until.saturating_duration_since(Instant::now());
+                match tokio::time::timeout(left, master.take_over()).await {
+                    Ok(Ok(objects)) => {
+                        tracing::info!(objects, "took over the old leader's shipped state")
+                    }
+                    Ok(Err(e)) => {
+                        fence.depose();
+                        return Err(format!("taking over the shipped state: {e}"));
+                    }
+                    Err(_) => {
+                        fence.depose();
+                        return Err("taking over the shipped state outlasted the lease".into());
+                    }
+                }
+                if Instant::now() >= valid_until {
+                    fence.depose();
+                    return Err("took over after the lease may have run out".into());
+                }
                 fence.lead(term, valid_until, &me);
                 leading = true;
                 tracing::info!(term, "leading {name} ({me})");

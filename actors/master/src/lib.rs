@@ -9,6 +9,8 @@
 //! * [`core`]: all of it in one thread with a simulated clock (tests).
 //! * [`service`]: the shards at work: RPC listeners, inboxes, the coordinator.
 //! * [`actor`]: the `Master` actor, the API for embedders in the same process.
+//! * [`ship`]: log shipping: the leader's records to its standbys, and
+//!   a standby's copy it leads with once it wins (HA).
 //! * [`fence`]: whether this master may answer (HA: the leader within its
 //!   etcd lease) and the term its grants carry.
 
@@ -21,6 +23,7 @@ pub mod journal;
 pub mod metrics;
 mod objects;
 pub mod service;
+pub mod ship;
 pub mod state;
 
 pub use actor::{call, Master, MasterArgs, MasterMsg};

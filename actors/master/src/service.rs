@@ -24,7 +24,7 @@ use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,7 +35,9 @@ use kvpool_runtime::{ShardCtx, ShardHandle};
 use kvpool_transport::auth::ClusterKey;
 use kvpool_transport::frame::{self, FrameHeader, FrameKind};
 use kvpool_transport::proto::call::{self, Call};
-use kvpool_transport::proto::{ClusterMap, MasterRequest, MasterResponse, MasterShardAddr};
+use kvpool_transport::proto::{
+    ClusterMap, MasterRequest, MasterResponse, MasterShardAddr, Shipped,
+};
 use kvpool_transport::{ErrorCode, KvError};
 
 use super::coord::{CommandResult, CoordState, Decision, ShardCommand};
@@ -45,6 +47,7 @@ use super::state::{GrantSigner, ShardConfig, ShardState, SnapshotCursor, EVICT_S
 use crate::clock::now_ms;
 use crate::fence::Fence;
 use crate::metrics::MasterMetrics;
+use crate::ship::{self, Shipping, Standby};
 use kvpool_config::MasterConfig;
 use kvpool_config::NodeError;
 use kvpool_transport::route::{self, merge_batch, split_batch, Target};
@@ -64,10 +67,11 @@ enum ShardMsg {
     },
     /// Health: answered at once by a shard that is serving its inbox.
     Probe(tokio::sync::oneshot::Sender<()>),
-    // HA (docs/ARCHITECTURE.md, "HA on etcd"): a standby's shards run but
-    // serve nothing (the fence refuses every request). When the leader ships
-    // its state log, a standby applies each record to the owning shard's
-    // state through this inbox, in log order, as a message of its own here.
+    /// HA: this master won the election. The shard stops following the
+    /// old leader and takes the copy of its state it was shipped
+    /// (docs/ARCHITECTURE.md, "Log shipping") as a restarted master takes
+    /// its state directory; answered with the objects it recovered.
+    TakeOver(tokio::sync::oneshot::Sender<Result<usize, String>>),
 }
 
 struct AdminMsg {
@@ -92,6 +96,9 @@ struct HandleInner {
     /// Whether this master may answer (HA: only the leader, within its
     /// lease); every request path checks it.
     fence: Fence,
+    /// HA, per shard: a standby's, 1 when its copy of the leader's shard is
+    /// in sync; a leader's, how many standbys are in sync with it.
+    ship_gauge: Arc<[AtomicU32]>,
 }
 
 fn unavailable() -> KvError {
@@ -225,6 +232,35 @@ impl MasterHandle {
         answer.and_then(|r| self.inner.fence.admit().map(|()| r))
     }
 
+    /// HA, per shard: as a standby, 1 when its copy of the leader's shard
+    /// is in sync (else 0); as a leader, how many standbys are in sync with
+    /// the shard (its replies wait for them).
+    pub fn ship_status(&self) -> Vec<u32> {
+        self.inner
+            .ship_gauge
+            .iter()
+            .map(|v| v.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// HA, once this master has won the election and before its fence
+    /// opens: every shard loads the state the old leader shipped it
+    /// (no deadline of its own: the election bounds it by the lease).
+    /// Returns the objects recovered.
+    pub async fn take_over(&self) -> Result<usize, String> {
+        let mut total = 0;
+        for (i, tx) in self.inner.inboxes.iter().enumerate() {
+            let (done, rx) = tokio::sync::oneshot::channel();
+            tx.send_async(ShardMsg::TakeOver(done))
+                .await
+                .map_err(|_| format!("master shard {i} has stopped"))?;
+            total += rx
+                .await
+                .map_err(|_| format!("master shard {i} dropped the take-over"))??;
+        }
+        Ok(total)
+    }
+
     /// Whether every master shard is serving its inbox (no deadline of its
     /// own: the caller bounds it). The error names the shard that is not.
     pub async fn probe(&self) -> Result<(), String> {
@@ -320,6 +356,7 @@ pub async fn start(
             max_batch: cfg.max_batch,
             metrics: master_metrics.clone(),
             fence: fence.clone(),
+            ship_gauge: (0..n).map(|_| AtomicU32::new(0)).collect(),
         }),
     };
     let shard_cfg = ShardConfig::from_master(cfg, n as u32);
@@ -347,6 +384,11 @@ pub async fn start(
         kvpool_config::StateSync::Always => journal::Sync::Always,
     };
     let recover_wait_ms = cfg.client_ttl_ms;
+    let ha = !cfg.ha.is_empty();
+    let takeover_wait_ms = cfg.client_ttl_ms.saturating_add(cfg.io_timeout_ms);
+    // Below the I/O timeout the reply is sent within, whatever the config
+    // said (it is checked there only when `ha` was set in it).
+    let sync_timeout = Duration::from_millis(cfg.ha_sync_timeout_ms.min(cfg.io_timeout_ms / 2));
     let tick = Duration::from_millis(cfg.tick_ms);
     let client_ttl_ms = cfg.client_ttl_ms;
     let seed: u64 = rand::random();
@@ -370,16 +412,32 @@ pub async fn start(
                 let mut st = ShardState::new(i as u32, n as u32, shard_cfg, seed)
                     .with_signer(signer)
                     .with_term(term);
+                if ha || state_dir.is_some() {
+                    st = st.with_durability(unix_at_zero_ms);
+                }
                 let mut log = None;
+                let mut standby = Standby::default();
                 if let Some(dir) = &state_dir {
                     // Replayed here, on the shard's own thread: every shard
                     // replays its log at once.
                     let started = Instant::now();
                     let sdir = journal::shard_dir(dir, i as u32);
                     match journal::open_shard(&sdir, sync) {
+                        Ok(r) if ha => {
+                            // A standby leads with what its directory
+                            // holds only if no leader ships it a newer
+                            // state before it wins.
+                            tracing::info!(
+                                shard = i,
+                                objects = r.image.objects.len(),
+                                dir = %sdir.display(),
+                                "master state read; kept until this standby follows a leader"
+                            );
+                            standby.image = r.image;
+                            log = Some(r.log);
+                        }
                         Ok(r) => {
                             let objects = r.image.objects.len();
-                            st = st.with_durability(unix_at_zero_ms);
                             st.recover(r.image, now_ms(), recover_wait_ms);
                             tracing::info!(
                                 shard = i,
@@ -404,9 +462,35 @@ pub async fn start(
                     buf: RefCell::new(Vec::new()),
                     compacting: Arc::new(AtomicBool::new(false)),
                     snapshot_bytes: Cell::new(0),
+                    ha,
+                    sync_timeout,
+                    ship: RefCell::new(Shipping::default()),
+                    ship_data: tokio::sync::Notify::new(),
+                    ship_acked: tokio::sync::Notify::new(),
+                    standby: RefCell::new(standby),
+                    waiting: Cell::new(0),
+                    takeover_wait_ms,
+                    ship_gauge: handle.inner.ship_gauge.clone(),
+                    index: i,
                 });
                 glommio::spawn_local(inbox_loop(ctx.clone(), state.clone(), rx, metrics.clone()))
                     .detach();
+                if ha {
+                    glommio::spawn_local(follow_loop(
+                        ctx.clone(),
+                        state.clone(),
+                        FollowSetup {
+                            shard: i as u32,
+                            shards: n as u32,
+                            map: ShardMap::new(n as u32).expect("checked above"),
+                            fence: handle.inner.fence.clone(),
+                            key: key.clone(),
+                            io_timeout: server_limits.io_timeout,
+                            max_frame: server_limits.max_frame_bytes,
+                        },
+                    ))
+                    .detach();
+                }
                 glommio::spawn_local(tick_loop(ctx.clone(), state.clone(), tick, metrics.clone()))
                     .detach();
                 glommio::spawn_local(evict_loop(ctx.clone(), state.clone(), wake_rx)).detach();
@@ -469,7 +553,33 @@ struct Shard {
     compacting: Arc<AtomicBool>,
     /// Size of the last snapshot written.
     snapshot_bytes: Cell<u64>,
+    /// HA: the shard ships its records to the standbys (as leader) or
+    /// follows the leader's (as standby).
+    ha: bool,
+    /// How long a reply waits for the standbys in sync.
+    sync_timeout: Duration,
+    /// The sessions of the standbys that follow this shard (leader).
+    ship: RefCell<Shipping>,
+    /// Rung when records are appended to the sessions.
+    ship_data: tokio::sync::Notify,
+    /// Rung when a standby acknowledges, or a session is dropped.
+    ship_acked: tokio::sync::Notify,
+    /// The leader's state as shipped to this shard (standby).
+    standby: RefCell<Standby>,
+    /// Replies of forwarded requests waiting for the standbys.
+    waiting: Cell<usize>,
+    /// How long objects taken over wait for their segments: a node whose
+    /// call hangs on a stalled old leader finds the new one only after that
+    /// call's deadline, so longer than after a restart.
+    takeover_wait_ms: u64,
+    /// Where this shard's shipping state is shown ([`MasterHandle::ship_status`]).
+    ship_gauge: Arc<[AtomicU32]>,
+    index: usize,
 }
+
+/// Most replies of forwarded requests one shard holds for the standbys at
+/// once; beyond, its inbox waits (back-pressure).
+const MAX_SHIP_WAITERS: usize = 4096;
 
 /// The log is compacted once it is past this size...
 const COMPACT_MIN_LOG_BYTES: u64 = 64 << 20;
@@ -484,16 +594,115 @@ impl Shard {
     /// before any reply goes out. A master that cannot write its log
     /// stops: answering would promise what a restart forgets.
     fn commit(&self) {
-        let mut log = self.log.borrow_mut();
-        let Some(log) = log.as_mut() else { return };
         let mut buf = self.buf.borrow_mut();
         buf.clear();
         self.state.borrow_mut().take_records(&mut buf);
-        if let Err(e) = log.append(&buf) {
-            tracing::error!("the master cannot write its state log ({e}): stopping");
-            eprintln!("error: the master cannot write its state log ({e}): stopping");
-            std::process::exit(70);
+        if buf.is_empty() {
+            return;
         }
+        if let Some(log) = self.log.borrow_mut().as_mut() {
+            if let Err(e) = log.append(&buf) {
+                tracing::error!("the master cannot write its state log ({e}): stopping");
+                eprintln!("error: the master cannot write its state log ({e}): stopping");
+                std::process::exit(70);
+            }
+        }
+        if self.ha {
+            let dropped = self.ship.borrow_mut().append_live(&buf);
+            for s in dropped {
+                tracing::warn!(
+                    session = format!("{s:x}"),
+                    "a standby fell {} MiB behind: dropped; it starts again from a snapshot",
+                    ship::FOLLOWER_BUFFER_BYTES >> 20
+                );
+            }
+            self.ship_data.notify_waiters();
+            self.ship_acked.notify_waiters();
+            self.publish_ship();
+        }
+    }
+
+    /// Shows this shard's shipping state: as a standby, whether its copy is
+    /// in sync; as a leader, how many standbys are.
+    fn publish_ship(&self) {
+        let sb = self.standby.borrow();
+        let v = if sb.stopped {
+            self.ship.borrow().in_sync() as u32
+        } else {
+            u32::from(sb.synced)
+        };
+        self.ship_gauge[self.index].store(v, Ordering::Relaxed);
+    }
+
+    /// The live log's offset now (HA; compare after a request with
+    /// [`Self::settle`]).
+    fn mark(&self) -> u64 {
+        if self.ha {
+            self.ship.borrow().live()
+        } else {
+            0
+        }
+    }
+
+    /// Waits until every standby in sync has the records committed since
+    /// `from` (none: at once), for at most the sync timeout; the standbys
+    /// that have not confirmed them by then are dropped from the sessions.
+    async fn settle(&self, from: u64) {
+        if !self.ha {
+            return;
+        }
+        let mark = self.ship.borrow().live();
+        if mark == from {
+            return;
+        }
+        let deadline = Instant::now() + self.sync_timeout;
+        loop {
+            let acked = self.ship_acked.notified();
+            if self.ship.borrow().confirmed(mark) {
+                return;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let woken = futures_lite::future::or(
+                async {
+                    acked.await;
+                    true
+                },
+                async {
+                    glommio::timer::sleep(left).await;
+                    false
+                },
+            )
+            .await;
+            if !woken && Instant::now() >= deadline {
+                let dropped = self.ship.borrow_mut().drop_lagging(mark);
+                for s in dropped {
+                    tracing::warn!(
+                        session = format!("{s:x}"),
+                        "a standby did not confirm the log within {:?}: dropped; replies no \
+                         longer wait for it, and it starts again from a snapshot",
+                        self.sync_timeout
+                    );
+                }
+                self.ship_acked.notify_waiters();
+                self.publish_ship();
+                return;
+            }
+        }
+    }
+
+    /// Writes the next step of a snapshot of the state (at most `budget`
+    /// objects) to `w`; whether the snapshot is complete.
+    fn snapshot_into(
+        &self,
+        cur: &mut SnapshotCursor,
+        budget: usize,
+        buf: &mut Vec<u8>,
+        w: &mut journal::SnapshotWriter,
+    ) -> Result<bool, journal::JournalError> {
+        buf.clear();
+        let done = self.state.borrow().snapshot_step(cur, budget, buf);
+        w.write(buf)?;
+        Ok(done)
     }
 
     /// Starts a compaction if the log has grown past its bounds.
@@ -589,18 +798,14 @@ async fn compact(ctx: ShardCtx, shard: Rc<Shard>) {
     let mut cur = SnapshotCursor::default();
     let mut buf = Vec::new();
     loop {
-        buf.clear();
-        let done = shard
-            .state
-            .borrow()
-            .snapshot_step(&mut cur, SNAPSHOT_STEP_OBJECTS, &mut buf);
-        if let Err(e) = w.write(&buf) {
-            tracing::warn!("master snapshot: {e}; the logs stay");
-            shard.compacting.store(false, Ordering::Release);
-            return;
-        }
-        if done {
-            break;
+        match shard.snapshot_into(&mut cur, SNAPSHOT_STEP_OBJECTS, &mut buf, &mut w) {
+            Ok(true) => break,
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!("master snapshot: {e}; the logs stay");
+                shard.compacting.store(false, Ordering::Release);
+                return;
+            }
         }
         glommio::timer::sleep(EVICT_PAUSE).await;
         if ctx.shutdown().is_triggered() {
@@ -643,16 +848,282 @@ async fn inbox_loop(
         .await;
         let Some(msg) = msg else { break };
         match msg {
-            ShardMsg::Request { req, reply } => reply(apply_local(&state, &metrics, req)),
+            ShardMsg::Request { req, reply } => {
+                let from = state.mark();
+                let r = apply_local(&state, &metrics, req);
+                reply_settled(&state, from, move || reply(r)).await;
+            }
             ShardMsg::Command { cmd, done } => {
+                let from = state.mark();
                 let r = state.state.borrow_mut().command(&cmd, now_ms());
                 state.commit();
-                let _ = done.send(r);
                 state.wake_eviction();
+                reply_settled(&state, from, move || {
+                    let _ = done.send(r);
+                })
+                .await;
             }
             ShardMsg::Probe(done) => {
                 let _ = done.send(());
             }
+            ShardMsg::TakeOver(done) => {
+                let _ = done.send(take_over(&ctx, &state).await);
+            }
+        }
+    }
+}
+
+/// Answers (`reply`) once the standbys have the records committed since
+/// `from`: at once when there are none to wait for; otherwise from a task
+/// of its own, so the inbox goes on (at most [`MAX_SHIP_WAITERS`] such
+/// tasks; beyond, here).
+async fn reply_settled(state: &Rc<Shard>, from: u64, reply: impl FnOnce() + 'static) {
+    if !state.ha || state.mark() == from || state.ship.borrow().confirmed(state.mark()) {
+        return reply();
+    }
+    if state.waiting.get() >= MAX_SHIP_WAITERS {
+        state.settle(from).await;
+        return reply();
+    }
+    state.waiting.set(state.waiting.get() + 1);
+    let state = state.clone();
+    glommio::spawn_local(async move {
+        state.settle(from).await;
+        state.waiting.set(state.waiting.get() - 1);
+        reply();
+    })
+    .detach();
+}
+
+/// This master won the election: stop following, and recover the shipped
+/// state as a restarted master recovers its directory (objects wait for
+/// their segments to mount again; holds keep their space). With a state
+/// directory, the directory is then rewritten to that state (a new
+/// snapshot), so a restart of this master remembers what it leads with.
+async fn take_over(ctx: &ShardCtx, shard: &Rc<Shard>) -> Result<usize, String> {
+    let image = {
+        let mut sb = shard.standby.borrow_mut();
+        if sb.stopped {
+            return Ok(0);
+        }
+        sb.stopped = true;
+        if sb.session != 0 && !sb.synced {
+            tracing::warn!(
+                shard = ctx.id(),
+                "this standby had not received the leader's whole snapshot: it leads with part \
+                 of the old leader's objects"
+            );
+        }
+        std::mem::take(&mut sb.image)
+    };
+    shard.publish_ship();
+    let objects = image.objects.len();
+    shard
+        .state
+        .borrow_mut()
+        .recover(image, now_ms(), shard.takeover_wait_ms);
+    shard.commit();
+    let w = shard.log.borrow_mut().as_mut().map(|l| l.rotate());
+    if let Some(w) = w {
+        let mut w = w.map_err(|e| format!("[master] state_dir: {e}"))?;
+        let mut cur = SnapshotCursor::default();
+        let mut buf = Vec::new();
+        while !shard
+            .snapshot_into(&mut cur, usize::MAX, &mut buf, &mut w)
+            .map_err(|e| format!("[master] state_dir: {e}"))?
+        {}
+        w.finish().map_err(|e| format!("[master] state_dir: {e}"))?;
+    }
+    tracing::info!(
+        shard = ctx.id(),
+        objects,
+        "took over the shipped state; objects wait for their segments to mount again"
+    );
+    Ok(objects)
+}
+
+/// What a standby shard needs to follow the leader's.
+struct FollowSetup {
+    shard: u32,
+    shards: u32,
+    map: ShardMap,
+    fence: Fence,
+    key: Option<ClusterKey>,
+    io_timeout: Duration,
+    max_frame: u32,
+}
+
+/// Pause before a standby tries the leader again.
+const FOLLOW_RETRY: Duration = Duration::from_millis(200);
+
+/// A standby shard follows the leader's shard (docs/ARCHITECTURE.md, "Log
+/// shipping") until this master leads or stops.
+async fn follow_loop(ctx: ShardCtx, shard: Rc<Shard>, setup: FollowSetup) {
+    let client_id: u64 = rand::random::<u64>() | 1;
+    let mut last_err = String::new();
+    loop {
+        if ctx.shutdown().is_triggered() || shard.standby.borrow().stopped {
+            return;
+        }
+        let role = setup.fence.role();
+        if role != crate::fence::FenceRole::Standby {
+            if role == crate::fence::FenceRole::Leader || role == crate::fence::FenceRole::Deposed {
+                return;
+            }
+        } else if let Some(addr) = ship::leader_shard_addr(&setup.fence.leader(), setup.shard) {
+            let r =
+                futures_lite::future::or(follow_session(&shard, &setup, addr, client_id), async {
+                    ctx.shutdown().wait().await;
+                    Ok(())
+                })
+                .await;
+            if let Err(e) = r {
+                if e != last_err {
+                    tracing::info!(shard = setup.shard, leader = %addr, "following the leader: {e}");
+                    last_err = e;
+                }
+            }
+        }
+        futures_lite::future::or(glommio::timer::sleep(FOLLOW_RETRY), async {
+            ctx.shutdown().wait().await;
+        })
+        .await;
+    }
+}
+
+/// One request to the leader and its answer, within the I/O timeout: the
+/// outer error is the connection's, the inner one the leader's answer.
+async fn follow_rpc(
+    s: &mut TcpStream,
+    setup: &FollowSetup,
+    id: u64,
+    req: &MasterRequest,
+) -> Result<Result<MasterResponse, KvError>, String> {
+    let bytes = frame::encode(FrameKind::MasterRequest, id, req);
+    let exchange = async {
+        frame::write_all(s, &bytes)
+            .await
+            .map_err(|e| e.to_string())?;
+        let (got, answer) =
+            frame::read_reply::<MasterResponse, _>(s, FrameKind::MasterResponse, setup.max_frame)
+                .await
+                .map_err(|e| e.to_string())?;
+        if got != id {
+            return Err(format!("an answer to request {got}, not {id}"));
+        }
+        Ok(answer)
+    };
+    futures_lite::future::or(exchange, async {
+        glommio::timer::sleep(setup.io_timeout).await;
+        Err(format!("no answer within {:?}", setup.io_timeout))
+    })
+    .await
+}
+
+/// Connects to the leader's shard, authenticates, and follows its log
+/// until the connection fails, the session is refused or this master
+/// leads. A session the leader still knows is resumed on a new connection.
+async fn follow_session(
+    shard: &Rc<Shard>,
+    setup: &FollowSetup,
+    addr: SocketAddr,
+    client_id: u64,
+) -> Result<(), String> {
+    let mut s = TcpStream::connect_timeout(addr, setup.io_timeout)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let _ = s.set_nodelay(true);
+    let mut id = 1u64;
+    if let Some(key) = &setup.key {
+        let nc = kvpool_transport::auth::nonce();
+        let begin = MasterRequest::AuthBegin {
+            client_id,
+            nonce: nc,
+        };
+        let ns = match follow_rpc(&mut s, setup, id, &begin).await? {
+            Ok(MasterResponse::AuthChallenge { nonce }) => nonce,
+            other => return Err(format!("AuthBegin answered with {other:?}")),
+        };
+        id += 1;
+        let prove = MasterRequest::AuthProve {
+            proof: key.client_proof(client_id, &nc, &ns),
+        };
+        let proof = match follow_rpc(&mut s, setup, id, &prove).await? {
+            Ok(MasterResponse::AuthOk { proof }) => proof,
+            other => return Err(format!("AuthProve answered with {other:?}")),
+        };
+        key.verify_server_proof(client_id, &nc, &ns, &proof)
+            .map_err(|_| "the leader could not prove it holds the cluster secret".to_string())?;
+    }
+    loop {
+        id += 1;
+        let (session, acked) = {
+            let sb = shard.standby.borrow();
+            if sb.stopped {
+                return Ok(());
+            }
+            (sb.session, sb.acked)
+        };
+        let req = MasterRequest::Follow {
+            client_id,
+            shard: setup.shard,
+            shards: setup.shards,
+            session,
+            acked,
+        };
+        // A connection that fails keeps the session: the next one resumes
+        // it if the leader still has it.
+        let shipped = match follow_rpc(&mut s, setup, id, &req).await? {
+            Ok(MasterResponse::Shipped(sh)) => sh,
+            Ok(other) => return Err(format!("Follow answered with {other:?}")),
+            Err(e) => {
+                // The leader refused the session: a new one next time (the
+                // image is kept until that one's first answer).
+                shard.standby.borrow_mut().session = 0;
+                return Err(e.to_string());
+            }
+        };
+        // Untrusted until checked: the session, the offset, every record.
+        let fresh = session == 0;
+        if shipped.session == 0
+            || (!fresh && shipped.session != session)
+            || shipped.start != if fresh { 0 } else { acked }
+        {
+            shard.standby.borrow_mut().session = 0;
+            return Err(format!(
+                "the leader answered session {:x} at {} to session {session:x} at {acked}",
+                shipped.session, shipped.start
+            ));
+        }
+        let records =
+            match ship::decode_records(&shipped.records, setup.shard, |k| setup.map.shard_of(k)) {
+                Ok(r) => r,
+                Err(e) => {
+                    shard.standby.borrow_mut().session = 0;
+                    return Err(format!("a shipped record: {e}"));
+                }
+            };
+        let mut sb = shard.standby.borrow_mut();
+        if sb.stopped {
+            return Ok(());
+        }
+        let was_synced = sb.synced && !fresh;
+        sb.apply(
+            shipped.session,
+            records,
+            shipped.records.len() as u64,
+            shipped.synced,
+        );
+        drop(sb);
+        shard.publish_ship();
+        let sb = shard.standby.borrow();
+        if sb.synced && !was_synced {
+            tracing::info!(
+                shard = setup.shard,
+                term = shipped.term,
+                objects = sb.image.objects.len(),
+                "in sync with the leader's state log"
+            );
         }
     }
 }
@@ -676,6 +1147,20 @@ async fn tick_loop(ctx: ShardCtx, state: Rc<Shard>, tick: Duration, metrics: Mas
         }
         let r = state.state.borrow_mut().tick(now_ms());
         state.commit();
+        if state.ha {
+            // A standby that stopped asking is dropped (its polls come at
+            // least every POLL_WAIT plus a round trip).
+            let silent = Instant::now().checked_sub(state.sync_timeout + ship::POLL_WAIT * 2);
+            let dropped = silent.map_or_else(Vec::new, |t| state.ship.borrow_mut().drop_silent(t));
+            for s in dropped {
+                tracing::warn!(
+                    session = format!("{s:x}"),
+                    "a standby stopped following: dropped"
+                );
+                state.ship_acked.notify_waiters();
+            }
+            state.publish_ship();
+        }
         state.maybe_compact(&ctx);
         state.wake_eviction();
         if r.stale_discarded > 0 {
@@ -783,10 +1268,23 @@ impl MasterConn {
     async fn dispatch(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
         let map = &self.handle.inner.map;
         let n = self.handle.inner.inboxes.len();
+        if let MasterRequest::Follow {
+            shard,
+            shards,
+            session,
+            acked,
+            ..
+        } = req
+        {
+            return self.follow(shard, shards, session, acked).await;
+        }
         match route::target(&req, |k| map.shard_of(k), n)? {
             // This shard's own keys and task queue: no channel hop.
             Target::Shard(s) if s == self.shard as usize => {
-                apply_local(&self.state, &self.metrics, req)
+                let from = self.state.mark();
+                let r = apply_local(&self.state, &self.metrics, req);
+                self.state.settle(from).await;
+                r
             }
             Target::Batch => {
                 if let Some(empty) = check_batch(&req, self.handle.inner.max_batch)? {
@@ -796,6 +1294,7 @@ impl MasterConn {
                 let parts = split_batch(req, map);
                 let mut answers = Vec::with_capacity(parts.len());
                 let mut remote = Vec::new();
+                let from = self.state.mark();
                 for p in parts {
                     if p.shard == self.shard {
                         answers.push((p.positions, apply_local(&self.state, &self.metrics, p.req)));
@@ -806,9 +1305,89 @@ impl MasterConn {
                 if !remote.is_empty() {
                     answers.extend(self.handle.forward_parts(remote).await);
                 }
+                self.state.settle(from).await;
                 merge_batch(n, answers)
             }
             _ => self.handle.request(req).await,
+        }
+    }
+
+    /// A standby's `Follow` (docs/ARCHITECTURE.md, "Log shipping"): acks
+    /// what it applied, then answers the next records of its session,
+    /// waiting up to [`ship::POLL_WAIT`] for some.
+    async fn follow(
+        &self,
+        shard: u32,
+        shards: u32,
+        session: u64,
+        acked: u64,
+    ) -> Result<MasterResponse, KvError> {
+        let fence = &self.handle.inner.fence;
+        let n = self.handle.inner.inboxes.len() as u32;
+        if fence.role() != crate::fence::FenceRole::Leader {
+            return Err(KvError::new(
+                ErrorCode::Unsupported,
+                "only a master that leads under an election ships its state log",
+            ));
+        }
+        if shards != n || shard != self.shard {
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!(
+                    "Follow of shard {shard} of {shards} on shard {} of {n}: a standby follows \
+                     each shard on its own port, with the leader's shard count",
+                    self.shard
+                ),
+            ));
+        }
+        let st = &self.state;
+        let now = Instant::now();
+        let session = if session == 0 {
+            let s = st.ship.borrow_mut().open(now)?;
+            tracing::info!(
+                shard = self.shard,
+                session = format!("{s:x}"),
+                "a standby follows this shard's log: a snapshot, then the log"
+            );
+            s
+        } else {
+            let r = st.ship.borrow_mut().ack(session, acked, now);
+            st.ship_acked.notify_waiters();
+            st.publish_ship();
+            r?;
+            session
+        };
+        let deadline = now + ship::POLL_WAIT;
+        loop {
+            let data = st.ship_data.notified();
+            let due = st.ship.borrow_mut().snapshot_due(session);
+            if let Some(mut cur) = due {
+                let mut buf = Vec::new();
+                let done = st.state.borrow().snapshot_step(
+                    &mut cur,
+                    ship::SNAPSHOT_STEP_OBJECTS,
+                    &mut buf,
+                );
+                st.ship
+                    .borrow_mut()
+                    .snapshot_step_done(session, cur, &buf, done);
+            }
+            let b = st.ship.borrow_mut().next(session)?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if b.records.is_empty() && due.is_some() && !left.is_zero() {
+                // A snapshot step with nothing in it: the next one now.
+                continue;
+            }
+            if !b.records.is_empty() || left.is_zero() {
+                return Ok(MasterResponse::Shipped(Shipped {
+                    session,
+                    term: fence.term(),
+                    start: b.start,
+                    records: b.records,
+                    synced: b.synced,
+                }));
+            }
+            futures_lite::future::or(data, glommio::timer::sleep(left)).await;
         }
     }
 

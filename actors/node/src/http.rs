@@ -131,14 +131,22 @@ async fn healthz(State(st): State<HttpState>) -> Response {
             FenceRole::Leader => {
                 return (
                     StatusCode::OK,
-                    format!("ok role=leader term={}\n", fence.term()),
+                    format!(
+                        "ok role=leader term={} standbys_in_sync={}\n",
+                        fence.term(),
+                        show_list(&m.ship_status())
+                    ),
                 )
                     .into_response()
             }
             FenceRole::Standby => {
                 return (
                     StatusCode::OK,
-                    format!("ok role=standby leader={:?}\n", fence.leader()),
+                    format!(
+                        "ok role=standby leader={:?} synced={}\n",
+                        fence.leader(),
+                        show_list(&m.ship_status())
+                    ),
                 )
                     .into_response()
             }
@@ -151,6 +159,11 @@ async fn healthz(State(st): State<HttpState>) -> Response {
         }
     }
     (StatusCode::OK, "ok\n").into_response()
+}
+
+/// `1,0,2`: one figure per master shard (log shipping's state in /healthz).
+fn show_list(v: &[u32]) -> String {
+    v.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
 }
 
 fn unhealthy(why: String) -> Response {

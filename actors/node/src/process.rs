@@ -185,7 +185,7 @@ fn start_election(
             http: cfg.master.http.clone(),
         },
     };
-    kvpool_ha::spawn_election(handle.fence().clone(), election, shutdown);
+    kvpool_ha::spawn_election(handle.clone(), election, shutdown);
     Ok(())
 }
 
