@@ -201,13 +201,20 @@ pub struct NodeRules {
     /// Copy a promotion only when the NVMe bytes match the object's
     /// checksum (as the real node does since 2367aef).
     pub check_promotion_checksum: bool,
-    /// After a round's flush, a Stored copy counts as still in its place
-    /// only when its slot holds the key's copy with the reported checksum,
-    /// not just the key (found by this simulation, seed 3: two Persist
-    /// tasks of one key in one round, the first's copy replaced by the
-    /// second's in the same reused slot; the first is refused, and the
-    /// node removes the slot the master now lists for the second).
-    pub stored_copy_checks_sum: bool,
+    /// A copy is named by its location and the write that made it (the
+    /// real tier's write sequence number), not by its location alone, as
+    /// the real node does since this simulation found seeds 3 and 442: a
+    /// Stored copy counts as still in its place after a round's flush only
+    /// when its slot holds that very copy; a refused update's copy is
+    /// removed only while its slot still holds it and no update of the
+    /// same batch that the master took names it; a stale `Recovered` copy
+    /// likewise. Off: the node before the fix (by key and slot), where
+    /// seed 3 (two Persist tasks of one key in one round, the first's copy
+    /// replaced by the second's in the same reused slot; the first is
+    /// refused and the node removes the slot the master now lists for the
+    /// second) and seed 442 with `KVPOOL_SIM_UNSUMMED=1` (a report of
+    /// every copy racing a round that replaced one in the same slot) fail.
+    pub exact_copies: bool,
 }
 
 impl Default for NodeRules {
@@ -215,7 +222,7 @@ impl Default for NodeRules {
         Self {
             refuse_foreign_promotions: true,
             check_promotion_checksum: true,
-            stored_copy_checks_sum: true,
+            exact_copies: true,
         }
     }
 }

@@ -8,12 +8,14 @@
 //! * `KVPOOL_SIM_UNSUMMED=1`: a quarter of the clients without checksums.
 //! * `KVPOOL_SIM_NODE=pre-2367aef`: node models as the node was before
 //!   2367aef (no refusal of promotions into another node's segment).
+//! * `KVPOOL_SIM_NODE=by-slot`: node models that name a tier copy by its
+//!   slot alone, as the node did before the fix of seeds 3 and 442.
 
 use kvpool_cluster_sim::{run_seed, Options, Stats};
 
 /// Seeds that once failed: each runs on every test run (with more events
 /// than it failed at). 3: a node's Stored copy checked by key and slot only
-/// (`NodeRules::stored_copy_checks_sum`); 18, 32: the checker took an
+/// (`NodeRules::exact_copies`); 18, 32: the checker took an
 /// `Evicted` report and a put's eviction for losses; 248: the master freed
 /// a dead mount's deferred extents into the same segment mounted again.
 const REGRESSIONS: &[u64] = &[3, 18, 32, 248];
@@ -51,6 +53,10 @@ fn options() -> Options {
     if std::env::var("KVPOOL_SIM_NODE").as_deref() == Ok("pre-2367aef") {
         o.nodes.refuse_foreign_promotions = false;
         o.nodes.check_promotion_checksum = false;
+    }
+    // The node before the fix of seeds 3 and 442: copies named by slot.
+    if std::env::var("KVPOOL_SIM_NODE").as_deref() == Ok("by-slot") {
+        o.nodes.exact_copies = false;
     }
     o
 }
