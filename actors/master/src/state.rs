@@ -1214,8 +1214,11 @@ impl ShardState {
     /// unpinned before soft-pinned, oldest lease first). A victim with an
     /// NVMe copy loses its DRAM replica at once; one whose node has an NVMe
     /// tier is demoted (copied there first, its space on its way out);
-    /// others are dropped, and an object left without a replica goes.
-    /// Returns the bytes it frees now or once its demotion lands; `None`
+    /// others are dropped, and an object left without a replica goes. A
+    /// replica is never `Ready` while a demotion of it is under way (see
+    /// the `Stored` and `PersistFailed` arms of `nvme_update`), so no
+    /// queued demotion reads a range freed here. Returns the bytes it frees
+    /// now or once its demotion lands; `None`
     /// when nothing in the range may be evicted. Pins must have been swept
     /// to `now_ms`.
     fn evict_next(&mut self, idx: u32, now_ms: u64) -> Option<u64> {
@@ -1942,6 +1945,15 @@ impl ShardState {
                         .objs
                         .update(id, |o| o.replicas.push(Replica::ready(nslot, *loc))),
                 }
+                // The write-through copy of a replica whose demotion is
+                // under way: the node still holds that demotion's Persist
+                // task, which reads the range; its own report ends it. (Were
+                // the replica Ready again, an eviction would free the range
+                // at once, the object having an NVMe copy, and the node
+                // would copy another put's bytes from it.)
+                let pos = pos.filter(|&p| {
+                    *demote || self.objs.get(id).replicas[p].state != ReplicaState::Demoting
+                });
                 if let Some(pos) = pos {
                     let obj = self.objs.get(id);
                     let was = (obj.replicas[pos].state == ReplicaState::Demoting)
@@ -1978,9 +1990,9 @@ impl ShardState {
                 };
                 let size = obj.size;
                 if !*demote {
-                    self.objs
-                        .update(id, |o| o.replicas[pos].state = ReplicaState::Ready);
-                    self.demotion_over(dslot, size);
+                    // A write-through copy failed while a demotion of the
+                    // replica is under way: that demotion's own report
+                    // ends it (its task still reads the range).
                     return Ok(());
                 }
                 // The eviction goes ahead without an NVMe copy.
