@@ -234,8 +234,9 @@ pub struct Options {
     pub events: usize,
     pub nodes: NodeRules,
     /// A quarter of the clients run with `client.checksums = false` (off by
-    /// default: with it the simulation finds the eviction bug described in
-    /// docs/RELIABILITY.md, seed 132, which is not fixed yet).
+    /// default; with it the simulation found the master's demotion race
+    /// and the node's report race of docs/RELIABILITY.md, seeds 798 and
+    /// 442, both fixed; `tests/seeds.rs` replays them).
     pub some_clients_without_checksums: bool,
 }
 
