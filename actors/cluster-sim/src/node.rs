@@ -100,6 +100,15 @@ impl TierModel {
     }
 }
 
+/// What the master has of a node again after a message: its DRAM segment
+/// mounted, or its whole tier reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Back {
+    Nothing,
+    Dram,
+    Tier,
+}
+
 #[derive(Debug, Clone)]
 enum PingStep {
     MountDram { then_tier: bool },
@@ -251,6 +260,11 @@ impl NodeModel {
     /// Whether this process serves DRAM segment `seg` (or has tier `seg`).
     pub fn serves(&self, seg: SegmentId) -> bool {
         self.up && (seg == self.dram_seg || self.tier.as_ref().is_some_and(|t| t.seg == seg))
+    }
+
+    /// The DRAM segment this process mounts.
+    pub fn dram_segment(&self) -> SegmentId {
+        self.dram_seg
     }
 
     pub fn tier_segment(&self) -> Option<SegmentId> {
@@ -448,8 +462,8 @@ impl NodeModel {
         self.call_round(ctx, req, RoundStep::Tasks { shard });
     }
 
-    /// Handles a message; true when it finished reporting the whole tier.
-    pub fn on_msg(&mut self, m: Msg, ctx: &mut Ctx) -> bool {
+    /// Handles a message; what the master has of this node again by it.
+    pub fn on_msg(&mut self, m: Msg, ctx: &mut Ctx) -> Back {
         match m.body {
             Body::Write {
                 id,
@@ -465,7 +479,7 @@ impl NodeModel {
                     Err(ErrorCode::SegmentNotFound)
                 };
                 ctx.send(self.me(), m.from, Body::Data { id, res });
-                false
+                Back::Nothing
             }
             Body::Read {
                 id,
@@ -487,7 +501,7 @@ impl NodeModel {
                     },
                 };
                 ctx.send(self.me(), m.from, Body::Data { id, res });
-                false
+                Back::Nothing
             }
             Body::Resp { id, res } => {
                 if self.ping.as_ref().is_some_and(|p| p.0 == id) {
@@ -498,9 +512,9 @@ impl NodeModel {
                     let (_, _, step) = self.round.take().expect("checked");
                     self.on_round_answer(step, res, ctx);
                 }
-                false
+                Back::Nothing
             }
-            _ => false,
+            _ => Back::Nothing,
         }
     }
 
@@ -509,12 +523,13 @@ impl NodeModel {
         step: PingStep,
         res: Result<MasterResponse, KvError>,
         ctx: &mut Ctx,
-    ) -> bool {
+    ) -> Back {
         match (step, res) {
-            (PingStep::MountDram { then_tier }, Ok(MasterResponse::Mounted { .. }))
-                if then_tier || !self.started =>
-            {
-                self.mount_tier(ctx);
+            (PingStep::MountDram { then_tier }, Ok(MasterResponse::Mounted { .. })) => {
+                if then_tier || !self.started {
+                    self.mount_tier(ctx);
+                }
+                return Back::Dram;
             }
             (PingStep::MountTier, Ok(MasterResponse::Mounted { .. })) => self.report_all(ctx),
             (PingStep::MountTier, _) => self.unreported = self.tier.is_some(),
@@ -536,7 +551,7 @@ impl NodeModel {
                     }
                 }
                 self.reported(ctx);
-                return true;
+                return Back::Tier;
             }
             (PingStep::Report(_), _) => self.unreported = true,
             (PingStep::Ping, Ok(MasterResponse::Pong { unknown })) => {
@@ -550,7 +565,7 @@ impl NodeModel {
             }
             _ => {}
         }
-        false
+        Back::Nothing
     }
 
     fn on_round_answer(

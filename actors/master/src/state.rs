@@ -1846,17 +1846,71 @@ impl ShardState {
         }
         let mut out = Vec::new();
         for seg in segments {
-            let Some(q) = self.tasks.get_mut(seg) else {
+            let Some(mut q) = self.tasks.remove(seg) else {
                 continue;
             };
             while out.len() < max {
                 match q.pop_front() {
+                    Some(t) if self.task_is_stale(*seg, &t) => {}
                     Some(t) => out.push(t),
                     None => break,
                 }
             }
+            self.tasks.insert(*seg, q);
         }
         Ok(out)
+    }
+
+    /// Whether task `t` of segment `seg`'s queue no longer stands, and is
+    /// dropped instead of handed out:
+    /// * a Persist whose object no longer holds the DRAM range it names as
+    ///   it did when the task was queued (removed, replaced, its replica
+    ///   evicted; for a demotion, the replica no longer `Demoting`): nothing
+    ///   waits for its report, and a node that ran it would copy whatever
+    ///   lies in the range now and replace the key's copy on its tier
+    ///   (maybe the one the current object lists) with it;
+    /// * a Drop of a copy that the object under the key lists again (the
+    ///   node reported it `Recovered` after the removal that queued the
+    ///   Drop, and the master took it as the object).
+    fn task_is_stale(&self, seg: SegmentId, t: &NodeTask) -> bool {
+        let (key, dram, offset, demote) = match t {
+            NodeTask::Persist {
+                key,
+                dram,
+                offset,
+                demote,
+                ..
+            } => (key, dram, offset, demote),
+            NodeTask::Drop { key, loc } => {
+                let tier = self
+                    .by_id
+                    .get(&seg)
+                    .and_then(|&i| self.slot(i).spec.nvme.as_ref())
+                    .and_then(|a| self.by_id.get(&a.segment_id));
+                return match (tier, self.objs.complete_id(key)) {
+                    (Some(&nslot), Some(id)) => self
+                        .objs
+                        .get(id)
+                        .replicas
+                        .iter()
+                        .any(|r| r.slot == nslot && r.offset == *loc),
+                    _ => false,
+                };
+            }
+            NodeTask::Promote { .. } => return false,
+        };
+        let (Some(&dslot), Some(id)) = (self.by_id.get(dram), self.objs.complete_id(key)) else {
+            return true;
+        };
+        !self.objs.get(id).replicas.iter().any(|r| {
+            r.slot == dslot
+                && r.offset == *offset
+                && if *demote {
+                    r.state == ReplicaState::Demoting
+                } else {
+                    r.state != ReplicaState::Promoting
+                }
+        })
     }
 
     /// Applies one report of node `client` about its NVMe tier. Everything
@@ -2074,7 +2128,19 @@ impl ShardState {
                 match self.objs.complete_id(key) {
                     Some(id) => {
                         let o = self.objs.get(id);
-                        if o.size != *len || o.checksum().is_some_and(|s| s != *sum) {
+                        // Without a checksum nothing shows the copy is this
+                        // object's and not an earlier one's of the same
+                        // size, unless this very replica is listed already
+                        // (its record came back from the state directory).
+                        let listed = o
+                            .replicas
+                            .iter()
+                            .any(|r| r.slot == nslot && r.offset == *loc);
+                        let same = match o.checksum() {
+                            Some(s) => s == *sum,
+                            None => listed,
+                        };
+                        if o.size != *len || !same {
                             return Err(err(
                                 ErrorCode::ObjectAlreadyExists,
                                 "a different object is stored under this key now",

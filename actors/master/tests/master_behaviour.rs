@@ -1764,6 +1764,84 @@ fn a_failed_write_through_copy_does_not_end_a_demotion_under_way() {
     assert_eq!(m.get("k0").unwrap().len(), 1, "k0 is on NVMe only");
 }
 
+/// Found by the cluster simulation (seed 671 with `KVPOOL_SIM_UNSUMMED=1`,
+/// once the restarted master kept its state directory): an object put
+/// without a checksum took a node's recovered NVMe copy of an earlier
+/// object under the key, of the same size, as its own replica, and readers
+/// got the earlier bytes. Without a checksum the master takes a recovered
+/// copy only when it lists that very replica already.
+#[test]
+fn a_recovered_copy_is_not_taken_for_an_object_without_a_checksum_it_cannot_be_matched_with() {
+    let (mut m, dram) = tiered(true);
+    m.put("k", 100); // no checksum
+    let rec = |loc| NvmeUpdate::Recovered {
+        key: b"k".to_vec(),
+        nvme: nvme_id(),
+        loc,
+        len: 100,
+        sum: 0x1234,
+    };
+    let e = update(&mut m, rec(9)).unwrap_err();
+    assert_eq!(
+        e.code,
+        ErrorCode::ObjectAlreadyExists,
+        "the node removes it"
+    );
+    assert_eq!(m.get("k").unwrap().len(), 1, "only the DRAM replica");
+    // The copy the master took for this object comes back as it was.
+    write_through_copy(&mut m, dram, 3);
+    update(&mut m, rec(3)).unwrap();
+    let r = m.get("k").unwrap();
+    assert_eq!(r.len(), 2);
+    assert_eq!((r[1].tier, r[1].offset), (Tier::Nvme, 3));
+}
+
+/// Found by the cluster simulation (seed 671 with `KVPOOL_SIM_UNSUMMED=1`,
+/// with the master's state directory): a demotion queued for a node that
+/// was away; the object was removed and the key came back from the node's
+/// tier; the node then ran the old demotion on whatever lay in the range
+/// and replaced the key's copy, the one the master listed, with it. A
+/// Persist task whose object no longer holds its range is not handed out.
+#[test]
+fn a_demotion_of_a_removed_object_is_not_handed_out() {
+    let (mut m, dram) = tiered(false);
+    fill(&mut m, "k", 10, opts(1)); // k0's demotion queued, not yet fetched
+    m.remove("k0", true).unwrap();
+    let t = tasks(&mut m, dram);
+    assert!(
+        !t.iter()
+            .any(|t| matches!(t, NodeTask::Persist { key, .. } if key == b"k0")),
+        "{t:?}"
+    );
+}
+
+/// Found by the cluster simulation (seed 63, with the master's state
+/// directory): a removal queued a Drop of the key's NVMe copy for a node
+/// whose tier was away; the tier came back and reported the copy, which
+/// the master took (the key was free); the node then ran the Drop and
+/// removed the copy the master listed. A Drop of a copy the object under
+/// the key lists is not handed out.
+#[test]
+fn a_drop_of_a_copy_reported_again_and_taken_is_not_handed_out() {
+    let (mut m, dram) = tiered(false);
+    let rec = NvmeUpdate::Recovered {
+        key: b"k".to_vec(),
+        nvme: nvme_id(),
+        loc: 9,
+        len: 100,
+        sum: 0x1234,
+    };
+    update(&mut m, rec.clone()).unwrap();
+    m.remove("k", true).unwrap(); // queues Drop k at 9
+    update(&mut m, rec).unwrap(); // the copy comes back, taken
+    let t = tasks(&mut m, dram);
+    assert!(
+        !t.iter().any(|t| matches!(t, NodeTask::Drop { .. })),
+        "{t:?}"
+    );
+    assert_eq!(m.get("k").unwrap().len(), 1);
+}
+
 #[test]
 fn write_through_asks_for_a_copy_at_put_end_and_keeps_the_dram_replica() {
     let (mut m, dram) = tiered(true);
