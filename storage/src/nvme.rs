@@ -144,6 +144,8 @@ pub struct Recovered {
     pub len: u64,
     /// xxh3-64 of the value, as its record and header hold it.
     pub sum: u64,
+    /// The copy's write sequence number (see [`NvmeShard::copy_seq`]).
+    pub seq: u64,
 }
 
 /// Errors of the tier.
@@ -714,7 +716,13 @@ impl NvmeShard {
                 evicting: false,
             });
             st.by_key.insert(key.clone().into_boxed_slice(), slot);
-            out.push(Recovered { key, loc, len, sum });
+            out.push(Recovered {
+                key,
+                loc,
+                len,
+                sum,
+                seq,
+            });
         }
         {
             let mut st = self.state.borrow_mut();
@@ -1049,6 +1057,26 @@ impl NvmeShard {
         st.slots[loc.slot as usize].as_ref().map(|e| (e.len, e.sum))
     }
 
+    /// The write sequence number of the copy at `loc`, if one is there. It
+    /// names one copy: a slot freed and reused holds a copy with a higher
+    /// one (the numbers only grow while the region is open), so a caller
+    /// that noted it can tell its copy from a later one in the same slot.
+    pub fn copy_seq(&self, loc: NvmeLoc) -> Option<u64> {
+        self.check_loc(loc).ok()?;
+        let st = self.state.borrow();
+        st.slots[loc.slot as usize].as_ref().map(|e| e.seq)
+    }
+
+    /// Removes the copy at `loc` if it is still the one written with
+    /// sequence number `seq` (see [`NvmeShard::copy_seq`]); whether it was.
+    pub async fn remove_copy(&self, loc: NvmeLoc, seq: u64) -> Result<bool, NvmeError> {
+        if self.copy_seq(loc) != Some(seq) {
+            return Ok(false);
+        }
+        self.remove(loc).await?;
+        Ok(true)
+    }
+
     /// Removes the object at `loc` if it is stored under `key` (a slot can
     /// hold another key's object once its own was removed); whether it was.
     pub async fn remove_key(&self, loc: NvmeLoc, key: &[u8]) -> Result<bool, NvmeError> {
@@ -1125,6 +1153,7 @@ impl NvmeShard {
                     },
                     len: e.len,
                     sum: e.sum,
+                    seq: e.seq,
                 })
             })
             .collect()

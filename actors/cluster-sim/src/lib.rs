@@ -24,7 +24,8 @@
 //!   tags (put number n) and a checksum is a function of the tag.
 //! * The network, clock and disk are simulated. Node crashes lose DRAM and
 //!   the tier's index records not yet flushed (the write is torn: its copy
-//!   is gone after restart); tier writes and flushes fail at random.
+//!   is gone after restart); tier writes and flushes fail at random. The
+//!   master's state directory is a real one per run ([`StateDir`]).
 //!
 //! After every event the world checks the invariants in [`World::check`]; a
 //! failure names the seed, and `KVPOOL_SIM_SEED=<seed> cargo test --release
@@ -45,15 +46,43 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use client::ClientModel;
-use node::NodeModel;
+use node::{Back, NodeModel};
 
-/// What survives a master restart. Today a restarted master knows nothing
-/// of DRAM objects: only objects with an NVMe copy come back (the nodes
-/// report their tiers). When the master keeps a durable log of its objects
-/// (branch `durable`), build the restarted `MasterCore` from it in
-/// [`World::master_restart`] and set this to `true`: then every object with
-/// a DRAM replica on a live node must be listed again at once, too.
-pub const DRAM_SURVIVES_MASTER_RESTART: bool = false;
+/// What survives a master restart. The master keeps its state directory
+/// (`[master] state_dir`: the real journal, in a real directory of its
+/// own per run, see [`StateDir`]) and [`World::master_restart`] opens it
+/// (`MasterCore::open`), so an object with a DRAM replica comes back too:
+/// once the node of that replica mounts its segment again (before the
+/// recovered replicas expire, `client_ttl_ms` after the restart), the
+/// master must list the object again, unless a client put or removed the
+/// key since.
+pub const DRAM_SURVIVES_MASTER_RESTART: bool = true;
+
+/// Wall-clock time at simulated time 0 (what the journal's holds count in).
+const UNIX_AT_ZERO_MS: u64 = 1_700_000_000_000;
+
+/// The master's state directory for one run: a real directory, removed
+/// when the run ends. The journal's files are written without sync; a
+/// crash of the simulated master is a crash of the process, not of the
+/// machine, so what it wrote is there when it starts again.
+pub struct StateDir(std::path::PathBuf);
+
+impl StateDir {
+    fn new(seed: u64) -> Self {
+        static RUN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("kvpool-sim-{}-{seed}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("the master's state directory");
+        Self(p)
+    }
+}
+
+impl Drop for StateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
 
 /// What a range or an NVMe copy holds: the value of put number `n`, or
 /// bytes of no complete value.
@@ -201,13 +230,20 @@ pub struct NodeRules {
     /// Copy a promotion only when the NVMe bytes match the object's
     /// checksum (as the real node does since 2367aef).
     pub check_promotion_checksum: bool,
-    /// After a round's flush, a Stored copy counts as still in its place
-    /// only when its slot holds the key's copy with the reported checksum,
-    /// not just the key (found by this simulation, seed 3: two Persist
-    /// tasks of one key in one round, the first's copy replaced by the
-    /// second's in the same reused slot; the first is refused, and the
-    /// node removes the slot the master now lists for the second).
-    pub stored_copy_checks_sum: bool,
+    /// A copy is named by its location and the write that made it (the
+    /// real tier's write sequence number), not by its location alone, as
+    /// the real node does since this simulation found seeds 3 and 442: a
+    /// Stored copy counts as still in its place after a round's flush only
+    /// when its slot holds that very copy; a refused update's copy is
+    /// removed only while its slot still holds it and no update of the
+    /// same batch that the master took names it; a stale `Recovered` copy
+    /// likewise. Off: the node before the fix (by key and slot), where
+    /// seed 3 (two Persist tasks of one key in one round, the first's copy
+    /// replaced by the second's in the same reused slot; the first is
+    /// refused and the node removes the slot the master now lists for the
+    /// second) and seed 442 with `KVPOOL_SIM_UNSUMMED=1` (a report of
+    /// every copy racing a round that replaced one in the same slot) fail.
+    pub exact_copies: bool,
 }
 
 impl Default for NodeRules {
@@ -215,7 +251,7 @@ impl Default for NodeRules {
         Self {
             refuse_foreign_promotions: true,
             check_promotion_checksum: true,
-            stored_copy_checks_sum: true,
+            exact_copies: true,
         }
     }
 }
@@ -227,8 +263,9 @@ pub struct Options {
     pub events: usize,
     pub nodes: NodeRules,
     /// A quarter of the clients run with `client.checksums = false` (off by
-    /// default: with it the simulation finds the eviction bug described in
-    /// docs/RELIABILITY.md, seed 132, which is not fixed yet).
+    /// default; with it the simulation found the master's demotion race
+    /// and the node's report race of docs/RELIABILITY.md, seeds 798 and
+    /// 442, both fixed; `tests/seeds.rs` replays them).
     pub some_clients_without_checksums: bool,
 }
 
@@ -439,13 +476,16 @@ impl Ctx {
 /// One key's state at the master, as `describe` gives it.
 type Snap = Vec<Option<ObjectInfo>>;
 
-/// An NVMe copy a master listed before it crashed: it must be listed again
-/// once its node has reported its tier, unless a client touched the key.
+/// A replica a master listed before it crashed: its object must be listed
+/// again once its node has reported its tier (an NVMe copy) or mounted its
+/// DRAM segment again in time (a DRAM replica), unless a client touched
+/// the key.
 #[derive(Debug, Clone)]
 struct Owed {
     key: Vec<u8>,
-    nvme: SegmentId,
+    seg: SegmentId,
     loc: u64,
+    tier: Tier,
 }
 
 /// The cluster.
@@ -455,6 +495,10 @@ pub struct World {
     cfg: MasterConfig,
     master: Option<MasterCore>,
     master_epoch: u64,
+    /// Until when a restarted master keeps the recovered replicas of
+    /// segments that have not mounted again.
+    parked_until: u64,
+    state: StateDir,
     pub nodes: Vec<NodeModel>,
     pub clients: Vec<ClientModel>,
     snap: Snap,
@@ -506,7 +550,9 @@ impl World {
                 ClientModel::new(i, sums, &mut ctx)
             })
             .collect();
-        let mut m = MasterCore::new(SHARDS, &cfg, seed);
+        let state = StateDir::new(seed);
+        let mut m = MasterCore::open(SHARDS, &cfg, seed, &state.0, 0, UNIX_AT_ZERO_MS)
+            .expect("an empty state directory opens");
         m.evict = EvictDrive::Manual;
         ctx.at(TICK_MS, Event::MasterTick(0));
         ctx.at(EVICT_MS, Event::MasterEvict(0));
@@ -517,6 +563,8 @@ impl World {
             cfg,
             master: Some(m),
             master_epoch: 0,
+            parked_until: 0,
+            state,
             nodes,
             clients,
             snap: vec![None; KEYS],
@@ -650,11 +698,15 @@ impl World {
         // reported again.
         self.owed.clear();
         for info in self.snap.iter().flatten().filter(|i| i.complete) {
-            for r in info.replicas.iter().filter(|r| r.tier == Tier::Nvme) {
+            for r in info.replicas.iter() {
+                if r.tier == Tier::Dram && !DRAM_SURVIVES_MASTER_RESTART {
+                    continue;
+                }
                 self.owed.push(Owed {
                     key: info.key.clone(),
-                    nvme: r.segment_id,
+                    seg: r.segment_id,
                     loc: r.offset,
+                    tier: r.tier,
                 });
             }
         }
@@ -663,38 +715,33 @@ impl World {
     }
 
     /// The master starts again. THE place that decides what a restarted
-    /// master knows: today nothing (a fresh `MasterCore`; nodes mount again
-    /// and report their tiers). See [`DRAM_SURVIVES_MASTER_RESTART`].
+    /// master knows: what its state directory holds (nodes mount again and
+    /// report their tiers). See [`DRAM_SURVIVES_MASTER_RESTART`].
     fn master_restart(&mut self) {
         self.ctx.note("the master restarts".into());
         self.master_epoch += 1;
-        let mut m = MasterCore::new(SHARDS, &self.cfg, self.seed ^ self.master_epoch);
+        let seed = self.seed ^ self.master_epoch;
+        let now = self.ctx.now;
+        let mut m = if DRAM_SURVIVES_MASTER_RESTART {
+            match MasterCore::open(SHARDS, &self.cfg, seed, &self.state.0, now, UNIX_AT_ZERO_MS) {
+                Ok(m) => m,
+                Err(e) => {
+                    self.ctx
+                        .fail(format!("the master cannot open its state directory: {e}"));
+                    MasterCore::new(SHARDS, &self.cfg, seed)
+                }
+            }
+        } else {
+            MasterCore::new(SHARDS, &self.cfg, seed)
+        };
+        self.parked_until = now + self.cfg.client_ttl_ms;
         m.evict = EvictDrive::Manual;
         self.master = Some(m);
         self.touched.clear();
         let e = self.master_epoch;
         self.ctx.at(self.ctx.now + TICK_MS, Event::MasterTick(e));
         self.ctx.at(self.ctx.now + EVICT_MS, Event::MasterEvict(e));
-        let fresh = self.describe_all();
-        let before = std::mem::replace(&mut self.snap, fresh);
-        if DRAM_SURVIVES_MASTER_RESTART {
-            for (i, info) in before.iter().enumerate() {
-                let Some(info) = info.as_ref().filter(|i| i.complete) else {
-                    continue;
-                };
-                let live = info
-                    .replicas
-                    .iter()
-                    .any(|r| r.tier == Tier::Dram && self.segment_alive(r.segment_id));
-                if live && !self.snap[i].as_ref().is_some_and(|n| n.complete) {
-                    self.ctx.fail(format!(
-                        "key {} with a DRAM replica on a live node was lost across a master \
-                         restart",
-                        String::from_utf8_lossy(&info.key)
-                    ));
-                }
-            }
-        }
+        self.snap = self.describe_all();
     }
 
     /// Whether the node that made `seg` is up and still serves it.
@@ -714,9 +761,10 @@ impl World {
                     refuse(&mut self.ctx, &m);
                     return;
                 }
-                let reported = self.nodes[i].on_msg(m, &mut self.ctx);
-                if reported {
-                    self.check_owed(i);
+                match self.nodes[i].on_msg(m, &mut self.ctx) {
+                    Back::Nothing => {}
+                    Back::Dram => self.check_owed(i, Tier::Dram),
+                    Back::Tier => self.check_owed(i, Tier::Nvme),
                 }
             }
             Addr::Client(i) => self.clients[i].on_msg(m, &mut self.ctx),
@@ -801,6 +849,14 @@ impl World {
     fn after_master(&mut self, what: &str, removes: Option<Vec<Vec<u8>>>) {
         let now = self.describe_all();
         let before = std::mem::replace(&mut self.snap, now);
+        // A recovered object listed again (through any of its segments)
+        // owes nothing more on its DRAM replicas: from now on it is
+        // checked as every listed object is (an eviction may take it).
+        let listed =
+            |k: &[u8], snap: &Snap| snap.iter().flatten().any(|i| i.complete && i.key == k);
+        let snap = &self.snap;
+        self.owed
+            .retain(|o| o.tier != Tier::Dram || !listed(&o.key, snap));
         if what == "evict step" || what == "tick" {
             for (old, new) in before.iter().zip(&self.snap) {
                 let (o, n) = (replicas_of(old), replicas_of(new));
@@ -873,14 +929,31 @@ impl World {
     /// After node `i` reported its whole tier to the master: what the
     /// master listed with an NVMe copy there before it crashed is listed
     /// again (unless a client put or removed the key since).
-    fn check_owed(&mut self, i: usize) {
-        let Some(tier) = self.nodes[i].tier_segment() else {
-            return;
+    /// Node `i` mounted its DRAM segment again or reported its tier: the
+    /// objects owed on them must be listed.
+    fn check_owed(&mut self, i: usize, back: Tier) {
+        let seg = match back {
+            Tier::Dram => Some(self.nodes[i].dram_segment()),
+            Tier::Nvme => self.nodes[i].tier_segment(),
         };
-        let owed: Vec<Owed> = self.owed.extract_if(.., |o| o.nvme == tier).collect();
+        let in_time = self.ctx.now < self.parked_until;
+        let owed: Vec<Owed> = self
+            .owed
+            .extract_if(.., |o| o.tier == back && Some(o.seg) == seg)
+            .collect();
+        if owed.is_empty() {
+            return;
+        }
         self.snap = self.describe_all();
         for o in owed {
-            if self.touched.contains(&o.key) || !self.nodes[i].tier_holds(tier, o.loc, &o.key) {
+            let holds = match o.tier {
+                // Nothing writes a node's memory while its segment is
+                // unknown to the master; one mounted after the recovered
+                // replicas expired has nothing to come back.
+                Tier::Dram => in_time,
+                Tier::Nvme => self.nodes[i].tier_holds(o.seg, o.loc, &o.key),
+            };
+            if self.touched.contains(&o.key) || !holds {
                 continue;
             }
             self.ctx.stats.owed_checked += 1;
@@ -891,9 +964,10 @@ impl World {
                 .expect("a sim key");
             if !self.snap[k].as_ref().is_some_and(|n| n.complete) {
                 self.ctx.fail(format!(
-                    "key {} had an NVMe copy before the master restarted and its tier \
-                     reported it, but the master does not list it",
-                    String::from_utf8_lossy(&o.key)
+                    "key {} had a {:?} replica before the master restarted and its node \
+                     mounted or reported it again, but the master does not list it",
+                    String::from_utf8_lossy(&o.key),
+                    o.tier
                 ));
             }
         }

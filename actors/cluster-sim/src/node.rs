@@ -53,6 +53,9 @@ struct Copy {
     content: Content,
     /// Its index record is on the device (flushed).
     durable: bool,
+    /// Which write made it (the real tier's write sequence number): a
+    /// location reused later holds a copy with another.
+    gen: u64,
 }
 
 /// The NVMe tier on the simulated disk.
@@ -60,7 +63,12 @@ struct TierModel {
     seg: SegmentId,
     spec: SegmentSpec,
     copies: BTreeMap<u64, Copy>,
+    /// The last write's number.
+    gen: u64,
 }
+
+/// One copy: its location and the number of the write that made it.
+type CopyRef = (u64, u64);
 
 impl TierModel {
     fn lookup(&self, key: &[u8]) -> Option<u64> {
@@ -75,13 +83,37 @@ impl TierModel {
     fn free_loc(&self) -> Option<u64> {
         (1..=TIER_CAP as u64 + 1).find(|l| !self.copies.contains_key(l))
     }
+
+    /// Whether location `loc` holds copy `c` (with `exact`, the very copy;
+    /// without, any: the node before the fix of seed 3 went by location).
+    fn holds(&self, c: CopyRef, exact: bool) -> bool {
+        self.copies
+            .get(&c.0)
+            .is_some_and(|x| !exact || x.gen == c.1)
+    }
+
+    /// Removes copy `c` if its location still holds it (see `holds`).
+    fn remove_copy(&mut self, c: CopyRef, exact: bool) {
+        if self.holds(c, exact) {
+            self.copies.remove(&c.0);
+        }
+    }
+}
+
+/// What the master has of a node again after a message: its DRAM segment
+/// mounted, or its whole tier reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Back {
+    Nothing,
+    Dram,
+    Tier,
 }
 
 #[derive(Debug, Clone)]
 enum PingStep {
     MountDram { then_tier: bool },
     MountTier,
-    Report(Vec<u64>),
+    Report(Vec<CopyRef>),
     Ping,
 }
 
@@ -92,7 +124,7 @@ enum RoundStep {
     },
     Updates {
         shard: u32,
-        written: Vec<Option<u64>>,
+        written: Vec<Option<CopyRef>>,
     },
     Evicted(Vec<u64>),
 }
@@ -144,6 +176,7 @@ impl NodeModel {
                     nvme: None,
                 },
                 copies: BTreeMap::new(),
+                gen: 0,
             }
         });
         let mut n = Self {
@@ -227,6 +260,11 @@ impl NodeModel {
     /// Whether this process serves DRAM segment `seg` (or has tier `seg`).
     pub fn serves(&self, seg: SegmentId) -> bool {
         self.up && (seg == self.dram_seg || self.tier.as_ref().is_some_and(|t| t.seg == seg))
+    }
+
+    /// The DRAM segment this process mounts.
+    pub fn dram_segment(&self) -> SegmentId {
+        self.dram_seg
     }
 
     pub fn tier_segment(&self) -> Option<SegmentId> {
@@ -337,7 +375,7 @@ impl NodeModel {
         for c in t.copies.values_mut() {
             c.durable = true;
         }
-        let locs: Vec<u64> = t.copies.keys().copied().collect();
+        let locs: Vec<CopyRef> = t.copies.iter().map(|(&l, c)| (l, c.gen)).collect();
         let updates: Vec<NvmeUpdate> = t
             .copies
             .iter()
@@ -424,8 +462,8 @@ impl NodeModel {
         self.call_round(ctx, req, RoundStep::Tasks { shard });
     }
 
-    /// Handles a message; true when it finished reporting the whole tier.
-    pub fn on_msg(&mut self, m: Msg, ctx: &mut Ctx) -> bool {
+    /// Handles a message; what the master has of this node again by it.
+    pub fn on_msg(&mut self, m: Msg, ctx: &mut Ctx) -> Back {
         match m.body {
             Body::Write {
                 id,
@@ -441,7 +479,7 @@ impl NodeModel {
                     Err(ErrorCode::SegmentNotFound)
                 };
                 ctx.send(self.me(), m.from, Body::Data { id, res });
-                false
+                Back::Nothing
             }
             Body::Read {
                 id,
@@ -463,7 +501,7 @@ impl NodeModel {
                     },
                 };
                 ctx.send(self.me(), m.from, Body::Data { id, res });
-                false
+                Back::Nothing
             }
             Body::Resp { id, res } => {
                 if self.ping.as_ref().is_some_and(|p| p.0 == id) {
@@ -474,9 +512,9 @@ impl NodeModel {
                     let (_, _, step) = self.round.take().expect("checked");
                     self.on_round_answer(step, res, ctx);
                 }
-                false
+                Back::Nothing
             }
-            _ => false,
+            _ => Back::Nothing,
         }
     }
 
@@ -485,31 +523,35 @@ impl NodeModel {
         step: PingStep,
         res: Result<MasterResponse, KvError>,
         ctx: &mut Ctx,
-    ) -> bool {
+    ) -> Back {
         match (step, res) {
-            (PingStep::MountDram { then_tier }, Ok(MasterResponse::Mounted { .. }))
-                if then_tier || !self.started =>
-            {
-                self.mount_tier(ctx);
+            (PingStep::MountDram { then_tier }, Ok(MasterResponse::Mounted { .. })) => {
+                if then_tier || !self.started {
+                    self.mount_tier(ctx);
+                }
+                return Back::Dram;
             }
             (PingStep::MountTier, Ok(MasterResponse::Mounted { .. })) => self.report_all(ctx),
             (PingStep::MountTier, _) => self.unreported = self.tier.is_some(),
             (PingStep::Report(locs), Ok(MasterResponse::BatchDone(results))) => {
-                // Copies the master refuses as stale go; others stay.
+                // Copies the master refuses as stale go (if still there: a
+                // round may have put another copy in the location); others
+                // stay.
+                let exact = self.rules.exact_copies;
                 let t = self.tier.as_mut().expect("reported a tier");
-                for (loc, r) in locs.iter().zip(results) {
+                for (&c, r) in locs.iter().zip(results) {
                     match r {
                         ItemResult::Ok(()) => ctx.stats.recovered += 1,
                         ItemResult::Err(e)
                             if KvError::from(e.clone()).code == ErrorCode::ObjectAlreadyExists =>
                         {
-                            t.copies.remove(loc);
+                            t.remove_copy(c, exact);
                         }
                         ItemResult::Err(_) => {}
                     }
                 }
                 self.reported(ctx);
-                return true;
+                return Back::Tier;
             }
             (PingStep::Report(_), _) => self.unreported = true,
             (PingStep::Ping, Ok(MasterResponse::Pong { unknown })) => {
@@ -523,7 +565,7 @@ impl NodeModel {
             }
             _ => {}
         }
-        false
+        Back::Nothing
     }
 
     fn on_round_answer(
@@ -558,11 +600,25 @@ impl NodeModel {
                 self.call_round(ctx, req, RoundStep::Updates { shard, written });
             }
             (RoundStep::Updates { shard, written }, Ok(MasterResponse::BatchDone(results))) => {
+                // The master no longer wants these copies; with
+                // `exact_copies` only those no update it took names, each
+                // while its location still holds it.
+                let exact = self.rules.exact_copies;
                 let t = self.tier.as_mut().expect("a tier runs rounds");
-                for (r, loc) in results.into_iter().zip(written) {
-                    if let (ItemResult::Err(_), Some(loc)) = (r, loc) {
-                        // The master no longer wants this copy.
-                        t.copies.remove(&loc);
+                let ok: Vec<bool> = results
+                    .iter()
+                    .map(|r| matches!(r, ItemResult::Ok(())))
+                    .collect();
+                let taken: Vec<CopyRef> = written
+                    .iter()
+                    .zip(&ok)
+                    .filter_map(|(w, &ok)| w.filter(|_| ok))
+                    .collect();
+                for (w, ok) in written.into_iter().zip(ok) {
+                    if let (false, Some(c)) = (ok, w) {
+                        if !exact || !taken.contains(&c) {
+                            t.remove_copy(c, exact);
+                        }
                     }
                 }
                 self.next_shard(shard, ctx);
@@ -621,10 +677,11 @@ impl NodeModel {
     fn flush(
         &mut self,
         updates: &mut [NvmeUpdate],
-        written: &mut [Option<u64>],
-        fresh: &[u64],
+        written: &mut [Option<CopyRef>],
+        fresh: &[CopyRef],
         ctx: &mut Ctx,
     ) {
+        let exact = self.rules.exact_copies;
         let t = self.tier.as_mut().expect("a tier runs rounds");
         if ctx.rng.random_bool(ctx.faults.disk_fail) {
             ctx.stats.disk_failures += 1;
@@ -634,8 +691,8 @@ impl NodeModel {
                     *w = None;
                 }
             }
-            for l in fresh {
-                t.copies.remove(l);
+            for &c in fresh {
+                t.remove_copy(c, exact);
             }
             return;
         }
@@ -643,19 +700,15 @@ impl NodeModel {
             c.durable = true;
         }
         // A copy no longer in its place after the flush is not reported
-        // (`flush_written` looks the key up: same location). Checked by
-        // key and location alone, a later task of the round that replaced
-        // the key's copy in the same (reused) slot passes for the earlier
-        // copy; see `NodeRules::stored_copy_checks_sum`.
+        // (`flush_written` looks the key up: same location, same copy).
+        // Checked by key and location alone, a later task of the round
+        // that replaced the key's copy in the same (reused) slot passes
+        // for the earlier copy; see `NodeRules::exact_copies`.
         for (u, w) in updates.iter_mut().zip(written.iter_mut()) {
-            let (NvmeUpdate::Stored { key, sum, len, .. }, Some(l)) = (&*u, *w) else {
+            let (NvmeUpdate::Stored { key, .. }, Some(c)) = (&*u, *w) else {
                 continue;
             };
-            let here = t.lookup(key) == Some(l)
-                && (!self.rules.stored_copy_checks_sum
-                    || t.copies
-                        .get(&l)
-                        .is_some_and(|c| c.sum == *sum && c.len == *len));
+            let here = t.lookup(key) == Some(c.0) && t.holds(c, exact);
             if !here {
                 persist_failed(u);
                 *w = None;
@@ -669,7 +722,7 @@ impl NodeModel {
         &mut self,
         task: NodeTask,
         ctx: &mut Ctx,
-    ) -> Option<(NvmeUpdate, Option<u64>, bool)> {
+    ) -> Option<(NvmeUpdate, Option<CopyRef>, bool)> {
         let rules = self.rules;
         ctx.note(format!("node {} runs {}", self.idx, short_task(&task)));
         match task {
@@ -697,7 +750,9 @@ impl NodeModel {
                 }
                 let t = self.tier.as_mut().expect("tasks come to a tier");
                 let (loc, fresh) = match t.lookup(&key) {
-                    Some(l) if t.copies[&l].len == len && t.copies[&l].sum == sum => (l, false),
+                    Some(l) if t.copies[&l].len == len && t.copies[&l].sum == sum => {
+                        ((l, t.copies[&l].gen), false)
+                    }
                     old => {
                         if let Some(l) = old {
                             t.copies.remove(&l);
@@ -709,6 +764,7 @@ impl NodeModel {
                             ctx.stats.disk_failures += 1;
                             return Some((failed, None, false));
                         }
+                        t.gen += 1;
                         t.copies.insert(
                             l,
                             Copy {
@@ -717,9 +773,10 @@ impl NodeModel {
                                 sum,
                                 content,
                                 durable: false,
+                                gen: t.gen,
                             },
                         );
-                        (l, true)
+                        ((l, t.gen), true)
                     }
                 };
                 ctx.stats.stored += 1;
@@ -727,7 +784,7 @@ impl NodeModel {
                     NvmeUpdate::Stored {
                         key,
                         nvme: t.seg,
-                        loc,
+                        loc: loc.0,
                         len,
                         dram,
                         offset,

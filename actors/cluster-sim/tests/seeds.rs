@@ -8,15 +8,30 @@
 //! * `KVPOOL_SIM_UNSUMMED=1`: a quarter of the clients without checksums.
 //! * `KVPOOL_SIM_NODE=pre-2367aef`: node models as the node was before
 //!   2367aef (no refusal of promotions into another node's segment).
+//! * `KVPOOL_SIM_NODE=by-slot`: node models that name a tier copy by its
+//!   slot alone, as the node did before the fix of seeds 3 and 442.
 
 use kvpool_cluster_sim::{run_seed, Options, Stats};
 
 /// Seeds that once failed: each runs on every test run (with more events
 /// than it failed at). 3: a node's Stored copy checked by key and slot only
-/// (`NodeRules::stored_copy_checks_sum`); 18, 32: the checker took an
+/// (`NodeRules::exact_copies`); 18, 32: the checker took an
 /// `Evicted` report and a put's eviction for losses; 248: the master freed
-/// a dead mount's deferred extents into the same segment mounted again.
-const REGRESSIONS: &[u64] = &[3, 18, 32, 248];
+/// a dead mount's deferred extents into the same segment mounted again;
+/// 63: a Drop queued by a removal ran after the copy was reported again and
+/// taken.
+const REGRESSIONS: &[u64] = &[3, 18, 32, 63, 248];
+
+/// Seeds that once failed with a quarter of the clients without checksums
+/// (`KVPOOL_SIM_UNSUMMED=1`). 442: a node's report of every copy after a
+/// remount raced a round that replaced a copy in the same slot, and the
+/// refusal of the old copy removed the new one (`NodeRules::exact_copies`);
+/// 798: the master set a replica Ready while its demotion was queued, an
+/// eviction freed the range, and the demotion copied another put's bytes;
+/// 671: a demotion queued before its object was removed ran after the key
+/// came back from the tier, and a recovered copy was taken for an object
+/// without a checksum.
+const UNSUMMED_REGRESSIONS: &[u64] = &[442, 671, 798];
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name)
@@ -40,8 +55,8 @@ fn options() -> Options {
     if let Some(n) = env_u64("KVPOOL_SIM_EVENTS") {
         o.events = n as usize;
     }
-    // A quarter of the clients without checksums (finds the open eviction
-    // bug of docs/RELIABILITY.md, seed 132).
+    // A quarter of the clients without checksums (found the races of
+    // docs/RELIABILITY.md replayed by `past_failing_unsummed_seeds_hold`).
     if std::env::var("KVPOOL_SIM_UNSUMMED").as_deref() == Ok("1") {
         o.some_clients_without_checksums = true;
     }
@@ -51,6 +66,10 @@ fn options() -> Options {
     if std::env::var("KVPOOL_SIM_NODE").as_deref() == Ok("pre-2367aef") {
         o.nodes.refuse_foreign_promotions = false;
         o.nodes.check_promotion_checksum = false;
+    }
+    // The node before the fix of seeds 3 and 442: copies named by slot.
+    if std::env::var("KVPOOL_SIM_NODE").as_deref() == Ok("by-slot") {
+        o.nodes.exact_copies = false;
     }
     o
 }
@@ -92,6 +111,16 @@ fn past_failing_seeds_hold() {
         ..options()
     };
     run_all(REGRESSIONS.iter().copied(), &opts);
+}
+
+#[test]
+fn past_failing_unsummed_seeds_hold() {
+    let opts = Options {
+        events: 10_000,
+        some_clients_without_checksums: true,
+        ..options()
+    };
+    run_all(UNSUMMED_REGRESSIONS.iter().copied(), &opts);
 }
 
 #[test]

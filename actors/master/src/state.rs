@@ -1227,8 +1227,11 @@ impl ShardState {
     /// unpinned before soft-pinned, oldest lease first). A victim with an
     /// NVMe copy loses its DRAM replica at once; one whose node has an NVMe
     /// tier is demoted (copied there first, its space on its way out);
-    /// others are dropped, and an object left without a replica goes.
-    /// Returns the bytes it frees now or once its demotion lands; `None`
+    /// others are dropped, and an object left without a replica goes. A
+    /// replica is never `Ready` while a demotion of it is under way (see
+    /// the `Stored` and `PersistFailed` arms of `nvme_update`), so no
+    /// queued demotion reads a range freed here. Returns the bytes it frees
+    /// now or once its demotion lands; `None`
     /// when nothing in the range may be evicted. Pins must have been swept
     /// to `now_ms`.
     fn evict_next(&mut self, idx: u32, now_ms: u64) -> Option<u64> {
@@ -1884,17 +1887,71 @@ impl ShardState {
         }
         let mut out = Vec::new();
         for seg in segments {
-            let Some(q) = self.tasks.get_mut(seg) else {
+            let Some(mut q) = self.tasks.remove(seg) else {
                 continue;
             };
             while out.len() < max {
                 match q.pop_front() {
+                    Some(t) if self.task_is_stale(*seg, &t) => {}
                     Some(t) => out.push(t),
                     None => break,
                 }
             }
+            self.tasks.insert(*seg, q);
         }
         Ok(out)
+    }
+
+    /// Whether task `t` of segment `seg`'s queue no longer stands, and is
+    /// dropped instead of handed out:
+    /// * a Persist whose object no longer holds the DRAM range it names as
+    ///   it did when the task was queued (removed, replaced, its replica
+    ///   evicted; for a demotion, the replica no longer `Demoting`): nothing
+    ///   waits for its report, and a node that ran it would copy whatever
+    ///   lies in the range now and replace the key's copy on its tier
+    ///   (maybe the one the current object lists) with it;
+    /// * a Drop of a copy that the object under the key lists again (the
+    ///   node reported it `Recovered` after the removal that queued the
+    ///   Drop, and the master took it as the object).
+    fn task_is_stale(&self, seg: SegmentId, t: &NodeTask) -> bool {
+        let (key, dram, offset, demote) = match t {
+            NodeTask::Persist {
+                key,
+                dram,
+                offset,
+                demote,
+                ..
+            } => (key, dram, offset, demote),
+            NodeTask::Drop { key, loc } => {
+                let tier = self
+                    .by_id
+                    .get(&seg)
+                    .and_then(|&i| self.slot(i).spec.nvme.as_ref())
+                    .and_then(|a| self.by_id.get(&a.segment_id));
+                return match (tier, self.objs.complete_id(key)) {
+                    (Some(&nslot), Some(id)) => self
+                        .objs
+                        .get(id)
+                        .replicas
+                        .iter()
+                        .any(|r| r.slot == nslot && r.offset == *loc),
+                    _ => false,
+                };
+            }
+            NodeTask::Promote { .. } => return false,
+        };
+        let (Some(&dslot), Some(id)) = (self.by_id.get(dram), self.objs.complete_id(key)) else {
+            return true;
+        };
+        !self.objs.get(id).replicas.iter().any(|r| {
+            r.slot == dslot
+                && r.offset == *offset
+                && if *demote {
+                    r.state == ReplicaState::Demoting
+                } else {
+                    r.state != ReplicaState::Promoting
+                }
+        })
     }
 
     /// Applies one report of node `client` about its NVMe tier. Everything
@@ -1983,6 +2040,15 @@ impl ShardState {
                         .objs
                         .update(id, |o| o.replicas.push(Replica::ready(nslot, *loc))),
                 }
+                // The write-through copy of a replica whose demotion is
+                // under way: the node still holds that demotion's Persist
+                // task, which reads the range; its own report ends it. (Were
+                // the replica Ready again, an eviction would free the range
+                // at once, the object having an NVMe copy, and the node
+                // would copy another put's bytes from it.)
+                let pos = pos.filter(|&p| {
+                    *demote || self.objs.get(id).replicas[p].state != ReplicaState::Demoting
+                });
                 if let Some(pos) = pos {
                     let obj = self.objs.get(id);
                     let was = (obj.replicas[pos].state == ReplicaState::Demoting)
@@ -2019,9 +2085,9 @@ impl ShardState {
                 };
                 let size = obj.size;
                 if !*demote {
-                    self.objs
-                        .update(id, |o| o.replicas[pos].state = ReplicaState::Ready);
-                    self.demotion_over(dslot, size);
+                    // A write-through copy failed while a demotion of the
+                    // replica is under way: that demotion's own report
+                    // ends it (its task still reads the range).
                     return Ok(());
                 }
                 // The eviction goes ahead without an NVMe copy.
@@ -2112,7 +2178,19 @@ impl ShardState {
                 match self.objs.complete_id(key) {
                     Some(id) => {
                         let o = self.objs.get(id);
-                        if o.size != *len || o.checksum().is_some_and(|s| s != *sum) {
+                        // Without a checksum nothing shows the copy is this
+                        // object's and not an earlier one's of the same
+                        // size, unless this very replica is listed already
+                        // (its record came back from the state directory).
+                        let listed = o
+                            .replicas
+                            .iter()
+                            .any(|r| r.slot == nslot && r.offset == *loc);
+                        let same = match o.checksum() {
+                            Some(s) => s == *sum,
+                            None => listed,
+                        };
+                        if o.size != *len || !same {
                             return Err(err(
                                 ErrorCode::ObjectAlreadyExists,
                                 "a different object is stored under this key now",

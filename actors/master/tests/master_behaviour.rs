@@ -1771,6 +1771,171 @@ fn write_through_copy(m: &mut M, dram: SegmentId, loc: u64) {
     .unwrap();
 }
 
+/// A write-through pool filled to 100%: the Persist tasks of k0 the node
+/// fetched, its write-through copy's and its demotion's (queued by the
+/// eviction of the last put, before the write-through copy landed).
+fn write_through_and_demotion_of_k0() -> (M, NodeTask, NodeTask) {
+    let (mut m, dram) = tiered(true);
+    fill(&mut m, "k", 10, opts(1));
+    let t = tasks(&mut m, dram);
+    let persist_of = |demote: bool| {
+        t.iter()
+            .find(|t| {
+                matches!(t, NodeTask::Persist { key, demote: d, .. } if key == b"k0" && *d == demote)
+            })
+            .cloned()
+            .unwrap_or_else(|| panic!("a Persist of k0 with demote {demote}: {t:?}"))
+    };
+    (m, persist_of(false), persist_of(true))
+}
+
+/// Puts that need room, their leases over: they evict.
+fn puts_that_evict(m: &mut M, each: impl Fn(&str, &[ReplicaDesc])) {
+    m.advance(60_000);
+    for i in 0..20 {
+        let key = format!("new{i}");
+        let Ok(r) = m.start(&key, KIB) else {
+            continue;
+        };
+        m.end(&key).unwrap();
+        each(&key, &r);
+    }
+}
+
+/// Found by the cluster simulation (seed 798 with `KVPOOL_SIM_UNSUMMED=1`,
+/// and seed 132 of an earlier build): a demotion is queued, then the
+/// write-through copy of the same object lands (`Stored`, demote false).
+/// The node still holds the demotion's Persist task, which reads the DRAM
+/// range, so that range must not go to another put before the demotion
+/// reports (before the fix the replica became Ready again, the next
+/// eviction freed it at once because the object had an NVMe copy, and a
+/// put got the range: the node copied that put's bytes as the object's).
+#[test]
+fn a_range_a_queued_demotion_reads_is_not_given_to_a_put_before_the_demotion_reports() {
+    let (mut m, through, demotion) = write_through_and_demotion_of_k0();
+    let NodeTask::Persist { offset, .. } = demotion else {
+        unreachable!()
+    };
+    // The write-through copy lands; the demotion is still with the node.
+    update(&mut m, stored(&through, 3)).unwrap();
+    puts_that_evict(&mut m, |key, r| {
+        assert!(
+            r.iter().all(|r| r.offset != offset),
+            "put {key} got k0's range at {offset}, which the node's demotion still reads"
+        );
+    });
+    // Once the demotion reports, the range is k0's no more.
+    update(&mut m, stored(&demotion, 3)).unwrap();
+    assert_eq!(m.get("k0").unwrap().len(), 1, "k0 is on NVMe only");
+}
+
+/// The same race with the write-through copy failing: the demotion under
+/// way goes on (before, the replica became Ready again and the next
+/// eviction asked for a second demotion of it while the first ran).
+#[test]
+fn a_failed_write_through_copy_does_not_end_a_demotion_under_way() {
+    let (mut m, _, demotion) = write_through_and_demotion_of_k0();
+    let NodeTask::Persist { dram, offset, .. } = demotion.clone() else {
+        unreachable!()
+    };
+    update(
+        &mut m,
+        NvmeUpdate::PersistFailed {
+            key: b"k0".to_vec(),
+            dram,
+            offset,
+            demote: false,
+        },
+    )
+    .unwrap();
+    puts_that_evict(&mut m, |_, _| {});
+    let again: Vec<NodeTask> = tasks(&mut m, dram)
+        .into_iter()
+        .filter(|t| matches!(t, NodeTask::Persist { key, .. } if key == b"k0"))
+        .collect();
+    assert!(again.is_empty(), "k0 demoted a second time: {again:?}");
+    update(&mut m, stored(&demotion, 3)).unwrap();
+    assert_eq!(m.get("k0").unwrap().len(), 1, "k0 is on NVMe only");
+}
+
+/// Found by the cluster simulation (seed 671 with `KVPOOL_SIM_UNSUMMED=1`,
+/// once the restarted master kept its state directory): an object put
+/// without a checksum took a node's recovered NVMe copy of an earlier
+/// object under the key, of the same size, as its own replica, and readers
+/// got the earlier bytes. Without a checksum the master takes a recovered
+/// copy only when it lists that very replica already.
+#[test]
+fn a_recovered_copy_is_not_taken_for_an_object_without_a_checksum_it_cannot_be_matched_with() {
+    let (mut m, dram) = tiered(true);
+    m.put("k", 100); // no checksum
+    let rec = |loc| NvmeUpdate::Recovered {
+        key: b"k".to_vec(),
+        nvme: nvme_id(),
+        loc,
+        len: 100,
+        sum: 0x1234,
+    };
+    let e = update(&mut m, rec(9)).unwrap_err();
+    assert_eq!(
+        e.code,
+        ErrorCode::ObjectAlreadyExists,
+        "the node removes it"
+    );
+    assert_eq!(m.get("k").unwrap().len(), 1, "only the DRAM replica");
+    // The copy the master took for this object comes back as it was.
+    write_through_copy(&mut m, dram, 3);
+    update(&mut m, rec(3)).unwrap();
+    let r = m.get("k").unwrap();
+    assert_eq!(r.len(), 2);
+    assert_eq!((r[1].tier, r[1].offset), (Tier::Nvme, 3));
+}
+
+/// Found by the cluster simulation (seed 671 with `KVPOOL_SIM_UNSUMMED=1`,
+/// with the master's state directory): a demotion queued for a node that
+/// was away; the object was removed and the key came back from the node's
+/// tier; the node then ran the old demotion on whatever lay in the range
+/// and replaced the key's copy, the one the master listed, with it. A
+/// Persist task whose object no longer holds its range is not handed out.
+#[test]
+fn a_demotion_of_a_removed_object_is_not_handed_out() {
+    let (mut m, dram) = tiered(false);
+    fill(&mut m, "k", 10, opts(1)); // k0's demotion queued, not yet fetched
+    m.remove("k0", true).unwrap();
+    let t = tasks(&mut m, dram);
+    assert!(
+        !t.iter()
+            .any(|t| matches!(t, NodeTask::Persist { key, .. } if key == b"k0")),
+        "{t:?}"
+    );
+}
+
+/// Found by the cluster simulation (seed 63, with the master's state
+/// directory): a removal queued a Drop of the key's NVMe copy for a node
+/// whose tier was away; the tier came back and reported the copy, which
+/// the master took (the key was free); the node then ran the Drop and
+/// removed the copy the master listed. A Drop of a copy the object under
+/// the key lists is not handed out.
+#[test]
+fn a_drop_of_a_copy_reported_again_and_taken_is_not_handed_out() {
+    let (mut m, dram) = tiered(false);
+    let rec = NvmeUpdate::Recovered {
+        key: b"k".to_vec(),
+        nvme: nvme_id(),
+        loc: 9,
+        len: 100,
+        sum: 0x1234,
+    };
+    update(&mut m, rec.clone()).unwrap();
+    m.remove("k", true).unwrap(); // queues Drop k at 9
+    update(&mut m, rec).unwrap(); // the copy comes back, taken
+    let t = tasks(&mut m, dram);
+    assert!(
+        !t.iter().any(|t| matches!(t, NodeTask::Drop { .. })),
+        "{t:?}"
+    );
+    assert_eq!(m.get("k").unwrap().len(), 1);
+}
+
 #[test]
 fn write_through_asks_for_a_copy_at_put_end_and_keeps_the_dram_replica() {
     let (mut m, dram) = tiered(true);

@@ -167,6 +167,35 @@ pub async fn read_local(loc: NvmeLoc, metrics: &StorageMetrics) -> Result<NvmeVa
     Ok(v)
 }
 
+/// One copy on the tier: its place and the sequence number the tier gave
+/// its write. A slot freed and reused holds another copy (a higher number),
+/// so the node acts on the copy a report named, never on whatever took its
+/// slot since.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CopyRef {
+    loc: NvmeLoc,
+    seq: u64,
+}
+
+/// The copies of a reported batch to remove: those named by an update the
+/// master refused (it does not want them) and by no update it took (two
+/// Persist tasks of one object's bytes name one copy: a refusal of the
+/// first must not remove the copy the master took for the second).
+fn refused_copies(written: &[Option<CopyRef>], results: &[Result<(), KvError>]) -> Vec<CopyRef> {
+    let taken: Vec<CopyRef> = written
+        .iter()
+        .zip(results)
+        .filter_map(|(w, r)| w.filter(|_| r.is_ok()))
+        .collect();
+    let mut out: Vec<CopyRef> = written
+        .iter()
+        .zip(results)
+        .filter_map(|(w, r)| w.filter(|c| r.is_err() && !taken.contains(c)))
+        .collect();
+    out.dedup();
+    out
+}
+
 /// Turns a Stored report into PersistFailed (the copy is not to be listed).
 fn persist_failed(u: &mut NvmeUpdate) {
     if let NvmeUpdate::Stored {
@@ -192,6 +221,30 @@ impl NodeNvme {
     /// stale (another object lives under the key now) are removed. Index
     /// records are flushed first: what the master hears of survives a crash.
     pub async fn report_all(&self, client: &Client) -> Result<(), KvError> {
+        let held = self.held().await?;
+        let updates: Vec<NvmeUpdate> = held
+            .iter()
+            .map(|r| NvmeUpdate::Recovered {
+                key: r.key.clone(),
+                nvme: self.segment_id,
+                loc: r.loc.pack(),
+                len: r.len,
+                sum: r.sum,
+            })
+            .collect();
+        let results = self.report(client, updates).await?;
+        let (stale, refused) = self.drop_stale(&held, results).await;
+        tracing::info!(
+            objects = held.len(),
+            stale,
+            refused,
+            "NVMe objects reported to the master"
+        );
+        Ok(())
+    }
+
+    /// Every copy the tier holds, its index records flushed first.
+    async fn held(&self) -> Result<Vec<kvpool_storage::nvme::Recovered>, KvError> {
         let mut held = Vec::new();
         for region in 0..self.regions {
             let r = self
@@ -205,17 +258,19 @@ impl NodeNvme {
                 .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))??;
             held.extend(r);
         }
-        let updates: Vec<NvmeUpdate> = held
-            .iter()
-            .map(|r| NvmeUpdate::Recovered {
-                key: r.key.clone(),
-                nvme: self.segment_id,
-                loc: r.loc.pack(),
-                len: r.len,
-                sum: r.sum,
-            })
-            .collect();
-        let results = self.report(client, updates).await?;
+        Ok(held)
+    }
+
+    /// Acts on the master's answers to a report of every copy: a copy it
+    /// refuses as stale (another object lives under the key) is removed,
+    /// unless its slot holds another copy by now (an NVMe round running
+    /// meanwhile replaced it: that one the master may have taken). How
+    /// many were stale, and how many refused otherwise (those stay).
+    async fn drop_stale(
+        &self,
+        held: &[kvpool_storage::nvme::Recovered],
+        results: Vec<Result<(), KvError>>,
+    ) -> (usize, usize) {
         let mut stale = 0;
         let mut refused = 0;
         for (r, res) in held.iter().zip(results) {
@@ -223,7 +278,11 @@ impl NodeNvme {
                 Ok(()) => {}
                 Err(e) if e.code == ErrorCode::ObjectAlreadyExists => {
                     stale += 1;
-                    self.remove(r.loc).await;
+                    self.remove_copy(CopyRef {
+                        loc: r.loc,
+                        seq: r.seq,
+                    })
+                    .await;
                 }
                 Err(e) => {
                     // Not stale, just not taken now: the copy stays.
@@ -232,13 +291,7 @@ impl NodeNvme {
                 }
             }
         }
-        tracing::info!(
-            objects = held.len(),
-            stale,
-            refused,
-            "NVMe objects reported to the master"
-        );
-        Ok(())
+        (stale, refused)
     }
 
     /// Sends updates in batches; one result per update.
@@ -258,6 +311,23 @@ impl NodeNvme {
         Ok(out)
     }
 
+    /// Removes `c` if its slot still holds that copy.
+    async fn remove_copy(&self, c: CopyRef) {
+        let r = self
+            .shards
+            .run_on(c.loc.region as usize, move |_| async move {
+                tier()?.remove_copy(c.loc, c.seq).await.map_err(kv)
+            })
+            .await
+            .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))
+            .and_then(|r| r);
+        match r {
+            Ok(true) => {}
+            Ok(false) => tracing::debug!("NVMe: {c:?} holds another copy now; kept"),
+            Err(e) => tracing::warn!("NVMe: could not remove {c:?}: {e}"),
+        }
+    }
+
     async fn remove(&self, loc: NvmeLoc) {
         let r = self
             .shards
@@ -274,12 +344,11 @@ impl NodeNvme {
         }
     }
 
-    /// Copies DRAM bytes to the tier (a demotion or write-through): where,
-    /// and whether this call wrote it (false: a copy was there already).
-    /// Copies DRAM bytes to the tier (a demotion or write-through): where,
-    /// their checksum, and whether this call wrote it (false: a copy was
-    /// there already). Bytes that do not match the object's `checksum` are
-    /// not copied (`Corrupt`).
+    /// Copies DRAM bytes to the tier (a demotion or write-through): which
+    /// copy, their checksum, and whether this call wrote it (false: a copy
+    /// was there already). Bytes that do not match the object's `checksum`
+    /// are not copied (`Corrupt`). With the region full, evicts there and
+    /// tries once more.
     async fn persist(
         &self,
         client: &Client,
@@ -287,12 +356,32 @@ impl NodeNvme {
         offset: u64,
         len: u64,
         checksum: Option<u64>,
-    ) -> Result<(NvmeLoc, u64, bool), KvError> {
+    ) -> Result<(CopyRef, u64, bool), KvError> {
         let region = region_of(&key, self.regions);
         for attempt in 0..2 {
-            let (k, seg, m) = (key.clone(), self.dram.clone(), self.metrics.clone());
-            let r: Result<(NvmeLoc, u64, bool), KvError> = self
-                .shards
+            match self.persist_once(key.clone(), offset, len, checksum).await {
+                Err(e) if e.code == ErrorCode::NoSpace && attempt == 0 => {
+                    // Make room in that region, then try once more.
+                    self.evict_region(client, region, len + 8192).await;
+                }
+                other => return other,
+            }
+        }
+        unreachable!("the loop returns on its second attempt")
+    }
+
+    /// One try of [`NodeNvme::persist`], without the eviction.
+    async fn persist_once(
+        &self,
+        key: Vec<u8>,
+        offset: u64,
+        len: u64,
+        checksum: Option<u64>,
+    ) -> Result<(CopyRef, u64, bool), KvError> {
+        let region = region_of(&key, self.regions);
+        {
+            let (k, seg, m) = (key, self.dram.clone(), self.metrics.clone());
+            self.shards
                 .run_on(region, move |_| async move {
                     let t = tier()?;
                     seg.check_range(offset, len)
@@ -313,10 +402,19 @@ impl NodeNvme {
                             ),
                         ));
                     }
+                    // The copy at `loc`, named by its write's number (taken
+                    // with no await since the write or lookup).
+                    let copy = |loc: NvmeLoc| {
+                        t.copy_seq(loc)
+                            .map(|seq| CopyRef { loc, seq })
+                            .ok_or_else(|| {
+                                KvError::new(ErrorCode::Internal, format!("no copy at {loc:?}"))
+                            })
+                    };
                     if let Some(loc) = t.lookup(&k) {
                         if t.value_sum(loc) == Some((len, sum)) {
                             // Already there (write-through, then demotion).
-                            return Ok((loc, sum, false));
+                            return Ok((copy(loc)?, sum, false));
                         }
                         // A copy of an earlier object under this key (removed
                         // at the master, its Drop not yet seen): never report
@@ -327,19 +425,11 @@ impl NodeNvme {
                     let loc = t.write(&k, bytes).await.map_err(kv)?;
                     m.nvme_write_seconds
                         .observe(started.elapsed().as_secs_f64());
-                    Ok((loc, sum, true))
+                    Ok((copy(loc)?, sum, true))
                 })
                 .await
-                .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))?;
-            match r {
-                Err(e) if e.code == ErrorCode::NoSpace && attempt == 0 => {
-                    // Make room in that region, then try once more.
-                    self.evict_region(client, region, len + 8192).await;
-                }
-                other => return other,
-            }
+                .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))?
         }
-        unreachable!("the loop returns on its second attempt")
     }
 
     /// Copies an NVMe object into the DRAM range the master allocated in
@@ -436,7 +526,7 @@ impl NodeNvme {
         &self,
         client: &Client,
         task: NodeTask,
-    ) -> Option<(NvmeUpdate, Option<NvmeLoc>, bool)> {
+    ) -> Option<(NvmeUpdate, Option<CopyRef>, bool)> {
         match task {
             NodeTask::Persist {
                 key,
@@ -453,7 +543,7 @@ impl NodeNvme {
                     .persist(client, key.clone(), offset, len, checksum)
                     .await
                 {
-                    Ok((loc, sum, fresh)) => {
+                    Ok((copy, sum, fresh)) => {
                         if demote {
                             self.metrics.nvme_demotions.inc();
                         }
@@ -461,14 +551,14 @@ impl NodeNvme {
                             NvmeUpdate::Stored {
                                 key,
                                 nvme: self.segment_id,
-                                loc: loc.pack(),
+                                loc: copy.loc.pack(),
                                 len,
                                 dram,
                                 offset,
                                 demote,
                                 sum,
                             },
-                            Some(loc),
+                            Some(copy),
                             fresh,
                         ))
                     }
@@ -553,17 +643,20 @@ impl NodeNvme {
     /// copies become `PersistFailed` and those copies are dropped, each
     /// once; copies found already there (written and reported in an earlier
     /// round) stay, the master lists them. A copy no longer in its place
-    /// after the flush is reported `PersistFailed` too.
+    /// after the flush is reported `PersistFailed` too: its key must still
+    /// lead to its slot and the slot hold that very copy (a later task of
+    /// the round that replaced the key's object can have removed it and
+    /// written the new copy into the same, reused slot).
     async fn flush_written(
         &self,
         updates: &mut [NvmeUpdate],
-        written: &mut [Option<NvmeLoc>],
-        fresh: &[NvmeLoc],
+        written: &mut [Option<CopyRef>],
+        fresh: &[CopyRef],
     ) {
         // Every region a copy was reported from, not only the fresh ones: a
         // copy found already there may be one whose record an earlier,
         // failed flush left behind (a flush with nothing dirty is free).
-        let mut regions: Vec<u32> = written.iter().flatten().map(|l| l.region).collect();
+        let mut regions: Vec<u32> = written.iter().flatten().map(|c| c.loc.region).collect();
         regions.sort_unstable();
         regions.dedup();
         for region in regions {
@@ -571,13 +664,13 @@ impl NodeNvme {
             // copy this round wrote can have been evicted again by a later
             // task's NoSpace retry (LRU ranks unread copies first), and its
             // slot reused; the master must not hear of it.
-            let (at, check): (Vec<usize>, Vec<(Vec<u8>, NvmeLoc)>) = updates
+            let (at, check): (Vec<usize>, Vec<(Vec<u8>, CopyRef)>) = updates
                 .iter()
                 .zip(written.iter())
                 .enumerate()
                 .filter_map(|(i, (u, w))| match (u, w) {
-                    (NvmeUpdate::Stored { key, .. }, Some(l)) if l.region == region => {
-                        Some((i, (key.clone(), *l)))
+                    (NvmeUpdate::Stored { key, .. }, Some(c)) if c.loc.region == region => {
+                        Some((i, (key.clone(), *c)))
                     }
                     _ => None,
                 })
@@ -588,7 +681,12 @@ impl NodeNvme {
                     let t = tier()?;
                     t.flush().await.map_err(kv)?;
                     Ok::<Vec<bool>, KvError>(
-                        check.iter().map(|(k, l)| t.lookup(k) == Some(*l)).collect(),
+                        check
+                            .iter()
+                            .map(|(k, c)| {
+                                t.lookup(k) == Some(c.loc) && t.copy_seq(c.loc) == Some(c.seq)
+                            })
+                            .collect(),
                     )
                 })
                 .await
@@ -609,21 +707,21 @@ impl NodeNvme {
                 }
                 Err(e) => {
                     tracing::warn!("NVMe: index records of region {region} not durable: {e}");
-                    let mut lost: Vec<NvmeLoc> = fresh
+                    let mut lost: Vec<CopyRef> = fresh
                         .iter()
-                        .filter(|l| l.region == region)
+                        .filter(|c| c.loc.region == region)
                         .copied()
                         .collect();
-                    lost.sort_unstable_by_key(|l| l.slot);
+                    lost.sort_unstable_by_key(|c| (c.loc.slot, c.seq));
                     lost.dedup();
                     for (u, w) in updates.iter_mut().zip(written.iter_mut()) {
-                        if w.is_some_and(|l| lost.contains(&l)) {
+                        if w.is_some_and(|c| lost.contains(&c)) {
                             persist_failed(u);
                             *w = None;
                         }
                     }
-                    for loc in lost {
-                        self.remove(loc).await;
+                    for c in lost {
+                        self.remove_copy(c).await;
                     }
                 }
             }
@@ -660,11 +758,10 @@ impl NodeNvme {
             }
             self.flush_written(&mut updates, &mut written, &fresh).await;
             let results = self.report(client, updates).await?;
-            for (res, loc) in results.into_iter().zip(written) {
-                if let (Err(_), Some(loc)) = (res, loc) {
-                    // The master no longer wants this copy (object gone).
-                    self.remove(loc).await;
-                }
+            // The copies the master no longer wants (object gone), each
+            // removed only while its slot still holds it.
+            for c in refused_copies(&written, &results) {
+                self.remove_copy(c).await;
             }
         }
         for region in 0..self.regions {
@@ -726,5 +823,247 @@ impl NodeNvme {
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The tier's round and report logic on a real tier (a file on this
+    //! machine's disk) and a real DRAM segment; the master's answers are the
+    //! ones it gives in the races the cluster simulation found.
+
+    use super::*;
+    use kvpool_runtime::metrics::MetricsRegistry;
+    use kvpool_runtime::{ShardPool, ShardPoolConfig};
+
+    const LEN: u64 = 4096;
+
+    struct Rig {
+        pool: Option<ShardPool>,
+        rt: tokio::runtime::Runtime,
+        nvme: NodeNvme,
+        path: PathBuf,
+    }
+
+    impl Drop for Rig {
+        fn drop(&mut self) {
+            if let Some(p) = self.pool.take() {
+                let _ = p.shutdown_and_join();
+            }
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
+    /// A node's tier of one region (every key lands in it) on a file.
+    fn rig(name: &str) -> Rig {
+        let pool = ShardPool::start(
+            &ShardPoolConfig {
+                shards: 1,
+                pin: false,
+                ..Default::default()
+            },
+            Shutdown::new(),
+        )
+        .expect("shards");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("tokio");
+        let path = std::env::temp_dir().join(format!(
+            "kvpool-nvme-tier-{name}-{}.kvnv",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let cfg = NvmeTierConfig {
+            path: path.display().to_string(),
+            capacity: kvpool_runtime::config::Bytes::mib(16),
+            avg_object_bytes: kvpool_runtime::config::Bytes::kib(16),
+            sync_writes: false,
+            ..Default::default()
+        };
+        let dram = Arc::new(Segment::new_dram(&format!("dram-{name}"), 1 << 20, false).unwrap());
+        let dram_id = segment_id_for(&format!("dram-{name}"));
+        let endpoint = Endpoint {
+            host: "127.0.0.1".into(),
+            port: 1,
+            nr_shards: 1,
+        };
+        let metrics = StorageMetrics::register(&MetricsRegistry::new());
+        let handle = pool.handle();
+        let nvme = rt
+            .block_on(open(
+                &handle, &cfg, "host", endpoint, dram, dram_id, metrics,
+            ))
+            .expect("tier opens");
+        Rig {
+            pool: Some(pool),
+            rt,
+            nvme,
+            path,
+        }
+    }
+
+    impl Rig {
+        /// Puts `len` bytes of value `v` in DRAM at `offset`.
+        fn dram_put(&self, offset: u64, v: u8) {
+            self.nvme.dram.check_range(offset, LEN).unwrap();
+            // SAFETY: in bounds (checked); nothing else touches the segment.
+            unsafe { self.nvme.dram.slice_mut(offset, LEN) }.fill(v);
+        }
+
+        /// Runs a Persist task (no eviction needed: the tier has room) and
+        /// returns its update, copy and freshness as `run_task` does.
+        fn persist(&self, key: &[u8], offset: u64) -> Ran {
+            let (copy, sum, fresh) = self
+                .rt
+                .block_on(self.nvme.persist_once(key.to_vec(), offset, LEN, None))
+                .expect("persisted");
+            let u = NvmeUpdate::Stored {
+                key: key.to_vec(),
+                nvme: self.nvme.segment_id,
+                loc: copy.loc.pack(),
+                len: LEN,
+                dram: self.nvme.dram_id,
+                offset,
+                demote: false,
+                sum,
+            };
+            (u, Some(copy), fresh)
+        }
+
+        /// What the tier holds under `key`: its place and checksum.
+        fn holds(&self, key: &[u8]) -> Option<(NvmeLoc, u64)> {
+            let k = key.to_vec();
+            self.rt
+                .block_on(self.nvme.shards.run_on(0, move |_| async move {
+                    let t = tier().ok()?;
+                    let loc = t.lookup(&k)?;
+                    Some((loc, t.value_sum(loc)?.1))
+                }))
+                .unwrap()
+        }
+
+        /// One round's batch: flushed and checked, then settled with the
+        /// master's `answers` as `round` does; the updates reported.
+        fn settle(
+            &self,
+            batch: Vec<Ran>,
+            answers: impl Fn(&NvmeUpdate) -> Result<(), KvError>,
+        ) -> Vec<NvmeUpdate> {
+            let fresh: Vec<CopyRef> = batch.iter().filter(|b| b.2).filter_map(|b| b.1).collect();
+            let (mut updates, mut written): (Vec<_>, Vec<_>) =
+                batch.into_iter().map(|(u, c, _)| (u, c)).unzip();
+            self.rt.block_on(async {
+                self.nvme
+                    .flush_written(&mut updates, &mut written, &fresh)
+                    .await;
+                let results: Vec<_> = updates.iter().map(&answers).collect();
+                for c in refused_copies(&written, &results) {
+                    self.nvme.remove_copy(c).await;
+                }
+            });
+            updates
+        }
+    }
+
+    type Ran = (NvmeUpdate, Option<CopyRef>, bool);
+
+    impl Rig {
+        /// Two Persist tasks of key `k` in one round: an object of bytes
+        /// `a` at DRAM offset 0, then the one that replaced it, of bytes
+        /// `b` at `LEN`.
+        fn persist_replaced(&self, a: u8, b: u8) -> (Ran, Ran) {
+            self.dram_put(0, a);
+            self.dram_put(LEN, b);
+            (self.persist(b"k", 0), self.persist(b"k", LEN))
+        }
+    }
+
+    /// The master's answer in that race: the first report names the
+    /// replaced object's DRAM range (refused), the second is taken.
+    fn refuse_the_first(u: &NvmeUpdate) -> Result<(), KvError> {
+        match u {
+            NvmeUpdate::Stored { offset: 0, .. } => {
+                Err(KvError::new(ErrorCode::ObjectNotFound, "replaced"))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn sum_of(u: &NvmeUpdate) -> Option<u64> {
+        match u {
+            NvmeUpdate::Stored { sum, .. } => Some(*sum),
+            _ => None,
+        }
+    }
+
+    /// Seed 3 of the cluster simulation: two Persist tasks of one key in
+    /// one round (the object replaced between them). The second removes
+    /// the first's copy and the tier reuses the slot for its own; the
+    /// master refuses the first report and takes the second. The copy it
+    /// took must stay.
+    #[test]
+    fn a_refused_report_does_not_remove_the_copy_that_took_its_slot() {
+        let r = rig("reuse");
+        let (first, second) = r.persist_replaced(1, 2);
+        let (a, b) = (first.1.unwrap(), second.1.unwrap());
+        assert_eq!(a.loc, b.loc, "the tier reuses the freed slot");
+        let new_sum = sum_of(&second.0).unwrap();
+        let updates = r.settle(vec![first, second], refuse_the_first);
+        assert!(
+            matches!(updates[0], NvmeUpdate::PersistFailed { .. }),
+            "the first copy is gone: not reported as stored ({:?})",
+            updates[0]
+        );
+        assert_eq!(
+            r.holds(b"k"),
+            Some((b.loc, new_sum)),
+            "the copy the master took"
+        );
+    }
+
+    /// Two Persist tasks of two objects with the same bytes name one copy:
+    /// a refusal of the first (its object replaced) must not remove the
+    /// copy the master took for the second.
+    #[test]
+    fn a_refused_report_does_not_remove_a_copy_another_report_of_the_batch_gave() {
+        let r = rig("same");
+        let (first, second) = r.persist_replaced(7, 7);
+        assert!(!second.2, "the second found the first's copy there");
+        assert_eq!(first.1, second.1);
+        let loc = first.1.unwrap().loc;
+        let sum = sum_of(&first.0).unwrap();
+        r.settle(vec![first, second], refuse_the_first);
+        assert_eq!(r.holds(b"k"), Some((loc, sum)));
+    }
+
+    /// Seed 442 of the simulation (`KVPOOL_SIM_UNSUMMED=1`): a report of
+    /// every copy (after a remount) races an NVMe round whose Persist of a
+    /// new object under the key replaces the old copy in the same slot.
+    /// The master refuses the old copy as stale; the node must not remove
+    /// the new one, which the round reported and the master took.
+    #[test]
+    fn a_stale_recovered_copy_is_removed_only_if_its_slot_still_holds_it() {
+        let r = rig("stale");
+        r.dram_put(0, 1);
+        r.dram_put(LEN, 2);
+        let old = r.persist(b"k", 0);
+        r.settle(vec![old], |_| Ok(()));
+        let held = r.rt.block_on(r.nvme.held()).unwrap();
+        assert_eq!(held.len(), 1);
+        // The round runs meanwhile: the new object's copy, same slot.
+        let new = r.persist(b"k", LEN);
+        assert_eq!(new.1.unwrap().loc, held[0].loc, "the tier reuses the slot");
+        let new_sum = sum_of(&new.0).unwrap();
+        r.settle(vec![new], |_| Ok(()));
+        let stale = KvError::new(ErrorCode::ObjectAlreadyExists, "another object");
+        let (n, _) = r.rt.block_on(r.nvme.drop_stale(&held, vec![Err(stale)]));
+        assert_eq!(n, 1);
+        assert_eq!(r.holds(b"k"), Some((held[0].loc, new_sum)));
+        // Refused as stale while its slot still holds it, a copy goes.
+        let held = r.rt.block_on(r.nvme.held()).unwrap();
+        let stale = KvError::new(ErrorCode::ObjectAlreadyExists, "another object");
+        r.rt.block_on(r.nvme.drop_stale(&held, vec![Err(stale)]));
+        assert_eq!(r.holds(b"k"), None);
     }
 }
