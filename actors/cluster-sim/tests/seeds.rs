@@ -19,8 +19,10 @@ use kvpool_cluster_sim::{run_seed, Options, Stats};
 /// `Evicted` report and a put's eviction for losses; 248: the master freed
 /// a dead mount's deferred extents into the same segment mounted again;
 /// 63: a Drop queued by a removal ran after the copy was reported again and
-/// taken.
-const REGRESSIONS: &[u64] = &[3, 18, 32, 63, 248];
+/// taken; 618, 622 (with put ids and quarantined revokes, before the tier
+/// named copies exactly): a removed object's copy reported before its Drop
+/// ran was taken, and a refused report removed a newer copy in its slot.
+const REGRESSIONS: &[u64] = &[3, 18, 32, 63, 248, 618, 622];
 
 /// Seeds that once failed with a quarter of the clients without checksums
 /// (`KVPOOL_SIM_UNSUMMED=1`). 442: a node's report of every copy after a
@@ -30,8 +32,9 @@ const REGRESSIONS: &[u64] = &[3, 18, 32, 63, 248];
 /// eviction freed the range, and the demotion copied another put's bytes;
 /// 671: a demotion queued before its object was removed ran after the key
 /// came back from the tier, and a recovered copy was taken for an object
-/// without a checksum.
-const UNSUMMED_REGRESSIONS: &[u64] = &[442, 671, 798];
+/// without a checksum; 422: a copy the key's object listed was refused
+/// because a Drop of its place (an earlier object's) was still queued.
+const UNSUMMED_REGRESSIONS: &[u64] = &[422, 442, 671, 798];
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name)

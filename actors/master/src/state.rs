@@ -1910,9 +1910,9 @@ impl ShardState {
     ///   waits for its report, and a node that ran it would copy whatever
     ///   lies in the range now and replace the key's copy on its tier
     ///   (maybe the one the current object lists) with it;
-    /// * a Drop of a copy that the object under the key lists again (the
-    ///   node reported it `Recovered` after the removal that queued the
-    ///   Drop, and the master took it as the object).
+    /// * a Drop of a copy that the object under the key lists again (a
+    ///   guard: a `Recovered` report of a copy whose Drop is queued is
+    ///   refused, so the master should never list such a copy).
     fn task_is_stale(&self, seg: SegmentId, t: &NodeTask) -> bool {
         let (key, dram, offset, demote) = match t {
             NodeTask::Persist {
@@ -2166,10 +2166,19 @@ impl ShardState {
                         format!("a recovered object of {len} bytes"),
                     ));
                 }
-                if self.drop_queued(*nvme, key, *loc) {
+                let listed = self.objs.complete_id(key).is_some_and(|id| {
+                    self.objs
+                        .get(id)
+                        .replicas
+                        .iter()
+                        .any(|r| r.slot == nslot && r.offset == *loc)
+                });
+                if !listed && self.drop_queued(*nvme, key, *loc) {
                     // Reported before the node ran the Drop it is owed (the
                     // node restarted, or reported its tier again): taking it
-                    // would bring back a removed or replaced object.
+                    // would bring back a removed or replaced object. (A copy
+                    // the key's object lists is that object's: a later put's
+                    // copy took the slot, and the Drop is stale.)
                     return Err(err(
                         ErrorCode::ObjectAlreadyExists,
                         "this copy's object was removed or replaced: its Drop is queued",
