@@ -270,16 +270,6 @@ impl TransferEngine {
         }
     }
 
-    /// Whether `segment` could not be reached in the last `SUSPECT_FOR`.
-    fn suspect(&self, segment: SegmentId) -> bool {
-        let s = self.suspect.lock().unwrap_or_else(|p| p.into_inner());
-        if s.is_empty() {
-            return false;
-        }
-        let now = Instant::now();
-        s.iter().any(|&(seg, until)| seg == segment && until > now)
-    }
-
     /// Whether a read of `r` checks its bytes against the object's checksum.
     fn checks(&self, r: &ReplicaDesc) -> bool {
         r.checksum.is_some() && self.cfg.verify_checksums
@@ -509,9 +499,15 @@ impl TransferEngine {
     fn ordered<'r>(&self, replicas: &'r [ReplicaDesc]) -> Vec<&'r ReplicaDesc> {
         let mut v: Vec<&ReplicaDesc> = replicas.iter().collect();
         let shm = self.cfg.transport != TransportChoice::Tcp;
+        // One lock per read, and no clock read while nothing is suspect.
+        let suspect = self.suspect.lock().unwrap_or_else(|p| p.into_inner());
+        let now = (!suspect.is_empty()).then(Instant::now);
+        let is_suspect = |seg: SegmentId| {
+            now.is_some_and(|now| suspect.iter().any(|&(s, until)| s == seg && until > now))
+        };
         v.sort_by_key(|r| {
             (
-                self.suspect(r.segment_id),
+                is_suspect(r.segment_id),
                 r.tier == Tier::Nvme,
                 shm && r.host_id != self.cfg.host_id,
             )
@@ -607,7 +603,7 @@ impl TransferEngine {
             // (`Some`), else over `dst` afterwards.
             let summing = self.checks(r);
             let attempt = async {
-                let res: Result<Option<u64>, KvError> = if r.tier == Tier::Nvme {
+                if r.tier == Tier::Nvme {
                     self.nvme_read(r, dst).await.map(|()| None)
                 } else {
                     match self.shm_for(r).await {
@@ -630,8 +626,7 @@ impl TransferEngine {
                             None => self.tcp_read(r, dst, summing).await,
                         },
                     }
-                };
-                res
+                }
             };
             let res = if left > 1 {
                 tokio::time::timeout(share, attempt)
