@@ -4,7 +4,8 @@
 //! when it ends (also on a panic). Faults come from the kernel's own tools:
 //! `iptables` DROP rules for cuts and partitions, `-m statistic` for random
 //! loss, `tc tbf` for a slow link (this kernel has no netem), a loop-mounted
-//! ext4 for a full disk. The invariants are checked from outside: every
+//! ext4 for a full disk, `CONNMARK` and `ss -K` for an answer lost after the
+//! master acted. The invariants are checked from outside: every
 //! call ends by its deadline, a get returns the bytes that were put or an
 //! error, the admin API shows the pool as it is, and the pool works again
 //! once the fault heals.
@@ -925,6 +926,148 @@ fn random_loss_on_every_client_link_gives_the_bytes_put_or_errors_and_never_hang
             assert_eq!(cl.admin_segments()["segments"].as_array().unwrap().len(), 2);
         })
     });
+}
+
+/// The master's answer to a put's end is lost after the master applied it
+/// (a connection that broke, or a leader that died once it had shipped the
+/// end to its standby): the put returns Ok and the key reads back, where it
+/// used to place the put again and fail with "key exists". The same for a
+/// batch put. The client's iptables mark the connection that carries the
+/// second request naming the key (the start is the first, the end the
+/// second) and drop what the master sends back on it; once the master's
+/// admin API shows the key complete, `ss -K` aborts the client's master
+/// connections.
+#[test]
+fn a_put_whose_end_took_effect_but_whose_answer_was_lost_returns_ok() {
+    const TEST: &str = "a_put_whose_end_took_effect_but_whose_answer_was_lost_returns_ok";
+    if tools(TEST, &["ss"]).is_none() {
+        return;
+    }
+    let Some(cl) = Cluster::start("lost_end", 1, |_, _| String::new()) else {
+        return;
+    };
+    cl.client(|rt| {
+        rt.block_on(async {
+            let c = connect(&cl.master.addr).await;
+            wait_stat(&c, Duration::from_secs(10), "one node mounted", |s| {
+                s.segments.len() == 1
+            })
+            .await;
+            for (n, batch) in [(1u64, false), (2, true)] {
+                let key = format!("lost-end-{n}-7f3a9c");
+                let v = value(n, 64 << 10);
+                let r = answer_lost_after_end(&cl, &key, || {
+                    let (c, k, v) = (c.clone(), key.clone(), v.clone());
+                    async move {
+                        if batch {
+                            let items = [(k.as_bytes(), v.as_slice())];
+                            let mut r = c.batch_put(&items, &PutOptions::default()).await?;
+                            r.pop().expect("one result")
+                        } else {
+                            c.put(k.as_bytes(), &v).await
+                        }
+                    }
+                })
+                .await;
+                r.unwrap_or_else(|e| {
+                    panic!("{key} (batch {batch}): a put whose end took effect failed: {e}")
+                });
+                assert!(
+                    c.get(key.as_bytes()).await.unwrap() == v,
+                    "{key}: other bytes than were put"
+                );
+            }
+        })
+    });
+}
+
+/// Runs `put` (of `key` alone) while the master's answer to its end is
+/// held back, then aborts the client's master connections once the end
+/// took effect; what the put returned.
+async fn answer_lost_after_end<F, Fut>(cl: &Cluster, key: &str, put: F) -> Result<(), KvError>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Result<(), KvError>> + Send + 'static,
+{
+    let h = &cl.client_host;
+    let ports = "7070:7079";
+    Net::iptables(
+        h,
+        &[
+            "-A",
+            "OUTPUT",
+            "-p",
+            "tcp",
+            "--dport",
+            ports,
+            "-m",
+            "string",
+            "--algo",
+            "bm",
+            "--string",
+            key,
+            "-m",
+            "statistic",
+            "--mode",
+            "nth",
+            "--every",
+            "1000000",
+            "--packet",
+            "1",
+            "-j",
+            "CONNMARK",
+            "--set-mark",
+            "1",
+        ],
+    );
+    Net::iptables(
+        h,
+        &[
+            "-A", "INPUT", "-p", "tcp", "--sport", ports, "-m", "connmark", "--mark", "1", "-j",
+            "DROP",
+        ],
+    );
+    let started = Instant::now();
+    let task = tokio::spawn(put());
+    // The end took effect: the master's admin API (on a port the rules
+    // leave alone) shows the key complete.
+    let path = format!("/api/v1/keys/{key}");
+    let end = Instant::now() + Duration::from_millis(DEADLINE_MS);
+    loop {
+        let (status, body) = common::http(&cl.master.http, "GET", &path);
+        if status == 200 && body.contains("\"complete\"") {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "{key}: the put's end never took effect: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        !task.is_finished(),
+        "{key}: the master's answer was not held back"
+    );
+    sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &h.ns,
+        "ss",
+        "-K",
+        "dst",
+        &cl.master_host.ip,
+    ]);
+    let r = task.await.expect("the put task");
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(DEADLINE_MS + SLACK_MS),
+        "{key}: the put took {took:?}"
+    );
+    for chain in ["OUTPUT", "INPUT"] {
+        Net::iptables(h, &["-F", chain]);
+    }
+    r
 }
 
 #[test]

@@ -363,6 +363,11 @@ const VIEW_MARGIN: Duration = Duration::from_millis(500);
 /// Times one put may be placed again after its node proved unreachable.
 const MAX_PLACEMENTS: u32 = 3;
 
+/// How many times a put's end is sent again while the master cannot be
+/// reached (with backoff up to 200 ms: about 5 s, the longest a failover
+/// takes under the default etcd lease; the call's deadline ends it first).
+const END_TRIES: u32 = 30;
+
 /// Pause between two looks for the leader while none answers (a failover
 /// under way); the caller's deadline bounds the whole search.
 const FOLLOW_PAUSE: Duration = Duration::from_millis(100);
@@ -1015,6 +1020,20 @@ impl Client {
                             placements += 1;
                             tracing::debug!("a put is placed again: {e}");
                         }
+                        Err(e)
+                            if e.code == ErrorCode::ObjectAlreadyExists
+                                && placements > 0
+                                && !opts.replace =>
+                        {
+                            // An earlier placement whose end took effect
+                            // though its answer was lost: done if the key
+                            // holds these bytes.
+                            return if self.holds(key, value, deadline).await {
+                                Ok(())
+                            } else {
+                                Err(e)
+                            };
+                        }
                         Err(e) if placements < MAX_PLACEMENTS => {
                             // A node that could not be reached: the master
                             // hears of it and places the put elsewhere. (The
@@ -1150,15 +1169,7 @@ impl Client {
                 .map(|()| None)
         };
         match written {
-            Ok(checksum) => {
-                self.ask(call::PutEnd {
-                    client_id: self.inner.id,
-                    key: key.to_vec(),
-                    put_id,
-                    checksum,
-                })
-                .await
-            }
+            Ok(checksum) => self.end_put(key, value, put_id, checksum, deadline).await,
             Err(e) => {
                 let _ = self
                     .ask(call::PutRevoke {
@@ -1170,6 +1181,79 @@ impl Client {
                 Err(e)
             }
         }
+    }
+
+    /// Ends a placement whose bytes are written. The master may have
+    /// completed the put and its answer been lost (its connection broke, or
+    /// it failed over after shipping the end to the standby that now leads):
+    /// the end is sent again while the master cannot be reached, bounded by
+    /// `END_TRIES` and the call's deadline. It names its placement, so it
+    /// cannot complete another; one that finds the key already complete
+    /// reads the key back, and the put is done if the key holds `value`.
+    async fn end_put(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        put_id: u16,
+        checksum: Option<u64>,
+        deadline: Instant,
+    ) -> Result<(), KvError> {
+        let (r, again) = self
+            .send_end(|| call::PutEnd {
+                client_id: self.inner.id,
+                key: key.to_vec(),
+                put_id,
+                checksum,
+            })
+            .await;
+        match r {
+            Err(e) if e.code == ErrorCode::ObjectAlreadyExists && again => {
+                if self.holds(key, value, deadline).await {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            }
+            r => r,
+        }
+    }
+
+    /// Sends a put's end (`end()` makes it) and again while the master
+    /// cannot be reached (backoff to 200 ms, `END_TRIES` sends at most);
+    /// the answer, and whether the end was sent more than once.
+    async fn send_end<C: Call>(&self, end: impl Fn() -> C) -> (Result<C::Reply, KvError>, bool) {
+        let mut backoff = Duration::from_millis(5);
+        let mut unanswered = 0;
+        loop {
+            match self.ask(end()).await {
+                Err(e) if leader_may_have_moved(&e) && unanswered < END_TRIES => {
+                    tracing::debug!("a put's end is sent again: {e}");
+                    unanswered += 1;
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(200));
+                }
+                r => return (r, unanswered > 0),
+            }
+        }
+    }
+
+    /// Whether the key's stored object holds exactly `value` (read back
+    /// under `deadline`, its checksum checked as any read's); false on any
+    /// error. For a put that cannot tell whether its own end took effect.
+    async fn holds(&self, key: &[u8], value: &[u8], deadline: Instant) -> bool {
+        let Ok(replicas) = self.replicas(key).await else {
+            return false;
+        };
+        if replicas.first().map(|r| r.len) != Some(value.len() as u64) {
+            return false;
+        }
+        let mut buf = vec![0u8; value.len()];
+        self.inner
+            .engine
+            .read(&replicas, &mut buf, deadline)
+            .await
+            .is_ok()
+            && buf == value
     }
 
     /// Reads the value under `key`. A key this client read while its lease
@@ -1536,21 +1620,45 @@ impl Client {
                     })
                     .await;
             }
-            let mut ended = if ok_items.is_empty() {
-                Vec::new().into_iter()
+            let ok_values: Vec<&[u8]> = written
+                .iter()
+                .zip(items)
+                .filter(|(w, _)| w.is_ok())
+                .map(|(_, (_, v))| *v)
+                .collect();
+            // Sent again while the master cannot be reached, as a single
+            // put's end is (see `end_put`).
+            let (answers, again) = if ok_items.is_empty() {
+                (Vec::new(), false)
             } else {
-                self.ask(call::BatchPutEnd {
-                    client_id: self.inner.id,
-                    put_id,
-                    items: ok_items,
-                })
-                .await?
-                .into_iter()
+                let (r, again) = self
+                    .send_end(|| call::BatchPutEnd {
+                        client_id: self.inner.id,
+                        put_id,
+                        items: ok_items.clone(),
+                    })
+                    .await;
+                let answers: Vec<Result<(), KvError>> = r?.into_iter().map(Result::from).collect();
+                (answers, again)
             };
+            let mut ends = Vec::with_capacity(answers.len());
+            for ((a, d), v) in answers.into_iter().zip(&ok_items).zip(ok_values) {
+                ends.push(match a {
+                    Err(e) if e.code == ErrorCode::ObjectAlreadyExists && again => {
+                        if self.holds(&d.key, v, deadline).await {
+                            Ok(())
+                        } else {
+                            Err(e)
+                        }
+                    }
+                    a => a,
+                });
+            }
+            let mut ended = ends.into_iter();
             Ok(written
                 .into_iter()
                 .map(|w| match w {
-                    Ok(_) => ended.next().map(Result::from).unwrap_or_else(|| {
+                    Ok(_) => ended.next().unwrap_or_else(|| {
                         Err(KvError::new(ErrorCode::Internal, "missing put_end result"))
                     }),
                     Err((e, _)) => Err(e),
