@@ -141,6 +141,10 @@ fn leader_and_standby(url: &str, cfg: &str) -> (Proc, Proc) {
     wait_role(&a, "leader", Duration::from_secs(10));
     let b = start_master(url, cfg);
     wait_role(&b, "standby", Duration::from_secs(10));
+    // Only a standby in sync stands for election.
+    poll_until("the standby in sync", Duration::from_secs(20), || {
+        healthz_all(&b, "synced", "1")
+    });
     (a, b)
 }
 
@@ -732,4 +736,69 @@ fn a_stalled_standby_is_dropped_catches_up_from_a_snapshot_and_then_loses_nothin
         read_back(&c, 120, len).await;
         assert_eq!(c.master_addr(), b.addr, "the client follows the new leader");
     });
+}
+
+/// A standby that never received the leader's state does not lead with its
+/// own (a fresh, or stale, state directory): the leader is stopped before
+/// the standby could sync, and the standby stays a standby well past the
+/// leader's lease. The old leader, restarted on its state directory, is the
+/// master whose state the cluster's is, and leads again; every object reads
+/// back. Once the standby is in sync with it, the standby takes over when
+/// it is killed, and every object still reads back.
+#[test]
+fn a_standby_never_in_sync_does_not_lead_and_the_last_leader_leads_again_from_its_state_dir() {
+    let Some(etcd) = etcd() else { return };
+    let url = etcd.url();
+    let dir_a = common::scratch_dir("ha-eligible-a");
+    let dir_b = common::scratch_dir("ha-eligible-b");
+    let state = |d: &std::path::Path| format!("state_dir = \"{}\"\n", d.display());
+    let cfg_a = master_config("ha-eligible-a", &state(&dir_a));
+    let cfg_b = master_config("ha-eligible-b", &state(&dir_b));
+    let mut a = start_master(&url, &cfg_a);
+    wait_role(&a, "leader", Duration::from_secs(10));
+    let _node = common::start_storage(&url, "64MiB", &[]);
+    kvpool_ha::install();
+    let rt = common::rt();
+    let len = |i: u64| 3_000 + (i as usize * 7919) % 20_000;
+    let c = rt.block_on(async { Client::connect(&url, client_config("")).await.unwrap() });
+    rt.block_on(async {
+        for i in 0..30 {
+            let key = format!("obj-{i}");
+            eventually("a put", Duration::from_secs(10), || async {
+                c.put(key.as_bytes(), &value(i, len(i)))
+                    .await
+                    .map_err(|e| e.to_string())
+            })
+            .await;
+        }
+    });
+    a.freeze();
+    let b = start_master(&url, &cfg_b);
+    // The lease is 2 s: without the rule, b led after about that.
+    let until = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < until {
+        assert_ne!(
+            role_of(&b),
+            "leader",
+            "a standby that never synced leads; stderr:\n{}",
+            b.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        b.stderr().contains("not standing for election"),
+        "the standby says why it does not lead; stderr:\n{}",
+        b.stderr()
+    );
+    a.signal(Signal::KILL);
+    a.wait_exit(Duration::from_secs(10))
+        .expect("the old leader died");
+    let a2 = start_master(&url, &cfg_a);
+    wait_role(&a2, "leader", Duration::from_secs(15));
+    rt.block_on(read_back(&c, 30, len));
+    poll_until("the standby in sync", Duration::from_secs(20), || {
+        healthz_all(&b, "synced", "1")
+    });
+    kill_leader(a2, &b, None);
+    rt.block_on(read_back(&c, 30, len));
 }

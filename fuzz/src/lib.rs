@@ -350,6 +350,7 @@ fn typed_replies(resp: MasterResponse) {
             let mut sb = kvpool_master::ship::Standby::default();
             sb.apply(
                 shipped.session,
+                shipped.term,
                 recs,
                 shipped.records.len() as u64,
                 shipped.synced,

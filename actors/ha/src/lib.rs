@@ -86,6 +86,12 @@ impl EtcdUrl {
         format!("kvpool/{}/leader", self.name)
     }
 
+    /// The etcd key that names the master whose state is the cluster's
+    /// (the last to lead; see [`Authority`]). Outside the election's prefix.
+    pub fn state_key(&self) -> String {
+        format!("kvpool/{}/state", self.name)
+    }
+
     async fn connect(&self) -> Result<Etcd, String> {
         let opts = ConnectOptions::new().with_connect_timeout(ETCD_CALL);
         within(Etcd::connect(self.endpoints.clone(), Some(opts)), "connect").await
@@ -134,10 +140,83 @@ impl Published {
     }
 }
 
+/// Whose state the cluster's is: the master that led last, and its term.
+/// Written by each new leader before its fence opens. A master may stand
+/// for election only if it is that master (its state directory holds what
+/// it led with), or every shard of its copy is in sync at that term, or no
+/// master has led yet (docs/ARCHITECTURE.md, "Who may lead").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Authority {
+    pub term: u64,
+    /// The master's identity ([`ElectionConfig::id`]).
+    pub id: String,
+    /// Where it served, for people reading etcd.
+    pub rpc: String,
+}
+
+impl Authority {
+    /// `term=N id=ID rpc=HOST:PORT`, the value of the state key.
+    pub fn encode(&self) -> String {
+        format!("term={} id={} rpc={}", self.term, self.id, self.rpc)
+    }
+
+    pub fn decode(value: &str) -> Option<Self> {
+        let (mut term, mut id, mut rpc) = (None, None, String::new());
+        for part in value.split_whitespace() {
+            match part.split_once('=') {
+                Some(("term", v)) => term = v.parse().ok(),
+                Some(("id", v)) if !v.is_empty() => id = Some(v.to_string()),
+                Some(("rpc", v)) => rpc = v.to_string(),
+                _ => {}
+            }
+        }
+        Some(Self {
+            term: term?,
+            id: id?,
+            rpc,
+        })
+    }
+}
+
+/// Why this master may not lead now (`None`: it may). An error when etcd
+/// could not be read.
+async fn why_not_lead(
+    master: &MasterHandle,
+    cfg: &ElectionConfig,
+    etcd: &mut Etcd,
+) -> Result<Option<String>, String> {
+    let key = cfg.url.state_key();
+    let r = within(etcd.get(key.clone(), None), "get the state key").await?;
+    let Some(kv) = r.kvs().first() else {
+        // No master has led this cluster yet.
+        return Ok(None);
+    };
+    let value = kv.value_str().unwrap_or("");
+    let Some(a) = Authority::decode(value) else {
+        return Ok(Some(format!(
+            "etcd key {key} holds {value:?}, not `term=N id=ID rpc=ADDR`"
+        )));
+    };
+    if a.id == cfg.id {
+        return Ok(None);
+    }
+    match master.synced_term() {
+        Some(t) if t == a.term => Ok(None),
+        synced => Ok(Some(format!(
+            "the cluster's state is master {} ({}, term {})'s, and this master's copy of it is              not in sync (in sync at term: {synced:?}); it stands for election once it is, or              once that master is back. To let it lead with what it has (objects may be lost),              delete the etcd key {key}",
+            a.id, a.rpc, a.term
+        ))),
+    }
+}
+
 /// How one master campaigns.
 #[derive(Debug, Clone)]
 pub struct ElectionConfig {
     pub url: EtcdUrl,
+    /// This master's identity in the state key: kept in its state directory
+    /// (so it is the same after a restart on that directory), random for a
+    /// master without one.
+    pub id: String,
     /// The lease's TTL asked for (etcd may raise it to its minimum).
     pub ttl: Duration,
     /// The leader refuses from this long before its lease could end.
@@ -193,6 +272,7 @@ pub fn spawn_election(
 async fn session(master: &MasterHandle, cfg: &ElectionConfig) -> Result<(), String> {
     let fence = master.fence();
     let mut etcd = cfg.url.connect().await?;
+    wait_until_eligible(master, cfg, &mut etcd).await?;
     let asked = Instant::now();
     let ttl_s = cfg.ttl.as_secs().max(1) as i64;
     let lease = within(etcd.lease_grant(ttl_s, None), "lease grant").await?;
@@ -204,6 +284,35 @@ async fn session(master: &MasterHandle, cfg: &ElectionConfig) -> Result<(), Stri
     let _ = within(etcd.lease_revoke(id), "lease revoke").await;
     ended
 }
+
+/// Waits (following the leader, for refusals, /healthz and log shipping)
+/// until this master may lead; says why not now and then.
+async fn wait_until_eligible(
+    master: &MasterHandle,
+    cfg: &ElectionConfig,
+    etcd: &mut Etcd,
+) -> Result<(), String> {
+    let mut said = None;
+    let name = cfg.url.election();
+    loop {
+        let Some(why) = why_not_lead(master, cfg, etcd).await? else {
+            return Ok(());
+        };
+        if said.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(30)) {
+            tracing::warn!("not standing for election: {why}");
+            said = Some(Instant::now());
+        }
+        if let Ok(r) = within(etcd.election_client().leader(name.clone()), "leader").await {
+            if let Some(v) = r.kv().and_then(|kv| kv.value_str().ok()) {
+                master.fence().set_leader(v);
+            }
+        }
+        tokio::time::sleep(ELIGIBLE_POLL).await;
+    }
+}
+
+/// How often a master that may not lead looks again.
+const ELIGIBLE_POLL: Duration = Duration::from_millis(250);
 
 /// Campaigns under `lease` (granted at `asked`), then leads while it lives.
 async fn campaign_under(
@@ -238,6 +347,11 @@ async fn campaign_under(
                 if Instant::now() >= valid_until {
                     return Err("won the election after the lease may have run out".into());
                 }
+                // Eligible when it campaigned, but another master may have
+                // led since (and this copy not be in sync with it).
+                if let Some(why) = why_not_lead(master, cfg, etcd).await? {
+                    return Err(format!("won the election but may not lead: {why}"));
+                }
                 // State at failover (docs/ARCHITECTURE.md, "Log shipping"):
                 // every shard takes the state the old leader shipped it
                 // before the fence opens; its objects wait for their
@@ -256,6 +370,17 @@ async fn campaign_under(
                         fence.depose();
                         return Err("taking over the shipped state outlasted the lease".into());
                     }
+                }
+                // The cluster's state is this master's from now on.
+                let authority = Authority { term, id: cfg.id.clone(), rpc: cfg.me.rpc.clone() };
+                if let Err(e) = within(
+                    etcd.put(cfg.url.state_key(), authority.encode(), None),
+                    "put the state key",
+                )
+                .await
+                {
+                    fence.depose();
+                    return Err(e);
                 }
                 if Instant::now() >= valid_until {
                     fence.depose();
@@ -380,6 +505,29 @@ pub fn install() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_state_key_names_term_identity_and_address_and_refuses_less() {
+        let a = Authority {
+            term: 17,
+            id: "9f00".into(),
+            rpc: "10.0.0.1:7070".into(),
+        };
+        assert_eq!(a.encode(), "term=17 id=9f00 rpc=10.0.0.1:7070");
+        assert_eq!(Authority::decode(&a.encode()), Some(a));
+        assert_eq!(Authority::decode("id=9f00 rpc=x"), None, "no term");
+        assert_eq!(
+            Authority::decode("term=x id=9f00"),
+            None,
+            "a term not a number"
+        );
+        assert_eq!(Authority::decode("term=3 id="), None, "no identity");
+        let u = EtcdUrl::parse("etcd://h:1/c1").unwrap();
+        assert!(
+            !u.state_key().starts_with(&format!("{}/", u.election())),
+            "the state key is not a candidate of the election"
+        );
+    }
 
     #[test]
     fn urls_parse_with_and_without_a_name() {

@@ -24,7 +24,7 @@ use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -99,6 +99,8 @@ struct HandleInner {
     /// HA, per shard: a standby's, 1 when its copy of the leader's shard is
     /// in sync; a leader's, how many standbys are in sync with it.
     ship_gauge: Arc<[AtomicU32]>,
+    /// Per shard, as a standby: the term its copy is in sync at (0: none).
+    synced_terms: Arc<[AtomicU64]>,
 }
 
 fn unavailable() -> KvError {
@@ -243,6 +245,19 @@ impl MasterHandle {
             .collect()
     }
 
+    /// HA, as a standby: the leader's term at which every shard's copy is
+    /// in sync with the leader's (the leader's replies wait for it), if
+    /// there is one.
+    pub fn synced_term(&self) -> Option<u64> {
+        let mut terms = self
+            .inner
+            .synced_terms
+            .iter()
+            .map(|t| t.load(Ordering::Relaxed));
+        let first = terms.next()?;
+        (first != 0 && terms.all(|t| t == first)).then_some(first)
+    }
+
     /// HA, once this master has won the election and before its fence
     /// opens: every shard loads the state the old leader shipped it
     /// (no deadline of its own: the election bounds it by the lease).
@@ -357,6 +372,7 @@ pub async fn start(
             metrics: master_metrics.clone(),
             fence: fence.clone(),
             ship_gauge: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            synced_terms: (0..n).map(|_| AtomicU64::new(0)).collect(),
         }),
     };
     let shard_cfg = ShardConfig::from_master(cfg, n as u32);
@@ -471,6 +487,7 @@ pub async fn start(
                     waiting: Cell::new(0),
                     takeover_wait_ms,
                     ship_gauge: handle.inner.ship_gauge.clone(),
+                    synced_terms: handle.inner.synced_terms.clone(),
                     index: i,
                 });
                 glommio::spawn_local(inbox_loop(ctx.clone(), state.clone(), rx, metrics.clone()))
@@ -574,6 +591,7 @@ struct Shard {
     takeover_wait_ms: u64,
     /// Where this shard's shipping state is shown ([`MasterHandle::ship_status`]).
     ship_gauge: Arc<[AtomicU32]>,
+    synced_terms: Arc<[AtomicU64]>,
     index: usize,
 }
 
@@ -632,6 +650,7 @@ impl Shard {
             u32::from(sb.synced)
         };
         self.ship_gauge[self.index].store(v, Ordering::Relaxed);
+        self.synced_terms[self.index].store(sb.synced_term().unwrap_or(0), Ordering::Relaxed);
     }
 
     /// The live log's offset now (HA; compare after a request with
@@ -1079,7 +1098,8 @@ async fn follow_session(
             Err(e) => {
                 // The leader refused the session: a new one next time (the
                 // image is kept until that one's first answer).
-                shard.standby.borrow_mut().session = 0;
+                shard.standby.borrow_mut().lose_session();
+                shard.publish_ship();
                 return Err(e.to_string());
             }
         };
@@ -1089,7 +1109,8 @@ async fn follow_session(
             || (!fresh && shipped.session != session)
             || shipped.start != if fresh { 0 } else { acked }
         {
-            shard.standby.borrow_mut().session = 0;
+            shard.standby.borrow_mut().lose_session();
+            shard.publish_ship();
             return Err(format!(
                 "the leader answered session {:x} at {} to session {session:x} at {acked}",
                 shipped.session, shipped.start
@@ -1099,7 +1120,8 @@ async fn follow_session(
             match ship::decode_records(&shipped.records, setup.shard, |k| setup.map.shard_of(k)) {
                 Ok(r) => r,
                 Err(e) => {
-                    shard.standby.borrow_mut().session = 0;
+                    shard.standby.borrow_mut().lose_session();
+                    shard.publish_ship();
                     return Err(format!("a shipped record: {e}"));
                 }
             };
@@ -1110,6 +1132,7 @@ async fn follow_session(
         let was_synced = sb.synced && !fresh;
         sb.apply(
             shipped.session,
+            shipped.term,
             records,
             shipped.records.len() as u64,
             shipped.synced,

@@ -330,8 +330,11 @@ pub struct Standby {
     pub session: u64,
     /// Stream bytes applied in this session.
     pub acked: u64,
-    /// The session's snapshot is wholly in the image.
+    /// The session's snapshot is wholly in the image, and the leader has
+    /// not refused the session since: its replies wait for this standby.
     pub synced: bool,
+    /// The term of the leader the session is with.
+    pub term: u64,
     /// This master leads now: nothing more is applied.
     pub stopped: bool,
     /// Holds in the image after the last trim (holds that ended are
@@ -343,10 +346,18 @@ impl Standby {
     /// Applies one answer of the leader (already checked to belong to the
     /// session asked for and to start at `acked`). A new session starts
     /// from an empty image.
-    pub fn apply(&mut self, session: u64, records: Vec<Record>, bytes: u64, synced: bool) {
+    pub fn apply(
+        &mut self,
+        session: u64,
+        term: u64,
+        records: Vec<Record>,
+        bytes: u64,
+        synced: bool,
+    ) {
         if session != self.session {
             self.image = Image::default();
             self.session = session;
+            self.term = term;
             self.acked = 0;
             self.synced = false;
             self.holds_after_trim = 0;
@@ -361,6 +372,23 @@ impl Standby {
                 .drop_holds_before(kvpool_transport::auth::unix_ms());
             self.holds_after_trim = self.image.holds.len();
         }
+    }
+}
+
+impl Standby {
+    /// The leader refused the session (it dropped this standby, or it is
+    /// another leader now): the next `Follow` asks for a new one. The image
+    /// is kept until that one's first answer, but it is in sync no more:
+    /// the leader's replies stopped waiting for it.
+    pub fn lose_session(&mut self) {
+        self.session = 0;
+        self.synced = false;
+    }
+
+    /// The term this copy is in sync at, if it is (what lets a standby
+    /// stand for election: docs/ARCHITECTURE.md, "Who may lead").
+    pub fn synced_term(&self) -> Option<u64> {
+        (self.synced && !self.stopped && self.session != 0).then_some(self.term)
     }
 }
 
@@ -480,12 +508,33 @@ mod tests {
     }
 
     #[test]
+    fn a_copy_is_in_sync_at_its_sessions_term_until_the_leader_refuses_the_session() {
+        let map = ShardMap::new(1).unwrap();
+        let mut sb = Standby::default();
+        assert_eq!(sb.synced_term(), None, "the state directory's copy");
+        let r = rec(b"a", 1);
+        let recs = || decode_records(&r, 0, |k| map.shard_of(k)).unwrap();
+        sb.apply(7, 42, recs(), r.len() as u64, false);
+        assert_eq!(sb.synced_term(), None, "mid-snapshot");
+        sb.apply(7, 42, recs(), r.len() as u64, true);
+        assert_eq!(sb.synced_term(), Some(42));
+        sb.lose_session();
+        assert_eq!(sb.synced_term(), None, "dropped by the leader");
+        assert_eq!(sb.image.objects.len(), 1, "the image is kept meanwhile");
+        sb.apply(8, 43, recs(), r.len() as u64, true);
+        assert_eq!(sb.synced_term(), Some(43));
+        sb.stopped = true;
+        assert_eq!(sb.synced_term(), None, "it leads");
+    }
+
+    #[test]
     fn a_new_session_replaces_the_image() {
         let map = ShardMap::new(1).unwrap();
         let mut sb = Standby::default();
         let r = rec(b"a", 1);
         sb.apply(
             7,
+            1,
             decode_records(&r, 0, |k| map.shard_of(k)).unwrap(),
             r.len() as u64,
             true,
@@ -494,6 +543,7 @@ mod tests {
         let r2 = rec(b"b", 1);
         sb.apply(
             9,
+            1,
             decode_records(&r2, 0, |k| map.shard_of(k)).unwrap(),
             r2.len() as u64,
             false,

@@ -178,6 +178,7 @@ fn start_election(
     };
     let election = kvpool_ha::ElectionConfig {
         url,
+        id: master_identity(&cfg.master.state_dir)?,
         ttl: Duration::from_secs(cfg.master.ha_lease_ttl_s),
         margin: Duration::from_millis(cfg.master.ha_fence_margin_ms),
         me: kvpool_ha::Published {
@@ -187,6 +188,55 @@ fn start_election(
     };
     kvpool_ha::spawn_election(handle.clone(), election, shutdown);
     Ok(())
+}
+
+/// This master's identity in the election's state key: kept in
+/// `<state_dir>/master-id` (made on first use) so a restart on the same
+/// directory is the same master; random without a state directory.
+fn master_identity(state_dir: &str) -> Result<String, NodeError> {
+    let fresh = || {
+        kvpool_transport::auth::nonce()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    if state_dir.is_empty() {
+        return Ok(fresh());
+    }
+    let dir = std::path::Path::new(state_dir);
+    let path = dir.join("master-id");
+    let bad = |e: std::io::Error| {
+        NodeError::Config(format!("key `master.state_dir`: {}: {e}", path.display()))
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(s) => {
+            let id = s.trim();
+            if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(NodeError::Config(format!(
+                    "key `master.state_dir`: {} holds {s:?}, not a master identity (hex)",
+                    path.display()
+                )));
+            }
+            Ok(id.to_string())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(dir).map_err(bad)?;
+            let id = fresh();
+            let tmp = dir.join("master-id.tmp");
+            {
+                use std::io::Write;
+                let mut f = std::fs::File::create(&tmp).map_err(bad)?;
+                f.write_all(format!("{id}\n").as_bytes()).map_err(bad)?;
+                f.sync_all().map_err(bad)?;
+            }
+            std::fs::rename(&tmp, &path).map_err(bad)?;
+            std::fs::File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(bad)?;
+            Ok(id)
+        }
+        Err(e) => Err(bad(e)),
+    }
 }
 
 async fn run_roles(
