@@ -58,6 +58,10 @@ struct Follower {
     /// (stream offset, live offset) where the snapshot ended.
     snap_end: Option<(u64, u64)>,
     last_poll: Instant,
+    /// When the standby last confirmed new bytes, or had nothing left to
+    /// confirm: a session that polls but stops moving is dropped as one
+    /// that stops polling is.
+    last_progress: Instant,
 }
 
 impl Follower {
@@ -148,6 +152,7 @@ impl Shipping {
             snapshot: Some(SnapshotCursor::default()),
             snap_end: None,
             last_poll: now,
+            last_progress: now,
         });
         Ok(session)
     }
@@ -181,6 +186,9 @@ impl Shipping {
             return Err(KvError::new(ErrorCode::InvalidParams, why));
         }
         let f = self.find(session)?;
+        if acked > f.base || acked == f.end() {
+            f.last_progress = now;
+        }
         f.buf.drain(..(acked - f.base) as usize);
         f.base = acked;
         f.last_poll = now;
@@ -258,11 +266,15 @@ impl Shipping {
         dropped
     }
 
-    /// Drops the sessions not polled since `before`; their ids.
+    /// Drops the sessions not polled since `before`, and those that poll
+    /// but have confirmed nothing since `before` while bytes wait for them
+    /// (a standby stuck mid-snapshot would otherwise hold its buffer, up to
+    /// [`FOLLOWER_BUFFER_BYTES`], and a session slot for good); their ids.
     pub fn drop_silent(&mut self, before: Instant) -> Vec<u64> {
         let mut dropped = Vec::new();
         self.followers.retain(|f| {
-            if f.last_poll < before {
+            let stuck = !f.buf.is_empty() && f.last_progress < before;
+            if f.last_poll < before || stuck {
                 dropped.push(f.session);
                 false
             } else {
@@ -505,6 +517,39 @@ mod tests {
         assert!(decode_records(&rec(&other, 1), 0, |k| map2.shard_of(k))
             .unwrap_err()
             .contains("shard"));
+    }
+
+    #[test]
+    fn a_session_that_polls_but_confirms_nothing_while_bytes_wait_is_dropped() {
+        let t0 = Instant::now();
+        let later = |ms| t0 + Duration::from_millis(ms);
+        let mut s = Shipping::default();
+        let stuck = s.open(t0).unwrap();
+        let moving = s.open(t0).unwrap();
+        let idle = s.open(t0).unwrap();
+        for f in [stuck, moving, idle] {
+            let cur = s.snapshot_due(f).unwrap();
+            s.snapshot_step_done(f, cur, &rec(b"k0", 5), true);
+        }
+        // `idle` takes everything at once; then nothing more comes for it
+        // to confirm.
+        let all = s.next(idle).unwrap().records.len() as u64;
+        s.ack(idle, all, later(100)).unwrap();
+        for i in 1..=30u64 {
+            let now = later(100 * i);
+            assert!(s.append_live(&rec(b"k1", i)).is_empty());
+            // `stuck` polls, always at its first offset.
+            s.ack(stuck, 0, now).unwrap();
+            let to = s.next(moving).unwrap();
+            s.ack(moving, to.start + to.records.len() as u64, now)
+                .unwrap();
+            let to = s.next(idle).unwrap();
+            s.ack(idle, to.start + to.records.len() as u64, now)
+                .unwrap();
+        }
+        let dropped = s.drop_silent(later(3000) - Duration::from_millis(1500));
+        assert_eq!(dropped, vec![stuck]);
+        assert_eq!(s.followers(), 2);
     }
 
     #[test]
