@@ -738,6 +738,31 @@ fn a_stalled_standby_is_dropped_catches_up_from_a_snapshot_and_then_loses_nothin
     });
 }
 
+/// Configs of two masters (the tests' lease and fence) with a state
+/// directory each.
+fn configs_with_state_dirs(tag: &str) -> (String, String) {
+    let cfg = |side: &str| {
+        let dir = common::scratch_dir(&format!("{tag}-{side}"));
+        let state = format!("state_dir = \"{}\"\n", dir.display());
+        master_config(&format!("{tag}-{side}"), &state)
+    };
+    (cfg("a"), cfg("b"))
+}
+
+/// Puts `obj-from..obj-to` (of `len(i)` bytes), each retried while the
+/// pool settles.
+async fn put_objects(c: &Client, from: u64, to: u64, len: impl Fn(u64) -> usize) {
+    for i in from..to {
+        let key = format!("obj-{i}");
+        eventually("a put", Duration::from_secs(10), || async {
+            c.put(key.as_bytes(), &value(i, len(i)))
+                .await
+                .map_err(|e| e.to_string())
+        })
+        .await;
+    }
+}
+
 /// A standby that never received the leader's state does not lead with its
 /// own (a fresh, or stale, state directory): the leader is stopped before
 /// the standby could sync, and the standby stays a standby well past the
@@ -749,11 +774,7 @@ fn a_stalled_standby_is_dropped_catches_up_from_a_snapshot_and_then_loses_nothin
 fn a_standby_never_in_sync_does_not_lead_and_the_last_leader_leads_again_from_its_state_dir() {
     let Some(etcd) = etcd() else { return };
     let url = etcd.url();
-    let dir_a = common::scratch_dir("ha-eligible-a");
-    let dir_b = common::scratch_dir("ha-eligible-b");
-    let state = |d: &std::path::Path| format!("state_dir = \"{}\"\n", d.display());
-    let cfg_a = master_config("ha-eligible-a", &state(&dir_a));
-    let cfg_b = master_config("ha-eligible-b", &state(&dir_b));
+    let (cfg_a, cfg_b) = configs_with_state_dirs("ha-eligible");
     let mut a = start_master(&url, &cfg_a);
     wait_role(&a, "leader", Duration::from_secs(10));
     let _node = common::start_storage(&url, "64MiB", &[]);
@@ -761,17 +782,7 @@ fn a_standby_never_in_sync_does_not_lead_and_the_last_leader_leads_again_from_it
     let rt = common::rt();
     let len = |i: u64| 3_000 + (i as usize * 7919) % 20_000;
     let c = rt.block_on(async { Client::connect(&url, client_config("")).await.unwrap() });
-    rt.block_on(async {
-        for i in 0..30 {
-            let key = format!("obj-{i}");
-            eventually("a put", Duration::from_secs(10), || async {
-                c.put(key.as_bytes(), &value(i, len(i)))
-                    .await
-                    .map_err(|e| e.to_string())
-            })
-            .await;
-        }
-    });
+    rt.block_on(put_objects(&c, 0, 30, len));
     a.freeze();
     let b = start_master(&url, &cfg_b);
     // The lease is 2 s: without the rule, b led after about that.
@@ -801,4 +812,55 @@ fn a_standby_never_in_sync_does_not_lead_and_the_last_leader_leads_again_from_it
     });
     kill_leader(a2, &b, None);
     rt.block_on(read_back(&c, 30, len));
+}
+
+/// A standby the leader drops (it stalled past the sync timeout) is
+/// recorded in etcd as dropped before the leader acknowledges puts without
+/// it. When the leader then dies while the standby is still stalled, the
+/// resumed standby, which lacks those puts, does not lead; the old leader,
+/// restarted on its state directory, does, and every put reads back.
+#[test]
+fn a_standby_dropped_while_stalled_does_not_lead_when_the_leader_dies() {
+    let Some(etcd) = etcd() else { return };
+    let url = etcd.url();
+    let (cfg_a, cfg_b) = configs_with_state_dirs("ha-dropped");
+    let mut a = start_master(&url, &cfg_a);
+    wait_role(&a, "leader", Duration::from_secs(10));
+    let b = start_master(&url, &cfg_b);
+    wait_role(&b, "standby", Duration::from_secs(10));
+    poll_until("the standby in sync", Duration::from_secs(20), || {
+        healthz_all(&b, "synced", "1")
+    });
+    let _node = common::start_storage(&url, "64MiB", &[]);
+    kvpool_ha::install();
+    let rt = common::rt();
+    let len = |i: u64| 3_000 + (i as usize * 7919) % 20_000;
+    let c = rt.block_on(async { Client::connect(&url, client_config("")).await.unwrap() });
+    rt.block_on(put_objects(&c, 0, 20, len));
+    b.freeze();
+    // The first of these waits the sync timeout for b, which is dropped,
+    // and its drop recorded; the rest go on without it.
+    rt.block_on(put_objects(&c, 20, 40, len));
+    poll_until(
+        "the stalled standby dropped on every shard",
+        Duration::from_secs(10),
+        || healthz_all(&a, "standbys_in_sync", "0"),
+    );
+    a.signal(Signal::KILL);
+    a.wait_exit(Duration::from_secs(10))
+        .expect("the leader died");
+    b.signal(Signal::CONT);
+    let until = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < until {
+        assert_ne!(
+            role_of(&b),
+            "leader",
+            "a standby the leader had dropped leads without the puts made after; stderr:\n{}",
+            b.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let a2 = start_master(&url, &cfg_a);
+    wait_role(&a2, "leader", Duration::from_secs(15));
+    rt.block_on(read_back(&c, 40, len));
 }

@@ -140,11 +140,14 @@ impl Published {
     }
 }
 
-/// Whose state the cluster's is: the master that led last, and its term.
-/// Written by each new leader before its fence opens. A master may stand
-/// for election only if it is that master (its state directory holds what
-/// it led with), or every shard of its copy is in sync at that term, or no
-/// master has led yet (docs/ARCHITECTURE.md, "Who may lead").
+/// Whose state the cluster's is: the master that led last, its term, and
+/// the standby sessions it dropped while they were in sync. Written by each
+/// new leader before its fence opens, and by the leader on each such drop
+/// before its replies go on without that standby. A master may stand for
+/// election only if it is that master (its state directory holds what it
+/// led with), or every shard of its copy is in sync at that term in a
+/// session not dropped, or no master has led yet (docs/ARCHITECTURE.md,
+/// "Who may lead").
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Authority {
     pub term: u64,
@@ -152,21 +155,38 @@ pub struct Authority {
     pub id: String,
     /// Where it served, for people reading etcd.
     pub rpc: String,
+    /// Sessions dropped while in sync (the newest [`MAX_DROPPED`]).
+    pub dropped: Vec<u64>,
 }
 
+/// Most dropped sessions the state key keeps (a standby learns of its own
+/// drop at its next `Follow` anyway; the key covers the time until then).
+pub const MAX_DROPPED: usize = 4096;
+
 impl Authority {
-    /// `term=N id=ID rpc=HOST:PORT`, the value of the state key.
+    /// `term=N id=ID rpc=HOST:PORT [dropped=HEX,HEX...]`, the value of the
+    /// state key.
     pub fn encode(&self) -> String {
-        format!("term={} id={} rpc={}", self.term, self.id, self.rpc)
+        let mut v = format!("term={} id={} rpc={}", self.term, self.id, self.rpc);
+        if !self.dropped.is_empty() {
+            let d: Vec<String> = self.dropped.iter().map(|s| format!("{s:x}")).collect();
+            v += &format!(" dropped={}", d.join(","));
+        }
+        v
     }
 
     pub fn decode(value: &str) -> Option<Self> {
-        let (mut term, mut id, mut rpc) = (None, None, String::new());
+        let (mut term, mut id, mut rpc, mut dropped) = (None, None, String::new(), Vec::new());
         for part in value.split_whitespace() {
             match part.split_once('=') {
                 Some(("term", v)) => term = v.parse().ok(),
                 Some(("id", v)) if !v.is_empty() => id = Some(v.to_string()),
                 Some(("rpc", v)) => rpc = v.to_string(),
+                Some(("dropped", v)) => {
+                    for h in v.split(',') {
+                        dropped.push(u64::from_str_radix(h, 16).ok()?);
+                    }
+                }
                 _ => {}
             }
         }
@@ -174,7 +194,37 @@ impl Authority {
             term: term?,
             id: id?,
             rpc,
+            dropped,
         })
+    }
+}
+
+/// Writes the state key while this master's election key (`leader`: its
+/// key and create revision) still stands: an error if etcd cannot be
+/// reached or another master leads.
+async fn record_state(
+    etcd: &mut Etcd,
+    cfg: &ElectionConfig,
+    leader: &(Vec<u8>, i64),
+    authority: &Authority,
+) -> Result<(), String> {
+    use etcd_client::{Compare, CompareOp, Txn, TxnOp};
+    let txn = Txn::new()
+        .when(vec![Compare::create_revision(
+            leader.0.clone(),
+            CompareOp::Equal,
+            leader.1,
+        )])
+        .and_then(vec![TxnOp::put(
+            cfg.url.state_key(),
+            authority.encode(),
+            None,
+        )]);
+    let r = within(etcd.txn(txn), "write the state key").await?;
+    if r.succeeded() {
+        Ok(())
+    } else {
+        Err("this master's election key is gone: it leads no more".into())
     }
 }
 
@@ -200,11 +250,20 @@ async fn why_not_lead(
     if a.id == cfg.id {
         return Ok(None);
     }
-    match master.synced_term() {
-        Some(t) if t == a.term => Ok(None),
-        synced => Ok(Some(format!(
-            "the cluster's state is master {} ({}, term {})'s, and this master's copy of it is              not in sync (in sync at term: {synced:?}); it stands for election once it is, or              once that master is back. To let it lead with what it has (objects may be lost),              delete the etcd key {key}",
-            a.id, a.rpc, a.term
+    let synced = master.synced_copy();
+    match &synced {
+        Some((t, sessions)) if *t == a.term && !sessions.iter().any(|s| a.dropped.contains(s)) => {
+            Ok(None)
+        }
+        _ => Ok(Some(format!(
+            "the cluster's state is master {} ({}, term {})'s, and this master's copy of it is \
+             not in sync (in sync at term and sessions: {synced:x?}; sessions the leader dropped: \
+             {}); it stands for election once it is, or once that master is back. To let it \
+             lead with what it has (objects may be lost), delete the etcd key {key}",
+            a.id,
+            a.rpc,
+            a.term,
+            a.dropped.len()
         ))),
     }
 }
@@ -338,12 +397,24 @@ async fn campaign_under(
     let mut tick = tokio::time::interval(ttl / 3);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut leading = false;
+    // Once leading: its election key, and the state key's value.
+    let mut leader_key = (Vec::new(), 0i64);
+    let mut authority = Authority {
+        term: 0,
+        id: cfg.id.clone(),
+        rpc: cfg.me.rpc.clone(),
+        dropped: Vec::new(),
+    };
+    let drops = master.drop_notes();
     tracing::info!(lease = id, ttl_s = ttl.as_secs(), "campaigning on {name}");
     loop {
         tokio::select! {
             won = &mut campaign, if !leading => {
                 let won = won.map_err(|e| format!("etcd campaign: {e}"))?;
                 let term = won.leader().map(|k| k.rev()).unwrap_or(0).max(1) as u64;
+                if let Some(k) = won.leader() {
+                    leader_key = (k.key().to_vec(), k.rev());
+                }
                 if Instant::now() >= valid_until {
                     return Err("won the election after the lease may have run out".into());
                 }
@@ -372,13 +443,8 @@ async fn campaign_under(
                     }
                 }
                 // The cluster's state is this master's from now on.
-                let authority = Authority { term, id: cfg.id.clone(), rpc: cfg.me.rpc.clone() };
-                if let Err(e) = within(
-                    etcd.put(cfg.url.state_key(), authority.encode(), None),
-                    "put the state key",
-                )
-                .await
-                {
+                authority.term = term;
+                if let Err(e) = record_state(etcd, cfg, &leader_key, &authority).await {
                     fence.depose();
                     return Err(e);
                 }
@@ -389,6 +455,26 @@ async fn campaign_under(
                 fence.lead(term, valid_until, &me);
                 leading = true;
                 tracing::info!(term, "leading {name} ({me})");
+            }
+            note = drops.recv_async(), if leading => {
+                // A shard dropped standby sessions that were in sync: etcd
+                // hears of it before the shard's replies go on without them.
+                let Ok(note) = note else { continue };
+                authority.dropped.extend_from_slice(&note.sessions);
+                let over = authority.dropped.len().saturating_sub(MAX_DROPPED);
+                authority.dropped.drain(..over);
+                let r = record_state(etcd, cfg, &leader_key, &authority).await;
+                let failed = r.as_ref().err().cloned();
+                let _ = note.done.send(r);
+                if let Some(e) = failed {
+                    fence.depose();
+                    return Err(format!("recording dropped standbys: {e}"));
+                }
+                tracing::info!(
+                    sessions = ?note.sessions,
+                    "recorded standby sessions dropped while in sync: they stand for election no \
+                     more"
+                );
             }
             _ = tick.tick() => {
                 let sent = Instant::now();
@@ -508,13 +594,25 @@ mod tests {
 
     #[test]
     fn the_state_key_names_term_identity_and_address_and_refuses_less() {
-        let a = Authority {
+        let mut a = Authority {
             term: 17,
             id: "9f00".into(),
             rpc: "10.0.0.1:7070".into(),
+            dropped: Vec::new(),
         };
         assert_eq!(a.encode(), "term=17 id=9f00 rpc=10.0.0.1:7070");
+        assert_eq!(Authority::decode(&a.encode()), Some(a.clone()));
+        a.dropped = vec![0xab, u64::MAX];
+        assert_eq!(
+            a.encode(),
+            "term=17 id=9f00 rpc=10.0.0.1:7070 dropped=ab,ffffffffffffffff"
+        );
         assert_eq!(Authority::decode(&a.encode()), Some(a));
+        assert_eq!(
+            Authority::decode("term=1 id=9 dropped=zz"),
+            None,
+            "a bad session"
+        );
         assert_eq!(Authority::decode("id=9f00 rpc=x"), None, "no term");
         assert_eq!(
             Authority::decode("term=x id=9f00"),

@@ -99,9 +99,26 @@ struct HandleInner {
     /// HA, per shard: a standby's, 1 when its copy of the leader's shard is
     /// in sync; a leader's, how many standbys are in sync with it.
     ship_gauge: Arc<[AtomicU32]>,
-    /// Per shard, as a standby: the term its copy is in sync at (0: none).
+    /// Per shard, as a standby: the term and session its copy is in sync
+    /// at (0: none).
     synced_terms: Arc<[AtomicU64]>,
+    synced_sessions: Arc<[AtomicU64]>,
+    /// As a leader: dropped standby sessions to record in etcd before
+    /// replies go out without them (the election task records them).
+    drops: (flume::Sender<DropNote>, flume::Receiver<DropNote>),
 }
+
+/// Standby sessions a leader shard dropped while they were in sync: the
+/// election task records them in etcd (so those standbys no longer stand
+/// for election) and answers `done`; until then the shard's replies wait.
+pub struct DropNote {
+    pub sessions: Vec<u64>,
+    pub done: tokio::sync::oneshot::Sender<Result<(), String>>,
+}
+
+/// How long a shard waits for a drop to be recorded before its master
+/// stops leading (it could not tell etcd; its lease is in doubt as well).
+const RECORD_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn unavailable() -> KvError {
     KvError::new(ErrorCode::Unavailable, "the master is shutting down")
@@ -249,13 +266,37 @@ impl MasterHandle {
     /// in sync with the leader's (the leader's replies wait for it), if
     /// there is one.
     pub fn synced_term(&self) -> Option<u64> {
+        Some(self.synced_copy()?.0)
+    }
+
+    /// HA, as a standby: the term every shard's copy is in sync at, and
+    /// each shard's session, if every shard is in sync at one term.
+    pub fn synced_copy(&self) -> Option<(u64, Vec<u64>)> {
         let mut terms = self
             .inner
             .synced_terms
             .iter()
             .map(|t| t.load(Ordering::Relaxed));
         let first = terms.next()?;
-        (first != 0 && terms.all(|t| t == first)).then_some(first)
+        if first == 0 || !terms.all(|t| t == first) {
+            return None;
+        }
+        let sessions: Vec<u64> = self
+            .inner
+            .synced_sessions
+            .iter()
+            .map(|s| s.load(Ordering::Relaxed))
+            .collect();
+        sessions
+            .iter()
+            .all(|&s| s != 0)
+            .then_some((first, sessions))
+    }
+
+    /// HA, as a leader: the standby sessions its shards dropped while they
+    /// were in sync, to be recorded in etcd ([`DropNote`]).
+    pub fn drop_notes(&self) -> flume::Receiver<DropNote> {
+        self.inner.drops.1.clone()
     }
 
     /// HA, once this master has won the election and before its fence
@@ -373,6 +414,8 @@ pub async fn start(
             fence: fence.clone(),
             ship_gauge: (0..n).map(|_| AtomicU32::new(0)).collect(),
             synced_terms: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            synced_sessions: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            drops: flume::bounded(64),
         }),
     };
     let shard_cfg = ShardConfig::from_master(cfg, n as u32);
@@ -488,11 +531,16 @@ pub async fn start(
                     takeover_wait_ms,
                     ship_gauge: handle.inner.ship_gauge.clone(),
                     synced_terms: handle.inner.synced_terms.clone(),
+                    synced_sessions: handle.inner.synced_sessions.clone(),
+                    fence: handle.inner.fence.clone(),
+                    drops: handle.inner.drops.0.clone(),
+                    ship_drops: tokio::sync::Notify::new(),
                     index: i,
                 });
                 glommio::spawn_local(inbox_loop(ctx.clone(), state.clone(), rx, metrics.clone()))
                     .detach();
                 if ha {
+                    glommio::spawn_local(record_drops(state.clone())).detach();
                     glommio::spawn_local(follow_loop(
                         ctx.clone(),
                         state.clone(),
@@ -592,6 +640,13 @@ struct Shard {
     /// Where this shard's shipping state is shown ([`MasterHandle::ship_status`]).
     ship_gauge: Arc<[AtomicU32]>,
     synced_terms: Arc<[AtomicU64]>,
+    synced_sessions: Arc<[AtomicU64]>,
+    /// This master's fence (a leader that cannot record a drop stops).
+    fence: Fence,
+    /// Where dropped sessions go to be recorded, and the bell of
+    /// [`record_drops`].
+    drops: flume::Sender<DropNote>,
+    ship_drops: tokio::sync::Notify,
     index: usize,
 }
 
@@ -650,7 +705,12 @@ impl Shard {
             u32::from(sb.synced)
         };
         self.ship_gauge[self.index].store(v, Ordering::Relaxed);
-        self.synced_terms[self.index].store(sb.synced_term().unwrap_or(0), Ordering::Relaxed);
+        let (term, session) = sb.synced_at().unwrap_or((0, 0));
+        self.synced_terms[self.index].store(term, Ordering::Relaxed);
+        self.synced_sessions[self.index].store(session, Ordering::Relaxed);
+        if self.ship.borrow().drops_unrecorded() {
+            self.ship_drops.notify_one();
+        }
     }
 
     /// The live log's offset now (HA; compare after a request with
@@ -675,12 +735,29 @@ impl Shard {
             return;
         }
         let deadline = Instant::now() + self.sync_timeout;
+        // Past the deadline the lagging standbys are dropped; their drop
+        // must then be recorded in etcd before the reply goes out.
+        let hard = deadline + 2 * RECORD_TIMEOUT;
+        let mut dropped = false;
         loop {
             let acked = self.ship_acked.notified();
             if self.ship.borrow().confirmed(mark) {
                 return;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let now = Instant::now();
+            if now >= hard {
+                // Not recorded in time: answering would let a standby that
+                // lacks these records lead. This master stops leading (its
+                // replies are refused at the fence).
+                tracing::error!(
+                    "a dropped standby could not be recorded in etcd within {:?}: this master \
+                     stops leading",
+                    2 * RECORD_TIMEOUT
+                );
+                self.fence.depose();
+                return;
+            }
+            let left = if dropped { hard } else { deadline }.saturating_duration_since(now);
             let woken = futures_lite::future::or(
                 async {
                     acked.await;
@@ -692,9 +769,10 @@ impl Shard {
                 },
             )
             .await;
-            if !woken && Instant::now() >= deadline {
-                let dropped = self.ship.borrow_mut().drop_lagging(mark);
-                for s in dropped {
+            if !woken && !dropped && Instant::now() >= deadline {
+                dropped = true;
+                let lagging = self.ship.borrow_mut().drop_lagging(mark);
+                for s in lagging {
                     tracing::warn!(
                         session = format!("{s:x}"),
                         "a standby did not confirm the log within {:?}: dropped; replies no \
@@ -704,7 +782,6 @@ impl Shard {
                 }
                 self.ship_acked.notify_waiters();
                 self.publish_ship();
-                return;
             }
         }
     }
@@ -959,6 +1036,54 @@ async fn take_over(ctx: &ShardCtx, shard: &Rc<Shard>) -> Result<usize, String> {
         "took over the shipped state; objects wait for their segments to mount again"
     );
     Ok(objects)
+}
+
+/// Records the standby sessions this (leader) shard dropped while they were
+/// in sync, through the election task, then lets the replies that waited
+/// for them go; a master that cannot record them stops leading.
+async fn record_drops(shard: Rc<Shard>) {
+    loop {
+        futures_lite::future::or(
+            shard.ship_drops.notified(),
+            glommio::timer::sleep(Duration::from_millis(100)),
+        )
+        .await;
+        let sessions = shard.ship.borrow_mut().begin_recording();
+        if sessions.is_empty() {
+            continue;
+        }
+        let (done, rx) = tokio::sync::oneshot::channel();
+        let note = DropNote {
+            sessions: sessions.clone(),
+            done,
+        };
+        let r = futures_lite::future::or(
+            async {
+                shard
+                    .drops
+                    .send_async(note)
+                    .await
+                    .map_err(|_| "no election task takes it".to_string())?;
+                rx.await
+                    .map_err(|_| "the election task dropped it".to_string())?
+            },
+            async {
+                glommio::timer::sleep(RECORD_TIMEOUT).await;
+                Err(format!("no answer within {RECORD_TIMEOUT:?}"))
+            },
+        )
+        .await;
+        if let Err(e) = r {
+            tracing::error!(
+                "the drop of standby sessions {sessions:x?} could not be recorded in etcd ({e}): \
+                 this master stops leading"
+            );
+            shard.fence.depose();
+        }
+        // Recorded, or the fence refuses every reply from now on.
+        shard.ship.borrow_mut().recorded(&sessions);
+        shard.ship_acked.notify_waiters();
+    }
 }
 
 /// What a standby shard needs to follow the leader's.

@@ -10,8 +10,10 @@
 //!   Shipped { session, start, records }         (whole records, <= SHIP_BYTES)
 //!   check every frame, then apply to the
 //!   standby image; Follow { acked += n }    ->  trims; once the snapshot is
-//!                                               acked the session is in sync:
-//!                                               replies wait for its acks
+//!                                               whole in the stream the session
+//!                                               is in sync: replies wait for
+//!                                               its acks (a drop of it is
+//!                                               recorded in etcd first)
 //! ```
 //!
 //! The stream of a session is one ordered byte sequence: the snapshot's
@@ -69,10 +71,21 @@ impl Follower {
         self.base + self.buf.len() as u64
     }
 
-    /// The live offset this standby has confirmed, once in sync.
-    fn live_acked(&self) -> Option<u64> {
-        let (s, l) = self.snap_end?;
-        (self.base >= s).then(|| l + (self.base - s))
+    /// Whether replies wait for this session: from the moment its snapshot
+    /// is whole in its stream. (Not from its ack: the standby calls itself
+    /// in sync once it has applied the snapshot, so every reply made after
+    /// that must have waited for it.)
+    fn counted(&self) -> bool {
+        self.snap_end.is_some()
+    }
+
+    /// Whether this session has confirmed the live log up to `live` (a
+    /// session not counted holds nothing).
+    fn confirms(&self, live: u64) -> bool {
+        match self.snap_end {
+            None => true,
+            Some((s, l)) => self.base >= s && l + (self.base - s) >= live,
+        }
     }
 }
 
@@ -82,6 +95,11 @@ pub struct Shipping {
     followers: Vec<Follower>,
     /// Bytes of live records committed since the shard started.
     live: u64,
+    /// Counted sessions dropped whose drop is not yet recorded in etcd
+    /// (their standby would call itself in sync), and those being
+    /// recorded: no reply goes out meanwhile ([`Self::confirmed`]).
+    unrecorded: Vec<u64>,
+    recording: Vec<u64>,
 }
 
 /// What one poll of a session gets: the bytes to send (`records`, from
@@ -106,10 +124,34 @@ impl Shipping {
 
     /// Standbys in sync (the replies wait for them).
     pub fn in_sync(&self) -> usize {
-        self.followers
-            .iter()
-            .filter(|f| f.live_acked().is_some())
-            .count()
+        self.followers.iter().filter(|f| f.counted()).count()
+    }
+
+    /// Notes a dropped session: one that was counted must be recorded as
+    /// dropped before replies go out without it.
+    fn note_drop(unrecorded: &mut Vec<u64>, f: &Follower) {
+        if f.counted() {
+            unrecorded.push(f.session);
+        }
+    }
+
+    /// Takes the dropped sessions to record now (they stay unconfirmed
+    /// until [`Self::recorded`]).
+    pub fn begin_recording(&mut self) -> Vec<u64> {
+        let new = std::mem::take(&mut self.unrecorded);
+        self.recording.extend_from_slice(&new);
+        new
+    }
+
+    /// The drops of `sessions` are recorded: replies may go out without
+    /// them.
+    pub fn recorded(&mut self, sessions: &[u64]) {
+        self.recording.retain(|s| !sessions.contains(s));
+    }
+
+    /// Whether dropped sessions wait to be recorded.
+    pub fn drops_unrecorded(&self) -> bool {
+        !self.unrecorded.is_empty() || !self.recording.is_empty()
     }
 
     /// Appends committed records to every session; drops (and names) the
@@ -120,9 +162,11 @@ impl Shipping {
         }
         self.live += frames.len() as u64;
         let mut dropped = Vec::new();
+        let unrecorded = &mut self.unrecorded;
         self.followers.retain_mut(|f| {
             if f.buf.len() + frames.len() > FOLLOWER_BUFFER_BYTES {
                 dropped.push(f.session);
+                Self::note_drop(unrecorded, f);
                 return false;
             }
             f.buf.extend_from_slice(frames);
@@ -245,23 +289,24 @@ impl Shipping {
         })
     }
 
-    /// Whether every session in sync has confirmed the live log up to `live`.
+    /// Whether every session in sync has confirmed the live log up to
+    /// `live`, and no dropped one waits to be recorded.
     pub fn confirmed(&self, live: u64) -> bool {
-        self.followers
-            .iter()
-            .all(|f| f.live_acked().is_none_or(|a| a >= live))
+        !self.drops_unrecorded() && self.followers.iter().all(|f| f.confirms(live))
     }
 
     /// Drops the sessions in sync that have not confirmed `live` (a reply
     /// waited its deadline for them); their ids.
     pub fn drop_lagging(&mut self, live: u64) -> Vec<u64> {
         let mut dropped = Vec::new();
-        self.followers.retain(|f| match f.live_acked() {
-            Some(a) if a < live => {
-                dropped.push(f.session);
-                false
+        let unrecorded = &mut self.unrecorded;
+        self.followers.retain(|f| {
+            if f.confirms(live) {
+                return true;
             }
-            _ => true,
+            dropped.push(f.session);
+            Self::note_drop(unrecorded, f);
+            false
         });
         dropped
     }
@@ -272,10 +317,12 @@ impl Shipping {
     /// [`FOLLOWER_BUFFER_BYTES`], and a session slot for good); their ids.
     pub fn drop_silent(&mut self, before: Instant) -> Vec<u64> {
         let mut dropped = Vec::new();
+        let unrecorded = &mut self.unrecorded;
         self.followers.retain(|f| {
             let stuck = !f.buf.is_empty() && f.last_progress < before;
             if f.last_poll < before || stuck {
                 dropped.push(f.session);
+                Self::note_drop(unrecorded, f);
                 false
             } else {
                 true
@@ -285,7 +332,14 @@ impl Shipping {
     }
 
     pub fn drop_session(&mut self, session: u64) {
-        self.followers.retain(|f| f.session != session);
+        let unrecorded = &mut self.unrecorded;
+        self.followers.retain(|f| {
+            if f.session != session {
+                return true;
+            }
+            Self::note_drop(unrecorded, f);
+            false
+        });
     }
 }
 
@@ -397,10 +451,10 @@ impl Standby {
         self.synced = false;
     }
 
-    /// The term this copy is in sync at, if it is (what lets a standby
-    /// stand for election: docs/ARCHITECTURE.md, "Who may lead").
-    pub fn synced_term(&self) -> Option<u64> {
-        (self.synced && !self.stopped && self.session != 0).then_some(self.term)
+    /// The term and session this copy is in sync at, if it is (what lets a
+    /// standby stand for election: docs/ARCHITECTURE.md, "Who may lead").
+    pub fn synced_at(&self) -> Option<(u64, u64)> {
+        (self.synced && !self.stopped && self.session != 0).then_some((self.term, self.session))
     }
 }
 
@@ -453,10 +507,12 @@ mod tests {
         assert_eq!(b.start, 0);
         assert_eq!(b.records.len(), live1.len() + snap.len());
         assert!(b.synced);
-        // Records committed before the ack: the session is in sync once
-        // acked, and a reply then waits for what it has not confirmed.
-        s.ack(a, b.records.len() as u64, now).unwrap();
+        // In sync from the moment its snapshot is whole in its stream (the
+        // standby calls itself in sync once it applied it): a reply waits
+        // for its ack of the snapshot and of the records before it.
         assert_eq!(s.in_sync(), 1);
+        assert!(!s.confirmed(s.live()));
+        s.ack(a, b.records.len() as u64, now).unwrap();
         assert!(s.confirmed(s.live()));
         let live2 = rec(b"k2", 2);
         s.append_live(&live2);
@@ -481,10 +537,19 @@ mod tests {
         s.append_live(&rec(b"x", 1));
         assert!(!s.confirmed(s.live()));
         assert_eq!(s.drop_lagging(s.live()), vec![a]);
+        // Its standby calls itself in sync: no reply goes out without it
+        // until its drop is recorded.
+        assert!(!s.confirmed(s.live()));
+        let recording = s.begin_recording();
+        assert_eq!(recording, vec![a]);
+        assert!(!s.confirmed(s.live()), "being recorded");
+        s.recorded(&recording);
         assert!(s.confirmed(s.live()));
+        // A session dropped before its snapshot was whole needs no record.
         let b = s.open(now).unwrap();
         let big = vec![0u8; FOLLOWER_BUFFER_BYTES + 1];
         assert_eq!(s.append_live(&big), vec![b]);
+        assert!(!s.drops_unrecorded());
         for _ in 0..MAX_FOLLOWERS {
             s.open(now).unwrap();
         }
@@ -556,20 +621,20 @@ mod tests {
     fn a_copy_is_in_sync_at_its_sessions_term_until_the_leader_refuses_the_session() {
         let map = ShardMap::new(1).unwrap();
         let mut sb = Standby::default();
-        assert_eq!(sb.synced_term(), None, "the state directory's copy");
+        assert_eq!(sb.synced_at(), None, "the state directory's copy");
         let r = rec(b"a", 1);
         let recs = || decode_records(&r, 0, |k| map.shard_of(k)).unwrap();
         sb.apply(7, 42, recs(), r.len() as u64, false);
-        assert_eq!(sb.synced_term(), None, "mid-snapshot");
+        assert_eq!(sb.synced_at(), None, "mid-snapshot");
         sb.apply(7, 42, recs(), r.len() as u64, true);
-        assert_eq!(sb.synced_term(), Some(42));
+        assert_eq!(sb.synced_at(), Some((42, 7)));
         sb.lose_session();
-        assert_eq!(sb.synced_term(), None, "dropped by the leader");
+        assert_eq!(sb.synced_at(), None, "dropped by the leader");
         assert_eq!(sb.image.objects.len(), 1, "the image is kept meanwhile");
         sb.apply(8, 43, recs(), r.len() as u64, true);
-        assert_eq!(sb.synced_term(), Some(43));
+        assert_eq!(sb.synced_at(), Some((43, 8)));
         sb.stopped = true;
-        assert_eq!(sb.synced_term(), None, "it leads");
+        assert_eq!(sb.synced_at(), None, "it leads");
     }
 
     #[test]
