@@ -116,6 +116,16 @@ impl NodeConfig {
                 self.master.ha_sync_timeout_ms, self.master.io_timeout_ms
             ));
         }
+        // A shipping answer carries up to 1 MiB of state-log records, or one
+        // record of up to 1 MiB beyond that: 2 MiB frames carry any.
+        if !self.master.ha.is_empty() && self.master.max_frame_bytes.get() < HA_MIN_FRAME_BYTES {
+            return Err(format!(
+                "key `master.max_frame_bytes`: {} is below {} MiB, the largest answer that ships \
+                 the state log to a standby (with `master.ha` set)",
+                self.master.max_frame_bytes.get(),
+                HA_MIN_FRAME_BYTES >> 20
+            ));
+        }
         if self.master.ha_fence_margin_ms.saturating_mul(2) > self.master.ha_lease_ttl_s * 1000 {
             return Err(format!(
                 "key `master.ha_fence_margin_ms`: {} is more than half of \
@@ -241,6 +251,10 @@ impl NodeConfig {
         Ok(())
     }
 }
+
+/// The smallest `master.max_frame_bytes` a master on etcd takes (log
+/// shipping's largest answer fits).
+pub const HA_MIN_FRAME_BYTES: u64 = 2 << 20;
 
 /// `[runtime]`: shards and the actor side.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -1022,6 +1036,16 @@ mod tests {
         let c = NodeConfig::from_toml("", "t").unwrap();
         assert_eq!(c.master.listen, "127.0.0.1:7070");
         assert_eq!(c.storage.segment_size, Bytes::gib(1));
+    }
+
+    #[test]
+    fn a_master_on_etcd_refuses_frames_too_small_to_ship_its_log() {
+        let ha = "[master]\nha = \"etcd://127.0.0.1:2379\"\n";
+        let e =
+            NodeConfig::from_toml(&format!("{ha}max_frame_bytes = \"1 MiB\"\n"), "t").unwrap_err();
+        assert!(e.to_string().contains("master.max_frame_bytes"), "{e}");
+        NodeConfig::from_toml(&format!("{ha}max_frame_bytes = \"2 MiB\"\n"), "t").unwrap();
+        NodeConfig::from_toml("[master]\nmax_frame_bytes = \"1 MiB\"\n", "t").unwrap();
     }
 
     #[test]
