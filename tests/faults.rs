@@ -932,14 +932,15 @@ fn random_loss_on_every_client_link_gives_the_bytes_put_or_errors_and_never_hang
 /// (a connection that broke, or a leader that died once it had shipped the
 /// end to its standby): the put returns Ok and the key reads back, where it
 /// used to place the put again and fail with "key exists". The same for a
-/// batch put. The client's iptables mark the connection that carries the
+/// batch put, and for a put whose start's answer is lost (it used to fail
+/// with "key is being put", by its own first placement). The client's iptables mark the connection that carries the
 /// second request naming the key (the start is the first, the end the
 /// second) and drop what the master sends back on it; once the master's
 /// admin API shows the key complete, `ss -K` aborts the client's master
 /// connections.
 #[test]
-fn a_put_whose_end_took_effect_but_whose_answer_was_lost_returns_ok() {
-    const TEST: &str = "a_put_whose_end_took_effect_but_whose_answer_was_lost_returns_ok";
+fn a_put_whose_start_or_end_took_effect_but_whose_answer_was_lost_returns_ok() {
+    const TEST: &str = "a_put_whose_start_or_end_took_effect_but_whose_answer_was_lost_returns_ok";
     if tools(TEST, &["ss"]).is_none() {
         return;
     }
@@ -953,10 +954,16 @@ fn a_put_whose_end_took_effect_but_whose_answer_was_lost_returns_ok() {
                 s.segments.len() == 1
             })
             .await;
-            for (n, batch) in [(1u64, false), (2, true)] {
+            // (the request whose answer is lost: 0 the start, 1 the end;
+            // the key's state once the master has applied it)
+            for (n, batch, lost, state) in [
+                (1u64, false, "1", "complete"),
+                (2, true, "1", "complete"),
+                (3, false, "0", "processing"),
+            ] {
                 let key = format!("lost-end-{n}-7f3a9c");
                 let v = value(n, 64 << 10);
-                let r = answer_lost_after_end(&cl, &key, || {
+                let r = answer_lost(&cl, &key, lost, state, || {
                     let (c, k, v) = (c.clone(), key.clone(), v.clone());
                     async move {
                         if batch {
@@ -970,7 +977,7 @@ fn a_put_whose_end_took_effect_but_whose_answer_was_lost_returns_ok() {
                 })
                 .await;
                 r.unwrap_or_else(|e| {
-                    panic!("{key} (batch {batch}): a put whose end took effect failed: {e}")
+                    panic!("{key} (batch {batch}): a put whose request took effect failed: {e}")
                 });
                 assert!(
                     c.get(key.as_bytes()).await.unwrap() == v,
@@ -981,10 +988,17 @@ fn a_put_whose_end_took_effect_but_whose_answer_was_lost_returns_ok() {
     });
 }
 
-/// Runs `put` (of `key` alone) while the master's answer to its end is
-/// held back, then aborts the client's master connections once the end
-/// took effect; what the put returned.
-async fn answer_lost_after_end<F, Fut>(cl: &Cluster, key: &str, put: F) -> Result<(), KvError>
+/// Runs `put` (of `key` alone) while the master's answer to the request
+/// that names the key for the `nth` time (from 0) is held back, then
+/// aborts the client's master connections once the admin API shows the key
+/// in `state`; what the put returned.
+async fn answer_lost<F, Fut>(
+    cl: &Cluster,
+    key: &str,
+    nth: &str,
+    state: &str,
+    put: F,
+) -> Result<(), KvError>
 where
     F: FnOnce() -> Fut,
     Fut: std::future::Future<Output = Result<(), KvError>> + Send + 'static,
@@ -1013,7 +1027,7 @@ where
             "--every",
             "1000000",
             "--packet",
-            "1",
+            nth,
             "-j",
             "CONNMARK",
             "--set-mark",
@@ -1029,19 +1043,16 @@ where
     );
     let started = Instant::now();
     let task = tokio::spawn(put());
-    // The end took effect: the master's admin API (on a port the rules
-    // leave alone) shows the key complete.
+    // The request took effect: the master's admin API (on a port the rules
+    // leave alone) shows the key in `state`.
     let path = format!("/api/v1/keys/{key}");
     let end = Instant::now() + Duration::from_millis(DEADLINE_MS);
     loop {
         let (status, body) = common::http(&cl.master.http, "GET", &path);
-        if status == 200 && body.contains("\"complete\"") {
+        if status == 200 && body.contains(&format!("\"{state}\"")) {
             break;
         }
-        assert!(
-            Instant::now() < end,
-            "{key}: the put's end never took effect: {body}"
-        );
+        assert!(Instant::now() < end, "{key}: never {state}: {body}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(

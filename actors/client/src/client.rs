@@ -992,6 +992,9 @@ impl Client {
                     } else {
                         deadline
                     };
+                    // The placement before this one (0: none), whose answer
+                    // may have been lost.
+                    let before = last_put.load(Ordering::Relaxed);
                     match self.put_inner(key, value, opts, write_by, &last_put).await {
                         Err(e) if e.code == ErrorCode::TryAgain => {
                             // Space is on its way out, or another writer's
@@ -1028,11 +1031,28 @@ impl Client {
                             // An earlier placement whose end took effect
                             // though its answer was lost: done if the key
                             // holds these bytes.
-                            return if self.holds(key, value, deadline).await {
-                                Ok(())
-                            } else {
-                                Err(e)
-                            };
+                            if self.holds(key, value, deadline).await {
+                                return Ok(());
+                            }
+                            // Or one whose start took effect though its
+                            // answer was lost ("being put" by this client):
+                            // revoked by its id (it touches no other
+                            // placement), then placed again.
+                            let revoked = before != 0
+                                && placements < MAX_PLACEMENTS
+                                && self
+                                    .ask(call::PutRevoke {
+                                        client_id: self.inner.id,
+                                        key: key.to_vec(),
+                                        put_id: before,
+                                    })
+                                    .await
+                                    .is_ok();
+                            if !revoked {
+                                return Err(e);
+                            }
+                            placements += 1;
+                            tracing::debug!("a put's earlier placement is revoked: {e}");
                         }
                         Err(e) if placements < MAX_PLACEMENTS => {
                             // A node that could not be reached: the master
