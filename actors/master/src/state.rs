@@ -106,6 +106,49 @@ pub struct ShardConfig {
     pub promote_after_reads: u16,
 }
 
+/// A segment's queue of node tasks, with an index of the Drops in it: a
+/// `Recovered` report asks whether its copy's Drop is queued, and a node
+/// that reports its whole tier again asks that for every copy, so it is one
+/// lookup, not a scan of up to [`MAX_TASKS_PER_SEGMENT`] tasks per copy.
+#[derive(Debug, Default)]
+pub(crate) struct TaskQueue {
+    q: VecDeque<NodeTask>,
+    /// (key, loc) of each queued Drop, and how many such Drops wait.
+    drops: HashMap<(Vec<u8>, u64), u32>,
+}
+
+impl TaskQueue {
+    pub fn len(&self) -> usize {
+        self.q.len()
+    }
+
+    pub fn push_back(&mut self, t: NodeTask) {
+        if let NodeTask::Drop { key, loc } = &t {
+            *self.drops.entry((key.clone(), *loc)).or_default() += 1;
+        }
+        self.q.push_back(t);
+    }
+
+    pub fn pop_front(&mut self) -> Option<NodeTask> {
+        let t = self.q.pop_front()?;
+        if let NodeTask::Drop { key, loc } = &t {
+            let k = (key.clone(), *loc);
+            match self.drops.get_mut(&k) {
+                Some(n) if *n > 1 => *n -= 1,
+                _ => {
+                    self.drops.remove(&k);
+                }
+            }
+        }
+        Some(t)
+    }
+
+    /// Whether a Drop of the copy of `key` at `loc` waits in the queue.
+    pub fn has_drop(&self, key: &[u8], loc: u64) -> bool {
+        !self.drops.is_empty() && self.drops.contains_key(&(key.to_vec(), loc))
+    }
+}
+
 /// Tasks queued for one segment's node, at most.
 pub const MAX_TASKS_PER_SEGMENT: usize = 16_384;
 
@@ -239,7 +282,7 @@ pub struct ShardState {
     evictions: u64,
     evicted_bytes: u64,
     /// Work for storage nodes, by the segment whose node does it.
-    tasks: HashMap<SegmentId, VecDeque<NodeTask>>,
+    tasks: HashMap<SegmentId, TaskQueue>,
     demotions: u64,
     promotions: u64,
     /// Signs data-plane grants; `None` in an open cluster.
@@ -1080,11 +1123,7 @@ impl ShardState {
     fn drop_queued(&self, nvme: SegmentId, key: &[u8], loc: u64) -> bool {
         self.dram_of_tier(nvme)
             .and_then(|dram| self.tasks.get(&dram))
-            .is_some_and(|q| {
-                q.iter().any(
-                    |t| matches!(t, NodeTask::Drop { key: k, loc: l } if k == key && *l == loc),
-                )
-            })
+            .is_some_and(|q| q.has_drop(key, loc))
     }
 
     /// Tells the nodes holding NVMe copies of a removed object to drop them.
@@ -2664,6 +2703,39 @@ impl ShardState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_task_queue_knows_which_drops_wait_in_it() {
+        let drop = |k: &[u8], loc| NodeTask::Drop {
+            key: k.to_vec(),
+            loc,
+        };
+        let mut q = TaskQueue::default();
+        q.push_back(drop(b"a", 7));
+        q.push_back(NodeTask::Persist {
+            key: b"a".to_vec(),
+            dram: 1,
+            offset: 0,
+            len: 1,
+            demote: false,
+            checksum: None,
+        });
+        q.push_back(drop(b"a", 7));
+        q.push_back(drop(b"b", 7));
+        assert!(q.has_drop(b"a", 7) && q.has_drop(b"b", 7));
+        assert!(!q.has_drop(b"a", 8) && !q.has_drop(b"c", 7));
+        q.pop_front();
+        assert!(
+            q.has_drop(b"a", 7),
+            "the second Drop of the copy still waits"
+        );
+        q.pop_front();
+        q.pop_front();
+        assert!(!q.has_drop(b"a", 7));
+        assert!(q.has_drop(b"b", 7));
+        q.pop_front();
+        assert!(!q.has_drop(b"b", 7) && q.len() == 0 && q.pop_front().is_none());
+    }
 
     #[test]
     fn an_object_stays_small() {
