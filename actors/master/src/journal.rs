@@ -38,6 +38,53 @@ use xxhash_rust::xxh3::xxh3_64;
 /// Largest payload of one record: a key of at most this much, with its
 /// replicas.
 pub const MAX_RECORD_BYTES: usize = 1 << 20;
+
+/// What the bytes at the start of a log (or a shipped batch) hold.
+pub(crate) enum Frame<'a> {
+    /// A whole frame that passes its check; `end`: its length, header in.
+    Whole { payload: &'a [u8], end: usize },
+    /// A header or payload cut short (`header`: the header itself).
+    CutShort { header: bool },
+    /// A length no record has.
+    BadLen(usize),
+    /// A whole frame that fails its check.
+    BadSum { end: usize },
+}
+
+impl Frame<'_> {
+    /// Why the bytes are not a whole frame, for an error message.
+    pub fn why(&self) -> String {
+        match self {
+            Frame::Whole { .. } => "a whole frame".into(),
+            Frame::CutShort { header: true } => "a frame header cut short".into(),
+            Frame::CutShort { header: false } => "a frame cut short".into(),
+            Frame::BadLen(len) => format!("a frame of {len} bytes"),
+            Frame::BadSum { .. } => "a frame fails its checksum".into(),
+        }
+    }
+}
+
+/// The frame at the start of `rest` (length, xxh3 check, payload): the one
+/// reading of the framing, for replay and for log shipping.
+pub(crate) fn next_frame(rest: &[u8]) -> Frame<'_> {
+    if rest.len() < FRAME_HEADER {
+        return Frame::CutShort { header: true };
+    }
+    let len = u32::from_le_bytes(rest[..4].try_into().expect("4")) as usize;
+    let check = u32::from_le_bytes(rest[4..8].try_into().expect("4"));
+    if len == 0 || len > MAX_RECORD_BYTES + 64 {
+        return Frame::BadLen(len);
+    }
+    let end = FRAME_HEADER + len;
+    if rest.len() < end {
+        return Frame::CutShort { header: false };
+    }
+    let payload = &rest[FRAME_HEADER..end];
+    if xxh3_64(payload) as u32 != check {
+        return Frame::BadSum { end };
+    }
+    Frame::Whole { payload, end }
+}
 /// Most replicas one object record names.
 pub const MAX_RECORD_REPLICAS: usize = 64;
 /// Bytes of a frame's header.
@@ -341,35 +388,24 @@ pub fn replay_file(path: &Path, img: &mut Image, last: bool) -> Result<FileEnd, 
                 torn: true,
             });
         }
-        if rest.len() < FRAME_HEADER {
-            return Err(corrupt(at, "a frame header cut short".into()));
-        }
-        let len = u32::from_le_bytes(rest[..4].try_into().expect("4")) as usize;
-        let check = u32::from_le_bytes(rest[4..8].try_into().expect("4"));
-        if len == 0 || len > MAX_RECORD_BYTES + 64 {
-            return Err(corrupt(at, format!("a frame of {len} bytes")));
-        }
-        let end = FRAME_HEADER + len;
-        if rest.len() < end {
-            if last {
+        let (payload, end) = match next_frame(rest) {
+            Frame::Whole { payload, end } => (payload, end),
+            // A frame cut short, or the last frame of the newest log failing
+            // its check: torn.
+            Frame::CutShort { .. } if last => {
                 return Ok(FileEnd {
                     valid: at as u64,
                     torn: true,
-                });
+                })
             }
-            return Err(corrupt(at, "a frame cut short".into()));
-        }
-        let payload = &rest[FRAME_HEADER..end];
-        if xxh3_64(payload) as u32 != check {
-            // The last frame of the newest log, failing its check: torn.
-            if last && rest.len() == end {
+            Frame::BadSum { end } if last && rest.len() == end => {
                 return Ok(FileEnd {
                     valid: at as u64,
                     torn: true,
-                });
+                })
             }
-            return Err(corrupt(at, "a frame fails its checksum".into()));
-        }
+            f => return Err(corrupt(at, f.why())),
+        };
         let rec = Record::decode(payload).map_err(|why| corrupt(at, why))?;
         img.apply(rec);
         at += end;

@@ -28,9 +28,8 @@ use std::net::ToSocketAddrs;
 use std::time::{Duration, Instant};
 
 use kvpool_transport::{ErrorCode, KvError};
-use xxhash_rust::xxh3::xxh3_64;
 
-use crate::journal::{Image, Record, FRAME_HEADER, MAX_RECORD_BYTES};
+use crate::journal::{next_frame, Frame, Image, Record, FRAME_HEADER};
 use crate::state::SnapshotCursor;
 
 /// Most standbys that follow one leader shard at once.
@@ -355,19 +354,10 @@ pub fn decode_records(
     let mut out = Vec::new();
     let mut at = 0usize;
     while at < bytes.len() {
-        let rest = &bytes[at..];
-        if rest.len() < FRAME_HEADER {
-            return Err(format!("a record header cut short at byte {at}"));
-        }
-        let len = u32::from_le_bytes(rest[..4].try_into().expect("4")) as usize;
-        let check = u32::from_le_bytes(rest[4..8].try_into().expect("4"));
-        if len == 0 || len > MAX_RECORD_BYTES + 64 || rest.len() < FRAME_HEADER + len {
-            return Err(format!("a record of {len} bytes at byte {at}"));
-        }
-        let payload = &rest[FRAME_HEADER..FRAME_HEADER + len];
-        if xxh3_64(payload) as u32 != check {
-            return Err(format!("a record at byte {at} fails its checksum"));
-        }
+        let (payload, end) = match next_frame(&bytes[at..]) {
+            Frame::Whole { payload, end } => (payload, end),
+            f => return Err(format!("{} at byte {at}", f.why())),
+        };
         let rec = Record::decode(payload).map_err(|e| format!("the record at byte {at}: {e}"))?;
         let key = match &rec {
             Record::Object { key, .. } | Record::Gone { key } => Some(key),
@@ -382,7 +372,7 @@ pub fn decode_records(
             }
         }
         out.push(rec);
-        at += FRAME_HEADER + len;
+        at += end;
     }
     Ok(out)
 }
