@@ -864,3 +864,41 @@ fn a_standby_dropped_while_stalled_does_not_lead_when_the_leader_dies() {
     wait_role(&a2, "leader", Duration::from_secs(15));
     rt.block_on(read_back(&c, 40, len));
 }
+
+/// The leader loses etcd (etcd paused past the lease) while its standby
+/// still reaches it: the leader stops at its fence and refuses the
+/// standby's polls, and the standby keeps its session (the refusal does not
+/// mean the leader stopped waiting for it: it answers nothing any more), so
+/// once etcd is back the standby leads, and every object reads back. Before,
+/// any refusal ended the session, and the standby, no longer in sync, would
+/// not lead: nobody did.
+#[test]
+fn a_leader_cut_from_etcd_is_replaced_by_its_standby_in_sync() {
+    let Some(etcd) = etcd() else { return };
+    let url = etcd.url();
+    let cfg = master_config("ha-etcd-pause", "");
+    let (a, b) = leader_and_standby(&url, &cfg);
+    let _node = common::start_storage(&url, "64MiB", &[]);
+    kvpool_ha::install();
+    let rt = common::rt();
+    let len = |i: u64| 2_000 + (i as usize * 7919) % 10_000;
+    let c = rt.block_on(async { Client::connect(&url, client_config("")).await.unwrap() });
+    rt.block_on(put_objects(&c, 0, 20, len));
+    let pid = etcd.child.id().to_string();
+    let signal = |sig: &str| {
+        let ok = Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill {sig} etcd");
+    };
+    signal("-STOP");
+    // The lease is 2 s: the leader fences itself and is deposed.
+    poll_until("the leader deposed", Duration::from_secs(10), || {
+        try_get(&a.http, "/healthz").is_some_and(|(_, body)| body.contains("deposed"))
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    signal("-CONT");
+    wait_role(&b, "leader", Duration::from_secs(15));
+    rt.block_on(read_back(&c, 20, len));
+}

@@ -477,6 +477,12 @@ async fn campaign_under(
                 );
             }
             _ = tick.tick() => {
+                if leading && fence.role() == FenceRole::Deposed {
+                    // A shard deposed this master (it could not have a
+                    // dropped standby recorded in time): the lease goes, so
+                    // that a standby can lead.
+                    return Err("a master shard deposed this leader".into());
+                }
                 let sent = Instant::now();
                 let renewed = tokio::time::timeout(ttl / 3, async {
                     keeper.keep_alive().await?;

@@ -1221,10 +1221,13 @@ async fn follow_session(
             Ok(MasterResponse::Shipped(sh)) => sh,
             Ok(other) => return Err(format!("Follow answered with {other:?}")),
             Err(e) => {
-                // The leader refused the session: a new one next time (the
-                // image is kept until that one's first answer).
-                shard.standby.borrow_mut().lose_session();
-                shard.publish_ship();
+                // The leader lost or refused the session: a new one next time
+                // (the image is kept until that one's first answer). Other
+                // refusals (its fence, its shutdown) keep it.
+                if ship::ends_session(&e) {
+                    shard.standby.borrow_mut().lose_session();
+                    shard.publish_ship();
+                }
                 return Err(e.to_string());
             }
         };

@@ -206,7 +206,7 @@ impl Shipping {
             .find(|f| f.session == session)
             .ok_or_else(|| {
                 KvError::new(
-                    ErrorCode::Unavailable,
+                    ErrorCode::ObjectNotFound,
                     format!(
                         "no shipping session {session:x} here (dropped, or another leader): \
                          start a new one"
@@ -431,6 +431,18 @@ impl Standby {
     }
 }
 
+/// Whether a leader's error answer to `Follow` ends the standby's session:
+/// the leader does not have it (it dropped it, or it is another leader, or
+/// a restarted one) or refused its ack. A refusal at the fence (`NotLeader`:
+/// the leader's lease is in doubt), of the request (`Unsupported`), or a
+/// leader shutting down (`Unavailable`) does not: such a leader answers
+/// nothing from then on, so its replies stopped waiting for no standby, and
+/// the copy is as in sync as it was. (Ending the session there made every
+/// standby of a leader cut off from etcd unfit to lead.)
+pub fn ends_session(e: &KvError) -> bool {
+    matches!(e.code, ErrorCode::ObjectNotFound | ErrorCode::InvalidParams)
+}
+
 impl Standby {
     /// The leader refused the session (it dropped this standby, or it is
     /// another leader now): the next `Follow` asks for a new one. The image
@@ -605,6 +617,24 @@ mod tests {
         let dropped = s.drop_silent(later(3000) - Duration::from_millis(1500));
         assert_eq!(dropped, vec![stuck]);
         assert_eq!(s.followers(), 2);
+    }
+
+    #[test]
+    fn only_a_leader_that_lost_or_refused_the_session_ends_it() {
+        let mut s = Shipping::default();
+        let gone = s.next(42).unwrap_err();
+        assert!(ends_session(&gone), "{gone}");
+        let a = s.open(Instant::now()).unwrap();
+        let outside = s.ack(a, 1 << 40, Instant::now()).unwrap_err();
+        assert!(ends_session(&outside), "{outside}");
+        for code in [
+            ErrorCode::NotLeader,
+            ErrorCode::Unsupported,
+            ErrorCode::Unavailable,
+            ErrorCode::Timeout,
+        ] {
+            assert!(!ends_session(&KvError::new(code, "x")), "{code:?}");
+        }
     }
 
     #[test]
