@@ -262,13 +262,6 @@ impl MasterHandle {
             .collect()
     }
 
-    /// HA, as a standby: the leader's term at which every shard's copy is
-    /// in sync with the leader's (the leader's replies wait for it), if
-    /// there is one.
-    pub fn synced_term(&self) -> Option<u64> {
-        Some(self.synced_copy()?.0)
-    }
-
     /// HA, as a standby: the term every shard's copy is in sync at, and
     /// each shard's session, if every shard is in sync at one term.
     pub fn synced_copy(&self) -> Option<(u64, Vec<u64>)> {
@@ -1043,11 +1036,9 @@ async fn take_over(ctx: &ShardCtx, shard: &Rc<Shard>) -> Result<usize, String> {
 /// for them go; a master that cannot record them stops leading.
 async fn record_drops(shard: Rc<Shard>) {
     loop {
-        futures_lite::future::or(
-            shard.ship_drops.notified(),
-            glommio::timer::sleep(Duration::from_millis(100)),
-        )
-        .await;
+        // Rung by `publish_ship`, which every drop is followed by (a ring
+        // with nobody waiting is kept for the next wait).
+        shard.ship_drops.notified().await;
         let sessions = shard.ship.borrow_mut().begin_recording();
         if sessions.is_empty() {
             continue;
