@@ -26,6 +26,42 @@ pub fn vshard_of(key: &[u8]) -> u32 {
     (key_hash(key) % VSHARDS as u64) as u32
 }
 
+/// The checksum of a value: xxh3-64, no seed, of its bytes. Every writer
+/// computes it and every reader and tier checks it, so it is the hottest
+/// loop of the data path after the copies. It runs through `twox-hash`,
+/// which picks its AVX2 loop at run time where the CPU has it (xxhash-rust,
+/// used for keys and frames, takes only what the build targets: SSE2). The
+/// digest is the same xxh3-64 either way (a test below holds them equal):
+/// checksums stored or sent by an older build still match.
+#[inline]
+pub fn value_sum(bytes: &[u8]) -> u64 {
+    twox_hash::XxHash3_64::oneshot(bytes)
+}
+
+/// [`value_sum`] over pieces given in order: equals `value_sum` of their
+/// concatenation.
+pub struct ValueSum(twox_hash::XxHash3_64);
+
+impl ValueSum {
+    pub fn new() -> Self {
+        Self(twox_hash::XxHash3_64::new())
+    }
+
+    pub fn update(&mut self, piece: &[u8]) {
+        std::hash::Hasher::write(&mut self.0, piece);
+    }
+
+    pub fn digest(&self) -> u64 {
+        std::hash::Hasher::finish(&self.0)
+    }
+}
+
+impl Default for ValueSum {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// Assigns virtual shards to `nr_shards` shards in equal contiguous ranges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShardMap {
@@ -58,6 +94,44 @@ impl ShardMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_value_sum_is_xxh3_64_whole_or_in_pieces() {
+        // Values stored or sent by builds that hashed with xxhash-rust must
+        // still check: both crates must give the same digest, below and
+        // above xxh3's 240-byte and stripe boundaries, whole or in pieces.
+        assert_eq!(value_sum(b""), 0x2d06_8005_38d3_94c2, "xxh3-64 of nothing");
+        let v: Vec<u8> = (0..(1usize << 20) + 4099)
+            .map(|i| (i * 31 + i / 257) as u8)
+            .collect();
+        for len in [
+            0,
+            1,
+            3,
+            4,
+            8,
+            9,
+            16,
+            17,
+            128,
+            129,
+            240,
+            241,
+            1024,
+            1025,
+            4096,
+            100_000,
+            v.len(),
+        ] {
+            let want = xxhash_rust::xxh3::xxh3_64(&v[..len]);
+            assert_eq!(value_sum(&v[..len]), want, "len {len}");
+            for piece in [1, 63, 64, 240, 4096, 65_536] {
+                let mut s = ValueSum::new();
+                v[..len].chunks(piece).for_each(|p| s.update(p));
+                assert_eq!(s.digest(), want, "len {len} in pieces of {piece}");
+            }
+        }
+    }
 
     #[test]
     fn key_hash_is_fixed_across_builds() {

@@ -52,6 +52,7 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use glommio::io::{DmaFile, OpenOptions, ReadResult};
+use kvpool_runtime::hash::value_sum;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::alloc::RangeAllocator;
@@ -863,7 +864,7 @@ impl NvmeShard {
             st.seq += 1;
             (slot, offset, st.seq)
         };
-        let sum = xxh3_64(value);
+        let sum = value_sum(value);
         let res = async {
             let mut buf = self.file.alloc_dma_buffer(extent as usize);
             let b = buf.as_bytes_mut();
@@ -1005,7 +1006,7 @@ impl NvmeShard {
             return Err(corrupt("header does not match the index"));
         }
         let value = &buf[hlen..hlen + len as usize];
-        if xxh3_64(value) != sum {
+        if value_sum(value) != sum {
             return Err(corrupt("value checksum mismatch"));
         }
         self.stats.reads.set(self.stats.reads.get() + 1);

@@ -7,16 +7,11 @@
 //! the latter and give exactly the one-shot digest (xxh3's streaming state
 //! over the pieces in order equals xxh3 of their concatenation).
 
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+pub use kvpool_runtime::hash::{value_sum, ValueSum};
 
 /// Pieces hashed right after they are copied: small enough to stay in a
 /// core's L2 cache between the copy and the hash.
 pub const PIECE_BYTES: usize = 256 * 1024;
-
-/// The checksum of a whole value.
-pub fn value_sum(bytes: &[u8]) -> u64 {
-    xxh3_64(bytes)
-}
 
 /// Copies `len` bytes from `src` to `dst` and returns the checksum of the
 /// bytes, hashing each piece of `hashed` (the side that is ours: `src` for a
@@ -33,7 +28,7 @@ pub unsafe fn copy_and_sum(dst: *mut u8, src: *const u8, len: usize, hashed: Sid
         // SAFETY: the hashed side is valid for `len` bytes and stable.
         return value_sum(unsafe { hashed.slice(dst, src, 0, len) });
     }
-    let mut h = Xxh3::new();
+    let mut h = ValueSum::new();
     let mut at = 0;
     while at < len {
         let n = PIECE_BYTES.min(len - at);
@@ -71,7 +66,7 @@ impl Side {
 /// has been, so a piece is hashed soon after it landed, while it is likely
 /// still in cache.
 pub struct Frontier {
-    h: Xxh3,
+    h: ValueSum,
     /// The next piece to hash.
     next: usize,
     /// Pieces that landed ahead of `next`, by index.
@@ -81,7 +76,7 @@ pub struct Frontier {
 impl Frontier {
     pub fn new(pieces: usize) -> Self {
         Self {
-            h: Xxh3::new(),
+            h: ValueSum::new(),
             next: 0,
             ready: vec![false; pieces],
         }

@@ -965,7 +965,7 @@ impl TransferEngine {
         let lanes = self.cfg.lanes.max(1).min(n);
         let pools = self.slice_pools(r, n);
         let pools = &pools;
-        let mut hasher = summing.then(xxhash_rust::xxh3::Xxh3::new);
+        let mut hasher = summing.then(checksum::ValueSum::new);
         stream::iter(src.chunks(slice).enumerate().map(Ok::<_, KvError>))
             .try_for_each_concurrent(lanes, |(i, chunk)| {
                 // Slices are taken in order: hashed here, the slice is in

@@ -18,6 +18,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvpool_runtime::hash::value_sum;
 use kvpool_runtime::{ShardHandle, Shutdown};
 use kvpool_storage::nvme::{Eviction, NvmeConfig, NvmeError, NvmeLoc, NvmeShard, NvmeValue};
 use kvpool_storage::Segment;
@@ -391,7 +392,7 @@ impl NodeNvme {
                     // (a removal meanwhile quarantines it), so no writer is
                     // sent to it while we copy.
                     let bytes = unsafe { seg.slice(offset, len) };
-                    let sum = xxh3_64(bytes);
+                    let sum = value_sum(bytes);
                     if checksum.is_some_and(|c| c != sum) {
                         m.checksum_mismatches.inc();
                         return Err(KvError::new(
@@ -470,7 +471,7 @@ impl NodeNvme {
                         "promoted object has another size",
                     ));
                 }
-                if checksum.is_some_and(|c| c != xxh3_64(&v)) {
+                if checksum.is_some_and(|c| c != value_sum(&v)) {
                     m.checksum_mismatches.inc();
                     return Err(KvError::new(
                         ErrorCode::Corrupt,
