@@ -246,3 +246,59 @@ fn a_registered_buffer_is_put_from_and_read_into_in_place() {
         }
     });
 }
+
+/// `client.shm_populate = "at_map"`: once a segment is mapped, the client
+/// fills the page tables of the whole segment in the background; "on_use"
+/// fills only the chunks copies touch.
+#[test]
+fn a_client_set_to_populate_at_map_fills_the_whole_mapped_segment() {
+    use kvpool_config::ShmPopulate;
+    use kvpool_transport::proto::call;
+    use kvpool_transport::shm::{ShmMap, POPULATE_CHUNK};
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "64MiB"]));
+    let rt = common::rt();
+    rt.block_on(async {
+        // `c` puts `key` (which maps its segment); the mapping.
+        async fn mapped(c: &Client, key: &[u8]) -> std::sync::Arc<ShmMap> {
+            c.put(key, &data(7, 100_000)).await.unwrap();
+            let r = c
+                .call(call::GetReplicaList { key: key.to_vec() })
+                .await
+                .unwrap();
+            c.engine().shm_map(&r[0]).await.expect("mapped")
+        }
+        let chunks = |m: &ShmMap| m.len().div_ceil(POPULATE_CHUNK as u64);
+        let lazy = Client::connect(&node.addr, cfg(Transport::Shm))
+            .await
+            .unwrap();
+        let m = mapped(&lazy, b"on-use").await;
+        let (touched, all) = (m.populated_chunks(), chunks(&m));
+        assert!(all >= 8, "a segment of {all} chunks");
+        if touched == 0 {
+            println!("skip: this kernel has no MADV_POPULATE_WRITE");
+            return;
+        }
+        assert!(touched <= 2, "on_use filled {touched} of {all} chunks");
+        let eager = Client::connect(
+            &node.addr,
+            ClientConfig {
+                shm_populate: ShmPopulate::AtMap,
+                ..cfg(Transport::Shm)
+            },
+        )
+        .await
+        .unwrap();
+        let m = mapped(&eager, b"at-map").await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while m.populated_chunks() < chunks(&m) {
+            assert!(
+                Instant::now() < deadline,
+                "at_map filled {} of {} chunks in 20 s",
+                m.populated_chunks(),
+                chunks(&m)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(m.populated_chunks(), chunks(&m), "each chunk once");
+    });
+}

@@ -78,6 +78,9 @@ pub struct EngineConfig {
     /// Check every read against the object's checksum (when it has one): a
     /// mismatch is `Corrupt` and the next replica is tried.
     pub verify_checksums: bool,
+    /// Fill the page tables of a whole same-host segment in the background
+    /// as soon as it is mapped (besides each chunk's on first use).
+    pub shm_populate_at_map: bool,
 }
 
 impl Default for EngineConfig {
@@ -92,6 +95,7 @@ impl Default for EngineConfig {
             max_frame_bytes: 64 << 20,
             host_id: String::new(),
             verify_checksums: true,
+            shm_populate_at_map: false,
         }
     }
 }
@@ -787,6 +791,12 @@ impl TransferEngine {
                             segment = format!("{seg:016x}"),
                             "same-host segment mapped: using shm"
                         );
+                        if self.cfg.shm_populate_at_map {
+                            // The task holds the mapping until it is done
+                            // (also if the segment is forgotten meanwhile).
+                            let whole = m.clone();
+                            drop(tokio::task::spawn_blocking(move || whole.populate_all()));
+                        }
                         m
                     }
                 };
