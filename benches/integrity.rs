@@ -2,7 +2,7 @@
 //! values with `client.checksums` on and off, over shared memory and over
 //! loopback TCP, in alternating rounds against one `kvpool run` process.
 //! The writer hashes a value as it sends it, the reader hashes what it
-//! read; the reference is xxh3-64 alone over the same bytes.
+//! read; the reference is the value checksum (xxh3-64) alone over the same bytes.
 //!
 //!     cargo bench --bench integrity          # full run (6 rounds)
 //!     cargo test --release --bench integrity # small run (part of the suite)
@@ -130,7 +130,7 @@ fn main() {
     let t = Instant::now();
     let mut h = 0u64;
     for _ in 0..reps {
-        h = h.wrapping_add(xxhash_rust::xxh3::xxh3_64(std::hint::black_box(&data)));
+        h = h.wrapping_add(kvpool_runtime::hash::value_sum(std::hint::black_box(&data)));
     }
     let gbps = (reps * data.len()) as f64 / t.elapsed().as_secs_f64() / 1e9;
     println!("reference xxh3-64 over 16MiB (warm): {gbps:.2} GB/s (digest {h:x})");

@@ -783,23 +783,26 @@ impl TransferEngine {
             Ok(m) => {
                 let m = Arc::new(m);
                 // Another task may have mapped it meanwhile: keep one mapping.
-                let kept = match map.get(&seg) {
-                    Some(ShmEntry::Mapped(other)) => other.clone(),
+                let (kept, new) = match map.get(&seg) {
+                    Some(ShmEntry::Mapped(other)) => (other.clone(), false),
                     _ => {
                         map.insert(seg, ShmEntry::Mapped(m.clone()));
                         tracing::info!(
                             segment = format!("{seg:016x}"),
                             "same-host segment mapped: using shm"
                         );
-                        if self.cfg.shm_populate_at_map {
-                            // The task holds the mapping until it is done
-                            // (also if the segment is forgotten meanwhile).
-                            let whole = m.clone();
-                            drop(tokio::task::spawn_blocking(move || whole.populate_all()));
-                        }
-                        m
+                        (m, true)
                     }
                 };
+                drop(map);
+                if new && self.cfg.shm_populate_at_map {
+                    // A weak handle: the fill stops once the mapping is
+                    // forgotten or the engine dropped.
+                    let whole = Arc::downgrade(&kept);
+                    drop(tokio::task::spawn_blocking(move || {
+                        ShmMap::populate_while_mapped(&whole)
+                    }));
+                }
                 Some(Ok(kept))
             }
             Err(e) => {

@@ -225,6 +225,12 @@ impl ShmMap {
             )
         }
         .map_err(|e| io_err("mmap", e))?;
+        // SAFETY: `raw` is the mapping made above, of exactly `size` bytes.
+        // A hint (as the node gives for its own mapping): where the host
+        // lets shared memory use huge pages, this process's page tables for
+        // the segment can map them too. A kernel without them refuses it.
+        let _ =
+            unsafe { rustix::mm::madvise(raw, size as usize, rustix::mm::Advice::LinuxHugepage) };
         let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| io_err("mmap", "null"))?;
         MAPPED.fetch_add(1, Ordering::Relaxed);
         let chunks = (size as usize).div_ceil(POPULATE_CHUNK);
@@ -302,16 +308,29 @@ impl ShmMap {
         }
     }
 
-    /// Fills the page tables of the whole mapping, chunk by chunk, skipping
-    /// chunks a copy filled already (a copy meanwhile fills or skips its
-    /// own chunks the same way). Blocking: about a microsecond per 4 KiB
-    /// page.
-    pub fn populate_all(&self) {
-        self.populate(0, self.len as u64);
+    /// Fills the page tables of the whole mapping behind `map`, chunk by
+    /// chunk, skipping chunks a copy filled already (a copy meanwhile fills
+    /// or skips its own chunks the same way). Stops at the first chunk
+    /// after the mapping's last owner let go (the segment forgotten, the
+    /// client dropped), so it never keeps a mapping alive and a runtime
+    /// shutting down waits for one chunk at most. Blocking: about a
+    /// microsecond per 4 KiB page.
+    pub fn populate_while_mapped(map: &std::sync::Weak<ShmMap>) {
+        let mut at = 0;
+        while let Some(m) = map.upgrade() {
+            if at >= m.len {
+                return;
+            }
+            let n = POPULATE_CHUNK.min(m.len - at);
+            m.populate(at as u64, n as u64);
+            at += n;
+        }
     }
 
-    /// Chunks of this mapping whose page tables were filled ahead of a
-    /// copy (see [`POPULATE_CHUNK`]).
+    /// Chunks of this mapping whose page tables were filled in one call,
+    /// by a copy or by [`ShmMap::populate_while_mapped`] (a chunk whose
+    /// call failed is not counted and not tried again: its copies fault
+    /// page by page as without the fill).
     pub fn populated_chunks(&self) -> u64 {
         self.populated_ok.load(Ordering::Relaxed)
     }

@@ -693,9 +693,11 @@ pub struct ClientConfig {
     /// background as soon as it is mapped, so a long-lived client (an
     /// inference worker) stops paying the first-touch cost early. The price
     /// of "at_map": page tables for the whole segment in this process (8
-    /// bytes per 4 KiB page: 4 MiB per 2 GiB) and about a microsecond of
-    /// one core per page, once; on a node that does not prefault, the whole
-    /// segment's memory committed.
+    /// bytes per 4 KiB page: 4 MiB per 2 GiB), about a microsecond of one
+    /// core per page once (one core per mapped segment), the whole segment
+    /// counted in this process's RSS at once (the OOM killer sees it); on a
+    /// node that does not prefault, the segment's memory is committed by
+    /// this process and charged to its memory cgroup.
     pub shm_populate: ShmPopulate,
     /// Where recently read objects lie, kept while this client's read lease
     /// on them lasts, so a repeated get goes straight to the storage node
