@@ -1259,6 +1259,17 @@ impl ShardState {
         cands.into_iter().take(n).map(|c| c.0).collect()
     }
 
+    /// Whether a DRAM segment that placement skips only because it is
+    /// suspect has room for `size` bytes.
+    fn room_while_suspect(&self, size: u64) -> bool {
+        self.slots.iter().flatten().any(|s| {
+            s.tier() == Tier::Dram
+                && s.suspect
+                && !s.draining
+                && s.alloc.largest_free() >= s.alloc.rounded(size)
+        })
+    }
+
     // ---- eviction ---------------------------------------------------------
 
     /// Evicts the replica in slot `idx` that ranks first (see
@@ -1571,6 +1582,20 @@ impl ShardState {
             }
         }
         if targets.is_empty() {
+            if self.room_while_suspect(len) {
+                // A client could not reach the node of a segment with room
+                // (a lossy link, a dead node): placement skips it until its
+                // node pings again, or its lease ends and it goes. The
+                // writer waits for that within its deadline instead of
+                // hearing that there is no room.
+                return Err(err(
+                    ErrorCode::TryAgain,
+                    format!(
+                        "the segments with room for {len} bytes are suspected unreachable \
+                         (a client could not reach their nodes); waiting for their next ping"
+                    ),
+                ));
+            }
             return Err(err(
                 ErrorCode::NoSpace,
                 format!("no segment has room for {len} bytes, even after eviction"),
@@ -2773,6 +2798,30 @@ mod tests {
         };
         sh.add_segment(9, Arc::new(spec), 1, 0);
         sh
+    }
+
+    /// A put whose only segment with room is suspect (a client could not
+    /// reach its node) waits for the mark to clear (`TryAgain`, which the
+    /// client retries within its deadline) instead of failing with
+    /// `NoSpace` (a fault test met that right after a lossy link healed).
+    #[test]
+    fn a_put_meeting_only_a_suspect_segment_is_told_to_try_again_not_no_space() {
+        let mut sh = shard_with_a_segment();
+        sh.set_suspect(9, true);
+        let e = sh
+            .put_start(1, b"k", 1000, &PutOptions::default(), 0)
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::TryAgain, "{e}");
+        assert!(sh.objs.processing_id(b"k").is_none(), "nothing placed");
+        // Too large for the segment even when it is reachable: no room.
+        let e = sh
+            .put_start(1, b"big", 2 << 20, &PutOptions::default(), 0)
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::NoSpace, "{e}");
+        sh.set_suspect(9, false);
+        sh.put_start(1, b"k", 1000, &PutOptions::default(), 0)
+            .expect("placed once the node pinged");
+        sh.check_invariants().expect("a consistent shard");
     }
 
     fn shard_with_objects() -> ShardState {
