@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use kvpool_client::Client;
 use kvpool_config::ClientConfig;
-use kvpool_transport::proto::Tier;
+use kvpool_transport::proto::{PutOptions, Tier};
+use kvpool_transport::ErrorCode;
 use xxhash_rust::xxh3::xxh3_64;
 
 use common::{scratch_dir, value, write_config, Signal};
@@ -280,5 +281,75 @@ fn a_lone_master_killed_and_restarted_on_its_state_dir_forgets_no_object() {
             tiered.stderr()
         );
     }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A put of a key the restarted master holds only as a recovered object
+/// (its node has not pinged since) waits for the node, within its deadline,
+/// instead of failing: a replace then replaces it, a plain put finds it
+/// stored. (A client whose put took effect on a leader that died before it
+/// answered asks the next leader again, which meets exactly this.)
+#[test]
+fn a_put_of_a_key_still_being_recovered_waits_for_its_segment_to_mount_again() {
+    let d = scratch_dir("durability-parked-put");
+    let state = d.join("state");
+    let ncfg = write_config(&d, "node.toml", "[storage]\nping_interval_ms = 200\n");
+    let mcfg = write_config(&d, "master.toml", "[master]\nclient_ttl_ms = 10000\n");
+    let addr = common::fixed_addr(2);
+    let mut master = start_master(&addr, &mcfg, state.to_str().unwrap());
+    let node = common::start_storage(&addr, "32MiB", &["--config", &ncfg]);
+    let rt = common::rt();
+    let cfg = ClientConfig {
+        timeout_ms: 10_000,
+        ..ClientConfig::default()
+    };
+    let (old_a, old_b) = (value(1, 100_000), value(2, 50_000));
+    rt.block_on(async {
+        let c = Client::connect(&addr, cfg.clone()).await.unwrap();
+        c.put(b"replaced", &old_a).await.unwrap();
+        c.put(b"kept", &old_b).await.unwrap();
+    });
+
+    // The node is stopped, the master killed and started again on its
+    // state: both keys are recovered, their segment not mounted yet.
+    node.freeze();
+    master.signal(Signal::KILL);
+    master.wait_exit(Duration::from_secs(10)).expect("killed");
+    let master = start_master(&addr, &mcfg, state.to_str().unwrap());
+    let new_a = value(3, 70_000);
+    let (replace, plain) = rt.block_on(async {
+        let c = Client::connect(&master.addr, cfg.clone()).await.unwrap();
+        let e = c.get(b"replaced").await.unwrap_err();
+        assert_eq!(e.code, ErrorCode::ReplicaNotReady, "before the mount: {e}");
+        let replace = tokio::spawn({
+            let (c, v) = (c.clone(), new_a.clone());
+            async move {
+                let opts = PutOptions {
+                    replace: true,
+                    ..PutOptions::default()
+                };
+                c.put_with(b"replaced", &v, &opts).await
+            }
+        });
+        let plain = tokio::spawn({
+            let (c, v) = (c.clone(), old_b.clone());
+            async move { c.put(b"kept", &v).await }
+        });
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        assert!(
+            !replace.is_finished() && !plain.is_finished(),
+            "the puts wait while the keys are being recovered"
+        );
+        node.signal(Signal::CONT);
+        (replace.await.unwrap(), plain.await.unwrap())
+    });
+    replace.expect("a replace of a recovered key, once its segment mounted");
+    let e = plain.expect_err("a plain put of a stored key");
+    assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
+    rt.block_on(async {
+        let c = Client::connect(&master.addr, cfg.clone()).await.unwrap();
+        assert_eq!(xxh3_64(&c.get(b"replaced").await.unwrap()), xxh3_64(&new_a));
+        assert_eq!(xxh3_64(&c.get(b"kept").await.unwrap()), xxh3_64(&old_b));
+    });
     let _ = std::fs::remove_dir_all(&d);
 }

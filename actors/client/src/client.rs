@@ -363,6 +363,16 @@ const VIEW_MARGIN: Duration = Duration::from_millis(500);
 /// Times one put may be placed again after its node proved unreachable.
 const MAX_PLACEMENTS: u32 = 3;
 
+/// Whether a put refused with `e` waits and asks again (within its
+/// deadline): `TryAgain` (space on its way out, another writer's replace
+/// ending, room only on a node a client reported unreachable) and
+/// `ReplicaNotReady` (the key is an object a restarted or new leader
+/// recovered, whose segment has not mounted again yet: it is taken back, or
+/// dropped, within the master's `client_ttl_ms`).
+fn waits_to_put(e: &KvError) -> bool {
+    matches!(e.code, ErrorCode::TryAgain | ErrorCode::ReplicaNotReady)
+}
+
 /// How many times a put's end is sent again while the master cannot be
 /// reached (with backoff up to 200 ms: about 5 s, the longest a failover
 /// takes under the default etcd lease; the call's deadline ends it first).
@@ -964,8 +974,9 @@ impl Client {
     /// Stores `value` under `key` with `opts` (replicas, pins; `replace` for
     /// the atomic replace of [`Client::upsert`]). Within the call's
     /// deadline, a put that meets space still being freed (demotions to
-    /// NVMe), or a replace that meets another client's put of the key, waits
-    /// for it, and one whose node turns out unreachable is reported to the
+    /// NVMe), a key still being recovered by a restarted master, or a
+    /// replace that meets another client's put of the key, waits for it,
+    /// and one whose node turns out unreachable is reported to the
     /// master and placed again elsewhere.
     pub async fn put_with(
         &self,
@@ -997,10 +1008,12 @@ impl Client {
                     // may have been lost.
                     let before = last_put.load(Ordering::Relaxed);
                     match self.put_inner(key, value, opts, write_by, &last_put).await {
-                        Err(e) if e.code == ErrorCode::TryAgain => {
-                            // Space is on its way out, or another writer's
-                            // put of the key is ending: wait for it, bounded
-                            // by the call's deadline (then it is a Timeout).
+                        Err(e) if waits_to_put(&e) => {
+                            // Space is on its way out, another writer's put
+                            // of the key is ending, or the key is a recovered
+                            // object whose segment has not mounted again yet:
+                            // wait for it, bounded by the call's deadline
+                            // (then it is a Timeout).
                             tokio::time::sleep(backoff).await;
                             backoff = (backoff * 2).min(Duration::from_millis(50));
                         }
@@ -1516,9 +1529,10 @@ impl Client {
     /// Stores several values; one result per item, in order. Keys are
     /// grouped by owning master shard (one call per shard); all values move
     /// in one engine batch (sent straight from the given slices). Items
-    /// that meet space still being freed, or (with `opts.replace`, the
-    /// atomic replace of [`Client::upsert`]) another client's put of their
-    /// key, wait for it within the deadline.
+    /// that meet space still being freed, a key still being recovered by a
+    /// restarted master, or (with `opts.replace`, the atomic replace of
+    /// [`Client::upsert`]) another client's put of their key, wait for it
+    /// within the deadline.
     pub async fn batch_put(
         &self,
         items: &[(&[u8], &[u8])],
@@ -1541,7 +1555,7 @@ impl Client {
                 let mut again = Vec::new();
                 for (&i, r) in todo.iter().zip(res) {
                     match r {
-                        Err(e) if e.code == ErrorCode::TryAgain => again.push(i),
+                        Err(e) if waits_to_put(&e) => again.push(i),
                         r => out[i] = Some(r),
                     }
                 }
