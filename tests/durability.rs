@@ -353,3 +353,86 @@ fn a_put_of_a_key_still_being_recovered_waits_for_its_segment_to_mount_again() {
     });
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A key removed while its node could not be told (stopped) does not come
+/// back from its NVMe copy when the master restarts on its state directory
+/// and the node restarts and reports its tier: the Drop the copy is owed is
+/// in the state directory, so the report is refused and the Drop goes out.
+/// Before, the owed Drop lived only in the master's memory and the report
+/// brought the removed object back.
+#[test]
+fn a_removed_key_does_not_come_back_from_its_nvme_copy_when_master_and_node_restart() {
+    let d = scratch_dir("durability-owed-drop");
+    let state = d.join("state");
+    let ncfg = write_config(
+        &d,
+        "node.toml",
+        &format!(
+            "[storage]\nping_interval_ms = 200\n\
+             [storage.nvme]\npath = \"{}\"\ncapacity = \"64 MiB\"\npolicy = \"write_through\"\n\
+             avg_object_bytes = \"64 KiB\"\ntask_poll_ms = 20\n",
+            d.join("tier.kvnv").display()
+        ),
+    );
+    let mcfg = write_config(&d, "master.toml", "[master]\nclient_ttl_ms = 10000\n");
+    let addr = common::fixed_addr(2);
+    let mut master = start_master(&addr, &mcfg, state.to_str().unwrap());
+    let mut node = common::start_storage(&addr, "32MiB", &["--config", &ncfg]);
+    let rt = common::rt();
+    let cfg = client_cfg();
+    let (gone, kept) = (value(11, 30_000), value(12, 40_000));
+    rt.block_on(async {
+        let c = Client::connect(&addr, cfg.clone()).await.unwrap();
+        c.put(b"gone", &gone).await.unwrap();
+        c.put(b"kept", &kept).await.unwrap();
+        let end = Instant::now() + Duration::from_secs(20);
+        for k in [&b"gone"[..], b"kept"] {
+            while !c
+                .describe(k)
+                .await
+                .unwrap()
+                .replicas
+                .iter()
+                .any(|r| r.tier == Tier::Nvme)
+            {
+                assert!(Instant::now() < end, "no NVMe copy was written");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        // The node cannot take its Drop: it is stopped.
+        node.freeze();
+        c.remove(b"gone").await.unwrap();
+    });
+    master.signal(Signal::KILL);
+    master.wait_exit(Duration::from_secs(10)).expect("killed");
+    node.signal(Signal::KILL);
+    node.wait_exit(Duration::from_secs(10)).expect("killed");
+    let master = start_master(&addr, &mcfg, state.to_str().unwrap());
+    let _node = common::start_storage(&addr, "32MiB", &["--config", &ncfg]);
+    rt.block_on(async {
+        let c = Client::connect(&master.addr, cfg.clone()).await.unwrap();
+        // The restarted node reports its tier: the kept object is back.
+        let end = Instant::now() + Duration::from_secs(20);
+        loop {
+            match c.get(b"kept").await {
+                Ok(v) => {
+                    assert_eq!(xxh3_64(&v), xxh3_64(&kept));
+                    break;
+                }
+                Err(e) => assert!(Instant::now() < end, "the kept object: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The removed one does not come back, not even a while later (the
+        // whole tier was reported before the kept object was).
+        for _ in 0..10 {
+            match c.get(b"gone").await {
+                Ok(v) => panic!("the removed key came back ({} bytes)", v.len()),
+                Err(e) => assert_eq!(e.code, ErrorCode::ObjectNotFound, "the removed key: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(c.stat().await.unwrap().keys, 1, "only the kept key");
+    });
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -27,7 +27,7 @@
 //! cut off. Anything else malformed is an error that names the file and the
 //! offset: the master refuses to start rather than forget an object.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
@@ -93,6 +93,8 @@ pub const FRAME_HEADER: usize = 8;
 const TAG_OBJECT: u8 = 1;
 const TAG_GONE: u8 = 2;
 const TAG_HOLD: u8 = 3;
+const TAG_DROP_OWED: u8 = 4;
+const TAG_DROP_DONE: u8 = 5;
 
 /// What the state directory records of one complete object.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,6 +131,20 @@ pub enum Record {
         key: Vec<u8>,
     },
     Hold(Hold),
+    /// The copy of `key` at `loc` of NVMe tier `nvme` belongs to an object
+    /// removed or replaced: its node is owed a Drop of it, and a report of
+    /// that copy (`Recovered`) is refused until then.
+    DropOwed {
+        nvme: SegmentId,
+        key: Vec<u8>,
+        loc: u64,
+    },
+    /// That Drop went out to the node (or the copy is an object's again).
+    DropDone {
+        nvme: SegmentId,
+        key: Vec<u8>,
+        loc: u64,
+    },
 }
 
 fn put_u32(out: &mut Vec<u8>, v: u32) {
@@ -203,6 +219,17 @@ pub fn encode_hold(out: &mut Vec<u8>, h: &Hold) {
     end_frame(out, at);
 }
 
+/// Appends the frame of a `DropOwed` (`owed`) or `DropDone` record.
+pub fn encode_drop(out: &mut Vec<u8>, owed: bool, nvme: SegmentId, key: &[u8], loc: u64) {
+    let at = begin_frame(out);
+    out.push(if owed { TAG_DROP_OWED } else { TAG_DROP_DONE });
+    put_u64(out, nvme);
+    put_u64(out, loc);
+    put_u32(out, key.len() as u32);
+    out.extend_from_slice(key);
+    end_frame(out, at);
+}
+
 impl Record {
     /// Appends this record's frame to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
@@ -217,6 +244,8 @@ impl Record {
             ),
             Record::Gone { key } => encode_gone(out, key),
             Record::Hold(h) => encode_hold(out, h),
+            Record::DropOwed { nvme, key, loc } => encode_drop(out, true, *nvme, key, *loc),
+            Record::DropDone { nvme, key, loc } => encode_drop(out, false, *nvme, key, *loc),
         }
     }
 
@@ -260,6 +289,14 @@ impl Record {
                 len: c.u64()?,
                 until_unix_ms: c.u64()?,
             }),
+            tag @ (TAG_DROP_OWED | TAG_DROP_DONE) => {
+                let (nvme, loc, key) = (c.u64()?, c.u64()?, c.key()?);
+                if tag == TAG_DROP_OWED {
+                    Record::DropOwed { nvme, key, loc }
+                } else {
+                    Record::DropDone { nvme, key, loc }
+                }
+            }
             t => return Err(format!("unknown record tag {t}")),
         };
         if c.at != p.len() {
@@ -329,12 +366,14 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> JournalError + '_ {
     }
 }
 
-/// What a shard's directory holds: its complete objects and the space
-/// held beyond the crash.
+/// What a shard's directory holds: its complete objects, the space held
+/// beyond the crash, and the NVMe copies whose Drop a node is still owed.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Image {
     pub objects: HashMap<Vec<u8>, ObjectRec>,
     pub holds: Vec<Hold>,
+    /// (NVMe tier, key, location) of each copy owed a Drop.
+    pub drops: HashSet<(SegmentId, Vec<u8>, u64)>,
 }
 
 impl Image {
@@ -348,6 +387,12 @@ impl Image {
                 self.objects.remove(&key);
             }
             Record::Hold(h) => self.holds.push(h),
+            Record::DropOwed { nvme, key, loc } => {
+                self.drops.insert((nvme, key, loc));
+            }
+            Record::DropDone { nvme, key, loc } => {
+                self.drops.remove(&(nvme, key, loc));
+            }
         }
     }
 

@@ -360,7 +360,10 @@ pub fn decode_records(
         };
         let rec = Record::decode(payload).map_err(|e| format!("the record at byte {at}: {e}"))?;
         let key = match &rec {
-            Record::Object { key, .. } | Record::Gone { key } => Some(key),
+            Record::Object { key, .. }
+            | Record::Gone { key }
+            | Record::DropOwed { key, .. }
+            | Record::DropDone { key, .. } => Some(key),
             Record::Hold(_) => None,
         };
         if let Some(k) = key {

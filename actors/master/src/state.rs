@@ -37,7 +37,7 @@
 //! until it fits (at most the ratio); the rest of the ratio is owed.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
@@ -129,6 +129,14 @@ impl TaskQueue {
         self.q.push_back(t);
     }
 
+    /// Queues `t` before every task waiting.
+    pub fn push_front(&mut self, t: NodeTask) {
+        if let NodeTask::Drop { key, loc } = &t {
+            *self.drops.entry((key.clone(), *loc)).or_default() += 1;
+        }
+        self.q.push_front(t);
+    }
+
     pub fn pop_front(&mut self) -> Option<NodeTask> {
         let t = self.q.pop_front()?;
         if let NodeTask::Drop { key, loc } = &t {
@@ -151,6 +159,68 @@ impl TaskQueue {
 
 /// Tasks queued for one segment's node, at most.
 pub const MAX_TASKS_PER_SEGMENT: usize = 16_384;
+
+/// A copy on an NVMe tier: (key, packed location).
+type CopyAt = (Box<[u8]>, u64);
+
+/// Recovered replicas not back yet: (segment, offset).
+type Waiting = SmallVec<[(SegmentId, u64); 2]>;
+
+/// A Drop owed (true) or settled (false): (owed, tier, key, location).
+type DropRecord = (bool, SegmentId, Box<[u8]>, u64);
+
+/// How long a Drop handed out to a node is remembered: the node runs it in
+/// the round it fetched it in, but may report the copy (`Recovered`, from a
+/// report of its whole tier running beside its task rounds) meanwhile.
+const SENT_DROP_MS: u64 = 10_000;
+
+/// The Drops one NVMe tier's node is owed (removed or replaced objects'
+/// copies), and those handed out lately: the node may report such a copy
+/// (`Recovered`) after it was handed the Drop and before it ran it.
+#[derive(Debug, Default)]
+struct TierDrops {
+    owed: HashSet<CopyAt>,
+    /// Handed out, until when remembered ([`SENT_DROP_MS`]); at most
+    /// [`MAX_TASKS_PER_SEGMENT`], oldest first in `sent_order`.
+    sent: HashMap<CopyAt, u64>,
+    sent_order: VecDeque<(CopyAt, u64)>,
+}
+
+impl TierDrops {
+    fn is_dropped(&self, c: &CopyAt, now_ms: u64) -> bool {
+        self.owed.contains(c) || self.sent.get(c).is_some_and(|&until| until > now_ms)
+    }
+
+    /// The Drop of `c` went out at `now_ms`: remembered a while. Whether it
+    /// was owed.
+    fn sent(&mut self, c: CopyAt, now_ms: u64) -> bool {
+        let owed = self.owed.remove(&c);
+        let until = now_ms.saturating_add(SENT_DROP_MS);
+        self.sent.insert(c.clone(), until);
+        self.sent_order.push_back((c, until));
+        while let Some((old, at)) = self.sent_order.front() {
+            if self.sent_order.len() <= MAX_TASKS_PER_SEGMENT && *at > now_ms {
+                break;
+            }
+            // Only the newest sending of a copy forgets it.
+            if self.sent.get(old) == Some(at) {
+                self.sent.remove(old);
+            }
+            self.sent_order.pop_front();
+        }
+        owed
+    }
+
+    /// `c` is an object's copy again: forgotten. Whether it was owed.
+    fn forget(&mut self, c: &CopyAt) -> bool {
+        self.sent.remove(c);
+        self.owed.remove(c)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.owed.is_empty() && self.sent.is_empty()
+    }
+}
 
 /// Signs data-plane grants (when the cluster has a secret).
 #[derive(Debug, Clone)]
@@ -283,6 +353,12 @@ pub struct ShardState {
     evicted_bytes: u64,
     /// Work for storage nodes, by the segment whose node does it.
     tasks: HashMap<SegmentId, TaskQueue>,
+    /// The NVMe copies (key, location) of removed or replaced objects whose
+    /// Drop has not gone out to their node yet, by tier. Kept apart from the
+    /// task queues, which go with their DRAM segment: a node that comes back
+    /// (or a restarted master, from its state directory) is owed them still,
+    /// and a `Recovered` report of such a copy is refused.
+    owed_drops: HashMap<SegmentId, TierDrops>,
     demotions: u64,
     promotions: u64,
     /// Signs data-plane grants; `None` in an open cluster.
@@ -313,6 +389,13 @@ struct Durable {
     /// When replicas still parked are given up (`now_ms` clock), as an
     /// unmount would drop them.
     parked_until_ms: u64,
+    /// Drops owed (true) or settled (false) since the last records, to
+    /// record: (tier, key, location).
+    drops: Vec<DropRecord>,
+    /// Recovered replicas, still waiting for their segments, of objects
+    /// removed or replaced since: a tier among those segments is owed a
+    /// Drop of them when it mounts.
+    removed_parked: HashMap<Box<[u8]>, Waiting>,
 }
 
 /// A recovered object some of whose replicas wait for their segments.
@@ -445,6 +528,7 @@ impl ShardState {
             evictions: 0,
             evicted_bytes: 0,
             tasks: HashMap::new(),
+            owed_drops: HashMap::new(),
             demotions: 0,
             promotions: 0,
             signer: None,
@@ -499,6 +583,13 @@ impl ShardState {
                 d.parked_holds.entry(h.segment).or_default().push(h);
             }
         }
+        for (nvme, key, loc) in image.drops {
+            self.owed_drops
+                .entry(nvme)
+                .or_default()
+                .owed
+                .insert((key.into_boxed_slice(), loc));
+        }
     }
 
     /// Recovered objects still waiting for a segment (all their replicas,
@@ -550,6 +641,9 @@ impl ShardState {
         d.keys = keys;
         for h in d.holds.drain(..) {
             journal::encode_hold(out, &h);
+        }
+        for (owed, nvme, key, loc) in d.drops.drain(..) {
+            journal::encode_drop(out, owed, nvme, &key, loc);
         }
         self.durable = Some(d);
     }
@@ -664,6 +758,20 @@ impl ShardState {
                 d.parked.remove(&key);
             }
         }
+        // Recovered copies on this tier of objects removed while they
+        // waited: owed a Drop now (recorded with the next records).
+        let mut drops = Vec::new();
+        if self.slot(idx).tier() == Tier::Nvme && !d.removed_parked.is_empty() {
+            d.removed_parked.retain(|key, waiting| {
+                waiting.retain(|&mut (seg, loc)| {
+                    if seg == id {
+                        drops.push((key.clone(), loc));
+                    }
+                    seg != id
+                });
+                !waiting.is_empty()
+            });
+        }
         if let Some(holds) = d.parked_holds.remove(&id) {
             if self.slot(idx).tier() == Tier::Dram {
                 for h in holds {
@@ -692,6 +800,11 @@ impl ShardState {
             }
         }
         self.durable = Some(d);
+        // First: the removals came before any task the node has waiting
+        // (a put of the key since, whose copy the Drop must not take).
+        for (key, loc) in drops {
+            self.owe_and_queue_drop(id, &key, loc, true);
+        }
     }
 
     /// Gives recovered object `key` a replica in slot `idx` (space taken);
@@ -745,9 +858,12 @@ impl ShardState {
         let Some(d) = self.durable.as_mut() else {
             return;
         };
-        if (d.parked.is_empty() && d.parked_holds.is_empty()) || now_ms < d.parked_until_ms {
+        if (d.parked.is_empty() && d.parked_holds.is_empty() && d.removed_parked.is_empty())
+            || now_ms < d.parked_until_ms
+        {
             return;
         }
+        d.removed_parked.clear();
         tracing::warn!(
             shard = self.shard,
             objects = d.parked.len(),
@@ -834,6 +950,11 @@ impl ShardState {
         }
         for h in d.parked_holds.values().flatten() {
             journal::encode_hold(out, h);
+        }
+        for (&nvme, t) in &self.owed_drops {
+            for (key, loc) in &t.owed {
+                journal::encode_drop(out, true, nvme, key, *loc);
+            }
         }
         for Reverse(p) in &self.pending {
             if let Some(Some(s)) = self.slots.get(p.slot as usize) {
@@ -1001,6 +1122,73 @@ impl ShardState {
         }
         self.by_id.insert(id, idx as u32);
         self.attach_parked(idx as u32, id, now_ms);
+        self.queue_owed_drops(id);
+    }
+
+    /// Queues for the node of DRAM segment `dram` the Drops its NVMe tier is
+    /// owed and that are not in its queue (its node came back with a new
+    /// DRAM segment, or the master restarted): first, before any task the
+    /// mount leads to.
+    fn queue_owed_drops(&mut self, dram: SegmentId) {
+        let Some(&idx) = self.by_id.get(&dram) else {
+            return;
+        };
+        let Some(nvme) = self.slot(idx).spec.nvme.as_ref().map(|a| a.segment_id) else {
+            return;
+        };
+        let Some(owed) = self.owed_drops.get(&nvme) else {
+            return;
+        };
+        let q = self.tasks.entry(dram).or_default();
+        for (key, loc) in &owed.owed {
+            if q.len() >= MAX_TASKS_PER_SEGMENT {
+                break; // the rest go out at the node's next mount
+            }
+            if !q.has_drop(key, *loc) {
+                q.push_front(NodeTask::Drop {
+                    key: key.to_vec(),
+                    loc: *loc,
+                });
+            }
+        }
+    }
+
+    /// Records that `nvme`'s copy of `key` at `loc` is owed a Drop; false
+    /// when the tier is owed its maximum already.
+    fn owe_drop(&mut self, nvme: SegmentId, key: &[u8], loc: u64) -> bool {
+        let t = self.owed_drops.entry(nvme).or_default();
+        if t.owed.len() >= MAX_TASKS_PER_SEGMENT {
+            return false;
+        }
+        if t.owed.insert((key.into(), loc)) {
+            if let Some(d) = self.durable.as_mut() {
+                d.drops.push((true, nvme, key.into(), loc));
+            }
+        }
+        true
+    }
+
+    /// `nvme`'s copy of `key` at `loc` is owed no Drop any more: it went out
+    /// to the node (`sent` at that time: remembered a while, the node may
+    /// report the copy before it runs the Drop), or the copy is an object's
+    /// again.
+    fn settle_drop(&mut self, nvme: SegmentId, key: &[u8], loc: u64, sent: Option<u64>) {
+        let Some(t) = self.owed_drops.get_mut(&nvme) else {
+            return;
+        };
+        let c: CopyAt = (key.into(), loc);
+        let was_owed = match sent {
+            Some(now_ms) => t.sent(c, now_ms),
+            None => t.forget(&c),
+        };
+        if t.is_empty() {
+            self.owed_drops.remove(&nvme);
+        }
+        if was_owed {
+            if let Some(d) = self.durable.as_mut() {
+                d.drops.push((false, nvme, key.into(), loc));
+            }
+        }
     }
 
     /// Removes a segment and every replica on it; objects left with no replica
@@ -1118,12 +1306,12 @@ impl ShardState {
         })
     }
 
-    /// Whether a `Drop` of `key`'s copy at `loc` of tier `nvme` waits in its
-    /// node's queue: that copy's object was removed or replaced.
-    fn drop_queued(&self, nvme: SegmentId, key: &[u8], loc: u64) -> bool {
-        self.dram_of_tier(nvme)
-            .and_then(|dram| self.tasks.get(&dram))
-            .is_some_and(|q| q.has_drop(key, loc))
+    /// Whether `key`'s copy at `loc` of tier `nvme` is owed a Drop, or was
+    /// handed one lately: that copy's object was removed or replaced.
+    fn drop_queued(&self, nvme: SegmentId, key: &[u8], loc: u64, now_ms: u64) -> bool {
+        self.owed_drops
+            .get(&nvme)
+            .is_some_and(|t| t.is_dropped(&(Box::<[u8]>::from(key), loc), now_ms))
     }
 
     /// Tells the nodes holding NVMe copies of a removed object to drop them.
@@ -1132,27 +1320,66 @@ impl ShardState {
     /// node restarts. The task goes on the queue of the DRAM segment the
     /// tier is attached to, behind that node's Persist tasks, so the node
     /// sees the removal and a later put of the same key in the order they
-    /// happened. With that queue full, the copy stays (logged).
+    /// happened. The copy is owed its Drop until it goes out (`owed_drops`,
+    /// recorded in the state directory): a node whose DRAM segment is gone
+    /// meanwhile gets it when it mounts one again. With the tier owed its
+    /// maximum, or that queue full, the copy stays (logged).
     fn drop_nvme_copies(&mut self, key: &[u8], obj: &Object) {
         for r in &obj.replicas {
             let s = self.slot(r.slot);
-            if s.tier() != Tier::Nvme {
-                continue;
+            if s.tier() == Tier::Nvme {
+                self.owe_and_queue_drop(s.id, key, r.offset, false);
             }
-            let Some(dram) = self.dram_of_tier(s.id) else {
-                continue; // the node's DRAM segment is gone: nobody to ask
+        }
+    }
+
+    /// Owes tier `nvme`'s node a Drop of `key`'s copy at `loc` and queues it
+    /// for the node's DRAM segment, if one is mounted (else it goes out at
+    /// the node's next mount); `first`: before every task waiting (the
+    /// removal it stands for came before them).
+    fn owe_and_queue_drop(&mut self, nvme: SegmentId, key: &[u8], loc: u64, first: bool) {
+        if !self.owe_drop(nvme, key, loc) {
+            tracing::warn!(
+                key = %show_key(key),
+                "NVMe tier owed its maximum of Drops: the removed object's NVMe copy stays \
+                 until evicted"
+            );
+            return;
+        }
+        let Some(dram) = self.dram_of_tier(nvme) else {
+            return; // the node's DRAM segment is gone: it is asked at its next mount
+        };
+        let q = self.tasks.entry(dram).or_default();
+        if q.len() < MAX_TASKS_PER_SEGMENT {
+            let t = NodeTask::Drop {
+                key: key.to_vec(),
+                loc,
             };
-            let q = self.tasks.entry(dram).or_default();
-            if q.len() < MAX_TASKS_PER_SEGMENT {
-                q.push_back(NodeTask::Drop {
-                    key: key.to_vec(),
-                    loc: r.offset,
-                });
+            if first {
+                q.push_front(t);
             } else {
-                tracing::warn!(
-                    key = %show_key(key),
-                    "node task queue full: the removed object's NVMe copy stays until evicted"
-                );
+                q.push_back(t);
+            }
+        } else {
+            tracing::warn!(
+                key = %show_key(key),
+                "node task queue full: the removed object's Drop goes out when its node mounts \
+                 again"
+            );
+        }
+    }
+
+    /// The recovered replicas of `key` still waiting for their segments
+    /// belong to an object removed or replaced now: those on an NVMe tier
+    /// are owed a Drop when the tier mounts again (until then nothing says
+    /// which waiting segments are tiers).
+    fn retire_parked(&mut self, key: &[u8]) {
+        let Some(d) = self.durable.as_mut() else {
+            return;
+        };
+        if let Some(p) = d.parked.remove(key) {
+            if !p.waiting.is_empty() {
+                d.removed_parked.insert(key.into(), p.waiting);
             }
         }
     }
@@ -1707,9 +1934,7 @@ impl ShardState {
         let id = self.own_processing(client, key, put_id, now_ms)?;
         // Recovered replicas of the key still waiting for their segment are
         // the old object's: they go with it.
-        if let Some(d) = self.durable.as_mut() {
-            d.parked.remove(key);
-        }
+        self.retire_parked(key);
         // A replace: the object it replaces goes now, as a forced Remove
         // would take it (its space waits for its readers' lease, its NVMe
         // copies are dropped before the new object's copy is asked for).
@@ -1934,6 +2159,7 @@ impl ShardState {
         client: ClientId,
         segments: &[SegmentId],
         max: usize,
+        now_ms: u64,
     ) -> Result<Vec<NodeTask>, KvError> {
         for seg in segments {
             let idx = *self.by_id.get(seg).ok_or_else(|| {
@@ -1954,11 +2180,25 @@ impl ShardState {
             let Some(mut q) = self.tasks.remove(seg) else {
                 continue;
             };
+            let tier = self
+                .by_id
+                .get(seg)
+                .and_then(|&i| self.slot(i).spec.nvme.as_ref())
+                .map(|a| a.segment_id);
             while out.len() < max {
-                match q.pop_front() {
-                    Some(t) if self.task_is_stale(*seg, &t) => {}
-                    Some(t) => out.push(t),
-                    None => break,
+                let Some(t) = q.pop_front() else {
+                    break;
+                };
+                let stale = self.task_is_stale(*seg, &t);
+                if let (NodeTask::Drop { key, loc }, Some(nvme)) = (&t, tier) {
+                    // Out to the node (or stale: the copy is an object's
+                    // again): owed no more, unless the same Drop waits again.
+                    if !q.has_drop(key, *loc) {
+                        self.settle_drop(nvme, key, *loc, (!stale).then_some(now_ms));
+                    }
+                }
+                if !stale {
+                    out.push(t);
                 }
             }
             self.tasks.insert(*seg, q);
@@ -2131,6 +2371,9 @@ impl ShardState {
                         self.demotion_over(idx, size);
                     }
                 }
+                // The copy is this object's: a Drop owed to an earlier
+                // object's copy in the same place is stale.
+                self.settle_drop(*nvme, key, *loc, None);
                 Ok(())
             }
             NvmeUpdate::PersistFailed {
@@ -2237,15 +2480,17 @@ impl ShardState {
                         .iter()
                         .any(|r| r.slot == nslot && r.offset == *loc)
                 });
-                if !listed && self.drop_queued(*nvme, key, *loc) {
-                    // Reported before the node ran the Drop it is owed (the
-                    // node restarted, or reported its tier again): taking it
-                    // would bring back a removed or replaced object. (A copy
-                    // the key's object lists is that object's: a later put's
+                if !listed && self.drop_queued(*nvme, key, *loc, now_ms) {
+                    // Reported before the node ran the Drop it is owed or
+                    // was just handed (the node restarted, or reported its
+                    // tier again; the master may have restarted too: what
+                    // is owed is in its state directory): taking it would
+                    // bring back a removed or replaced object. (A copy the
+                    // key's object lists is that object's: a later put's
                     // copy took the slot, and the Drop is stale.)
                     return Err(err(
                         ErrorCode::ObjectAlreadyExists,
-                        "this copy's object was removed or replaced: its Drop is queued",
+                        "this copy's object was removed or replaced: its Drop is owed",
                     ));
                 }
                 match self.objs.complete_id(key) {
@@ -2273,6 +2518,7 @@ impl ShardState {
                             o.replicas.retain(|r| r.slot != nslot);
                             o.replicas.push(Replica::ready(nslot, *loc));
                         });
+                        self.settle_drop(*nvme, key, *loc, None);
                         Ok(())
                     }
                     // A put of the key under way (a replace of a complete
@@ -2319,10 +2565,9 @@ impl ShardState {
         self.check_key(key)?;
         if self.parked_only(key) {
             // A recovered object not back yet: it goes from the record (its
-            // space was never taken back).
-            if let Some(d) = self.durable.as_mut() {
-                d.parked.remove(key);
-            }
+            // space was never taken back; its NVMe copies are dropped when
+            // their tier mounts).
+            self.retire_parked(key);
             self.objs.mark_dirty(key);
             return Ok(());
         }
@@ -2363,6 +2608,7 @@ impl ShardState {
     fn retire(&mut self, key: &[u8], obj: &Object, now_ms: u64) {
         self.demotions_over(obj);
         self.drop_nvme_copies(key, obj);
+        self.retire_parked(key);
         self.free_at(obj, obj.stored().lease_end_ms, now_ms);
     }
 
@@ -2708,7 +2954,12 @@ impl ShardState {
                 segments,
                 max,
                 ..
-            } => MasterResponse::Tasks(self.node_tasks(client_id, &segments, max as usize)?),
+            } => MasterResponse::Tasks(self.node_tasks(
+                client_id,
+                &segments,
+                max as usize,
+                now_ms,
+            )?),
             R::NvmeUpdates { client_id, updates } => MasterResponse::BatchDone(
                 updates
                     .iter()

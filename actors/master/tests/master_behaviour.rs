@@ -2232,37 +2232,86 @@ fn a_recovered_copy_whose_drop_is_queued_is_refused() {
     m.put("k", 100);
     write_through_copy(&mut m, dram, 3);
     m.remove("k", true).unwrap();
-    let e = update(
-        &mut m,
-        NvmeUpdate::Recovered {
-            key: b"k".to_vec(),
-            nvme: nvme_id(),
-            loc: 3,
-            len: 100,
-            sum: 0,
-        },
-    )
-    .unwrap_err();
+    let rec = NvmeUpdate::Recovered {
+        key: b"k".to_vec(),
+        nvme: nvme_id(),
+        loc: 3,
+        len: 100,
+        sum: 0,
+    };
+    let e = update(&mut m, rec.clone()).unwrap_err();
     assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
     assert_eq!(code(m.get("k")), ErrorCode::ObjectNotFound);
-    // Once the node has taken its Drop, a copy at that place is reported
-    // as any other (a later put's copy may sit in the reused slot).
+    // Handed its Drop, the node may still report the copy before it runs
+    // it: still refused (a later put's copy in the reused slot is listed
+    // once its Stored is taken, and a listed copy is never refused).
     let t = tasks(&mut m, dram);
     assert!(
         t.iter().any(|t| matches!(t, NodeTask::Drop { loc: 3, .. })),
         "{t:?}"
     );
-    update(
-        &mut m,
-        NvmeUpdate::Recovered {
-            key: b"k".to_vec(),
-            nvme: nvme_id(),
-            loc: 3,
-            len: 100,
-            sum: 0,
-        },
-    )
+    let e = update(&mut m, rec.clone()).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
+    assert_eq!(code(m.get("k")), ErrorCode::ObjectNotFound);
+    // Long after (the node ran the Drop in the round it took it in), a copy
+    // at that place is reported as any other: a later put's copy may sit in
+    // the reused slot, its Stored report lost.
+    m.advance(11_000);
+    update(&mut m, rec).unwrap();
+    m.check();
+}
+
+/// The Drop a removed object's NVMe copy is owed outlives its node's DRAM
+/// segment: a node that dies (its segment unmounted, its task queue gone)
+/// and comes back with a new DRAM segment and the same tier still gets the
+/// Drop, and its report of the copy meanwhile is refused. Before, the queue
+/// went with the segment and the report brought the removed object back.
+#[test]
+fn a_drop_owed_to_a_node_that_came_back_with_a_new_segment_still_goes_out() {
+    let (mut m, dram) = tiered(true);
+    m.put("k", 100);
+    write_through_copy(&mut m, dram, 3);
+    m.remove("k", true).unwrap(); // Drop k at 3 queued for `dram`
+    m.call(Q::UnmountSegment {
+        client_id: NODE,
+        segment_id: dram,
+    })
     .unwrap();
+    let mut again = spec("dram-after-restart", 10 * KIB, "host-a");
+    again.nvme = Some(NvmeAttach {
+        segment_id: nvme_id(),
+        write_through: true,
+    });
+    let dram2 = match m
+        .call(Q::MountSegment {
+            client_id: NODE,
+            spec: again,
+        })
+        .unwrap()
+    {
+        A::Mounted { segment_id } => segment_id,
+        other => panic!("{other:?}"),
+    };
+    let recovered = NvmeUpdate::Recovered {
+        key: b"k".to_vec(),
+        nvme: nvme_id(),
+        loc: 3,
+        len: 100,
+        sum: 0,
+    };
+    let e = update(&mut m, recovered.clone()).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
+    assert_eq!(code(m.get("k")), ErrorCode::ObjectNotFound);
+    let t = tasks(&mut m, dram2);
+    assert!(
+        t.iter()
+            .any(|t| matches!(t, NodeTask::Drop { key, loc: 3 } if key == b"k")),
+        "the new segment's node is asked to drop the copy: {t:?}"
+    );
+    // Gone out, and the node may report the copy before it runs it: still
+    // refused.
+    let e = update(&mut m, recovered).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
     m.check();
 }
 
