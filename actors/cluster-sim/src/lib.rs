@@ -932,6 +932,12 @@ impl World {
     /// Node `i` mounted its DRAM segment again or reported its tier: the
     /// objects owed on them must be listed.
     fn check_owed(&mut self, i: usize, back: Tier) {
+        if self.master.is_none() {
+            // The answer to the mount (or report) outlived the master that
+            // gave it: what that master listed went with it, and the
+            // owed list, taken again at its crash, waits for the next one.
+            return;
+        }
         let seg = match back {
             Tier::Dram => Some(self.nodes[i].dram_segment()),
             Tier::Nvme => self.nodes[i].tier_segment(),

@@ -21,8 +21,10 @@ use kvpool_cluster_sim::{run_seed, Options, Stats};
 /// 63: a Drop queued by a removal ran after the copy was reported again and
 /// taken; 618, 622 (with put ids and quarantined revokes, before the tier
 /// named copies exactly): a removed object's copy reported before its Drop
-/// ran was taken, and a refused report removed a newer copy in its slot.
-const REGRESSIONS: &[u64] = &[3, 18, 32, 63, 248, 618, 622];
+/// ran was taken, and a refused report removed a newer copy in its slot;
+/// 2069: the checker: a node heard its mount answered after the master
+/// that answered had crashed, and looked for its objects at no master.
+const REGRESSIONS: &[u64] = &[3, 18, 32, 63, 248, 618, 622, 2069];
 
 /// Seeds that once failed with a quarter of the clients without checksums
 /// (`KVPOOL_SIM_UNSUMMED=1`). 442: a node's report of every copy after a
