@@ -284,6 +284,54 @@ fn a_lone_master_killed_and_restarted_on_its_state_dir_forgets_no_object() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A master on a state directory with one DRAM-only storage node pinging
+/// every 200 ms, and a client config with a 10 s deadline.
+struct Restartable {
+    d: std::path::PathBuf,
+    state: String,
+    mcfg: String,
+    master: common::Proc,
+    node: common::Proc,
+    rt: tokio::runtime::Runtime,
+    cfg: ClientConfig,
+}
+
+impl Restartable {
+    fn new(name: &str) -> Self {
+        let d = scratch_dir(name);
+        let state = d.join("state").to_str().unwrap().to_string();
+        let ncfg = write_config(&d, "node.toml", "[storage]\nping_interval_ms = 200\n");
+        let mcfg = write_config(&d, "master.toml", "[master]\nclient_ttl_ms = 10000\n");
+        let addr = common::fixed_addr(2);
+        let master = start_master(&addr, &mcfg, &state);
+        let node = common::start_storage(&addr, "32MiB", &["--config", &ncfg]);
+        let cfg = ClientConfig {
+            timeout_ms: 10_000,
+            ..ClientConfig::default()
+        };
+        Self {
+            d,
+            state,
+            mcfg,
+            master,
+            node,
+            rt: common::rt(),
+            cfg,
+        }
+    }
+
+    /// Stops the node (SIGSTOP), kills the master and starts it again on
+    /// the same address and state directory.
+    fn restart_master_with_the_node_stopped(&mut self) {
+        self.node.freeze();
+        self.master.signal(Signal::KILL);
+        self.master
+            .wait_exit(Duration::from_secs(10))
+            .expect("killed");
+        self.master = start_master(&self.master.addr, &self.mcfg, &self.state);
+    }
+}
+
 /// A put of a key the restarted master holds only as a recovered object
 /// (its node has not pinged since) waits for the node, within its deadline,
 /// instead of failing: a replace then replaces it, a plain put finds it
@@ -291,34 +339,22 @@ fn a_lone_master_killed_and_restarted_on_its_state_dir_forgets_no_object() {
 /// answered asks the next leader again, which meets exactly this.)
 #[test]
 fn a_put_of_a_key_still_being_recovered_waits_for_its_segment_to_mount_again() {
-    let d = scratch_dir("durability-parked-put");
-    let state = d.join("state");
-    let ncfg = write_config(&d, "node.toml", "[storage]\nping_interval_ms = 200\n");
-    let mcfg = write_config(&d, "master.toml", "[master]\nclient_ttl_ms = 10000\n");
-    let addr = common::fixed_addr(2);
-    let mut master = start_master(&addr, &mcfg, state.to_str().unwrap());
-    let node = common::start_storage(&addr, "32MiB", &["--config", &ncfg]);
-    let rt = common::rt();
-    let cfg = ClientConfig {
-        timeout_ms: 10_000,
-        ..ClientConfig::default()
-    };
+    let mut p = Restartable::new("durability-parked-put");
     let (old_a, old_b) = (value(1, 100_000), value(2, 50_000));
-    rt.block_on(async {
-        let c = Client::connect(&addr, cfg.clone()).await.unwrap();
+    p.rt.block_on(async {
+        let c = Client::connect(&p.master.addr, p.cfg.clone())
+            .await
+            .unwrap();
         c.put(b"replaced", &old_a).await.unwrap();
         c.put(b"kept", &old_b).await.unwrap();
     });
-
-    // The node is stopped, the master killed and started again on its
-    // state: both keys are recovered, their segment not mounted yet.
-    node.freeze();
-    master.signal(Signal::KILL);
-    master.wait_exit(Duration::from_secs(10)).expect("killed");
-    let master = start_master(&addr, &mcfg, state.to_str().unwrap());
+    // Both keys are recovered, their segment not mounted yet.
+    p.restart_master_with_the_node_stopped();
     let new_a = value(3, 70_000);
-    let (replace, plain) = rt.block_on(async {
-        let c = Client::connect(&master.addr, cfg.clone()).await.unwrap();
+    let (replace, plain) = p.rt.block_on(async {
+        let c = Client::connect(&p.master.addr, p.cfg.clone())
+            .await
+            .unwrap();
         let e = c.get(b"replaced").await.unwrap_err();
         assert_eq!(e.code, ErrorCode::ReplicaNotReady, "before the mount: {e}");
         let replace = tokio::spawn({
@@ -340,18 +376,20 @@ fn a_put_of_a_key_still_being_recovered_waits_for_its_segment_to_mount_again() {
             !replace.is_finished() && !plain.is_finished(),
             "the puts wait while the keys are being recovered"
         );
-        node.signal(Signal::CONT);
+        p.node.signal(Signal::CONT);
         (replace.await.unwrap(), plain.await.unwrap())
     });
     replace.expect("a replace of a recovered key, once its segment mounted");
     let e = plain.expect_err("a plain put of a stored key");
     assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
-    rt.block_on(async {
-        let c = Client::connect(&master.addr, cfg.clone()).await.unwrap();
+    p.rt.block_on(async {
+        let c = Client::connect(&p.master.addr, p.cfg.clone())
+            .await
+            .unwrap();
         assert_eq!(xxh3_64(&c.get(b"replaced").await.unwrap()), xxh3_64(&new_a));
         assert_eq!(xxh3_64(&c.get(b"kept").await.unwrap()), xxh3_64(&old_b));
     });
-    let _ = std::fs::remove_dir_all(&d);
+    let _ = std::fs::remove_dir_all(&p.d);
 }
 
 /// A key removed while its node could not be told (stopped) does not come
@@ -435,4 +473,42 @@ fn a_removed_key_does_not_come_back_from_its_nvme_copy_when_master_and_node_rest
         assert_eq!(c.stat().await.unwrap().keys, 1, "only the kept key");
     });
     let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A put made right after the master restarted on its state directory,
+/// before its storage node has pinged it again, waits for the node within
+/// its deadline and lands, instead of failing `NoSpace` (the restarted
+/// master has no segment mounted for up to a ping; a new HA leader the same).
+#[test]
+fn a_put_right_after_a_restart_waits_for_the_nodes_to_mount_instead_of_no_space() {
+    let mut p = Restartable::new("durability-put-after-restart");
+    let before = value(21, 10_000);
+    p.rt.block_on(async {
+        let c = Client::connect(&p.master.addr, p.cfg.clone())
+            .await
+            .unwrap();
+        c.put(b"before", &before).await.unwrap();
+    });
+    p.restart_master_with_the_node_stopped();
+    let after = value(22, 20_000);
+    p.rt.block_on(async {
+        let c = Client::connect(&p.master.addr, p.cfg.clone())
+            .await
+            .unwrap();
+        let put = tokio::spawn({
+            let (c, v) = (c.clone(), after.clone());
+            async move { c.put(b"after", &v).await }
+        });
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        if put.is_finished() {
+            panic!("the put did not wait for the node: {:?}", put.await);
+        }
+        p.node.signal(Signal::CONT);
+        put.await
+            .unwrap()
+            .expect("the put, once the node mounted again");
+        assert_eq!(xxh3_64(&c.get(b"after").await.unwrap()), xxh3_64(&after));
+        assert_eq!(xxh3_64(&c.get(b"before").await.unwrap()), xxh3_64(&before));
+    });
+    let _ = std::fs::remove_dir_all(&p.d);
 }

@@ -396,6 +396,10 @@ struct Durable {
     /// removed or replaced since: a tier among those segments is owed a
     /// Drop of them when it mounts.
     removed_parked: HashMap<Box<[u8]>, Waiting>,
+    /// Segments the recovered state names (replicas, holds) that have not
+    /// mounted since: until `parked_until_ms`, a put that finds no room
+    /// waits for them (`TryAgain`) instead of hearing `NoSpace`.
+    expected: HashSet<SegmentId>,
 }
 
 /// A recovered object some of whose replicas wait for their segments.
@@ -566,6 +570,13 @@ impl ShardState {
             .expect("recover needs with_durability");
         let now_unix = d.unix_at_zero_ms.saturating_add(now_ms);
         d.parked_until_ms = now_ms.saturating_add(wait_ms);
+        d.expected.extend(
+            image
+                .objects
+                .values()
+                .flat_map(|o| o.replicas.iter().map(|r| r.0))
+                .chain(image.holds.iter().map(|h| h.segment)),
+        );
         for (key, o) in image.objects {
             d.parked.insert(
                 key.into_boxed_slice(),
@@ -717,6 +728,7 @@ impl ShardState {
         let Some(mut d) = self.durable.take() else {
             return;
         };
+        d.expected.remove(&id);
         let keys: Vec<Box<[u8]>> = d
             .parked
             .iter()
@@ -1488,6 +1500,18 @@ impl ShardState {
 
     /// Whether a DRAM segment that placement skips only because it is
     /// suspect has room for `size` bytes.
+    /// Whether segments may still mount again on a master that restarted
+    /// on its state, or a standby that took over, before `client_ttl_ms`
+    /// passed: none is mounted yet, or this shard's recovered state names
+    /// some that are not (their nodes have not pinged it yet).
+    fn awaiting_segments(&self, now_ms: u64) -> bool {
+        self.durable.as_ref().is_some_and(|d| {
+            now_ms < d.parked_until_ms
+                && (!d.expected.is_empty()
+                    || self.slots.iter().flatten().all(|s| s.tier() != Tier::Dram))
+        })
+    }
+
     fn room_while_suspect(&self, size: u64) -> bool {
         self.slots.iter().flatten().any(|s| {
             s.tier() == Tier::Dram
@@ -1820,6 +1844,18 @@ impl ShardState {
                     format!(
                         "the segments with room for {len} bytes are suspected unreachable \
                          (a client could not reach their nodes); waiting for their next ping"
+                    ),
+                ));
+            }
+            if self.awaiting_segments(now_ms) {
+                // A restarted master or a new leader: segments it knew of
+                // have not mounted again yet (their nodes ping within a
+                // second). The writer waits for them within its deadline.
+                return Err(err(
+                    ErrorCode::TryAgain,
+                    format!(
+                        "no room for {len} bytes yet: this master just took over and its \
+                         storage nodes have not all mounted again"
                     ),
                 ));
             }
