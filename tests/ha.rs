@@ -255,9 +255,9 @@ where
 }
 
 /// Whether an error says clearly why a put did not finish across a
-/// failover: the master was gone, not the leader, or out of time; or the new
-/// leader had no segment yet (`NoSpace` until the node's next ping remounts
-/// it, docs/RELIABILITY.md).
+/// failover: the master was gone, not the leader, or out of time; or the
+/// pool was full (`NoSpace`: a new leader with no segment mounted yet makes
+/// the writer wait for the remount since 2026-11-25, docs/RELIABILITY.md).
 fn clear_failover_error(e: &kvpool_client::KvError) -> bool {
     matches!(
         e.code,

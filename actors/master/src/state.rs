@@ -1498,12 +1498,11 @@ impl ShardState {
         cands.into_iter().take(n).map(|c| c.0).collect()
     }
 
-    /// Whether a DRAM segment that placement skips only because it is
-    /// suspect has room for `size` bytes.
     /// Whether segments may still mount again on a master that restarted
-    /// on its state, or a standby that took over, before `client_ttl_ms`
-    /// passed: none is mounted yet, or this shard's recovered state names
-    /// some that are not (their nodes have not pinged it yet).
+    /// on its state, or a standby that took over, before its recovered
+    /// replicas are given up (`parked_until_ms`): none is mounted yet, or
+    /// this shard's recovered state names some that are not (their nodes
+    /// have not pinged it yet).
     fn awaiting_segments(&self, now_ms: u64) -> bool {
         self.durable.as_ref().is_some_and(|d| {
             now_ms < d.parked_until_ms
@@ -1512,6 +1511,8 @@ impl ShardState {
         })
     }
 
+    /// Whether a DRAM segment that placement skips only because it is
+    /// suspect has room for `size` bytes.
     fn room_while_suspect(&self, size: u64) -> bool {
         self.slots.iter().flatten().any(|s| {
             s.tier() == Tier::Dram
