@@ -255,7 +255,11 @@ impl ClientModel {
                 o.replicas = rs;
                 o.stage = Stage::Writing(ids);
             }
-            (Stage::Start, Err(e)) if e.code == ErrorCode::TryAgain => {
+            // As the real client: space on its way, or a key a restarted
+            // master is still recovering (`ReplicaNotReady`).
+            (Stage::Start, Err(e))
+                if matches!(e.code, ErrorCode::TryAgain | ErrorCode::ReplicaNotReady) =>
+            {
                 let wait = o.backoff;
                 o.backoff = (o.backoff * 2).min(50);
                 ctx.timer(me, wait, Timer::ClientRetry(o.id));
