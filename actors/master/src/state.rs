@@ -123,18 +123,21 @@ impl TaskQueue {
     }
 
     pub fn push_back(&mut self, t: NodeTask) {
-        if let NodeTask::Drop { key, loc } = &t {
-            *self.drops.entry((key.clone(), *loc)).or_default() += 1;
-        }
+        self.index(&t);
         self.q.push_back(t);
     }
 
     /// Queues `t` before every task waiting.
     pub fn push_front(&mut self, t: NodeTask) {
-        if let NodeTask::Drop { key, loc } = &t {
+        self.index(&t);
+        self.q.push_front(t);
+    }
+
+    /// Counts `t` in the index of Drops, if it is one.
+    fn index(&mut self, t: &NodeTask) {
+        if let NodeTask::Drop { key, loc } = t {
             *self.drops.entry((key.clone(), *loc)).or_default() += 1;
         }
-        self.q.push_front(t);
     }
 
     pub fn pop_front(&mut self) -> Option<NodeTask> {
@@ -570,14 +573,8 @@ impl ShardState {
             .expect("recover needs with_durability");
         let now_unix = d.unix_at_zero_ms.saturating_add(now_ms);
         d.parked_until_ms = now_ms.saturating_add(wait_ms);
-        d.expected.extend(
-            image
-                .objects
-                .values()
-                .flat_map(|o| o.replicas.iter().map(|r| r.0))
-                .chain(image.holds.iter().map(|h| h.segment)),
-        );
         for (key, o) in image.objects {
+            d.expected.extend(o.replicas.iter().map(|r| r.0));
             d.parked.insert(
                 key.into_boxed_slice(),
                 Parked {
@@ -591,6 +588,7 @@ impl ShardState {
         }
         for h in image.holds {
             if h.until_unix_ms > now_unix {
+                d.expected.insert(h.segment);
                 d.parked_holds.entry(h.segment).or_default().push(h);
             }
         }
@@ -644,6 +642,13 @@ impl ShardState {
         let Some(mut d) = self.durable.take() else {
             return;
         };
+        // Drops first: a write the crash tore keeps a removal's DropOwed
+        // rather than its Gone (an owed Drop of a copy the object still
+        // lists is stale, and skipped), never the Gone without the DropOwed
+        // (the copy would come back).
+        for (owed, nvme, key, loc) in d.drops.drain(..) {
+            journal::encode_drop(out, owed, nvme, &key, loc);
+        }
         self.objs.take_dirty(&mut d.keys);
         let mut keys = std::mem::take(&mut d.keys);
         for key in keys.drain(..) {
@@ -652,9 +657,6 @@ impl ShardState {
         d.keys = keys;
         for h in d.holds.drain(..) {
             journal::encode_hold(out, &h);
-        }
-        for (owed, nvme, key, loc) in d.drops.drain(..) {
-            journal::encode_drop(out, owed, nvme, &key, loc);
         }
         self.durable = Some(d);
     }
@@ -1320,7 +1322,7 @@ impl ShardState {
 
     /// Whether `key`'s copy at `loc` of tier `nvme` is owed a Drop, or was
     /// handed one lately: that copy's object was removed or replaced.
-    fn drop_queued(&self, nvme: SegmentId, key: &[u8], loc: u64, now_ms: u64) -> bool {
+    fn drop_owed(&self, nvme: SegmentId, key: &[u8], loc: u64, now_ms: u64) -> bool {
         self.owed_drops
             .get(&nvme)
             .is_some_and(|t| t.is_dropped(&(Box::<[u8]>::from(key), loc), now_ms))
@@ -2517,7 +2519,7 @@ impl ShardState {
                         .iter()
                         .any(|r| r.slot == nslot && r.offset == *loc)
                 });
-                if !listed && self.drop_queued(*nvme, key, *loc, now_ms) {
+                if !listed && self.drop_owed(*nvme, key, *loc, now_ms) {
                     // Reported before the node ran the Drop it is owed or
                     // was just handed (the node restarted, or reported its
                     // tier again; the master may have restarted too: what

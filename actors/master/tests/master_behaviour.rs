@@ -1621,12 +1621,18 @@ fn tiered(write_through: bool) -> (M, SegmentId) {
     assert!(
         matches!(r, A::Mounted { segment_id } if segment_id == kvpool_transport::proto::segment_id_for("nvme:host-a:/dev/x"))
     );
-    let mut dram = spec("dram", 10 * KIB, "host-a");
+    let id = mount_tiered_dram(&mut m, "dram", write_through);
+    (m, id)
+}
+
+/// Mounts a 10 KiB DRAM segment `name` of `NODE` with the tier attached.
+fn mount_tiered_dram(m: &mut M, name: &str, write_through: bool) -> SegmentId {
+    let mut dram = spec(name, 10 * KIB, "host-a");
     dram.nvme = Some(NvmeAttach {
-        segment_id: kvpool_transport::proto::segment_id_for("nvme:host-a:/dev/x"),
+        segment_id: nvme_id(),
         write_through,
     });
-    let id = match m
+    match m
         .call(Q::MountSegment {
             client_id: NODE,
             spec: dram,
@@ -1635,8 +1641,7 @@ fn tiered(write_through: bool) -> (M, SegmentId) {
     {
         A::Mounted { segment_id } => segment_id,
         other => panic!("{other:?}"),
-    };
-    (m, id)
+    }
 }
 
 fn nvme_id() -> SegmentId {
@@ -2277,21 +2282,7 @@ fn a_drop_owed_to_a_node_that_came_back_with_a_new_segment_still_goes_out() {
         segment_id: dram,
     })
     .unwrap();
-    let mut again = spec("dram-after-restart", 10 * KIB, "host-a");
-    again.nvme = Some(NvmeAttach {
-        segment_id: nvme_id(),
-        write_through: true,
-    });
-    let dram2 = match m
-        .call(Q::MountSegment {
-            client_id: NODE,
-            spec: again,
-        })
-        .unwrap()
-    {
-        A::Mounted { segment_id } => segment_id,
-        other => panic!("{other:?}"),
-    };
+    let dram2 = mount_tiered_dram(&mut m, "dram-after-restart", true);
     let recovered = NvmeUpdate::Recovered {
         key: b"k".to_vec(),
         nvme: nvme_id(),
