@@ -5,18 +5,12 @@
 
 use std::process::Command;
 
-#[test]
-fn the_client_crate_links_no_master_http_server_or_plotting() {
+/// `cargo tree <args> --prefix none`: one crate a line.
+fn cargo_tree(args: &[&str]) -> String {
     let out = Command::new(env!("CARGO"))
-        .args([
-            "tree",
-            "-p",
-            "kvpool-client",
-            "-e",
-            "normal",
-            "--prefix",
-            "none",
-        ])
+        .arg("tree")
+        .args(args)
+        .args(["--prefix", "none"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("cargo tree runs");
@@ -25,16 +19,46 @@ fn the_client_crate_links_no_master_http_server_or_plotting() {
         "cargo tree failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let tree = String::from_utf8_lossy(&out.stdout);
-    let crates: Vec<&str> = tree
-        .lines()
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The crate names of a [`cargo_tree`] listing.
+fn names(tree: &str) -> Vec<&str> {
+    tree.lines()
         .filter_map(|l| l.split_whitespace().next())
-        .collect();
+        .collect()
+}
+
+#[test]
+fn the_client_crate_links_no_master_http_server_or_plotting() {
+    let tree = cargo_tree(&["-p", "kvpool-client", "-e", "normal"]);
+    let crates = names(&tree);
     assert!(crates.contains(&"kvpool-client"), "no client in:\n{tree}");
     for banned in ["kvpool-master", "axum", "hyper", "hyper-util", "plotters"] {
         assert!(
             !crates.contains(&banned),
             "the client crate depends on {banned}:\n{tree}"
+        );
+    }
+}
+
+/// A fresh machine with only Rust and a C compiler builds the workspace
+/// (issue 27): no crate of it build-depends on a protobuf code generator,
+/// whose build scripts need an external `protoc`.
+#[test]
+fn no_crate_needs_protoc_at_build_time() {
+    let tree = cargo_tree(&["--workspace", "-e", "normal,build,dev"]);
+    let crates = names(&tree);
+    assert!(crates.contains(&"kvpool-ha"), "no kvpool-ha in:\n{tree}");
+    for banned in [
+        "prost-build",
+        "tonic-build",
+        "tonic-prost-build",
+        "protoc-bin-vendored",
+    ] {
+        assert!(
+            !crates.contains(&banned),
+            "{banned} is in the build graph: its build script needs protoc"
         );
     }
 }

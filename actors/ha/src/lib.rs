@@ -18,10 +18,12 @@
 //! * [`EtcdSource`]: a client's [`MasterSource`] for `etcd://` addresses;
 //!   [`install`] registers it for the process.
 
+mod etcd;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client as Etcd, ConnectOptions};
+use etcd::Etcd;
 use kvpool_client::leader::Resolving;
 use kvpool_client::MasterSource;
 use kvpool_master::{Fence, FenceRole, MasterHandle};
@@ -92,15 +94,14 @@ impl EtcdUrl {
         format!("kvpool/{}/state", self.name)
     }
 
-    async fn connect(&self) -> Result<Etcd, String> {
-        let opts = ConnectOptions::new().with_connect_timeout(ETCD_CALL);
-        within(Etcd::connect(self.endpoints.clone(), Some(opts)), "connect").await
+    fn connect(&self) -> Result<Etcd, String> {
+        Etcd::connect(&self.endpoints, ETCD_CALL).map_err(|e| format!("etcd connect: {e}"))
     }
 }
 
 /// `f` within [`ETCD_CALL`], its error as text naming `what`.
 async fn within<T>(
-    f: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+    f: impl std::future::Future<Output = Result<T, etcd::EtcdError>>,
     what: &str,
 ) -> Result<T, String> {
     match tokio::time::timeout(ETCD_CALL, f).await {
@@ -203,25 +204,18 @@ impl Authority {
 /// key and create revision) still stands: an error if etcd cannot be
 /// reached or another master leads.
 async fn record_state(
-    etcd: &mut Etcd,
+    etcd: &Etcd,
     cfg: &ElectionConfig,
     leader: &(Vec<u8>, i64),
     authority: &Authority,
 ) -> Result<(), String> {
-    use etcd_client::{Compare, CompareOp, Txn, TxnOp};
-    let txn = Txn::new()
-        .when(vec![Compare::create_revision(
-            leader.0.clone(),
-            CompareOp::Equal,
-            leader.1,
-        )])
-        .and_then(vec![TxnOp::put(
-            cfg.url.state_key(),
-            authority.encode(),
-            None,
-        )]);
-    let r = within(etcd.txn(txn), "write the state key").await?;
-    if r.succeeded() {
+    let put = etcd.put_while_created_at(
+        leader.0.clone(),
+        leader.1,
+        cfg.url.state_key(),
+        authority.encode(),
+    );
+    if within(put, "write the state key").await? {
         Ok(())
     } else {
         Err("this master's election key is gone: it leads no more".into())
@@ -233,11 +227,10 @@ async fn record_state(
 async fn why_not_lead(
     master: &MasterHandle,
     cfg: &ElectionConfig,
-    etcd: &mut Etcd,
+    etcd: &Etcd,
 ) -> Result<Option<String>, String> {
     let key = cfg.url.state_key();
-    let r = within(etcd.get(key.clone(), None), "get the state key").await?;
-    let Some(kv) = r.kvs().first() else {
+    let Some(kv) = within(etcd.get(key.clone()), "get the state key").await? else {
         // No master has led this cluster yet.
         return Ok(None);
     };
@@ -330,13 +323,13 @@ pub fn spawn_election(
 /// under it.
 async fn session(master: &MasterHandle, cfg: &ElectionConfig) -> Result<(), String> {
     let fence = master.fence();
-    let mut etcd = cfg.url.connect().await?;
-    wait_until_eligible(master, cfg, &mut etcd).await?;
+    let etcd = cfg.url.connect()?;
+    wait_until_eligible(master, cfg, &etcd).await?;
     let asked = Instant::now();
     let ttl_s = cfg.ttl.as_secs().max(1) as i64;
-    let lease = within(etcd.lease_grant(ttl_s, None), "lease grant").await?;
-    let id = lease.id();
-    let ended = campaign_under(master, cfg, &mut etcd, asked, &lease).await;
+    let lease = within(etcd.lease_grant(ttl_s), "lease grant").await?;
+    let id = lease.id;
+    let ended = campaign_under(master, cfg, &etcd, asked, &lease).await;
     if fence.role() == FenceRole::Leader {
         fence.depose();
     }
@@ -349,7 +342,7 @@ async fn session(master: &MasterHandle, cfg: &ElectionConfig) -> Result<(), Stri
 async fn wait_until_eligible(
     master: &MasterHandle,
     cfg: &ElectionConfig,
-    etcd: &mut Etcd,
+    etcd: &Etcd,
 ) -> Result<(), String> {
     let mut said = None;
     let name = cfg.url.election();
@@ -361,8 +354,8 @@ async fn wait_until_eligible(
             tracing::warn!("not standing for election: {why}");
             said = Some(Instant::now());
         }
-        if let Ok(r) = within(etcd.election_client().leader(name.clone()), "leader").await {
-            if let Some(v) = r.kv().and_then(|kv| kv.value_str().ok()) {
+        if let Ok(Some(kv)) = within(etcd.leader(name.clone()), "leader").await {
+            if let Some(v) = kv.value_str() {
                 master.fence().set_leader(v);
             }
         }
@@ -377,22 +370,20 @@ const ELIGIBLE_POLL: Duration = Duration::from_millis(250);
 async fn campaign_under(
     master: &MasterHandle,
     cfg: &ElectionConfig,
-    etcd: &mut Etcd,
+    etcd: &Etcd,
     asked: Instant,
-    lease: &etcd_client::LeaseGrantResponse,
+    lease: &etcd::LeaseGrantResponse,
 ) -> Result<(), String> {
     let fence: &Fence = master.fence();
-    let ttl = Duration::from_secs(lease.ttl().max(1) as u64);
-    let id = lease.id();
+    let ttl = Duration::from_secs(lease.ttl.max(1) as u64);
+    let id = lease.id;
     let margin = cfg.margin.min(ttl / 2);
     let mut valid_until = asked + ttl - margin;
     let (mut keeper, mut stream) =
         within(etcd.lease_keep_alive(id), "lease keepalive stream").await?;
     let name = cfg.url.election();
-    let mut campaigner = etcd.election_client();
-    let mut observer = etcd.election_client();
     let me = cfg.me.encode();
-    let campaign = campaigner.campaign(name.clone(), me.clone(), id);
+    let campaign = etcd.campaign(name.clone(), me.clone(), id);
     tokio::pin!(campaign);
     let mut tick = tokio::time::interval(ttl / 3);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -411,9 +402,9 @@ async fn campaign_under(
         tokio::select! {
             won = &mut campaign, if !leading => {
                 let won = won.map_err(|e| format!("etcd campaign: {e}"))?;
-                let term = won.leader().map(|k| k.rev()).unwrap_or(0).max(1) as u64;
-                if let Some(k) = won.leader() {
-                    leader_key = (k.key().to_vec(), k.rev());
+                let term = won.as_ref().map(|k| k.rev).unwrap_or(0).max(1) as u64;
+                if let Some(k) = won {
+                    leader_key = (k.key, k.rev);
                 }
                 if Instant::now() >= valid_until {
                     return Err("won the election after the lease may have run out".into());
@@ -486,11 +477,11 @@ async fn campaign_under(
                 let sent = Instant::now();
                 let renewed = tokio::time::timeout(ttl / 3, async {
                     keeper.keep_alive().await?;
-                    stream.message().await
+                    stream.message().await.map_err(etcd::EtcdError::from)
                 })
                 .await;
                 match renewed {
-                    Ok(Ok(Some(r))) if r.ttl() > 0 => {
+                    Ok(Ok(Some(r))) if r.ttl > 0 => {
                         valid_until = sent + ttl - margin;
                         fence.renew(valid_until);
                     }
@@ -503,8 +494,8 @@ async fn campaign_under(
                 }
                 if !leading {
                     // Standby: remember who leads, for refusals and /healthz.
-                    if let Ok(r) = within(observer.leader(name.clone()), "leader").await {
-                        if let Some(v) = r.kv().and_then(|kv| kv.value_str().ok()) {
+                    if let Ok(Some(kv)) = within(etcd.leader(name.clone()), "leader").await {
+                        if let Some(v) = kv.value_str() {
                             fence.set_leader(v);
                         }
                     }
@@ -517,13 +508,11 @@ async fn campaign_under(
 /// Gives the lease of a leader back when it stops cleanly, so a standby
 /// takes over at once instead of after the TTL. Best effort, bounded.
 pub async fn resign(url: &EtcdUrl) {
-    let Ok(mut etcd) = url.connect().await else {
+    let Ok(etcd) = url.connect() else {
         return;
     };
-    if let Ok(r) = within(etcd.election_client().leader(url.election()), "leader").await {
-        if let Some(lease) = r.kv().map(|kv| kv.lease()) {
-            let _ = within(etcd.lease_revoke(lease), "lease revoke").await;
-        }
+    if let Ok(Some(kv)) = within(etcd.leader(url.election()), "leader").await {
+        let _ = within(etcd.lease_revoke(kv.lease), "lease revoke").await;
     }
 }
 
@@ -548,10 +537,10 @@ impl EtcdSource {
         let unavailable = |e: String| KvError::new(ErrorCode::Unavailable, e);
         let mut slot = self.etcd.lock().await;
         if slot.is_none() {
-            *slot = Some(self.url.connect().await.map_err(unavailable)?);
+            *slot = Some(self.url.connect().map_err(unavailable)?);
         }
-        let etcd = slot.as_mut().expect("connected above");
-        let asked = within(etcd.election_client().leader(self.url.election()), "leader").await;
+        let etcd = slot.as_ref().expect("connected above");
+        let asked = within(etcd.leader(self.url.election()), "leader").await;
         let r = match asked {
             Ok(r) => r,
             Err(e) => {
@@ -560,7 +549,7 @@ impl EtcdSource {
                 return Err(unavailable(e));
             }
         };
-        let value = r.kv().and_then(|kv| kv.value_str().ok()).unwrap_or("");
+        let value = r.as_ref().and_then(|kv| kv.value_str()).unwrap_or("");
         Published::decode(value).ok_or_else(|| {
             unavailable(format!(
                 "{}: no master leads {} yet",
