@@ -18,9 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvpool_client::{Client, ClientConfig};
-use support::{full_mode, Lat};
-
-const ETCD: &str = "/usr/bin/etcd";
+use support::{full_mode, on_path, Lat};
 
 /// A free loopback port now.
 fn free_port() -> u16 {
@@ -44,13 +42,13 @@ impl Drop for Etcd {
     }
 }
 
-fn etcd() -> Etcd {
+fn etcd(bin: &str) -> Etcd {
     let (c, p) = (free_port(), free_port());
     let client = format!("127.0.0.1:{c}");
     let peer = format!("http://127.0.0.1:{p}");
     let dir = std::env::temp_dir().join(format!("kvpool-bench-etcd-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let child = Command::new(ETCD)
+    let child = Command::new(bin)
         .args(["--name", "b", "--data-dir", dir.to_str().expect("utf-8")])
         .args(["--listen-client-urls", &format!("http://{client}")])
         .args(["--advertise-client-urls", &format!("http://{client}")])
@@ -109,12 +107,12 @@ fn signal(pid: u32, sig: &str) {
 }
 
 fn main() {
-    if !std::path::Path::new(ETCD).exists() {
-        println!("skip: {ETCD} not found (apt-get install etcd-server); nothing measured");
+    let Some(etcd_bin) = on_path("etcd") else {
+        println!("skip: etcd not found on PATH (apt-get install etcd-server); nothing measured");
         return;
-    }
+    };
     let (rounds, per_round) = if full_mode() { (6, 3000) } else { (2, 100) };
-    let etcd = etcd();
+    let etcd = etcd(&etcd_bin);
     let url = format!("etcd://{}", etcd.client);
     let cfg = std::env::temp_dir().join(format!("kvpool-bench-ship-{}.toml", std::process::id()));
     std::fs::write(

@@ -572,7 +572,7 @@ fn main() {
     println!("disk: {}", disk(&dir));
     let have_fio = Command::new("fio").arg("--version").output().is_ok();
     if !have_fio {
-        println!("reference fio: not installed (apt install fio); our side only");
+        println!("skip: reference fio not found (apt-get install fio); our side only");
     }
     let plan = if full {
         Plan {

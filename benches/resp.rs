@@ -233,7 +233,7 @@ fn main() {
     );
     println!("machine: {}", support::machine());
     if !has("redis-server") || !has("redis-benchmark") || !has("redis-cli") {
-        println!("reference redis-server / redis-benchmark: not installed (apt install redis-server redis-tools); nothing measured");
+        println!("skip: reference redis-server / redis-benchmark not found (apt-get install redis-server redis-tools); nothing measured");
         return;
     }
     let rounds = if full { 5 } else { 1 };

@@ -107,7 +107,7 @@ fn main() {
     println!("reference memcpy 16MiB single thread: {memcpy:.2} GB/s");
     match support::iperf3_gbps(if full { 5 } else { 1 }) {
         Some(g) => println!("reference iperf3 loopback TCP (-l 1M): {g:.2} GB/s"),
-        None => println!("reference iperf3: not installed (apt install iperf3)"),
+        None => println!("skip: reference iperf3 not found (apt-get install iperf3)"),
     }
     drop(node);
     let _ = std::fs::remove_file(&cfg);
@@ -183,7 +183,9 @@ fn repeated_gets(rt: &tokio::runtime::Runtime, master: &str, full: bool) {
                 );
                 ratios.push(q);
             }
-            None => println!("{r:<6} {a:>11.1} {b:>13.1} {c:>11.1} (redis not installed)"),
+            None => println!(
+                "{r:<6} {a:>11.1} {b:>13.1} {c:>11.1} (skip: reference redis-server not found)"
+            ),
         }
     }
     if !ratios.is_empty() {

@@ -73,7 +73,7 @@ fn main() {
     println!("reference memcpy 16MiB single thread, source rotating over DRAM: {cold:.2} GB/s");
     match support::iperf3_gbps(if full { 5 } else { 1 }) {
         Some(g) => println!("reference iperf3 loopback TCP (-l 1M): {g:.2} GB/s"),
-        None => println!("reference iperf3: not installed (apt install iperf3)"),
+        None => println!("skip: reference iperf3 not found (apt-get install iperf3)"),
     }
     let requests = if full { 20_000 } else { 500 };
     match support::redis_benchmark(&[4 << 10, 64 << 10, 1 << 20], requests) {
@@ -92,7 +92,7 @@ fn main() {
             }
         }
         None => println!(
-            "reference redis-benchmark: not installed (apt install redis-server redis-tools)"
+            "skip: reference redis-benchmark not found (apt-get install redis-server redis-tools)"
         ),
     }
 }
@@ -178,7 +178,7 @@ fn rdma_mode(full: bool) {
                     support::size_name(size)
                 ),
                 None => println!(
-                    "reference ib_{op}_bw {}: failed or not installed (perftest)",
+                    "skip: reference ib_{op}_bw {}: failed or not found (perftest)",
                     support::size_name(size)
                 ),
             }

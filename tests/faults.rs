@@ -53,10 +53,9 @@ fn skip<T>(test: &str, why: &str) -> Option<T> {
     if netns_required() {
         panic!("{test}: {why}; KVPOOL_REQUIRE_NETNS=1 requires the fault suite to run");
     }
-    let line =
-        format!("SKIP {test}: {why} (the fault suite needs root: ip netns, iptables, tc, losetup)");
-    println!("{line}");
-    eprintln!("{line}");
+    common::say_skip(&format!(
+        "{test}: {why} (the fault suite needs root: ip netns, iptables, tc, losetup)"
+    ));
     None
 }
 
@@ -81,18 +80,13 @@ fn sh(args: &[&str]) -> String {
     try_sh(args).unwrap_or_else(|e| panic!("{e}"))
 }
 
-fn on_path(tool: &str) -> bool {
-    std::env::var_os("PATH")
-        .is_some_and(|paths| std::env::split_paths(&paths).any(|d| d.join(tool).is_file()))
-}
-
 /// The tools every test here drives, or why not.
 fn tools(test: &str, needed: &[&str]) -> Option<()> {
     if !rustix::process::geteuid().is_root() {
         return skip(test, "not root");
     }
     for t in needed {
-        if !on_path(t) {
+        if common::on_path(t).is_none() {
             return skip(test, &format!("`{t}` not found"));
         }
     }

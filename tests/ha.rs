@@ -15,8 +15,6 @@ use common::{value, Proc, Signal};
 use kvpool_client::{Client, ClientConfig, ErrorCode};
 use kvpool_transport::proto::{call, PutOptions, Tier};
 
-const ETCD: &str = "/usr/bin/etcd";
-
 /// A single-member etcd on two free loopback ports, with its data in a
 /// fresh directory; killed and removed when dropped.
 struct Etcd {
@@ -62,13 +60,15 @@ fn try_get(addr: &str, path: &str) -> Option<(u16, String)> {
 /// Starts etcd, or says why not: `None` (a printed skip) without the
 /// binary, unless KVPOOL_REQUIRE_ETCD=1.
 fn etcd() -> Option<Etcd> {
-    if !std::path::Path::new(ETCD).exists() {
+    let Some(etcd_bin) = common::on_path("etcd") else {
         if std::env::var("KVPOOL_REQUIRE_ETCD").is_ok_and(|v| v == "1") {
-            panic!("{ETCD} not found, and KVPOOL_REQUIRE_ETCD=1 requires it (apt-get install etcd-server)");
+            panic!("etcd not found on PATH, and KVPOOL_REQUIRE_ETCD=1 requires it (apt-get install etcd-server)");
         }
-        println!("skip: {ETCD} not found (apt-get install etcd-server); the HA tests did not run");
+        common::say_skip(
+            "etcd not found on PATH (apt-get install etcd-server); the HA tests did not run",
+        );
         return None;
-    }
+    };
     let base = common::fixed_addr(2);
     let port: u16 = base.rsplit_once(':').unwrap().1.parse().unwrap();
     let client = format!("127.0.0.1:{port}");
@@ -79,7 +79,7 @@ fn etcd() -> Option<Etcd> {
         rand::random::<u32>()
     ));
     let log = std::fs::File::create(dir.with_extension("log")).unwrap();
-    let child = Command::new(ETCD)
+    let child = Command::new(&etcd_bin)
         .args([
             "--name",
             "t",

@@ -849,14 +849,11 @@ fn killing_the_decode_engine_mid_stream_gives_a_whole_answer_or_an_error_event()
     );
 }
 
-/// Python with the `openai` package: `KVPOOL_PYTHON`, else the venv that
-/// .ci/run makes. `None` (after saying why) when there is none, unless
-/// `KVPOOL_REQUIRE_EXTERNAL=1`.
+/// Python with the `openai` package: `KVPOOL_PYTHON` (what .ci/run sets),
+/// else `python3` on PATH. `None` (after saying why) when it lacks the
+/// package, unless `KVPOOL_REQUIRE_EXTERNAL=1`.
 fn python_with_openai() -> Option<String> {
-    let venv = std::env::var("HOME")
-        .map(|h| format!("{h}/.cache/kvpool-venv/bin/python"))
-        .unwrap_or_default();
-    let python = std::env::var("KVPOOL_PYTHON").unwrap_or(venv);
+    let python = std::env::var("KVPOOL_PYTHON").unwrap_or_else(|_| "python3".into());
     let ok = std::process::Command::new(&python)
         .args(["-c", "import openai"])
         .output()
@@ -865,12 +862,13 @@ fn python_with_openai() -> Option<String> {
         return Some(python);
     }
     let why = format!(
-        "no python with the openai package at {python:?} (set KVPOOL_PYTHON, or run .ci/run)"
+        "python with the openai package not found ({python:?}; pip install openai, and set \
+         KVPOOL_PYTHON)"
     );
     if std::env::var("KVPOOL_REQUIRE_EXTERNAL").as_deref() == Ok("1") {
         panic!("{why}");
     }
-    println!("skip: {why}");
+    common::say_skip(&why);
     None
 }
 

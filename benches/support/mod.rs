@@ -382,3 +382,11 @@ pub fn perftest_gbps(
         .next_back()
         .map(|mbps| mbps * 1e6 / 1e9)
 }
+
+/// The path of `name` on PATH, if it is there.
+pub fn on_path(name: &str) -> Option<String> {
+    let paths = std::env::var_os("PATH")?;
+    let mut found = std::env::split_paths(&paths).map(|d| d.join(name));
+    let path = found.find(|p| p.is_file())?;
+    Some(path.to_string_lossy().into_owned())
+}

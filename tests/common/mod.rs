@@ -446,28 +446,35 @@ fn external_required() -> bool {
     std::env::var("KVPOOL_REQUIRE_EXTERNAL").is_ok_and(|v| v == "1")
 }
 
+/// Says a test did not run, and why: `skip: <why>` on stderr, written past
+/// the test harness's capture, so that a plain `cargo test` shows it.
+pub fn say_skip(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "skip: {why}");
+}
+
 /// Says a tool is missing: prints `skip: <what> not found` and returns
 /// `None`, or fails the test when `KVPOOL_REQUIRE_EXTERNAL=1`.
 fn missing<T>(what: &str) -> Option<T> {
     if external_required() {
         panic!("{what} not found, and KVPOOL_REQUIRE_EXTERNAL=1 requires it");
     }
-    println!("skip: {what} not found");
+    say_skip(&format!("{what} not found"));
     None
+}
+
+/// The path of `name` on PATH, if it is there.
+pub fn on_path(name: &str) -> Option<String> {
+    let paths = std::env::var_os("PATH")?;
+    let mut found = std::env::split_paths(&paths).map(|d| d.join(name));
+    let path = found.find(|p| p.is_file())?;
+    Some(path.to_string_lossy().into_owned())
 }
 
 /// The path of `name` on PATH (a tool nobody here wrote: redis-cli,
 /// redis-benchmark, redis-server), or a skip (see [`missing`]).
 pub fn external_tool(name: &str) -> Option<String> {
-    let found = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join(name))
-            .find(|p| p.is_file())
-    });
-    match found {
-        Some(p) => Some(p.to_string_lossy().into_owned()),
-        None => missing(name),
-    }
+    on_path(name).or_else(|| missing(name))
 }
 
 /// A Python with the `redis` package (redis-py): `KVPOOL_PYTHON` (what
