@@ -90,8 +90,6 @@ enum Cmd {
         /// state_dir`).
         #[arg(long, value_name = "DIR")]
         state_dir: Option<String>,
-        /// Role engine (and role all's two engines): a Hugging Face model
-        /// folder, `builtin:tiny` or `builtin:small`.
         /// Serve the Redis protocol (RESP2) on this address: roles all and
         /// storage add the listener; role gateway is a pool client with only
         /// it (default 127.0.0.1:6379). See `[resp]` in configs/.

@@ -191,6 +191,54 @@ fn the_example_configs_parse() {
     }
 }
 
+/// The configs README's "Several machines" starts masters with keep a state
+/// directory, so a restarted master remembers its objects by default.
+#[test]
+fn the_production_master_configs_keep_a_state_directory() {
+    for name in ["master.toml", "ha-master.toml"] {
+        let path = format!("{}/configs/{name}", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let c = kvpool_config::NodeConfig::from_toml(&text, &path).unwrap();
+        assert!(
+            !c.master.state_dir.is_empty(),
+            "{path}: [master] state_dir is empty: a restarted master forgets its objects"
+        );
+    }
+}
+
+/// `kvpool run --help` describes each flag with its own text (`--resp` once
+/// carried `--model`'s).
+#[test]
+fn run_help_describes_resp_as_the_redis_front() {
+    let child = std::process::Command::new(common::BIN)
+        .args(["run", "--help"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = common::wait_output(child, Duration::from_secs(30));
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    // One flag's lines: its own, then its description's, up to the next flag.
+    let flag = |name: &str| -> String {
+        let mut lines = help
+            .lines()
+            .skip_while(|l| !l.trim_start().starts_with(&format!("--{name} ")));
+        let head = lines
+            .next()
+            .unwrap_or_else(|| panic!("no --{name} in:\n{help}"));
+        let body: Vec<&str> = lines
+            .take_while(|l| !l.trim_start().starts_with('-'))
+            .collect();
+        format!("{head}\n{}", body.join("\n"))
+    };
+    let resp = flag("resp");
+    assert!(resp.contains("Redis"), "--resp: {resp}");
+    assert!(!resp.contains("Hugging Face"), "--resp: {resp}");
+    let model = flag("model");
+    assert!(model.contains("Hugging Face"), "--model: {model}");
+}
+
 #[test]
 fn an_unknown_key_in_any_section_of_the_example_configs_is_named() {
     for (path, text) in process_configs() {
