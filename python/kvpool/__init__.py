@@ -9,7 +9,8 @@ Every call releases the GIL while it waits on the pool. Errors raise
 ``KvpoolError``, whose ``code`` is kvpool's stable error code (``ERROR_CODES``).
 """
 
-from kvpool._native import RDMA, Client, KvpoolError
+from kvpool._errors import KvpoolError
+from kvpool._native import RDMA, Client
 from kvpool._native import ERROR_CODES as _ERROR_CODES
 
 #: Every kvpool error name and its code (``KvpoolError.code``).

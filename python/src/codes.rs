@@ -1,9 +1,8 @@
-//! Errors as Python sees them: [`KvpoolError`] for `kvpool.Client`, and the
+//! Errors as Python sees them: `kvpool.KvpoolError` for `kvpool.Client`, and the
 //! one table that turns kvpool's error codes into Mooncake's negative codes
 //! for `kvpool.mooncake`.
 
 use kvpool_transport::{ErrorCode, KvError};
-use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
 /// Mooncake's codes that the shim returns without a kvpool error behind them.
@@ -59,59 +58,28 @@ pub fn mooncake_code_table() -> Vec<(u16, &'static str, i64, &'static str)> {
         .collect()
 }
 
-/// An error from kvpool: `code` is kvpool's stable error code (see
-/// `kvpool.ERROR_CODES`), `name` its name, `message` why.
-#[pyclass(extends = PyException, module = "kvpool", name = "KvpoolError", subclass)]
-pub struct KvpoolError {
-    #[pyo3(get)]
-    code: u16,
-    #[pyo3(get)]
-    name: String,
-    #[pyo3(get)]
-    message: String,
-}
-
-#[pymethods]
-impl KvpoolError {
-    #[new]
-    fn new(code: u16, name: String, message: String) -> Self {
-        Self {
-            code,
-            name,
-            message,
-        }
-    }
-
-    fn __str__(&self) -> String {
-        format!("{} ({}): {}", self.name, self.code, self.message)
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "KvpoolError(code={}, name={:?}, message={:?})",
-            self.code, self.name, self.message
-        )
-    }
+/// The Python exception for a kvpool error: `kvpool.KvpoolError(code, name,
+/// message)`, a Python class (`kvpool/_errors.py`): under the stable ABI a
+/// native class may subclass `Exception` only from Python 3.12 on.
+fn kvpool_error<'py>(py: Python<'py>, e: &KvError) -> PyResult<Bound<'py, PyAny>> {
+    py.import("kvpool._errors")?.getattr("KvpoolError")?.call1((
+        e.code.code(),
+        e.code.name(),
+        e.message.clone(),
+    ))
 }
 
 /// The Python exception for a kvpool error.
 pub fn to_py(py: Python<'_>, e: &KvError) -> PyErr {
-    match Bound::new(
-        py,
-        KvpoolError::new(e.code.code(), e.code.name().into(), e.message.clone()),
-    ) {
-        Ok(v) => PyErr::from_value(v.into_any()),
+    match kvpool_error(py, e) {
+        Ok(v) => PyErr::from_value(v),
         Err(err) => err,
     }
 }
 
 /// The error as a Python value (for per-item batch results).
 pub fn to_py_value(py: Python<'_>, e: &KvError) -> PyResult<Py<PyAny>> {
-    let v = Bound::new(
-        py,
-        KvpoolError::new(e.code.code(), e.code.name().into(), e.message.clone()),
-    )?;
-    Ok(v.into_any().unbind())
+    Ok(kvpool_error(py, e)?.unbind())
 }
 
 /// `kvpool.ERROR_CODES`: every kvpool error name and its code.

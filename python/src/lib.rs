@@ -31,7 +31,6 @@ mod runtime;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<client::PyClient>()?;
-    m.add_class::<codes::KvpoolError>()?;
     m.add_class::<mooncake::Store>()?;
     m.add_class::<mooncake::ReplicateConfig>()?;
     m.add_class::<mooncake::BufferHandle>()?;
