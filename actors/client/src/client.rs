@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use kvpool_runtime::hash::{vshard_of, ShardMap};
 use kvpool_transport::auth::{self, ClusterKey};
+use kvpool_transport::checksum::{self, Side};
 use kvpool_transport::engine::{EngineConfig, Transfer, TransferEngine};
 use kvpool_transport::frame::{self, FrameKind};
 use kvpool_transport::pool::{ConnPool, Stream};
@@ -287,15 +288,23 @@ impl std::fmt::Debug for MemoryRegistration {
     }
 }
 
-/// A value read in place from a same-host segment, valid while its read lease
-/// lasts. [`ReadView::bytes`] refuses once the lease has (nearly) ended.
+/// A value in a same-host segment under a read lease: the mapping of each
+/// same-host DRAM replica, valid while the lease lasts.
+///
+/// A view never hands out the shared memory as the value: anyone who can
+/// write the segment (a writer behind the master's back, a bug) may change
+/// it between a check and a use. [`ReadView::read_into`] copies the bytes
+/// into the caller's memory and checks the copy against the object's
+/// checksum, piece by piece as it is made; what it returns is what was put,
+/// or `Corrupt`. It refuses once the lease has (nearly) ended.
 pub struct ReadView {
-    map: Arc<ShmMap>,
-    offset: u64,
+    /// The same-host DRAM replicas that mapped, in the order a read tries
+    /// them.
+    replicas: Vec<(Arc<ShmMap>, ReplicaDesc)>,
     len: u64,
     valid_until: Instant,
-    /// The object's checksum, when the client checks checksums.
-    checksum: Option<u64>,
+    /// Whether this client checks checksums.
+    checksums: bool,
 }
 
 impl ReadView {
@@ -312,45 +321,102 @@ impl ReadView {
         self.valid_until
     }
 
-    /// The value's bytes after checking them again against the object's
-    /// checksum (when the client checks checksums): for a view kept a while
-    /// and served again. A mismatch is `Corrupt`.
-    pub fn checked_bytes(&self) -> Result<&[u8], KvError> {
-        let b = self.bytes()?;
-        match self.checksum {
-            Some(want) if kvpool_transport::checksum::value_sum(b) != want => Err(KvError::new(
-                ErrorCode::Corrupt,
-                format!(
-                    "the bytes of segment {:016x} at {} no longer match the object's checksum",
-                    self.map.segment_id(),
-                    self.offset
-                ),
-            )),
-            _ => Ok(b),
-        }
-    }
-
-    /// The value's bytes, in the storage node's memory. Do not keep the
-    /// slice past [`ReadView::valid_until`]: after the lease the space may be
-    /// given to another object.
-    pub fn bytes(&self) -> Result<&[u8], KvError> {
+    fn live(&self) -> Result<(), KvError> {
         if Instant::now() >= self.valid_until {
             return Err(KvError::new(
                 ErrorCode::Timeout,
                 "the view's read lease has ended: get a new view",
             ));
         }
+        Ok(())
+    }
+
+    /// Copies the value into `dst` (exactly [`ReadView::len`] bytes) and
+    /// checks the copy, not the shared memory, against the object's checksum
+    /// (when this client checks checksums), trying each same-host replica in
+    /// turn: `Ok` when `dst` holds the value that was put, `Corrupt` when no
+    /// replica's copy matched (then `dst` holds other bytes: do not use
+    /// them), `Timeout` once the lease has ended.
+    pub fn read_into(&self, dst: &mut [u8]) -> Result<(), KvError> {
+        if dst.len() as u64 != self.len {
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!(
+                    "a buffer of {} bytes for a value of {}",
+                    dst.len(),
+                    self.len
+                ),
+            ));
+        }
+        let mut corrupt = None;
+        for (map, r) in &self.replicas {
+            self.live()?;
+            // SAFETY: the lease checked just above is live and the master does
+            // not reuse the space of a leased object; the slice is only read
+            // by the copy below (a writer behind the master's back can change
+            // it meanwhile: the copy is what is checked).
+            let src = unsafe { map.bytes(r.offset, self.len) }?;
+            // SAFETY: `src` is `len` readable bytes of the mapping and `dst`
+            // `len` writable bytes of the caller's memory (a `&mut`, so not
+            // the mapping); only `dst`, which nobody else writes, is hashed.
+            let sum = unsafe {
+                checksum::copy_and_sum(dst.as_mut_ptr(), src.as_ptr(), dst.len(), Side::Dst)
+            };
+            match r.checksum.filter(|_| self.checksums) {
+                Some(want) if want != sum => {
+                    tracing::warn!(
+                        segment = format!("{:016x}", r.segment_id),
+                        offset = r.offset,
+                        len = r.len,
+                        "a view's copy does not match the object's checksum"
+                    );
+                    corrupt = Some(KvError::new(
+                        ErrorCode::Corrupt,
+                        format!(
+                            "the bytes of segment {:016x} at {} do not match the object's checksum",
+                            r.segment_id, r.offset
+                        ),
+                    ));
+                }
+                _ => return Ok(()),
+            }
+        }
+        Err(corrupt
+            .unwrap_or_else(|| KvError::new(ErrorCode::Unavailable, "the view holds no replica")))
+    }
+
+    /// The value, copied and checked as [`ReadView::read_into`] does.
+    pub fn read(&self) -> Result<Vec<u8>, KvError> {
+        let mut v = vec![0u8; self.len as usize];
+        self.read_into(&mut v)?;
+        Ok(v)
+    }
+
+    /// The first replica's bytes in the node's memory as they are now,
+    /// unchecked: for tests and diagnostics that look at the memory itself.
+    /// Never hand them on as the value (use [`ReadView::read_into`]); do not
+    /// keep the slice past [`ReadView::valid_until`].
+    pub fn unchecked_bytes(&self) -> Result<&[u8], KvError> {
+        self.live()?;
+        let (map, r) = self
+            .replicas
+            .first()
+            .ok_or_else(|| KvError::new(ErrorCode::Unavailable, "the view holds no replica"))?;
         // SAFETY: the lease checked just above is live, and the master does
         // not reuse the space of a leased object.
-        unsafe { self.map.bytes(self.offset, self.len) }
+        unsafe { map.bytes(r.offset, self.len) }
     }
 }
 
 impl std::fmt::Debug for ReadView {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let at: Vec<String> = self
+            .replicas
+            .iter()
+            .map(|(_, r)| format!("{:016x}@{}", r.segment_id, r.offset))
+            .collect();
         f.debug_struct("ReadView")
-            .field("segment", &format_args!("{:016x}", self.map.segment_id()))
-            .field("offset", &self.offset)
+            .field("replicas", &at)
             .field("len", &self.len)
             .field("valid_until", &self.valid_until)
             .finish()
@@ -1348,12 +1414,12 @@ impl Client {
         r
     }
 
-    /// A view of the value under `key` in place, in the memory of a storage
-    /// node on this host (no copy), valid while its read lease lasts. Its
-    /// bytes are checked against the object's checksum first (when this
-    /// client checks checksums): `Corrupt` if no same-host replica matches.
-    /// `Unavailable` when no DRAM replica is on this host or shared memory
-    /// cannot be used.
+    /// A view of the value under `key` in the memory of a storage node on
+    /// this host, valid while its read lease lasts: one lookup, then reads
+    /// that copy the bytes from shared memory and check the copy
+    /// ([`ReadView::read_into`]: `Corrupt` if no same-host replica's copy
+    /// matches). `Unavailable` when no DRAM replica is on this host or shared
+    /// memory cannot be used.
     pub async fn get_view(&self, key: &[u8]) -> Result<ReadView, KvError> {
         self.deadline("get_view", async {
             let granted = Instant::now();
@@ -1366,8 +1432,8 @@ impl Client {
     /// Views of several values in place (see [`Client::get_view`]), from one
     /// batch lookup; one result per key, in order: `ObjectNotFound`,
     /// `ReplicaNotReady` (still being put), `Unavailable` (no replica that
-    /// can be mapped on this host: read it with [`Client::batch_get`]),
-    /// `Corrupt`, or the view.
+    /// can be mapped on this host: read it with [`Client::batch_get`]), or
+    /// the view.
     pub async fn batch_get_view(
         &self,
         keys: &[&[u8]],
@@ -1394,41 +1460,36 @@ impl Client {
         .await
     }
 
-    /// The first same-host DRAM replica of `replicas` that maps and whose
-    /// bytes match the object's checksum, as a view under the lease granted
-    /// at `granted`.
+    /// A view of the same-host DRAM replicas of `replicas` that map, under
+    /// the lease granted at `granted`. Reading it checks the bytes
+    /// ([`ReadView::read_into`]).
     async fn view_of(
         &self,
         replicas: &[ReplicaDesc],
         granted: Instant,
     ) -> Result<ReadView, KvError> {
-        let mut corrupt = None;
+        let mut mapped = Vec::new();
         let local = replicas
             .iter()
             .filter(|r| r.tier == Tier::Dram && r.host_id == self.inner.host_id);
         for r in local {
-            let Some(map) = self.inner.engine.shm_map(r).await else {
-                continue;
-            };
-            let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
-            let view = ReadView {
-                map,
-                offset: r.offset,
-                len: r.len,
-                valid_until: granted + lease.saturating_sub(VIEW_MARGIN),
-                checksum: r.checksum.filter(|_| self.inner.cfg.checksums),
-            };
-            match self.inner.engine.verify(r, view.bytes()?, None) {
-                Ok(()) => return Ok(view),
-                Err(e) => corrupt = Some(e),
+            if let Some(map) = self.inner.engine.shm_map(r).await {
+                mapped.push((map, r.clone()));
             }
         }
-        Err(corrupt.unwrap_or_else(|| {
-            KvError::new(
+        let Some(len) = mapped.first().map(|(_, r)| r.len) else {
+            return Err(KvError::new(
                 ErrorCode::Unavailable,
                 "no replica of this object can be mapped on this host",
-            )
-        }))
+            ));
+        };
+        let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
+        Ok(ReadView {
+            replicas: mapped,
+            len,
+            valid_until: granted + lease.saturating_sub(VIEW_MARGIN),
+            checksums: self.inner.cfg.checksums,
+        })
     }
 
     /// Reads through a remembered replica list; on any failure the entry is

@@ -11,7 +11,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpool_client::ReadView;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
@@ -113,27 +112,26 @@ impl Drop for Held {
     }
 }
 
+/// The error reply when the buffer budget cannot hold what a reply needs.
+pub(crate) const BUDGET_SPENT: &str =
+    "ERR the RESP front's buffer memory is spent (resp.max_buffer_memory); try again";
+
 fn budget_spent() -> Close {
-    Close::Reply(
-        "ERR the RESP front's buffer memory is spent (resp.max_buffer_memory); try again".into(),
-    )
+    Close::Reply(BUDGET_SPENT.into())
 }
 
-/// A value in a reply that is not in the reply's byte buffer.
-pub(crate) enum Part {
-    /// In a same-host storage node's memory, under a read lease.
-    View(Arc<ReadView>),
-    /// Read from another host; its memory is held from the budget until
-    /// the reply is sent.
-    Owned { value: Vec<u8>, _held: Held },
+/// A value in a reply that is not in the reply's byte buffer: a checked copy
+/// (from a same-host segment through a [`kvpool_client::ReadView`], or read
+/// from another host), its memory held from the budget until the reply is
+/// sent. Never the shared memory itself: what was checked is what is sent.
+pub(crate) struct Part {
+    pub value: Vec<u8>,
+    pub _held: Held,
 }
 
 impl Part {
     fn len(&self) -> usize {
-        match self {
-            Part::View(v) => v.len() as usize,
-            Part::Owned { value, .. } => value.len(),
-        }
+        self.value.len()
     }
 }
 
@@ -167,25 +165,15 @@ impl Out {
         self.bytes.len() as u64 + self.part_bytes
     }
 
-    /// The `k`th piece to write: bytes between parts, or a part. A view
-    /// whose lease has (nearly) ended is an error: its space may be given to
-    /// another object, and those bytes must never reach the client.
-    fn piece(&self, k: usize) -> Result<&[u8], Close> {
+    /// The `k`th piece to write: bytes between parts, or a part.
+    fn piece(&self, k: usize) -> &[u8] {
         let i = k / 2;
         if k.is_multiple_of(2) {
             let from = if i == 0 { 0 } else { self.parts[i - 1].0 };
             let to = self.parts.get(i).map_or(self.bytes.len(), |p| p.0);
-            return Ok(&self.bytes[from..to]);
+            return &self.bytes[from..to];
         }
-        match &self.parts[i].1 {
-            Part::View(v) => v.bytes().map_err(|e| {
-                tracing::warn!(
-                    "a RESP reply outlived its read lease ({e}); closing the connection"
-                );
-                Close::Quiet("the read lease of a value ended before the client took it")
-            }),
-            Part::Owned { value, .. } => Ok(value),
-        }
+        &self.parts[i].1.value
     }
 
     fn piece_len(&self, k: usize) -> usize {
@@ -426,14 +414,11 @@ impl Conn {
                     ))
                 }
             }
-            // The slices are made (each view's lease checked) right before
-            // the one non-blocking writev that copies them: a view is never
-            // read after its lease, however long the client makes us wait.
             let written = {
                 let mut slices: Vec<std::io::IoSlice<'_>> = Vec::with_capacity(MAX_IOV);
                 let mut k = at.0;
                 while k < total && slices.len() < MAX_IOV {
-                    let p = self.out.piece(k)?;
+                    let p = self.out.piece(k);
                     let p = if k == at.0 { &p[at.1..] } else { p };
                     if !p.is_empty() {
                         slices.push(std::io::IoSlice::new(p));

@@ -14,7 +14,7 @@ use kvpool_transport::{ErrorCode, KvError};
 
 use crate::cache::Epoch;
 use crate::commands::{Cmd, SPECS};
-use crate::conn::{Close, Conn, Held, Part, FLUSH_AT};
+use crate::conn::{Close, Conn, Held, Part, BUDGET_SPENT, FLUSH_AT};
 use crate::proto::{parse_int, reply, Parser};
 
 /// The pool's longest key.
@@ -204,13 +204,15 @@ impl Conn {
                 out.push(Some(Fetched::Error(e)));
                 continue;
             }
-            match cache.get(k) {
-                Some(v) if v.checked_bytes().is_ok() => {
-                    out.push(Some(Fetched::Value(Part::View(v))));
-                    continue;
+            if let Some(v) = cache.get(k) {
+                match self.read_view(&v) {
+                    Ok(f) => {
+                        out.push(Some(f));
+                        continue;
+                    }
+                    // Its lease ended, or its bytes changed: look it up again.
+                    Err(_) => cache.forget(k),
                 }
-                Some(_) => cache.forget(k),
-                None => {}
             }
             out.push(None);
             looked.push(k);
@@ -238,12 +240,18 @@ impl Conn {
             .collect();
         let mut remote: Vec<usize> = Vec::new();
         for (r, &i) in views.into_iter().zip(&ask_at) {
-            out[i] = match r {
-                Ok(v) => Some(Fetched::Value(Part::View(v))),
+            out[i] = match r.and_then(|v| self.read_view(&v)) {
+                Ok(f) => Some(f),
                 Err(e) if is_miss(&e) => Some(Fetched::Nil),
-                // No replica here (or a corrupt one): read it from a node
-                // that has one, as any client would.
-                Err(e) if matches!(e.code, ErrorCode::Unavailable | ErrorCode::Corrupt) => {
+                // No replica here, or no same-host copy that checks: read it
+                // from a node that has one, as any client would.
+                Err(e)
+                    if matches!(
+                        e.code,
+                        ErrorCode::Unavailable | ErrorCode::Corrupt | ErrorCode::Timeout
+                    ) =>
+                {
+                    cache.forget(keys[i]);
                     remote.push(i);
                     None
                 }
@@ -261,15 +269,12 @@ impl Conn {
                     Ok(v) => {
                         let mut held = Held::none(&self.ctx.shared);
                         if held.grow(v.len() as u64) {
-                            Fetched::Value(Part::Owned {
+                            Fetched::Value(Part {
                                 value: v,
                                 _held: held,
                             })
                         } else {
-                            Fetched::Error(
-                                "ERR the RESP front's buffer memory is spent (resp.max_buffer_memory); try again"
-                                    .into(),
-                            )
+                            Fetched::Error(BUDGET_SPENT.into())
                         }
                     }
                     Err(e) if is_miss(&e) => Fetched::Nil,
@@ -280,6 +285,19 @@ impl Conn {
         out.into_iter()
             .map(|f| f.expect("every key answered"))
             .collect()
+    }
+
+    /// The value under `v`, copied out of the shared segment and checked
+    /// (the copy is what the reply sends: a writer that changes the segment
+    /// after the check cannot reach the client), its memory held from the
+    /// budget. `Err` when the lease ended or no copy checked.
+    fn read_view(&self, v: &ReadView) -> Result<Fetched, KvError> {
+        let mut held = Held::none(&self.ctx.shared);
+        if !held.grow(v.len()) {
+            return Ok(Fetched::Error(BUDGET_SPENT.into()));
+        }
+        let value = v.read()?;
+        Ok(Fetched::Value(Part { value, _held: held }))
     }
 
     /// One command other than GET (whose arity and auth are checked).

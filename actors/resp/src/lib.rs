@@ -25,10 +25,12 @@
 //! Why this and not connections on the glommio shards: docs/ARCHITECTURE.md,
 //! "RESP front".
 //!
-//! Values: a `GET` is answered from a [`kvpool_client::ReadView`] (the bytes
-//! in the node's memory, checked against the object's checksum, written to
-//! the socket from there under the read lease); values on other hosts are
-//! read into memory first. A `SET` replaces the value atomically.
+//! Values: a `GET` of a value on this host is answered through a
+//! [`kvpool_client::ReadView`]: its bytes are copied out of the node's shared
+//! memory and the copy is checked against the object's checksum, then the
+//! copy is sent (never the shared memory, which a writer could change after
+//! the check); values on other hosts are read by the client, which checks
+//! what it receives. A `SET` replaces the value atomically.
 
 mod cache;
 mod commands;
