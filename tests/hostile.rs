@@ -702,6 +702,52 @@ fn overwrite(addr: &str, segment_id: u64, offset: u64, len: usize, byte: u8) {
     assert_eq!(hdr.kind, FrameKind::DataResponse, "the raw write landed");
 }
 
+/// Issue 29 (2): in an open cluster (no secret), one data-port Read whose
+/// grant says term 2^63 (with a zero MAC: nothing to check it against) does
+/// not fence the node: gets and puts of legitimate clients go on. (It was
+/// recorded as the newest leader's term, and every later get and put was
+/// `NotLeader` until the node restarted.)
+#[test]
+fn one_packet_with_a_huge_unsigned_term_does_not_fence_a_storage_node() {
+    let node = start(
+        "all",
+        &args(&common::ephemeral(&["--segment-size", "64MiB"])),
+    );
+    let rt = common::rt();
+    rt.block_on(async {
+        let cfg = ClientConfig {
+            transport: kvpool_config::Transport::Tcp,
+            ..Default::default()
+        };
+        let c = Client::connect(&node.addr, cfg).await.unwrap();
+        let v = value(3, 10_000);
+        c.put(b"before", &v).await.unwrap();
+        let rep = c.describe(b"before").await.unwrap().replicas[0].clone();
+        let mut s = TcpStream::connect(rep.endpoint.shard_addr(rep.data_shard())).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let req = frame::encode(
+            FrameKind::DataRequest,
+            9,
+            &kvpool_transport::proto::DataRequest::Read {
+                segment_id: rep.segment_id,
+                offset: rep.offset,
+                len: 1,
+                grant: kvpool_transport::auth::Grant {
+                    term: 1 << 63,
+                    ..Default::default()
+                },
+            },
+        );
+        s.write_all(&req).unwrap();
+        let mut head = [0u8; HEADER_LEN];
+        s.read_exact(&mut head).unwrap();
+        drop(s);
+        assert_eq!(c.get(b"before").await.unwrap(), v, "a get after the packet");
+        c.put(b"after", &v).await.expect("a put after the packet");
+        assert_eq!(c.get(b"after").await.unwrap(), v);
+    });
+}
+
 /// One RESP GET on a raw socket: `Ok(value)` for a bulk reply, `Err(line)`
 /// for an error reply.
 fn resp_get(addr: &str, key: &[u8]) -> Result<Vec<u8>, String> {

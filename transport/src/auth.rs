@@ -58,7 +58,8 @@ pub enum GrantOp {
 /// key; 0 for a master without an election). A storage node refuses a
 /// grant of a term older than one it has seen, so a deposed leader's grants
 /// stop working once the new leader's first grant reached the node. `mac`
-/// is zero in an open cluster (the term is still carried and checked).
+/// is zero in an open cluster, where the term is carried but neither
+/// recorded nor checked (nothing signs it).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Grant {
     pub op: u8,

@@ -28,10 +28,21 @@ pub struct DataGate<'a> {
     pub term: &'a AtomicU64,
 }
 
-/// Checks `grant`'s term against the newest one `seen` and records it. Called
-/// only after the grant's signature was checked (so a forged term cannot
-/// fence the real leader out). `NotLeader` for a grant of an older term.
-pub fn check_term(seen: &AtomicU64, grant: &Grant) -> Result<(), KvError> {
+/// Checks `grant`'s term against the newest one `seen` and records it, when
+/// the grant's signature was checked (`key` is the cluster secret, `Some`
+/// only after the caller verified the grant with it): `NotLeader` for a
+/// grant of an older term. Without a secret nothing signs the term, so it
+/// is neither recorded nor checked: one packet with term 2^63 would
+/// otherwise fence every legitimate get and put until a restart (issue 29).
+/// An open cluster is fenced by the masters' lease deadline alone.
+pub fn check_term(
+    seen: &AtomicU64,
+    grant: &Grant,
+    key: Option<&ClusterKey>,
+) -> Result<(), KvError> {
+    if key.is_none() {
+        return Ok(());
+    }
     let newest = seen.fetch_max(grant.term, Ordering::AcqRel);
     if grant.term < newest {
         return Err(KvError::new(
@@ -64,8 +75,8 @@ impl DataGate<'_> {
     /// the segment (so the shard may slice it), a `ReadNvme` names this
     /// shard's region of this node's tier, an RDMA `Connect` names this
     /// segment; with a cluster secret, each carries a live grant for it.
-    /// Last, a grant of an older master term than this node has seen is
-    /// refused (`NotLeader`).
+    /// Last, with a cluster secret, a grant of an older master term than
+    /// this node has seen is refused (`NotLeader`).
     pub fn admit(&self, req: &DataRequest, clock: GrantClock) -> Result<(), Refused> {
         self.admit_signed(req, clock)?;
         let grant = match req {
@@ -78,7 +89,7 @@ impl DataGate<'_> {
             } => grant,
             DataRequest::Rdma { .. } => return Ok(()),
         };
-        check_term(self.term, grant).map_err(|error| Refused { error, auth: true })
+        check_term(self.term, grant, self.key).map_err(|error| Refused { error, auth: true })
     }
 
     fn admit_signed(&self, req: &DataRequest, clock: GrantClock) -> Result<(), Refused> {
@@ -173,5 +184,45 @@ impl DataGate<'_> {
             None => Ok(()),
             Some(k) => check(k).map_err(|error| Refused { error, auth: true }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant(term: u64) -> Grant {
+        Grant {
+            op: 0,
+            offset: 0,
+            len: 0,
+            expires_ms: 0,
+            term,
+            mac: [0; 16],
+        }
+    }
+
+    /// Without a secret an unsigned term raises nothing: a grant of term
+    /// 2^63 fences nobody (issue 29: it made every later get and put
+    /// `NotLeader` until the node restarted).
+    #[test]
+    fn an_unsigned_term_fences_nothing() {
+        let seen = AtomicU64::new(0);
+        check_term(&seen, &grant(1 << 63), None).unwrap();
+        assert_eq!(seen.load(Ordering::Relaxed), 0);
+        check_term(&seen, &grant(0), None).unwrap();
+    }
+
+    /// With a secret (the grant's signature checked by the caller) the
+    /// newest term is kept and older ones are refused.
+    #[test]
+    fn a_signed_older_term_is_refused() {
+        let key = ClusterKey::new(b"0123456789abcdef0123").unwrap();
+        let seen = AtomicU64::new(0);
+        check_term(&seen, &grant(5), Some(&key)).unwrap();
+        assert_eq!(seen.load(Ordering::Relaxed), 5);
+        let e = check_term(&seen, &grant(4), Some(&key)).unwrap_err();
+        assert_eq!(e.code, ErrorCode::NotLeader);
+        check_term(&seen, &grant(6), Some(&key)).unwrap();
     }
 }

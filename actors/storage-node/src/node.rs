@@ -266,7 +266,7 @@ pub fn spawn_shm_server(
                 Some(k) => k.check_segment_access(&grant, id, GrantClock::now(skew_ms)),
                 None => Ok(()),
             }
-            .and_then(|()| crate::gate::check_term(&term, &grant));
+            .and_then(|()| crate::gate::check_term(&term, &grant, key.as_ref()));
             if let Err(e) = checked {
                 let mut r = refusals.lock().unwrap_or_else(|p| p.into_inner());
                 r.refused(&e);
