@@ -702,6 +702,68 @@ fn an_unprotected_resp_listener_beyond_loopback_stops_start_up() {
     );
 }
 
+/// Issue 29 (3): in a cluster with a secret the RESP front is inside the
+/// trust model. Without `resp.requirepass` it refuses to start, saying so
+/// (and claims no open front); with one, redis-cli gets nothing without
+/// AUTH and everything with it.
+#[test]
+fn with_a_cluster_secret_the_resp_front_needs_a_password() {
+    let Some(cli) = common::external_tool("redis-cli") else {
+        return;
+    };
+    let secret = "0123456789abcdef0123456789abcdef";
+    let child = Command::new(common::BIN)
+        .args([
+            "run",
+            "--no-serving",
+            "--segment-size",
+            "64MiB",
+            "--resp",
+            "127.0.0.1:0",
+        ])
+        .args(common::ephemeral(&[]))
+        .env("KVPOOL_SECRET", secret)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = common::wait_output(child, Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "started without a password: {err}");
+    assert!(
+        err.contains("resp.requirepass") && err.contains("secret"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("IS OPEN"),
+        "a warning that is not true: {err}"
+    );
+
+    let dir = common::scratch_dir("resp-secret");
+    let cfg = common::write_config(&dir, "resp.toml", "[resp]\nrequirepass = \"opensesame\"\n");
+    let mut args: Vec<&str> =
+        common::ephemeral(&["--segment-size", "64MiB", "--resp", "127.0.0.1:0"]);
+    args.extend(["--config", cfg.as_str()]);
+    let p = common::start_env("all", &args, &[("KVPOOL_SECRET", secret)]);
+    let port = port_of(&p.resp).to_string();
+    let rc = |auth: bool, args: &[&str]| {
+        let mut c = Command::new(&cli);
+        c.args(["-p", &port]);
+        if auth {
+            c.args(["-a", "opensesame", "--no-auth-warning"]);
+        }
+        c.args(args);
+        let (_, out, err) = run_tool(&mut c, None, Duration::from_secs(30));
+        format!("{}{err}", String::from_utf8_lossy(&out))
+    };
+    for cmd in [&["set", "k", "v"][..], &["get", "k"], &["flushall"]] {
+        let got = rc(false, cmd);
+        assert!(got.contains("NOAUTH"), "{cmd:?} without AUTH: {got}");
+    }
+    assert_eq!(rc(true, &["set", "k", "v"]), "OK\n");
+    assert_eq!(rc(true, &["get", "k"]), "v\n");
+}
+
 #[test]
 fn auth_gates_every_command_and_flushall_empties_the_pool() {
     let p = pool_with_resp(Some("[resp]\nrequirepass = \"opensesame\"\n"), &[]);

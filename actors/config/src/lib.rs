@@ -951,9 +951,20 @@ impl RespConfig {
         }
     }
 
-    /// Refuses an unprotected listener beyond loopback: without a password,
-    /// anyone who reaches the port could read, write and flush the pool.
-    pub fn check_exposure(&self, listen: &str) -> Result<(), String> {
+    /// Refuses a front without a password in a cluster with a secret
+    /// (`cluster_secret`): every other port of such a cluster proves its
+    /// peers hold the secret, and a front open to anyone would read, write
+    /// and FLUSHALL its pool for them (issue 29), on loopback too. Without a
+    /// secret, refuses an unprotected listener beyond loopback.
+    pub fn check_exposure(&self, listen: &str, cluster_secret: bool) -> Result<(), String> {
+        if cluster_secret && self.requirepass.is_empty() {
+            return Err(format!(
+                "key `resp.requirepass`: the cluster has a secret ([security] secret or \
+                 KVPOOL_SECRET), and the RESP front on {listen} has no password: anyone who \
+                 reaches it could read, write and FLUSHALL the pool. Set resp.requirepass \
+                 (clients then AUTH with it)"
+            ));
+        }
         if self.requirepass.is_empty() && self.protected_mode && !is_loopback(listen) {
             return Err(format!(
                 "key `resp.listen`: {listen} is beyond loopback and `resp.requirepass` is \
@@ -1103,14 +1114,33 @@ mod tests {
     #[test]
     fn an_open_resp_listener_beyond_loopback_is_refused_unless_asked_for() {
         let mut r = RespConfig::default();
-        assert!(r.check_exposure("127.0.0.1:6379").is_ok());
-        let e = r.check_exposure("0.0.0.0:6379").unwrap_err();
+        assert!(r.check_exposure("127.0.0.1:6379", false).is_ok());
+        let e = r.check_exposure("0.0.0.0:6379", false).unwrap_err();
         assert!(e.contains("resp.requirepass"), "{e}");
         r.requirepass = "a password".into();
-        assert!(r.check_exposure("0.0.0.0:6379").is_ok());
+        assert!(r.check_exposure("0.0.0.0:6379", false).is_ok());
         r.requirepass.clear();
         r.protected_mode = false;
-        assert!(r.check_exposure("0.0.0.0:6379").is_ok());
+        assert!(r.check_exposure("0.0.0.0:6379", false).is_ok());
+    }
+
+    /// Issue 29 (3): with a cluster secret the front needs a password, on
+    /// loopback and with protected_mode off too.
+    #[test]
+    fn a_resp_front_without_a_password_is_refused_in_a_cluster_with_a_secret() {
+        let mut r = RespConfig::default();
+        for listen in ["127.0.0.1:6379", "0.0.0.0:6379"] {
+            for protected in [true, false] {
+                r.protected_mode = protected;
+                let e = r.check_exposure(listen, true).unwrap_err();
+                assert!(
+                    e.contains("resp.requirepass") && e.contains("secret"),
+                    "{e}"
+                );
+            }
+        }
+        r.requirepass = "a password".into();
+        assert!(r.check_exposure("0.0.0.0:6379", true).is_ok());
     }
 
     #[test]

@@ -141,7 +141,7 @@ const HANDOFF_DEPTH: usize = 256;
 pub async fn start(opts: RespOptions) -> Result<RespServer, RespError> {
     let cfg = opts.cfg;
     cfg.validate().map_err(RespError::Config)?;
-    cfg.check_exposure(&opts.listen)
+    cfg.check_exposure(&opts.listen, !opts.client.secret.is_empty())
         .map_err(RespError::Config)?;
     let n = opts.threads.max(1);
     let (addr, mut listeners) = kvpool_runtime::net::bind_sharded(&opts.listen, 1)
