@@ -90,7 +90,7 @@ enum Cmd {
         /// state_dir`).
         #[arg(long, value_name = "DIR")]
         state_dir: Option<String>,
-        /// Serve the Redis protocol (RESP2) on this address: roles all and
+        /// Serve the Redis protocol (RESP2 and RESP3) on this address: roles all and
         /// storage add the listener; role gateway is a pool client with only
         /// it (default 127.0.0.1:6379). See `[resp]` in configs/.
         #[arg(long, value_name = "HOST:PORT")]

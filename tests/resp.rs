@@ -40,6 +40,10 @@ enum Reply {
     Int(i64),
     Bulk(Option<Vec<u8>>),
     Array(Option<Vec<Reply>>),
+    /// RESP3's `_`.
+    Null,
+    /// RESP3's `%`.
+    Map(Vec<(Reply, Reply)>),
 }
 
 /// A raw RESP connection (for requests no client library sends).
@@ -96,6 +100,11 @@ impl Raw {
                     return Reply::Array(None);
                 }
                 Reply::Array(Some((0..n).map(|_| self.reply()).collect()))
+            }
+            "_" => Reply::Null,
+            "%" => {
+                let n: usize = rest.parse().unwrap();
+                Reply::Map((0..n).map(|_| (self.reply(), self.reply())).collect())
             }
             _ => panic!("bad reply line {l:?}"),
         }
@@ -297,19 +306,28 @@ fn redis_py_mget_mset_auth_binary_keys_and_pipelines() {
         return;
     };
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/resp/redis_py.py");
-    // Without a password, then with one.
+    let run = |port: &str, password: Option<&str>, protocol: &str| {
+        let mut c = Command::new(&py);
+        c.args([script, port])
+            .args(password)
+            .env("REDIS_PROTOCOL", protocol);
+        let (st, out, err) = run_tool(&mut c, None, Duration::from_secs(180));
+        let out = String::from_utf8_lossy(&out).into_owned();
+        assert_eq!(st, 0, "RESP{protocol}: {out}{err}");
+        assert!(out.starts_with("ok: "), "{out}");
+        println!("redis-py, protocol {protocol}: {}", out.trim());
+    };
+    // Without a password, then with one; RESP2, RESP3, and what this
+    // redis-py asks for by itself (RESP3 from redis-py 8 on).
     let open = pool_with_resp(None, &[]);
-    let mut c = Command::new(&py);
-    c.args([script, port_of(&open.resp)]);
-    let (st, out, err) = run_tool(&mut c, None, Duration::from_secs(180));
-    assert_eq!(st, 0, "{}{err}", String::from_utf8_lossy(&out));
-    assert!(String::from_utf8_lossy(&out).starts_with("ok: "));
+    for protocol in ["2", "3", "default"] {
+        run(port_of(&open.resp), None, protocol);
+    }
     drop(open);
     let locked = pool_with_resp(Some("[resp]\nrequirepass = \"s3cret pass\"\n"), &[]);
-    let mut c = Command::new(&py);
-    c.args([script, port_of(&locked.resp), "s3cret pass"]);
-    let (st, out, err) = run_tool(&mut c, None, Duration::from_secs(180));
-    assert_eq!(st, 0, "{}{err}", String::from_utf8_lossy(&out));
+    for protocol in ["2", "default"] {
+        run(port_of(&locked.resp), Some("s3cret pass"), protocol);
+    }
 }
 
 #[test]
@@ -800,9 +818,25 @@ fn auth_gates_every_command_and_flushall_empties_the_pool() {
     let mut other = Raw::connect(&p.resp);
     assert_eq!(other.cmd(&[b"AUTH", b"default", b"opensesame"]), ok());
     assert_eq!(
-        other.cmd(&[b"HELLO", b"3"]),
+        other.cmd(&[b"HELLO", b"4"]),
         Reply::Error("NOPROTO unsupported protocol version".into())
     );
+    // RESP3 after HELLO 3 (redis-py 8's first command): a map, `_` nulls;
+    // HELLO 2 goes back.
+    let Reply::Map(hello) = other.cmd(&[b"HELLO", b"3"]) else {
+        panic!("HELLO 3 answered no map");
+    };
+    assert!(
+        hello.contains(&(bulk(b"proto"), Reply::Int(3))),
+        "{hello:?}"
+    );
+    assert_eq!(other.cmd(&[b"GET", b"f1"]), Reply::Null);
+    assert_eq!(other.cmd(&[b"CLIENT", b"GETNAME"]), Reply::Null);
+    let Reply::Array(Some(hello)) = other.cmd(&[b"HELLO", b"2"]) else {
+        panic!("HELLO 2 answered no array");
+    };
+    assert_eq!(hello[5], Reply::Int(2));
+    assert_eq!(other.cmd(&[b"GET", b"f1"]), Reply::Bulk(None));
     assert_eq!(other.cmd(&[b"CLIENT", b"SETNAME", b"me"]), ok());
     assert_eq!(other.cmd(&[b"CLIENT", b"GETNAME"]), bulk(b"me"));
     assert_eq!(other.cmd(&[b"SELECT", b"0"]), ok());

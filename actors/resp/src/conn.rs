@@ -207,6 +207,8 @@ pub(crate) struct Conn {
     pub name: Option<Vec<u8>>,
     pub lib_name: Option<Vec<u8>>,
     pub lib_ver: Option<Vec<u8>>,
+    /// Replies in RESP3 (after `HELLO 3`), RESP2 otherwise.
+    pub resp3: bool,
     pub quit: bool,
     pub out: Out,
     stream: TcpStream,
@@ -222,6 +224,7 @@ pub(crate) async fn serve(stream: TcpStream, ctx: Rc<ThreadCtx>, _open: OpenGuar
         name: None,
         lib_name: None,
         lib_ver: None,
+        resp3: false,
         quit: false,
         out: Out::new(),
         stream,

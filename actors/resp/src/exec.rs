@@ -183,7 +183,7 @@ impl Conn {
     fn put_fetched(&mut self, f: Fetched) {
         match f {
             Fetched::Value(part) => self.out.bulk_part(part),
-            Fetched::Nil => reply::nil(&mut self.out.bytes),
+            Fetched::Nil => reply::nil(&mut self.out.bytes, self.resp3),
             Fetched::Error(e) => reply::error(&mut self.out.bytes, &e),
         }
     }
@@ -385,9 +385,11 @@ impl Conn {
 
     /// `HELLO [2 [AUTH user pass] [SETNAME name]]`: RESP2 only.
     fn hello(&mut self, args: &[&[u8]]) {
+        let mut resp3 = self.resp3;
         if let Some(v) = args.first() {
             match parse_int(v) {
-                Some(2) => {}
+                Some(2) => resp3 = false,
+                Some(3) => resp3 = true,
                 Some(_) => {
                     return reply::error(
                         &mut self.out.bytes,
@@ -435,14 +437,17 @@ impl Conn {
             }
             self.name = (!n.is_empty()).then(|| n.to_vec());
         }
+        // The protocol changes with this reply (Redis answers HELLO 3 in
+        // RESP3).
+        self.resp3 = resp3;
         let o = &mut self.out.bytes;
-        reply::array(o, 14);
+        reply::map(o, 7, resp3);
         for (k, v) in [("server", "redis"), ("version", crate::info::REDIS_VERSION)] {
             reply::bulk(o, k.as_bytes());
             reply::bulk(o, v.as_bytes());
         }
         reply::bulk(o, b"proto");
-        reply::int(o, 2);
+        reply::int(o, if resp3 { 3 } else { 2 });
         reply::bulk(o, b"id");
         reply::int(o, self.id as i64);
         for (k, v) in [("mode", "standalone"), ("role", "master")] {
@@ -471,7 +476,7 @@ impl Conn {
         } else if is("GETNAME") && args.len() == 1 {
             match &self.name {
                 Some(n) => reply::bulk(o, n),
-                None => reply::nil(o),
+                None => reply::nil(o, self.resp3),
             }
         } else if is("SETINFO") && args.len() == 3 {
             let attr = args[1];
@@ -556,15 +561,15 @@ impl Conn {
             for s in specs {
                 match s {
                     Some(s) => command_info(o, s),
-                    None => reply::array_nil(o),
+                    None => reply::array_nil(o, self.resp3),
                 }
             }
         } else if is("DOCS") {
             let specs: Vec<_> = named(&args[1..]).into_iter().flatten().collect();
-            reply::array(o, specs.len() * 2);
+            reply::map(o, specs.len(), self.resp3);
             for s in specs {
                 reply::bulk(o, s.name.as_bytes());
-                command_docs(o, s);
+                command_docs(o, s, self.resp3);
             }
         } else {
             reply::error(
@@ -850,8 +855,8 @@ fn command_info(o: &mut Vec<u8>, s: &crate::commands::Spec) {
 }
 
 /// One command's `COMMAND DOCS` map (a flat array in RESP2).
-fn command_docs(o: &mut Vec<u8>, s: &crate::commands::Spec) {
-    reply::array(o, 10);
+fn command_docs(o: &mut Vec<u8>, s: &crate::commands::Spec, resp3: bool) {
+    reply::map(o, 5, resp3);
     for (k, v) in [
         ("summary", s.summary),
         ("since", s.since),
@@ -865,7 +870,7 @@ fn command_docs(o: &mut Vec<u8>, s: &crate::commands::Spec) {
     reply::array(o, s.args.len());
     for (name, ty, flags) in s.args {
         let flags: Vec<&str> = flags.split(',').filter(|f| !f.is_empty()).collect();
-        reply::array(o, if flags.is_empty() { 6 } else { 8 });
+        reply::map(o, if flags.is_empty() { 3 } else { 4 }, resp3);
         for (k, v) in [("name", *name), ("type", *ty), ("display_text", *name)] {
             reply::bulk(o, k.as_bytes());
             reply::bulk(o, v.as_bytes());

@@ -572,14 +572,26 @@ pub mod reply {
         out.extend_from_slice(b"\r\n");
     }
 
-    /// A missing value: `$-1`.
-    pub fn nil(out: &mut Vec<u8>) {
-        out.extend_from_slice(b"$-1\r\n");
+    /// A missing value: `$-1` in RESP2, `_` in RESP3.
+    pub fn nil(out: &mut Vec<u8>, resp3: bool) {
+        out.extend_from_slice(if resp3 { b"_\r\n" } else { b"$-1\r\n" });
     }
 
-    /// A missing array: `*-1`.
-    pub fn array_nil(out: &mut Vec<u8>) {
-        out.extend_from_slice(b"*-1\r\n");
+    /// A missing array: `*-1` in RESP2, `_` in RESP3.
+    pub fn array_nil(out: &mut Vec<u8>, resp3: bool) {
+        out.extend_from_slice(if resp3 { b"_\r\n" } else { b"*-1\r\n" });
+    }
+
+    /// A map of `pairs` key-value pairs (each written after it): `%<pairs>`
+    /// in RESP3, a flat array of `2 * pairs` in RESP2 (as Redis does).
+    pub fn map(out: &mut Vec<u8>, pairs: usize, resp3: bool) {
+        if resp3 {
+            out.push(b'%');
+            out.extend_from_slice(pairs.to_string().as_bytes());
+            out.extend_from_slice(b"\r\n");
+        } else {
+            array(out, pairs * 2);
+        }
     }
 
     pub fn array(out: &mut Vec<u8>, n: usize) {
@@ -850,11 +862,25 @@ mod tests {
         reply::error(&mut o, "ERR bad\r\nthing");
         reply::int(&mut o, -3);
         reply::bulk(&mut o, b"a\r\nb");
-        reply::nil(&mut o);
+        reply::nil(&mut o, false);
         reply::array(&mut o, 2);
         assert_eq!(
             o,
             b"+OK\r\n-ERR bad  thing\r\n:-3\r\n$4\r\na\r\nb\r\n$-1\r\n*2\r\n".to_vec()
         );
+    }
+
+    /// RESP3's null and map, and what RESP2 says instead.
+    #[test]
+    fn resp3_nulls_and_maps_and_their_resp2_forms() {
+        let mut o = Vec::new();
+        reply::nil(&mut o, true);
+        reply::array_nil(&mut o, true);
+        reply::map(&mut o, 2, true);
+        assert_eq!(o, b"_\r\n_\r\n%2\r\n".to_vec());
+        let mut o = Vec::new();
+        reply::array_nil(&mut o, false);
+        reply::map(&mut o, 2, false);
+        assert_eq!(o, b"*-1\r\n*4\r\n".to_vec());
     }
 }
