@@ -370,7 +370,24 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
     let mut b = [0u8; 64];
     assert_eq!(un.read(&mut b).unwrap(), 0, "closed without the segment");
 
-    // Admin HTTP: removing everything needs the secret.
+    // Admin HTTP: reading segment ids, offsets and endpoints needs the
+    // secret (issue 29, item 7); so does removing everything.
+    for route in ["/api/v1/segments", "/api/v1/keys/kept"] {
+        let (status, body) = common::http(&master.http, "GET", route);
+        assert_eq!(status, 401, "{route}: {body}");
+        assert!(
+            !body.contains("segment_id") && !body.contains("endpoint"),
+            "{body}"
+        );
+        let (status, body) = common::http_with(
+            &master.http,
+            "GET",
+            route,
+            &format!("Authorization: Bearer {SECRET}\r\n"),
+        );
+        assert_eq!(status, 200, "{route}: {body}");
+        assert!(body.contains("endpoint"), "{route}: {body}");
+    }
     let (status, body) = common::http(&master.http, "POST", "/api/v1/remove_all");
     assert_eq!(status, 401, "{body}");
     assert!(body.contains("Unauthenticated"), "{body}");

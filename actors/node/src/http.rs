@@ -240,8 +240,17 @@ fn replica_json(r: &ReplicaDesc) -> Value {
     })
 }
 
-/// `GET /api/v1/keys/{key}`: replicas, state, lease and pins of one object.
-async fn describe_key(State(st): State<HttpState>, Path(key): Path<String>) -> Response {
+/// `GET /api/v1/keys/{key}`: replicas, state, lease and pins of one object
+/// (with a secret, for its holders only: segment ids, offsets and endpoints
+/// are what a forged data-plane request needs).
+async fn describe_key(
+    State(st): State<HttpState>,
+    headers: HeaderMap,
+    Path(key): Path<String>,
+) -> Response {
+    if let Err(e) = authorize(&st, &headers, "/api/v1/keys") {
+        return error_response(&e);
+    }
     let req = call::Describe {
         key: key.into_bytes(),
     };
@@ -260,8 +269,12 @@ async fn describe_key(State(st): State<HttpState>, Path(key): Path<String>) -> R
     }
 }
 
-/// `GET /api/v1/segments`: every mounted segment with its use.
-async fn segments(State(st): State<HttpState>) -> Response {
+/// `GET /api/v1/segments`: every mounted segment with its use (with a
+/// secret, for its holders only).
+async fn segments(State(st): State<HttpState>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&st, &headers, "/api/v1/segments") {
+        return error_response(&e);
+    }
     match admin_call(&st, call::Stat).await {
         Ok(s) => Json(json!({
             "segments": s.segments.iter().map(|g| json!({
