@@ -695,25 +695,38 @@ fn a_gateway_serves_the_pool_of_its_master_and_its_metrics() {
     assert!(st.success(), "{st:?}");
 }
 
+/// `kvpool run <args>` with `env`, which must stop at start-up: its exit
+/// code and stderr.
+fn start_refused(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let child = Command::new(common::BIN)
+        .arg("run")
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = common::wait_output(child, Duration::from_secs(60));
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 #[test]
 fn an_unprotected_resp_listener_beyond_loopback_stops_start_up() {
-    let child = Command::new(common::BIN)
-        .args([
-            "run",
+    let (code, err) = start_refused(
+        &[
             "--role",
             "gateway",
             "--resp",
             "0.0.0.0:0",
             "--http",
             "127.0.0.1:0",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = common::wait_output(child, Duration::from_secs(30));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(2), "{err}");
     assert!(
         err.contains("resp.requirepass") && err.contains("protected_mode"),
         "{err}"
@@ -730,24 +743,17 @@ fn with_a_cluster_secret_the_resp_front_needs_a_password() {
         return;
     };
     let secret = "0123456789abcdef0123456789abcdef";
-    let child = Command::new(common::BIN)
-        .args([
-            "run",
+    let (code, err) = start_refused(
+        &common::ephemeral(&[
             "--no-serving",
             "--segment-size",
             "64MiB",
             "--resp",
             "127.0.0.1:0",
-        ])
-        .args(common::ephemeral(&[]))
-        .env("KVPOOL_SECRET", secret)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = common::wait_output(child, Duration::from_secs(60));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "started without a password: {err}");
+        ]),
+        &[("KVPOOL_SECRET", secret)],
+    );
+    assert_ne!(code, Some(0), "started without a password: {err}");
     assert!(
         err.contains("resp.requirepass") && err.contains("secret"),
         "{err}"

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use kvpool_runtime::hash::{vshard_of, ShardMap};
 use kvpool_transport::auth::{self, ClusterKey};
 use kvpool_transport::checksum::{self, Side};
-use kvpool_transport::engine::{EngineConfig, Transfer, TransferEngine};
+use kvpool_transport::engine::{corrupt_replica, EngineConfig, Transfer, TransferEngine};
 use kvpool_transport::frame::{self, FrameKind};
 use kvpool_transport::pool::{ConnPool, Stream};
 use kvpool_transport::proto::call::{self, Call};
@@ -363,21 +363,7 @@ impl ReadView {
                 checksum::copy_and_sum(dst.as_mut_ptr(), src.as_ptr(), dst.len(), Side::Dst)
             };
             match r.checksum.filter(|_| self.checksums) {
-                Some(want) if want != sum => {
-                    tracing::warn!(
-                        segment = format!("{:016x}", r.segment_id),
-                        offset = r.offset,
-                        len = r.len,
-                        "a view's copy does not match the object's checksum"
-                    );
-                    corrupt = Some(KvError::new(
-                        ErrorCode::Corrupt,
-                        format!(
-                            "the bytes of segment {:016x} at {} do not match the object's checksum",
-                            r.segment_id, r.offset
-                        ),
-                    ));
-                }
+                Some(want) if want != sum => corrupt = Some(corrupt_replica(r)),
                 _ => return Ok(()),
             }
         }

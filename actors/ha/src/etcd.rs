@@ -240,16 +240,23 @@ impl Etcd {
         })
     }
 
+    /// A handle on the channel once it can take a call.
+    async fn ready(&self) -> Result<tonic::client::Grpc<Channel>, EtcdError> {
+        let mut grpc = self.grpc.clone();
+        grpc.ready()
+            .await
+            .map_err(|e| EtcdError(format!("not ready: {e}")))?;
+        Ok(grpc)
+    }
+
     async fn unary<Q, R>(&self, path: &'static str, req: Q) -> Result<R, EtcdError>
     where
         Q: prost::Message + Send + Sync + 'static,
         R: prost::Message + Default + Send + Sync + 'static,
     {
-        let mut grpc = self.grpc.clone();
-        grpc.ready()
-            .await
-            .map_err(|e| EtcdError(format!("not ready: {e}")))?;
-        let r = grpc
+        let r = self
+            .ready()
+            .await?
             .unary(
                 tonic::Request::new(req),
                 PathAndQuery::from_static(path),
@@ -333,11 +340,9 @@ impl Etcd {
                 rx,
                 |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
             );
-        let mut grpc = self.grpc.clone();
-        grpc.ready()
-            .await
-            .map_err(|e| EtcdError(format!("not ready: {e}")))?;
-        let mut stream = grpc
+        let mut stream = self
+            .ready()
+            .await?
             .streaming(
                 tonic::Request::new(requests),
                 PathAndQuery::from_static("/etcdserverpb.Lease/LeaseKeepAlive"),

@@ -113,13 +113,15 @@ pub fn run_with(
 /// and mount.
 fn warn_if_open(role: Role, cfg: &NodeConfig) {
     if let Some(l) = cfg.resp.listen_addr(role == Role::Gateway) {
-        // Only a front that will start open: without a password and a
-        // cluster secret, beyond loopback, with protected_mode off (other
-        // cases refuse to start, saying why).
+        // Only a front that will start (check_exposure lets it) with no
+        // password beyond loopback; the others refuse to start, saying why.
+        let starts = cfg
+            .resp
+            .check_exposure(&l, !cfg.security.secret.is_empty())
+            .is_ok();
         if role.may_serve_resp()
+            && starts
             && cfg.resp.requirepass.is_empty()
-            && !cfg.resp.protected_mode
-            && cfg.security.secret.is_empty()
             && !kvpool_config::is_loopback(&l)
         {
             let msg = format!(
