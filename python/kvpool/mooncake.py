@@ -23,8 +23,8 @@ import logging
 import operator
 import re
 
+from kvpool._buffer import BufferHandle
 from kvpool._native import (
-    BufferHandle,
     MooncakeHostMemAllocator,
     ObjectDataType,
     ReplicateConfig,
@@ -184,4 +184,9 @@ def _setup_positional(self, local_hostname, metadata_server, global_segment_size
 # unexpected keyword argument 'x'"); SGLang retries without that argument.
 _setup_positional.__name__ = "setup"
 _setup_positional.__qualname__ = "setup"
-_setup_positional.__code__ = _setup_positional.__code__.replace(co_name="setup", co_qualname="setup")
+# 3.11 on name the call by the code's qualified name, 3.10 by its name.
+_names = {"co_name": "setup"}
+if hasattr(_setup_positional.__code__, "co_qualname"):
+    _names["co_qualname"] = "setup"
+_setup_positional.__code__ = _setup_positional.__code__.replace(**_names)
+del _names

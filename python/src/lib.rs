@@ -33,7 +33,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<client::PyClient>()?;
     m.add_class::<mooncake::Store>()?;
     m.add_class::<mooncake::ReplicateConfig>()?;
-    m.add_class::<mooncake::BufferHandle>()?;
     m.add_class::<mooncake::SoftPinAction>()?;
     m.add_class::<mooncake::ObjectDataType>()?;
     m.add_class::<memory::HostMemAllocator>()?;

@@ -8,46 +8,116 @@ use std::sync::Mutex;
 
 use kvpool_client::{Client, MemoryRegistration};
 use kvpool_transport::{ErrorCode, KvError};
-use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyRuntimeError};
 use pyo3::prelude::*;
 
+/// CPython's buffer protocol, declared here rather than taken from PyO3: in
+/// the stable ABI it arrived with 3.11 (PyO3 offers it to abi3 builds only
+/// from there), yet the struct and these three functions are the same, and
+/// exported by libpython, from 3.3 on. Declaring them lets the one abi3
+/// wheel (`cp310-abi3`) read buffers on 3.10 too (docs/ARCHITECTURE.md,
+/// "Python package").
+mod ffi {
+    use std::os::raw::{c_char, c_int, c_void};
+
+    use pyo3::ffi::{PyObject, Py_ssize_t};
+
+    /// `Py_buffer` (Include/pybuffer.h), field for field.
+    #[repr(C)]
+    pub struct PyBuffer {
+        pub buf: *mut c_void,
+        pub obj: *mut PyObject,
+        pub len: Py_ssize_t,
+        pub itemsize: Py_ssize_t,
+        pub readonly: c_int,
+        pub ndim: c_int,
+        pub format: *mut c_char,
+        pub shape: *mut Py_ssize_t,
+        pub strides: *mut Py_ssize_t,
+        pub suboffsets: *mut Py_ssize_t,
+        pub internal: *mut c_void,
+    }
+
+    /// `PyBUF_FULL_RO`: any layout, with its format; not asking for write
+    /// access (checked on `readonly` instead, for a clearer error).
+    pub const PYBUF_FULL_RO: c_int = 0x0100 | 0x0010 | 0x0008 | 0x0004;
+
+    unsafe extern "C" {
+        pub fn PyObject_GetBuffer(obj: *mut PyObject, view: *mut PyBuffer, flags: c_int) -> c_int;
+        pub fn PyBuffer_Release(view: *mut PyBuffer);
+        pub fn PyBuffer_IsContiguous(view: *const PyBuffer, order: c_char) -> c_int;
+    }
+}
+
 /// A Python object's memory, exported to us (the object cannot resize or
-/// free it) for as long as this value lives. Drop it with the GIL held.
+/// free it) for as long as this value lives.
 pub struct PyMem {
-    _buf: PyUntypedBuffer,
+    /// Filled by `PyObject_GetBuffer`; boxed so that its address stays put
+    /// until `PyBuffer_Release`.
+    view: Box<ffi::PyBuffer>,
     pub addr: usize,
     pub len: usize,
 }
+
+// SAFETY: the view is only an export record; it is released with the GIL
+// held (Drop attaches), from whichever thread drops it, as PyO3's own
+// buffer wrapper does.
+unsafe impl Send for PyMem {}
+// SAFETY: no method reads the view's pointers through `&self` besides the
+// plain `readonly` field.
+unsafe impl Sync for PyMem {}
 
 impl PyMem {
     /// Any C-contiguous buffer-protocol object (bytes, bytearray,
     /// memoryview, numpy arrays, ...), read-only use.
     pub fn readable(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let buf = PyUntypedBuffer::get(obj)?;
-        if !buf.is_c_contiguous() {
+        let mut view = Box::new(ffi::PyBuffer {
+            buf: std::ptr::null_mut(),
+            obj: std::ptr::null_mut(),
+            len: 0,
+            itemsize: 0,
+            readonly: 0,
+            ndim: 0,
+            format: std::ptr::null_mut(),
+            shape: std::ptr::null_mut(),
+            strides: std::ptr::null_mut(),
+            suboffsets: std::ptr::null_mut(),
+            internal: std::ptr::null_mut(),
+        });
+        // SAFETY: `obj` is a live object (the GIL is held: `Bound`); `view`
+        // is ours to fill and outlives the export (released in Drop).
+        if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, ffi::PYBUF_FULL_RO) } == -1 {
+            return Err(PyErr::fetch(obj.py()));
+        }
+        let (addr, len) = (view.buf as usize, view.len.max(0) as usize);
+        let m = Self { view, addr, len };
+        // SAFETY: the view was filled by a successful GetBuffer.
+        if unsafe { ffi::PyBuffer_IsContiguous(&*m.view, b'C' as std::os::raw::c_char) } == 0 {
             return Err(PyBufferError::new_err(
                 "the buffer must be C-contiguous (one run of bytes)",
             ));
         }
-        let (addr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
-        Ok(Self {
-            _buf: buf,
-            addr,
-            len,
-        })
+        Ok(m)
     }
 
     /// A writable C-contiguous buffer-protocol object (bytearray, a numpy
     /// array, a writable memoryview, a tensor's storage, ...).
     pub fn writable(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
         let m = Self::readable(obj)?;
-        if m._buf.readonly() {
+        if m.view.readonly != 0 {
             return Err(PyBufferError::new_err(
                 "the buffer is read-only: get_into needs a writable one",
             ));
         }
         Ok(m)
+    }
+}
+
+impl Drop for PyMem {
+    fn drop(&mut self) {
+        // SAFETY: the view holds an export from GetBuffer, released once,
+        // with the GIL held.
+        Python::attach(|_| unsafe { ffi::PyBuffer_Release(&mut *self.view) });
     }
 }
 

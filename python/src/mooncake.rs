@@ -18,9 +18,9 @@ use kvpool_client::Client;
 use kvpool_config::Transport;
 use kvpool_transport::proto::PutOptions;
 use kvpool_transport::{ErrorCode, KvError};
-use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyByteArray, PyBytes, PyTuple, PyType};
 
 use crate::client::{key_of, keys_of};
 use crate::codes::{mooncake_code, INTERNAL_ERROR, INVALID_PARAMS, OK};
@@ -191,73 +191,22 @@ fn options_of(
     Ok(opts)
 }
 
-/// A value read by `get_buffer`: owns its bytes; `ptr()`, `size()`, `len()`
-/// and the buffer protocol (1-D bytes, format 'b' as Mooncake's, writable).
-#[pyclass(module = "kvpool.mooncake", name = "BufferHandle", frozen)]
-pub struct BufferHandle {
-    data: Box<[u8]>,
-}
-
-#[pymethods]
-impl BufferHandle {
-    /// The address of the bytes.
-    fn ptr(&self) -> usize {
-        self.data.as_ptr() as usize
-    }
-
-    /// The number of bytes.
-    fn size(&self) -> usize {
-        self.data.len()
-    }
-
-    fn __len__(&self) -> usize {
-        self.data.len()
-    }
-
-    /// # Safety
-    /// Called by Python with a valid `view` to fill.
-    unsafe fn __getbuffer__(
-        slf: Bound<'_, Self>,
-        view: *mut ffi::Py_buffer,
-        flags: std::os::raw::c_int,
-    ) -> PyResult<()> {
-        let (ptr, len) = {
-            let h = slf.get();
-            (h.data.as_ptr(), h.data.len())
-        };
-        // SAFETY: `view` is Python's to fill; the bytes live as long as the
-        // handle, which the view references (FillInfo takes a reference to
-        // `slf`), and the handle never moves or frees them while it lives.
-        // They are handed out writable, as Mooncake's handle does: the
-        // handle owns them and nothing else reads them.
-        let rc = unsafe {
-            ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                ptr as *mut std::os::raw::c_void,
-                len as ffi::Py_ssize_t,
-                0,
-                flags,
-            )
-        };
-        if rc == -1 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        if flags & ffi::PyBUF_FORMAT == ffi::PyBUF_FORMAT {
-            // Mooncake's handles say `char` ('b'); FillInfo says 'B'.
-            // SAFETY: FillInfo filled `view`; the format is a static string.
-            unsafe { (*view).format = c"b".as_ptr() as *mut std::os::raw::c_char };
-        }
-        Ok(())
-    }
-
-    /// # Safety
-    /// Called by Python with a view this object filled.
-    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
-
-    fn __repr__(&self) -> String {
-        format!("BufferHandle(ptr={:#x}, size={})", self.ptr(), self.size())
-    }
+/// A value read by `get_buffer`: a `kvpool._buffer.BufferHandle`, a
+/// `bytearray` that also answers Mooncake's `ptr()` and `size()`. Its
+/// buffer protocol is bytearray's own (1-D bytes, writable), so the one abi3
+/// wheel exports it on 3.10 too, where the stable ABI has no way for a
+/// class of ours to (docs/ARCHITECTURE.md, "Python package").
+fn buffer_handle<'py>(py: Python<'py>, v: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+    static CLASS: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    let h = CLASS
+        .import(py, "kvpool._buffer", "BufferHandle")?
+        .call0()?;
+    let bytes = h.cast::<PyByteArray>()?;
+    bytes.resize(v.len())?;
+    // SAFETY: the GIL is held and the bytearray was made here: no other
+    // reference, no export, nothing resizes it while the copy runs.
+    unsafe { bytes.as_bytes_mut() }.copy_from_slice(v);
+    Ok(h)
 }
 
 struct Inner {
@@ -768,26 +717,28 @@ impl Store {
 
     /// The value under `key` as a BufferHandle, or None on a miss or error.
     #[pyo3(signature = (key, /))]
-    fn get_buffer(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Option<BufferHandle>> {
+    fn get_buffer<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let key = key_of(key)?;
         let Some(inner) = self.state() else {
             return Ok(None);
         };
-        Ok(match run(py, async move { inner.client.get(&key).await }) {
-            Ok(Ok(v)) => Some(BufferHandle {
-                data: v.into_boxed_slice(),
-            }),
-            _ => None,
-        })
+        match run(py, async move { inner.client.get(&key).await }) {
+            Ok(Ok(v)) => buffer_handle(py, &v).map(Some),
+            _ => Ok(None),
+        }
     }
 
     /// `get_buffer` of each key, in order.
     #[pyo3(signature = (keys, /))]
-    fn batch_get_buffer(
+    fn batch_get_buffer<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         keys: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<Option<BufferHandle>>> {
+    ) -> PyResult<Vec<Option<Bound<'py, PyAny>>>> {
         let keys = keys_of(keys)?;
         let n = keys.len();
         let Some(inner) = self.state() else {
@@ -795,14 +746,9 @@ impl Store {
         };
         let got = run(py, async move { batch_get(&inner.client, &keys).await })
             .unwrap_or_else(|_| vec![None; n]);
-        Ok(got
-            .into_iter()
-            .map(|v| {
-                v.map(|v| BufferHandle {
-                    data: v.into_boxed_slice(),
-                })
-            })
-            .collect())
+        got.into_iter()
+            .map(|v| v.map(|v| buffer_handle(py, &v)).transpose())
+            .collect()
     }
 
     /// Stores `size` bytes at `buffer_ptr` (inside a registered buffer)
