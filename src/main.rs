@@ -199,9 +199,14 @@ enum BenchCmd {
         /// little for earlier cases' space when their read leases end soon.
         #[arg(long, default_value = "256MiB")]
         bytes: Bytes,
-        /// Calls per case, at most.
+        /// Calls per case, at most (all clients' together).
         #[arg(long, default_value_t = 5000)]
         max_calls: usize,
+        /// Clients at once, a row per count (e.g. 1,4,16): each its own
+        /// connections, all in this process on one thread per core; the
+        /// rows give their aggregate GB/s and the percentiles of all calls.
+        #[arg(long, value_delimiter = ',', default_value = "1")]
+        clients: Vec<usize>,
         /// One JSON object per line.
         #[arg(long)]
         json: bool,
@@ -439,7 +444,13 @@ fn main() -> ExitCode {
         }
         cmd => {
             let master = cli.master.unwrap_or_else(|| "127.0.0.1:7070".into());
-            let rt = match cli_runtime(tokio::runtime::Builder::new_current_thread()) {
+            // A bench's clients run in parallel, one worker per core; any
+            // other verb is one call at a time.
+            let builder = match &cmd {
+                Cmd::Bench(_) => tokio::runtime::Builder::new_multi_thread(),
+                _ => tokio::runtime::Builder::new_current_thread(),
+            };
+            let rt = match cli_runtime(builder) {
                 Ok(rt) => rt,
                 Err(code) => return code,
             };
@@ -700,6 +711,7 @@ async fn bench_cmd(master: &str, cfg: NodeConfig, cmd: BenchCmd) -> Result<ExitC
         batch,
         bytes,
         max_calls,
+        clients,
         json,
     } = cmd
     else {
@@ -711,6 +723,7 @@ async fn bench_cmd(master: &str, cfg: NodeConfig, cmd: BenchCmd) -> Result<ExitC
         batches: batch,
         bytes_per_case: bytes.get(),
         max_calls,
+        clients,
         high_watermark: cfg.master.high_watermark,
         client: cfg.client_config(),
     };

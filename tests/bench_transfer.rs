@@ -124,3 +124,46 @@ fn bench_transfer_names_the_failing_case_after_printing_the_rows_before_it() {
     );
     assert_no_keys(&node.addr);
 }
+
+#[test]
+fn benches_run_at_once_against_one_pool_each_with_several_clients_and_none_collides() {
+    // Leases of the default length: each bench's space comes back to the
+    // others as it goes.
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "256MiB"]));
+    let cfg = common::write_config(&common::scratch_dir("bench-at-once"), "default.toml", "");
+    let args = [
+        "--transport",
+        "tcp",
+        "--sizes",
+        "4KiB,64KiB",
+        "--batch",
+        "1,32",
+        "--clients",
+        "1,3",
+        "--bytes",
+        "4MiB",
+        "--max-calls",
+        "64",
+    ];
+    // Three processes at once, as a cluster's clients are (every bench used
+    // to warm up on one key, `bench/warm`: the others failed at once).
+    let runs: Vec<_> = (0..3)
+        .map(|_| {
+            let (addr, cfg) = (node.addr.clone(), cfg.clone());
+            std::thread::spawn(move || bench(&addr, &cfg, &args))
+        })
+        .collect();
+    for run in runs {
+        let (code, rows, err) = run.join().unwrap();
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(rows.len(), 16, "{rows:?}\n{err}");
+        for r in &rows {
+            let clients = r["clients"].as_u64().unwrap();
+            assert!(clients == 1 || clients == 3, "{r}");
+            // Every client made calls: a case deals one value or more to each.
+            assert!(r["calls"].as_u64().unwrap() >= clients, "{r}");
+        }
+        assert!(err.contains("batch 32, 3 clients)"), "{err}");
+    }
+    assert_no_keys(&node.addr);
+}

@@ -15,6 +15,16 @@
 //! left, so the matrix completes even if no lease ends during the run.
 //! Keys are spread evenly over the master shards, since each shard evicts in
 //! its own range of a segment.
+//!
+//! `clients` runs each case with N clients at once: N `Client`s, each with
+//! its own master and data connections, as tasks of this process's
+//! multi-threaded runtime (one worker per core), started together; the
+//! case's values are dealt out among them. A row then gives the aggregate
+//! throughput (all clients' bytes over the wall time of the slowest) and the
+//! latency percentiles of every call of every client. Every key of a run
+//! starts with `bench/<run id>/`, a random id per run, so benches run at once
+//! against one pool (several processes, as a cluster's clients do) never
+//! touch each other's keys.
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -51,8 +61,11 @@ pub struct TransferBench {
     pub batches: Vec<usize>,
     /// Bytes moved per (transport, size, batch, op), at most.
     pub bytes_per_case: u64,
-    /// Calls per case, at most (small values).
+    /// Calls per case, at most (small values); with several clients, all
+    /// clients' calls together.
     pub max_calls: usize,
+    /// Clients at once, a case per count (`[1]`: one client).
+    pub clients: Vec<usize>,
     /// The pool's `master.high_watermark`: a case stays well below it.
     pub high_watermark: f64,
     pub client: ClientConfig,
@@ -67,6 +80,7 @@ impl TransferBench {
             batches: vec![1, 32],
             bytes_per_case: if full { 1 << 30 } else { 32 << 20 },
             max_calls: if full { 20_000 } else { 200 },
+            clients: vec![1],
             high_watermark: MasterConfig::default().high_watermark,
             client: ClientConfig::default(),
         }
@@ -141,6 +155,9 @@ pub struct Row {
     pub op: &'static str,
     pub size: usize,
     pub batch: usize,
+    /// Clients at once; `calls`, the percentiles and `gb_per_s` are theirs
+    /// together.
+    pub clients: usize,
     pub calls: u64,
     pub p50_us: f64,
     pub p99_us: f64,
@@ -157,19 +174,24 @@ pub struct Case {
     pub transport: Transport,
     pub size: usize,
     pub batch: usize,
+    pub clients: usize,
 }
 
 impl fmt::Display for Case {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "case {}/{} ({} {} batch {})",
+            "case {}/{} ({} {} batch {}",
             self.index,
             self.of,
             name(self.transport),
             size_name(self.size as u64),
             self.batch
-        )
+        )?;
+        match self.clients {
+            1 => write!(f, ")"),
+            n => write!(f, ", {n} clients)"),
+        }
     }
 }
 
@@ -250,19 +272,21 @@ fn hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("histogram bounds")
 }
 
-/// Bytes the engine has moved over shm, tcp and rdma.
-fn moved(c: &Client) -> [u64; 3] {
-    let s = c.engine().stats();
-    [
-        s.shm_bytes.load(Ordering::Relaxed),
-        s.tcp_bytes.load(Ordering::Relaxed),
-        s.rdma_bytes.load(Ordering::Relaxed),
-    ]
+/// Bytes the engines of `cs` have moved over shm, tcp and rdma.
+fn moved(cs: &[Client]) -> [u64; 3] {
+    let mut m = [0; 3];
+    for c in cs {
+        let s = c.engine().stats();
+        m[0] += s.shm_bytes.load(Ordering::Relaxed);
+        m[1] += s.tcp_bytes.load(Ordering::Relaxed);
+        m[2] += s.rdma_bytes.load(Ordering::Relaxed);
+    }
+    m
 }
 
 /// The paths that moved bytes since `before`.
-fn path_since(c: &Client, before: [u64; 3]) -> String {
-    let now = moved(c);
+fn path_since(cs: &[Client], before: [u64; 3]) -> String {
+    let now = moved(cs);
     let used: Vec<&str> = ["shm", "tcp", "rdma"]
         .into_iter()
         .zip(now.iter().zip(before))
@@ -289,8 +313,8 @@ async fn usable_bytes(c: &Client, high_watermark: f64) -> Result<u64, KvError> {
     Ok((room as f64 * SPACE_HEADROOM) as u64)
 }
 
-/// `n` keys for a case, spread evenly over the master shards.
-fn balanced_keys(c: &Client, case: &Case, n: usize) -> Vec<Vec<u8>> {
+/// `n` keys for a case of run `run`, spread evenly over the master shards.
+fn balanced_keys(c: &Client, run: &str, case: &Case, n: usize) -> Vec<Vec<u8>> {
     let shards = c.cluster_map().shards.len().max(1);
     let map = ShardMap::new(shards as u32).expect("the client checked the cluster map");
     let mut quota: Vec<usize> = (0..shards)
@@ -300,10 +324,11 @@ fn balanced_keys(c: &Client, case: &Case, n: usize) -> Vec<Vec<u8>> {
     let mut i = 0u64;
     while keys.len() < n {
         let k = format!(
-            "bench/{}/{}/{}/{i}",
+            "bench/{run}/{}/{}/{}/{}/{i}",
             name(case.transport),
             case.size,
-            case.batch
+            case.batch,
+            case.clients
         )
         .into_bytes();
         let q = &mut quota[map.shard_of(&k) as usize];
@@ -326,7 +351,8 @@ async fn remove_keys(c: &Client, keys: &[Vec<u8>]) {
 
 /// Runs the matrix against the pool at `master`; `on` hears of each case as
 /// it starts and gets each row as it is measured. On an error, the rows
-/// measured before it come back with it.
+/// measured before it come back with it. Several clients run as tasks of
+/// the calling runtime: a multi-threaded one runs them in parallel.
 pub async fn run_transfer(
     master: &str,
     bench: &TransferBench,
@@ -339,7 +365,21 @@ pub async fn run_transfer(
         error,
     };
     check_transports(&bench.transports).map_err(|e| fail(&mut rows, None, e))?;
-    let of = bench.transports.len() * bench.sizes.len() * bench.batches.len();
+    let counts: Vec<usize> = if bench.clients.is_empty() {
+        vec![1]
+    } else {
+        bench.clients.clone()
+    };
+    if let Some(&n) = counts.iter().find(|&&n| n == 0 || n > MAX_CLIENTS) {
+        let e = KvError::new(
+            ErrorCode::InvalidParams,
+            format!("--clients {n}: from 1 to {MAX_CLIENTS} clients at once"),
+        );
+        return Err(fail(&mut rows, None, e));
+    }
+    let most = counts.iter().copied().max().unwrap_or(1);
+    let run = format!("{:016x}", rand::random::<u64>());
+    let of = bench.transports.len() * bench.sizes.len() * bench.batches.len() * counts.len();
     let mut index = 0;
     // When the read leases of the cases run so far have ended, and the
     // master has freed their space.
@@ -351,53 +391,64 @@ pub async fn run_transfer(
             transport,
             size: bench.sizes.first().copied().unwrap_or(0),
             batch: bench.batches.first().copied().unwrap_or(1),
+            clients: counts[0],
         };
-        let c = Client::connect(
-            master,
-            ClientConfig {
-                transport,
-                ping_interval_ms: 0,
-                ..bench.client.clone()
-            },
-        )
-        .await
-        .map_err(|e| fail(&mut rows, Some(first), e))?;
-        let lease = Duration::from_millis(c.cluster_map().lease_ttl_ms) + LEASE_SLACK;
+        let mut cs = Vec::with_capacity(most);
+        for _ in 0..most {
+            let c = Client::connect(
+                master,
+                ClientConfig {
+                    transport,
+                    ping_interval_ms: 0,
+                    ..bench.client.clone()
+                },
+            )
+            .await
+            .map_err(|e| fail(&mut rows, Some(first), e))?;
+            cs.push(c);
+        }
+        let lease = Duration::from_millis(cs[0].cluster_map().lease_ttl_ms) + LEASE_SLACK;
         for &size in &bench.sizes {
             for &batch in &bench.batches {
-                index += 1;
-                let case = Case {
-                    index,
-                    of,
-                    transport,
-                    size,
-                    batch,
-                };
-                let mut ctx = CaseRun {
-                    c: &c,
-                    bench,
-                    case: &case,
-                    lease,
-                    held_until: &mut held_until,
-                    keys: Vec::new(),
-                };
-                let r = ctx.run(&mut on).await;
-                let keys = std::mem::take(&mut ctx.keys);
-                match r {
-                    Ok(measured) => {
-                        for r in measured {
-                            on(Progress::Row(&r));
-                            rows.push(r);
+                for &clients in &counts {
+                    index += 1;
+                    let case = Case {
+                        index,
+                        of,
+                        transport,
+                        size,
+                        batch,
+                        clients,
+                    };
+                    let mut ctx = CaseRun {
+                        cs: &cs[..clients],
+                        run: &run,
+                        bench,
+                        case: &case,
+                        lease,
+                        held_until: &mut held_until,
+                        keys: Vec::new(),
+                    };
+                    let r = ctx.run(&mut on).await;
+                    let keys = std::mem::take(&mut ctx.keys);
+                    match r {
+                        Ok(measured) => {
+                            for r in measured {
+                                on(Progress::Row(&r));
+                                rows.push(r);
+                            }
                         }
-                    }
-                    Err((measured, e)) => {
-                        remove_keys(&c, &keys).await;
-                        let _ = c.remove_with(b"bench/warm", true).await;
-                        for r in measured {
-                            on(Progress::Row(&r));
-                            rows.push(r);
+                        Err((measured, e)) => {
+                            remove_keys(&cs[0], &keys).await;
+                            for (i, c) in cs.iter().enumerate() {
+                                let _ = c.remove_with(&warm_key(&run, i), true).await;
+                            }
+                            for r in measured {
+                                on(Progress::Row(&r));
+                                rows.push(r);
+                            }
+                            return Err(fail(&mut rows, Some(case), e));
                         }
-                        return Err(fail(&mut rows, Some(case), e));
                     }
                 }
             }
@@ -406,9 +457,20 @@ pub async fn run_transfer(
     Ok(rows)
 }
 
+/// Clients at once, at most.
+pub const MAX_CLIENTS: usize = 256;
+
+/// The key client `i` of run `run` warms its connections with.
+fn warm_key(run: &str, i: usize) -> Vec<u8> {
+    format!("bench/{run}/warm/{i}").into_bytes()
+}
+
 /// One case under way: what it needs and the keys it has put.
 struct CaseRun<'a> {
-    c: &'a Client,
+    /// The case's clients.
+    cs: &'a [Client],
+    /// This run's id, in every key.
+    run: &'a str,
     bench: &'a TransferBench,
     case: &'a Case,
     /// A read lease and the tick that frees its space.
@@ -418,108 +480,180 @@ struct CaseRun<'a> {
     keys: Vec<Vec<u8>>,
 }
 
+/// One client's share of a case: its keys, dealt round-robin.
+fn dealt(keys: &[Vec<u8>], i: usize, n: usize) -> Vec<Vec<u8>> {
+    keys.iter().skip(i).step_by(n).cloned().collect()
+}
+
+/// One client's part of a phase: its keys, `batch` at a time, each value
+/// `size` bytes; it starts when `go` opens (every client is ready).
+struct Share {
+    c: Client,
+    keys: Vec<Vec<u8>>,
+    size: usize,
+    batch: usize,
+    go: std::sync::Arc<tokio::sync::Barrier>,
+}
+
+/// A client puts its share; the latency of each call.
+async fn put_share(s: Share) -> Result<Histogram<u64>, KvError> {
+    let (c, keys, size, batch, go) = (s.c, s.keys, s.size, s.batch, s.go);
+    let value = BenchBuf::new(&c, size, |i| (i % 251) as u8);
+    go.wait().await;
+    let value = value?;
+    let value = value.bytes();
+    let mut h = hist();
+    for chunk in keys.chunks(batch) {
+        let s = Instant::now();
+        if batch == 1 {
+            c.put(&chunk[0], value).await?;
+        } else {
+            let items: Vec<(&[u8], &[u8])> = chunk.iter().map(|k| (k.as_slice(), value)).collect();
+            for r in c.batch_put(&items, &Default::default()).await? {
+                r?;
+            }
+        }
+        h.saturating_record(s.elapsed().as_nanos() as u64);
+    }
+    Ok(h)
+}
+
+/// A client reads its share back into buffers touched before `go` opens,
+/// and checks the first buffer against the value put.
+async fn get_share(s: Share) -> Result<Histogram<u64>, KvError> {
+    let (c, keys, size, batch, go) = (s.c, s.keys, s.size, s.batch, s.go);
+    // Touched before timing: first-touch page faults of fresh buffers are
+    // not the transfer's cost.
+    let bufs = (0..batch.min(keys.len()))
+        .map(|_| BenchBuf::new(&c, size, |_| 1))
+        .collect::<Result<Vec<_>, _>>();
+    go.wait().await;
+    let mut bufs = bufs?;
+    let mut h = hist();
+    for chunk in keys.chunks(batch) {
+        let s = Instant::now();
+        if batch == 1 {
+            c.get_into(&chunk[0], bufs[0].bytes_mut()).await?;
+        } else {
+            let mut items: Vec<(&[u8], &mut [u8])> = chunk
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(k, b)| (k.as_slice(), b.bytes_mut()))
+                .collect();
+            for r in c.batch_get_into(&mut items).await? {
+                r?;
+            }
+        }
+        h.saturating_record(s.elapsed().as_nanos() as u64);
+    }
+    if let Some(b) = bufs.first() {
+        if b.bytes()
+            .iter()
+            .enumerate()
+            .any(|(i, &x)| x != (i % 251) as u8)
+        {
+            return Err(KvError::new(
+                ErrorCode::Corrupt,
+                "bench: bytes read differ from bytes written",
+            ));
+        }
+    }
+    Ok(h)
+}
+
+/// Which phase of a case the clients run.
+#[derive(Clone, Copy)]
+enum Phase {
+    Put,
+    Get,
+}
+
 impl CaseRun<'_> {
     /// Sizes the case from the pool's free space (waiting, bounded, for
-    /// earlier cases' space), then measures put and get. On an error, the
-    /// row already measured (the put) comes back with it.
+    /// earlier cases' space), then measures put and get with the case's
+    /// clients at once. On an error, the row already measured (the put)
+    /// comes back with it.
     async fn run(
         &mut self,
         on: &mut impl FnMut(Progress<'_>),
     ) -> Result<Vec<Row>, (Vec<Row>, KvError)> {
-        let (c, case) = (self.c, self.case);
+        let (cs, case) = (self.cs, self.case);
         let size = case.size;
-        let value = BenchBuf::new(c, size, |i| (i % 251) as u8).map_err(|e| (vec![], e))?;
-        let value = value.bytes();
         let n = self.size_working_set(on).await.map_err(|e| (vec![], e))?;
-        // Warm the connections and the shm mapping (one more value: the
-        // working set left room for it).
-        c.put(b"bench/warm", value).await.map_err(|e| (vec![], e))?;
-        let mut buf = BenchBuf::new(c, size, |_| 0).map_err(|e| (vec![], e))?;
-        c.get_into(b"bench/warm", buf.bytes_mut())
-            .await
-            .map_err(|e| (vec![], e))?;
+        // Warm each client's connections and shm mapping (one more value
+        // each: the working set left room for them).
+        let value = BenchBuf::new(&cs[0], size, |i| (i % 251) as u8).map_err(|e| (vec![], e))?;
+        let mut buf = BenchBuf::new(&cs[0], size, |_| 0).map_err(|e| (vec![], e))?;
+        for (i, c) in cs.iter().enumerate() {
+            let warm = warm_key(self.run, i);
+            c.put(&warm, value.bytes()).await.map_err(|e| (vec![], e))?;
+            c.get_into(&warm, buf.bytes_mut())
+                .await
+                .map_err(|e| (vec![], e))?;
+            c.remove_with(&warm, true).await.map_err(|e| (vec![], e))?;
+        }
         self.leased_now();
-        c.remove_with(b"bench/warm", true)
-            .await
-            .map_err(|e| (vec![], e))?;
+        drop((value, buf));
 
-        self.keys = balanced_keys(c, case, n);
-        let keys = &self.keys;
-        let batch = case.batch;
-        let bytes = (keys.len() * size) as u64;
-
-        let mut h = hist();
-        let before = moved(c);
-        let t0 = Instant::now();
-        for chunk in keys.chunks(batch) {
-            let s = Instant::now();
-            if batch == 1 {
-                c.put(&chunk[0], value).await.map_err(|e| (vec![], e))?;
-            } else {
-                let items: Vec<(&[u8], &[u8])> =
-                    chunk.iter().map(|k| (k.as_slice(), value)).collect();
-                let results = c
-                    .batch_put(&items, &Default::default())
-                    .await
-                    .map_err(|e| (vec![], e))?;
-                for r in results {
-                    r.map_err(|e| (vec![], e))?;
-                }
-            }
-            h.saturating_record(s.elapsed().as_nanos() as u64);
-        }
-        let put = self.row("put", &h, bytes, t0.elapsed(), before);
-
-        let mut h = hist();
-        // Touched before timing: first-touch page faults of fresh buffers
-        // are not the transfer's cost.
-        let mut bufs = match (0..batch.min(keys.len()))
-            .map(|_| BenchBuf::new(c, size, |_| 1))
-            .collect::<Result<Vec<_>, _>>()
-        {
-            Ok(b) => b,
-            Err(e) => return Err((vec![put], e)),
-        };
-        let before = moved(c);
-        let t0 = Instant::now();
-        let read = async {
-            for chunk in keys.chunks(batch) {
-                let s = Instant::now();
-                if batch == 1 {
-                    c.get_into(&chunk[0], bufs[0].bytes_mut()).await?;
-                } else {
-                    let mut items: Vec<(&[u8], &mut [u8])> = chunk
-                        .iter()
-                        .zip(bufs.iter_mut())
-                        .map(|(k, b)| (k.as_slice(), b.bytes_mut()))
-                        .collect();
-                    for r in c.batch_get_into(&mut items).await? {
-                        r?;
-                    }
-                }
-                h.saturating_record(s.elapsed().as_nanos() as u64);
-            }
-            Ok::<_, KvError>(())
-        }
-        .await;
-        let wall = t0.elapsed();
+        self.keys = balanced_keys(&cs[0], self.run, case, n);
+        let bytes = (self.keys.len() * size) as u64;
+        let (h, wall, before) = self.phase(Phase::Put).await.map_err(|e| (vec![], e))?;
+        let put = self.row("put", &h, bytes, wall, before);
+        let got = self.phase(Phase::Get).await;
         self.leased_now();
-        if let Err(e) = read {
-            return Err((vec![put], e));
-        }
-        if bufs[0].bytes() != value {
-            return Err((
-                vec![put],
-                KvError::new(
-                    ErrorCode::Corrupt,
-                    "bench: bytes read differ from bytes written",
-                ),
-            ));
-        }
+        let (h, wall, before) = got.map_err(|e| (vec![put.clone()], e))?;
         let get = self.row("get", &h, bytes, wall, before);
-        remove_keys(c, &self.keys).await;
+        remove_keys(&cs[0], &self.keys).await;
         self.keys.clear();
         Ok(vec![put, get])
+    }
+
+    /// Runs `phase` on every client of the case at once, each on its share
+    /// of the keys: the latencies of all their calls, the wall time from
+    /// the start (all clients ready) to the last client's end, and the
+    /// engines' byte counts before it.
+    async fn phase(&self, phase: Phase) -> Result<(Histogram<u64>, Duration, [u64; 3]), KvError> {
+        let cs = self.cs;
+        let (size, batch) = (self.case.size, self.case.batch);
+        let go = std::sync::Arc::new(tokio::sync::Barrier::new(cs.len() + 1));
+        let tasks: Vec<_> = cs
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let share = Share {
+                    c: c.clone(),
+                    keys: dealt(&self.keys, i, cs.len()),
+                    size,
+                    batch,
+                    go: go.clone(),
+                };
+                tokio::spawn(async move {
+                    match phase {
+                        Phase::Put => put_share(share).await,
+                        Phase::Get => get_share(share).await,
+                    }
+                })
+            })
+            .collect();
+        go.wait().await;
+        let before = moved(cs);
+        let t0 = Instant::now();
+        let mut h = hist();
+        let mut first_err = None;
+        for t in tasks {
+            match t.await {
+                Ok(Ok(one)) => h.add(&one).expect("histograms of the same bounds"),
+                Ok(Err(e)) => {
+                    first_err.get_or_insert(e);
+                }
+                Err(e) => std::panic::resume_unwind(e.into_panic()),
+            }
+        }
+        let wall = t0.elapsed();
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok((h, wall, before)),
+        }
     }
 
     /// The values reads just leased hold their space until this lease ends.
@@ -539,11 +673,13 @@ impl CaseRun<'_> {
         &mut self,
         on: &mut impl FnMut(Progress<'_>),
     ) -> Result<usize, KvError> {
-        let (c, b, case) = (self.c, self.bench, self.case);
+        let (c, b, case) = (&self.cs[0], self.bench, self.case);
         let size = case.size as u64;
-        let wanted = ((b.bytes_per_case / size) as usize).clamp(1, b.max_calls * case.batch);
-        // The values and the warm-up value.
-        let want = (wanted as u64 + 1) * size;
+        let wanted = ((b.bytes_per_case / size) as usize)
+            .clamp(1, b.max_calls * case.batch)
+            .max(case.clients);
+        // The values and each client's warm-up value.
+        let want = (wanted as u64 + case.clients as u64) * size;
         let renewable = self.lease <= MAX_SPACE_WAIT;
         let cases_left = (case.of + 1 - case.index) as u64;
         let share = |usable: u64| {
@@ -572,12 +708,12 @@ impl CaseRun<'_> {
             }
             waited = now.elapsed();
         }
-        let n = wanted.min((share(usable) / size).saturating_sub(1) as usize);
-        if n == 0 {
+        let n = wanted.min((share(usable) / size).saturating_sub(case.clients as u64) as usize);
+        if n < case.clients {
             return Err(KvError::new(
                 ErrorCode::NoSpace,
                 format!(
-                    "{} values do not fit: a case needs room for two (one warms up), the \
+                    "{} values do not fit: a case needs room for two per client (one warms up), the \
                      bench uses at most {:.0}% of the room below the pool's high watermark \
                      ({}){}, and {} of that room is free now",
                     size_name(size),
@@ -615,10 +751,11 @@ impl CaseRun<'_> {
     ) -> Row {
         Row {
             transport: name(self.case.transport),
-            path: path_since(self.c, before),
+            path: path_since(self.cs, before),
             op,
             size: self.case.size,
             batch: self.case.batch,
+            clients: self.case.clients,
             calls: h.len(),
             p50_us: h.value_at_quantile(0.5) as f64 / 1000.0,
             p99_us: h.value_at_quantile(0.99) as f64 / 1000.0,
@@ -669,12 +806,13 @@ pub fn print_progress(p: &Progress<'_>) {
 /// A header and row format for humans.
 pub fn print_header() {
     println!(
-        "{:<9} {:<8} {:<4} {:>9} {:>5} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7}",
+        "{:<9} {:<8} {:<4} {:>9} {:>5} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7}",
         "transport",
         "path",
         "op",
         "size",
         "batch",
+        "clients",
         "calls",
         "p50_us",
         "p99_us",
@@ -686,12 +824,13 @@ pub fn print_header() {
 
 pub fn print_row(r: &Row) {
     println!(
-        "{:<9} {:<8} {:<4} {:>9} {:>5} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>7.3}",
+        "{:<9} {:<8} {:<4} {:>9} {:>5} {:>7} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>7.3}",
         r.transport,
         r.path,
         r.op,
         size_name(r.size as u64),
         r.batch,
+        r.clients,
         r.calls,
         r.p50_us,
         r.p99_us,
