@@ -127,3 +127,34 @@ fn admin_http_describes_keys_lists_segments_and_removes_all() {
         assert!(body.contains(name), "{name} missing from /metrics");
     }
 }
+
+/// A put asking for more replicas than there are nodes with room is
+/// acknowledged, and said: a metric, and a warning in the master's log.
+#[test]
+fn a_put_with_fewer_replicas_than_asked_is_counted_and_logged() {
+    let node = common::start("all", &common::ephemeral(&[]));
+    let m = &node.addr;
+    let (code, _, err) = common::cli(m, &["put", "two", "--replicas", "2"], Some(b"v"));
+    assert_eq!(code, 0, "acknowledged with the one node there is: {err}");
+    let (code, _, err) = common::cli(m, &["put", "one"], Some(b"v"));
+    assert_eq!(code, 0, "{err}");
+    let want = "kvpool_master_puts_fewer_replicas_total 1\n";
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let (_, body) = common::http(&node.http, "GET", "/metrics");
+        if body.contains(want) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{want:?} not in /metrics (the tick reports it within a second):\n{body}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(
+        node.stderr()
+            .contains("puts acknowledged with fewer replicas than they asked for"),
+        "{}",
+        node.stderr()
+    );
+}

@@ -239,6 +239,7 @@ impl MasterCore {
             let r = s.tick(now_ms);
             total.stale_discarded += r.stale_discarded;
             total.freed_bytes += r.freed_bytes;
+            total.fewer_replicas += r.fewer_replicas;
         }
         let expired = self.coord.expire(now_ms);
         for cmd in &expired.commands {

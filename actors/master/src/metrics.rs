@@ -24,6 +24,8 @@ pub struct MasterMetrics {
     pub demotions: Gauge,
     pub promotions: Gauge,
     pub stale_puts: Counter,
+    /// Puts acknowledged with fewer replicas than they asked for.
+    pub fewer_replicas: Counter,
     /// Requests refused for want of the cluster secret.
     pub auth_refusals: Counter,
 }
@@ -42,8 +44,14 @@ impl MasterMetrics {
             demotions: Gauge::default(),
             promotions: Gauge::default(),
             stale_puts: Counter::default(),
+            fewer_replicas: Counter::default(),
             auth_refusals: Counter::default(),
         };
+        reg.register(
+            "master_puts_fewer_replicas",
+            "Puts acknowledged with fewer replicas than they asked for (too few segments with room)",
+            m.fewer_replicas.clone(),
+        );
         reg.register(
             "master_auth_refusals",
             "Requests or connections refused for want of the cluster secret",

@@ -1305,6 +1305,15 @@ async fn tick_loop(ctx: ShardCtx, state: Rc<Shard>, tick: Duration, metrics: Mas
         }
         state.maybe_compact(&ctx);
         state.wake_eviction();
+        if r.fewer_replicas > 0 {
+            metrics.fewer_replicas.inc_by(r.fewer_replicas);
+            tracing::warn!(
+                shard = ctx.id(),
+                puts = r.fewer_replicas,
+                "puts acknowledged with fewer replicas than they asked for: too few \
+                 segments with room (a node dead or full)"
+            );
+        }
         if r.stale_discarded > 0 {
             metrics.stale_puts.inc_by(r.stale_discarded);
             tracing::info!(

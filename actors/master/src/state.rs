@@ -339,6 +339,9 @@ pub struct ShardStat {
 pub struct TickReport {
     pub stale_discarded: u64,
     pub freed_bytes: u64,
+    /// Puts placed with fewer replicas than they asked for (too few
+    /// segments with room) since the last tick.
+    pub fewer_replicas: u64,
 }
 
 /// One master shard's state.
@@ -354,6 +357,8 @@ pub struct ShardState {
     rng: ChaCha8Rng,
     evictions: u64,
     evicted_bytes: u64,
+    /// Puts placed with fewer replicas than asked since the last tick.
+    fewer_replicas: u64,
     /// Work for storage nodes, by the segment whose node does it.
     tasks: HashMap<SegmentId, TaskQueue>,
     /// The NVMe copies (key, location) of removed or replaced objects whose
@@ -534,6 +539,7 @@ impl ShardState {
             rng,
             evictions: 0,
             evicted_bytes: 0,
+            fewer_replicas: 0,
             tasks: HashMap::new(),
             owed_drops: HashMap::new(),
             demotions: 0,
@@ -1867,6 +1873,12 @@ impl ShardState {
                 format!("no segment has room for {len} bytes, even after eviction"),
             ));
         }
+        if targets.len() < want {
+            // Acknowledged all the same (a put that waited for a second
+            // node could wait forever), and said: the tick reports it
+            // (a metric and a log line).
+            self.fewer_replicas += 1;
+        }
         let mut replicas = SmallVec::new();
         for &idx in &targets {
             let offset = self
@@ -2716,7 +2728,10 @@ impl ShardState {
     /// enough, and owes an eviction episode to every range past the high
     /// watermark (the driver runs [`Self::evict_step`] for it).
     pub fn tick(&mut self, now_ms: u64) -> TickReport {
-        let mut report = TickReport::default();
+        let mut report = TickReport {
+            fewer_replicas: std::mem::take(&mut self.fewer_replicas),
+            ..TickReport::default()
+        };
         self.expire_parked(now_ms);
         let stale: Vec<Id> = self
             .objs
@@ -3112,6 +3127,23 @@ mod tests {
         sh.put_start(1, b"k", 1000, &PutOptions::default(), 0)
             .expect("placed once the node pinged");
         sh.check_invariants().expect("a consistent shard");
+    }
+
+    /// A put asking for two replicas where one segment has room is placed
+    /// on that one, and the next tick says so.
+    #[test]
+    fn a_put_placed_with_fewer_replicas_than_asked_is_reported_by_the_tick() {
+        let mut sh = shard_with_a_segment();
+        let two = PutOptions {
+            replicas: 2,
+            ..PutOptions::default()
+        };
+        let descs = sh.put_start(1, b"k", 1000, &two, 0).unwrap();
+        assert_eq!(descs.len(), 1, "placed on the one segment there is");
+        sh.put_start(1, b"one", 1000, &PutOptions::default(), 0)
+            .unwrap();
+        assert_eq!(sh.tick(1).fewer_replicas, 1, "one put of the two");
+        assert_eq!(sh.tick(2).fewer_replicas, 0, "counted once");
     }
 
     fn shard_with_objects() -> ShardState {
