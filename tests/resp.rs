@@ -1070,3 +1070,63 @@ fn set_replaces_atomically_readers_see_the_old_or_the_new_value_never_a_mix_or_a
     }
     assert_eq!(first.reply(), bulk(&b));
 }
+
+/// `redis-benchmark`'s default SET is one key; with `-P 16` a connection
+/// sends it sixteen times in one pipeline. A run of pipelined SETs of one
+/// key stores its last value once, and every SET of it answers OK after
+/// that value is in place; a SET refused for its own value (empty) answers
+/// its own error and replaces nothing.
+#[test]
+fn pipelined_sets_of_one_key_answer_in_order_and_leave_the_last_value() {
+    let p = pool_with_resp(None, &[]);
+    let mut raw = Raw::connect(&p.resp);
+    let mut req = Vec::new();
+    for v in [&b"a"[..], b"b", b"", b"c"] {
+        req.extend(encode(&[b"SET", b"hot", v]));
+    }
+    req.extend(encode(&[b"GET", b"hot"]));
+    for v in [&b"d"[..], b"e"] {
+        req.extend(encode(&[b"SET", b"hot", v]));
+    }
+    req.extend(encode(&[b"SET", b"other", b"x"]));
+    req.extend(encode(&[b"SET", b"hot", b""]));
+    req.extend(encode(&[b"GET", b"hot"]));
+    raw.send(&req);
+    let empty = Reply::Error("ERR kvpool cannot store an empty value".into());
+    let want = [
+        ok(),
+        ok(),
+        empty.clone(),
+        ok(),
+        bulk(b"c"),
+        ok(),
+        ok(),
+        ok(),
+        empty,
+        bulk(b"e"),
+    ];
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(&raw.reply(), w, "reply {i}");
+    }
+    assert_eq!(raw.cmd(&[b"GET", b"other"]), bulk(b"x"));
+
+    // Sixteen SETs of one key in one pipeline are one put in the pool.
+    let puts = || {
+        let (_, m) = common::http(&p.http, "GET", "/metrics");
+        m.lines()
+            .find(|l| l.starts_with("kvpool_master_calls_total{op=\"put_start\",result=\"ok\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let before = puts();
+    let mut req = Vec::new();
+    for i in 0..16 {
+        req.extend(encode(&[b"SET", b"hot16", format!("v{i}").as_bytes()]));
+    }
+    raw.send(&req);
+    for i in 0..16 {
+        assert_eq!(raw.reply(), ok(), "reply {i}");
+    }
+    assert_eq!(raw.cmd(&[b"GET", b"hot16"]), bulk(b"v15"));
+    assert_eq!(puts() - before, 1, "one put for the sixteen SETs");
+}
