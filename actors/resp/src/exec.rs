@@ -630,25 +630,40 @@ impl Conn {
         }
         let keys: Vec<&[u8]> = todo.iter().map(|(k, _)| *k).collect();
         let within = Duration::from_millis(self.ctx.client_timeout_ms);
+        let busy = "ERR another SET of this key on this connection's thread did not end in time";
+        let client = &self.ctx.client;
+        if let [(key, value)] = todo[..] {
+            // One key: SETs of it from this thread's other connections
+            // combine (see crate::locks).
+            let r = self
+                .ctx
+                .keys
+                .set_one(key, value, within, busy, |v| async move {
+                    let r = client.upsert(key, &v).await.map_err(|e| pool_error(&e));
+                    // Whatever the answer (a put that timed out may still
+                    // have ended).
+                    self.ctx.shared.views.forget(key);
+                    r
+                })
+                .await;
+            if let Some(slot) = out.iter_mut().find(|r| r.is_ok()) {
+                *slot = r;
+            }
+            return out;
+        }
         let Ok(_held) = self.ctx.keys.lock(&keys, within).await else {
-            let e = "ERR another SET of this key on this connection's thread did not end in time";
             for r in out.iter_mut().filter(|r| r.is_ok()) {
-                *r = Err(e.into());
+                *r = Err(busy.into());
             }
             return out;
         };
-        let client = &self.ctx.client;
-        let done: Vec<Result<(), KvError>> = if todo.len() == 1 {
-            vec![client.upsert(todo[0].0, todo[0].1).await]
-        } else {
-            let opts = PutOptions {
-                replace: true,
-                ..PutOptions::default()
-            };
-            match client.batch_put(&todo, &opts).await {
-                Ok(v) => v,
-                Err(e) => todo.iter().map(|_| Err(e.clone())).collect(),
-            }
+        let opts = PutOptions {
+            replace: true,
+            ..PutOptions::default()
+        };
+        let done: Vec<Result<(), KvError>> = match client.batch_put(&todo, &opts).await {
+            Ok(v) => v,
+            Err(e) => todo.iter().map(|_| Err(e.clone())).collect(),
         };
         // Whatever the answers (a put that timed out may still have ended).
         for k in &keys {

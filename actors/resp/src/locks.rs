@@ -6,6 +6,13 @@
 //! client, hence one writer id: two of them setting one key at once
 //! (`redis-benchmark -c 16` does) must take turns here. Single-threaded
 //! (`Rc`, `RefCell`): it belongs to one RESP thread.
+//!
+//! SETs of one key from several connections combine ([`KeyLocks::set_one`]):
+//! while the key is being written, the SETs that arrive join one pending
+//! write, each replacing its value; when the key is free the first of them
+//! writes the last value, and every one answers with that write's result.
+//! Linearizable as a pipeline's repeated SETs are: each joined SET is
+//! answered after the value that replaced it is in place.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -17,6 +24,50 @@ use tokio::sync::Notify;
 #[derive(Default)]
 pub(crate) struct KeyLocks {
     held: RefCell<HashMap<Vec<u8>, Rc<Notify>>>,
+    /// Per key, the write that waits for it, which new SETs join.
+    pending: RefCell<HashMap<Vec<u8>, Rc<Pending>>>,
+}
+
+/// One write of a key that SETs joined while the key was being written.
+struct Pending {
+    /// The last value a joined SET gave.
+    value: RefCell<Vec<u8>>,
+    /// The write's result, once it ended.
+    result: RefCell<Option<Result<(), String>>>,
+    done: Notify,
+}
+
+impl Pending {
+    fn finish(&self, r: Result<(), String>) {
+        let mut slot = self.result.borrow_mut();
+        if slot.is_none() {
+            *slot = Some(r);
+            self.done.notify_waiters();
+        }
+    }
+}
+
+/// Ends a pending write that its writer gave up on (a deadline, or its
+/// connection went away): the SETs that joined it hear of it, and new ones
+/// start a write of their own.
+struct Leading<'a> {
+    locks: &'a KeyLocks,
+    key: &'a [u8],
+    pending: Rc<Pending>,
+}
+
+impl Drop for Leading<'_> {
+    fn drop(&mut self) {
+        let mut map = self.locks.pending.borrow_mut();
+        if map
+            .get(self.key)
+            .is_some_and(|p| Rc::ptr_eq(p, &self.pending))
+        {
+            map.remove(self.key);
+        }
+        self.pending
+            .finish(Err("ERR the SET that was to write this key gave up".into()));
+    }
 }
 
 /// Holds keys; lets them go when dropped.
@@ -78,20 +129,81 @@ impl KeyLocks {
         }
         Ok(guard)
     }
+
+    /// A SET of one key: joins the write that waits for the key, if one
+    /// does (its value is then the one written), else waits for the key
+    /// itself and writes the last value given by then with `write`. Every
+    /// joined SET answers with that write's result; at most `within`.
+    /// `busy` is the error when the key stays held past it.
+    pub(crate) async fn set_one<F, Fut>(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        within: Duration,
+        busy: &str,
+        write: F,
+    ) -> Result<(), String>
+    where
+        F: FnOnce(Vec<u8>) -> Fut,
+        Fut: std::future::Future<Output = Result<(), String>>,
+    {
+        let deadline = tokio::time::Instant::now() + within;
+        let joined = self.pending.borrow().get(key).cloned();
+        if let Some(p) = joined {
+            value.clone_into(&mut p.value.borrow_mut());
+            loop {
+                let woken = p.done.notified();
+                if let Some(r) = p.result.borrow().clone() {
+                    return r;
+                }
+                if tokio::time::timeout_at(deadline, woken).await.is_err() {
+                    return Err(busy.into());
+                }
+            }
+        }
+        let pending = Rc::new(Pending {
+            value: RefCell::new(value.to_vec()),
+            result: RefCell::new(None),
+            done: Notify::new(),
+        });
+        self.pending
+            .borrow_mut()
+            .insert(key.to_vec(), pending.clone());
+        let leading = Leading {
+            locks: self,
+            key,
+            pending,
+        };
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let Ok(_held) = self.lock(&[key], left).await else {
+            return Err(busy.into());
+        };
+        // The key is this write's: SETs arriving from now on wait for it
+        // in a pending write of their own.
+        self.pending.borrow_mut().remove(key);
+        let value = std::mem::take(&mut *leading.pending.value.borrow_mut());
+        let r = write(value).await;
+        leading.pending.finish(r.clone());
+        r
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_second_writer_of_a_key_waits_for_the_first() {
+    /// Runs `f` on a one-thread runtime where `spawn_local` works.
+    fn on_one_thread(f: impl std::future::Future<Output = ()>) {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
-        let local = tokio::task::LocalSet::new();
-        local.block_on(&rt, async {
+        tokio::task::LocalSet::new().block_on(&rt, f);
+    }
+
+    #[test]
+    fn a_second_writer_of_a_key_waits_for_the_first() {
+        on_one_thread(async {
             let locks = Rc::new(KeyLocks::default());
             let order = Rc::new(RefCell::new(Vec::new()));
             let first = locks
@@ -121,6 +233,58 @@ mod tests {
                 .lock(&[b"k"], Duration::from_millis(20))
                 .await
                 .is_err());
+        });
+    }
+
+    /// SETs of a key that is being written join one write, of the last
+    /// value; each answers with its result. The next SET writes its own.
+    #[test]
+    fn sets_of_a_key_being_written_combine_into_one_write_of_the_last_value() {
+        on_one_thread(async {
+            let locks = Rc::new(KeyLocks::default());
+            let writes = Rc::new(RefCell::new(Vec::new()));
+            let within = Duration::from_secs(5);
+            let set = |v: &'static [u8], fail: bool| {
+                let (l, w) = (locks.clone(), writes.clone());
+                tokio::task::spawn_local(async move {
+                    l.set_one(b"k", v, within, "busy", |value| async move {
+                        w.borrow_mut().push(value);
+                        if fail {
+                            Err("ERR refused".to_string())
+                        } else {
+                            Ok(())
+                        }
+                    })
+                    .await
+                })
+            };
+            let held = locks.lock(&[b"k"], within).await.unwrap();
+            let sets: Vec<_> = [&b"1"[..], b"2", b"3"]
+                .into_iter()
+                .map(|v| set(v, false))
+                .collect();
+            tokio::task::yield_now().await;
+            drop(held);
+            for s in sets {
+                assert_eq!(s.await.unwrap(), Ok(()));
+            }
+            assert_eq!(
+                *writes.borrow(),
+                vec![b"3".to_vec()],
+                "one write, the last value"
+            );
+            // A write's error reaches every SET that joined it.
+            let held = locks.lock(&[b"k"], within).await.unwrap();
+            let (a, b) = (set(b"4", true), set(b"5", true));
+            tokio::task::yield_now().await;
+            drop(held);
+            assert_eq!(a.await.unwrap(), Err("ERR refused".to_string()));
+            assert_eq!(b.await.unwrap(), Err("ERR refused".to_string()));
+            assert_eq!(writes.borrow().last().unwrap(), b"5");
+            // Nothing waits: a SET writes its own value at once.
+            assert_eq!(set(b"6", false).await.unwrap(), Ok(()));
+            assert_eq!(writes.borrow().len(), 3);
+            assert!(locks.pending.borrow().is_empty());
         });
     }
 }
