@@ -739,9 +739,6 @@ fn an_unprotected_resp_listener_beyond_loopback_stops_start_up() {
 /// AUTH and everything with it.
 #[test]
 fn with_a_cluster_secret_the_resp_front_needs_a_password() {
-    let Some(cli) = common::external_tool("redis-cli") else {
-        return;
-    };
     let secret = "0123456789abcdef0123456789abcdef";
     let (code, err) = start_refused(
         &common::ephemeral(&[
@@ -763,6 +760,10 @@ fn with_a_cluster_secret_the_resp_front_needs_a_password() {
         "a warning that is not true: {err}"
     );
 
+    // The refusal needs no tool; what follows drives redis-cli.
+    let Some(cli) = common::external_tool("redis-cli") else {
+        return;
+    };
     let dir = common::scratch_dir("resp-secret");
     let cfg = common::write_config(&dir, "resp.toml", "[resp]\nrequirepass = \"opensesame\"\n");
     let mut args: Vec<&str> =
@@ -1112,11 +1113,10 @@ fn pipelined_sets_of_one_key_answer_in_order_and_leave_the_last_value() {
 
     // Sixteen SETs of one key in one pipeline are one put in the pool.
     let puts = || {
-        let (_, m) = common::http(&p.http, "GET", "/metrics");
-        m.lines()
-            .find(|l| l.starts_with("kvpool_master_calls_total{op=\"put_start\",result=\"ok\"}"))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-            .unwrap_or(0)
+        metric(
+            &p.http,
+            "kvpool_master_calls_total{op=\"put_start\",result=\"ok\"}",
+        )
     };
     let before = puts();
     let mut req = Vec::new();

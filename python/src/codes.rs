@@ -62,7 +62,8 @@ pub fn mooncake_code_table() -> Vec<(u16, &'static str, i64, &'static str)> {
 /// message)`, a Python class (`kvpool/_errors.py`): under the stable ABI a
 /// native class may subclass `Exception` only from Python 3.12 on.
 fn kvpool_error<'py>(py: Python<'py>, e: &KvError) -> PyResult<Bound<'py, PyAny>> {
-    py.import("kvpool._errors")?.getattr("KvpoolError")?.call1((
+    static CLASS: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> = pyo3::sync::PyOnceLock::new();
+    CLASS.import(py, "kvpool._errors", "KvpoolError")?.call1((
         e.code.code(),
         e.code.name(),
         e.message.clone(),

@@ -205,24 +205,6 @@ const MAX_UNREACHABLE: usize = 64;
 /// How long a segment that could not be reached is read last.
 const SUSPECT_FOR: Duration = Duration::from_secs(2);
 
-/// The error of a read whose bytes from replica `r` do not match the
-/// object's checksum, logged: `Corrupt`, never the bytes.
-pub fn corrupt_replica(r: &ReplicaDesc) -> KvError {
-    tracing::warn!(
-        segment = format!("{:016x}", r.segment_id),
-        offset = r.offset,
-        len = r.len,
-        "a replica's bytes do not match the object's checksum"
-    );
-    KvError::new(
-        ErrorCode::Corrupt,
-        format!(
-            "the bytes read from segment {:016x} at {} do not match the object's checksum",
-            r.segment_id, r.offset
-        ),
-    )
-}
-
 /// Moves bytes to and from storage nodes. Cheap to share (`Arc`).
 pub struct TransferEngine {
     cfg: EngineConfig,
@@ -309,7 +291,19 @@ impl TransferEngine {
             return Ok(());
         }
         self.stats.corrupt_reads.fetch_add(1, Ordering::Relaxed);
-        Err(corrupt_replica(r))
+        tracing::warn!(
+            segment = format!("{:016x}", r.segment_id),
+            offset = r.offset,
+            len = r.len,
+            "a replica's bytes do not match the object's checksum"
+        );
+        Err(KvError::new(
+            ErrorCode::Corrupt,
+            format!(
+                "the bytes read from segment {:016x} at {} do not match the object's checksum",
+                r.segment_id, r.offset
+            ),
+        ))
     }
 
     /// Uses RDMA (through `ctx`) for DRAM replicas whose node supports it.

@@ -31,8 +31,7 @@ use std::time::{Duration, Instant};
 
 use kvpool_runtime::hash::{vshard_of, ShardMap};
 use kvpool_transport::auth::{self, ClusterKey};
-use kvpool_transport::checksum::{self, Side};
-use kvpool_transport::engine::{corrupt_replica, EngineConfig, Transfer, TransferEngine};
+use kvpool_transport::engine::{EngineConfig, Transfer, TransferEngine};
 use kvpool_transport::frame::{self, FrameKind};
 use kvpool_transport::pool::{ConnPool, Stream};
 use kvpool_transport::proto::call::{self, Call};
@@ -303,8 +302,8 @@ pub struct ReadView {
     replicas: Vec<(Arc<ShmMap>, ReplicaDesc)>,
     len: u64,
     valid_until: Instant,
-    /// Whether this client checks checksums.
-    checksums: bool,
+    /// The client's state: its engine checks (and counts) what is read.
+    client: Arc<Inner>,
 }
 
 impl ReadView {
@@ -348,23 +347,21 @@ impl ReadView {
                 ),
             ));
         }
+        let engine = &self.client.engine;
         let mut corrupt = None;
         for (map, r) in &self.replicas {
             self.live()?;
-            // SAFETY: the lease checked just above is live and the master does
-            // not reuse the space of a leased object; the slice is only read
-            // by the copy below (a writer behind the master's back can change
-            // it meanwhile: the copy is what is checked).
-            let src = unsafe { map.bytes(r.offset, self.len) }?;
-            // SAFETY: `src` is `len` readable bytes of the mapping and `dst`
-            // `len` writable bytes of the caller's memory (a `&mut`, so not
-            // the mapping); only `dst`, which nobody else writes, is hashed.
-            let sum = unsafe {
-                checksum::copy_and_sum(dst.as_mut_ptr(), src.as_ptr(), dst.len(), Side::Dst)
+            // The engine's own same-host read: a copy (hashed as it lands
+            // in `dst` when checksums are on), then its check of the copy.
+            let sum = if engine.config().verify_checksums {
+                Some(map.read_into_summed(r.offset, dst)?)
+            } else {
+                map.read_into(r.offset, dst)?;
+                None
             };
-            match r.checksum.filter(|_| self.checksums) {
-                Some(want) if want != sum => corrupt = Some(corrupt_replica(r)),
-                _ => return Ok(()),
+            match engine.verify(r, dst, sum) {
+                Err(e) => corrupt = Some(e),
+                Ok(()) => return Ok(()),
             }
         }
         Err(corrupt
@@ -380,16 +377,21 @@ impl ReadView {
 
     /// The first replica's bytes in the node's memory as they are now,
     /// unchecked: for tests and diagnostics that look at the memory itself.
-    /// Never hand them on as the value (use [`ReadView::read_into`]); do not
-    /// keep the slice past [`ReadView::valid_until`].
-    pub fn unchecked_bytes(&self) -> Result<&[u8], KvError> {
+    /// Never hand them on as the value (use [`ReadView::read_into`]).
+    ///
+    /// # Safety
+    /// Nobody may write the range while the slice lives: the lease promises
+    /// that only until [`ReadView::valid_until`], and a writer behind the
+    /// master's back breaks it.
+    pub unsafe fn unchecked_bytes(&self) -> Result<&[u8], KvError> {
         self.live()?;
         let (map, r) = self
             .replicas
             .first()
             .ok_or_else(|| KvError::new(ErrorCode::Unavailable, "the view holds no replica"))?;
-        // SAFETY: the lease checked just above is live, and the master does
-        // not reuse the space of a leased object.
+        // SAFETY: the lease checked just above is live, the master does not
+        // reuse the space of a leased object, and the caller promises that
+        // nobody else writes it meanwhile.
         unsafe { map.bytes(r.offset, self.len) }
     }
 }
@@ -415,12 +417,6 @@ const VIEW_MARGIN: Duration = Duration::from_millis(500);
 /// Times one put may be placed again after its node proved unreachable.
 const MAX_PLACEMENTS: u32 = 3;
 
-/// Whether a put refused with `e` waits and asks again (within its
-/// deadline): `TryAgain` (space on its way out, another writer's replace
-/// ending, room only on a node a client reported unreachable) and
-/// `ReplicaNotReady` (the key is an object a restarted or new leader
-/// recovered, whose segment has not mounted again yet: it is taken back, or
-/// dropped, within the master's `client_ttl_ms`).
 /// The longest pause between two tries of a put told to wait (`TryAgain`:
 /// another writer's replace of the key is ending, space is on its way):
 /// a replace ends within a millisecond or two, and a put that slept past
@@ -429,6 +425,12 @@ const MAX_PLACEMENTS: u32 = 3;
 /// per waiting put every 8 ms is cheap.
 const PUT_RETRY_MAX: Duration = Duration::from_millis(8);
 
+/// Whether a put refused with `e` waits and asks again (within its
+/// deadline): `TryAgain` (space on its way out, another writer's replace
+/// ending, room only on a node a client reported unreachable) and
+/// `ReplicaNotReady` (the key is an object a restarted or new leader
+/// recovered, whose segment has not mounted again yet: it is taken back, or
+/// dropped, within the master's `client_ttl_ms`).
 fn waits_to_put(e: &KvError) -> bool {
     matches!(e.code, ErrorCode::TryAgain | ErrorCode::ReplicaNotReady)
 }
@@ -1482,7 +1484,7 @@ impl Client {
             replicas: mapped,
             len,
             valid_until: granted + lease.saturating_sub(VIEW_MARGIN),
-            checksums: self.inner.cfg.checksums,
+            client: self.inner.clone(),
         })
     }
 

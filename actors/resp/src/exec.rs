@@ -638,8 +638,9 @@ impl Conn {
             let r = self
                 .ctx
                 .keys
-                .set_one(key, value, within, busy, |v| async move {
-                    let r = client.upsert(key, &v).await.map_err(|e| pool_error(&e));
+                .set_one(key, value, within, busy, |joined| async move {
+                    let v = joined.as_deref().unwrap_or(value);
+                    let r = client.upsert(key, v).await.map_err(|e| pool_error(&e));
                     // Whatever the answer (a put that timed out may still
                     // have ended).
                     self.ctx.shared.views.forget(key);

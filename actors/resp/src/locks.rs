@@ -30,8 +30,9 @@ pub(crate) struct KeyLocks {
 
 /// One write of a key that SETs joined while the key was being written.
 struct Pending {
-    /// The last value a joined SET gave.
-    value: RefCell<Vec<u8>>,
+    /// The last value a joined SET gave (a copy: that SET may give up
+    /// before the write); none while only the writer's own is there.
+    value: RefCell<Option<Vec<u8>>>,
     /// The write's result, once it ended.
     result: RefCell<Option<Result<(), String>>>,
     done: Notify,
@@ -132,8 +133,9 @@ impl KeyLocks {
 
     /// A SET of one key: joins the write that waits for the key, if one
     /// does (its value is then the one written), else waits for the key
-    /// itself and writes the last value given by then with `write`. Every
-    /// joined SET answers with that write's result; at most `within`.
+    /// itself and writes the last value given by then with `write`: `None`
+    /// for its own `value` (not copied), else the copy a joined SET left.
+    /// Every joined SET answers with that write's result; at most `within`.
     /// `busy` is the error when the key stays held past it.
     pub(crate) async fn set_one<F, Fut>(
         &self,
@@ -144,13 +146,19 @@ impl KeyLocks {
         write: F,
     ) -> Result<(), String>
     where
-        F: FnOnce(Vec<u8>) -> Fut,
+        F: FnOnce(Option<Vec<u8>>) -> Fut,
         Fut: std::future::Future<Output = Result<(), String>>,
     {
         let deadline = tokio::time::Instant::now() + within;
         let joined = self.pending.borrow().get(key).cloned();
         if let Some(p) = joined {
-            value.clone_into(&mut p.value.borrow_mut());
+            {
+                let mut last = p.value.borrow_mut();
+                match last.as_mut() {
+                    Some(v) => value.clone_into(v),
+                    None => *last = Some(value.to_vec()),
+                }
+            }
             loop {
                 let woken = p.done.notified();
                 if let Some(r) = p.result.borrow().clone() {
@@ -162,7 +170,7 @@ impl KeyLocks {
             }
         }
         let pending = Rc::new(Pending {
-            value: RefCell::new(value.to_vec()),
+            value: RefCell::new(None),
             result: RefCell::new(None),
             done: Notify::new(),
         });
@@ -181,8 +189,8 @@ impl KeyLocks {
         // The key is this write's: SETs arriving from now on wait for it
         // in a pending write of their own.
         self.pending.borrow_mut().remove(key);
-        let value = std::mem::take(&mut *leading.pending.value.borrow_mut());
-        let r = write(value).await;
+        let joined = leading.pending.value.borrow_mut().take();
+        let r = write(joined).await;
         leading.pending.finish(r.clone());
         r
     }
@@ -247,8 +255,8 @@ mod tests {
             let set = |v: &'static [u8], fail: bool| {
                 let (l, w) = (locks.clone(), writes.clone());
                 tokio::task::spawn_local(async move {
-                    l.set_one(b"k", v, within, "busy", |value| async move {
-                        w.borrow_mut().push(value);
+                    l.set_one(b"k", v, within, "busy", |joined| async move {
+                        w.borrow_mut().push(joined.unwrap_or_else(|| v.to_vec()));
                         if fail {
                             Err("ERR refused".to_string())
                         } else {
