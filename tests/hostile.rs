@@ -625,6 +625,29 @@ fn idle_connections_at_the_cap_get_a_clear_answer_and_do_not_lock_clients_out() 
     let _ = std::fs::remove_dir_all(&d);
 }
 
+#[test]
+fn idle_sockets_past_the_http_cap_do_not_lock_out_healthz() {
+    // 1,100 sockets that never send a byte, past the listener's cap (1024):
+    // each new connection takes the place of the oldest idle one, so
+    // /healthz (and every route and front served the same way) answers at
+    // once, not when the header deadline (30 s) frees a place.
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "64MiB"]));
+    let idle: Vec<TcpStream> = (0..1100)
+        .map(|_| TcpStream::connect(&node.http).expect("connect http"))
+        .collect();
+    let t = Instant::now();
+    let (status, body) = common::http(&node.http, "GET", "/healthz");
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "/healthz took {:?} behind idle sockets",
+        t.elapsed()
+    );
+    // The oldest idle socket was closed for a newer one.
+    let mut first = idle.into_iter().next().unwrap();
+    assert!(closed_within(&mut first, Duration::from_secs(5)));
+}
+
 // ---- 7. a put waits for space on its way out ------------------------------
 
 #[test]

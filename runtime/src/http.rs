@@ -6,10 +6,18 @@
 //! sockets, would hold a task and a file descriptor each, for ever. Every
 //! HTTP listener of kvpool (the node's, the engine's, the serving proxies'
 //! and the conductor's) is served through [`serve`].
+//!
+//! At the connection cap, a new connection takes the place of the oldest
+//! idle one (no request in flight, no answer being sent): 1,100 idle sockets
+//! used to lock `/healthz`, the admin routes and the serving front out for
+//! the 30 s of the header deadline, again and again (issue 29). A connection
+//! serving a request is never closed for a newcomer.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::{pin, Pin};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -20,7 +28,7 @@ use hyper::Request;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{watch, Notify, Semaphore};
 
 /// A request head (and the wait for the next request on a kept-alive
 /// connection) must arrive within this: hyper's own default, which
@@ -30,8 +38,9 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// bodies the serving front accepts at 0.3 MB/s; a client slower than that
 /// gets 400 and the connection closes.
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
-/// Connections open at once on one listener; more wait in the kernel's
-/// accept queue until one closes. Four times what the serving front admits
+/// Connections open at once on one listener. One more takes the place of
+/// the oldest idle connection; with none idle, it waits until one closes.
+/// Four times what the serving front admits
 /// by default (`max_in_flight` 256), so kept-alive idle clients do not
 /// crowd out requests, and far below the descriptors a process has: a
 /// flood of sockets runs into this cap, not into `EMFILE` for the pool's
@@ -66,16 +75,11 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let open = Arc::new(Semaphore::new(limits.max_connections));
+    let conns = Arc::new(Conns::default());
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut shutdown = pin!(shutdown);
+    let mut next_id = 0u64;
     loop {
-        let permit = tokio::select! {
-            p = open.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-            _ = &mut shutdown => break,
-        };
         let stream = tokio::select! {
             r = listener.accept() => match r {
                 Ok((s, _)) => s,
@@ -89,12 +93,37 @@ pub async fn serve(
             },
             _ = &mut shutdown => break,
         };
+        let permit = match open.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                // At the cap: the oldest idle connection gives its place
+                // (with none idle, wait for one to close).
+                conns.evict_oldest_idle();
+                tokio::select! {
+                    p = open.clone().acquire_owned() => match p {
+                        Ok(p) => p,
+                        Err(_) => break,
+                    },
+                    _ = &mut shutdown => break,
+                }
+            }
+        };
         let _ = stream.set_nodelay(true);
+        next_id += 1;
+        let slot = Arc::new(Slot::default());
+        let listed = conns.add(next_id, slot.clone());
         let router = TowerToHyperService::new(app.clone());
         let body_timeout = limits.body_read_timeout;
+        let busy_slot = slot.clone();
         let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
             use hyper::service::Service;
-            router.call(req.map(|b| BodyDeadline::new(b, body_timeout)))
+            let busy = Busy::new(busy_slot.clone());
+            let answer = router.call(req.map(|b| BodyDeadline::new(b, body_timeout)));
+            async move {
+                let res = answer.await?;
+                // Busy until the answer's last byte is taken (or dropped).
+                Ok::<_, std::convert::Infallible>(res.map(|inner| Tracked { inner, _busy: busy }))
+            }
         });
         let mut stop = stop_rx.clone();
         let header_timeout = limits.header_read_timeout;
@@ -113,13 +142,123 @@ pub async fn serve(
                     conn.as_mut().graceful_shutdown();
                     let _ = conn.await;
                 }
+                // Idle, and closed for a newcomer at the cap.
+                _ = slot.evicted() => {}
             }
+            drop(listed);
             drop(permit);
         });
     }
     let _ = stop_tx.send(true);
     // Every connection gives its place back when it closes.
     let _ = open.acquire_many(limits.max_connections as u32).await;
+}
+
+/// One open connection: whether it serves a request, and whether it was
+/// closed for a newcomer.
+#[derive(Default)]
+struct Slot {
+    /// Requests whose answer is not sent in full yet.
+    busy: AtomicUsize,
+    evicted: AtomicBool,
+    wake: Notify,
+}
+
+impl Slot {
+    async fn evicted(&self) {
+        while !self.evicted.load(Ordering::Acquire) {
+            self.wake.notified().await;
+        }
+    }
+}
+
+/// The open connections of a listener, oldest first.
+#[derive(Default)]
+struct Conns {
+    open: Mutex<BTreeMap<u64, Arc<Slot>>>,
+}
+
+impl Conns {
+    fn map(&self) -> MutexGuard<'_, BTreeMap<u64, Arc<Slot>>> {
+        // A panic ends the process (the binary's panic hook): a poisoned
+        // lock is never seen; take the data either way.
+        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn add(self: &Arc<Self>, id: u64, slot: Arc<Slot>) -> Listed {
+        self.map().insert(id, slot);
+        Listed {
+            conns: self.clone(),
+            id,
+        }
+    }
+
+    /// Closes the oldest connection with no request in flight, if any. A
+    /// request that arrives on it at this very moment is cut with it, as on
+    /// any keep-alive connection the server closes.
+    fn evict_oldest_idle(&self) {
+        let map = self.map();
+        let idle = map.values().find(|s| {
+            s.busy.load(Ordering::Acquire) == 0 && !s.evicted.swap(true, Ordering::AcqRel)
+        });
+        if let Some(s) = idle {
+            s.wake.notify_one();
+        }
+    }
+}
+
+/// Takes a connection off the list when it closes.
+struct Listed {
+    conns: Arc<Conns>,
+    id: u64,
+}
+
+impl Drop for Listed {
+    fn drop(&mut self) {
+        self.conns.map().remove(&self.id);
+    }
+}
+
+/// A request in flight on a connection.
+struct Busy(Arc<Slot>);
+
+impl Busy {
+    fn new(slot: Arc<Slot>) -> Self {
+        slot.busy.fetch_add(1, Ordering::AcqRel);
+        Self(slot)
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// An answer's body, its connection busy until it is sent or dropped.
+struct Tracked<B> {
+    inner: B,
+    _busy: Busy,
+}
+
+impl<B: Body + Unpin> Body for Tracked<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// A request body that must arrive in full by a deadline; past it, an
