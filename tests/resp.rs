@@ -284,6 +284,11 @@ fn redis_benchmark_set_get_finishes_without_an_error() {
             "{extra:?}: {out}"
         );
         assert!(!err.to_lowercase().contains("error"), "{extra:?}: {err}");
+        // It reads `CONFIG GET save` and `appendonly` at start.
+        assert!(
+            !err.contains("Could not fetch server CONFIG"),
+            "{extra:?}: {err}"
+        );
     }
     // The server counted no failed SET or GET.
     let mut raw = Raw::connect(&p.resp);
@@ -457,6 +462,84 @@ fn limits_refuse_before_buffering_cap_clients_and_close_idle_ones() {
 }
 
 /// The value of an unlabelled figure on `/metrics`.
+#[test]
+fn idle_sockets_cannot_lock_clients_out() {
+    // Sockets that never send a command may stay io_timeout_ms, and at
+    // max_clients a newcomer takes the place of the oldest of them; a
+    // client that has run a command is never closed for one.
+    let p = pool_with_resp(
+        Some("[resp]\nmax_clients = 20\nmax_pending_per_peer = 0\nio_timeout_ms = 4000\n"),
+        &[],
+    );
+    let pong = || Reply::Simple("PONG".into());
+    let mut early = Raw::connect(&p.resp);
+    assert_eq!(early.cmd(&[b"PING"]), pong());
+    let t = Instant::now();
+    let mut idle: Vec<TcpStream> = (0..40)
+        .map(|_| TcpStream::connect(&p.resp).expect("connect"))
+        .collect();
+    let mut late = Raw::connect(&p.resp);
+    assert_eq!(late.cmd(&[b"PING"]), pong(), "a newcomer is let in");
+    assert_eq!(early.cmd(&[b"PING"]), pong(), "an active client stays");
+    // The oldest idle sockets were closed for the newer ones.
+    let mut first = idle.remove(0);
+    first
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    assert_eq!(first.read(&mut byte).expect("closed, not timed out"), 0);
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    // The rest are closed at io_timeout_ms: they never ran a command.
+    for mut s in idle {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        assert_eq!(s.read(&mut byte).expect("closed, not timed out"), 0);
+    }
+    assert!(
+        t.elapsed() >= Duration::from_millis(3500),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(
+        early.cmd(&[b"PING"]),
+        pong(),
+        "idle past io_timeout_ms, yet open"
+    );
+    assert_eq!(late.cmd(&[b"PING"]), pong());
+
+    // One address may hold max_pending_per_peer connections that ran
+    // nothing; one more is refused, a client that has run a command is not.
+    let p = pool_with_resp(Some("[resp]\nmax_pending_per_peer = 5\n"), &[]);
+    let held: Vec<TcpStream> = (0..5)
+        .map(|_| TcpStream::connect(&p.resp).expect("connect"))
+        .collect();
+    let mut refused = Raw::connect(&p.resp);
+    assert_eq!(
+        refused.until_closed(Duration::from_secs(10)),
+        &b"-ERR too many connections from this address that have not run a command yet \
+           (resp.max_pending_per_peer)\r\n"[..]
+    );
+    drop(held);
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut ok_client = loop {
+        let mut c = Raw::connect(&p.resp);
+        c.send(&encode(&[b"PING"]));
+        let mut first = [0u8; 1];
+        c.r.get_ref()
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        if c.r.read_exact(&mut first).is_ok() && first[0] == b'+' {
+            break c;
+        }
+        // The server had not yet counted the dropped sockets out.
+        assert!(
+            Instant::now() < end,
+            "still refused after the idle sockets closed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(ok_client.line(), "PONG");
+}
+
 fn metric(http: &str, name: &str) -> u64 {
     let (_, text) = common::http(http, "GET", "/metrics");
     text.lines()
@@ -849,6 +932,98 @@ fn auth_gates_every_command_and_flushall_empties_the_pool() {
     assert_eq!(other.cmd(&[b"SELECT", b"0"]), ok());
     assert_eq!(other.cmd(&[b"QUIT"]), ok());
     assert!(other.until_closed(Duration::from_secs(5)).is_empty());
+}
+
+#[test]
+fn multi_exec_queues_runs_in_order_and_discards_on_a_refused_command() {
+    let p = pool_with_resp(None, &[]);
+    let mut raw = Raw::connect(&p.resp);
+    let queued = || Reply::Simple("QUEUED".into());
+    assert_eq!(
+        raw.cmd(&[b"EXEC"]),
+        Reply::Error("ERR EXEC without MULTI".into())
+    );
+    assert_eq!(
+        raw.cmd(&[b"DISCARD"]),
+        Reply::Error("ERR DISCARD without MULTI".into())
+    );
+    let big = common::value(3, 3 << 20);
+    assert_eq!(raw.cmd(&[b"MULTI"]), ok());
+    assert_eq!(
+        raw.cmd(&[b"MULTI"]),
+        Reply::Error("ERR MULTI calls can not be nested".into())
+    );
+    assert_eq!(raw.cmd(&[b"SET", b"t1", &big]), queued());
+    assert_eq!(raw.cmd(&[b"GET", b"t1"]), queued());
+    assert_eq!(raw.cmd(&[b"SET", b"t2", b"v", b"NX"]), queued());
+    assert_eq!(raw.cmd(&[b"SET", b"t2", b"w", b"NX", b"GET"]), queued());
+    assert_eq!(raw.cmd(&[b"TTL", b"t2"]), queued());
+    assert_eq!(raw.cmd(&[b"GET", b"nothing"]), queued());
+    // Nothing ran yet: another connection sees no key.
+    let mut other = Raw::connect(&p.resp);
+    assert_eq!(other.cmd(&[b"EXISTS", b"t1"]), Reply::Int(0));
+    assert_eq!(
+        raw.cmd(&[b"EXEC"]),
+        Reply::Array(Some(vec![
+            ok(),
+            Reply::Bulk(Some(big.clone())),
+            ok(),
+            bulk(b"v"),
+            Reply::Int(-1),
+            Reply::Bulk(None),
+        ]))
+    );
+    assert_eq!(other.cmd(&[b"GET", b"t2"]), bulk(b"v"));
+    // A command refused while queueing discards the transaction at EXEC.
+    assert_eq!(raw.cmd(&[b"MULTI"]), ok());
+    assert_eq!(raw.cmd(&[b"SET", b"t3", b"x"]), queued());
+    let Reply::Error(e) = raw.cmd(&[b"INCR", b"t3"]) else {
+        panic!("INCR queued");
+    };
+    assert!(e.starts_with("ERR kvpool does not support 'INCR'"), "{e}");
+    assert_eq!(
+        raw.cmd(&[b"GET"]),
+        Reply::Error("ERR wrong number of arguments for 'get' command".into())
+    );
+    assert_eq!(
+        raw.cmd(&[b"EXEC"]),
+        Reply::Error("EXECABORT Transaction discarded because of previous errors.".into())
+    );
+    assert_eq!(raw.cmd(&[b"EXISTS", b"t3"]), Reply::Int(0));
+    // DISCARD drops what was queued.
+    assert_eq!(raw.cmd(&[b"MULTI"]), ok());
+    assert_eq!(raw.cmd(&[b"SET", b"t4", b"x"]), queued());
+    let Reply::Bulk(Some(list)) = other.cmd(&[b"CLIENT", b"LIST"]) else {
+        panic!("CLIENT LIST");
+    };
+    let list = String::from_utf8(list).unwrap();
+    assert_eq!(list.lines().count(), 2, "{list}");
+    assert!(
+        list.contains(" multi=1 "),
+        "the open transaction shows: {list}"
+    );
+    assert_eq!(raw.cmd(&[b"DISCARD"]), ok());
+    assert_eq!(raw.cmd(&[b"EXISTS", b"t4"]), Reply::Int(0));
+    // SET's options on the wire, CONFIG GET as tools read it.
+    assert_eq!(raw.cmd(&[b"SET", b"t4", b"x", b"XX"]), Reply::Bulk(None));
+    assert_eq!(raw.cmd(&[b"SET", b"t4", b"x", b"EX", b"100", b"NX"]), ok());
+    assert_eq!(raw.cmd(&[b"SETNX", b"t4", b"y"]), Reply::Int(0));
+    assert_eq!(
+        raw.cmd(&[b"SET", b"t4", b"x", b"NX", b"XX"]),
+        Reply::Error("ERR syntax error".into())
+    );
+    assert_eq!(
+        raw.cmd(&[b"CONFIG", b"GET", b"save", b"appendonly"]),
+        Reply::Array(Some(vec![
+            bulk(b"appendonly"),
+            bulk(b"no"),
+            bulk(b"save"),
+            bulk(b""),
+        ]))
+    );
+    assert_eq!(raw.cmd(&[b"TYPE", b"t4"]), Reply::Simple("string".into()));
+    assert_eq!(raw.cmd(&[b"FLUSHDB"]), ok());
+    assert_eq!(raw.cmd(&[b"DBSIZE"]), Reply::Int(0));
 }
 
 #[test]

@@ -812,15 +812,22 @@ pub struct RespConfig {
     pub threads: usize,
     /// Pin thread i to the core of shard i.
     pub pin_threads: bool,
-    /// Open connections at most; one more gets `-ERR max number of clients
-    /// reached` and is closed.
+    /// Open connections at most. A new one past it takes the place of the
+    /// oldest connection that has not run a command yet (which is closed);
+    /// with none such it gets `-ERR max number of clients reached` and is
+    /// closed.
     pub max_clients: usize,
+    /// Connections from one peer address that have not run a command yet
+    /// (authenticated, where `requirepass` is set) at most; one more is
+    /// refused. 0 = no limit.
+    pub max_pending_per_peer: usize,
     /// Close a connection that sends nothing for this long (0 = never).
     pub idle_timeout_ms: u64,
     /// Once a command's first byte has arrived, the whole command must
     /// arrive within this long; a reply must be taken by the client within
-    /// it too. Otherwise the connection is closed. With `requirepass` set,
-    /// also the idle limit of a connection that has not authenticated.
+    /// it too. Otherwise the connection is closed. Also the idle limit of a
+    /// connection that has not run a command yet (authenticated, where
+    /// `requirepass` is set).
     pub io_timeout_ms: u64,
     /// Largest bulk string (a key or a value); a longer one is refused from
     /// its length line, before its bytes are read, and the connection closed.
@@ -887,6 +894,7 @@ impl Default for RespConfig {
             threads: 0,
             pin_threads: true,
             max_clients: 10_000,
+            max_pending_per_peer: 256,
             idle_timeout_ms: 600_000,
             io_timeout_ms: 60_000,
             proto_max_bulk_len: Bytes::mib(512),

@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
+use crate::clients::{ClientMeta, Registered};
+use crate::multi::Queued;
 use crate::proto::{reply, Limits, Parser, Progress};
 use crate::{Shared, ThreadCtx};
 
@@ -48,6 +50,9 @@ impl Drop for OpenGuard {
         self.shared.metrics.connections.dec();
     }
 }
+
+/// Why a pending connection was closed for a new one.
+const EVICTED: &str = "closed for a new connection at resp.max_clients: it had not run a command";
 
 /// Why a connection ends.
 #[derive(Debug)]
@@ -204,27 +209,33 @@ pub(crate) struct Conn {
     pub ctx: Rc<ThreadCtx>,
     pub id: u64,
     pub authed: bool,
-    pub name: Option<Vec<u8>>,
-    pub lib_name: Option<Vec<u8>>,
-    pub lib_ver: Option<Vec<u8>>,
+    /// What `CLIENT LIST` shows of it (its names included).
+    pub meta: Arc<ClientMeta>,
     /// Replies in RESP3 (after `HELLO 3`), RESP2 otherwise.
     pub resp3: bool,
+    /// Commands queued since `MULTI`, until `EXEC` or `DISCARD`.
+    pub multi: Option<Queued>,
     pub quit: bool,
     pub out: Out,
     stream: TcpStream,
 }
 
 /// Serves one connection until it closes.
-pub(crate) async fn serve(stream: TcpStream, ctx: Rc<ThreadCtx>, _open: OpenGuard) {
-    let id = ctx.shared.next_id.fetch_add(1, Ordering::Relaxed);
+pub(crate) async fn serve(
+    stream: TcpStream,
+    listed: Registered,
+    ctx: Rc<ThreadCtx>,
+    _open: OpenGuard,
+) {
+    let meta = listed.meta().clone();
+    let id = meta.id;
     let mut c = Conn {
         authed: ctx.shared.cfg.requirepass.is_empty(),
         ctx,
         id,
-        name: None,
-        lib_name: None,
-        lib_ver: None,
+        meta,
         resp3: false,
+        multi: None,
         quit: false,
         out: Out::new(),
         stream,
@@ -246,6 +257,15 @@ pub(crate) async fn serve(stream: TcpStream, ctx: Rc<ThreadCtx>, _open: OpenGuar
 impl Conn {
     fn io_timeout(&self) -> Duration {
         Duration::from_millis(self.ctx.shared.cfg.io_timeout_ms)
+    }
+
+    /// An authenticated connection is no longer pending (see
+    /// [`crate::clients`]); `Err` if it was closed for a newcomer meanwhile.
+    fn prove(&self) -> Result<(), Close> {
+        if self.authed && !self.meta.proven() && !self.ctx.shared.clients.prove(&self.meta) {
+            return Err(Close::Quiet(EVICTED));
+        }
+        Ok(())
     }
 
     async fn run(&mut self) -> Result<(), Close> {
@@ -282,7 +302,12 @@ impl Conn {
             }
             match progress {
                 Progress::Ready => {
+                    // No longer pending once it runs a command with the
+                    // right to (before its reply goes out: a client that
+                    // has its answer is never closed for a newcomer).
+                    self.prove()?;
                     self.execute(&parser, &buf).await?;
+                    self.prove()?;
                     self.flush().await?;
                     let done = parser.consume();
                     buf.drain(..done);
@@ -377,11 +402,12 @@ impl Conn {
                 t + self.io_timeout(),
                 "a command did not arrive in full within resp.io_timeout_ms",
             )),
-            // A client that has not authenticated gets io_timeout_ms, not
-            // the (long) idle timeout, to send its next command.
-            None if !self.authed => Some((
+            // A client that has not run a command (authenticated, where a
+            // password is set) gets io_timeout_ms, not the (long) idle
+            // timeout, to send its next one.
+            None if !self.authed || !self.meta.proven() => Some((
                 Instant::now() + self.io_timeout(),
-                "unauthenticated and idle past resp.io_timeout_ms",
+                "no command run (authenticated) within resp.io_timeout_ms",
             )),
             None if self.ctx.shared.cfg.idle_timeout_ms > 0 => Some((
                 Instant::now() + Duration::from_millis(self.ctx.shared.cfg.idle_timeout_ms),
@@ -393,6 +419,7 @@ impl Conn {
         let r = tokio::select! {
             r = read => r,
             _ = shutdown.wait() => return Err(Close::Quiet("the process is stopping")),
+            _ = self.meta.evicted() => return Err(Close::Quiet(EVICTED)),
             _ = sleep_until(deadline.map(|d| d.0)) => {
                 return Err(Close::Quiet(deadline.map_or("deadline", |d| d.1)))
             }

@@ -24,7 +24,7 @@ pub(crate) const MAX_KEY_BYTES: usize = 4096;
 const REMOTE_BATCH: usize = 16;
 
 /// A key the pool can hold, or the error reply saying why not.
-fn check_key(k: &[u8]) -> Result<(), String> {
+pub(crate) fn check_key(k: &[u8]) -> Result<(), String> {
     if k.is_empty() {
         return Err("ERR kvpool keys cannot be empty".into());
     }
@@ -47,7 +47,7 @@ pub(crate) fn pool_error(e: &KvError) -> String {
 }
 
 /// A value fetched for a GET or an MGET.
-enum Fetched {
+pub(crate) enum Fetched {
     Value(Part),
     Nil,
     Error(String),
@@ -55,7 +55,7 @@ enum Fetched {
 
 /// Shows an argument inside an error message as Redis does: quoted, at most
 /// 128 bytes, unprintable bytes as '?'.
-fn shown(a: &[u8]) -> String {
+pub(crate) fn shown(a: &[u8]) -> String {
     a.iter()
         .take(128)
         .map(|&b| {
@@ -86,18 +86,25 @@ impl Conn {
     /// sending them whenever [`FLUSH_AT`] bytes wait).
     pub(crate) async fn execute(&mut self, p: &Parser, buf: &[u8]) -> Result<(), Close> {
         let n = p.ready();
+        self.meta.touch();
         let mut i = 0;
         while i < n && !self.quit {
             let name = p.arg(buf, i, 0);
             let Some(cmd) = Cmd::lookup(name) else {
                 self.ctx.shared.metrics.record_unknown();
-                let mut msg = format!(
-                    "ERR unknown command '{}', with args beginning with: ",
-                    shown(name)
-                );
-                for j in 1..p.argc(i).min(8) {
-                    msg.push_str(&format!("'{}' ", shown(p.arg(buf, i, j))));
-                }
+                let msg = if let Some(why) = crate::commands::unsupported(name) {
+                    format!("ERR kvpool does not support '{}': {why}", shown(name))
+                } else {
+                    let mut msg = format!(
+                        "ERR unknown command '{}', with args beginning with: ",
+                        shown(name)
+                    );
+                    for j in 1..p.argc(i).min(8) {
+                        msg.push_str(&format!("'{}' ", shown(p.arg(buf, i, j))));
+                    }
+                    msg
+                };
+                self.multi_refused();
                 reply::error(&mut self.out.bytes, &msg);
                 i += 1;
                 continue;
@@ -114,6 +121,7 @@ impl Conn {
                 None
             };
             if let Some(msg) = refused {
+                self.multi_refused();
                 reply::error(&mut self.out.bytes, &msg);
                 self.ctx
                     .shared
@@ -122,7 +130,28 @@ impl Conn {
                 i += 1;
                 continue;
             }
-            if cmd == Cmd::Get {
+            if self.multi.is_some() {
+                // In a transaction: queued, but for what ends or nests it.
+                match cmd {
+                    Cmd::Exec => {
+                        self.multi_exec().await?;
+                        self.ctx
+                            .shared
+                            .metrics
+                            .record(cmd.index(), true, t.elapsed());
+                    }
+                    Cmd::Discard => self.multi_discard(),
+                    Cmd::Multi => {
+                        reply::error(&mut self.out.bytes, "ERR MULTI calls can not be nested")
+                    }
+                    Cmd::Quit => self.one(cmd, &[]).await,
+                    _ => {
+                        let args: Vec<&[u8]> = (1..p.argc(i)).map(|j| p.arg(buf, i, j)).collect();
+                        self.multi_queue(cmd, &args);
+                    }
+                }
+                i += 1;
+            } else if cmd == Cmd::Get {
                 let batch = self.ctx.shared.cfg.batch_keys;
                 let mut j = i;
                 while j < n && j - i < batch && is_get(p, buf, j) {
@@ -195,7 +224,7 @@ impl Conn {
         Ok(())
     }
 
-    fn put_fetched(&mut self, f: Fetched) {
+    pub(crate) fn put_fetched(&mut self, f: Fetched) {
         match f {
             Fetched::Value(part) => self.out.bulk_part(part),
             Fetched::Nil => reply::nil(&mut self.out.bytes, self.resp3),
@@ -206,7 +235,7 @@ impl Conn {
     /// Values of `keys`, in order: in place from this host's storage node
     /// where a replica is here (one batch lookup), read from other hosts
     /// otherwise.
-    async fn fetch(&self, keys: &[&[u8]]) -> Vec<Fetched> {
+    pub(crate) async fn fetch(&self, keys: &[&[u8]]) -> Vec<Fetched> {
         let client = &self.ctx.client;
         let cache = &self.ctx.shared.views;
         let mut out: Vec<Option<Fetched>> = Vec::with_capacity(keys.len());
@@ -315,11 +344,16 @@ impl Conn {
         Ok(Fetched::Value(Part { value, _held: held }))
     }
 
-    /// One command other than GET (whose arity and auth are checked).
-    async fn one(&mut self, cmd: Cmd, args: &[&[u8]]) {
+    /// One command, its arity and auth checked (GETs come here only from a
+    /// transaction: outside one they run in batches).
+    pub(crate) async fn one(&mut self, cmd: Cmd, args: &[&[u8]]) {
         let o = &mut self.out.bytes;
         match cmd {
-            Cmd::Get => unreachable!("GETs run in batches"),
+            Cmd::Get => {
+                // A GET in a transaction (outside one, GETs run in batches).
+                let f = self.fetch(args).await.into_iter().next();
+                self.put_fetched(f.unwrap_or(Fetched::Nil));
+            }
             Cmd::Ping => match args {
                 [] => reply::simple(o, "PONG"),
                 [m] => reply::bulk(o, m),
@@ -339,7 +373,17 @@ impl Conn {
             Cmd::Hello => self.hello(args),
             Cmd::Client => self.client_cmd(args),
             Cmd::Command => self.command_cmd(args),
-            Cmd::Set => self.set_with_options(args),
+            Cmd::Set | Cmd::Setnx | Cmd::Setex | Cmd::Psetex | Cmd::Getset => {
+                self.set_family(cmd, args).await
+            }
+            Cmd::Ttl | Cmd::Pttl | Cmd::Persist | Cmd::Type => self.lifetime(cmd, args[0]).await,
+            Cmd::Expire | Cmd::Pexpire | Cmd::Expireat | Cmd::Pexpireat => {
+                self.expire(cmd, args).await
+            }
+            Cmd::Config => self.config(args).await,
+            Cmd::Multi => self.multi_start(),
+            Cmd::Exec => reply::error(o, "ERR EXEC without MULTI"),
+            Cmd::Discard => reply::error(o, "ERR DISCARD without MULTI"),
             Cmd::Mget => self.mget(args).await,
             Cmd::Mset => self.mset(args).await,
             Cmd::Exists => self.exists(args).await,
@@ -349,7 +393,7 @@ impl Conn {
                 Ok(s) => reply::int(o, s.keys as i64),
                 Err(e) => reply::error(o, &pool_error(&e)),
             },
-            Cmd::Flushall => self.flushall(args).await,
+            Cmd::Flushall | Cmd::Flushdb => self.flushall(args).await,
             Cmd::Info => {
                 let text = crate::info::render(&self.ctx, args).await;
                 reply::bulk(&mut self.out.bytes, text.as_bytes());
@@ -450,11 +494,12 @@ impl Conn {
             if let Err(e) = check_client_name(n) {
                 return reply::error(&mut self.out.bytes, e);
             }
-            self.name = (!n.is_empty()).then(|| n.to_vec());
+            self.meta.names().name = (!n.is_empty()).then(|| n.to_vec());
         }
         // The protocol changes with this reply (Redis answers HELLO 3 in
         // RESP3).
         self.resp3 = resp3;
+        self.meta.set_resp3(resp3);
         let o = &mut self.out.bytes;
         reply::map(o, 7, resp3);
         for (k, v) in [("server", "redis"), ("version", crate::info::REDIS_VERSION)] {
@@ -473,7 +518,8 @@ impl Conn {
         reply::array(o, 0);
     }
 
-    /// `CLIENT ID | SETNAME n | GETNAME | SETINFO LIB-NAME|LIB-VER v | HELP`.
+    /// `CLIENT ID | INFO | LIST [TYPE NORMAL] | SETNAME n | GETNAME |
+    /// SETINFO LIB-NAME|LIB-VER v | HELP`.
     fn client_cmd(&mut self, args: &[&[u8]]) {
         let sub = args[0];
         let o = &mut self.out.bytes;
@@ -483,16 +529,20 @@ impl Conn {
         } else if is("SETNAME") && args.len() == 2 {
             match check_client_name(args[1]) {
                 Ok(()) => {
-                    self.name = (!args[1].is_empty()).then(|| args[1].to_vec());
+                    self.meta.names().name = (!args[1].is_empty()).then(|| args[1].to_vec());
                     reply::ok(o);
                 }
                 Err(e) => reply::error(o, e),
             }
         } else if is("GETNAME") && args.len() == 1 {
-            match &self.name {
+            match &self.meta.names().name {
                 Some(n) => reply::bulk(o, n),
                 None => reply::nil(o, self.resp3),
             }
+        } else if is("INFO") && args.len() == 1 {
+            reply::bulk(o, self.meta.line().as_bytes());
+        } else if is("LIST") && (args.len() == 1 || is_type_normal(&args[1..])) {
+            reply::bulk(o, self.ctx.shared.clients.list().as_bytes());
         } else if is("SETINFO") && args.len() == 3 {
             let attr = args[1];
             if check_client_name(args[2]).is_err() {
@@ -505,10 +555,10 @@ impl Conn {
                 );
             }
             if attr.eq_ignore_ascii_case(b"LIB-NAME") {
-                self.lib_name = Some(args[2].to_vec());
+                self.meta.names().lib_name = Some(args[2].to_vec());
                 reply::ok(o);
             } else if attr.eq_ignore_ascii_case(b"LIB-VER") {
-                self.lib_ver = Some(args[2].to_vec());
+                self.meta.names().lib_ver = Some(args[2].to_vec());
                 reply::ok(o);
             } else {
                 reply::error(o, &format!("ERR Unrecognized option '{}'", shown(attr)));
@@ -518,6 +568,10 @@ impl Conn {
                 "CLIENT <subcommand> [<arg> [value] [opt] ...]. Subcommands are:",
                 "ID",
                 "    Return the ID of the current connection.",
+                "INFO",
+                "    Return information about the current client connection.",
+                "LIST [TYPE NORMAL]",
+                "    Return information about the open client connections.",
                 "GETNAME",
                 "    Return the name of the current connection.",
                 "SETNAME <connection-name>",
@@ -597,24 +651,11 @@ impl Conn {
         }
     }
 
-    /// `SET key value` with options: refused, naming the first option
-    /// (plain SETs run in [`Conn::store`]).
-    fn set_with_options(&mut self, args: &[&[u8]]) {
-        let opt = args.get(2).copied().unwrap_or_default();
-        reply::error(
-            &mut self.out.bytes,
-            &format!(
-                "ERR SET option '{}' is not supported by kvpool (only SET key value)",
-                shown(opt)
-            ),
-        );
-    }
-
     /// Stores `items` (distinct keys), each replacing any value atomically
     /// (the pool's replace): one result per item, in order, as the error
     /// reply's text. One batch for several; the keys are this thread's
     /// while it runs (see [`crate::locks`]).
-    async fn store(&self, items: &[(&[u8], &[u8])]) -> Vec<Result<(), String>> {
+    pub(crate) async fn store(&self, items: &[(&[u8], &[u8])]) -> Vec<Result<(), String>> {
         let mut out: Vec<Result<(), String>> = items
             .iter()
             .map(|(k, v)| check_key(k).and_then(|()| check_value(v)))
@@ -807,15 +848,16 @@ impl Conn {
         }
     }
 
-    /// `FLUSHALL [ASYNC|SYNC]`: removes every object no reader holds a
-    /// lease on.
+    /// `FLUSHALL` / `FLUSHDB [ASYNC|SYNC]`: removes every object.
     async fn flushall(&mut self, args: &[&[u8]]) {
         match args {
             [] => {}
             [m] if m.eq_ignore_ascii_case(b"ASYNC") || m.eq_ignore_ascii_case(b"SYNC") => {}
             _ => return reply::error(&mut self.out.bytes, "ERR syntax error"),
         }
-        let r = self.ctx.client.remove_all().await;
+        // Every key, under a reader's lease or not (as DEL: the space of a
+        // value being read is freed when its lease ends).
+        let r = self.ctx.client.remove_all_with(true).await;
         self.ctx.shared.views.clear();
         match r {
             Ok(n) => {
@@ -825,6 +867,12 @@ impl Conn {
             Err(e) => reply::error(&mut self.out.bytes, &pool_error(&e)),
         }
     }
+}
+
+/// `CLIENT LIST TYPE normal` (every connection of the front is a normal
+/// one).
+fn is_type_normal(args: &[&[u8]]) -> bool {
+    matches!(args, [t, v] if t.eq_ignore_ascii_case(b"TYPE") && v.eq_ignore_ascii_case(b"NORMAL"))
 }
 
 /// Each key the pool can hold, once (keys it cannot hold do not exist).
@@ -840,14 +888,14 @@ fn unique_keys<'a>(keys: &[&'a [u8]]) -> Vec<&'a [u8]> {
 }
 
 /// A missing key, or one whose first put has not finished.
-fn is_miss(e: &KvError) -> bool {
+pub(crate) fn is_miss(e: &KvError) -> bool {
     matches!(
         e.code,
         ErrorCode::ObjectNotFound | ErrorCode::ReplicaNotReady
     )
 }
 
-fn check_value(v: &[u8]) -> Result<(), String> {
+pub(crate) fn check_value(v: &[u8]) -> Result<(), String> {
     if v.is_empty() {
         return Err("ERR kvpool cannot store an empty value".into());
     }

@@ -33,12 +33,15 @@
 //! what it receives. A `SET` replaces the value atomically.
 
 mod cache;
+mod clients;
 mod commands;
 mod conn;
 mod exec;
 mod info;
+mod keyspace;
 mod locks;
 mod metrics;
+mod multi;
 pub mod proto;
 
 use std::net::SocketAddr;
@@ -92,6 +95,8 @@ pub(crate) struct Shared {
     pub port: u16,
     /// Views of recent reads, for repeated GETs.
     pub views: cache::ViewCache,
+    /// Open connections, for `CLIENT LIST`.
+    pub clients: Arc<clients::Clients>,
 }
 
 /// One RESP thread's view: the shared parts and its own pool client.
@@ -158,6 +163,7 @@ pub async fn start(opts: RespOptions) -> Result<RespServer, RespError> {
         threads: n,
         port: addr.port(),
         views: cache::ViewCache::new(cfg.view_cache_entries),
+        clients: Arc::default(),
         cfg,
     });
     let mut client_cfg = opts.client;
@@ -172,7 +178,7 @@ pub async fn start(opts: RespOptions) -> Result<RespServer, RespError> {
     let mut senders = Vec::with_capacity(n);
     let mut inboxes = Vec::with_capacity(n);
     for _ in 0..n {
-        let (tx, rx) = mpsc::channel::<std::net::TcpStream>(HANDOFF_DEPTH);
+        let (tx, rx) = mpsc::channel::<Accepted>(HANDOFF_DEPTH);
         senders.push(tx);
         inboxes.push(rx);
     }
@@ -251,10 +257,7 @@ async fn connect(master: &str, cfg: ClientConfig) -> Result<Client, kvpool_trans
     }
 }
 
-type Accept = (
-    std::net::TcpListener,
-    Vec<mpsc::Sender<std::net::TcpStream>>,
-);
+type Accept = (std::net::TcpListener, Vec<mpsc::Sender<Accepted>>);
 
 #[allow(clippy::too_many_arguments)]
 fn thread_main(
@@ -264,7 +267,7 @@ fn thread_main(
     client_cfg: ClientConfig,
     shutdown: Shutdown,
     accept: Option<Accept>,
-    mut inbox: mpsc::Receiver<std::net::TcpStream>,
+    mut inbox: mpsc::Receiver<Accepted>,
     ready: tokio::sync::oneshot::Sender<Result<(), String>>,
 ) {
     let rt = match tokio::runtime::Builder::new_current_thread()
@@ -320,22 +323,31 @@ fn thread_main(
     });
 }
 
-fn spawn_conn(s: std::net::TcpStream, ctx: &std::rc::Rc<ThreadCtx>) {
+/// A connection let in, on its way to its thread.
+struct Accepted {
+    stream: std::net::TcpStream,
+    listed: clients::Registered,
+}
+
+fn spawn_conn(a: Accepted, ctx: &std::rc::Rc<ThreadCtx>) {
     let ctx = ctx.clone();
     tokio::task::spawn_local(async move {
         let guard = conn::OpenGuard::new(&ctx.shared);
-        match tokio::net::TcpStream::from_std(s) {
-            Ok(s) => conn::serve(s, ctx.clone(), guard).await,
+        match tokio::net::TcpStream::from_std(a.stream) {
+            Ok(s) => conn::serve(s, a.listed, ctx.clone(), guard).await,
             Err(e) => tracing::debug!("an accepted RESP connection could not be used: {e}"),
         }
     });
 }
 
-/// Accepts on thread 0 and hands connections out round robin; past
-/// `max_clients` a connection gets Redis's error and is closed.
+/// Accepts on thread 0 and hands connections out round robin. Who gets in
+/// ([`clients::Clients::admit`]): at most `max_pending_per_peer` connections
+/// of one address that have not run a command; at `max_clients` the oldest
+/// of those is closed for the new one, and with none a connection gets
+/// Redis's error and is closed.
 async fn accept_loop(
     listener: tokio::net::TcpListener,
-    senders: Vec<mpsc::Sender<std::net::TcpStream>>,
+    senders: Vec<mpsc::Sender<Accepted>>,
     ctx: std::rc::Rc<ThreadCtx>,
 ) {
     let shared = ctx.shared.clone();
@@ -356,12 +368,29 @@ async fn accept_loop(
             }
         };
         let _ = stream.set_nodelay(true);
-        if shared.metrics.open.load(Ordering::Relaxed) >= shared.cfg.max_clients {
-            shared.metrics.rejected_connections.inc();
-            // Best effort: the socket buffer of a new connection has room.
-            let _ = stream.try_write(b"-ERR max number of clients reached\r\n");
-            continue;
-        }
+        let shown = |a: std::io::Result<SocketAddr>| a.map_or("?".into(), |a| a.to_string());
+        let peer = stream.peer_addr();
+        let meta = Arc::new(clients::ClientMeta::new(
+            shared.next_id.fetch_add(1, Ordering::Relaxed),
+            peer.as_ref().ok().map(|a| a.ip()),
+            shown(peer),
+            shown(stream.local_addr()),
+        ));
+        let open = shared.metrics.open.load(Ordering::Relaxed);
+        let cfg = &shared.cfg;
+        let listed =
+            match shared
+                .clients
+                .admit(meta, open, cfg.max_clients, cfg.max_pending_per_peer)
+            {
+                Ok(l) => l,
+                Err(why) => {
+                    shared.metrics.rejected_connections.inc();
+                    // Best effort: the socket buffer of a new connection has room.
+                    let _ = stream.try_write(why);
+                    continue;
+                }
+            };
         shared.metrics.open.fetch_add(1, Ordering::Relaxed);
         let std_stream = match stream.into_std() {
             Ok(s) => s,
@@ -371,14 +400,18 @@ async fn accept_loop(
                 continue;
             }
         };
+        let a = Accepted {
+            stream: std_stream,
+            listed,
+        };
         let t = next % senders.len();
         next = next.wrapping_add(1);
         if t == 0 {
-            spawn_conn(std_stream, &ctx);
+            spawn_conn(a, &ctx);
             continue;
         }
         // A full queue pushes back on accepting (bounded, like every queue).
-        if senders[t].send(std_stream).await.is_err() {
+        if senders[t].send(a).await.is_err() {
             shared.metrics.open.fetch_sub(1, Ordering::Relaxed);
             return;
         }
