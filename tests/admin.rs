@@ -1,7 +1,7 @@
 //! Batches through the client library, the admin HTTP API and the CLI's
 //! pin and force flags, against a real `kvpool run`.
 
-mod common;
+use crate::common;
 
 use kvpool_client::Client;
 use kvpool_config::ClientConfig;

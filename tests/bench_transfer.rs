@@ -2,7 +2,7 @@
 //! whose removed values keep their space (read leases longer than the run),
 //! and a failing case named after the rows before it.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! End to end across processes: one master and two storage nodes, each its
 //! own `kvpool` process on 127.0.0.1, driven through the client library.
 
-mod common;
+use crate::common;
 
 use futures_util::stream::{self, StreamExt};
 use kvpool_client::Client;

@@ -5,7 +5,7 @@
 //! restart, new puts and reads of the old objects are all byte-exact (no
 //! space that holds an object is handed out again).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -2,7 +2,7 @@
 //! with `builtin:tiny`), the pool client over TCP between them, and the
 //! engine's HTTP API.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};

@@ -1,7 +1,7 @@
 //! A storage process that dies or hangs under a get: the get ends with an
 //! error within its deadline, it never hangs.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -14,7 +14,7 @@
 //! loud skip line and passes, unless `KVPOOL_REQUIRE_NETNS=1` (CI) makes it
 //! fail.
 
-mod common;
+use crate::common;
 
 use std::os::fd::AsFd;
 use std::path::PathBuf;

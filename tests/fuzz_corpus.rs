@@ -56,14 +56,14 @@ fn the_seed_corpus_is_current_and_holds_every_request_type() {
         }
         let kept = std::fs::read(&path).unwrap_or_else(|e| {
             panic!(
-                "{} missing ({e}): KVPOOL_WRITE_FUZZ_SEEDS=1 cargo test --test fuzz_corpus",
+                "{} missing ({e}): KVPOOL_WRITE_FUZZ_SEEDS=1 cargo test --release --test suite fuzz_corpus::",
                 path.display()
             )
         });
         assert_eq!(
             kept,
             s.bytes,
-            "{} is stale: KVPOOL_WRITE_FUZZ_SEEDS=1 cargo test --test fuzz_corpus",
+            "{} is stale: KVPOOL_WRITE_FUZZ_SEEDS=1 cargo test --release --test suite fuzz_corpus::",
             path.display()
         );
     }

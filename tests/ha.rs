@@ -3,7 +3,7 @@
 //! follow the leader through it. Skipped (loudly) without /usr/bin/etcd,
 //! unless KVPOOL_REQUIRE_ETCD=1 (what .ci/run sets).
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

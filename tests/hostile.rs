@@ -4,7 +4,7 @@
 //! shard, connections that pinned memory or locked clients out, and puts
 //! refused while space was on its way out.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -2,7 +2,7 @@
 //! by the master within client_ttl + 1 s; objects with a replica elsewhere stay
 //! readable, the others are gone, new puts land on the survivors.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

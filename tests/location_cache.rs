@@ -3,7 +3,7 @@
 //! master (`/metrics`), never other bytes, forgotten when this client removes
 //! or rewrites the key, and not used without checksums.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! Actor mailboxes stay bounded when their work is slow (issue 18).
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,7 @@
 //! Bad bytes on the master's and a storage node's ports: each such connection
 //! gets an error frame or is closed, and the process keeps serving others.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

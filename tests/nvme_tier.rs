@@ -3,7 +3,7 @@
 //! node killed with SIGKILL and restarted on the same NVMe path brings its
 //! objects back through the master, with a corrupted one reported as such.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -4,7 +4,7 @@
 //! unless `KVPOOL_REQUIRE_EXTERNAL=1`), and raw sockets for what no client
 //! sends on purpose (malformed requests, limits).
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

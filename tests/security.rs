@@ -5,7 +5,7 @@
 //! reports, write into a node's memory, map its segment) are refused and
 //! logged. An open cluster that listens beyond loopback says so loudly.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

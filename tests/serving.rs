@@ -4,7 +4,7 @@
 //! (`--role conductor`), or role all with its serving half; clients are raw
 //! HTTP, `kvpool chat`, `kvpool bench serve`, and Python's `openai` package.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

@@ -2,7 +2,7 @@
 //! memory, identical bytes either way, a peer killed mid-batch, back-pressure
 //! past the in-flight bound, borrowed views under a lease.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! never a mix, never a miss, never an error; two writers replacing one key
 //! at once both succeed, one after the other.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
