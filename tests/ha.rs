@@ -549,6 +549,13 @@ fn a_stalled_leader_is_fenced_its_grants_refused_and_no_space_is_handed_out_twic
     });
 
     a.signal(Signal::CONT);
+    // Resumed past its lease, it never says it leads, not even before its
+    // election task has run (node http.rs `master_role`).
+    for _ in 0..20 {
+        if let Some((_, body)) = try_get(&a.http, "/healthz") {
+            assert!(!body.contains("role=leader"), "{body}");
+        }
+    }
     rt.block_on(async {
         // The old leader answers nothing: it refuses, naming the reason.
         let e = old

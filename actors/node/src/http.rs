@@ -125,43 +125,46 @@ async fn healthz(State(st): State<HttpState>) -> Response {
         }
         // A master in an election says its role; a deposed one is unhealthy
         // (it refuses everything until restarted).
-        let fence = m.fence();
-        match fence.role() {
-            FenceRole::Single => {}
-            FenceRole::Leader => {
-                return (
-                    StatusCode::OK,
-                    format!(
-                        "ok role=leader term={} standbys_in_sync={}\n",
-                        fence.term(),
-                        show_list(&m.ship_status())
-                    ),
-                )
-                    .into_response()
-            }
-            FenceRole::Standby => {
-                return (
-                    StatusCode::OK,
-                    format!(
-                        "ok role=standby leader={:?} synced={}\n",
-                        fence.leader(),
-                        show_list(&m.ship_status())
-                    ),
-                )
-                    .into_response()
-            }
-            FenceRole::Deposed => {
-                return unhealthy(format!(
-                    "role=deposed: this master lost its lease; restart it (the leader is {:?})",
-                    fence.leader()
-                ))
-            }
+        match master_role(m.fence(), &m.ship_status()) {
+            Some(Ok(text)) => return (StatusCode::OK, text).into_response(),
+            Some(Err(why)) => return unhealthy(why),
+            None => {}
         }
     }
     (StatusCode::OK, "ok\n").into_response()
 }
 
 /// `1,0,2`: one figure per master shard (log shipping's state in /healthz).
+/// What `/healthz` says of a master in an election (`None` for a single
+/// master): its role, or why it cannot serve. A leader whose lease deadline
+/// has passed is not called leader, even before its election task deposes
+/// it: a leader stopped (SIGSTOP) past its lease and resumed answers
+/// `/healthz` before that task runs, and it refuses every request by then.
+fn master_role(fence: &kvpool_master::Fence, ships: &[u32]) -> Option<Result<String, String>> {
+    Some(match fence.role() {
+        FenceRole::Single => return None,
+        FenceRole::Leader if fence.remaining().is_zero() => Err(format!(
+            "role=lapsed: this master's lease could not be renewed in time; it refuses every \
+             request (the leader is {:?})",
+            fence.leader()
+        )),
+        FenceRole::Leader => Ok(format!(
+            "ok role=leader term={} standbys_in_sync={}\n",
+            fence.term(),
+            show_list(ships)
+        )),
+        FenceRole::Standby => Ok(format!(
+            "ok role=standby leader={:?} synced={}\n",
+            fence.leader(),
+            show_list(ships)
+        )),
+        FenceRole::Deposed => Err(format!(
+            "role=deposed: this master lost its lease; restart it (the leader is {:?})",
+            fence.leader()
+        )),
+    })
+}
+
 fn show_list(v: &[u32]) -> String {
     v.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
 }
@@ -306,5 +309,34 @@ async fn remove_all(State(st): State<HttpState>, headers: HeaderMap) -> Response
     match admin_call(&st, call::RemoveAll { force: false }).await {
         Ok(n) => Json(json!({ "removed": n })).into_response(),
         Err(r) => r,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_leader_past_its_lease_deadline_is_never_reported_leader() {
+        let f = kvpool_master::Fence::standby();
+        assert!(master_role(&f, &[])
+            .unwrap()
+            .unwrap()
+            .starts_with("ok role=standby"));
+        f.lead(7, Instant::now() + Duration::from_secs(60), "me:1");
+        let ok = master_role(&f, &[1]).unwrap().unwrap();
+        assert!(ok.starts_with("ok role=leader term=7"), "{ok}");
+        // Stopped past its lease and resumed: still `Leader` until its
+        // election task runs, but its deadline has passed.
+        f.lead(8, Instant::now() - Duration::from_millis(1), "me:1");
+        let why = master_role(&f, &[1]).unwrap().unwrap_err();
+        assert!(why.starts_with("role=lapsed"), "{why}");
+        f.depose();
+        assert!(master_role(&f, &[1])
+            .unwrap()
+            .unwrap_err()
+            .starts_with("role=deposed"));
+        assert!(master_role(&kvpool_master::Fence::single(), &[]).is_none());
     }
 }
