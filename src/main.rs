@@ -629,6 +629,7 @@ fn serving_companion(cfg: NodeConfig, ephemeral: bool) -> node::Companion {
                     &listen,
                     name,
                     engine.router(registry),
+                    cfg.runtime.http_limits(),
                     ctx.shutdown.clone(),
                 )
                 .await

@@ -493,6 +493,24 @@ fn connect_small_window(addr: &str) -> TcpStream {
     let addr: std::net::SocketAddr = addr.parse().unwrap();
     let fd = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
     sockopt::set_socket_recv_buffer_size(&fd, 4096).unwrap();
+    // A small segment size, asked for in the SYN, keeps the server's send
+    // buffer small too: Linux sizes a new connection's send buffer by its
+    // segment size, about 1.3 MB with loopback's 64 KiB segments, 40 KB
+    // with 536-byte ones. The stall then shows after a few hundred tokens,
+    // not thousands.
+    let mss: libc::c_int = 536;
+    // SAFETY: `fd` is an open socket; the option value is a c_int that
+    // lives across the call, and its size is passed with it.
+    let rc = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            libc::IPPROTO_TCP,
+            libc::TCP_MAXSEG,
+            (&mss as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0, "TCP_MAXSEG: {}", std::io::Error::last_os_error());
     rustix::net::connect(&fd, &addr).unwrap();
     TcpStream::from(fd)
 }
@@ -583,16 +601,22 @@ fn one_engine(name: &str, front_section: &str) -> OneEngine {
 /// was off; nothing bounded a request body's arrival either. A client that
 /// sent part of a request head, or of a body, and stopped held its
 /// connection open for ever. Now each listener closes such a connection:
-/// a head must arrive within 30 s, a body within 60 s of its head (then a 4xx answer).
+/// a head must arrive within `runtime.http_header_timeout_ms`, a body
+/// within `runtime.http_body_timeout_ms` of its head (then a 4xx answer).
+/// Here 1 s and 2 s: the defaults are 30 s and 60 s, so a listener that
+/// ignored the keys would fail the test's 20 s bound.
 #[test]
 fn a_request_that_stops_half_way_is_cut_off_on_every_http_listener() {
-    let OneEngine {
-        pool,
-        pe,
-        pp,
-        dp: _dp,
-        front,
-    } = one_engine("slow", "");
+    let limits = "[runtime]\nhttp_header_timeout_ms = 1000\nhttp_body_timeout_ms = 2000\n";
+    let pool_cfg = config_file("slow-pool", limits);
+    let mut pool_args: Vec<&str> = common::ephemeral(&["--segment-size", "256MiB"]);
+    pool_args.extend(["--config", &pool_cfg]);
+    let pool = start("all", &pool_args);
+    let cfg = config_file("slow", &fast("", limits));
+    let pe = engine(Some(&pool.addr), &cfg);
+    let pp = proxy("prefill-proxy", &pe.addr, &cfg);
+    let dp = proxy("decode-proxy", &pe.addr, &cfg);
+    let front = conductor(&[&pp], &[&dp], &pool.addr, &cfg, &[]);
     let head = |addr: &str| {
         let mut s = TcpStream::connect(addr).unwrap();
         write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty").unwrap();
@@ -608,6 +632,7 @@ fn a_request_that_stops_half_way_is_cut_off_on_every_http_listener() {
         .unwrap();
         s
     };
+    let began = Instant::now();
     let mut slow = vec![
         ("node head", head(&pool.http), false),
         ("engine head", head(&pe.addr), false),
@@ -623,7 +648,7 @@ fn a_request_that_stops_half_way_is_cut_off_on_every_http_listener() {
         .drain(..)
         .map(|(what, mut s, answered)| {
             std::thread::spawn(move || {
-                s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
                 let mut got = Vec::new();
                 let r = s.read_to_end(&mut got);
                 assert!(r.is_ok(), "{what}: not closed: {r:?}");
@@ -637,6 +662,11 @@ fn a_request_that_stops_half_way_is_cut_off_on_every_http_listener() {
     for t in threads {
         t.join().unwrap();
     }
+    let took = began.elapsed();
+    assert!(
+        took < Duration::from_secs(20),
+        "the listeners took {took:?}: not the configured 1 s / 2 s limits"
+    );
     // The listeners still serve.
     let (status, _) = common::http(&pool.http, "GET", "/healthz");
     assert_eq!(status, 200);

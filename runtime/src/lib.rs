@@ -11,6 +11,7 @@ pub mod config;
 pub mod hash;
 #[cfg(feature = "http")]
 pub mod http;
+pub mod http_limits;
 pub mod metrics;
 pub mod net;
 pub mod shard;

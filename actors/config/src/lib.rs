@@ -93,6 +93,18 @@ impl NodeConfig {
             self.runtime.job_queue_depth as u64,
         )?;
         nonzero("runtime.actor_threads", self.runtime.actor_threads as u64)?;
+        nonzero(
+            "runtime.http_header_timeout_ms",
+            self.runtime.http_header_timeout_ms,
+        )?;
+        nonzero(
+            "runtime.http_body_timeout_ms",
+            self.runtime.http_body_timeout_ms,
+        )?;
+        nonzero(
+            "runtime.http_max_connections",
+            self.runtime.http_max_connections as u64,
+        )?;
         nonzero("master.inbox_depth", self.master.inbox_depth as u64)?;
         nonzero("master.max_connections", self.master.max_connections as u64)?;
         nonzero("master.max_key_bytes", self.master.max_key_bytes as u64)?;
@@ -274,6 +286,16 @@ pub struct RuntimeConfig {
     pub actor_threads: usize,
     /// At shutdown, how long in-flight requests get to finish.
     pub drain_timeout_ms: u64,
+    /// Every HTTP listener of the process (admin, engine, proxies, the
+    /// serving front): a request head, and the wait for the next one on a
+    /// kept-alive connection, must arrive within this.
+    pub http_header_timeout_ms: u64,
+    /// A request body must arrive in full within this of its head (then
+    /// 400 and the connection closes).
+    pub http_body_timeout_ms: u64,
+    /// Connections open at once on one HTTP listener; one more takes the
+    /// place of the oldest idle connection.
+    pub http_max_connections: usize,
 }
 
 impl Default for RuntimeConfig {
@@ -286,6 +308,10 @@ impl Default for RuntimeConfig {
             io_memory: Bytes::kib(2560),
             actor_threads: 2,
             drain_timeout_ms: 5000,
+            http_header_timeout_ms: kvpool_runtime::http_limits::HEADER_READ_TIMEOUT.as_millis()
+                as u64,
+            http_body_timeout_ms: kvpool_runtime::http_limits::BODY_READ_TIMEOUT.as_millis() as u64,
+            http_max_connections: kvpool_runtime::http_limits::MAX_CONNECTIONS,
         }
     }
 }
@@ -300,6 +326,15 @@ impl RuntimeConfig {
             io_memory_bytes: self.io_memory.get() as usize,
             name: "kvpool-shard".into(),
             drain_timeout: Duration::from_millis(self.drain_timeout_ms),
+        }
+    }
+
+    /// The limits of each HTTP listener.
+    pub fn http_limits(&self) -> kvpool_runtime::http_limits::HttpLimits {
+        kvpool_runtime::http_limits::HttpLimits {
+            header_read_timeout: Duration::from_millis(self.http_header_timeout_ms),
+            body_read_timeout: Duration::from_millis(self.http_body_timeout_ms),
+            max_connections: self.http_max_connections,
         }
     }
 }

@@ -28,6 +28,8 @@ pub struct HttpState {
     pub shards: kvpool_runtime::ShardHandle,
     /// The cluster secret ("" = open): writing admin routes need it.
     pub secret: String,
+    /// The listener's limits (`[runtime] http_*`).
+    pub limits: kvpool_runtime::http::HttpLimits,
 }
 
 /// How long `/healthz` waits for each shard.
@@ -81,6 +83,7 @@ pub async fn serve(
         .await
         .map_err(|e| NodeError::Start(format!("cannot serve HTTP on {addr}: {e}")))?;
     let bound = listener.local_addr()?;
+    let limits = state.limits;
     let app = Router::new()
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
@@ -91,7 +94,7 @@ pub async fn serve(
     tokio::spawn(kvpool_runtime::http::serve(
         listener,
         app,
-        kvpool_runtime::http::HttpLimits::default(),
+        limits,
         async move { shutdown.wait().await },
     ));
     Ok(bound)

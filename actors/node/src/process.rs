@@ -333,6 +333,7 @@ async fn run_roles(
             master: master.as_ref().map(|(_, h)| h.clone()),
             shards: shards.clone(),
             secret: cfg.security.secret.clone(),
+            limits: cfg.runtime.http_limits(),
         },
         shutdown.clone(),
     )

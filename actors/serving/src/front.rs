@@ -89,6 +89,8 @@ pub struct FrontOptions {
     pub client: ClientConfig,
     /// Tokens per KV chunk: the engines' `engine.chunk_tokens`.
     pub chunk_tokens: usize,
+    /// The front's HTTP listener's limits (`[runtime] http_*`).
+    pub http: kvpool_runtime::http::HttpLimits,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

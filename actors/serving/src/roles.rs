@@ -23,6 +23,7 @@ pub async fn serve_http(
     addr: &str,
     what: &str,
     app: Router,
+    limits: HttpLimits,
     shutdown: Shutdown,
 ) -> Result<SocketAddr, ServeError> {
     let listener = tokio::net::TcpListener::bind(addr)
@@ -33,10 +34,7 @@ pub async fn serve_http(
         .map_err(|e| ServeError::Start(format!("{what}: {e}")))?;
     let what = what.to_string();
     tokio::spawn(async move {
-        http::serve(listener, app, HttpLimits::default(), async move {
-            shutdown.wait().await
-        })
-        .await;
+        http::serve(listener, app, limits, async move { shutdown.wait().await }).await;
         tracing::debug!("{what}: HTTP server stopped");
     });
     Ok(bound)
@@ -75,6 +73,7 @@ async fn wait_then_stop(role: &str, shutdown: &Shutdown) {
 pub async fn start_proxy(
     role: ProxyRole,
     cfg: ProxyConfig,
+    limits: HttpLimits,
     registry: &MetricsRegistry,
     shutdown: Shutdown,
 ) -> Result<(ProxyHandle, SocketAddr), ServeError> {
@@ -85,7 +84,7 @@ pub async fn start_proxy(
         .map_err(|e| ServeError::Start(e.to_string()))?;
     let app = proxy::router(handle.clone(), registry.clone(), body);
     let what = format!("{}-proxy", role.as_str());
-    let bound = serve_http(&listen, &what, app, shutdown).await?;
+    let bound = serve_http(&listen, &what, app, limits, shutdown).await?;
     Ok((handle, bound))
 }
 
@@ -101,7 +100,14 @@ pub fn run_proxy(role: ProxyRole, cfg: NodeConfig, shutdown: Shutdown) -> Result
     let rt = runtime(&cfg, "kvpool-proxy")?;
     let r = rt.block_on(async {
         let registry = MetricsRegistry::new();
-        let (handle, bound) = start_proxy(role, pcfg.clone(), &registry, shutdown.clone()).await?;
+        let (handle, bound) = start_proxy(
+            role,
+            pcfg.clone(),
+            cfg.runtime.http_limits(),
+            &registry,
+            shutdown.clone(),
+        )
+        .await?;
         tracing::info!("{name} in front of the engine at {}", pcfg.engine);
         ready(&name, bound);
         wait_then_stop(&name, &shutdown).await;
@@ -122,6 +128,7 @@ pub fn front_options(cfg: &NodeConfig) -> FrontOptions {
         pool: (!c.pool.is_empty()).then(|| c.pool.clone()),
         client: cfg.client_config(),
         chunk_tokens: cfg.engine.chunk_tokens,
+        http: cfg.runtime.http_limits(),
     }
 }
 
@@ -132,8 +139,9 @@ pub async fn start_front(
     shutdown: Shutdown,
 ) -> Result<(Front, SocketAddr), ServeError> {
     let listen = opts.cfg.listen.clone();
+    let http = opts.http;
     let front = Front::start(opts, registry, shutdown.clone()).await?;
-    let bound = serve_http(&listen, "conductor", front.router(), shutdown).await?;
+    let bound = serve_http(&listen, "conductor", front.router(), http, shutdown).await?;
     Ok((front, bound))
 }
 
@@ -199,7 +207,8 @@ pub async fn start_all(
     for (role, p) in proxies {
         // Each part its own registry: each serves its own /metrics.
         let registry = MetricsRegistry::new();
-        let (_, addr) = start_proxy(role, p, &registry, shutdown.clone()).await?;
+        let limits = cfg.runtime.http_limits();
+        let (_, addr) = start_proxy(role, p, limits, &registry, shutdown.clone()).await?;
         lines.push(format!(
             "kvpool {}-proxy listening on {addr}",
             role.as_str()
