@@ -44,13 +44,46 @@ fn env_u64(name: &str) -> Option<u64> {
         .map(|v| v.parse().unwrap_or_else(|_| panic!("{name} is a number")))
 }
 
+/// Runs `seeds` on every core (each seed is independent and deterministic)
+/// and sums their stats; panics with the failure of the lowest failing seed.
 fn run_all(seeds: impl Iterator<Item = u64>, opts: &Options) -> Stats {
+    let seeds: Vec<u64> = seeds.collect();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(seeds.len().max(1));
+    let results: Vec<(Stats, Option<(u64, String)>)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let mine: Vec<u64> = seeds.iter().copied().skip(t).step_by(threads).collect();
+                s.spawn(move || {
+                    let mut total = Stats::default();
+                    for seed in mine {
+                        match run_seed(seed, opts) {
+                            Ok(st) => total.add(&st),
+                            Err(f) => return (total, Some((seed, f.to_string()))),
+                        }
+                    }
+                    (total, None)
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("a simulation thread panicked"))
+            .collect()
+    });
     let mut total = Stats::default();
-    for seed in seeds {
-        match run_seed(seed, opts) {
-            Ok(s) => total.add(&s),
-            Err(f) => panic!("{f}"),
+    let mut first: Option<(u64, String)> = None;
+    for (st, failed) in results {
+        total.add(&st);
+        if let Some(f) = failed {
+            if first.as_ref().is_none_or(|(s, _)| f.0 < *s) {
+                first = Some(f);
+            }
         }
+    }
+    if let Some((_, f)) = first {
+        panic!("{f}");
     }
     total
 }

@@ -177,26 +177,58 @@ fn seeds() -> Vec<u64> {
     }
 }
 
+/// Every (seed, trace, regime), the seeds spread over the cores; rows in
+/// sweep order.
 fn sweep() -> Vec<Row> {
+    let seeds = seeds();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(seeds.len().max(1));
+    let mut per_seed: Vec<(usize, Vec<Row>)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let mine: Vec<(usize, u64)> = seeds
+                    .iter()
+                    .copied()
+                    .enumerate()
+                    .skip(t)
+                    .step_by(threads)
+                    .collect();
+                s.spawn(move || {
+                    mine.into_iter()
+                        .map(|(i, seed)| (i, sweep_seed(seed)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a sweep thread panicked"))
+            .collect()
+    });
+    per_seed.sort_by_key(|(i, _)| *i);
+    per_seed.into_iter().flat_map(|(_, rows)| rows).collect()
+}
+
+/// One seed's rows: both traces, every regime.
+fn sweep_seed(seed: u64) -> Vec<Row> {
+    let traces = [
+        (
+            "decode-heavy",
+            trace_of(&Preset::DecodeHeavy.params(seed, REQUESTS)),
+        ),
+        ("bursty", trace_of(&Preset::Bursty.params(seed, REQUESTS))),
+    ];
     let mut rows = Vec::new();
-    for seed in seeds() {
-        let traces = [
-            (
-                "decode-heavy",
-                trace_of(&Preset::DecodeHeavy.params(seed, REQUESTS)),
-            ),
-            ("bursty", trace_of(&Preset::Bursty.params(seed, REQUESTS))),
-        ];
-        for (name, trace) in &traces {
-            for regime in regimes() {
-                rows.push(Row {
-                    trace: name,
-                    seed,
-                    regime,
-                    early: run(trace, Policy::EarlyReject, regime),
-                    pred: run(trace, Policy::PredictiveReject, regime),
-                });
-            }
+    for (name, trace) in &traces {
+        for regime in regimes() {
+            rows.push(Row {
+                trace: name,
+                seed,
+                regime,
+                early: run(trace, Policy::EarlyReject, regime),
+                pred: run(trace, Policy::PredictiveReject, regime),
+            });
         }
     }
     rows
