@@ -216,7 +216,7 @@ fn throughput(name: &str, full: bool) {
     println!("{row}");
 }
 
-fn main() {
+pub fn main() {
     let full = support::full_mode();
     println!(
         "kvpool engine bench ({} mode)\nmachine: {}",

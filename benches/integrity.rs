@@ -20,7 +20,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn main() {
+pub fn main() {
     let full = full_mode();
     let sizes: [(usize, usize); 3] = if full {
         [(4 << 10, 2_000), (1 << 20, 200), (16 << 20, 16)]

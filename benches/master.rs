@@ -614,7 +614,7 @@ fn bench_rss(marks: &[usize], rt: &tokio::runtime::Runtime) {
     });
 }
 
-fn main() {
+pub fn main() {
     let full = support::full_mode();
     println!(
         "kvpool master bench ({} mode)",

@@ -106,7 +106,7 @@ fn signal(pid: u32, sig: &str) {
     assert!(ok, "kill {sig} {pid}");
 }
 
-fn main() {
+pub fn main() {
     let Some(etcd_bin) = on_path("etcd") else {
         println!("skip: etcd not found on PATH (apt-get install etcd-server); nothing measured");
         return;

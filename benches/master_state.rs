@@ -98,7 +98,7 @@ fn fresh(dir: &Path) {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-fn main() {
+pub fn main() {
     let full = full_mode();
     let base = std::env::temp_dir().join(format!("kvpool-bench-durability-{}", std::process::id()));
     let (rounds, per_round) = if full { (6, 50_000u64) } else { (2, 2_000) };

@@ -225,7 +225,7 @@ fn bench(port: u16, op: &str, case: &Case, n: usize) -> Run {
     parse(&text).unwrap_or_else(|| panic!("cannot read redis-benchmark's output:\n{text}"))
 }
 
-fn main() {
+pub fn main() {
     let full = support::full_mode();
     println!(
         "kvpool RESP bench ({} mode)",

@@ -17,7 +17,7 @@ use kvpool_client::Client;
 use kvpool_config::ClientConfig;
 use support::{full_mode, header, row, size_name, Lat};
 
-fn main() {
+pub fn main() {
     let full = full_mode();
     let sizes: [(usize, usize); 4] = if full {
         [

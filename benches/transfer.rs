@@ -18,7 +18,7 @@ mod support;
 
 use kvpool_node::bench::{self, TransferBench};
 
-fn main() {
+pub fn main() {
     let full = support::full_mode();
     if std::env::args().any(|a| a == "--rdma") {
         rdma_mode(full);

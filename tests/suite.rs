@@ -5,6 +5,9 @@
 //! named by its file: `cargo test --release --test suite resp::` runs
 //! tests/resp.rs, `... --test suite resp::name` one test.
 //!
+//! The benches' small modes are tests here too (`bench_small.rs`: each
+//! bench file a module, its `main` a test).
+//!
 //! `cli.rs`, `rdma.rs` and `transfer_kill.rs` stay binaries of their own:
 //! the first two are what the RDMA build runs (with `--features rdma`, also
 //! inside the soft-RoCE guest), and `transfer_kill` counts its own
@@ -14,6 +17,7 @@
 mod common;
 
 mod admin;
+mod bench_small;
 mod bench_transfer;
 mod cluster;
 mod durability;
