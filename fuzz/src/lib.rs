@@ -21,7 +21,7 @@ use futures_lite::io::Cursor;
 use kvpool_config::{MasterConfig, NodeConfig};
 use kvpool_master::core::MasterCore;
 use kvpool_storage::Segment;
-use kvpool_storage_node::gate::DataGate;
+use kvpool_storage_node::gate::{handshake, DataGate, Handshake};
 use kvpool_transport::auth::{ClusterKey, Grant, GrantClock};
 use kvpool_transport::engine::check_answer;
 use kvpool_transport::frame::{self, AlignedVec, FrameBudget, FrameHeader, FrameKind, HEADER_LEN};
@@ -231,6 +231,30 @@ pub fn data_request(data: &[u8]) {
         skew_ms: 1_000,
     };
     for key in [None, Some(&side.key)] {
+        // The connection's handshake first, as on the data port: a fresh
+        // connection, and one that has proved the secret.
+        let mut fresh = kvpool_transport::server::ConnState::default();
+        let first = handshake(key, &req, &mut fresh);
+        if key.is_some() {
+            let handshake_step = matches!(
+                req,
+                DataRequest::AuthBegin { .. } | DataRequest::AuthProve { .. }
+            );
+            // With a secret, only a handshake step gets past a fresh
+            // connection, and no single frame authenticates it.
+            assert!(
+                handshake_step || matches!(first, Handshake::Refuse(_)),
+                "a fresh connection passed {req:?}"
+            );
+            assert!(!fresh.authenticated, "one frame authenticated: {req:?}");
+        }
+        let mut proved = kvpool_transport::server::ConnState {
+            authenticated: true,
+            ..Default::default()
+        };
+        if !matches!(handshake(key, &req, &mut proved), Handshake::Pass) {
+            continue;
+        }
         let term = std::sync::atomic::AtomicU64::new(0);
         let gate = DataGate {
             segment: &side.segment,
@@ -258,6 +282,9 @@ pub fn data_request(data: &[u8]) {
                 | DataRequest::Read { grant, .. }
                 | DataRequest::ReadNvme { grant, .. }
                 | DataRequest::Rdma { grant, .. } => grant,
+                DataRequest::AuthBegin { .. } | DataRequest::AuthProve { .. } => {
+                    panic!("the gate admitted a handshake step: {req:?}")
+                }
             };
             assert!(
                 matches!(
@@ -632,6 +659,14 @@ pub fn data_request_seeds() -> Vec<(&'static str, DataRequest)> {
                 grant: g,
             },
         ),
+        (
+            "auth_begin",
+            DataRequest::AuthBegin {
+                client_id: 0,
+                nonce: [3; 16],
+            },
+        ),
+        ("auth_prove", DataRequest::AuthProve { proof: [4; 32] }),
     ]
 }
 
@@ -650,11 +685,13 @@ pub fn data_variant(r: &DataRequest) -> usize {
             req: RdmaRequest::Connect(_),
             ..
         } => 4,
+        DataRequest::AuthBegin { .. } => 5,
+        DataRequest::AuthProve { .. } => 6,
     }
 }
 
 /// How many kinds [`data_variant`] tells apart.
-pub const DATA_VARIANTS: usize = 5;
+pub const DATA_VARIANTS: usize = 7;
 
 /// One answer of every `MasterResponse` variant, named.
 fn master_response_seeds() -> Vec<(&'static str, MasterResponse)> {
@@ -845,6 +882,11 @@ pub fn seeds(repo: &std::path::Path) -> Vec<Seed> {
                 "none",
             ))),
         ),
+        (
+            "auth_challenge",
+            DataResponse::AuthChallenge { nonce: [5; 16] },
+        ),
+        ("auth_ok", DataResponse::AuthOk { proof: [6; 32] }),
     ];
     for (name, a) in data_replies {
         let mut b = vec![1u8];

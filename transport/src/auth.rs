@@ -178,6 +178,40 @@ impl ClusterKey {
             .map_err(|_| unauthenticated("the proof does not match the cluster secret"))
     }
 
+    /// A data connection's answer to a storage node's challenge: labelled
+    /// apart from the master handshake's, so that neither side's proof can
+    /// be relayed into the other handshake.
+    pub fn data_client_proof(&self, client_id: u64, nc: &[u8], ns: &[u8]) -> [u8; 32] {
+        self.handshake_mac(b"kvpool-data-auth-client-v1", client_id, nc, ns)
+    }
+
+    /// The storage node's proof on a data connection.
+    pub fn data_server_proof(&self, client_id: u64, nc: &[u8], ns: &[u8]) -> [u8; 32] {
+        self.handshake_mac(b"kvpool-data-auth-server-v1", client_id, nc, ns)
+    }
+
+    /// Checks a data connection's proof (constant time).
+    pub fn verify_data_client_proof(
+        &self,
+        client_id: u64,
+        nc: &[u8],
+        ns: &[u8],
+        proof: &[u8],
+    ) -> Result<(), KvError> {
+        self.verify_handshake(b"kvpool-data-auth-client-v1", client_id, nc, ns, proof)
+    }
+
+    /// Checks a storage node's proof (constant time).
+    pub fn verify_data_server_proof(
+        &self,
+        client_id: u64,
+        nc: &[u8],
+        ns: &[u8],
+        proof: &[u8],
+    ) -> Result<(), KvError> {
+        self.verify_handshake(b"kvpool-data-auth-server-v1", client_id, nc, ns, proof)
+    }
+
     /// Checks a client's proof (constant time).
     pub fn verify_client_proof(
         &self,

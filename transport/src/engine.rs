@@ -81,6 +81,9 @@ pub struct EngineConfig {
     /// Fill the page tables of a whole same-host segment in the background
     /// as soon as it is mapped (besides each chunk's on first use).
     pub shm_populate_at_map: bool,
+    /// The cluster secret: each new data connection proves it holds it
+    /// ([`prove_data`]) before its first request.
+    pub key: Option<crate::auth::ClusterKey>,
 }
 
 impl Default for EngineConfig {
@@ -96,8 +99,77 @@ impl Default for EngineConfig {
             host_id: String::new(),
             verify_checksums: true,
             shm_populate_at_map: false,
+            key: None,
         }
     }
+}
+
+/// Proves on a new data connection that this side holds the cluster secret,
+/// and checks the node's proof in turn (a node without the secret is not
+/// trusted with this engine's bytes). Uses request ids `id` and `id + 1`.
+pub async fn prove_data(
+    s: &mut Stream,
+    key: &crate::auth::ClusterKey,
+    id: u64,
+    max_frame: u32,
+) -> Result<(), KvError> {
+    async fn ask(
+        s: &mut Stream,
+        id: u64,
+        req: &DataRequest,
+        max_frame: u32,
+    ) -> Result<Result<DataResponse, KvError>, KvError> {
+        frame::write_all(s, &frame::encode(FrameKind::DataRequest, id, req)).await?;
+        let (rid, answer) =
+            frame::read_reply::<DataResponse, _>(s, FrameKind::DataResponse, max_frame).await?;
+        check_answer(rid, id, answer)
+    }
+    // Data connections name no client.
+    const CLIENT: u64 = 0;
+    let nc = crate::auth::nonce();
+    let begin = DataRequest::AuthBegin {
+        client_id: CLIENT,
+        nonce: nc,
+    };
+    let ns = match ask(s, id, &begin, max_frame).await? {
+        Ok(DataResponse::AuthChallenge { nonce }) => nonce,
+        Ok(other) => {
+            return Err(KvError::new(
+                ErrorCode::Malformed,
+                format!("the node answered AuthBegin with {other:?}"),
+            ))
+        }
+        Err(e) if e.code == ErrorCode::Unsupported => {
+            return Err(KvError::new(
+                ErrorCode::Unauthenticated,
+                format!(
+                    "this client has a cluster secret but the storage node has none ({}); \
+                     refusing to trust it",
+                    e.message
+                ),
+            ))
+        }
+        Err(e) => return Err(e),
+    };
+    let prove = DataRequest::AuthProve {
+        proof: key.data_client_proof(CLIENT, &nc, &ns),
+    };
+    let proof = match ask(s, id + 1, &prove, max_frame).await?? {
+        DataResponse::AuthOk { proof } => proof,
+        other => {
+            return Err(KvError::new(
+                ErrorCode::Malformed,
+                format!("the node answered AuthProve with {other:?}"),
+            ))
+        }
+    };
+    key.verify_data_server_proof(CLIENT, &nc, &ns, &proof)
+        .map_err(|_| {
+            KvError::new(
+                ErrorCode::Unauthenticated,
+                "the storage node could not prove it holds the cluster secret",
+            )
+        })
 }
 
 /// The bytes of one transfer.
@@ -309,7 +381,7 @@ impl TransferEngine {
     /// Uses RDMA (through `ctx`) for DRAM replicas whose node supports it.
     #[cfg(feature = "rdma")]
     pub fn enable_rdma(&mut self, ctx: Arc<crate::rdma::RdmaContext>) {
-        self.rdma = Some(crate::engine_rdma::RdmaPath::new(ctx));
+        self.rdma = Some(crate::engine_rdma::RdmaPath::new(ctx, self.cfg.key.clone()));
     }
 
     /// The RDMA context, when RDMA is enabled.
@@ -519,13 +591,28 @@ impl TransferEngine {
         v
     }
 
+    /// A connection from `pool`; a new one proves the cluster secret first
+    /// when this engine has it.
+    async fn data_conn(&self, pool: &Arc<ConnPool>) -> Result<crate::pool::Conn, KvError> {
+        let mut conn = pool.get(self.cfg.connect_timeout).await?;
+        if conn.is_new() {
+            if let Some(key) = &self.cfg.key {
+                let id = self.req_ids.fetch_add(2, Ordering::Relaxed);
+                prove_data(conn.stream(), key, id, self.cfg.max_frame_bytes)
+                    .await
+                    .map_err(|e| peer(e, pool.addr()))?;
+            }
+        }
+        Ok(conn)
+    }
+
     /// Reads an NVMe replica: the node reads it from its device (checksum
     /// verified) and sends it like a DRAM read; one request, no slicing.
     async fn nvme_read(&self, r: &ReplicaDesc, dst: &mut [u8]) -> Result<(), KvError> {
         let _p = self.permit().await?;
         let pool = self.pools_for(&r.endpoint, r.data_shard(), 1).remove(0);
         let addr = pool.addr();
-        let mut conn = pool.get(self.cfg.connect_timeout).await?;
+        let mut conn = self.data_conn(&pool).await?;
         let id = self.req_ids.fetch_add(1, Ordering::Relaxed);
         let req = frame::encode(
             FrameKind::DataRequest,
@@ -1019,7 +1106,7 @@ impl TransferEngine {
         dst: &mut [u8],
     ) -> Result<(), KvError> {
         let addr = pool.addr();
-        let mut conn = pool.get(self.cfg.connect_timeout).await?;
+        let mut conn = self.data_conn(pool).await?;
         let id = self.req_ids.fetch_add(1, Ordering::Relaxed);
         let req = frame::encode(
             FrameKind::DataRequest,
@@ -1076,7 +1163,7 @@ impl TransferEngine {
         /// Payloads up to this size go out in the same write as their frame.
         const COALESCE: usize = 16 * 1024;
         let addr = pool.addr();
-        let mut conn = pool.get(self.cfg.connect_timeout).await?;
+        let mut conn = self.data_conn(pool).await?;
         let id = self.req_ids.fetch_add(1, Ordering::Relaxed);
         let mut bytes = frame::encode(
             FrameKind::DataRequest,

@@ -58,6 +58,8 @@ enum Entry {
 /// The engine's RDMA state.
 pub(crate) struct RdmaPath {
     ctx: Arc<RdmaContext>,
+    /// The cluster secret: a new control connection proves it first.
+    key: Option<crate::auth::ClusterKey>,
     peers: Mutex<HashMap<SegmentId, Entry>>,
     /// Free bounce buffers (registered, owned by their registration).
     staging: Mutex<Vec<Arc<Registration>>>,
@@ -107,9 +109,10 @@ impl Drop for Staged<'_> {
 }
 
 impl RdmaPath {
-    pub(crate) fn new(ctx: Arc<RdmaContext>) -> Self {
+    pub(crate) fn new(ctx: Arc<RdmaContext>, key: Option<crate::auth::ClusterKey>) -> Self {
         Self {
             ctx,
+            key,
             peers: Mutex::new(HashMap::new()),
             staging: Mutex::new(Vec::new()),
             staging_slots: Semaphore::new(STAGING_SLOTS),
@@ -208,6 +211,13 @@ impl RdmaPath {
         max_frame: u32,
     ) -> Result<Peer, KvError> {
         let mut control = pool.get(connect_timeout).await?;
+        if control.is_new() {
+            if let Some(key) = &self.key {
+                // Ids 1 and 2; the set-up's requests after it reuse them
+                // (each answer is read before the next request).
+                crate::engine::prove_data(control.stream(), key, 1, max_frame).await?;
+            }
+        }
         let caps = match ask(&mut control, 1, RdmaRequest::Caps, grant, max_frame).await? {
             RdmaResponse::Caps(c) => c,
             other => {

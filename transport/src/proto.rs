@@ -741,6 +741,14 @@ pub enum DataRequest {
         req: crate::rdma_wire::RdmaRequest,
         grant: Grant,
     },
+    /// With a cluster secret, a data connection proves it holds the secret
+    /// before its first other request (grants alone are bearer tokens: one
+    /// seen on the wire could be replayed by anyone). The client's nonce;
+    /// the answer is `AuthChallenge`.
+    AuthBegin { client_id: u64, nonce: [u8; 16] },
+    /// The client's proof over both nonces; the answer is `AuthOk` with the
+    /// node's own proof.
+    AuthProve { proof: [u8; 32] },
 }
 
 /// Answers of a storage node. `Data` is followed by exactly `len` bytes.
@@ -749,6 +757,8 @@ pub enum DataResponse {
     Written,
     Data { len: u64 },
     Rdma(crate::rdma_wire::RdmaResponse),
+    AuthChallenge { nonce: [u8; 16] },
+    AuthOk { proof: [u8; 32] },
 }
 
 /// The payload of an error frame.

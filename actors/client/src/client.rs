@@ -602,6 +602,7 @@ impl Client {
             host_id: host_id.clone(),
             verify_checksums: cfg.checksums,
             shm_populate_at_map: cfg.shm_populate == kvpool_config::ShmPopulate::AtMap,
+            key: key.clone(),
         });
         let rdma_required = cfg.transport == kvpool_config::Transport::Rdma;
         if rdma_required || matches!(cfg.transport, kvpool_config::Transport::Auto) {

@@ -1,16 +1,106 @@
 //! The checks a storage shard makes on a data request before it touches the
 //! segment's memory, reads the NVMe tier or sets up queue pairs: the segment
 //! it names, the range (in bounds, no overflow), the grant (with a cluster
-//! secret) and the NVMe region. One pure function, so that the data port and
-//! the `data_request` fuzz target (`fuzz/`) run the same code.
+//! secret) and the NVMe region. Before it, with a cluster secret, the
+//! connection's handshake ([`handshake`]): a connection that has not proved
+//! it holds the secret sends nothing else. Pure functions, so that the data
+//! port and the `data_request` fuzz target (`fuzz/`) run the same code.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvpool_storage::nvme::NvmeLoc;
 use kvpool_storage::Segment;
-use kvpool_transport::auth::{ClusterKey, Grant, GrantClock, GrantOp};
-use kvpool_transport::proto::{DataRequest, SegmentId};
+use kvpool_transport::auth::{self, ClusterKey, Grant, GrantClock, GrantOp};
+use kvpool_transport::proto::{DataRequest, DataResponse, SegmentId};
+use kvpool_transport::server::ConnState;
 use kvpool_transport::{ErrorCode, KvError, RdmaRequest};
+
+/// What the data port does with a request, by the connection's handshake.
+#[derive(Debug)]
+pub enum Handshake {
+    /// Not a handshake step, and the connection may send it: on to the gate.
+    Pass,
+    /// A handshake step: answer this and keep the connection.
+    Answer(DataResponse),
+    /// Answer this error and close the connection.
+    Refuse(Refused),
+}
+
+/// With a cluster secret (`key`), a data connection proves it holds the
+/// secret (`AuthBegin`, `AuthProve`, the master handshake's exchange under
+/// labels of its own) before any other request: grants travel in clear
+/// text, and without this a grant seen on the wire let anyone write its
+/// range until it expired, after its put had ended and on freed ranges
+/// (issue 29). Without a secret a handshake is refused (`Unsupported`): a
+/// client with a secret does not trust a node without one.
+pub fn handshake(key: Option<&ClusterKey>, req: &DataRequest, conn: &mut ConnState) -> Handshake {
+    let refuse = |error: KvError, auth: bool| Handshake::Refuse(Refused { error, auth });
+    let Some(key) = key else {
+        return match req {
+            DataRequest::AuthBegin { .. } | DataRequest::AuthProve { .. } => refuse(
+                KvError::new(
+                    ErrorCode::Unsupported,
+                    "this storage node runs without a cluster secret: it cannot prove itself",
+                ),
+                false,
+            ),
+            _ => Handshake::Pass,
+        };
+    };
+    match req {
+        DataRequest::AuthBegin { client_id, nonce } => {
+            if conn.authenticated || conn.challenge.is_some() {
+                return refuse(
+                    KvError::new(ErrorCode::InvalidParams, "a connection authenticates once"),
+                    false,
+                );
+            }
+            let ns = auth::nonce();
+            conn.challenge = Some((*client_id, *nonce, ns));
+            Handshake::Answer(DataResponse::AuthChallenge { nonce: ns })
+        }
+        DataRequest::AuthProve { proof } => {
+            let Some((id, nc, ns)) = conn.challenge.take() else {
+                return refuse(
+                    KvError::new(ErrorCode::InvalidParams, "AuthProve without AuthBegin"),
+                    false,
+                );
+            };
+            if let Err(e) = key.verify_data_client_proof(id, &nc, &ns, proof) {
+                return refuse(e, true);
+            }
+            conn.authenticated = true;
+            conn.client_id = Some(id);
+            Handshake::Answer(DataResponse::AuthOk {
+                proof: key.data_server_proof(id, &nc, &ns),
+            })
+        }
+        _ if !conn.authenticated => refuse(
+            KvError::new(
+                ErrorCode::Unauthenticated,
+                format!(
+                    "{} refused: this storage node requires the cluster secret on its data \
+                     connections (set KVPOOL_SECRET or [security] secret)",
+                    op_name(req)
+                ),
+            ),
+            true,
+        ),
+        _ => Handshake::Pass,
+    }
+}
+
+/// A data request's name in errors and logs.
+pub fn op_name(req: &DataRequest) -> &'static str {
+    match req {
+        DataRequest::Write { .. } => "a Write",
+        DataRequest::Read { .. } => "a Read",
+        DataRequest::ReadNvme { .. } => "a ReadNvme",
+        DataRequest::Rdma { .. } => "an RDMA set-up",
+        DataRequest::AuthBegin { .. } => "an AuthBegin",
+        DataRequest::AuthProve { .. } => "an AuthProve",
+    }
+}
 
 /// What one shard of a storage node serves.
 pub struct DataGate<'a> {
@@ -70,6 +160,14 @@ fn invalid(error: KvError) -> Refused {
     Refused { error, auth: false }
 }
 
+/// A handshake step at the gate ([`handshake`] answers those).
+fn not_data() -> Refused {
+    invalid(KvError::new(
+        ErrorCode::InvalidParams,
+        "a handshake step is not a data request",
+    ))
+}
+
 impl DataGate<'_> {
     /// Checks `req` at `clock`. `Ok` means: a `Write`/`Read` range lies inside
     /// the segment (so the shard may slice it), a `ReadNvme` names this
@@ -88,6 +186,7 @@ impl DataGate<'_> {
                 grant,
             } => grant,
             DataRequest::Rdma { .. } => return Ok(()),
+            DataRequest::AuthBegin { .. } | DataRequest::AuthProve { .. } => return Err(not_data()),
         };
         check_term(self.term, grant, self.key).map_err(|error| Refused { error, auth: true })
     }
@@ -154,6 +253,7 @@ impl DataGate<'_> {
                 }
                 _ => Ok(()),
             },
+            DataRequest::AuthBegin { .. } | DataRequest::AuthProve { .. } => Err(not_data()),
         }
     }
 
@@ -224,5 +324,95 @@ mod tests {
         let e = check_term(&seen, &grant(4), Some(&key)).unwrap_err();
         assert_eq!(e.code, ErrorCode::NotLeader);
         check_term(&seen, &grant(6), Some(&key)).unwrap();
+    }
+
+    fn write() -> DataRequest {
+        DataRequest::Write {
+            segment_id: 1,
+            offset: 0,
+            len: 8,
+            grant: grant(1),
+        }
+    }
+
+    fn refused(h: Handshake) -> KvError {
+        match h {
+            Handshake::Refuse(r) => r.error,
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+
+    /// With a secret, nothing but the handshake passes before it; a proof
+    /// made with another secret, or the master handshake's proof, fails; the
+    /// right one passes and gets the node's proof back.
+    #[test]
+    fn a_data_connection_proves_the_secret_before_anything_else() {
+        let key = ClusterKey::new(b"0123456789abcdef0123").unwrap();
+        let other = ClusterKey::new(b"another secret, also long").unwrap();
+        let mut conn = ConnState::default();
+        let e = refused(handshake(Some(&key), &write(), &mut conn));
+        assert_eq!(e.code, ErrorCode::Unauthenticated);
+        let nc = [7u8; 16];
+        let begin = DataRequest::AuthBegin {
+            client_id: 9,
+            nonce: nc,
+        };
+        // Another secret's proof; this secret's proof for the master.
+        type Forge<'a> = &'a dyn Fn(&[u8; 16]) -> [u8; 32];
+        let forgeries: [Forge; 2] = [&|ns| other.data_client_proof(9, &nc, ns), &|ns| {
+            key.client_proof(9, &nc, ns)
+        }];
+        for forge in forgeries {
+            let mut conn = ConnState::default();
+            let Handshake::Answer(DataResponse::AuthChallenge { nonce: ns }) =
+                handshake(Some(&key), &begin, &mut conn)
+            else {
+                panic!("no challenge");
+            };
+            let forged = forge(&ns);
+            let e = refused(handshake(
+                Some(&key),
+                &DataRequest::AuthProve { proof: forged },
+                &mut conn,
+            ));
+            assert_eq!(e.code, ErrorCode::Unauthenticated);
+            assert!(!conn.authenticated);
+        }
+        let Handshake::Answer(DataResponse::AuthChallenge { nonce: ns }) =
+            handshake(Some(&key), &begin, &mut conn)
+        else {
+            panic!("no challenge");
+        };
+        let prove = DataRequest::AuthProve {
+            proof: key.data_client_proof(9, &nc, &ns),
+        };
+        let Handshake::Answer(DataResponse::AuthOk { proof }) =
+            handshake(Some(&key), &prove, &mut conn)
+        else {
+            panic!("the right proof was refused");
+        };
+        key.verify_data_server_proof(9, &nc, &ns, &proof).unwrap();
+        assert!(matches!(
+            handshake(Some(&key), &write(), &mut conn),
+            Handshake::Pass
+        ));
+        let e = refused(handshake(Some(&key), &begin, &mut conn));
+        assert_eq!(e.code, ErrorCode::InvalidParams);
+    }
+
+    /// Without a secret requests pass and a handshake is refused.
+    #[test]
+    fn an_open_node_refuses_a_handshake() {
+        let mut conn = ConnState::default();
+        assert!(matches!(
+            handshake(None, &write(), &mut conn),
+            Handshake::Pass
+        ));
+        let begin = DataRequest::AuthBegin {
+            client_id: 1,
+            nonce: [0; 16],
+        };
+        let e = refused(handshake(None, &begin, &mut conn));
+        assert_eq!(e.code, ErrorCode::Unsupported);
     }
 }

@@ -30,7 +30,7 @@ use kvpool_transport::proto::{
 use kvpool_transport::{ErrorCode, KvError, RdmaCaps, RdmaRequest, RdmaResponse};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
-use crate::gate::DataGate;
+use crate::gate::{DataGate, Handshake};
 use crate::metrics::StorageMetrics;
 use kvpool_client::Client;
 use kvpool_config::NodeError;
@@ -158,8 +158,10 @@ pub async fn start(
         first_frame_timeout: Duration::from_millis(cfg.first_frame_timeout_ms),
         max_frame_bytes: cfg.max_frame_bytes.get() as u32,
         frame_budget: kvpool_transport::frame::FrameBudget::new(cfg.max_frame_memory.get()),
-        // Data requests carry grants; the connection itself needs no proof.
-        require_auth: false,
+        // With a secret, a connection proves it holds it before anything
+        // else (gate::handshake), within first_frame_timeout; each data
+        // request also carries a grant for what it touches.
+        require_auth: key.is_some(),
     };
     m.segment_bytes.set(size as i64);
     let nvme_id = nvme.as_ref().map(|t| t.segment_id);
@@ -367,7 +369,7 @@ impl Handler for DataConn {
         hdr: FrameHeader,
         payload: kvpool_transport::frame::AlignedVec,
         stream: &mut TcpStream,
-        _conn: &mut ConnState,
+        conn: &mut ConnState,
     ) -> Next {
         let Some(req) = server::open_request::<DataRequest>(
             stream,
@@ -382,6 +384,27 @@ impl Handler for DataConn {
         };
         drop(payload);
         let started = Instant::now();
+        match crate::gate::handshake(self.key.as_ref(), &req, conn) {
+            Handshake::Pass => {}
+            Handshake::Answer(a) => {
+                let answer = frame::encode(FrameKind::DataResponse, hdr.request_id, &a);
+                return server::answer_within(stream, &answer, self.io_timeout).await;
+            }
+            Handshake::Refuse(refused) => {
+                let what = crate::gate::op_name(&req);
+                if refused.auth {
+                    self.metrics.auth_refusals.inc();
+                    self.refusals.refused("storage", what, &refused.error);
+                }
+                // Answer, then close: a refused Write's payload follows
+                // unread, and a connection that failed its handshake gets
+                // no second try.
+                let _ =
+                    server::answer(stream, &frame::encode_error(hdr.request_id, &refused.error))
+                        .await;
+                return Next::Close;
+            }
+        }
         let gate = DataGate {
             segment: &self.segment,
             segment_id: self.segment_id,
@@ -391,11 +414,12 @@ impl Handler for DataConn {
             term: &self.term,
         };
         if let Err(refused) = gate.admit(&req, GrantClock::now(self.skew_ms)) {
-            let (op, what) = match &req {
-                DataRequest::Write { .. } => (Some("write"), "a Write"),
-                DataRequest::Read { .. } => (Some("read"), "a Read"),
-                DataRequest::ReadNvme { .. } => (Some("read_nvme"), "a ReadNvme"),
-                DataRequest::Rdma { .. } => (None, "an RDMA connect"),
+            let what = crate::gate::op_name(&req);
+            let op = match &req {
+                DataRequest::Write { .. } => Some("write"),
+                DataRequest::Read { .. } => Some("read"),
+                DataRequest::ReadNvme { .. } => Some("read_nvme"),
+                _ => None,
             };
             if refused.auth {
                 self.metrics.auth_refusals.inc();
@@ -491,6 +515,8 @@ impl Handler for DataConn {
                 next
             }
             DataRequest::Rdma { req, .. } => self.rdma(req, hdr.request_id, stream).await,
+            // The handshake answered these, or the gate refused them.
+            DataRequest::AuthBegin { .. } | DataRequest::AuthProve { .. } => Next::Close,
         }
     }
 }
