@@ -114,6 +114,10 @@ enum Cmd {
         /// Role conductor (and all): the scheduling policy.
         #[arg(long, value_name = "POLICY")]
         policy: Option<String>,
+        /// Role conductor (and all): the front's API key (`[serving]
+        /// api_key`; the environment's KVPOOL_API_KEY keeps it out of `ps`).
+        #[arg(long, value_name = "KEY")]
+        api_key: Option<String>,
         /// Role conductor (and all): the cluster cost model (TOML).
         #[arg(long, value_name = "FILE")]
         cost_model: Option<String>,
@@ -321,6 +325,7 @@ fn main() -> ExitCode {
             prefill,
             decode,
             policy,
+            api_key,
             cost_model,
             decision_log,
             ha,
@@ -333,6 +338,7 @@ fn main() -> ExitCode {
                 prefill,
                 decode,
                 policy,
+                api_key,
                 cost_model,
                 decision_log,
             };
@@ -508,6 +514,7 @@ struct ServingFlags {
     prefill: Vec<String>,
     decode: Vec<String>,
     policy: Option<String>,
+    api_key: Option<String>,
     cost_model: Option<String>,
     decision_log: Option<String>,
 }
@@ -532,6 +539,13 @@ impl ServingFlags {
         if let Some(p) = self.policy {
             c.policy = p;
         }
+        if let Some(k) = self.api_key {
+            if proxy {
+                return Err("--api-key is for --role conductor and --role all".into());
+            }
+            cfg.serving.api_key = k;
+        }
+        let c = &mut cfg.serving.conductor;
         if let Some(m) = self.cost_model {
             c.cost_model = m;
         }

@@ -938,6 +938,29 @@ whole = c.completions.create(model="builtin:tiny", prompt="The pool holds", max_
                              temperature=0)
 out["completion"] = {"text": text, "finish": finish, "whole": whole.choices[0].text}
 out["models"] = [m.id for m in c.models.list()]
+# Content as OpenAI's list of parts (guidellm's chat mode sends it): the
+# same prompt as the string.
+parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+out["parts"] = c.chat.completions.create(model="builtin:tiny", messages=parts, max_tokens=8,
+                                         temperature=0).choices[0].message.content
+try:
+    c.chat.completions.create(model="builtin:tiny", max_tokens=8, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/i.png"}}]}])
+    out["image"] = "accepted"
+except Exception as e:
+    out["image"] = [getattr(e, "status_code", None), str(e)]
+# Probes, and paths or methods the API does not have.
+import urllib.request, urllib.error
+root = sys.argv[1][: -len("/v1")]
+def status(method, path):
+    try:
+        r = urllib.request.urlopen(urllib.request.Request(root + path, method=method), timeout=30)
+        return [r.status, r.read().decode()]
+    except urllib.error.HTTPError as e:
+        return [e.code, json.loads(e.read())["error"]["message"]]
+out["health"] = status("GET", "/health")[0]
+out["404"] = status("GET", "/v1/nope")
+out["405"] = status("GET", "/v1/completions")
 print(json.dumps(out))
 "#;
 
@@ -983,6 +1006,96 @@ fn the_openai_python_client_streams_a_chat_and_a_completion_from_role_all() {
     assert_eq!(comp["finish"], "length", "{v}");
     assert_eq!(comp["text"], comp["whole"], "{v}");
     assert_eq!(v["models"], json!(["builtin:tiny"]));
+    // Issue 30, item 4: content parts, /health, error bodies on 404 and 405.
+    assert_eq!(v["parts"], chat["whole"], "{v}");
+    assert_eq!(v["image"][0], 400, "{v}");
+    assert!(
+        v["image"][1].as_str().unwrap().contains("not supported"),
+        "{v}"
+    );
+    assert_eq!(v["health"], 200, "{v}");
+    assert_eq!(v["404"][0], 404, "{v}");
+    assert!(v["404"][1].as_str().unwrap().contains("/v1/nope"), "{v}");
+    assert_eq!(v["405"][0], 405, "{v}");
+}
+
+/// Issue 30, items 3 and 4: with an API key (`--api-key`; also
+/// `[serving] api_key`, `KVPOOL_API_KEY`) the `/v1` routes need it and
+/// probes do not; a body that says it is not JSON is 415; a prompt plus
+/// `max_tokens` beyond the context is 400 before any work; `/v1/models`
+/// names the context length. Every refusal is an OpenAI error body.
+#[test]
+fn the_front_checks_its_api_key_content_type_and_context_before_any_work() {
+    let (_all, found) = common::start_lines(
+        "all",
+        &common::ephemeral(&["--segment-size", "64MiB", "--api-key", "k-123"]),
+        &[],
+        &["conductor"],
+    );
+    let front = found.get("conductor").expect("role all runs a conductor");
+    let body = json!({"prompt": "hi", "max_tokens": 2});
+    let error = |a: &Answer| a.json()["error"].clone();
+    let a = post(front, "/v1/completions", &body, &[]);
+    assert_eq!(a.status, 401, "{}", a.body);
+    assert_eq!(error(&a)["code"], "invalid_api_key", "{}", a.body);
+    let a = post(
+        front,
+        "/v1/completions",
+        &body,
+        &[("Authorization", "Bearer wrong")],
+    );
+    assert_eq!(a.status, 401, "{}", a.body);
+    let key = [("Authorization", "Bearer k-123")];
+    let a = post(front, "/v1/completions", &body, &key);
+    assert_eq!(a.status, 200, "{}", a.body);
+    let (status, _) = common::http(front, "GET", "/v1/models");
+    assert_eq!(status, 401);
+    let (status, text) = common::http_with(
+        front,
+        "GET",
+        "/v1/models",
+        "Authorization: Bearer k-123\r\n",
+    );
+    assert_eq!(status, 200, "{text}");
+    let models: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(models["data"][0]["max_model_len"], 32_768, "{models}");
+    for probe in ["/health", "/healthz", "/metrics"] {
+        assert_eq!(common::http(front, "GET", probe).0, 200, "{probe}");
+    }
+    // A form body (curl -d without -H) is 415.
+    let text = body.to_string();
+    let mut s = TcpStream::connect(front.as_str()).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k-123\r\n\
+         Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{text}",
+        text.len()
+    )
+    .unwrap();
+    let mut got = String::new();
+    s.read_to_string(&mut got).unwrap();
+    assert!(got.starts_with("HTTP/1.1 415"), "{got}");
+    assert!(got.contains("application/json"), "{got}");
+    // max_tokens of 10^9, and a prompt plus max_tokens one past the context.
+    for (prompt, max_tokens) in [(prompt(8, 1), 1_000_000_000u64), (prompt(768, 2), 32_001)] {
+        let a = post(
+            front,
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": max_tokens}),
+            &key,
+        );
+        assert_eq!(a.status, 400, "{}", a.body);
+        assert_eq!(error(&a)["code"], "context_length_exceeded", "{}", a.body);
+        assert!(
+            error(&a)["message"]
+                .as_str()
+                .unwrap()
+                .contains("maximum context length is 32768 tokens"),
+            "{}",
+            a.body
+        );
+    }
 }
 
 #[test]

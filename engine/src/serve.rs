@@ -659,7 +659,52 @@ enum Stop {
 #[derive(Debug, Deserialize)]
 struct Message {
     role: String,
-    content: String,
+    content: Content,
+}
+
+/// A message's content: a string, or OpenAI's list of parts
+/// (`[{"type": "text", "text": ...}]`, what guidellm and multimodal clients
+/// send). Text parts are joined with a newline, as vLLM does; a part of
+/// another kind (an image, audio) is refused, since the models served here
+/// read text only.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+struct ContentPart {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+impl Content {
+    fn text(&self) -> Result<std::borrow::Cow<'_, str>, ApiError> {
+        match self {
+            Content::Text(t) => Ok(t.into()),
+            Content::Parts(parts) => {
+                let mut texts = Vec::with_capacity(parts.len());
+                for p in parts {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => texts.push(t.as_str()),
+                        ("text", None) => {
+                            return Err(ApiError::bad("a content part of type text has no text"))
+                        }
+                        (other, _) => {
+                            return Err(ApiError::bad(format!(
+                                "content parts of type {other:?} are not supported: \
+                                 this model reads text only"
+                            )))
+                        }
+                    }
+                }
+                Ok(texts.join("\n").into())
+            }
+        }
+    }
 }
 
 /// The fields both generation routes take.
@@ -683,6 +728,45 @@ struct CommonFields {
     n: Option<usize>,
     /// Not supported: refused when set.
     logprobs: Option<Value>,
+    /// Every other field: those of OpenAI's API this engine does not apply
+    /// are refused when they ask for something ([`refuse_unsupported`]);
+    /// others are ignored, as vLLM does.
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
+}
+
+/// OpenAI request fields this engine does not apply, refused (400) when
+/// they ask for something other than their default: silently ignoring
+/// `echo`, penalties, tools or a JSON response format would answer a
+/// different request than the one sent (issue 30).
+fn refuse_unsupported(rest: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    let asks = |k: &str, v: &Value| -> bool {
+        match (k, v) {
+            (_, Value::Null) => false,
+            ("echo", v) => *v != Value::Bool(false),
+            ("best_of", v) => v.as_u64() != Some(1),
+            ("presence_penalty" | "frequency_penalty", v) => v.as_f64() != Some(0.0),
+            ("repetition_penalty", v) => v.as_f64() != Some(1.0),
+            ("top_logprobs", v) => v.as_u64() != Some(0),
+            ("logit_bias" | "functions" | "tools", v) => {
+                !(v.as_object().is_some_and(|o| o.is_empty())
+                    || v.as_array().is_some_and(|a| a.is_empty()))
+            }
+            ("suffix", v) => v.as_str() != Some(""),
+            ("tool_choice" | "function_call", v) => v.as_str() != Some("none"),
+            ("response_format", v) => v["type"].as_str() != Some("text"),
+            _ => false,
+        }
+    };
+    for (k, v) in rest {
+        if asks(k, v) {
+            return Err(ApiError::bad(format!(
+                "`{k}` is not supported by this engine (it would be ignored, and the answer \
+                 would not be the one asked for)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Deserialize)]
@@ -730,7 +814,7 @@ fn chat_text(messages: &[Message]) -> Result<String, ApiError> {
                 m.role
             )));
         }
-        s.push_str(&format!("<|{}|>\n{}\n", m.role, m.content));
+        s.push_str(&format!("<|{}|>\n{}\n", m.role, m.content.text()?));
     }
     s.push_str("<|assistant|>\n");
     Ok(s)
@@ -772,6 +856,7 @@ impl AppState {
         {
             return Err(ApiError::bad("logprobs are not supported"));
         }
+        refuse_unsupported(&c.rest)?;
         let e = &self.engine.inner;
         let room = e.max_model_len.saturating_sub(prompt.len());
         let max_tokens = c
@@ -1239,6 +1324,52 @@ mod tests {
 
     fn bytes(s: &[u8]) -> Vec<u32> {
         s.iter().map(|&b| u32::from(b)).collect()
+    }
+
+    /// Fields the engine does not apply are refused when they ask for
+    /// something; their defaults, and fields it does not know, pass.
+    #[test]
+    fn unsupported_fields_are_refused_unless_they_ask_for_nothing() {
+        let rest = |v: serde_json::Value| v.as_object().unwrap().clone();
+        for asks in [
+            serde_json::json!({"echo": true}),
+            serde_json::json!({"presence_penalty": 0.5}),
+            serde_json::json!({"tools": [{"type": "function"}]}),
+            serde_json::json!({"response_format": {"type": "json_object"}}),
+            serde_json::json!({"logit_bias": {"5": 10}}),
+        ] {
+            let e = super::refuse_unsupported(&rest(asks.clone())).unwrap_err();
+            assert!(
+                e.message.contains("is not supported"),
+                "{asks}: {}",
+                e.message
+            );
+        }
+        let defaults = serde_json::json!({"echo": false, "frequency_penalty": 0, "tools": [],
+            "response_format": {"type": "text"}, "tool_choice": "none", "user": "u1",
+            "stream_options": {"include_usage": true}, "best_of": 1, "logit_bias": null});
+        super::refuse_unsupported(&rest(defaults)).unwrap();
+    }
+
+    /// OpenAI's content parts read as their texts joined by a newline, a
+    /// string as itself; a part that is not text is a 400.
+    #[test]
+    fn content_parts_are_text_and_other_kinds_are_refused() {
+        let msgs =
+            |v: serde_json::Value| -> Vec<super::Message> { serde_json::from_value(v).unwrap() };
+        let parts = msgs(serde_json::json!([
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ]));
+        assert_eq!(
+            super::chat_text(&parts).unwrap(),
+            "<|system|>\nbe brief\n<|user|>\na\nb\n<|assistant|>\n"
+        );
+        let image = msgs(serde_json::json!([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]));
+        let e = super::chat_text(&image).unwrap_err();
+        assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+        assert!(e.message.contains("\"image_url\""), "{}", e.message);
     }
 
     #[test]

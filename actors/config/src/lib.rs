@@ -30,6 +30,10 @@ pub struct NodeConfig {
 /// `[security] secret`).
 pub const SECRET_ENV: &str = "KVPOOL_SECRET";
 
+/// The environment variable that holds the serving front's API key (it
+/// overrides `[serving] api_key`).
+pub const API_KEY_ENV: &str = "KVPOOL_API_KEY";
+
 impl NodeConfig {
     /// Takes the cluster secret from `KVPOOL_SECRET` when it is set (and not
     /// empty): a secret is better kept out of config files.
@@ -37,6 +41,11 @@ impl NodeConfig {
         if let Ok(v) = std::env::var(SECRET_ENV) {
             if !v.is_empty() {
                 self.security.secret = v;
+            }
+        }
+        if let Ok(v) = std::env::var(API_KEY_ENV) {
+            if !v.is_empty() {
+                self.serving.api_key = v;
             }
         }
     }
@@ -1295,6 +1304,11 @@ pub struct ServingConfig {
     /// Role all: the model of its two engines (`builtin:tiny`,
     /// `builtin:small` or a model folder).
     pub model: String,
+    /// The serving front's API key ("" = open): its `/v1` routes then need
+    /// `Authorization: Bearer <key>` (OpenAI clients' `api_key`); `/health`,
+    /// `/healthz` and `/metrics` stay open. `KVPOOL_API_KEY` or `--api-key`
+    /// override it.
+    pub api_key: String,
     pub conductor: ConductorConfig,
     pub prefill_proxy: ProxyConfig,
     pub decode_proxy: ProxyConfig,
@@ -1305,6 +1319,7 @@ impl Default for ServingConfig {
         Self {
             enabled: true,
             model: "builtin:tiny".into(),
+            api_key: String::new(),
             conductor: ConductorConfig::default(),
             prefill_proxy: ProxyConfig {
                 listen: "127.0.0.1:8200".into(),

@@ -120,6 +120,25 @@ impl ApiError {
     }
 }
 
+/// A path the API does not have: 404 in OpenAI's error shape (not an empty
+/// body, which clients and load generators report as a parse error).
+pub async fn no_route(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        format!("there is no route {method} {}", uri.path()),
+    )
+}
+
+/// A method the path does not take: 405 in OpenAI's error shape.
+pub async fn wrong_method(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!("{} does not take {method}", uri.path()),
+    )
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, Json(self.body())).into_response();

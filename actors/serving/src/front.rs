@@ -91,6 +91,9 @@ pub struct FrontOptions {
     pub chunk_tokens: usize,
     /// The front's HTTP listener's limits (`[runtime] http_*`).
     pub http: kvpool_runtime::http::HttpLimits,
+    /// `serving.api_key` ("" = open): the `/v1` routes then need
+    /// `Authorization: Bearer <key>`.
+    pub api_key: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -262,6 +265,7 @@ struct Inner {
     registry: MetricsRegistry,
     tokenize_next: AtomicUsize,
     connect_timeout: Duration,
+    api_key: String,
 }
 
 fn now_s() -> u64 {
@@ -348,6 +352,7 @@ impl Front {
             registry: registry.clone(),
             tokenize_next: AtomicUsize::new(0),
             connect_timeout: Duration::from_secs(2),
+            api_key: opts.api_key.clone(),
             cfg,
         });
         // Nothing is up until its proxy has reported.
@@ -379,16 +384,21 @@ impl Front {
     }
 
     /// The HTTP routes: `POST /v1/completions`, `POST /v1/chat/completions`,
-    /// `GET /v1/models`, `GET /healthz`, `GET /metrics`, `GET
-    /// /kvpool/v1/status`.
+    /// `GET /v1/models`, `GET /health` (vLLM's name, what probes and load
+    /// generators ask) and `/healthz`, `GET /metrics`, `GET
+    /// /kvpool/v1/status`; any other path is 404, a wrong method 405, both
+    /// with OpenAI error bodies.
     pub fn router(&self) -> Router {
         Router::new()
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/models", get(models))
+            .route("/health", get(healthz))
             .route("/healthz", get(healthz))
             .route("/metrics", get(metrics_route))
             .route("/kvpool/v1/status", get(status))
+            .fallback(crate::api::no_route)
+            .method_not_allowed_fallback(crate::api::wrong_method)
             .layer(DefaultBodyLimit::max(
                 self.inner.cfg.max_body_bytes.get() as usize
             ))
@@ -624,6 +634,22 @@ fn check_context(n: usize, max: u64) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// A prompt of `n` tokens and `max_tokens` more fit a context of `max`, or
+/// the request is refused before any work, in vLLM's words (a `max_tokens`
+/// of 10^9 is refused here too).
+fn check_total(n: usize, max_tokens: u64, max: u64) -> Result<(), ApiError> {
+    let total = (n as u64).saturating_add(max_tokens);
+    if total > max {
+        return Err(ApiError::bad(format!(
+            "This model's maximum context length is {max} tokens. However, you requested \
+             {total} tokens ({n} in the messages, {max_tokens} in the completion). Please \
+             reduce the length of the messages or completion."
+        ))
+        .with_code("context_length_exceeded"));
+    }
+    Ok(())
+}
+
 /// A parsed generation request.
 struct Req {
     body: Value,
@@ -729,10 +755,67 @@ async fn chat_completions(State(f): State<Front>, headers: HeaderMap, body: Byte
     generate(f, headers, body, true).await
 }
 
+/// With `serving.api_key` set, a `/v1` request must carry it as a bearer
+/// token (compared in constant time): 401 in OpenAI's words otherwise.
+fn check_api_key(f: &Front, headers: &HeaderMap) -> Result<(), ApiError> {
+    let want = &f.inner.api_key;
+    if want.is_empty() {
+        return Ok(());
+    }
+    let given = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if kvpool_transport::auth::constant_time_eq(given.as_bytes(), want.as_bytes()) {
+        return Ok(());
+    }
+    let message = if given.is_empty() {
+        "You didn't provide an API key: send it as `Authorization: Bearer <key>`"
+    } else {
+        "Incorrect API key provided"
+    };
+    Err(
+        ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message)
+            .with_code("invalid_api_key"),
+    )
+}
+
+/// A body the front reads as JSON must say so when it names a type: a form
+/// or text body is 415, not parsed as JSON anyway. (No `Content-Type` is
+/// taken as JSON.)
+fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(ct) = headers.get(axum::http::header::CONTENT_TYPE) else {
+        return Ok(());
+    };
+    let essence = ct
+        .to_str()
+        .unwrap_or("")
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    if essence == "application/json" {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "invalid_request_error",
+        format!(
+            "the body must be JSON (Content-Type: application/json), not {:?}",
+            ct.to_str().unwrap_or("(not text)")
+        ),
+    ))
+}
+
 async fn generate(f: Front, headers: HeaderMap, body: Bytes, chat: bool) -> Response {
     let rid = api::request_id(&headers).unwrap_or_else(api::new_request_id);
     let route = if chat { "chat" } else { "completions" };
-    let r = f.serve(&rid, &body, chat).await;
+    let r = match check_api_key(&f, &headers).and_then(|()| check_content_type(&headers)) {
+        Ok(()) => f.serve(&rid, &body, chat).await,
+        Err(e) => Err(e),
+    };
     let result = match &r {
         Ok(_) => "ok",
         Err(e) if e.status == StatusCode::SERVICE_UNAVAILABLE => "rejected",
@@ -864,6 +947,9 @@ impl Front {
         let prompt = self.tokenize(&req, rid, deadline).await?;
         if let Some(max) = max_len {
             check_context(prompt.len(), max)?;
+            if let Some(m) = req.max_tokens {
+                check_total(prompt.len(), m, max)?;
+            }
         }
         let chunks = chunk_hashes(&prompt, self.inner.chunk_tokens).map_err(|e| {
             ApiError::new(
@@ -1766,7 +1852,11 @@ async fn whole_answer(
     }
 }
 
-async fn models(State(f): State<Front>) -> Response {
+async fn models(State(f): State<Front>, headers: HeaderMap) -> Response {
+    if let Err(e) = check_api_key(&f, &headers) {
+        return e.into_response();
+    }
+    let max_model_len = f.max_model_len();
     let mut names: Vec<String> = Vec::new();
     for l in f.inner.prefill.iter().chain(&f.inner.decode) {
         if let Some(m) = l
@@ -1783,7 +1873,10 @@ async fn models(State(f): State<Front>) -> Response {
     }
     let data: Vec<Value> = names
         .iter()
-        .map(|n| json!({"id": n, "object": "model", "created": now_s(), "owned_by": "kvpool"}))
+        .map(|n| {
+            json!({"id": n, "object": "model", "created": now_s(), "owned_by": "kvpool",
+                   "max_model_len": max_model_len})
+        })
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
 }

@@ -129,6 +129,7 @@ pub fn front_options(cfg: &NodeConfig) -> FrontOptions {
         client: cfg.client_config(),
         chunk_tokens: cfg.engine.chunk_tokens,
         http: cfg.runtime.http_limits(),
+        api_key: cfg.serving.api_key.clone(),
     }
 }
 
