@@ -635,8 +635,12 @@ impl CaseRun<'_> {
                 })
             })
             .collect();
-        go.wait().await;
+        // Read before the barrier opens: the shares transfer nothing until
+        // it does, and once it has, one may finish before this task runs
+        // again (its bytes then counted as "before": the row's path said
+        // "-", 1 run in 10 of tests/bench_transfer.rs on the 2-core machine).
         let before = moved(cs);
+        go.wait().await;
         let t0 = Instant::now();
         let mut h = hist();
         let mut first_err = None;
