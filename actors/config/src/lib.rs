@@ -114,6 +114,12 @@ impl NodeConfig {
             "runtime.http_max_connections",
             self.runtime.http_max_connections as u64,
         )?;
+        // Each listener's cap is a semaphore's permits: past tokio's limit
+        // (2^61) it would panic at start; far past any descriptor limit
+        // already at this bound.
+        if self.runtime.http_max_connections > 1 << 20 {
+            return Err("key `runtime.http_max_connections`: at most 1048576".into());
+        }
         nonzero("master.inbox_depth", self.master.inbox_depth as u64)?;
         nonzero("master.max_connections", self.master.max_connections as u64)?;
         nonzero("master.max_key_bytes", self.master.max_key_bytes as u64)?;
@@ -1131,6 +1137,20 @@ mod tests {
         assert!(e.to_string().contains("master.max_frame_bytes"), "{e}");
         NodeConfig::from_toml(&format!("{ha}max_frame_bytes = \"2 MiB\"\n"), "t").unwrap();
         NodeConfig::from_toml("[master]\nmax_frame_bytes = \"1 MiB\"\n", "t").unwrap();
+    }
+
+    #[test]
+    fn an_http_connection_cap_past_the_bound_is_an_error_not_a_panic_at_start() {
+        let e = NodeConfig::from_toml(
+            "[runtime]\nhttp_max_connections = 4611686018427387904\n",
+            "t",
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("runtime.http_max_connections"),
+            "{e}"
+        );
+        NodeConfig::from_toml("[runtime]\nhttp_max_connections = 1048576\n", "t").unwrap();
     }
 
     #[test]
