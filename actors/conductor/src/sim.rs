@@ -1126,10 +1126,11 @@ mod tests {
 
     #[test]
     fn a_logged_run_decides_alike_and_replays() {
-        // Compiled in: reading it at run time failed twice with ENOENT in
-        // full workspace runs (the file was there before and after; not
-        // explained), never when this binary ran alone.
-        let text = include_str!("../../../tests/data/synthetic_trace.jsonl");
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/data/synthetic_trace.jsonl"
+        ))
+        .unwrap();
         let head: String = text.lines().take(400).map(|l| format!("{l}\n")).collect();
         let t = Trace::parse(head.as_bytes(), "head", 512).unwrap();
         for policy in [
