@@ -38,7 +38,7 @@ import time
 
 HERE = pathlib.Path(__file__).resolve()
 REPO = HERE.parents[1]
-SIZES = [4 << 10, 1 << 20, 16 << 20]
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 LEASE_MS = 1000
 START_DEADLINE_S = 30
 
@@ -64,8 +64,10 @@ def worker(args):
     if rc != 0:
         raise SystemExit(f"setup failed: {rc}")
     rows = []
-    for size in SIZES:
-        for batch in (1, args.batch):
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else SIZES
+    batches = [int(x) for x in args.batches.split(",")] if args.batches else [1, args.batch]
+    for size in sizes:
+        for batch in batches:
             calls = max(1, min(args.max_calls, args.bytes // (size * batch)))
             keys = [f"bench-{args.worker}-{size}-{batch}-{os.getpid()}-{i}"
                     for i in range(calls * batch)]
@@ -220,6 +222,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", choices=["kvpool", "mooncake"], help=argparse.SUPPRESS)
     ap.add_argument("--master", help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", help="worker only: value sizes in bytes, comma-separated")
+    ap.add_argument("--batches", help="worker only: batch sizes, comma-separated")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16, help="keys per batch_get_into (default 16)")
     ap.add_argument("--bytes", type=int, default=256 << 20, help="bytes read per case")

@@ -36,5 +36,6 @@ mod nvme_tier;
 mod resp;
 mod security;
 mod serving;
+mod shards;
 mod transfer;
 mod upsert;

@@ -68,6 +68,12 @@ pub struct OpLabels {
     pub result: &'static str,
 }
 
+/// Labels of a per-shard series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct ShardLabels {
+    pub shard: u32,
+}
+
 /// Labels of a per-operation histogram.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
 pub struct OpOnly {

@@ -595,6 +595,7 @@ impl Client {
             transport: cfg.transport.choice(),
             tcp_slice_bytes: cfg.tcp_slice_bytes.get(),
             lanes: cfg.lanes,
+            shard_affinity: cfg.shard_affinity,
             max_in_flight: cfg.max_in_flight,
             max_connections_per_endpoint: max,
             connect_timeout,

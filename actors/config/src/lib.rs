@@ -362,6 +362,10 @@ pub struct MasterConfig {
     pub listen: String,
     /// HTTP address for /healthz, /metrics and the admin API.
     pub http: String,
+    /// Master shards: the first this many of the process's shards hold the
+    /// keys; 0 = automatic: 4, or the process's shards when fewer. At most
+    /// `[runtime] shards`.
+    pub shards: usize,
     /// Largest control frame accepted.
     pub max_frame_bytes: Bytes,
     /// Open RPC connections per shard; more are refused.
@@ -461,6 +465,7 @@ impl Default for MasterConfig {
         Self {
             listen: "127.0.0.1:7070".into(),
             http: "127.0.0.1:9070".into(),
+            shards: 0,
             max_frame_bytes: Bytes::mib(4),
             max_connections: 4096,
             inbox_depth: 4096,
@@ -731,6 +736,12 @@ pub struct ClientConfig {
     pub tcp_slice_bytes: Bytes,
     /// Slices of one transfer in flight at once, over distinct connections.
     pub lanes: usize,
+    /// Which storage shard port a TCP transfer of a DRAM replica starts on:
+    /// `true` = this client's own shard of every node (picked at random when
+    /// the client starts; any shard serves any offset), so one client keeps
+    /// one core of a node busy instead of waking a different one per key;
+    /// `false` = the shard whose slice holds the offset.
+    pub shard_affinity: bool,
     /// Slices in flight over the whole client; more wait.
     pub max_in_flight: usize,
     /// Compute a checksum of every value put and check it on every get
@@ -828,6 +839,7 @@ impl Default for ClientConfig {
             transport: Transport::Auto,
             tcp_slice_bytes: Bytes::mib(2),
             lanes: 4,
+            shard_affinity: true,
             max_in_flight: 64,
             checksums: true,
             shm_populate: ShmPopulate::OnUse,

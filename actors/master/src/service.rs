@@ -348,7 +348,16 @@ impl MasterHandle {
     }
 }
 
-/// Starts the master on every shard. Returns once every shard listens.
+/// Master shards when `master.shards` is 0: at most this many, the first
+/// of the process's shards. Measured on a 16-core host (docs/BENCHMARKS.md,
+/// "Shard layout"): a key's master shard is a different core per key, and a
+/// core that parks between requests costs ~40 us to wake; with 16 master
+/// shards one client's 4 KiB get took 119 us, with 4 74 us (1: 75 us), and
+/// 16 clients' gets/s grew more with 4 (76.6k) than with 16 (50.2k).
+pub const AUTO_SHARDS: usize = 4;
+
+/// Starts the master on its shards (`master.shards`: the first of the
+/// process's). Returns once every shard listens.
 /// With `key` (the cluster secret), every connection must authenticate
 /// before its first request, and grants are signed for the data plane.
 pub async fn start(
@@ -357,7 +366,21 @@ pub async fn start(
     key: Option<ClusterKey>,
     metrics: &MetricsRegistry,
 ) -> Result<MasterHandle, NodeError> {
-    let n = shards.nr_shards();
+    let n = match cfg.shards {
+        0 => shards.nr_shards().min(AUTO_SHARDS),
+        k if k <= shards.nr_shards() => k,
+        k => {
+            return Err(NodeError::Config(format!(
+                "key `master.shards`: {k} is more than the process's {} shards ([runtime] shards)",
+                shards.nr_shards()
+            )))
+        }
+    };
+    tracing::info!(
+        "master: keys on {n} of the process's {} shards (master.shards = {})",
+        shards.nr_shards(),
+        cfg.shards
+    );
     let (addr, listeners) = kvpool_runtime::net::bind_sharded(&cfg.listen, n)?;
     let fence = if cfg.ha.is_empty() {
         Fence::single()

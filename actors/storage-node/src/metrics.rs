@@ -6,12 +6,15 @@ use kvpool_runtime::metrics::prometheus_client::metrics::counter::Counter;
 use kvpool_runtime::metrics::prometheus_client::metrics::family::Family;
 use kvpool_runtime::metrics::prometheus_client::metrics::gauge::Gauge;
 use kvpool_runtime::metrics::prometheus_client::metrics::histogram::Histogram;
-use kvpool_runtime::metrics::{latency_histogram, HistFamily, MetricsRegistry, OpLabels, OpOnly};
+use kvpool_runtime::metrics::{
+    latency_histogram, HistFamily, MetricsRegistry, OpLabels, OpOnly, ShardLabels,
+};
 
 /// Storage node metrics: data-plane requests and bytes.
 #[derive(Clone)]
 pub struct StorageMetrics {
     requests: Family<OpLabels, Counter>,
+    shard_requests: Family<ShardLabels, Counter>,
     pub bytes_read: Counter,
     pub bytes_written: Counter,
     latency: HistFamily,
@@ -38,6 +41,7 @@ impl StorageMetrics {
     pub fn register(reg: &MetricsRegistry) -> Self {
         let m = Self {
             requests: Family::default(),
+            shard_requests: Family::default(),
             bytes_read: Counter::default(),
             bytes_written: Counter::default(),
             latency: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
@@ -140,6 +144,11 @@ impl StorageMetrics {
             "NVMe object write latency (data on the device)",
             m.nvme_write_seconds.clone(),
         );
+        reg.register(
+            "storage_shard_requests",
+            "Data requests (reads, writes, NVMe reads) that reached each shard's port",
+            m.shard_requests.clone(),
+        );
         // Every series exists from the start (at 0), so dashboards and alerts
         // see them before the first request.
         for op in ["read", "write"] {
@@ -148,6 +157,14 @@ impl StorageMetrics {
             }
         }
         m
+    }
+
+    /// The request counter of `shard` (one lookup: the shard's connections
+    /// keep it).
+    pub fn shard_requests(&self, shard: u32) -> Counter {
+        self.shard_requests
+            .get_or_create(&ShardLabels { shard })
+            .clone()
     }
 
     pub fn observe(&self, op: &'static str, ok: bool, took: Duration) {

@@ -180,6 +180,7 @@ pub async fn start(
             .spawn_on(i, move |ctx: ShardCtx| async move {
                 let handler = Rc::new(DataConn {
                     shard: ctx.id() as u32,
+                    requests: metrics.shard_requests(ctx.id() as u32),
                     shutdown: ctx.shutdown().clone(),
                     rdma,
                     segment,
@@ -324,6 +325,8 @@ struct DataConn {
     segment_id: SegmentId,
     nvme_id: Option<SegmentId>,
     metrics: StorageMetrics,
+    /// `storage_shard_requests` of this shard.
+    requests: kvpool_runtime::metrics::prometheus_client::metrics::counter::Counter,
     /// The cluster secret: every request needs a grant.
     key: Option<ClusterKey>,
     skew_ms: u64,
@@ -404,6 +407,12 @@ impl Handler for DataConn {
                         .await;
                 return Next::Close;
             }
+        }
+        if matches!(
+            req,
+            DataRequest::Write { .. } | DataRequest::Read { .. } | DataRequest::ReadNvme { .. }
+        ) {
+            self.requests.inc();
         }
         let gate = DataGate {
             segment: &self.segment,
