@@ -437,3 +437,47 @@ fn a_bad_model_folder_stops_start_up_naming_file_and_field() {
     assert!(err.contains("tokenizer.json: (file): missing"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Issue 30, item 1: a client that goes away stops its request. The engine
+/// drops the sequence at its next step (no more prefill or decode for it,
+/// its KV freed), says so in /metrics, and serves the next request.
+#[test]
+fn an_abandoned_request_is_cancelled_at_the_next_step_and_counted() {
+    let cfg = config_file("cancel", "[engine]\nchunk_tokens = 16\n");
+    let e = engine(None, &cfg);
+    assert_eq!(metric(&e, "requests_cancelled_total"), 0.0);
+    // Up to the context's end: far more work than the test waits for.
+    let body = json!({"prompt": prompt(8000, 21), "max_tokens": 24_000, "temperature": 0,
+        "ignore_eos": true})
+    .to_string();
+    let mut s = std::net::TcpStream::connect(&e.addr).expect("connect engine");
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        e.addr,
+        body.len()
+    )
+    .unwrap();
+    wait_for("the long request's prefill", || {
+        metric(&e, "prompt_tokens_computed_total") > 0.0
+    });
+    drop(s);
+    wait_for("the abandoned request's cancellation", || {
+        metric(&e, "requests_cancelled_total") == 1.0
+    });
+    let work = || {
+        (
+            metric(&e, "prompt_tokens_computed_total"),
+            metric(&e, "generated_tokens_total"),
+        )
+    };
+    let stopped = work();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(work(), stopped, "the engine kept working for a gone client");
+    assert!(stopped.1 < 24_000.0, "{stopped:?}");
+    // The engine is free for the next request.
+    let t0 = Instant::now();
+    let v = greedy(&e, &prompt(20, 22), 4, None);
+    assert_eq!(token_ids(&v).len(), 4);
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+}

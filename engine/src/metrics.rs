@@ -25,6 +25,7 @@ pub struct EngineMetrics {
     pub decode_tokens_per_second: Gauge<f64, AtomicU64>,
     pub running: Gauge,
     pub waiting: Gauge,
+    pub cancelled: Counter,
 }
 
 impl EngineMetrics {
@@ -46,7 +47,14 @@ impl EngineMetrics {
             decode_tokens_per_second: Gauge::default(),
             running: Gauge::default(),
             waiting: Gauge::default(),
+            cancelled: Counter::default(),
         };
+        reg.register(
+            "engine_requests_cancelled",
+            "Sequences stopped because their caller went away (a client that disconnected, a \
+             request past its deadline); their KV is freed before any more work",
+            m.cancelled.clone(),
+        );
         reg.register(
             "engine_requests",
             "Generation requests accepted",

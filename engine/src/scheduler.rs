@@ -4,7 +4,8 @@
 //!  HTTP handlers (tokio) --submit (bounded: max_waiting)--> engine thread
 //!       ^   events per request (bounded: max_tokens + 2)        |  step:
 //!       +---------------------------------------------------- <-+   1. admit up to max_num_seqs
-//!                                                               |   2. one prefill piece (<= one chunk)
+//!                                                               |   2. one prefill piece (<= one chunk,
+//!                                                               |      prompts take turns)
 //!  store task (tokio) <--store jobs (bounded)------------------ +   3. one decode step, all decoding seqs
 //! ```
 //!
@@ -14,6 +15,10 @@
 //! end on chunk boundaries, so every full chunk's KV is computed by the same
 //! sequence of passes whether or not an earlier chunk came from the pool,
 //! and a loaded prefix gives bit-identical results to a computed one.
+//! Prompts in prefill take turns, one piece each, so a short prompt behind
+//! a long one waits for one piece of it per piece of its own. A sequence
+//! whose caller went away (its events receiver dropped) is dropped before
+//! the step does any work for it, and counted.
 //!
 //! When a sequence's prompt is done, its new full chunks are sealed (header,
 //! checksum) and handed to the store task, shared with the sequence (a full
@@ -95,6 +100,8 @@ pub struct Request {
 }
 
 struct Running {
+    /// Admission order (round-robin of prefill pieces).
+    seq: u64,
     req: Request,
     sampler: Sampler,
     loaded_blocks: usize,
@@ -137,6 +144,10 @@ pub struct Scheduler {
     store_tx: Option<flume::Sender<StoreJob>>,
     metrics: EngineMetrics,
     running: VecDeque<Running>,
+    /// Sequences admitted so far.
+    admitted: u64,
+    /// The sequence whose prompt the last prefill piece was of.
+    last_prefill: Option<u64>,
 }
 
 impl Scheduler {
@@ -152,6 +163,8 @@ impl Scheduler {
             store_tx,
             metrics,
             running: VecDeque::new(),
+            admitted: 0,
+            last_prefill: None,
         }
     }
 
@@ -167,16 +180,59 @@ impl Scheduler {
 
     /// Starts a sequence (the caller checks [`Scheduler::has_room`]).
     pub fn admit(&mut self, req: Request) {
-        self.running.push_back(admit(req));
+        self.running.push_back(admit(self.admitted, req));
+        self.admitted += 1;
         self.metrics.running.set(self.running.len() as i64);
     }
 
-    /// One prefill piece (the oldest sequence still in its prompt, up to the
-    /// next chunk boundary), then one decode step over every sequence past
-    /// its prompt.
+    /// Drops every sequence whose caller went away (its events receiver is
+    /// gone: a client that disconnected, a request past its deadline),
+    /// freeing its KV, before any more work is done for it.
+    fn drop_abandoned(&mut self) {
+        let before = self.running.len();
+        self.running.retain(|r| !r.req.events.is_closed());
+        let gone = before - self.running.len();
+        if gone > 0 {
+            self.metrics.cancelled.inc_by(gone as u64);
+        }
+    }
+
+    /// Removes a sequence that ended; one whose caller is gone (its last
+    /// event could not be sent) counts as cancelled.
+    fn finish(&mut self, i: usize) {
+        if let Some(r) = self.running.remove(i) {
+            if r.req.events.is_closed() {
+                self.metrics.cancelled.inc();
+            }
+        }
+    }
+
+    /// The sequence the next prefill piece is of: prompts take turns, one
+    /// piece each (the first still in its prompt after the last one served,
+    /// in admission order), so a short prompt admitted behind a long one
+    /// waits for a piece of it per piece of its own, not for all of it.
+    fn next_prefill(&self) -> Option<usize> {
+        let prefilling = || {
+            self.running
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.prefilling())
+        };
+        let after = self.last_prefill;
+        prefilling()
+            .find(|(_, r)| after.is_some_and(|l| r.seq > l))
+            .or_else(|| prefilling().next())
+            .map(|(i, _)| i)
+    }
+
+    /// One prefill piece (of the prompt whose turn it is, up to the next
+    /// chunk boundary), then one decode step over every sequence past its
+    /// prompt. Sequences whose caller went away are dropped first.
     pub fn step(&mut self) -> StepReport {
         let mut report = StepReport::default();
-        if let Some(i) = self.running.iter().position(Running::prefilling) {
+        self.drop_abandoned();
+        if let Some(i) = self.next_prefill() {
+            self.last_prefill = Some(self.running[i].seq);
             let before = self.running[i].req.kv.len();
             let keep = prefill_piece(
                 &self.model,
@@ -187,7 +243,7 @@ impl Scheduler {
             );
             report.prefill_tokens = self.running[i].req.kv.len() - before;
             if !keep {
-                self.running.remove(i);
+                self.finish(i);
             }
         }
         let decoding: Vec<usize> = (0..self.running.len())
@@ -197,11 +253,10 @@ impl Scheduler {
             report.decoded = decoding.len();
             let ended = decode_step(&self.model, &mut self.running, &decoding, &self.metrics);
             for i in ended.into_iter().rev() {
-                self.running.remove(i);
+                self.finish(i);
             }
         }
-        // Drop sequences whose caller went away.
-        self.running.retain(|r| !r.req.events.is_closed());
+        self.drop_abandoned();
         self.metrics.running.set(self.running.len() as i64);
         report
     }
@@ -239,10 +294,11 @@ pub fn run(
     }
 }
 
-fn admit(req: Request) -> Running {
+fn admit(seq: u64, req: Request) -> Running {
     let sampler = Sampler::new(&req.params);
     let loaded_blocks = req.kv.len() / req.kv.layout().chunk_tokens;
     Running {
+        seq,
         req,
         sampler,
         loaded_blocks,
@@ -289,7 +345,8 @@ fn prefill_piece(
         metrics.prefill_tokens_per_second.set(n as f64 / secs);
     }
     if !last {
-        return !r.req.events.is_closed();
+        // A caller gone by now is counted and dropped at the step's end.
+        return true;
     }
     store_new_chunks(r, store_tx, metrics);
     if !r.send(Event::Prefilled {
@@ -532,6 +589,53 @@ mod tests {
             Ok(Event::Prefilled { computed: 300 })
         ));
         assert_eq!(tokens(&mut a_rx).len(), 2 + 5);
+    }
+
+    #[test]
+    fn a_short_prompt_behind_a_long_one_takes_turns_with_it_and_both_give_the_same_tokens() {
+        let long = prompt(640, 5);
+        let short = prompt(30, 6);
+        let alone = |p: &Vec<u32>| {
+            let (mut s, layout, _) = setup(false);
+            let (r, mut rx) = request(layout, p.clone(), SeqKv::new(layout), 6);
+            s.admit(r);
+            run_to_end(&mut s);
+            tokens(&mut rx)
+        };
+        let (long_alone, short_alone) = (alone(&long), alone(&short));
+
+        let (mut s, layout, _) = setup(false);
+        let (a, mut a_rx) = request(layout, long, SeqKv::new(layout), 6);
+        let (b, mut b_rx) = request(layout, short, SeqKv::new(layout), 6);
+        s.admit(a);
+        assert_eq!(s.step().prefill_tokens, 64);
+        s.admit(b);
+        // The short prompt's one piece is next, not after the long one's nine.
+        assert_eq!(s.step().prefill_tokens, 30);
+        assert!(matches!(
+            b_rx.try_recv(),
+            Ok(Event::Prefilled { computed: 30 })
+        ));
+        assert_eq!(s.step().prefill_tokens, 64);
+        run_to_end(&mut s);
+        assert_eq!(tokens(&mut a_rx), long_alone);
+        assert_eq!(tokens(&mut b_rx), short_alone);
+    }
+
+    #[test]
+    fn a_sequence_whose_caller_went_away_gets_no_more_work_and_is_counted() {
+        let (mut s, layout, _) = setup(false);
+        let (a, a_rx) = request(layout, prompt(640, 7), SeqKv::new(layout), 6);
+        let (b, _b_rx) = request(layout, prompt(100, 8), SeqKv::new(layout), 100);
+        s.admit(a);
+        s.admit(b);
+        assert_eq!(s.step().prefill_tokens, 64);
+        drop(a_rx);
+        // B's pieces only (36 left after its first 64), A is gone.
+        assert_eq!(s.step().prefill_tokens, 64);
+        assert_eq!(s.step().prefill_tokens, 36);
+        assert_eq!(s.running(), 1);
+        assert_eq!(s.metrics.cancelled.get(), 1);
     }
 
     #[test]

@@ -593,9 +593,18 @@ impl ApiError {
     }
 }
 
+/// What a 503 of the engine tells a client to wait before trying again
+/// (`Retry-After`, seconds): one prefill piece or decode step frees a place.
+const RETRY_AFTER_S: &str = "1";
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut r = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_S));
+        }
+        r
     }
 }
 
@@ -1525,6 +1534,7 @@ mod tests {
             for path in ["/v1/completions", "/v1/chat/completions", "/tokenize"] {
                 let resp = call(&app, request("POST", path, plain)).await;
                 assert_eq!(resp.status(), 503, "{path}");
+                assert_eq!(resp.headers()["retry-after"], "1", "{path}");
                 let v = json_of(resp).await;
                 assert_eq!(v["type"], "ServiceUnavailableError", "{v}");
                 assert!(v["message"].as_str().unwrap().contains("in flight"), "{v}");
