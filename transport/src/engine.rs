@@ -989,10 +989,9 @@ impl TransferEngine {
     /// engine's own for a one-slice transfer of a DRAM replica with
     /// `shard_affinity` (any shard serves any offset), else the one whose
     /// slice holds the offset. A sliced transfer keeps starting at the
-    /// offset's shard: a batch of them then spreads over the node's shards
-    /// instead of queueing on the same few (16 MiB x 32 took 57 ms from one
-    /// start against 39 ms spread, 16-core host), and waking a core is
-    /// nothing beside a 2 MiB slice.
+    /// offset's shard: waking a core is nothing beside a 2 MiB slice, and
+    /// a batch of them started at one shard was slower still (16-core host,
+    /// docs/BENCHMARKS.md "Shard layout").
     fn first_shard(&self, r: &ReplicaDesc, n: usize) -> u16 {
         match r.tier {
             Tier::Dram if self.cfg.shard_affinity && n == 1 => {
