@@ -1446,3 +1446,51 @@ fn a_dead_prefill_engine_decode_proxy_or_pool_costs_no_answer() {
     let v = post_ok(&front.addr, "/v1/completions", &greedy(&other, 16));
     assert_eq!(ids(&v["choices"][0]["token_ids"]), want2);
 }
+
+/// Issue 30, item 1, through the whole serving path: a client that goes
+/// away from the front stops its request at the engine (the front drops its
+/// call to the proxy, the proxy its call to the engine, the engine its
+/// sequence at the next step).
+#[test]
+fn a_client_that_leaves_the_front_stops_its_request_at_the_engine() {
+    let OneEngine {
+        pool: _pool,
+        pe,
+        pp: _pp,
+        dp: _dp,
+        front,
+    } = one_engine("cancel", "");
+    wait_for("the model to be listed", Duration::from_secs(30), || {
+        let (_, body) = common::http(&front.addr, "GET", "/v1/models");
+        body.contains("builtin:tiny")
+    });
+    let computed = "kvpool_engine_prompt_tokens_computed_total";
+    let cancelled = "kvpool_engine_requests_cancelled_total";
+    assert_eq!(metric(&pe.addr, cancelled), 0.0);
+    let s = send(
+        &front.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt(8000, 31), "max_tokens": 24_000, "temperature": 0,
+            "ignore_eos": true}),
+        &[],
+    );
+    wait_for("the engine to start on it", Duration::from_secs(30), || {
+        metric(&pe.addr, computed) > 0.0
+    });
+    drop(s);
+    wait_for(
+        "the engine to cancel the request",
+        Duration::from_secs(30),
+        || metric(&pe.addr, cancelled) >= 1.0,
+    );
+    let work = || {
+        (
+            metric(&pe.addr, computed),
+            metric(&pe.addr, "kvpool_engine_generated_tokens_total"),
+        )
+    };
+    let stopped = work();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(work(), stopped, "the engine kept working for a gone client");
+    assert_eq!(metric(&front.addr, "kvpool_conductor_in_flight"), 0.0);
+}

@@ -781,15 +781,32 @@ async fn handle(
                 let t0 = Instant::now();
                 let body = Bytes::from(prefill_body(body).to_string());
                 let headers = [(api::REQUEST_ID, meta.request_id.as_str())];
-                let r = exchange(
+                let call = exchange(
                     &engine,
                     Method::POST,
                     &meta.path,
                     &headers,
                     Some(body),
                     (connect, deadline),
-                )
-                .await;
+                );
+                // A caller that goes away (its client left the front) ends
+                // the engine call: dropping it closes the engine's
+                // connection, and the engine drops the sequence.
+                let gone = async {
+                    while !reply.is_closed() {
+                        tokio::time::sleep(CALLER_POLL).await;
+                    }
+                };
+                let r = tokio::select! {
+                    r = call => r,
+                    () = gone => {
+                        m.requests
+                            .get_or_create(&ResultLabel { route: "prefill", result: "abandoned" })
+                            .inc();
+                        let _ = myself.cast(ProxyMsg::Finished { slot, outcome: Outcome::Abandoned });
+                        return;
+                    }
+                };
                 let outcome = match &r {
                     Ok(_) => Outcome::Answered {
                         elapsed: t0.elapsed(),
@@ -853,6 +870,9 @@ async fn handle(
     }
     Ok(())
 }
+
+/// How often a prefill's engine call checks whether its caller is gone.
+const CALLER_POLL: Duration = Duration::from_millis(50);
 
 /// One request to the engine, its answer read whole; `limits` are the
 /// connect timeout and the deadline.
