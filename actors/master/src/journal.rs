@@ -691,7 +691,8 @@ pub fn check_meta(dir: &Path, nr_shards: u32) -> Result<(), JournalError> {
         Ok(have) if have == want => Ok(()),
         Ok(have) => Err(JournalError::Mismatch(format!(
             "{}: written by a master with {:?}; this one has {nr_shards} shards (start it with \
-             the shard count the directory was written with, or on another directory)",
+             `master.shards` set to the count the directory was written with, or on another \
+             directory)",
             p.display(),
             have.trim().replace('\n', ", ")
         ))),
