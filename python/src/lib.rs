@@ -23,10 +23,12 @@ use pyo3::prelude::*;
 mod client;
 mod codes;
 mod config;
+mod cuda;
 mod memory;
 mod mooncake;
 mod node;
 mod runtime;
+mod staged;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {

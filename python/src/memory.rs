@@ -7,6 +7,8 @@ use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 
 use kvpool_client::{Client, MemoryRegistration};
+
+use crate::cuda;
 use kvpool_transport::{ErrorCode, KvError};
 use pyo3::exceptions::{PyBufferError, PyRuntimeError};
 use pyo3::prelude::*;
@@ -156,19 +158,38 @@ pub fn disjoint(ranges: &[(usize, usize)]) -> bool {
     v.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0)
 }
 
+/// One registered range: host memory (with its registration at the
+/// client: an RDMA memory region, where there is one), or CUDA device
+/// memory, which the module reaches only through staged copies.
+enum Reg {
+    Host(MemoryRegistration),
+    Device { len: usize, dev: cuda::Device },
+}
+
+impl Reg {
+    fn len(&self) -> usize {
+        match self {
+            Reg::Host(r) => r.len(),
+            Reg::Device { len, .. } => *len,
+        }
+    }
+}
+
 /// Ranges registered with one client, by start address.
 #[derive(Default)]
 pub struct Registry {
-    map: Mutex<BTreeMap<usize, MemoryRegistration>>,
+    map: Mutex<BTreeMap<usize, Reg>>,
 }
 
 impl Registry {
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, MemoryRegistration>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, Reg>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Registers `addr..addr + len` with `client`. The same range again is
-    /// a no-op; another length at the same address replaces the old range
+    /// Registers `addr..addr + len` with `client`: CUDA device memory is
+    /// recorded as such (the client never touches it; see [`cuda`]), host
+    /// memory is registered with the client. The same range again is a
+    /// no-op; another length at the same address replaces the old range
     /// (unregistered first, so that the old one's release cannot drop the
     /// new one's entry in the RDMA cache).
     ///
@@ -176,14 +197,22 @@ impl Registry {
     /// As [`Client::register_memory`]: the range stays valid until it is
     /// unregistered (or the registry dropped) and its transfers have ended.
     pub unsafe fn register(&self, client: &Client, addr: usize, len: usize) -> Result<(), KvError> {
+        let device = if len > 0 && addr != 0 {
+            cuda::classify(addr, len)?
+        } else {
+            None
+        };
         let mut map = self.lock();
         match map.get(&addr) {
             Some(r) if r.len() == len => return Ok(()),
             Some(_) => drop(map.remove(&addr)),
             None => {}
         }
-        // SAFETY: this function's contract, passed on.
-        let reg = unsafe { client.register_memory(addr, len) }?;
+        let reg = match device {
+            Some(dev) => Reg::Device { len, dev },
+            // SAFETY: this function's contract, passed on.
+            None => Reg::Host(unsafe { client.register_memory(addr, len) }?),
+        };
         map.insert(addr, reg);
         Ok(())
     }
@@ -193,17 +222,39 @@ impl Registry {
         self.lock().remove(&addr).is_some()
     }
 
+    /// The registered range that holds all of `addr..addr + len`.
+    fn holder(map: &BTreeMap<usize, Reg>, addr: usize, len: usize) -> Option<&Reg> {
+        let (&start, r) = map.range(..=addr).next_back()?;
+        let end = addr.checked_add(len)?;
+        (end <= start + r.len()).then_some(r)
+    }
+
     /// Whether `addr..addr + len` lies inside one registered range.
     pub fn covers(&self, addr: usize, len: usize) -> bool {
         let map = self.lock();
-        map.range(..=addr)
-            .next_back()
-            .is_some_and(|(_, r)| r.covers(addr, len))
+        match Self::holder(&map, addr, len) {
+            Some(Reg::Host(r)) => r.covers(addr, len),
+            Some(Reg::Device { .. }) => true,
+            None => false,
+        }
     }
 
     /// Whether every range lies inside a registered one.
     pub fn covers_all(&self, ranges: &[(usize, usize)]) -> bool {
         ranges.iter().all(|&(a, l)| l == 0 || self.covers(a, l))
+    }
+
+    /// The device of the first non-empty range that lies in registered
+    /// device memory; `None` when all are host memory.
+    pub fn device_of(&self, ranges: &[(usize, usize)]) -> Option<cuda::Device> {
+        let map = self.lock();
+        ranges
+            .iter()
+            .filter(|r| r.1 > 0)
+            .find_map(|&(a, l)| match Self::holder(&map, a, l) {
+                Some(Reg::Device { dev, .. }) => Some(*dev),
+                _ => None,
+            })
     }
 
     pub fn clear(&self) {

@@ -24,9 +24,10 @@ use pyo3::types::{PyByteArray, PyBytes, PyTuple, PyType};
 
 use crate::client::{key_of, keys_of};
 use crate::codes::{mooncake_code, INTERNAL_ERROR, INVALID_PARAMS, OK};
+use crate::cuda::StagingPool;
 use crate::memory::{self, PyMem, Registry};
 use crate::node::EmbeddedNode;
-use crate::{config, runtime};
+use crate::{config, runtime, staged};
 
 /// Keys per master request: batches are cut into pieces of this many (the
 /// master refuses more than `master.max_batch`, 4096 by default).
@@ -214,6 +215,8 @@ struct Inner {
     node: std::sync::Mutex<Option<EmbeddedNode>>,
     hostname: String,
     regs: Registry,
+    /// Pinned host memory for puts from and gets into device memory.
+    staging: StagingPool,
 }
 
 /// The base of `kvpool.mooncake.MooncakeDistributedStore`.
@@ -395,6 +398,12 @@ impl Store {
         if !inner.regs.covers(buffer_ptr, size) {
             return Ok(mooncake_code(&memory::unregistered(buffer_ptr, size)));
         }
+        let part = vec![(buffer_ptr, size)];
+        if let Some(dev) = inner.regs.device_of(&part) {
+            let r = py
+                .detach(|| staged::put(&inner.client, &inner.staging, dev, &[key], &[part], &opts));
+            return Ok(put_code(&r[0], &opts));
+        }
         let r = run(py, async move {
             // SAFETY: Mooncake's contract for `put_from`: the range lies in
             // registered memory (checked) that the caller keeps valid and
@@ -541,6 +550,7 @@ impl Store {
             node: std::sync::Mutex::new(node),
             hostname,
             regs: Registry::default(),
+            staging: StagingPool::new(staged::STAGING_CAP),
         }));
         OK
     }
@@ -796,6 +806,14 @@ impl Store {
         };
         if !inner.regs.covers(buffer_ptr, size) {
             return Ok(mooncake_code(&memory::unregistered(buffer_ptr, size)));
+        }
+        let part = vec![(buffer_ptr, size)];
+        if let Some(dev) = inner.regs.device_of(&part) {
+            let r = py.detach(|| staged::get(&inner.client, &inner.staging, dev, &[key], &[part]));
+            return Ok(match &r[0] {
+                Ok(n) => *n as i64,
+                Err(e) => mooncake_code(e),
+            });
         }
         let r = run(py, async move {
             // SAFETY: Mooncake's contract for `get_into`: the range lies in
@@ -1096,6 +1114,20 @@ fn put_multi(
     opts: PutOptions,
 ) -> Vec<i64> {
     let n = keys.len();
+    if let Some((dev, on_device)) = device_keys(&inner, &parts) {
+        let mut out = vec![OK; n];
+        let (dk, dp) = pick(&keys, &parts, &on_device);
+        let rs = py.detach(|| staged::put(&inner.client, &inner.staging, dev, &dk, &dp, &opts));
+        for (&i, r) in on_device.iter().zip(&rs) {
+            out[i] = put_code(r, &opts);
+        }
+        let rest = others(n, &on_device);
+        let (hk, hp) = pick(&keys, &parts, &rest);
+        for (&i, c) in rest.iter().zip(put_multi(py, inner, hk, hp, opts)) {
+            out[i] = c;
+        }
+        return out;
+    }
     let r = run(py, async move {
         let mut out = vec![OK; n];
         let mut idx = Vec::new();
@@ -1158,6 +1190,23 @@ fn get_multi(
     let all: Vec<(usize, usize)> = parts.iter().flatten().copied().collect();
     if !memory::disjoint(&all) {
         return vec![INVALID_PARAMS; n];
+    }
+    if let Some((dev, on_device)) = device_keys(&inner, &parts) {
+        let mut out = vec![INVALID_PARAMS; n];
+        let (dk, dp) = pick(&keys, &parts, &on_device);
+        let rs = py.detach(|| staged::get(&inner.client, &inner.staging, dev, &dk, &dp));
+        for (&i, r) in on_device.iter().zip(&rs) {
+            out[i] = match r {
+                Ok(len) => *len as i64,
+                Err(e) => mooncake_code(e),
+            };
+        }
+        let rest = others(n, &on_device);
+        let (hk, hp) = pick(&keys, &parts, &rest);
+        for (&i, c) in rest.iter().zip(get_multi(py, inner, hk, hp)) {
+            out[i] = c;
+        }
+        return out;
     }
     let r = run(py, async move {
         let mut out = vec![INVALID_PARAMS; n];
@@ -1235,4 +1284,51 @@ fn get_multi(
         out
     });
     r.unwrap_or_else(|c| vec![c; n])
+}
+
+/// The keys (by index) whose registered, non-empty parts touch CUDA device
+/// memory, and the device of the first; `None` when there are none (the
+/// host path, unchanged).
+fn device_keys(
+    inner: &Inner,
+    parts: &[Vec<(usize, usize)>],
+) -> Option<(crate::cuda::Device, Vec<usize>)> {
+    let mut dev = None;
+    let mut idx = Vec::new();
+    for (i, p) in parts.iter().enumerate() {
+        if !inner.regs.covers_all(p) {
+            continue;
+        }
+        if let Some(d) = inner.regs.device_of(p) {
+            dev.get_or_insert(d);
+            idx.push(i);
+        }
+    }
+    dev.map(|d| (d, idx))
+}
+
+/// The indices below `n` that are not in `taken` (sorted).
+fn others(n: usize, taken: &[usize]) -> Vec<usize> {
+    let mut t = taken.iter().peekable();
+    (0..n)
+        .filter(|i| {
+            if t.peek() == Some(&i) {
+                t.next();
+                false
+            } else {
+                true
+            }
+        })
+        .collect()
+}
+
+/// The keys and parts at `idx`, in that order.
+fn pick(
+    keys: &[Vec<u8>],
+    parts: &[Vec<(usize, usize)>],
+    idx: &[usize],
+) -> (Vec<Vec<u8>>, Vec<staged::Parts>) {
+    idx.iter()
+        .map(|&i| (keys[i].clone(), parts[i].clone()))
+        .unzip()
 }
