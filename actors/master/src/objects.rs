@@ -8,8 +8,10 @@
 //!   shard's randomly seeded key hasher. An object's phase names its table.
 //! * Per DRAM range (a segment slot of the shard) an index of the replicas
 //!   eviction may take, in eviction order: unpinned before soft-pinned, then
-//!   the oldest lease end (the completion time until the first read), then
-//!   the id. A replica is indexed when it is `Ready`, in a DRAM range, of a
+//!   the oldest rank, then the id. The rank is the end of the last read
+//!   lease; in a range without an NVMe tier (where eviction drops the only
+//!   copy) it is at least a lease after the put too: a put is a use, so a
+//!   value is not dropped before its writer could read it back. A replica is indexed when it is `Ready`, in a DRAM range, of a
 //!   complete object that is not hard-pinned. A running lease does not take
 //!   it out: a walk stops at the first entry whose lease has not ended.
 //! * Soft pins end with time, not with an event: pinned objects are also
@@ -88,8 +90,12 @@ pub(crate) struct Processing {
 #[derive(Debug)]
 pub(crate) struct Complete {
     /// When the last read lease ends (the completion time until the first
-    /// read); eviction takes the smallest first.
+    /// read).
     pub lease_end_ms: u64,
+    /// Put and not read since (`lease_end_ms` is then the completion
+    /// time): a range without an NVMe tier ranks it a lease later, as if
+    /// its writer had read it (a put is a use).
+    pub unread: bool,
     /// When the soft pin ends (0: none).
     pub pin_end_ms: u64,
     /// xxh3-64 of the value (when `has_sum`): set by the writer at PutEnd,
@@ -163,7 +169,7 @@ impl Object {
     }
 
     /// Processing -> Complete at `now_ms` with the writer's checksum: no
-    /// lease yet, the soft pin asked for at PutStart starts now.
+    /// lease yet (unread), the soft pin asked for at PutStart starts now.
     pub fn complete_at(&mut self, now_ms: u64, checksum: Option<u64>) {
         let p = self.put();
         let pin_end_ms = if p.soft_pin_ttl_ms > 0 {
@@ -173,6 +179,7 @@ impl Object {
         };
         self.phase = Phase::Complete(Complete {
             lease_end_ms: now_ms,
+            unread: true,
             pin_end_ms,
             sum: checksum.unwrap_or(0),
             has_sum: checksum.is_some(),
@@ -185,6 +192,7 @@ impl Object {
     pub fn extend_lease(&mut self, until_ms: u64) {
         if let Phase::Complete(c) = &mut self.phase {
             c.lease_end_ms = c.lease_end_ms.max(until_ms);
+            c.unread = false;
         }
     }
 }
@@ -195,11 +203,15 @@ struct Entry {
     obj: Object,
 }
 
-/// The evictable replicas of one DRAM range, by (lease end, id).
+/// The evictable replicas of one DRAM range, by (rank, id).
 #[derive(Debug, Default)]
 struct RangeIndex {
     unpinned: BTreeSet<(u64, Id)>,
     pinned: BTreeSet<(u64, Id)>,
+    /// What an unread object's rank adds to its completion time: a lease
+    /// in a range without an NVMe tier (eviction there drops the only
+    /// copy), 0 where eviction demotes.
+    keep_ms: u64,
 }
 
 impl RangeIndex {
@@ -218,9 +230,23 @@ impl RangeIndex {
 #[derive(Debug, PartialEq, Eq)]
 struct Entries {
     lease_end_ms: u64,
+    unread: bool,
     pin_end_ms: u64,
     pinned: bool,
     slots: SmallVec<[u32; 2]>,
+}
+
+impl Entries {
+    /// The object's rank in a range whose unread objects rank `keep_ms`
+    /// after their completion: its last lease's end, or for an unread one
+    /// its completion plus `keep_ms` (a read's lease would end then).
+    fn rank(&self, keep_ms: u64) -> u64 {
+        if self.unread {
+            self.lease_end_ms.saturating_add(keep_ms)
+        } else {
+            self.lease_end_ms
+        }
+    }
 }
 
 /// See the module doc.
@@ -489,13 +515,18 @@ impl Objects {
 
     // ---- the eviction index ---------------------------------------------
 
-    /// A DRAM range was mounted in `slot`: its index starts empty.
-    pub fn mount_range(&mut self, slot: u32) {
+    /// A DRAM range was mounted in `slot`: its index starts empty. An
+    /// unread object ranks `keep_ms` after its completion there (see
+    /// [`Complete::unread`]).
+    pub fn mount_range(&mut self, slot: u32, keep_ms: u64) {
         let i = slot as usize;
         if self.ranges.len() <= i {
             self.ranges.resize_with(i + 1, || None);
         }
-        self.ranges[i] = Some(RangeIndex::default());
+        self.ranges[i] = Some(RangeIndex {
+            keep_ms,
+            ..RangeIndex::default()
+        });
     }
 
     /// The range in `slot` goes; the caller took every replica in it off
@@ -515,6 +546,7 @@ impl Objects {
         let c = o.complete().filter(|c| !c.hard_pin)?;
         Some(Entries {
             lease_end_ms: c.lease_end_ms,
+            unread: c.unread,
             pin_end_ms: c.pin_end_ms,
             pinned: (c.pin_end_ms, id) > self.pin_cursor,
             slots: o
@@ -526,12 +558,12 @@ impl Objects {
         })
     }
 
-    /// The pinned or unpinned side of the index of the range in `slot`.
-    fn side(&mut self, slot: u32, pinned: bool) -> &mut BTreeSet<(u64, Id)> {
-        self.ranges[slot as usize]
-            .as_mut()
-            .expect("indexed range")
-            .side(pinned)
+    /// The pinned or unpinned side of the index of the range in `slot`,
+    /// and the rank `e` has there.
+    fn side(&mut self, slot: u32, e: &Entries) -> (&mut BTreeSet<(u64, Id)>, u64) {
+        let r = self.ranges[slot as usize].as_mut().expect("indexed range");
+        let rank = e.rank(r.keep_ms);
+        (r.side(e.pinned), rank)
     }
 
     fn add_entries(&mut self, id: Id, e: &Option<Entries>) {
@@ -541,7 +573,8 @@ impl Objects {
             debug_assert!(new, "object {id} pinned twice");
         }
         for &s in &e.slots {
-            let new = self.side(s, e.pinned).insert((e.lease_end_ms, id));
+            let (side, rank) = self.side(s, e);
+            let new = side.insert((rank, id));
             debug_assert!(new, "object {id} indexed twice in slot {s}");
         }
     }
@@ -553,7 +586,8 @@ impl Objects {
             debug_assert!(had, "object {id} missing from the pins");
         }
         for &s in &e.slots {
-            let had = self.side(s, e.pinned).remove(&(e.lease_end_ms, id));
+            let (side, rank) = self.side(s, e);
+            let had = side.remove(&(rank, id));
             debug_assert!(had, "object {id} missing from the index of slot {s}");
         }
     }
@@ -641,7 +675,12 @@ impl Objects {
         let mut ranges: Vec<Option<RangeIndex>> = self
             .ranges
             .iter()
-            .map(|r| r.as_ref().map(|_| RangeIndex::default()))
+            .map(|r| {
+                r.as_ref().map(|r| RangeIndex {
+                    keep_ms: r.keep_ms,
+                    ..RangeIndex::default()
+                })
+            })
             .collect();
         let mut pins = BTreeSet::new();
         for (i, e) in self.slab.iter().enumerate() {
@@ -656,7 +695,8 @@ impl Objects {
             }
             for &s in &en.slots {
                 let r = ranges[s as usize].as_mut().expect("has_range");
-                r.side(en.pinned).insert((en.lease_end_ms, i as Id));
+                let rank = en.rank(r.keep_ms);
+                r.side(en.pinned).insert((rank, i as Id));
             }
         }
         if pins != self.pins {
@@ -679,7 +719,7 @@ impl Objects {
                     let extra = h.difference(w).next();
                     return Err(format!(
                         "slot {s}: the eviction index's {side} side has {} entries, the \
-                         objects call for {} (first missing (lease end, id): {missing:?}, \
+                         objects call for {} (first missing (rank, id): {missing:?}, \
                          first not called for: {extra:?})",
                         h.len(),
                         w.len()

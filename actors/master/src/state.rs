@@ -860,6 +860,7 @@ impl ShardState {
                 size,
                 phase: Phase::Complete(Complete {
                     lease_end_ms: now_ms.saturating_add(self.cfg.lease_ttl_ms),
+                    unread: false,
                     pin_end_ms: 0,
                     sum: sum.unwrap_or(0),
                     has_sum: sum.is_some(),
@@ -1127,6 +1128,13 @@ impl ShardState {
             evict_owed: 0,
         };
         let dram = slot.tier() == Tier::Dram;
+        // A put is a use: where eviction drops the only copy (no NVMe
+        // tier), an unread object ranks as if read at its completion.
+        let keep_ms = if slot.spec.nvme.is_none() {
+            self.cfg.lease_ttl_ms
+        } else {
+            0
+        };
         let idx = match self.slots.iter().position(Option::is_none) {
             Some(i) => {
                 self.slots[i] = Some(slot);
@@ -1138,7 +1146,7 @@ impl ShardState {
             }
         };
         if dram {
-            self.objs.mount_range(idx as u32);
+            self.objs.mount_range(idx as u32, keep_ms);
         }
         self.by_id.insert(id, idx as u32);
         self.attach_parked(idx as u32, id, now_ms);
@@ -2590,6 +2598,7 @@ impl ShardState {
                                 size: *len,
                                 phase: Phase::Complete(Complete {
                                     lease_end_ms: now_ms,
+                                    unread: false,
                                     pin_end_ms: 0,
                                     sum: *sum,
                                     has_sum: true,
@@ -3242,6 +3251,7 @@ mod tests {
     #[test]
     fn victims_come_in_rank_order_and_ended_pins_move_over_when_swept() {
         let mut sh = shard_with_a_segment();
+        let ttl = sh.cfg.lease_ttl_ms;
         let put = |sh: &mut ShardState, k: &[u8], pin_ms: u64, now: u64| {
             let opts = PutOptions {
                 soft_pin_ttl_ms: pin_ms,
@@ -3250,43 +3260,51 @@ mod tests {
             sh.put_start(1, k, 64, &opts, now).unwrap();
             sh.put_end(1, k, 0, None, now).unwrap();
         };
-        put(&mut sh, b"pinned-long", 10_000, 1);
-        put(&mut sh, b"pinned-short", 100, 2);
+        put(&mut sh, b"pinned-long", 10 * ttl, 1);
+        put(&mut sh, b"pinned-short", ttl + 100, 2);
         put(&mut sh, b"plain-late", 0, 5);
         put(&mut sh, b"plain-early", 0, 3);
         put(&mut sh, b"read", 0, 4);
         sh.get_replica_list(b"read", 6).unwrap(); // lease to 6 + lease_ttl
-        let mut order = Vec::new();
+                                                  // A put is a use: within a lease of its put (or of a read) nothing
+                                                  // is taken from a range without an NVMe tier.
         let mut budget = usize::MAX;
-        assert!(sh.objs.sweep_pins(50, &mut budget));
-        while let Some(v) = sh.objs.first_victim(0, 50) {
+        sh.objs.sweep_pins(50, &mut budget);
+        assert_eq!(sh.objs.first_victim(0, 50), None);
+        let mut order = Vec::new();
+        let now = 50 + ttl;
+        let mut budget = usize::MAX;
+        assert!(sh.objs.sweep_pins(now, &mut budget));
+        while let Some(v) = sh.objs.first_victim(0, now) {
             order.push(sh.objs.key(v).to_vec());
             let r = sh.objs.update(v, |o| o.replicas.remove(0));
             sh.slots[0].as_mut().unwrap().alloc.dealloc(r.offset, 64);
             sh.objs.remove(v);
             sh.check_invariants().expect("kept in step");
         }
-        // Unpinned by lease end, then soft-pinned by lease end; the leased
-        // object not at all.
+        // Unpinned by rank (a lease after the put, or after the read), then
+        // soft-pinned by rank.
         let want: Vec<&[u8]> = vec![
             b"plain-early",
             b"plain-late",
+            b"read",
             b"pinned-long",
             b"pinned-short",
         ];
         assert_eq!(order, want);
 
         // A pin that ends moves over only when swept, one per unit of budget.
-        put(&mut sh, b"p1", 10, 100);
-        put(&mut sh, b"p2", 10, 100);
-        put(&mut sh, b"plain", 0, 150);
+        put(&mut sh, b"p1", 10, 100 + ttl);
+        put(&mut sh, b"p2", 10, 100 + ttl);
+        put(&mut sh, b"plain", 0, 150 + ttl);
+        let now = 200 + 2 * ttl;
         let mut budget = 1;
-        assert!(!sh.objs.sweep_pins(200, &mut budget), "two pins ended");
+        assert!(!sh.objs.sweep_pins(now, &mut budget), "two pins ended");
         sh.check_invariants().expect("kept in step");
         let mut budget = 1;
-        assert!(sh.objs.sweep_pins(200, &mut budget));
-        // Both pins ended: the two (ties by id) rank before the later lease.
-        let first = sh.objs.key(sh.objs.first_victim(0, 200).unwrap());
+        assert!(sh.objs.sweep_pins(now, &mut budget));
+        // Both pins ended: the two (ties by id) rank before the later put.
+        let first = sh.objs.key(sh.objs.first_victim(0, now).unwrap());
         assert!(first == b"p1" || first == b"p2", "{first:?}");
     }
 }

@@ -7,7 +7,7 @@
 //!   extent the model holds: live objects, leased removals, quarantined puts),
 //! * no leased or hard-pinned object is evicted, and no leased space reused,
 //! * eviction takes a segment's replicas in rank order: no replica it could
-//!   have taken (complete, lease ended, not hard-pinned) ranks before one it
+//!   have taken (complete, lease ended, a lease past its put, not hard-pinned) ranks before one it
 //!   took, unpinned before soft-pinned and the oldest lease first (checked
 //!   in every step that does not move the clock; soft pins end with time),
 //! * every complete object with a live segment is still readable (or was
@@ -50,6 +50,9 @@ enum State {
     },
     Complete {
         lease_until: u64,
+        /// A lease after the put: not evicted before (a put is a use; no
+        /// segment of the model has an NVMe tier).
+        kept_until: u64,
         hard_pin: bool,
         /// When the soft pin ends (0: none).
         pin_until: u64,
@@ -479,6 +482,7 @@ impl Run {
                 };
                 o.state = State::Complete {
                     lease_until: self.now,
+                    kept_until: self.now + self.cfg.lease_ttl_ms,
                     hard_pin: o.hard_pin,
                     pin_until: if o.soft_pin_ms > 0 {
                         self.now + o.soft_pin_ms
@@ -801,6 +805,7 @@ impl Run {
                 )),
                 State::Complete {
                     lease_until,
+                    kept_until,
                     hard_pin,
                     pin_until,
                 } => {
@@ -810,10 +815,17 @@ impl Run {
                             self.now
                         ));
                     }
+                    if kept_until > self.now {
+                        self.fail(format!(
+                            "{key}, put a lease ago or less (kept until {kept_until}, now {}), \
+                             was evicted",
+                            self.now
+                        ));
+                    }
                     if hard_pin {
                         self.fail(format!("hard-pinned {key} was evicted"));
                     }
-                    let rank = (pin_until > self.now, lease_until);
+                    let rank = (pin_until > self.now, lease_until.max(kept_until));
                     for &(seg, _) in &lost {
                         evicted.push((seg, rank, key.clone()));
                     }
@@ -845,7 +857,8 @@ impl Run {
     /// Evictions at `now` took, per segment and shard (each shard evicts in
     /// its own range of a segment), replicas in rank order: no replica
     /// eviction could have taken there ranks before one it took. Rank:
-    /// soft-pinned after unpinned, then the lease end (ties unordered).
+    /// soft-pinned after unpinned, then the later of the lease end and a
+    /// lease after the put (ties unordered).
     fn check_rank_order(&mut self, evicted: &[(SegmentId, (bool, u64), String)]) {
         let now = self.now;
         for (seg, rank, key) in evicted {
@@ -855,14 +868,15 @@ impl Run {
             for (k, o) in &self.model.objs {
                 let State::Complete {
                     lease_until,
+                    kept_until,
                     hard_pin: false,
                     pin_until,
                 } = o.state
                 else {
                     continue;
                 };
-                let theirs = (pin_until > now, lease_until);
-                if lease_until <= now
+                let theirs = (pin_until > now, lease_until.max(kept_until));
+                if theirs.1 <= now
                     && theirs < *rank
                     && self.m.shard_of(k.as_bytes()) == self.m.shard_of(key.as_bytes())
                     && o.replicas.iter().any(|r| r.0 == *seg)
