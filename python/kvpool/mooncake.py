@@ -127,7 +127,8 @@ class MooncakeDistributedStore(_MooncakeStore):
             sizes["local_buffer_size"],
             cfg.get("protocol", "tcp"),
             cfg.get("rdma_devices", ""),
-            cfg.get("master_server_addr", _DEFAULT_MASTER),
+            # LMCache's mooncakestore config calls it master_server_address.
+            cfg.get("master_server_addr") or cfg.get("master_server_address") or _DEFAULT_MASTER,
             enable_ssd_offload=_parse_bool(cfg.get("enable_ssd_offload", "false")),
             tenant_id=cfg.get("tenant_id", "default"),
         )

@@ -454,8 +454,9 @@ impl Store {
     /// gives that many bytes of its DRAM to the pool, listening on
     /// `local_hostname`'s host (and port, if it has one) and advertised to
     /// clients under it. `protocol`: "tcp" (shared memory on the same host,
-    /// TCP elsewhere) or "rdma" (`rdma_devices`, comma-separated, "" = any).
-    /// Returns 0 or a negative code.
+    /// TCP elsewhere) or "rdma" (`rdma_devices`, comma-separated, "" = any;
+    /// a build without RDMA warns and uses tcp, as Mooncake's wheels
+    /// without RDMA do). Returns 0 or a negative code.
     #[pyo3(signature = (local_hostname, master, global_segment_size, protocol, rdma_devices))]
     fn _setup_native(
         &self,
@@ -493,6 +494,17 @@ impl Store {
             .collect();
         match protocol.to_ascii_lowercase().as_str() {
             "tcp" => {
+                cfg.client.transport = Transport::Auto;
+                cfg.client.rdma.enabled = kvpool_config::RdmaMode::Off;
+                cfg.storage.rdma.enabled = kvpool_config::RdmaMode::Off;
+            }
+            "rdma" if !cfg!(feature = "rdma") => {
+                // As Mooncake's wheels built without RDMA do: vLLM's and
+                // SGLang's example configs say "rdma".
+                tracing::warn!(
+                    "setup: protocol \"rdma\" asked of a kvpool built without RDMA (the \
+                     `rdma` feature): using tcp (shared memory on the same host)"
+                );
                 cfg.client.transport = Transport::Auto;
                 cfg.client.rdma.enabled = kvpool_config::RdmaMode::Off;
                 cfg.storage.rdma.enabled = kvpool_config::RdmaMode::Off;
@@ -924,12 +936,14 @@ impl Store {
     }
 
     /// 1 if a complete object is stored under `key`, 0 if not, or a
-    /// negative code.
+    /// negative code. A store that is not set up (or whose setup failed)
+    /// answers 0: callers test the result for truth (LMCache's
+    /// `if store.is_exist(key)`), and -600 would read as a hit.
     #[pyo3(signature = (key, /))]
     fn is_exist(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<i64> {
         let key = key_of(key)?;
         let Some(inner) = self.state() else {
-            return Ok(INVALID_PARAMS);
+            return Ok(0);
         };
         let r = run(py, async move {
             match inner.client.exists(&key).await {
@@ -940,13 +954,13 @@ impl Store {
         Ok(r.unwrap_or_else(|c| c))
     }
 
-    /// `is_exist` of each key.
+    /// `is_exist` of each key (0 each on a store that is not set up).
     #[pyo3(signature = (keys))]
     fn batch_is_exist(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         let keys = keys_of(keys)?;
         let n = keys.len();
         let Some(inner) = self.state() else {
-            return Ok(vec![INVALID_PARAMS; n]);
+            return Ok(vec![0; n]);
         };
         let r = run(py, async move {
             let mut out = Vec::with_capacity(keys.len());
