@@ -1142,6 +1142,40 @@ fn put_multi(
         }
         return out;
     }
+    if let Some(ranges) = large_single_parts(&parts) {
+        // Groups sent as parallel calls (same host: copies on several
+        // workers at once).
+        let mut out = vec![OK; n];
+        let mut idx = Vec::new();
+        for (i, &(a, l)) in ranges.iter().enumerate() {
+            if l == 0 {
+                continue; // Mooncake: nothing to store, success
+            }
+            if !inner.regs.covers(a, l) {
+                out[i] = INVALID_PARAMS;
+                continue;
+            }
+            idx.push(i);
+        }
+        let (k, r): (Vec<Vec<u8>>, Vec<(usize, usize)>) =
+            idx.iter().map(|&i| (keys[i].clone(), ranges[i])).unzip();
+        // SAFETY: registered memory (checked) that the caller keeps valid
+        // and unwritten during the call (Mooncake's contract for put_from).
+        let rs = py.detach(|| unsafe { staged::put_host(&inner.client, &k, &r, &opts) });
+        match rs {
+            Ok(rs) => {
+                for (&i, r) in idx.iter().zip(&rs) {
+                    out[i] = put_code(r, &opts);
+                }
+            }
+            Err(e) => {
+                for &i in &idx {
+                    out[i] = mooncake_code(&e);
+                }
+            }
+        }
+        return out;
+    }
     let r = run(py, async move {
         let mut out = vec![OK; n];
         let mut idx = Vec::new();
@@ -1219,6 +1253,33 @@ fn get_multi(
         let (hk, hp) = pick(&keys, &parts, &rest);
         for (&i, c) in rest.iter().zip(get_multi(py, inner, hk, hp)) {
             out[i] = c;
+        }
+        return out;
+    }
+    if let Some(ranges) = large_single_parts(&parts) {
+        let mut out = vec![INVALID_PARAMS; n];
+        let idx: Vec<usize> = (0..n)
+            .filter(|&i| inner.regs.covers_all(&parts[i]))
+            .collect();
+        let (k, r): (Vec<Vec<u8>>, Vec<(usize, usize)>) =
+            idx.iter().map(|&i| (keys[i].clone(), ranges[i])).unzip();
+        // SAFETY: registered memory (checked), the ranges disjoint (checked
+        // above), which the caller keeps valid and untouched during the call.
+        let rs = py.detach(|| unsafe { staged::get_host(&inner.client, &k, &r) });
+        match rs {
+            Ok(rs) => {
+                for (&i, r) in idx.iter().zip(&rs) {
+                    out[i] = match r {
+                        Ok(len) => *len as i64,
+                        Err(e) => mooncake_code(e),
+                    };
+                }
+            }
+            Err(e) => {
+                for &i in &idx {
+                    out[i] = mooncake_code(&e);
+                }
+            }
         }
         return out;
     }
@@ -1345,4 +1406,14 @@ fn pick(
     idx.iter()
         .map(|&i| (keys[i].clone(), parts[i].clone()))
         .unzip()
+}
+
+/// Each key's one range, when every key has one and together they are
+/// worth sending in groups ([`staged::worth_grouping`]).
+fn large_single_parts(parts: &[Vec<(usize, usize)>]) -> Option<Vec<(usize, usize)>> {
+    let ranges: Vec<(usize, usize)> = parts
+        .iter()
+        .map(|p| (p.len() == 1).then(|| p[0]))
+        .collect::<Option<_>>()?;
+    staged::worth_grouping(&ranges).then_some(ranges)
 }

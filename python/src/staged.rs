@@ -1,6 +1,8 @@
-//! Puts from and gets into CUDA device memory: through pinned host staging
-//! buffers, with the device copies of one group of keys overlapped with the
-//! network transfers of another.
+//! Batches in groups sent as parallel calls: from and into CUDA device
+//! memory through pinned host staging buffers, the device copies of one
+//! group of keys overlapped with the transfers of another; and large host
+//! batches straight from and into the caller's memory ([`put_host`],
+//! [`get_host`]).
 //!
 //! ```text
 //!  put:  stream  |copy g0|copy g1|copy g2|          (all queued at once)
@@ -29,6 +31,8 @@ pub const STAGING_CAP: usize = 256 << 20;
 /// enough that the first batch leaves early, large enough that a batch of
 /// small keys is one request.
 const GROUP_BYTES: usize = 8 << 20;
+/// And at most this many keys (a batch call's bound at the master is 1024).
+const GROUP_KEYS: usize = 512;
 
 /// One key's memory, in order.
 pub type Parts = Vec<(usize, usize)>;
@@ -53,6 +57,19 @@ fn runs(sizes: &[usize], cap: usize) -> Vec<std::ops::Range<usize>> {
         out.push(start..sizes.len());
     }
     out
+}
+
+/// The groups of a round: runs of about [`GROUP_BYTES`], at most
+/// [`GROUP_KEYS`] keys each.
+fn group_ranges(sizes: &[usize]) -> Vec<std::ops::Range<usize>> {
+    runs(sizes, GROUP_BYTES)
+        .into_iter()
+        .flat_map(|r| {
+            (r.start..r.end)
+                .step_by(GROUP_KEYS)
+                .map(move |s| s..(s + GROUP_KEYS).min(r.end))
+        })
+        .collect()
 }
 
 /// One group of keys: (key, staging address, length) each.
@@ -126,7 +143,7 @@ fn put_staged(
     let mut groups: Vec<(std::ops::Range<usize>, Items)> = Vec::new();
     let mut events = Vec::new();
     let mut off = 0usize;
-    for g in runs(sizes, GROUP_BYTES) {
+    for g in group_ranges(sizes) {
         let mut items = Items::new();
         for i in g.clone() {
             let at = buf.addr() + off;
@@ -148,54 +165,26 @@ fn put_staged(
     }
     let n = keys.len();
     runtime::block_on(async {
-        let mut out: Vec<Result<(), KvError>> = (0..n)
-            .map(|_| Err(KvError::new(ErrorCode::Internal, "the put did not run")))
-            .collect();
+        let mut failed: Vec<(std::ops::Range<usize>, KvError)> = Vec::new();
         let mut tasks = Vec::with_capacity(groups.len());
         tracing::debug!("put: {n} keys, copies queued at {:?}", t0.elapsed());
         for ((range, items), ev) in groups.into_iter().zip(&events) {
             // The copies of the later groups go on while this one is sent.
             if let Err(e) = ev.wait() {
-                for i in range {
-                    out[i] = Err(e.clone());
-                }
+                failed.push((range, e));
                 continue;
             }
             tracing::debug!("put: group {range:?} copied at {:?}", t0.elapsed());
-            let client = client.clone();
-            let opts = opts.clone();
-            let task = tokio::spawn(async move {
-                let pairs: Vec<(&[u8], &[u8])> = items
-                    .iter()
-                    // SAFETY: `a..a + l` lies in the staging buffer, whose
-                    // copy finished (the event), and which stays allocated
-                    // and unwritten until every task is joined below.
-                    .map(|(k, a, l)| (k.as_slice(), unsafe { memory::slice(*a, *l) }))
-                    .collect();
-                client.batch_put(&pairs, &opts).await
-            });
-            tasks.push((range, task));
+            // SAFETY: the items lie in the staging buffer, whose copy
+            // finished (the event), and which stays allocated and unwritten
+            // until every task is joined below.
+            tasks.push((range, unsafe { spawn_put(client, items, opts) }));
         }
-        for (range, task) in tasks {
-            let r = task.await;
-            tracing::debug!("put: group {range:?} sent at {:?}", t0.elapsed());
-            match r {
-                Ok(Ok(rs)) => {
-                    for (i, r) in range.zip(rs) {
-                        out[i] = r;
-                    }
-                }
-                Ok(Err(e)) => {
-                    for i in range {
-                        out[i] = Err(e.clone());
-                    }
-                }
-                Err(e) => {
-                    let e = KvError::new(ErrorCode::Internal, format!("put task: {e}"));
-                    for i in range {
-                        out[i] = Err(e.clone());
-                    }
-                }
+        let mut out = join(n, tasks, "put").await;
+        tracing::debug!("put: every group sent at {:?}", t0.elapsed());
+        for (range, e) in failed {
+            for i in range {
+                out[i] = Err(e.clone());
             }
         }
         out
@@ -260,22 +249,17 @@ fn get_staged(
             .map(|_| Err(KvError::new(ErrorCode::Internal, "the get did not run")))
             .collect();
         let mut set = tokio::task::JoinSet::new();
-        for g in runs(&sizes, GROUP_BYTES) {
+        for g in group_ranges(&sizes) {
             let items: Items = g
                 .clone()
                 .map(|i| (keys[i].clone(), offsets[i], sizes[i]))
                 .collect();
             let client = client.clone();
             set.spawn(async move {
-                let mut dsts: Vec<(&[u8], &mut [u8])> = items
-                    .iter()
-                    // SAFETY: each `a..a + l` is its own piece of the
-                    // staging buffer (disjoint offsets), which stays
-                    // allocated, and untouched by anyone else, until every
-                    // task is joined below.
-                    .map(|(k, a, l)| (k.as_slice(), unsafe { memory::slice_mut(*a, *l) }))
-                    .collect();
-                (g, client.batch_get_into(&mut dsts).await)
+                // SAFETY: each item is its own piece of the staging buffer
+                // (disjoint offsets), which stays allocated, and untouched
+                // by anyone else, until every task is joined below.
+                (g, unsafe { get_items(&client, items) }.await)
             });
         }
         while let Some(j) = set.join_next().await {
@@ -317,4 +301,153 @@ fn get_staged(
         }
     }
     Ok(out)
+}
+
+/// `batch_put` of a group's items on a worker of the runtime.
+///
+/// # Safety
+/// Every item's range is readable memory nobody writes until the task has
+/// been awaited.
+unsafe fn spawn_put(
+    client: &Client,
+    items: Items,
+    opts: &PutOptions,
+) -> tokio::task::JoinHandle<Result<Vec<Result<(), KvError>>, KvError>> {
+    let (client, opts) = (client.clone(), opts.clone());
+    tokio::spawn(async move {
+        let pairs: Vec<(&[u8], &[u8])> = items
+            .iter()
+            // SAFETY: this function's contract.
+            .map(|(k, a, l)| (k.as_slice(), unsafe { memory::slice(*a, *l) }))
+            .collect();
+        client.batch_put(&pairs, &opts).await
+    })
+}
+
+/// `batch_get_into` of a group's items.
+///
+/// # Safety
+/// The items' ranges are disjoint, writable memory nobody else touches
+/// until the returned future has completed or been dropped.
+async unsafe fn get_items(
+    client: &Client,
+    items: Items,
+) -> Result<Vec<Result<usize, KvError>>, KvError> {
+    let mut dsts: Vec<(&[u8], &mut [u8])> = items
+        .iter()
+        // SAFETY: this function's contract.
+        .map(|(k, a, l)| (k.as_slice(), unsafe { memory::slice_mut(*a, *l) }))
+        .collect();
+    client.batch_get_into(&mut dsts).await
+}
+
+/// A group's call, spawned, with the keys (by index) it answers for.
+type GroupTask<T> = (
+    std::ops::Range<usize>,
+    tokio::task::JoinHandle<Result<Vec<Result<T, KvError>>, KvError>>,
+);
+
+/// Every group's answers in key order, each task awaited (so none still
+/// uses its memory when this returns); a key whose group failed as a whole
+/// gets the group's error.
+async fn join<T>(n: usize, tasks: Vec<GroupTask<T>>, what: &str) -> Vec<Result<T, KvError>> {
+    let mut out: Vec<Result<T, KvError>> = (0..n)
+        .map(|_| {
+            Err(KvError::new(
+                ErrorCode::Internal,
+                format!("the {what} did not run"),
+            ))
+        })
+        .collect();
+    for (g, task) in tasks {
+        let rs: Vec<Result<T, KvError>> = match task.await {
+            Ok(Ok(rs)) => rs,
+            Ok(Err(e)) => g.clone().map(|_| Err(e.clone())).collect(),
+            Err(e) => {
+                let e = KvError::new(ErrorCode::Internal, format!("{what} task: {e}"));
+                g.clone().map(|_| Err(e.clone())).collect()
+            }
+        };
+        for (i, r) in g.zip(rs) {
+            out[i] = r;
+        }
+    }
+    out
+}
+
+/// Host memory, a batch above [`GROUP_BYTES`]: the same groups, sent as
+/// parallel calls straight from and into the caller's memory (no staging).
+/// On the same host the transfers are copies into and out of the shared
+/// segment, one per call at a time: parallel calls use the runtime's
+/// workers (measured: docs/BENCHMARKS.md, "GPU memory through the Python
+/// package", the host rows).
+pub fn worth_grouping(ranges: &[(usize, usize)]) -> bool {
+    ranges.iter().map(|r| r.1).sum::<usize>() > GROUP_BYTES
+}
+
+/// Puts each key's one host range, `worth_grouping` batches in groups sent
+/// at once; per key the put's result.
+///
+/// # Safety
+/// Every range is mapped memory the caller keeps valid and unwritten until
+/// the call returns.
+pub unsafe fn put_host(
+    client: &Client,
+    keys: &[Vec<u8>],
+    ranges: &[(usize, usize)],
+    opts: &PutOptions,
+) -> Result<Vec<Result<(), KvError>>, KvError> {
+    runtime::block_on(async {
+        let tasks = host_groups(keys, ranges)
+            .into_iter()
+            // SAFETY: this function's contract; every task is joined
+            // before it returns.
+            .map(|(g, items)| (g, unsafe { spawn_put(client, items, opts) }))
+            .collect();
+        join(keys.len(), tasks, "put").await
+    })
+}
+
+/// Reads each key into its one host range, in groups read at once; per key
+/// the value's length or the error.
+///
+/// # Safety
+/// Every range is mapped memory the caller keeps valid and untouched until
+/// the call returns, and no two ranges overlap.
+pub unsafe fn get_host(
+    client: &Client,
+    keys: &[Vec<u8>],
+    ranges: &[(usize, usize)],
+) -> Result<Vec<Result<usize, KvError>>, KvError> {
+    runtime::block_on(async {
+        let tasks = host_groups(keys, ranges)
+            .into_iter()
+            .map(|(g, items)| {
+                let client = client.clone();
+                // SAFETY: this function's contract (disjoint ranges, the
+                // caller's until every task is joined below).
+                let task = tokio::spawn(async move { unsafe { get_items(&client, items) }.await });
+                (g, task)
+            })
+            .collect();
+        join(keys.len(), tasks, "get").await
+    })
+}
+
+/// The groups of a batch of one host range per key, with their items.
+fn host_groups(
+    keys: &[Vec<u8>],
+    ranges: &[(usize, usize)],
+) -> Vec<(std::ops::Range<usize>, Items)> {
+    let sizes: Vec<usize> = ranges.iter().map(|r| r.1).collect();
+    group_ranges(&sizes)
+        .into_iter()
+        .map(|g| {
+            let items = g
+                .clone()
+                .map(|i| (keys[i].clone(), ranges[i].0, ranges[i].1))
+                .collect();
+            (g, items)
+        })
+        .collect()
 }

@@ -299,6 +299,37 @@ def test_multi_buffers_gather_and_scatter(store, keys):
 
 # --- existence and removal ----------------------------------------------
 
+def test_a_large_batch_goes_in_groups_with_the_same_answers(store, keys):
+    # Past 8 MiB a batch of one range per key is sent as parallel calls of
+    # about 8 MiB each; every key's answer is what one call gives.
+    n, size = 40, 512 * 1024  # 20 MiB: three groups
+    rng = np.random.default_rng(7)
+    src = registered(store, n * size, rng.integers(0, 256, n * size, dtype=np.uint8).tobytes())
+    dst = registered(store, n * size)
+    ks = [keys(f"big{i}") for i in range(n)]
+    ptrs = [src.ctypes.data + i * size for i in range(n)]
+    sizes = [size] * n
+    stray = np.zeros(size, dtype=np.uint8)  # never registered
+    ptrs[5], sizes[6] = stray.ctypes.data, 0
+    codes = store.batch_put_from(ks, ptrs, sizes)
+    assert codes[5] == INVALID_PARAMS and codes[6] == 0
+    assert all(c == 0 for i, c in enumerate(codes) if i not in (5, 6))
+    assert store.is_exist(ks[5]) == 0 and store.is_exist(ks[6]) == 0
+    # Read back in reverse order into the other buffer; one too small.
+    order = list(range(n))[::-1]
+    gets = store.batch_get_into([ks[i] for i in order],
+                                [dst.ctypes.data + j * size for j in range(n)],
+                                [size - 1 if i == 9 else size for i in order])
+    for j, i in enumerate(order):
+        if i in (5, 6):
+            assert gets[j] == NOT_FOUND
+        elif i == 9:
+            assert gets[j] == INVALID_PARAMS
+        else:
+            assert gets[j] == size
+            assert (dst[j * size:(j + 1) * size] == src[i * size:(i + 1) * size]).all()
+
+
 def test_batch_is_exist_and_batch_remove(store, keys):
     ks = [keys("e0"), keys("e1"), keys("e2")]
     assert store.put(ks[0], b"0") == 0 and store.put(ks[1], b"1") == 0
