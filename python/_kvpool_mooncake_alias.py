@@ -3,13 +3,20 @@
 Installed at site-packages' root with a .pth file, so it runs at every
 interpreter start. It does nothing unless ``KVPOOL_AS_MOONCAKE=1``; then
 ``import mooncake.store`` (and ``from mooncake.store import ...``) give
-``kvpool.mooncake``, so unmodified programs written for Mooncake run on
+``kvpool.mooncake``, and ``mooncake.async_store`` gives
+``kvpool.mooncake_async``, so unmodified programs written for Mooncake run on
 kvpool. ``mooncake``'s other modules are not provided. Without the variable,
 an installed Mooncake wheel is untouched.
 """
 
 import os
 import sys
+
+#: Mooncake's module names and the kvpool modules that stand for them.
+_ALIASES = {
+    "mooncake.store": "kvpool.mooncake",
+    "mooncake.async_store": "kvpool.mooncake_async",
+}
 
 
 def _install() -> None:
@@ -28,10 +35,13 @@ def _install() -> None:
             module.__doc__ = "kvpool's stand-in for Mooncake (KVPOOL_AS_MOONCAKE=1)"
 
     class _Alias(importlib.abc.Loader):
-        """``mooncake.store`` is the module ``kvpool.mooncake`` itself."""
+        """``mooncake.<name>`` is one of kvpool's modules itself."""
+
+        def __init__(self, target):
+            self.target = target
 
         def create_module(self, spec):
-            return importlib.import_module("kvpool.mooncake")
+            return importlib.import_module(self.target)
 
         def exec_module(self, module):
             pass
@@ -40,8 +50,9 @@ def _install() -> None:
         def find_spec(self, fullname, path=None, target=None):
             if fullname == "mooncake":
                 return importlib.machinery.ModuleSpec(fullname, _Package(), is_package=True)
-            if fullname == "mooncake.store":
-                return importlib.machinery.ModuleSpec(fullname, _Alias())
+            target = _ALIASES.get(fullname)
+            if target is not None:
+                return importlib.machinery.ModuleSpec(fullname, _Alias(target))
             return None
 
     sys.meta_path.insert(0, _Finder())

@@ -34,6 +34,10 @@ def test_the_alias_gives_kvpools_module():
             "from mooncake.store import MooncakeDistributedStore, ReplicateConfig; print('ok')",
             {"KVPOOL_AS_MOONCAKE": "1"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    r = run("import mooncake.async_store as a, kvpool.mooncake_async as k; assert a is k; "
+            "from mooncake.async_store import MooncakeDistributedStoreAsync; print('ok')",
+            {"KVPOOL_AS_MOONCAKE": "1"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
     r = run("import mooncake.engine", {"KVPOOL_AS_MOONCAKE": "1"})
     assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr
 

@@ -107,6 +107,30 @@ def _free_port():
         return so.getsockname()[1]
 
 
+def test_the_async_store_awaits_every_method(pool, keys):
+    # mooncake.async_store's class: `await store.async_<method>(...)`.
+    import asyncio
+    from kvpool.mooncake_async import MooncakeDistributedStoreAsync
+    s = MooncakeDistributedStoreAsync()
+    assert s.setup("localhost", "P2PHANDSHAKE", 0, 16 * MIB, "tcp", "", pool.addr) == 0
+    k = keys("async")
+
+    async def main():
+        assert await s.async_put(k, b"awaited") == 0
+        # Several at once on the loop, each on the executor.
+        got = await asyncio.gather(s.async_get(k), s.async_is_exist(k), s.async_get_size(k))
+        assert got == [b"awaited", 1, 7]
+        assert await s.async_remove(k, True) == 0  # past the read lease
+
+    asyncio.run(main())
+    assert s.get(k) == b""
+    with pytest.raises(AttributeError, match="no_such_method"):
+        s.async_no_such_method
+    with pytest.raises(AttributeError):
+        s.not_async_at_all
+    s.close()
+
+
 def test_setup_refuses_bad_arguments(pool):
     s = MooncakeDistributedStore()
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):
