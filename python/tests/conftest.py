@@ -72,6 +72,23 @@ class Pool:
 
     def signal(self, sig):
         self.proc.send_signal(sig)
+        if sig == signal.SIGSTOP:
+            # kill() returns before every thread has stopped (on a loaded
+            # machine a request can still be served just after it): wait
+            # until each thread of the process reads as stopped.
+            end = time.monotonic() + 10
+            while not self._all_stopped():
+                assert time.monotonic() < end, "the process did not stop"
+                time.sleep(0.01)
+
+    def _all_stopped(self) -> bool:
+        tasks = pathlib.Path(f"/proc/{self.proc.pid}/task")
+        try:
+            states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                      for t in tasks.iterdir()]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        return bool(states) and all(st in ("T", "t") for st in states)
 
     def stop(self):
         if self.proc.poll() is None:
