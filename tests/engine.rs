@@ -481,3 +481,36 @@ fn an_abandoned_request_is_cancelled_at_the_next_step_and_counted() {
     assert_eq!(token_ids(&v).len(), 4);
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }
+
+/// vLLM's metric names (issue 30): dashboards and tools written for vLLM
+/// read the same counts from kvpool's engine, labelled `model_name`.
+#[test]
+fn vllms_metric_names_count_what_ours_count() {
+    let cfg = config_file("vllm-names", "");
+    let e = engine(None, &cfg);
+    for seed in [1, 2] {
+        greedy(&e, &prompt(50, seed), 4, None);
+    }
+    let (status, text) = common::http(&e.addr, "GET", "/metrics");
+    assert_eq!(status, 200);
+    // One series per name, `name{model_name="builtin:tiny"} value`.
+    let vllm = |name: &str| -> f64 {
+        let want = format!("{name}{{model_name=\"builtin:tiny\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&want))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
+    };
+    assert_eq!(vllm("vllm:prompt_tokens_total"), 100.0);
+    assert_eq!(metric(&e, "prompt_tokens_total"), 100.0);
+    assert_eq!(vllm("vllm:generation_tokens_total"), 8.0);
+    assert_eq!(metric(&e, "generated_tokens_total"), 8.0);
+    assert_eq!(vllm("vllm:time_to_first_token_seconds_count"), 2.0);
+    assert_eq!(vllm("vllm:e2e_request_latency_seconds_count"), 2.0);
+    assert!(
+        vllm("vllm:e2e_request_latency_seconds_sum")
+            >= vllm("vllm:time_to_first_token_seconds_sum")
+    );
+    assert_eq!(vllm("vllm:num_requests_running"), 0.0);
+    assert_eq!(vllm("vllm:num_requests_waiting"), 0.0);
+}

@@ -5,6 +5,7 @@ use std::sync::atomic::AtomicU64;
 use kvpool_runtime::metrics::{latency_histogram, MetricsRegistry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::exponential_buckets;
 use prometheus_client::metrics::histogram::Histogram;
 
 /// Handles to every engine metric; clones share the values.
@@ -26,6 +27,17 @@ pub struct EngineMetrics {
     pub running: Gauge,
     pub waiting: Gauge,
     pub cancelled: Counter,
+    /// Prompt tokens of accepted requests (computed or loaded).
+    pub prompt_tokens: Counter,
+    /// Arrival at the engine to its first token.
+    pub time_to_first_token: Histogram,
+    /// Arrival at the engine to its last token.
+    pub e2e_latency: Histogram,
+}
+
+/// Request-scale seconds: 1 ms to about 35 minutes.
+fn request_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 22))
 }
 
 impl EngineMetrics {
@@ -48,7 +60,25 @@ impl EngineMetrics {
             running: Gauge::default(),
             waiting: Gauge::default(),
             cancelled: Counter::default(),
+            prompt_tokens: Counter::default(),
+            time_to_first_token: request_histogram(),
+            e2e_latency: request_histogram(),
         };
+        reg.register(
+            "engine_prompt_tokens",
+            "Prompt tokens of accepted requests (computed or loaded from the pool)",
+            m.prompt_tokens.clone(),
+        );
+        reg.register(
+            "engine_time_to_first_token_seconds",
+            "A request's arrival at the engine to its first token",
+            m.time_to_first_token.clone(),
+        );
+        reg.register(
+            "engine_e2e_request_latency_seconds",
+            "A request's arrival at the engine to its last token",
+            m.e2e_latency.clone(),
+        );
         reg.register(
             "engine_requests_cancelled",
             "Sequences stopped because their caller went away (a client that disconnected, a \
@@ -131,5 +161,46 @@ impl EngineMetrics {
             m.waiting.clone(),
         );
         m
+    }
+
+    /// The same handles under vLLM's names, labelled `model_name` as vLLM
+    /// labels them, so dashboards and tools written for vLLM read ours.
+    pub fn register_vllm_names(&self, reg: &MetricsRegistry, model: &str) {
+        reg.register_for_model(
+            model,
+            "vllm:num_requests_running",
+            "Requests running (vLLM's name for kvpool_engine_running_sequences)",
+            self.running.clone(),
+        );
+        reg.register_for_model(
+            model,
+            "vllm:num_requests_waiting",
+            "Requests waiting (vLLM's name for kvpool_engine_waiting_sequences)",
+            self.waiting.clone(),
+        );
+        reg.register_for_model(
+            model,
+            "vllm:prompt_tokens",
+            "Prompt tokens (vLLM's name for kvpool_engine_prompt_tokens)",
+            self.prompt_tokens.clone(),
+        );
+        reg.register_for_model(
+            model,
+            "vllm:generation_tokens",
+            "Generated tokens (vLLM's name for kvpool_engine_generated_tokens)",
+            self.generated_tokens.clone(),
+        );
+        reg.register_for_model(
+            model,
+            "vllm:time_to_first_token_seconds",
+            "Time to first token (vLLM's name for kvpool_engine_time_to_first_token_seconds)",
+            self.time_to_first_token.clone(),
+        );
+        reg.register_for_model(
+            model,
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency (vLLM's name for kvpool_engine_e2e_request_latency_seconds)",
+            self.e2e_latency.clone(),
+        );
     }
 }

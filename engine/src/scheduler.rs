@@ -355,6 +355,9 @@ fn prefill_piece(
         return false;
     }
     let token = r.sampler.sample(&logits[0]);
+    // The first token of the answer: generated too (was left out, so the
+    // counter read one token short per request).
+    metrics.generated_tokens.inc();
     emit(r, token)
 }
 

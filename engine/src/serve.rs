@@ -43,6 +43,7 @@ use kvpool_config::{EngineConfig, NodeConfig};
 use kvpool_runtime::chunk_hash::{chunk_hashes, ChunkHash};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_transport::ErrorCode;
+use prometheus_client::metrics::histogram::Histogram;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
@@ -239,6 +240,7 @@ impl Engine {
             tokenizer,
             ..
         } = model;
+        metrics.register_vllm_names(registry, &name);
         let model = Arc::new(model);
         let m2 = metrics.clone();
         std::thread::Builder::new()
@@ -293,6 +295,7 @@ impl Engine {
     /// Runs a request: imports the prompt's cached KV, hands it to the model
     /// thread and returns the event stream.
     pub async fn generate(&self, g: GenRequest) -> Result<Generation, ApiError> {
+        let arrived = Instant::now();
         let e = &self.inner;
         let prompt = g.prompt;
         if prompt.is_empty() {
@@ -394,8 +397,13 @@ impl Engine {
             flume::TrySendError::Disconnected(_) => ApiError::internal("the engine thread is gone"),
         })?;
         e.metrics.requests.inc();
+        e.metrics.prompt_tokens.inc_by(prompt.len() as u64);
         e.metrics.prompt_tokens_loaded.inc_by(loaded_tokens as u64);
         Ok(Generation {
+            arrived,
+            first_token: true,
+            time_to_first_token: e.metrics.time_to_first_token.clone(),
+            e2e_latency: e.metrics.e2e_latency.clone(),
             id: e.ids.fetch_add(1, Ordering::Relaxed),
             prompt,
             hashes,
@@ -499,13 +507,31 @@ pub struct Generation {
     deadline: tokio::time::Instant,
     /// The request's admission, held as long as its events are read.
     admission: Option<Admission>,
+    arrived: Instant,
+    /// No token was read yet.
+    first_token: bool,
+    time_to_first_token: Histogram,
+    e2e_latency: Histogram,
 }
 
 impl Generation {
     /// The next event, or an error at the request's deadline.
     pub async fn next(&mut self) -> Result<Option<Event>, ApiError> {
         match tokio::time::timeout_at(self.deadline, self.events.recv()).await {
-            Ok(e) => Ok(e),
+            Ok(e) => {
+                match &e {
+                    Some(Event::Token(_)) if self.first_token => {
+                        self.first_token = false;
+                        let s = self.arrived.elapsed().as_secs_f64();
+                        self.time_to_first_token.observe(s);
+                    }
+                    Some(Event::Done(_)) => self
+                        .e2e_latency
+                        .observe(self.arrived.elapsed().as_secs_f64()),
+                    _ => {}
+                }
+                Ok(e)
+            }
             Err(_) => Err(ApiError {
                 status: StatusCode::GATEWAY_TIMEOUT,
                 message: "the request ran past engine.request_timeout_ms".into(),

@@ -26,6 +26,16 @@ impl MetricsRegistry {
             .register(name, help, metric);
     }
 
+    /// Registers `metric` under `name` as given, with the constant label
+    /// `model_name="<model>"`: the names other tools' dashboards and load
+    /// generators read (vLLM's `vllm:` metrics), beside our own names for
+    /// the same handles.
+    pub fn register_for_model(&self, model: &str, name: &str, help: &str, metric: impl Metric) {
+        let mut reg = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        reg.sub_registry_with_label(("model_name".into(), model.to_string().into()))
+            .register(name, help, metric);
+    }
+
     /// The Prometheus text exposition of every registered metric.
     pub fn render(&self) -> String {
         let reg = self.inner.lock().unwrap_or_else(|p| p.into_inner());
@@ -58,6 +68,12 @@ mod tests {
         let text = reg.render();
         assert!(text.contains("kvpool_things_total 3"), "{text}");
         assert!(text.contains("kvpool_op_seconds_count 1"), "{text}");
+        reg.register_for_model("m", "vllm:generation_tokens", "Tokens", c.clone());
+        let text = reg.render();
+        assert!(
+            text.contains("vllm:generation_tokens_total{model_name=\"m\"} 3"),
+            "{text}"
+        );
     }
 }
 
