@@ -17,7 +17,9 @@ use common::Proc;
 /// Role all with a RESP listener on an ephemeral port; `config` (TOML) is
 /// written to a file first when given.
 fn pool_with_resp(config: Option<&str>, extra: &[&str]) -> Proc {
-    let dir = common::scratch_dir("resp-cfg");
+    // A folder per call: the tests run at once in one process, and a shared
+    // one was emptied under a pool that had not read its config yet.
+    let dir = common::scratch_dir(&format!("resp-cfg-{}", rand::random::<u32>()));
     let mut args: Vec<&str> =
         common::ephemeral(&["--segment-size", "256MiB", "--resp", "127.0.0.1:0"]);
     let path;
