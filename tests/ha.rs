@@ -616,6 +616,80 @@ fn a_stalled_leader_is_fenced_its_grants_refused_and_no_space_is_handed_out_twic
     assert_eq!(role_of(&b), "leader");
 }
 
+/// Issue 29 item 6: a stalled leader is left when etcd elects another, not
+/// at the deadline of the calls waiting for it: a client's put waiting on
+/// it ends then, and the storage node's ping too, so the node mounts on the
+/// new leader and writes go on within the lease's TTL and a remount, well
+/// inside `timeout_ms` (10 s; before, the first write after the stall came
+/// after it, and the node's segment later still).
+#[test]
+fn a_stalled_leader_is_left_when_etcd_elects_another_not_at_the_calls_deadline() {
+    let Some(etcd) = etcd() else { return };
+    let url = etcd.url();
+    let cfg = master_config("ha-follow", "");
+    let (a, b) = leader_and_standby(&url, &cfg);
+    let _node = common::start_storage(&url, "64MiB", &[]);
+    kvpool_ha::install();
+    let rt = common::rt();
+    let cfg = ClientConfig::default();
+    let deadline = Duration::from_millis(cfg.timeout_ms);
+    let c = rt.block_on(async {
+        let c = Client::connect(&url, cfg).await.unwrap();
+        eventually(
+            "a put before the stall",
+            Duration::from_secs(10),
+            || async {
+                c.put(b"before", &value(1, 50_000))
+                    .await
+                    .map_err(|e| e.to_string())
+            },
+        )
+        .await;
+        c
+    });
+
+    a.freeze();
+    let frozen = Instant::now();
+    rt.block_on(async {
+        // Sent to the stalled leader; it ends when the standby is elected:
+        // sent again to the new leader where that is safe, or a clear error.
+        let r = c.put(b"during", &value(2, 4096)).await;
+        let ended = frozen.elapsed();
+        println!("the put waiting on the stalled leader ended after {ended:?}: {r:?}");
+        if let Err(e) = &r {
+            assert_eq!(e.code, ErrorCode::Unavailable, "{e}");
+            assert!(e.message.contains("stopped leading"), "{e}");
+        }
+        assert!(ended < deadline / 2, "left after {ended:?}: {r:?}");
+
+        // Writes go on at the new leader once the node has mounted there.
+        eventually("a put on the new leader", deadline, || async {
+            c.put(b"after", &value(3, 4096))
+                .await
+                .map_err(|e| e.to_string())
+        })
+        .await;
+        let wrote = frozen.elapsed();
+        println!("the first put after the stall returned Ok after {wrote:?}");
+        assert_eq!(c.master_addr(), b.addr);
+        // The old leader's object, shipped to the standby, reads back as
+        // soon as the node's segment is mounted there.
+        let got = eventually("the old leader's object", deadline, || async {
+            c.get(b"before").await.map_err(|e| e.to_string())
+        })
+        .await;
+        assert_eq!(got, value(1, 50_000));
+        let read = frozen.elapsed();
+        println!("the old leader's object read back after {read:?}");
+        assert!(
+            wrote < deadline * 7 / 10 && read < deadline * 7 / 10,
+            "writes resumed after {wrote:?}, the old object read after {read:?}: \
+             the stalled leader was waited for until the calls' deadline ({deadline:?})"
+        );
+    });
+    a.signal(Signal::CONT);
+}
+
 /// Whether every master shard's figure `name=` in `m`'s /healthz is `want`
 /// (`synced=1,1`: both shards of a standby in sync).
 fn healthz_all(m: &Proc, name: &str, want: &str) -> bool {

@@ -29,6 +29,7 @@ use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt;
 use kvpool_runtime::hash::{vshard_of, ShardMap};
 use kvpool_transport::auth::{self, ClusterKey};
 use kvpool_transport::engine::{EngineConfig, Transfer, TransferEngine};
@@ -739,8 +740,9 @@ impl Client {
     /// coordinator (shard 0). No deadline of its own.
     ///
     /// Following a leader (HA): a master that answers `NotLeader`, cannot be
-    /// reached or did not answer in time sends the client looking for the
-    /// leader; the request goes again to the new one when that is safe (the
+    /// reached or did not answer in time, or that the source says another
+    /// master has replaced (a call waiting for it ends then), sends the
+    /// client looking for the leader; the request goes again to the new one when that is safe (the
     /// old one said `NotLeader`, so did nothing that counts, or the request
     /// is idempotent). Otherwise its error is returned, and the next call
     /// goes to the new leader.
@@ -748,12 +750,29 @@ impl Client {
         if !self.inner.source.follows() {
             return self.send_on(&self.view(), req).await;
         }
+        let source = &*self.inner.source;
         let mut view = self.view();
-        if self.inner.stale.load(Ordering::Relaxed) {
+        let replaced = source.moved_from(&view.addr).now_or_never().is_some();
+        if replaced || self.inner.stale.load(Ordering::Relaxed) {
             view = self.follow(&view).await?;
         }
+        let moved = source.moved_from(&view.addr);
         let again = req.clone();
-        match self.send_on(&view, req).await {
+        // A call to a leader that etcd has since replaced (it stalled, or
+        // lost its lease) ends at the election, not at the deadline.
+        let sent = tokio::select! {
+            biased;
+            r = self.send_on(&view, req) => r,
+            () = moved => Err(KvError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "{} stopped leading {} while the call waited for it",
+                    view.addr,
+                    source.describe()
+                ),
+            )),
+        };
+        match sent {
             Err(e) if leader_may_have_moved(&e) => {
                 let safe = e.code == ErrorCode::NotLeader || again.is_idempotent();
                 let view = self.follow(&view).await?;

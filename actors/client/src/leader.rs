@@ -7,8 +7,10 @@
 //! ([`register_scheme`]; the `kvpool` binary registers `etcd` from
 //! `kvpool-ha`). A client given such an address asks its source for the
 //! leader when it connects, and again when the master it speaks to answers
-//! `NotLeader`, cannot be reached, or lets a call run out of time; each
-//! wait is bounded by the call's deadline.
+//! `NotLeader`, cannot be reached, lets a call run out of time, or the
+//! source learns that another master was elected (a stalled leader is left
+//! at the election, not at the call's deadline); each wait is bounded by the
+//! call's deadline.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -18,6 +20,9 @@ use kvpool_transport::{ErrorCode, KvError};
 
 /// A boxed future of a source's answer.
 pub type Resolving<'a> = Pin<Box<dyn Future<Output = Result<String, KvError>> + Send + 'a>>;
+
+/// A boxed future that completes when the leader has moved.
+pub type Moved<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
 
 /// Says where the master (the leader) is now.
 pub trait MasterSource: Send + Sync {
@@ -31,6 +36,15 @@ pub trait MasterSource: Send + Sync {
 
     /// What the source is, for messages (`etcd://...`, `host:port`).
     fn describe(&self) -> String;
+
+    /// Completes once the source knows that a master other than the one at
+    /// `addr` leads (it follows the election): a call to `addr` still
+    /// waiting then ends at once instead of at its deadline. A source that
+    /// cannot tell (a fixed address) never completes.
+    fn moved_from<'a>(&'a self, addr: &'a str) -> Moved<'a> {
+        let _ = addr;
+        Box::pin(std::future::pending())
+    }
 }
 
 /// A fixed `host:port`.

@@ -16,6 +16,7 @@
 //! | [`Etcd::lease_grant`], [`Etcd::lease_revoke`] | `/etcdserverpb.Lease/LeaseGrant`, `LeaseRevoke` |
 //! | [`Etcd::lease_keep_alive`] | `/etcdserverpb.Lease/LeaseKeepAlive` (a bidirectional stream) |
 //! | [`Etcd::campaign`], [`Etcd::leader`] | `/v3electionpb.Election/Campaign`, `Leader` |
+//! | [`Etcd::observe`] | `/v3electionpb.Election/Observe` (a server stream: the leader now, then each new one) |
 
 use std::fmt;
 use std::time::Duration;
@@ -208,9 +209,9 @@ struct LeaderRequest {
 
 /// `v3electionpb.LeaderResponse`.
 #[derive(Clone, PartialEq, prost::Message)]
-struct LeaderResponse {
+pub struct LeaderResponse {
     #[prost(message, optional, tag = "2")]
-    kv: Option<KeyValue>,
+    pub kv: Option<KeyValue>,
 }
 
 /// A client of one etcd cluster. Cheap to clone; clones share the channel.
@@ -388,6 +389,26 @@ impl Etcd {
             )
             .await?;
         Ok(r.kv)
+    }
+
+    /// The election's leader now (once one leads), then each new leader as
+    /// it is elected: a stream that ends or fails with the connection. No
+    /// deadline of its own: the caller bounds each wait.
+    pub async fn observe(
+        &self,
+        name: impl Into<Vec<u8>>,
+    ) -> Result<tonic::Streaming<LeaderResponse>, EtcdError> {
+        let stream = self
+            .ready()
+            .await?
+            .server_streaming(
+                tonic::Request::new(LeaderRequest { name: name.into() }),
+                PathAndQuery::from_static("/v3electionpb.Election/Observe"),
+                ProstCodec::<LeaderRequest, LeaderResponse>::default(),
+            )
+            .await?
+            .into_inner();
+        Ok(stream)
     }
 }
 

@@ -10,6 +10,7 @@
 //!   won: term = create revision of its key; the fence opens
 //!  client / node / CLI (etcd://h1:2379,h2:2379[/name])
 //!   leader(<name>)              ---->   "rpc=HOST:PORT http=HOST:PORT" -> Hello to rpc
+//!   observe(<name>)             ---->   each new leader: calls waiting on the old one end
 //! ```
 //!
 //! * [`EtcdUrl`] parses `etcd://host:port[,host:port...][/name]`.
@@ -24,11 +25,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use etcd::Etcd;
-use kvpool_client::leader::Resolving;
+use kvpool_client::leader::{Moved, Resolving};
 use kvpool_client::MasterSource;
 use kvpool_master::{Fence, FenceRole, MasterHandle};
 use kvpool_runtime::Shutdown;
 use kvpool_transport::{ErrorCode, KvError};
+use tokio::sync::{oneshot, watch};
 
 /// The election's name when the URL names none.
 pub const DEFAULT_NAME: &str = "kvpool";
@@ -516,12 +518,33 @@ pub async fn resign(url: &EtcdUrl) {
     }
 }
 
-/// A client's [`MasterSource`] for `etcd://...`: asks etcd who leads.
+/// A client's [`MasterSource`] for `etcd://...`: asks etcd who leads, and
+/// follows the election (etcd's `Observe` stream, opened on first use) so
+/// that a call to a master that is no longer the leader ends as soon as
+/// another one is elected ([`MasterSource::moved_from`]).
 pub struct EtcdSource {
     url: EtcdUrl,
     text: String,
     etcd: tokio::sync::Mutex<Option<Etcd>>,
+    /// The newest leader this source has heard of (by its key's create
+    /// revision, which grows with every election): from `leader` calls and
+    /// from the observing task.
+    newest: Arc<watch::Sender<Option<Elected>>>,
+    /// The observing task and the sender whose drop stops it.
+    observer: std::sync::Mutex<Option<(tokio::task::JoinHandle<()>, oneshot::Sender<()>)>>,
 }
+
+/// A leader as etcd names it: its key's create revision and its RPC address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Elected {
+    rev: i64,
+    rpc: String,
+}
+
+/// How long one `Observe` stream is trusted before it is opened again (a
+/// connection that died without a word would otherwise be waited on for
+/// ever; a new stream starts with the leader now).
+const OBSERVE_RENEW: Duration = Duration::from_secs(10);
 
 impl EtcdSource {
     pub fn new(url: &str) -> Result<Self, KvError> {
@@ -529,6 +552,8 @@ impl EtcdSource {
             url: EtcdUrl::parse(url).map_err(|e| KvError::new(ErrorCode::InvalidParams, e))?,
             text: url.to_string(),
             etcd: tokio::sync::Mutex::new(None),
+            newest: Arc::new(watch::channel(None).0),
+            observer: std::sync::Mutex::new(None),
         })
     }
 
@@ -549,14 +574,95 @@ impl EtcdSource {
                 return Err(unavailable(e));
             }
         };
-        let value = r.as_ref().and_then(|kv| kv.value_str()).unwrap_or("");
-        Published::decode(value).ok_or_else(|| {
+        let published = r.as_ref().and_then(|kv| {
+            let p = Published::decode(kv.value_str()?)?;
+            Some((kv.create_revision, p))
+        });
+        let (rev, p) = published.ok_or_else(|| {
             unavailable(format!(
                 "{}: no master leads {} yet",
                 self.text,
                 self.url.election()
             ))
-        })
+        })?;
+        heard(&self.newest, rev, &p.rpc);
+        Ok(p)
+    }
+
+    /// The newest leader heard of, the observing task started (again, if
+    /// the runtime it ran on has ended) so that it stays current.
+    fn following(&self) -> watch::Receiver<Option<Elected>> {
+        let mut slot = self.observer.lock().unwrap_or_else(|p| p.into_inner());
+        let running = matches!(&*slot, Some((task, _)) if !task.is_finished());
+        if !running {
+            let (stop, stopped) = oneshot::channel();
+            let task = tokio::spawn(observe(self.url.clone(), self.newest.clone(), stopped));
+            *slot = Some((task, stop));
+        }
+        self.newest.subscribe()
+    }
+}
+
+/// Records that etcd named `rpc` leader with a key created at `rev`, unless
+/// a newer leader is known already.
+fn heard(newest: &watch::Sender<Option<Elected>>, rev: i64, rpc: &str) {
+    newest.send_if_modified(|now| {
+        if now.as_ref().is_some_and(|e| e.rev >= rev) {
+            return false;
+        }
+        *now = Some(Elected {
+            rev,
+            rpc: rpc.to_string(),
+        });
+        true
+    });
+}
+
+/// Follows the election into `newest` until `stop` (the source is gone):
+/// one `Observe` stream at a time, opened again after an error, its end,
+/// or [`OBSERVE_RENEW`].
+async fn observe(
+    url: EtcdUrl,
+    newest: Arc<watch::Sender<Option<Elected>>>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    loop {
+        tokio::select! {
+            _ = &mut stop => return,
+            why = observe_once(&url, &newest) => {
+                tracing::debug!("following the election on etcd: {why}; opening it again");
+            }
+        }
+        tokio::select! {
+            _ = &mut stop => return,
+            () = tokio::time::sleep(RETRY_PAUSE) => {}
+        }
+    }
+}
+
+/// One `Observe` stream into `newest`; why it ended.
+async fn observe_once(url: &EtcdUrl, newest: &watch::Sender<Option<Elected>>) -> String {
+    let etcd = match url.connect() {
+        Ok(e) => e,
+        Err(e) => return e,
+    };
+    let mut stream = match within(etcd.observe(url.election()), "observe").await {
+        Ok(s) => s,
+        Err(e) => return e,
+    };
+    let end = tokio::time::Instant::now() + OBSERVE_RENEW;
+    loop {
+        match tokio::time::timeout_at(end, stream.message()).await {
+            Err(_) => return format!("renewed after {OBSERVE_RENEW:?}"),
+            Ok(Err(e)) => return format!("etcd observe: {e}"),
+            Ok(Ok(None)) => return "the stream ended".into(),
+            Ok(Ok(Some(r))) => {
+                let Some(kv) = r.kv else { continue };
+                if let Some(p) = kv.value_str().and_then(Published::decode) {
+                    heard(newest, kv.create_revision, &p.rpc);
+                }
+            }
+        }
     }
 }
 
@@ -571,6 +677,17 @@ impl MasterSource for EtcdSource {
 
     fn describe(&self) -> String {
         self.text.clone()
+    }
+
+    fn moved_from<'a>(&'a self, addr: &'a str) -> Moved<'a> {
+        Box::pin(async move {
+            let mut rx = self.following();
+            let moved = rx.wait_for(|e| e.as_ref().is_some_and(|e| e.rpc != addr));
+            if moved.await.is_err() {
+                // The sender is gone (never while `self` lives): no word.
+                std::future::pending::<()>().await
+            }
+        })
     }
 }
 
@@ -620,6 +737,19 @@ mod tests {
             !u.state_key().starts_with(&format!("{}/", u.election())),
             "the state key is not a candidate of the election"
         );
+    }
+
+    #[test]
+    fn the_newest_leader_heard_of_is_never_undone_by_an_older_message() {
+        let newest = watch::channel(None).0;
+        heard(&newest, 10, "a:1");
+        heard(&newest, 20, "b:1");
+        // A stream message about the older election, arriving late.
+        heard(&newest, 10, "a:1");
+        let now = newest.borrow().clone().unwrap();
+        assert_eq!((now.rev, now.rpc.as_str()), (20, "b:1"));
+        heard(&newest, 30, "a:1");
+        assert_eq!(newest.borrow().as_ref().unwrap().rpc, "a:1");
     }
 
     #[test]
