@@ -185,8 +185,9 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
     let rt = common::rt();
     let (segment_id, data_addr) = rt.block_on(async {
         // The client library, over TCP (grants on every slice) and over
-        // shared memory (a grant to map the segment).
-        for transport in [Transport::Tcp, Transport::Auto] {
+        // shared memory only (a grant and the secret's proof map the
+        // segment; no fallback to TCP hides a refusal).
+        for transport in [Transport::Tcp, Transport::Shm] {
             let c = Client::connect(&master.addr, client_cfg(SECRET, transport))
                 .await
                 .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
@@ -408,20 +409,59 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
         "a write grant is no read grant"
     );
 
-    // The segment is not handed to a local process without a grant.
-    let mut un = {
+    // The segment is not handed to a local process without a grant, nor
+    // to one that shows a live grant without proving the secret (issue 29:
+    // a grant seen on the wire mapped the whole segment until it expired).
+    let shm_request = |grant: &kvpool_transport::auth::Grant| {
+        let mut req = Vec::from(*b"KVSQ");
+        req.extend_from_slice(&segment_id.to_le_bytes());
+        req.push(grant.op);
+        req.extend_from_slice(&grant.offset.to_le_bytes());
+        req.extend_from_slice(&grant.len.to_le_bytes());
+        req.extend_from_slice(&grant.expires_ms.to_le_bytes());
+        req.extend_from_slice(&grant.mac);
+        req.extend_from_slice(&grant.term.to_le_bytes());
+        req
+    };
+    // What a local process gets for `req` (after the node's challenge when
+    // `after_challenge`): everything the socket sends until it closes.
+    let shm_answer = |req: &[u8], after_challenge: bool| {
         use std::os::linux::net::SocketAddrExt;
         let name = kvpool_transport::shm::socket_name(segment_id);
         let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
-        std::os::unix::net::UnixStream::connect_addr(&a).unwrap()
+        let mut un = std::os::unix::net::UnixStream::connect_addr(&a).unwrap();
+        un.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut got = Vec::new();
+        if after_challenge {
+            let mut c = [0u8; 20];
+            un.read_exact(&mut c).unwrap();
+            assert_eq!(&c[..4], b"KVSC");
+            got.extend_from_slice(&c);
+        }
+        un.write_all(req).unwrap();
+        let _ = un.read_to_end(&mut got);
+        got
     };
-    un.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut req = Vec::from(*b"KVSQ");
-    req.extend_from_slice(&segment_id.to_le_bytes());
-    req.extend_from_slice(&[0u8; 41]);
-    un.write_all(&req).unwrap();
-    let mut b = [0u8; 64];
-    assert_eq!(un.read(&mut b).unwrap(), 0, "closed without the segment");
+    let handed = |got: &[u8]| got.windows(4).any(|w| w == b"KVSH");
+    let none = kvpool_transport::auth::Grant::default();
+    let live = shm_request(&rep.grant);
+    for (what, req, after) in [
+        ("no grant", shm_request(&none), false),
+        ("a live grant, no proof", live.clone(), false),
+        (
+            "a live grant, no proof, after the challenge",
+            live.clone(),
+            true,
+        ),
+        (
+            "a live grant and a zero proof",
+            [live.clone(), vec![0; 32]].concat(),
+            true,
+        ),
+    ] {
+        let got = shm_answer(&req, after);
+        assert!(!handed(&got), "{what}: the segment was handed over");
+    }
 
     // Admin HTTP: reading segment ids, offsets and endpoints needs the
     // secret (issue 29, item 7); so does removing everything.

@@ -303,6 +303,25 @@ impl ClusterKey {
         Ok(())
     }
 
+    /// A local process's proof on a segment's shm socket that it holds the
+    /// secret: bound to the node's nonce `ns`, the segment and the grant it
+    /// shows, labelled apart from every other proof.
+    pub fn shm_proof(&self, segment: SegmentId, ns: &[u8], grant: &Grant) -> [u8; 32] {
+        self.handshake_mac(b"kvpool-shm-map-v1", segment, ns, &grant.mac)
+    }
+
+    /// Checks an shm proof (constant time).
+    pub fn verify_shm_proof(
+        &self,
+        segment: SegmentId,
+        ns: &[u8],
+        grant: &Grant,
+        proof: &[u8],
+    ) -> Result<(), KvError> {
+        self.verify_handshake(b"kvpool-shm-map-v1", segment, ns, &grant.mac, proof)
+            .map_err(|_| unauthenticated("the shm proof does not match the cluster secret"))
+    }
+
     /// Checks a grant for any access to `segment` (shm mapping, RDMA
     /// connection): a read or write grant that is live and signed for it.
     pub fn check_segment_access(

@@ -873,14 +873,16 @@ impl TransferEngine {
         let seg = r.segment_id;
         let grant = r.grant;
         let timeout = self.cfg.connect_timeout;
-        let opened = tokio::task::spawn_blocking(move || ShmMap::open(seg, &grant, timeout))
-            .await
-            .unwrap_or_else(|e| {
-                Err(KvError::new(
-                    ErrorCode::Internal,
-                    format!("shm set-up: {e}"),
-                ))
-            });
+        let key = self.cfg.key.clone();
+        let opened =
+            tokio::task::spawn_blocking(move || ShmMap::open(seg, &grant, key.as_ref(), timeout))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(KvError::new(
+                        ErrorCode::Internal,
+                        format!("shm set-up: {e}"),
+                    ))
+                });
         let mut map = self.shm.lock().unwrap_or_else(|p| p.into_inner());
         match opened {
             Ok(m) => {

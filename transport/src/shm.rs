@@ -4,11 +4,15 @@
 //! ```text
 //!  storage node                          client on the same host
 //!  memfd segment                         connect("\0kvpool-shm-<segment id>")
+//!  listens on the abstract unix socket
+//!   challenge {magic, nonce}        ->
 //!                                   <-   request {magic, segment id, grant}
-//!  listens on the abstract unix socket   (with a cluster secret the grant must
-//!   checks the grant                      be a live one the master signed for
-//!                                   ->    this segment)
-//!                                        header {magic, segment id, size}
+//!                                         + proof (HMAC of the secret over the
+//!                                         nonce, segment and grant; zeros in an
+//!                                         open cluster)
+//!   checks the proof and the grant
+//!   (a live one the master signed
+//!   for this segment)               ->   header {magic, segment id, size}
 //!                                         + the memfd (SCM_RIGHTS)
 //!                                        mmap(fd, size, shared)  -> memcpy in and out
 //! ```
@@ -16,7 +20,9 @@
 //! The socket name is derived from the segment id, so a client needs nothing
 //! beyond the replica descriptor. Abstract sockets live in the network
 //! namespace: a client in another namespace (another container) fails to
-//! connect and falls back to TCP, with a log line saying why.
+//! connect and falls back to TCP, with a log line saying why. With a cluster
+//! secret, a grant alone maps nothing: a local process that saw one (on the
+//! wire, in a log) must also prove the secret, as on a data connection.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -33,7 +39,7 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
-use crate::auth::Grant;
+use crate::auth::{ClusterKey, Grant, NONCE_BYTES};
 use crate::error::{ErrorCode, KvError};
 use crate::proto::SegmentId;
 
@@ -42,6 +48,49 @@ const HEADER: usize = 20;
 const REQUEST_MAGIC: [u8; 4] = *b"KVSQ";
 /// magic, segment id, grant (op, offset, len, expires, mac, term).
 const REQUEST: usize = 4 + 8 + 1 + 8 + 8 + 8 + 16 + 8;
+/// The client's proof after its request ([`ClusterKey::shm_proof`]).
+const PROOF: usize = 32;
+const CHALLENGE_MAGIC: [u8; 4] = *b"KVSC";
+/// magic, the node's nonce.
+const CHALLENGE: usize = 4 + NONCE_BYTES;
+
+/// What a client asked of a segment's socket (storage node side).
+#[derive(Debug, Clone)]
+pub struct ShmRequest {
+    /// The segment it asks for.
+    pub segment_id: SegmentId,
+    /// The grant it shows.
+    pub grant: Grant,
+    /// Its proof of the secret over the node's nonce (zeros without one).
+    pub proof: [u8; PROOF],
+}
+
+/// Sends the node's challenge to a client that connected (storage node
+/// side): the nonce its proof must cover.
+pub async fn send_challenge(
+    stream: &mut tokio::net::UnixStream,
+) -> std::io::Result<[u8; NONCE_BYTES]> {
+    use tokio::io::AsyncWriteExt;
+    let ns = crate::auth::nonce();
+    let mut b = [0u8; CHALLENGE];
+    b[0..4].copy_from_slice(&CHALLENGE_MAGIC);
+    b[4..].copy_from_slice(&ns);
+    stream.write_all(&b).await?;
+    Ok(ns)
+}
+
+/// Checks a request's proof against the node's nonce `ns`: any proof in an
+/// open cluster (no `key`), the secret's otherwise.
+pub fn check_proof(
+    key: Option<&ClusterKey>,
+    ns: &[u8; NONCE_BYTES],
+    req: &ShmRequest,
+) -> Result<(), KvError> {
+    match key {
+        Some(k) => k.verify_shm_proof(req.segment_id, ns, &req.grant, &req.proof),
+        None => Ok(()),
+    }
+}
 
 fn encode_request(segment_id: SegmentId, g: &Grant) -> [u8; REQUEST] {
     let mut b = [0u8; REQUEST];
@@ -56,13 +105,10 @@ fn encode_request(segment_id: SegmentId, g: &Grant) -> [u8; REQUEST] {
     b
 }
 
-/// Reads a client's request for a segment (storage node side): the segment
-/// id it asks for and the grant it shows.
-pub async fn read_request(
-    stream: &mut tokio::net::UnixStream,
-) -> std::io::Result<(SegmentId, Grant)> {
+/// Reads a client's request for a segment and its proof (storage node side).
+pub async fn read_request(stream: &mut tokio::net::UnixStream) -> std::io::Result<ShmRequest> {
     use tokio::io::AsyncReadExt;
-    let mut b = [0u8; REQUEST];
+    let mut b = [0u8; REQUEST + PROOF];
     stream.read_exact(&mut b).await?;
     if b[0..4] != REQUEST_MAGIC {
         return Err(std::io::Error::other("not a kvpool shm request"));
@@ -70,9 +116,11 @@ pub async fn read_request(
     let u = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
     let mut mac = [0u8; 16];
     mac.copy_from_slice(&b[37..53]);
-    Ok((
-        u(4),
-        Grant {
+    let mut proof = [0u8; PROOF];
+    proof.copy_from_slice(&b[REQUEST..]);
+    Ok(ShmRequest {
+        segment_id: u(4),
+        grant: Grant {
             op: b[12],
             offset: u(13),
             len: u(21),
@@ -80,7 +128,8 @@ pub async fn read_request(
             term: u(53),
             mac,
         },
-    ))
+        proof,
+    })
 }
 
 /// Segment mappings open in this process (for leak checks).
@@ -160,11 +209,17 @@ unsafe impl Sync for ShmMap {}
 
 impl ShmMap {
     /// Connects to the segment's socket, shows `grant` (a grant the master
-    /// issued for a range of this segment; empty in an open cluster),
-    /// receives its memfd and maps it. Blocking (a local round trip);
+    /// issued for a range of this segment; empty in an open cluster) with
+    /// its proof of the cluster secret `key` over the node's challenge,
+    /// receives its memfd and maps it. Blocking (two local round trips);
     /// `timeout` bounds every wait.
-    pub fn open(segment_id: SegmentId, grant: &Grant, timeout: Duration) -> Result<Self, KvError> {
-        use std::io::Write;
+    pub fn open(
+        segment_id: SegmentId,
+        grant: &Grant,
+        key: Option<&ClusterKey>,
+        timeout: Duration,
+    ) -> Result<Self, KvError> {
+        use std::io::{Read, Write};
         let addr = SocketAddr::from_abstract_name(socket_name(segment_id).as_bytes())
             .map_err(|e| io_err("socket name", e))?;
         let mut stream = UnixStream::connect_addr(&addr).map_err(|e| io_err("connect", e))?;
@@ -174,9 +229,20 @@ impl ShmMap {
         stream
             .set_write_timeout(Some(timeout))
             .map_err(|e| io_err("set timeout", e))?;
+        let mut challenge = [0u8; CHALLENGE];
         stream
-            .write_all(&encode_request(segment_id, grant))
-            .map_err(|e| io_err("request", e))?;
+            .read_exact(&mut challenge)
+            .map_err(|e| io_err("challenge", e))?;
+        if challenge[0..4] != CHALLENGE_MAGIC {
+            return Err(io_err("challenge", "not a kvpool shm socket"));
+        }
+        let mut ns = [0u8; NONCE_BYTES];
+        ns.copy_from_slice(&challenge[4..]);
+        let proof = key.map_or([0u8; PROOF], |k| k.shm_proof(segment_id, &ns, grant));
+        let mut req = [0u8; REQUEST + PROOF];
+        req[..REQUEST].copy_from_slice(&encode_request(segment_id, grant));
+        req[REQUEST..].copy_from_slice(&proof);
+        stream.write_all(&req).map_err(|e| io_err("request", e))?;
         let mut head = [0u8; HEADER];
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
@@ -432,6 +498,18 @@ impl Drop for ShmMap {
 mod tests {
     use super::*;
 
+    /// The node's side of the exchange, before the segment: a challenge
+    /// out, the request and its proof in.
+    fn answer_challenge(s: &mut UnixStream) -> [u8; REQUEST + PROOF] {
+        use std::io::{Read, Write};
+        let mut c = [0u8; CHALLENGE];
+        c[0..4].copy_from_slice(&CHALLENGE_MAGIC);
+        s.write_all(&c).unwrap();
+        let mut req = [0u8; REQUEST + PROOF];
+        s.read_exact(&mut req).unwrap();
+        req
+    }
+
     #[test]
     fn a_memfd_passes_over_the_socket_and_both_sides_see_the_same_bytes() {
         let id = 0x5eed_0000_0000_0000 ^ std::process::id() as u64;
@@ -440,14 +518,13 @@ mod tests {
         let listener = listen(id).unwrap();
         let server = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
-            let mut req = [0u8; REQUEST];
-            std::io::Read::read_exact(&mut s, &mut req).unwrap();
+            let req = answer_challenge(&mut s);
             assert_eq!(req[0..4], REQUEST_MAGIC);
             assert_eq!(u64::from_le_bytes(req[4..12].try_into().unwrap()), id);
             send_segment(&s, id, 8192, fd.as_fd()).unwrap();
             fd
         });
-        let a = ShmMap::open(id, &Grant::default(), Duration::from_secs(5)).unwrap();
+        let a = ShmMap::open(id, &Grant::default(), None, Duration::from_secs(5)).unwrap();
         let fd = server.join().unwrap();
         assert_eq!(open_mappings(), 1);
         a.write_from(100, b"hello").unwrap();
@@ -479,12 +556,11 @@ mod tests {
         let listener = listen(id).unwrap();
         let server = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
-            let mut req = [0u8; REQUEST];
-            std::io::Read::read_exact(&mut s, &mut req).unwrap();
+            answer_challenge(&mut s);
             send_segment(&s, id, size as u64, fd.as_fd()).unwrap();
             fd
         });
-        let a = ShmMap::open(id, &Grant::default(), Duration::from_secs(5)).unwrap();
+        let a = ShmMap::open(id, &Grant::default(), None, Duration::from_secs(5)).unwrap();
         let _fd = server.join().unwrap();
         let before = a.populated_chunks();
         // A read across the first two chunks populates both, once.
@@ -513,7 +589,7 @@ mod tests {
 
     #[test]
     fn no_listener_is_unavailable() {
-        let e = ShmMap::open(0xdead_beef, &Grant::default(), Duration::from_secs(1))
+        let e = ShmMap::open(0xdead_beef, &Grant::default(), None, Duration::from_secs(1))
             .err()
             .expect("nobody serves this segment");
         assert_eq!(e.code, ErrorCode::Unavailable);

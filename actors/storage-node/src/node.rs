@@ -217,8 +217,11 @@ pub async fn start(
 }
 
 /// Hands the segment's memfd to same-host clients that connect to its
-/// abstract unix socket (the shm transport), until `shutdown`. Each answer is
-/// one small `sendmsg`; clients are served one at a time.
+/// abstract unix socket (the shm transport), until `shutdown`: a challenge,
+/// the client's request with its proof of the secret (with one), then one
+/// small `sendmsg`. Each client is served by a task of its own within
+/// [`SHM_EXCHANGE`]; at most [`SHM_CLIENTS`] at once (more are closed), so a
+/// client that connects and says nothing delays nobody.
 pub fn spawn_shm_server(
     svc: &StorageService,
     shutdown: kvpool_runtime::Shutdown,
@@ -231,19 +234,22 @@ pub fn spawn_shm_server(
     })?;
     std_listener.set_nonblocking(true)?;
     let listener = tokio::net::UnixListener::from_std(std_listener)?;
-    let segment = svc.segment.clone();
-    let id = svc.segment_id;
-    let key = svc.key.clone();
-    let skew_ms = svc.skew_ms;
-    let term = svc.term.clone();
-    let refusals = std::sync::Arc::new(std::sync::Mutex::new(RefusalCount::default()));
+    let server = Arc::new(ShmServer {
+        segment: svc.segment.clone(),
+        id: svc.segment_id,
+        key: svc.key.clone(),
+        skew_ms: svc.skew_ms,
+        term: svc.term.clone(),
+        refusals: std::sync::Mutex::new(RefusalCount::default()),
+    });
+    let slots = Arc::new(tokio::sync::Semaphore::new(SHM_CLIENTS));
     tokio::spawn(async move {
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
                 _ = shutdown.wait() => break,
             };
-            let mut stream = match accepted {
+            let stream = match accepted {
                 Ok((s, _)) => s,
                 Err(e) => {
                     tracing::warn!("shm accept failed: {e}");
@@ -251,41 +257,75 @@ pub fn spawn_shm_server(
                     continue;
                 }
             };
-            // The client's request (segment and grant) first, briefly.
-            let asked = tokio::time::timeout(
-                Duration::from_secs(1),
-                kvpool_transport::shm::read_request(&mut stream),
-            )
-            .await;
-            let grant = match asked {
-                Ok(Ok((seg, grant))) if seg == id => grant,
-                Ok(Ok((seg, _))) => {
-                    tracing::debug!("shm: a client asked for segment {seg:016x}");
-                    continue;
-                }
-                _ => continue,
-            };
-            let checked = match &key {
-                Some(k) => k.check_segment_access(&grant, id, GrantClock::now(skew_ms)),
-                None => Ok(()),
-            }
-            .and_then(|()| crate::gate::check_term(&term, &grant, key.as_ref()));
-            if let Err(e) = checked {
-                let mut r = refusals.lock().unwrap_or_else(|p| p.into_inner());
-                r.refused(&e);
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                tracing::debug!("shm: {SHM_CLIENTS} clients in their exchange; one closed");
                 continue;
-            }
-            let sent = stream.into_std().and_then(|s| {
-                s.set_nonblocking(false)?;
-                s.set_write_timeout(Some(Duration::from_secs(1)))?;
-                kvpool_transport::shm::send_segment(&s, id, segment.len(), segment.fd())
+            };
+            let server = server.clone();
+            tokio::spawn(async move {
+                let _slot = slot;
+                let _ = tokio::time::timeout(SHM_EXCHANGE, server.serve(stream)).await;
             });
-            if let Err(e) = sent {
-                tracing::warn!("shm: could not hand the segment to a client: {e}");
-            }
         }
     });
     Ok(())
+}
+
+/// Most clients in their shm exchange at once (a mapping is made once per
+/// segment and client process).
+const SHM_CLIENTS: usize = 64;
+
+/// Deadline of one client's shm exchange, from its connect to the segment.
+const SHM_EXCHANGE: Duration = Duration::from_secs(1);
+
+/// What the shm socket's tasks share.
+struct ShmServer {
+    segment: Arc<Segment>,
+    id: kvpool_transport::proto::SegmentId,
+    key: Option<ClusterKey>,
+    skew_ms: u64,
+    term: Arc<std::sync::atomic::AtomicU64>,
+    refusals: std::sync::Mutex<RefusalCount>,
+}
+
+impl ShmServer {
+    /// One client: challenge, request and proof, then the segment or a
+    /// close. No deadline of its own (the caller's).
+    async fn serve(&self, mut stream: tokio::net::UnixStream) {
+        use kvpool_transport::shm;
+        let Ok(ns) = shm::send_challenge(&mut stream).await else {
+            return;
+        };
+        let req = match shm::read_request(&mut stream).await {
+            Ok(r) if r.segment_id == self.id => r,
+            Ok(r) => {
+                tracing::debug!("shm: a client asked for segment {:016x}", r.segment_id);
+                return;
+            }
+            Err(_) => return,
+        };
+        let checked = shm::check_proof(self.key.as_ref(), &ns, &req)
+            .and_then(|()| match &self.key {
+                Some(k) => {
+                    k.check_segment_access(&req.grant, self.id, GrantClock::now(self.skew_ms))
+                }
+                None => Ok(()),
+            })
+            .and_then(|()| crate::gate::check_term(&self.term, &req.grant, self.key.as_ref()));
+        if let Err(e) = checked {
+            let mut r = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+            r.refused(&e);
+            return;
+        }
+        let sent = stream.into_std().and_then(|s| {
+            s.set_nonblocking(false)?;
+            s.set_write_timeout(Some(SHM_EXCHANGE))?;
+            shm::send_segment(&s, self.id, self.segment.len(), self.segment.fd())
+        });
+        if let Err(e) = sent {
+            tracing::warn!("shm: could not hand the segment to a client: {e}");
+        }
+    }
 }
 
 /// Refused shm requests, logged at most once a second.
