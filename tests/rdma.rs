@@ -306,3 +306,78 @@ fn rdma_required_without_a_device_is_a_start_up_error_not_a_fallback() {
         assert!(Client::connect(&node.addr, c).await.is_err());
     });
 }
+
+/// With a cluster secret (issue 29): the RDMA control connection proves the
+/// secret (the data handshake) and shows a grant before the node connects
+/// its queue pair, and the bytes go over RDMA for a client that holds it; a
+/// client with another secret is refused before any byte moves.
+#[test]
+fn with_a_cluster_secret_rdma_moves_the_bytes_of_clients_that_prove_it() {
+    if !device_or_skip("rdma with a secret") {
+        return;
+    }
+    const SECRET: &str = "rdma test secret of more than sixteen bytes";
+    let env = [("KVPOOL_SECRET", SECRET)];
+    let master = common::start_env("master", &common::ephemeral(&[]), &env);
+    let _node = common::start_env(
+        "storage",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "2",
+            "--master",
+            &master.addr,
+            "--segment-size",
+            "64MiB",
+        ],
+        &env,
+    );
+    let secured = |secret: &str| ClientConfig {
+        secret: kvpool_config::Secret::new(secret),
+        ..cfg(Transport::Rdma, 60_000)
+    };
+    let rt = common::rt();
+    rt.block_on(async {
+        let c = Client::connect(&master.addr, secured(SECRET))
+            .await
+            .expect("a client with the secret");
+        // The node mounts shortly after the master starts.
+        let end = Instant::now() + Duration::from_secs(10);
+        while let Err(e) = c.put(b"probe", b"p").await {
+            assert!(Instant::now() < end, "no node mounted within 10 s: {e}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(c.engine().rdma_enabled());
+        let st = c.engine().stats();
+        let before = st.rdma_bytes.load(Ordering::Relaxed);
+        let sizes = [MIB + 3, 16 * MIB];
+        for (i, &len) in sizes.iter().enumerate() {
+            let v = data(200 + i as u64, len);
+            let key = format!("secret-{len}");
+            c.put(key.as_bytes(), &v)
+                .await
+                .unwrap_or_else(|e| panic!("put {len}: {e}"));
+            let got = c.get(key.as_bytes()).await.unwrap();
+            assert_eq!(xxh3_64(&got), xxh3_64(&v), "bytes of {len}");
+        }
+        let total: usize = sizes.iter().sum();
+        assert_eq!(
+            st.rdma_bytes.load(Ordering::Relaxed) - before,
+            2 * total as u64,
+            "every put and get went over rdma under the secret"
+        );
+        assert_eq!(st.tcp_bytes.load(Ordering::Relaxed), 0);
+
+        let e = Client::connect(
+            &master.addr,
+            secured("another secret of more than sixteen bytes"),
+        )
+        .await
+        .err()
+        .expect("a client with another secret was let in");
+        assert_eq!(e.code, kvpool_client::ErrorCode::Unauthenticated, "{e}");
+    });
+}
