@@ -177,6 +177,16 @@ enum Cmd {
     /// Measure a running pool.
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// Write a model's tokenizer as Hugging Face files (tokenizer.json,
+    /// tokenizer_config.json) into DIR, so clients count tokens as the
+    /// engine does (load generators' `--tokenizer DIR`, transformers).
+    Tokenizer {
+        /// The folder to write (made if missing; the two files replaced).
+        dir: PathBuf,
+        /// `builtin:tiny`, `builtin:small` or a model folder.
+        #[arg(long, default_value = "builtin:small")]
+        model: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -286,6 +296,13 @@ fn main() -> ExitCode {
     }
     match cli.cmd {
         Cmd::Sim(cmd) => match kvpool_conductor::cli::run_sim_command(&cmd) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Cmd::Tokenizer { dir, model } => match write_tokenizer(&dir, &model) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -767,7 +784,7 @@ async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode,
     ccfg.ping_interval_ms = 0;
     let client = Client::connect(master, ccfg).await?;
     match cmd {
-        Cmd::Run { .. } | Cmd::Sim(_) | Cmd::Bench(_) | Cmd::Chat(_) => {
+        Cmd::Run { .. } | Cmd::Sim(_) | Cmd::Bench(_) | Cmd::Chat(_) | Cmd::Tokenizer { .. } => {
             unreachable!("handled in main")
         }
         Cmd::Put {
@@ -868,4 +885,19 @@ async fn client_cmd(master: &str, cfg: NodeConfig, cmd: Cmd) -> Result<ExitCode,
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `kvpool tokenizer`: the model's tokenizer.json and tokenizer_config.json
+/// into `dir`, each path printed.
+fn write_tokenizer(dir: &std::path::Path, model: &str) -> Result<(), String> {
+    let (tok, max_len) = kvpool_engine::loader::tokenizer_of(model).map_err(|e| e.to_string())?;
+    let json = tok.to_hf_json().map_err(|e| e.to_string())?;
+    let config = kvpool_engine::tokenizer::hf_tokenizer_config(&tok, max_len);
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for (name, text) in [("tokenizer.json", json), ("tokenizer_config.json", config)] {
+        let p = dir.join(name);
+        std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
+        println!("{}", p.display());
+    }
+    Ok(())
 }

@@ -883,16 +883,22 @@ fn killing_the_decode_engine_mid_stream_gives_a_whole_answer_or_an_error_event()
 /// else `python3` on PATH. `None` (after saying why) when it lacks the
 /// package, unless `KVPOOL_REQUIRE_EXTERNAL=1`.
 fn python_with_openai() -> Option<String> {
+    python_with("openai")
+}
+
+/// Python with the package `module` (pip's name too), as
+/// [`python_with_openai`].
+fn python_with(module: &str) -> Option<String> {
     let python = std::env::var("KVPOOL_PYTHON").unwrap_or_else(|_| "python3".into());
     let ok = std::process::Command::new(&python)
-        .args(["-c", "import openai"])
+        .args(["-c", &format!("import {module}")])
         .output()
         .is_ok_and(|o| o.status.success());
     if ok {
         return Some(python);
     }
     let why = format!(
-        "python with the openai package not found ({python:?}; pip install openai, and set \
+        "python with the {module} package not found ({python:?}; pip install {module}, and set \
          KVPOOL_PYTHON)"
     );
     if std::env::var("KVPOOL_REQUIRE_EXTERNAL").as_deref() == Ok("1") {
@@ -900,6 +906,92 @@ fn python_with_openai() -> Option<String> {
     }
     common::say_skip(&why);
     None
+}
+
+/// Issue 30, item 5: the engine's tokenizer as Hugging Face files, served
+/// through the front (`/kvpool/v1/tokenizer.json`, `tokenizer_config.json`)
+/// and written by `kvpool tokenizer DIR`: the two are the same, and both our
+/// loader and Hugging Face's own `tokenizers` package (pip) count a prompt
+/// as the engine's `usage.prompt_tokens` does (load generators miscounted).
+#[test]
+fn the_tokenizer_as_hugging_face_files_counts_a_prompt_as_the_engine_does() {
+    let (_all, found) = common::start_lines(
+        "all",
+        &common::ephemeral(&["--segment-size", "64MiB"]),
+        &[],
+        &["conductor"],
+    );
+    let front = found.get("conductor").expect("role all runs a conductor");
+    let (status, served) = common::http(front, "GET", "/kvpool/v1/tokenizer.json");
+    assert_eq!(status, 200, "{served}");
+    let (status, config) = common::http(front, "GET", "/kvpool/v1/tokenizer_config.json");
+    assert_eq!(status, 200, "{config}");
+    let config: Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(config["tokenizer_class"], "PreTrainedTokenizerFast");
+    assert_eq!(config["eos_token"], "</s>");
+    assert!(config["model_max_length"].as_u64().unwrap() > 0, "{config}");
+
+    let dir = std::env::temp_dir().join(format!("kvpool-tokenizer-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.display().to_string();
+    let (code, out, err) = kvpool(
+        &["tokenizer", &d, "--model", "builtin:tiny"],
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains("tokenizer.json") && out.contains("tokenizer_config.json"),
+        "{out}"
+    );
+    let file = dir.join("tokenizer.json");
+    let written: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    assert_eq!(written, serde_json::from_str::<Value>(&served).unwrap());
+    let (code, _, err) = kvpool(
+        &["tokenizer", &d, "--model", "builtin:nope"],
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(2));
+    assert!(err.contains("builtin:nope"), "{err}");
+
+    let prompt = "The pool holds h\u{e9}llo, \u{4f60}\u{597d} \u{1f980}\n  and <b>tags</b>";
+    let usage = post_ok(
+        front,
+        "/v1/completions",
+        &json!({"model": "builtin:tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}),
+    )["usage"]["prompt_tokens"]
+        .as_u64()
+        .unwrap();
+    let ours = kvpool_engine::tokenizer::Tokenizer::from_file(&file)
+        .unwrap()
+        .encode(prompt)
+        .unwrap();
+    assert_eq!(ours.len() as u64, usage, "our loader of the exported file");
+    let Some(python) = python_with("tokenizers") else {
+        return;
+    };
+    let out = std::process::Command::new(&python)
+        .args([
+            "-c",
+            "import sys; from tokenizers import Tokenizer; \
+             t = Tokenizer.from_file(sys.argv[1]); e = t.encode(sys.argv[2]); \
+             print(len(e.ids)); print(t.decode(e.ids) == sys.argv[2])",
+            file.to_str().unwrap(),
+            prompt,
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        text.trim(),
+        format!("{usage}\nTrue"),
+        "Hugging Face's tokenizers"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 const OPENAI_SCRIPT: &str = r#"

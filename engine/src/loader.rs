@@ -56,6 +56,33 @@ pub fn load(spec: &str) -> Result<LoadedModel, EngineError> {
     }
 }
 
+/// The tokenizer and context length of `spec` (as [`load`] names models),
+/// without its weights: what `kvpool tokenizer` exports.
+pub fn tokenizer_of(spec: &str) -> Result<(Tokenizer, usize), EngineError> {
+    match spec {
+        "builtin:tiny" => Ok((
+            Tokenizer::Bytes,
+            ModelConfig::builtin_tiny().max_position_embeddings,
+        )),
+        "builtin:small" => Ok((
+            Tokenizer::Bytes,
+            ModelConfig::builtin_small().max_position_embeddings,
+        )),
+        s if s.starts_with("builtin:") => Err(EngineError::Start(format!(
+            "unknown built-in model {s:?}: builtin:tiny or builtin:small"
+        ))),
+        dir => {
+            let dir = Path::new(dir);
+            let config_file = dir.join("config.json");
+            let text = String::from_utf8(read(&config_file)?)
+                .map_err(|_| EngineError::model(&config_file, "(file)", "not UTF-8"))?;
+            let cfg = ModelConfig::from_hf_json(&text, &config_file)?;
+            let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
+            Ok((tokenizer, cfg.max_position_embeddings))
+        }
+    }
+}
+
 /// Per-tensor record for the fingerprint.
 struct Fingerprint {
     config: String,

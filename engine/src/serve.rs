@@ -285,6 +285,8 @@ impl Engine {
         Router::new()
             .merge(admitted)
             .route("/v1/models", get(models))
+            .route(TOKENIZER_JSON, get(tokenizer_json))
+            .route(TOKENIZER_CONFIG, get(tokenizer_config))
             .route("/health", get(health))
             .route("/healthz", get(health))
             .route("/metrics", get(metrics_route))
@@ -1310,6 +1312,25 @@ async fn models(State(st): State<AppState>) -> Response {
         "kvpool": kv}]}),
     )
     .into_response()
+}
+
+/// Where the engine serves its tokenizer as a Hugging Face `tokenizer.json`
+/// (proxies and the conductor's front pass it on under the same path).
+pub const TOKENIZER_JSON: &str = "/kvpool/v1/tokenizer.json";
+/// ... and the `tokenizer_config.json` that goes beside it.
+pub const TOKENIZER_CONFIG: &str = "/kvpool/v1/tokenizer_config.json";
+
+async fn tokenizer_json(State(st): State<AppState>) -> Response {
+    match st.engine.tokenizer().to_hf_json() {
+        Ok(j) => ([(axum::http::header::CONTENT_TYPE, "application/json")], j).into_response(),
+        Err(e) => ApiError::internal(e.to_string()).into_response(),
+    }
+}
+
+async fn tokenizer_config(State(st): State<AppState>) -> Response {
+    let e = &st.engine.inner;
+    let j = crate::tokenizer::hf_tokenizer_config(st.engine.tokenizer(), e.max_model_len);
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], j).into_response()
 }
 
 async fn tokenize(

@@ -393,6 +393,8 @@ impl Front {
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/models", get(models))
+            .route(crate::proxy::TOKENIZER_JSON, get(tokenizer_file))
+            .route(crate::proxy::TOKENIZER_CONFIG, get(tokenizer_file))
             .route("/health", get(healthz))
             .route("/healthz", get(healthz))
             .route("/metrics", get(metrics_route))
@@ -1879,6 +1881,48 @@ async fn models(State(f): State<Front>, headers: HeaderMap) -> Response {
         })
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// The served model's tokenizer files (`tokenizer.json`,
+/// `tokenizer_config.json`), from the first instance that is up, so a load
+/// generator counts tokens as the engines do.
+async fn tokenizer_file(
+    State(f): State<Front>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+) -> Response {
+    if let Err(e) = check_api_key(&f, &headers) {
+        return e.into_response();
+    }
+    let Some(link) = f
+        .inner
+        .prefill
+        .iter()
+        .chain(&f.inner.decode)
+        .find(|l| l.up())
+    else {
+        return ApiError::unavailable("no instance is up to give its tokenizer", "no_instance", 1)
+            .into_response();
+    };
+    let timeout = Duration::from_secs(10);
+    match http::get(
+        &link.addr,
+        uri.path(),
+        crate::proxy::MAX_ANSWER_BYTES,
+        timeout,
+    )
+    .await
+    {
+        Ok((s, body)) if s.is_success() => (
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response(),
+        Ok((s, body)) => ApiError::from_upstream(s, &body, &link.addr).into_response(),
+        Err(e) => {
+            ApiError::unavailable(format!("{}: {e}", link.addr), "upstream", 1).into_response()
+        }
+    }
 }
 
 async fn healthz(State(f): State<Front>) -> Response {

@@ -1227,7 +1227,7 @@ struct ProxyApp {
 }
 
 /// The proxy's HTTP routes: the two generation routes (prefill or decode,
-/// by role), `/tokenize` and `/v1/models` passed through, `/v1/load` (the
+/// by role), `/tokenize`, `/v1/models` and the tokenizer files passed through, `/v1/load` (the
 /// report), `/healthz` (200 while the engine answers, 503 naming why not),
 /// `/metrics`.
 pub fn router(proxy: ProxyHandle, registry: MetricsRegistry, max_body_bytes: usize) -> Router {
@@ -1236,6 +1236,8 @@ pub fn router(proxy: ProxyHandle, registry: MetricsRegistry, max_body_bytes: usi
         .route("/v1/chat/completions", post(generate))
         .route("/tokenize", post(tokenize))
         .route("/v1/models", get(models))
+        .route(TOKENIZER_JSON, get(tokenizer_file))
+        .route(TOKENIZER_CONFIG, get(tokenizer_file))
         .route("/v1/load", get(load))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
@@ -1323,6 +1325,20 @@ async fn tokenize(State(app): State<ProxyApp>, body: Bytes) -> Response {
 
 async fn models(State(app): State<ProxyApp>) -> Response {
     match app.proxy.forward(Method::GET, "/v1/models", None).await {
+        Ok(u) => upstream_response(u),
+        Err(e) => e.api().into_response(),
+    }
+}
+
+/// Where an engine serves its tokenizer as a Hugging Face `tokenizer.json`
+/// (`kvpool tokenizer` writes the same files); proxies and the front pass
+/// both files on under the same paths.
+pub const TOKENIZER_JSON: &str = "/kvpool/v1/tokenizer.json";
+/// ... and the `tokenizer_config.json` that goes beside it.
+pub const TOKENIZER_CONFIG: &str = "/kvpool/v1/tokenizer_config.json";
+
+async fn tokenizer_file(State(app): State<ProxyApp>, uri: axum::http::Uri) -> Response {
+    match app.proxy.forward(Method::GET, uri.path(), None).await {
         Ok(u) => upstream_response(u),
         Err(e) => e.api().into_response(),
     }
