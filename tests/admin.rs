@@ -93,6 +93,13 @@ fn admin_http_describes_keys_lists_segments_and_removes_all() {
     assert_eq!(v["segments"].as_array().unwrap().len(), 1);
     assert_eq!(v["keys"], 2);
     assert_eq!(v["segments"][0]["capacity"], 64 << 20);
+    // Mooncake's route (SGLang's check_server): the names, one per line.
+    let (status, names) = common::http(&node.http, "GET", "/get_all_segments");
+    assert_eq!(status, 200);
+    assert_eq!(
+        names,
+        format!("{}\n", v["segments"][0]["name"].as_str().unwrap())
+    );
 
     // A get leases "two": remove_all leaves it, rm refuses it, rm --force works.
     let (code, _, _) = common::cli(m, &["get", "two"], None);

@@ -481,6 +481,8 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
         assert_eq!(status, 200, "{route}: {body}");
         assert!(body.contains("endpoint"), "{route}: {body}");
     }
+    let (status, body) = common::http(&master.http, "GET", "/get_all_segments");
+    assert_eq!(status, 401, "segment names without the secret: {body}");
     let (status, body) = common::http(&master.http, "POST", "/api/v1/remove_all");
     assert_eq!(status, 401, "{body}");
     assert!(body.contains("Unauthenticated"), "{body}");

@@ -19,6 +19,7 @@ metadata). A kvpool config file named by ``KVPOOL_CONFIG`` tunes the client
 
 from __future__ import annotations
 
+import enum
 import logging
 import operator
 import re
@@ -41,6 +42,11 @@ __all__ = [
     "SoftPinAction",
     "ObjectDataType",
     "mooncake_code_table",
+    "ReplicaStatus",
+    "ReplicaDescriptor",
+    "MemoryDescriptor",
+    "DiskDescriptor",
+    "Descriptor",
 ]
 
 # Mooncake exports ObjectDataType's values into the module.
@@ -88,6 +94,83 @@ def _parse_bool(v) -> bool:
     return str(v).strip().lower() in ("1", "true", "yes", "on")
 
 
+class ReplicaStatus(enum.IntEnum):
+    """Mooncake's replica states; kvpool reports only complete replicas."""
+
+    UNDEFINED = 0
+    INITIALIZED = 1
+    PROCESSING = 2
+    COMPLETE = 3
+    REMOVED = 4
+    FAILED = 5
+
+
+class Descriptor:
+    """Where a memory replica lies: ``size`` bytes at ``buffer_address``
+    (kvpool: the offset in its segment) behind ``transport_endpoint`` (the
+    storage shard's ``host:port``)."""
+
+    def __init__(self, size: int, buffer_address: int, transport_endpoint: str):
+        self.size = size
+        self.buffer_address = buffer_address
+        self.transport_endpoint = transport_endpoint
+
+    def __repr__(self) -> str:
+        return (f"Descriptor(size={self.size}, buffer_address={self.buffer_address}, "
+                f"transport_endpoint={self.transport_endpoint!r})")
+
+
+class MemoryDescriptor:
+    """A DRAM replica's ``buffer_descriptor``."""
+
+    def __init__(self, buffer_descriptor: Descriptor):
+        self.buffer_descriptor = buffer_descriptor
+
+
+class DiskDescriptor:
+    """An NVMe replica: ``file_path`` names its segment and location
+    (``nvme://<segment id>/<location>``; kvpool's tier has no file per
+    object), ``object_size`` its bytes."""
+
+    def __init__(self, file_path: str, object_size: int):
+        self.file_path = file_path
+        self.object_size = object_size
+
+
+class ReplicaDescriptor:
+    """One replica of an object, as ``get_replica_desc`` gives it."""
+
+    def __init__(self, tier: str, size: int, offset: int, endpoint: str, segment: str,
+                 local: bool):
+        self.status = ReplicaStatus.COMPLETE
+        self._tier = tier
+        self._local = local
+        self._memory = MemoryDescriptor(Descriptor(size, offset, endpoint))
+        self._disk = DiskDescriptor(f"nvme://{segment}/{offset:x}", size)
+
+    def is_memory_replica(self) -> bool:
+        return self._tier == "memory"
+
+    def is_disk_replica(self) -> bool:
+        return self._tier == "disk"
+
+    def is_local_disk_replica(self) -> bool:
+        return self._tier == "disk" and self._local
+
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        if not self.is_memory_replica():
+            raise RuntimeError("not a memory replica")
+        return self._memory
+
+    def get_disk_descriptor(self) -> DiskDescriptor:
+        if not self.is_disk_replica():
+            raise RuntimeError("not a disk replica")
+        return self._disk
+
+    def __repr__(self) -> str:
+        return f"ReplicaDescriptor({self._tier}, size={self._memory.buffer_descriptor.size})"
+
+
 class MooncakeDistributedStore(_MooncakeStore):
     """Mooncake's ``MooncakeDistributedStore`` on kvpool.
 
@@ -108,6 +191,38 @@ class MooncakeDistributedStore(_MooncakeStore):
         if not args and list(kwargs) == ["config"] and isinstance(kwargs["config"], dict):
             return self._setup_dict(kwargs["config"])
         return _setup_positional(self, *args, **kwargs)
+
+    def get_replica_desc(self, key: str) -> list:
+        """The replicas of ``key`` (``ReplicaDescriptor``), ``[]`` when it
+        has none that can be read. Holds a read lease on the object, as a
+        get does."""
+        descs = self._replica_descs([key])[0]
+        return [ReplicaDescriptor(*d) for d in descs or []]
+
+    def batch_get_replica_desc(self, keys: list) -> dict:
+        """``{key: [ReplicaDescriptor, ...]}`` for the keys that have
+        replicas to read; the others are left out, as Mooncake does."""
+        keys = list(keys)
+        out = {}
+        for k, descs in zip(keys, self._replica_descs(keys)):
+            if descs:
+                out[k] = [ReplicaDescriptor(*d) for d in descs]
+        return out
+
+    def alloc_from_mem_pool(self, size: int) -> int:
+        """``size`` bytes of shareable host memory (as Mooncake's standalone
+        client gives): its address, or 0 when it cannot be had. Not
+        registered: ``register_buffer(ptr, size)`` it before pointer calls.
+        ``MooncakeHostMemAllocator().free(ptr)`` gives it back; what is not
+        given back goes with the process."""
+        size = operator.index(size)
+        if size <= 0:
+            return 0
+        try:
+            return MooncakeHostMemAllocator().alloc(size)
+        except RuntimeError as e:
+            _log.warning("alloc_from_mem_pool(%d): %s", size, e)
+            return 0
 
     def _setup_dict(self, config: dict) -> int:
         cfg = {str(k): str(v) for k, v in config.items()}

@@ -979,6 +979,64 @@ impl Store {
         Ok(r.unwrap_or_else(|c| vec![c; n]))
     }
 
+    /// For each key, its replicas as `(tier, size, offset, endpoint,
+    /// segment id, on this host)` tuples, or `None` when it has none that
+    /// can be read (missing, still being put, or the query failed): what
+    /// `get_replica_desc` / `batch_get_replica_desc` wrap. Like a get, the
+    /// query holds a read lease on each object it finds.
+    #[allow(clippy::type_complexity)]
+    fn _replica_descs(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<Option<Vec<(String, u64, u64, String, String, bool)>>>> {
+        let keys = keys_of(keys)?;
+        let n = keys.len();
+        let Some(inner) = self.state() else {
+            return Ok(vec![None; n]);
+        };
+        let here = kvpool_client::local_host_id();
+        let r = run(py, async move {
+            let mut out = Vec::with_capacity(n);
+            for chunk in keys.chunks(MAX_BATCH) {
+                let req = kvpool_transport::proto::call::BatchGet {
+                    keys: chunk.to_vec(),
+                };
+                match inner.client.call(req).await {
+                    Ok(lists) => out.extend(lists.into_iter().map(|l| {
+                        let reps =
+                            Result::<Vec<kvpool_transport::proto::ReplicaDesc>, KvError>::from(l)
+                                .ok()?;
+                        if reps.is_empty() {
+                            return None;
+                        }
+                        Some(
+                            reps.iter()
+                                .map(|r| {
+                                    let tier = match r.tier {
+                                        kvpool_transport::proto::Tier::Dram => "memory",
+                                        kvpool_transport::proto::Tier::Nvme => "disk",
+                                    };
+                                    (
+                                        tier.to_string(),
+                                        r.len,
+                                        r.offset,
+                                        r.endpoint.shard_addr(r.data_shard()),
+                                        format!("{:016x}", r.segment_id),
+                                        r.host_id == here,
+                                    )
+                                })
+                                .collect(),
+                        )
+                    })),
+                    Err(_) => out.extend(std::iter::repeat_n(None, chunk.len())),
+                }
+            }
+            out
+        });
+        Ok(r.unwrap_or_else(|_| vec![None; n]))
+    }
+
     /// The size of the object under `key`, or a negative code (-704 a
     /// miss).
     #[pyo3(signature = (key, /))]

@@ -15,6 +15,7 @@ from kvpool.mooncake import (
     BufferHandle,
     MooncakeDistributedStore,
     MooncakeHostMemAllocator,
+    ReplicaStatus,
     ReplicateConfig,
     SoftPinAction,
     mooncake_code_table,
@@ -422,6 +423,41 @@ def test_host_mem_allocator(store, keys):
     assert store.unregister_buffer(p) == 0
     assert a.free(p) == 0
     assert a.free(p) == -1
+
+
+def test_alloc_from_mem_pool_gives_memory_to_register(store, keys):
+    # Issue 31, item 4: vLLM's staging ring takes its memory from here.
+    p = store.alloc_from_mem_pool(1 << 20)
+    assert p != 0
+    assert store.register_buffer(p, 1 << 20) == 0
+    arr = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * (1 << 20)).from_address(p))
+    arr[:3] = np.frombuffer(b"mem", dtype=np.uint8)
+    assert store.put_from(keys("amp"), p, 3) == 0
+    assert store.get(keys("amp")) == b"mem"
+    assert store.unregister_buffer(p) == 0
+    assert MooncakeHostMemAllocator().free(p) == 0
+    assert store.alloc_from_mem_pool(0) == 0
+
+
+def test_replica_descriptors_as_vllm_reads_them(store, keys):
+    # Issue 31, item 4: vLLM's tier logging calls batch_get_replica_desc.
+    k = keys("rd")
+    assert store.put(k, b"x" * 5000) == 0
+    missing = keys("rd-missing")
+    descs = store.batch_get_replica_desc([k, missing])
+    assert list(descs) == [k], "a key without replicas is left out"
+    (r,) = descs[k]
+    assert r.status == ReplicaStatus.COMPLETE
+    assert r.is_memory_replica() and not r.is_disk_replica()
+    assert not r.is_local_disk_replica()
+    d = r.get_memory_descriptor().buffer_descriptor
+    assert d.size == 5000
+    host, port = d.transport_endpoint.rsplit(":", 1)
+    assert host and int(port) > 0
+    assert store.get_replica_desc(missing) == []
+    assert [x.get_memory_descriptor().buffer_descriptor.size
+            for x in store.get_replica_desc(k)] == [5000]
+    assert MooncakeDistributedStore().batch_get_replica_desc([k]) == {}, "not set up"
 
 
 def test_code_table_covers_every_kvpool_code_and_matches_readme():

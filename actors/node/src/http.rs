@@ -89,6 +89,7 @@ pub async fn serve(
         .route("/metrics", get(metrics))
         .route("/api/v1/keys/{key}", get(describe_key))
         .route("/api/v1/segments", get(segments))
+        .route("/get_all_segments", get(all_segment_names))
         .route("/api/v1/remove_all", post(remove_all))
         .with_state(state);
     tokio::spawn(kvpool_runtime::http::serve(
@@ -300,6 +301,23 @@ async fn segments(State(st): State<HttpState>, headers: HeaderMap) -> Response {
             "evicted_bytes": s.evicted_bytes,
         }))
         .into_response(),
+        Err(r) => r,
+    }
+}
+
+/// `GET /get_all_segments`: the mounted segments' names, one per line, as
+/// Mooncake's master answers it (SGLang's `check_server` waits for a
+/// non-empty answer before it uses the store); with a secret, for its
+/// holders only.
+async fn all_segment_names(State(st): State<HttpState>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&st, &headers, "/get_all_segments") {
+        return error_response(&e);
+    }
+    match admin_call(&st, call::Stat).await {
+        Ok(s) => {
+            let names: String = s.segments.iter().map(|g| format!("{}\n", g.name)).collect();
+            ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], names).into_response()
+        }
         Err(r) => r,
     }
 }
