@@ -840,6 +840,112 @@ impl Store {
         Ok(r.unwrap_or_else(|c| c))
     }
 
+    /// Mooncake's `get_into_ranges`: for buffer `i` and its key `j`, each
+    /// fragment `k` copies `all_sizes[i][j][k]` bytes at
+    /// `all_src_offsets[i][j][k]` of the value into `buffer_ptrs[i] +
+    /// all_dst_offsets[i][j][k]`. `results[i][j][k]` is the bytes copied or
+    /// a negative code: -600 for lists of different shapes, a source range
+    /// past the value, or a destination outside registered host memory;
+    /// -704 for a missing key. Each value is read whole and its checksum
+    /// checked (the checksum covers the whole value), then its fragments
+    /// are copied: a range is never handed out unchecked.
+    #[pyo3(signature = (buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes))]
+    fn get_into_ranges(
+        &self,
+        py: Python<'_>,
+        buffer_ptrs: Vec<usize>,
+        all_keys: Vec<Bound<'_, PyAny>>,
+        all_dst_offsets: Vec<Vec<Vec<usize>>>,
+        all_src_offsets: Vec<Vec<Vec<usize>>>,
+        all_sizes: Vec<Vec<Vec<usize>>>,
+    ) -> PyResult<Vec<Vec<Vec<i64>>>> {
+        let keys: Vec<Vec<Vec<u8>>> = all_keys.iter().map(keys_of).collect::<PyResult<_>>()?;
+        // Every entry starts as -600 and becomes a size or a code once its
+        // fragment is served.
+        let mut results: Vec<Vec<Vec<i64>>> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, ks)| {
+                (0..ks.len())
+                    .map(|j| {
+                        let n = all_sizes.get(i).and_then(|s| s.get(j)).map_or(0, Vec::len);
+                        vec![INVALID_PARAMS; n]
+                    })
+                    .collect()
+            })
+            .collect();
+        let Some(inner) = self.state() else {
+            return Ok(results);
+        };
+        let outer = [
+            all_dst_offsets.len(),
+            all_src_offsets.len(),
+            all_sizes.len(),
+        ];
+        if outer.iter().any(|&n| n != buffer_ptrs.len()) || keys.len() != buffer_ptrs.len() {
+            return Ok(results);
+        }
+        // (i, j) of every key whose fragment lists agree in shape.
+        let mut wanted: Vec<(usize, usize)> = Vec::new();
+        for (i, ks) in keys.iter().enumerate() {
+            let (d, s, z) = (&all_dst_offsets[i], &all_src_offsets[i], &all_sizes[i]);
+            if d.len() != ks.len() || s.len() != ks.len() || z.len() != ks.len() {
+                continue;
+            }
+            for j in 0..ks.len() {
+                if d[j].len() == z[j].len() && s[j].len() == z[j].len() {
+                    wanted.push((i, j));
+                }
+            }
+        }
+        let fetched = run(py, async {
+            let mut values = Vec::with_capacity(wanted.len());
+            for chunk in wanted.chunks(MAX_BATCH) {
+                let ks: Vec<&[u8]> = chunk.iter().map(|&(i, j)| keys[i][j].as_slice()).collect();
+                match inner.client.batch_get(&ks).await {
+                    Ok(v) => values.extend(v),
+                    Err(e) => values.extend(chunk.iter().map(|_| Err(e.clone()))),
+                }
+            }
+            values
+        });
+        let values = match fetched {
+            Ok(v) => v,
+            Err(_) => return Ok(results),
+        };
+        for (&(i, j), value) in wanted.iter().zip(values) {
+            let out = &mut results[i][j];
+            let value = match value {
+                Ok(v) => v,
+                Err(e) => {
+                    out.fill(mooncake_code(&e));
+                    continue;
+                }
+            };
+            for k in 0..out.len() {
+                let (src, size) = (all_src_offsets[i][j][k], all_sizes[i][j][k]);
+                let Some(dst) = buffer_ptrs[i].checked_add(all_dst_offsets[i][j][k]) else {
+                    continue;
+                };
+                let in_value = src.checked_add(size).is_some_and(|end| end <= value.len());
+                let range = [(dst, size)];
+                if !in_value
+                    || !inner.regs.covers(dst, size)
+                    || inner.regs.device_of(&range).is_some()
+                {
+                    continue;
+                }
+                // SAFETY: Mooncake's contract for `get_into_ranges`: the
+                // range lies in registered host memory (checked) that the
+                // caller keeps valid and does not touch during the call.
+                let d = unsafe { memory::slice_mut(dst, size) };
+                d.copy_from_slice(&value[src..src + size]);
+                out[k] = size as i64;
+            }
+        }
+        Ok(results)
+    }
+
     /// `put_from` of each key; per key 0 or a negative code.
     #[pyo3(signature = (keys, buffer_ptrs, sizes, config = None))]
     fn batch_put_from(

@@ -460,6 +460,40 @@ def test_replica_descriptors_as_vllm_reads_them(store, keys):
     assert MooncakeDistributedStore().batch_get_replica_desc([k]) == {}, "not set up"
 
 
+def test_get_into_ranges_copies_checked_fragments(store, keys):
+    # Issue 31, item 4: Mooncake's ranged read, results per buffer, key, fragment.
+    a, b, gone = keys("gr-a"), keys("gr-b"), keys("gr-gone")
+    va = bytes(range(256)) * 16
+    vb = b"0123456789" * 100
+    assert store.put(a, va) == 0 and store.put(b, vb) == 0
+    buf0 = np.zeros(8192, dtype=np.uint8)
+    buf1 = np.zeros(4096, dtype=np.uint8)
+    p0, p1 = buf0.ctypes.data, buf1.ctypes.data
+    assert store.register_buffer(p0, buf0.nbytes) == 0
+    assert store.register_buffer(p1, buf1.nbytes) == 0
+    try:
+        r = store.get_into_ranges(
+            [p0, p1],
+            [[a, b], [b, gone]],
+            [[[0, 100], [200]], [[10], [0]]],
+            [[[5, 4000], [990]], [[0], [0]]],
+            [[[10, 96], [10]], [[20], [4]]],
+        )
+        assert r == [[[10, 96], [10]], [[20], [-704]]]
+        assert buf0[:10].tobytes() == va[5:15]
+        assert buf0[100:196].tobytes() == va[4000:4096]
+        assert buf0[200:210].tobytes() == vb[990:1000]
+        assert buf1[10:30].tobytes() == vb[:20]
+        # Past the value, outside the registered buffer, shapes that differ.
+        r = store.get_into_ranges([p0], [[a]], [[[0, 8190]]], [[[4090, 0]]], [[[10, 4]]])
+        assert r == [[[-600, -600]]]
+        assert store.get_into_ranges([p0], [[a]], [[[0]]], [[[0]]], [[[1], [2]]]) == [[[-600]]]
+        assert store.get_into_ranges([p0, p1], [[a]], [[[0]]], [[[0]]], [[[1]]]) == [[[-600]]]
+    finally:
+        store.unregister_buffer(p0)
+        store.unregister_buffer(p1)
+
+
 def test_code_table_covers_every_kvpool_code_and_matches_readme():
     import kvpool
     table = mooncake_code_table()
