@@ -895,8 +895,12 @@ fn write_tokenizer(dir: &std::path::Path, model: &str) -> Result<(), String> {
     let config = kvpool_engine::tokenizer::hf_tokenizer_config(&tok, max_len);
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     for (name, text) in [("tokenizer.json", json), ("tokenizer_config.json", config)] {
+        // Whole or not at all: written beside, then renamed over.
         let p = dir.join(name);
-        std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
+        let tmp = dir.join(format!(".{name}.tmp"));
+        std::fs::write(&tmp, text)
+            .and_then(|()| std::fs::rename(&tmp, &p))
+            .map_err(|e| format!("{}: {e}", p.display()))?;
         println!("{}", p.display());
     }
     Ok(())

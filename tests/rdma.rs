@@ -319,22 +319,7 @@ fn with_a_cluster_secret_rdma_moves_the_bytes_of_clients_that_prove_it() {
     const SECRET: &str = "rdma test secret of more than sixteen bytes";
     let env = [("KVPOOL_SECRET", SECRET)];
     let master = common::start_env("master", &common::ephemeral(&[]), &env);
-    let _node = common::start_env(
-        "storage",
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--shards",
-            "2",
-            "--master",
-            &master.addr,
-            "--segment-size",
-            "64MiB",
-        ],
-        &env,
-    );
+    let _node = common::start_storage_env(&master.addr, "64MiB", &[], &env);
     let secured = |secret: &str| ClientConfig {
         secret: kvpool_config::Secret::new(secret),
         ..cfg(Transport::Rdma, 60_000)

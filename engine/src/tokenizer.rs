@@ -98,12 +98,11 @@ impl Tokenizer {
     /// prepended, `</s>` 257. One difference: a prompt holding the literal
     /// text `<s>` or `</s>` is one special token there, bytes here.
     pub fn to_hf_json(&self) -> Result<String, EngineError> {
-        let hf = match self {
-            Tokenizer::Hf(t) => return Ok(t.to_string(false).unwrap_or_default()),
-            Tokenizer::Bytes => byte_level_hf()?,
+        let written = match self {
+            Tokenizer::Hf(t) => t.to_string(false),
+            Tokenizer::Bytes => byte_level_hf()?.to_string(true),
         };
-        hf.to_string(true)
-            .map_err(|e| EngineError::BadRequest(format!("tokenizer.json: {e}")))
+        written.map_err(|e| EngineError::BadRequest(format!("tokenizer.json: {e}")))
     }
 }
 

@@ -32,6 +32,10 @@ use crate::{config, runtime, staged};
 /// Keys per master request: batches are cut into pieces of this many (the
 /// master refuses more than `master.max_batch`, 4096 by default).
 const MAX_BATCH: usize = 1024;
+
+/// Values `get_into_ranges` reads at once: each is held whole (its checksum
+/// checked) until its fragments are copied, so this bounds its memory.
+const RANGES_BATCH: usize = 16;
 /// Soft pin of `with_soft_pin` without a TTL (Mooncake's default pin TTL).
 const DEFAULT_SOFT_PIN_TTL_MS: u64 = 30 * 60 * 1000;
 /// `health_check`'s bound on asking the master.
@@ -898,41 +902,16 @@ impl Store {
                 }
             }
         }
-        let fetched = run(py, async {
-            let mut values = Vec::with_capacity(wanted.len());
-            for chunk in wanted.chunks(MAX_BATCH) {
-                let ks: Vec<&[u8]> = chunk.iter().map(|&(i, j)| keys[i][j].as_slice()).collect();
-                match inner.client.batch_get(&ks).await {
-                    Ok(v) => values.extend(v),
-                    Err(e) => values.extend(chunk.iter().map(|_| Err(e.clone()))),
-                }
-            }
-            values
-        });
-        let values = match fetched {
-            Ok(v) => v,
-            Err(_) => return Ok(results),
-        };
-        for (&(i, j), value) in wanted.iter().zip(values) {
-            let out = &mut results[i][j];
-            let value = match value {
-                Ok(v) => v,
-                Err(e) => {
-                    out.fill(mooncake_code(&e));
-                    continue;
-                }
-            };
-            for k in 0..out.len() {
+        let regs = &inner.regs;
+        let copy = |out: &mut Vec<i64>, (i, j): (usize, usize), value: Vec<u8>| {
+            for (k, slot) in out.iter_mut().enumerate() {
                 let (src, size) = (all_src_offsets[i][j][k], all_sizes[i][j][k]);
                 let Some(dst) = buffer_ptrs[i].checked_add(all_dst_offsets[i][j][k]) else {
                     continue;
                 };
                 let in_value = src.checked_add(size).is_some_and(|end| end <= value.len());
-                let range = [(dst, size)];
-                if !in_value
-                    || !inner.regs.covers(dst, size)
-                    || inner.regs.device_of(&range).is_some()
-                {
+                let host = regs.covers(dst, size) && regs.device_of(&[(dst, size)]).is_none();
+                if !in_value || !host {
                     continue;
                 }
                 // SAFETY: Mooncake's contract for `get_into_ranges`: the
@@ -940,9 +919,29 @@ impl Store {
                 // caller keeps valid and does not touch during the call.
                 let d = unsafe { memory::slice_mut(dst, size) };
                 d.copy_from_slice(&value[src..src + size]);
-                out[k] = size as i64;
+                *slot = size as i64;
             }
-        }
+        };
+        let client = &inner.client;
+        // A call that cannot run (a forked child) leaves every entry at -600.
+        let _ = run(py, async {
+            // A few values at a time, each dropped once its fragments are
+            // copied.
+            for chunk in wanted.chunks(RANGES_BATCH) {
+                let ks: Vec<&[u8]> = chunk.iter().map(|&(i, j)| keys[i][j].as_slice()).collect();
+                let values = match client.batch_get(&ks).await {
+                    Ok(v) => v,
+                    Err(e) => chunk.iter().map(|_| Err(e.clone())).collect(),
+                };
+                for (&(i, j), value) in chunk.iter().zip(values) {
+                    let out = &mut results[i][j];
+                    match value {
+                        Ok(v) => copy(out, (i, j), v),
+                        Err(e) => out.fill(mooncake_code(&e)),
+                    }
+                }
+            }
+        });
         Ok(results)
     }
 

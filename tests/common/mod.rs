@@ -362,6 +362,11 @@ pub fn write_config(dir: &std::path::Path, name: &str, text: &str) -> String {
 /// `kvpool run --role storage` on ephemeral ports, 2 shards, `size` of DRAM,
 /// mounted at `master`; `extra` flags first (e.g. `--config FILE`).
 pub fn start_storage(master: &str, size: &str, extra: &[&str]) -> Proc {
+    start_storage_env(master, size, extra, &[])
+}
+
+/// [`start_storage`] with extra environment variables.
+pub fn start_storage_env(master: &str, size: &str, extra: &[&str], env: &[(&str, &str)]) -> Proc {
     let mut a: Vec<&str> = extra.to_vec();
     a.extend_from_slice(&[
         "--listen",
@@ -375,7 +380,7 @@ pub fn start_storage(master: &str, size: &str, extra: &[&str]) -> Proc {
         "--segment-size",
         size,
     ]);
-    start("storage", &a)
+    start_env("storage", &a, env)
 }
 
 /// `127.0.0.1:PORT` with `n` free ports from PORT on, outside the kernel's

@@ -742,10 +742,10 @@ impl Client {
     /// Following a leader (HA): a master that answers `NotLeader`, cannot be
     /// reached or did not answer in time, or that the source says another
     /// master has replaced (a call waiting for it ends then), sends the
-    /// client looking for the leader; the request goes again to the new one when that is safe (the
-    /// old one said `NotLeader`, so did nothing that counts, or the request
-    /// is idempotent). Otherwise its error is returned, and the next call
-    /// goes to the new leader.
+    /// client looking for the leader; the request goes again to the new one
+    /// when that is safe (the old one said `NotLeader`, so did nothing that
+    /// counts, or the request is idempotent). Otherwise its error is
+    /// returned, and the next call goes to the new leader.
     async fn send(&self, req: MasterRequest) -> Result<MasterResponse, KvError> {
         if !self.inner.source.follows() {
             return self.send_on(&self.view(), req).await;

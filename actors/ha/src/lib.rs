@@ -626,10 +626,25 @@ async fn observe(
     newest: Arc<watch::Sender<Option<Elected>>>,
     mut stop: oneshot::Receiver<()>,
 ) {
+    // One channel for every stream (it reconnects by itself); made again
+    // only when it could not be made.
+    let mut etcd = None;
     loop {
+        if etcd.is_none() {
+            match url.connect() {
+                Ok(e) => etcd = Some(e),
+                Err(e) => tracing::debug!("following the election on etcd: {e}"),
+            }
+        }
+        let Some(conn) = etcd.as_ref() else {
+            tokio::select! {
+                _ = &mut stop => return,
+                () = tokio::time::sleep(RETRY_PAUSE) => continue,
+            }
+        };
         tokio::select! {
             _ = &mut stop => return,
-            why = observe_once(&url, &newest) => {
+            why = observe_once(conn, &url, &newest) => {
                 tracing::debug!("following the election on etcd: {why}; opening it again");
             }
         }
@@ -641,11 +656,11 @@ async fn observe(
 }
 
 /// One `Observe` stream into `newest`; why it ended.
-async fn observe_once(url: &EtcdUrl, newest: &watch::Sender<Option<Elected>>) -> String {
-    let etcd = match url.connect() {
-        Ok(e) => e,
-        Err(e) => return e,
-    };
+async fn observe_once(
+    etcd: &Etcd,
+    url: &EtcdUrl,
+    newest: &watch::Sender<Option<Elected>>,
+) -> String {
     let mut stream = match within(etcd.observe(url.election()), "observe").await {
         Ok(s) => s,
         Err(e) => return e,
