@@ -796,10 +796,12 @@ fn killing_the_decode_engine_mid_stream_gives_a_whole_answer_or_an_error_event()
         let (status, _) = read_head(&mut r);
         assert_eq!(status, 200);
         let mut got: Vec<u64> = Vec::new();
+        let mut text = String::new();
         let mut killed = None;
         let (evs, done) = read_stream(&mut r, |v| {
             if let Some(c) = v["choices"].get(0) {
                 got.extend(ids(&c["token_ids"]));
+                text.push_str(c["text"].as_str().unwrap_or(""));
             }
             if killed.is_none() && got.len() >= 20 {
                 // The engine whose proxy holds the stream.
@@ -820,12 +822,35 @@ fn killing_the_decode_engine_mid_stream_gives_a_whole_answer_or_an_error_event()
         );
         assert!(done, "the stream ended without [DONE]: {evs:?}");
         let error = evs.iter().find(|v| v.get("error").is_some()).cloned();
-        (got, error, killed.expect("an engine was killed"))
+        (got, text, error, killed.expect("an engine was killed"))
     };
 
+    // An engine continuing another's stream first sends the text the other
+    // held back: here two bytes of a euro sign (the built-in tokenizer's
+    // ids are bytes), of which the client got nothing.
+    let mut held = p.clone();
+    held.extend([0xe2, 0x82]);
+    let mut body = greedy(&held, 8);
+    body["kvpool_resume"] = json!({"generated_tokens": 2, "text_sent_bytes": 0});
+    let v = post_ok(&mono.addr, "/v1/completions", &body);
+    let mut bytes = vec![0xe2u8, 0x82];
+    bytes.extend(
+        ids(&v["choices"][0]["token_ids"])
+            .iter()
+            .filter(|&&t| t < 256)
+            .map(|&t| t as u8),
+    );
+    assert_eq!(
+        v["choices"][0]["text"].as_str().unwrap(),
+        String::from_utf8_lossy(&bytes),
+        "the held-back bytes lead the continued text"
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+
     // Two decode engines: the answer continues on the other one.
-    let want =
-        ids(&post_ok(&mono.addr, "/v1/completions", &greedy(&p, n))["choices"][0]["token_ids"]);
+    let mono_answer = post_ok(&mono.addr, "/v1/completions", &greedy(&p, n));
+    let want = ids(&mono_answer["choices"][0]["token_ids"]);
+    let want_text = mono_answer["choices"][0]["text"].as_str().unwrap();
     assert_eq!(want.len(), n);
     // With ignore_eos the answer holds end-of-sequence tokens (id 257): the
     // engine streams their ids too, or a continuation would lose them.
@@ -834,7 +859,7 @@ fn killing_the_decode_engine_mid_stream_gives_a_whole_answer_or_an_error_event()
         eos_at.is_some_and(|i| i > 40),
         "no EOS after the kill point: {eos_at:?}"
     );
-    let (got, error, killed) = run(&mut de);
+    let (got, text, error, killed) = run(&mut de);
     assert!(
         error.is_none(),
         "an error event although another engine was up: {error:?}"
@@ -842,8 +867,13 @@ fn killing_the_decode_engine_mid_stream_gives_a_whole_answer_or_an_error_event()
     assert_eq!(got.len(), n, "a whole answer");
     assert_eq!(got[..20], want[..20]);
     // Greedy, the continuation (the prompt and the 20+ tokens sent, as one
-    // prompt on the other engine) gives the uninterrupted answer.
+    // prompt on the other engine) gives the uninterrupted answer, and its
+    // text, byte for byte (what the dead engine held back included).
     assert_eq!(got, want, "the continued answer differs from one engine's");
+    assert_eq!(
+        text, want_text,
+        "the continued text differs from one engine's"
+    );
     assert_eq!(
         metric(
             &front.addr,
@@ -867,7 +897,7 @@ fn killing_the_decode_engine_mid_stream_gives_a_whole_answer_or_an_error_event()
 
     // The last decode engine dies mid-stream too: an error event, then
     // [DONE], within the deadline; never a cut stream.
-    let (got, error, _) = run(&mut de);
+    let (got, _, error, _) = run(&mut de);
     let error = error.expect("an error event");
     assert!(got.len() >= 20 && got.len() < n, "{}", got.len());
     assert!(

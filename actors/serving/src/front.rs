@@ -1476,6 +1476,10 @@ impl DecodeRun {
         let mut generated: Vec<u32> = Vec::new();
         let mut ids_complete = true;
         let mut sent_any = false;
+        // Bytes of text the client got: a continuation starts its text
+        // there, so what the failed engine held back (part of a character,
+        // a possible stop-string prefix) is not lost.
+        let mut text_sent = 0usize;
         loop {
             let end = self
                 .relay(
@@ -1483,6 +1487,7 @@ impl DecodeRun {
                     &mut generated,
                     &mut ids_complete,
                     &mut sent_any,
+                    &mut text_sent,
                 )
                 .await;
             let why = match end {
@@ -1521,7 +1526,7 @@ impl DecodeRun {
                 generated.len()
             );
             self.served.decode = d;
-            let body = self.continuation(&generated, remaining);
+            let body = self.continuation(&generated, text_sent, remaining);
             let link = self.front.inner.decode[d].clone();
             answer = match self
                 .front
@@ -1540,11 +1545,13 @@ impl DecodeRun {
 
     /// The request that continues a stream: the prompt and the tokens sent
     /// so far as one token-id prompt, the rest of the budget, the same
-    /// sampling settings.
-    fn continuation(&self, generated: &[u32], remaining: Option<u64>) -> Value {
+    /// sampling settings, and how much of those tokens' text the client
+    /// got (`kvpool_resume`: the engine sends the rest first).
+    fn continuation(&self, generated: &[u32], text_sent: usize, remaining: Option<u64>) -> Value {
         let mut prompt = self.served.prompt.clone();
         prompt.extend_from_slice(generated);
-        let mut body = json!({"prompt": prompt});
+        let mut body = json!({"prompt": prompt, "kvpool_resume": {
+            "generated_tokens": generated.len(), "text_sent_bytes": text_sent}});
         for k in [
             "model",
             "temperature",
@@ -1574,6 +1581,7 @@ impl DecodeRun {
         generated: &mut Vec<u32>,
         ids_complete: &mut bool,
         sent_any: &mut bool,
+        text_sent: &mut usize,
     ) -> StreamEnd {
         let stall = Duration::from_millis(self.front.inner.cfg.stall_timeout_ms);
         let mut reader = sse::Reader::new();
@@ -1656,6 +1664,7 @@ impl DecodeRun {
                             .first_token_seconds
                             .observe(self.served.arrived.elapsed().as_secs_f64());
                     }
+                    *text_sent += text.len();
                     if !self.send(Piece::Text { text, ids }).await {
                         return StreamEnd::Gone;
                     }
