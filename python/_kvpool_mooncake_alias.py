@@ -3,8 +3,9 @@
 Installed at site-packages' root with a .pth file, so it runs at every
 interpreter start. It does nothing unless ``KVPOOL_AS_MOONCAKE=1``; then
 ``import mooncake.store`` (and ``from mooncake.store import ...``) give
-``kvpool.mooncake``, and ``mooncake.async_store`` gives
-``kvpool.mooncake_async``, so unmodified programs written for Mooncake run on
+``kvpool.mooncake``, ``mooncake.async_store`` gives
+``kvpool.mooncake_async`` and ``mooncake.mooncake_config`` gives
+``kvpool.mooncake_config``, so unmodified programs written for Mooncake run on
 kvpool. ``mooncake``'s other modules are not provided. Without the variable,
 an installed Mooncake wheel is untouched.
 """
@@ -16,6 +17,7 @@ import sys
 _ALIASES = {
     "mooncake.store": "kvpool.mooncake",
     "mooncake.async_store": "kvpool.mooncake_async",
+    "mooncake.mooncake_config": "kvpool.mooncake_config",
 }
 
 

@@ -24,6 +24,7 @@ import logging
 import operator
 import re
 
+from kvpool import _tensor
 from kvpool._buffer import BufferHandle
 from kvpool._native import (
     MooncakeHostMemAllocator,
@@ -224,6 +225,63 @@ class MooncakeDistributedStore(_MooncakeStore):
             _log.warning("alloc_from_mem_pool(%d): %s", size, e)
             return 0
 
+    # Tensors (Mooncake's tensor object format: a 304-byte header, then the
+    # bytes; see kvpool._tensor). torch is imported on first use.
+
+    def _write_tensor(self, key, tensor, config, replace: bool) -> int:
+        try:
+            header, data = _tensor.tensor_parts(tensor)
+        except (TypeError, ValueError) as e:
+            _log.error("tensor %r: %s", key, e)
+            return INVALID_PARAMS
+        write = self.upsert_parts if replace else self.put_parts
+        return write(key, header, data, config=config)
+
+    def put_tensor(self, key: str, tensor) -> int:
+        """Stores a torch tensor (a device tensor is copied to the host
+        first). 0 or a negative code (-600 for what is not a tensor of one
+        of Mooncake's 15 dtypes, or one with an empty dimension, which
+        Mooncake's format has not)."""
+        return self._write_tensor(key, tensor, None, False)
+
+    def pub_tensor(self, key: str, tensor, config: ReplicateConfig = None) -> int:
+        """``put_tensor`` with a ``ReplicateConfig``."""
+        return self._write_tensor(key, tensor, config, False)
+
+    def upsert_tensor(self, key: str, tensor, config: ReplicateConfig = None) -> int:
+        """``put_tensor`` that replaces what is stored under ``key``."""
+        return self._write_tensor(key, tensor, config, True)
+
+    def batch_put_tensor(self, keys: list, tensors_list: list) -> list:
+        """``put_tensor`` of each pair: a code per key."""
+        return self._write_tensors(keys, tensors_list, None, False)
+
+    def batch_pub_tensor(self, keys: list, tensors_list: list,
+                         config: ReplicateConfig = None) -> list:
+        """``pub_tensor`` of each pair: a code per key."""
+        return self._write_tensors(keys, tensors_list, config, False)
+
+    def batch_upsert_tensor(self, keys: list, tensors_list: list,
+                            config: ReplicateConfig = None) -> list:
+        """``upsert_tensor`` of each pair: a code per key."""
+        return self._write_tensors(keys, tensors_list, config, True)
+
+    def _write_tensors(self, keys, tensors, config, replace: bool) -> list:
+        keys, tensors = list(keys), list(tensors)
+        if len(keys) != len(tensors):
+            return [INVALID_PARAMS] * len(keys)
+        return [self._write_tensor(k, t, config, replace) for k, t in zip(keys, tensors)]
+
+    def get_tensor(self, key: str):
+        """The tensor stored under ``key``, on the CPU, or None (a miss, an
+        error, or a value that is not a tensor object)."""
+        return _tensor_or_none(key, self.get_buffer(key))
+
+    def batch_get_tensor(self, keys: list) -> list:
+        """``get_tensor`` of each key: a tensor or None per key."""
+        keys = list(keys)
+        return [_tensor_or_none(k, b) for k, b in zip(keys, self.batch_get_buffer(keys))]
+
     def _setup_dict(self, config: dict) -> int:
         cfg = {str(k): str(v) for k, v in config.items()}
         if "local_hostname" not in cfg or "metadata_server" not in cfg:
@@ -274,6 +332,16 @@ class MooncakeDistributedStore(_MooncakeStore):
             _log.warning("setup: tenant_id %r is ignored (kvpool has one namespace)", tenant_id)
         return self._setup_native(local_hostname, master_server_addr, global_segment_size,
                                   protocol, rdma_devices)
+
+
+def _tensor_or_none(key, buf):
+    if buf is None:
+        return None
+    try:
+        return _tensor.tensor_of(buf)
+    except ValueError as e:
+        _log.error("get_tensor %r: not a tensor object: %s", key, e)
+        return None
 
 
 def _setup_positional(self, local_hostname, metadata_server, global_segment_size,

@@ -1201,6 +1201,67 @@ impl Store {
         Ok(r.unwrap_or_else(|c| vec![c; n]))
     }
 
+    /// Clears the replicas of `keys` (Mooncake's `batch_replica_clear`):
+    /// the keys whose objects were removed. With `segment_name` empty every
+    /// key is removed as `remove` does (not one a reader holds a lease on,
+    /// or one still being put); with a segment's name (as the master's
+    /// `/get_all_segments` lists it, or its hex id), only the keys whose
+    /// every replica is in that segment: the pool keeps no object with
+    /// some of its replicas gone. Not atomic: a key replaced between the
+    /// look and the removal is removed in its new version.
+    #[pyo3(signature = (keys, segment_name = ""))]
+    fn batch_replica_clear<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        segment_name: &str,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let originals: Vec<Bound<'py, PyAny>> = keys.try_iter()?.collect::<PyResult<_>>()?;
+        let ks = keys_of(keys)?;
+        let Some(inner) = self.state() else {
+            return Ok(Vec::new());
+        };
+        let segment = segment_name.to_string();
+        let cleared = run(py, async move {
+            let ids: Option<Vec<u64>> = if segment.is_empty() {
+                None
+            } else {
+                let stat = inner.client.stat().await.ok()?;
+                Some(
+                    stat.segments
+                        .iter()
+                        .filter(|g| g.name == segment || format!("{:016x}", g.id) == segment)
+                        .map(|g| g.id)
+                        .collect(),
+                )
+            };
+            let mut out = vec![false; ks.len()];
+            for (i, k) in ks.iter().enumerate() {
+                if let Some(ids) = &ids {
+                    let Ok(info) = inner.client.describe(k).await else {
+                        continue;
+                    };
+                    let all_there = !info.replicas.is_empty()
+                        && info.replicas.iter().all(|r| ids.contains(&r.segment_id));
+                    if !all_there {
+                        continue;
+                    }
+                }
+                out[i] = inner.client.remove_with(k, false).await.is_ok();
+            }
+            Some(out)
+        });
+        let cleared = match cleared {
+            Ok(Some(c)) => c,
+            _ => return Ok(Vec::new()),
+        };
+        Ok(originals
+            .into_iter()
+            .zip(cleared)
+            .filter_map(|(k, c)| c.then_some(k))
+            .collect())
+    }
+
     /// Removes every complete object without a live lease (with `force`,
     /// leased ones too); how many went, or a negative code.
     #[pyo3(signature = (force = false))]

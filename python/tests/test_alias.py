@@ -28,6 +28,32 @@ def test_unmodified_mooncake_program_runs_on_kvpool(pool):
     assert "Hello, Mooncake Store!" in r.stdout
 
 
+def test_a_store_built_from_mooncake_config_load_from_env_works(pool, tmp_path):
+    # Mooncake's own tests build their store this way.
+    prog = (
+        "from mooncake.mooncake_config import MooncakeConfig\n"
+        "from mooncake.store import MooncakeDistributedStore\n"
+        "c = MooncakeConfig.load_from_env()\n"
+        "assert (c.global_segment_size, c.local_buffer_size) == (64 << 20, 16 << 20), c\n"
+        "s = MooncakeDistributedStore()\n"
+        "assert s.setup(c.local_hostname, c.metadata_server, c.global_segment_size,\n"
+        "               c.local_buffer_size, c.protocol, c.device_name,\n"
+        "               c.master_server_address) == 0\n"
+        "assert s.put('cfg/k', b'v' * 100) == 0 and s.get('cfg/k') == b'v' * 100\n"
+        "s.close(); print('ok')\n")
+    env = {"KVPOOL_AS_MOONCAKE": "1", "MOONCAKE_MASTER": pool.addr,
+           "MOONCAKE_GLOBAL_SEGMENT_SIZE": "64MB", "MOONCAKE_LOCAL_BUFFER_SIZE": "16 mb",
+           "MOONCAKE_PROTOCOL": "tcp"}
+    r = run(prog, env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+    # From a file, which must name the master.
+    f = tmp_path / "mooncake.json"
+    f.write_text('{"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE"}')
+    r = run("from mooncake.mooncake_config import MooncakeConfig; MooncakeConfig.load_from_env()",
+            {"KVPOOL_AS_MOONCAKE": "1", "MOONCAKE_CONFIG_PATH": str(f)})
+    assert r.returncode != 0 and "master_server_address" in r.stderr, r.stderr
+
+
 def test_the_alias_gives_kvpools_module():
     r = run("import mooncake.store, kvpool.mooncake; "
             "assert mooncake.store is kvpool.mooncake; "

@@ -387,6 +387,105 @@ def test_remove_all_counts_and_skips_leased(fresh_pool):
     s.close()
 
 
+def test_batch_replica_clear_removes_whole_objects_and_names_them(fresh_pool):
+    import kvpool
+
+    p = fresh_pool()
+    s = store_for(p.addr)
+    ks = ["rc0", "rc1", "rc2"]
+    for k in ks:
+        assert s.put(k, b"x" * 64) == 0
+    assert s.get("rc1") == b"x" * 64  # a reader's lease: not cleared
+    assert s.batch_replica_clear(ks + ["rc-missing"]) == ["rc0", "rc2"]
+    assert s.batch_is_exist(ks) == [0, 1, 0]
+    # By segment: only the keys whose replicas are all in the one named.
+    for k in ("rc3", "rc4"):
+        assert s.put(k, b"y" * 64) == 0
+    segs = kvpool.Client(p.addr).stat()["segments"]
+    assert len(segs) == 1
+    assert s.batch_replica_clear(["rc3"], "no-such-segment") == []
+    assert s.batch_replica_clear(["rc3"], segs[0]["name"]) == ["rc3"]
+    assert s.batch_replica_clear(["rc4"], f"{segs[0]['id']:016x}") == ["rc4"]
+    assert s.batch_is_exist(["rc3", "rc4"]) == [0, 0]
+    assert s.batch_replica_clear([]) == []
+    s.close()
+    assert MooncakeDistributedStore().batch_replica_clear(["rc1"]) == []
+
+
+def test_tensors_round_trip_in_mooncakes_format(store, keys):
+    # CI installs torch and sets KVPOOL_REQUIRE_TORCH=1: there a missing
+    # torch fails instead of skipping.
+    if os.environ.get("KVPOOL_REQUIRE_TORCH") == "1":
+        import torch
+    else:
+        torch = pytest.importorskip("torch", reason="the tensor calls need torch")
+    from kvpool import _tensor
+
+    cases = {
+        "f32": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "bf16": torch.linspace(-1, 1, 10, dtype=torch.bfloat16),
+        "bool": torch.tensor([[True, False], [False, True]]),
+        "i64-scalar": torch.tensor(7, dtype=torch.int64),
+        "f16-strided": torch.arange(20, dtype=torch.float16).reshape(4, 5).t(),
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        cases["fp8"] = torch.tensor([0.5, -2.0]).to(torch.float8_e4m3fn)
+    for name, t in cases.items():
+        k = keys(name)
+        assert store.put_tensor(k, t) == 0, name
+        got = store.get_tensor(k)
+        assert got.dtype == t.dtype and got.shape == t.shape, name
+        as_bytes = lambda x: x.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+        assert torch.equal(as_bytes(got), as_bytes(t)), name
+        # The stored value is Mooncake's: a 304-byte header, then the bytes.
+        raw = store.get(k)
+        assert len(raw) == 304 + t.numel() * t.element_size(), name
+        assert int.from_bytes(raw[:4], "little") == 0x4D4F4F4E
+        assert _tensor.decode_header(raw)[1] == tuple(t.shape)
+    # put is write-once (0, the stored tensor stays, as put), upsert
+    # replaces; batches answer per key.
+    k = keys("f32")
+    assert store.put_tensor(k, torch.ones(2)) == 0
+    assert torch.equal(store.get_tensor(k), cases["f32"])
+    assert store.upsert_tensor(k, torch.ones(2)) == 0
+    assert torch.equal(store.get_tensor(k), torch.ones(2))
+    bk = [keys("b0"), keys("b1")]
+    assert store.batch_put_tensor(bk, [torch.ones(3), torch.zeros(2, 2)]) == [0, 0]
+    got = store.batch_get_tensor(bk + [keys("missing")])
+    assert torch.equal(got[0], torch.ones(3)) and torch.equal(got[1], torch.zeros(2, 2))
+    assert got[2] is None
+    assert store.batch_upsert_tensor(bk, [torch.zeros(1), torch.ones(1)]) == [0, 0]
+    assert torch.equal(store.get_tensor(bk[1]), torch.ones(1))
+    assert store.pub_tensor(keys("pub"), torch.ones(4), ReplicateConfig()) == 0
+    # Not a tensor, or a dtype Mooncake has no code for: -600, nothing stored.
+    assert store.put_tensor(keys("np"), np.zeros(3)) == INVALID_PARAMS
+    assert store.put_tensor(keys("c64"), torch.zeros(2, dtype=torch.complex64)) == INVALID_PARAMS
+    assert store.is_exist(keys("c64")) == 0
+    # Mooncake's format has no empty dimension (its readers refuse one).
+    assert store.put_tensor(keys("empty"), torch.zeros(0, 5)) == INVALID_PARAMS
+    # A value that is not a tensor object reads as None, not as a tensor.
+    assert store.put(keys("plain"), b"\0" * 400) == 0
+    assert store.get_tensor(keys("plain")) is None
+    assert store.get_tensor(keys("missing")) is None
+
+
+def test_tensor_headers_are_checked_before_use():
+    from kvpool import _tensor
+
+    good = _tensor.encode_header(0, (2, 3), 24) + bytes(24)
+    assert _tensor.decode_header(good) == (0, (2, 3))
+    bad = {
+        "short": good[:100],
+        "magic": b"XXXX" + good[4:],
+        "dtype": good[:8] + (99).to_bytes(4, "little") + good[12:],
+        "data bytes": good + b"\0",
+        "shape": _tensor.encode_header(0, (2, 4), 24) + bytes(24),
+    }
+    for what, buf in bad.items():
+        with pytest.raises(ValueError):
+            _tensor.decode_header(buf)
+
+
 # --- configs, allocator, codes ------------------------------------------
 
 def test_replicate_config(store, keys):
