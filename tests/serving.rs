@@ -791,17 +791,23 @@ fn killing_the_decode_engine_mid_stream_gives_a_whole_answer_or_an_error_event()
     let run = |de: &mut [Proc; 2]| {
         let mut body = greedy(&p, n);
         body["stream"] = json!(true);
+        // Logprobs go on across the engines too.
+        body["logprobs"] = json!(1);
         let t0 = Instant::now();
         let mut r = BufReader::new(send(&front.addr, "/v1/completions", &body, &[]));
         let (status, _) = read_head(&mut r);
         assert_eq!(status, 200);
         let mut got: Vec<u64> = Vec::new();
         let mut text = String::new();
+        let mut offsets: Vec<u64> = Vec::new();
         let mut killed = None;
         let (evs, done) = read_stream(&mut r, |v| {
             if let Some(c) = v["choices"].get(0) {
                 got.extend(ids(&c["token_ids"]));
                 text.push_str(c["text"].as_str().unwrap_or(""));
+                if let Some(o) = c["logprobs"]["text_offset"].as_array() {
+                    offsets.extend(o.iter().map(|o| o.as_u64().unwrap()));
+                }
             }
             if killed.is_none() && got.len() >= 20 {
                 // The engine whose proxy holds the stream.
@@ -822,6 +828,12 @@ fn killing_the_decode_engine_mid_stream_gives_a_whole_answer_or_an_error_event()
         );
         assert!(done, "the stream ended without [DONE]: {evs:?}");
         let error = evs.iter().find(|v| v.get("error").is_some()).cloned();
+        if error.is_none() {
+            // One entry per token; offsets count from the answer's start
+            // on the second engine too (never back to 0).
+            assert_eq!(offsets.len(), got.len(), "a logprob per token");
+            assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+        }
         (got, text, error, killed.expect("an engine was killed"))
     };
 
@@ -1025,7 +1037,7 @@ fn the_tokenizer_as_hugging_face_files_counts_a_prompt_as_the_engine_does() {
 }
 
 const OPENAI_SCRIPT: &str = r#"
-import json, sys
+import json, math, sys
 from openai import OpenAI
 c = OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=120)
 out = {}
@@ -1060,6 +1072,34 @@ whole = c.completions.create(model="builtin:tiny", prompt="The pool holds", max_
                              temperature=0)
 out["completion"] = {"text": text, "finish": finish, "whole": whole.choices[0].text}
 out["models"] = [m.id for m in c.models.list()]
+# Issue 30, item 4: logprobs (greedy: the sampled token is the most likely
+# one), and echo.
+r = c.chat.completions.create(model="builtin:tiny", messages=msgs, max_tokens=6,
+                              temperature=0, logprobs=True, top_logprobs=3)
+lp = r.choices[0].logprobs.content
+out["chat_logprobs"] = {
+    "n": len(lp), "usage": r.usage.completion_tokens,
+    "tops": [len(t.top_logprobs) for t in lp],
+    "greedy": all(t.logprob == t.top_logprobs[0].logprob for t in lp),
+    "bytes": b"".join(bytes(t.bytes) for t in lp).decode("utf-8", "replace")
+             == r.choices[0].message.content}
+s = c.chat.completions.create(model="builtin:tiny", messages=msgs, max_tokens=6,
+                              temperature=0, logprobs=True, top_logprobs=3, stream=True)
+out["chat_logprobs"]["streamed"] = [t.logprob for ch in s for cc in ch.choices
+                                    if cc.logprobs for t in cc.logprobs.content]
+out["chat_logprobs"]["whole"] = [t.logprob for t in lp]
+r = c.completions.create(model="builtin:tiny", prompt="The pool holds", max_tokens=5,
+                         temperature=0, logprobs=2)
+l = r.choices[0].logprobs
+out["completion_logprobs"] = {
+    "n": len(l.tokens), "lps": len(l.token_logprobs), "tops": [len(t) for t in l.top_logprobs],
+    "offsets": l.text_offset, "text": r.choices[0].text, "max": max(l.token_logprobs)}
+e = c.completions.create(model="builtin:tiny", prompt="The pool holds", max_tokens=10,
+                         temperature=0, echo=True)
+out["echo"] = e.choices[0].text
+s = c.completions.create(model="builtin:tiny", prompt="The pool holds", max_tokens=10,
+                         temperature=0, echo=True, stream=True)
+out["echo_streamed"] = "".join(cc.text for ch in s for cc in ch.choices)
 # Content as OpenAI's list of parts (guidellm's chat mode sends it): the
 # same prompt as the string.
 parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
@@ -1128,6 +1168,43 @@ fn the_openai_python_client_streams_a_chat_and_a_completion_from_role_all() {
     assert_eq!(comp["finish"], "length", "{v}");
     assert_eq!(comp["text"], comp["whole"], "{v}");
     assert_eq!(v["models"], json!(["builtin:tiny"]));
+    // Issue 30, item 4: logprobs and echo through the front.
+    let lp = &v["chat_logprobs"];
+    assert_eq!(lp["n"], 6, "one entry per generated token: {v}");
+    assert_eq!(lp["usage"], 6, "{v}");
+    assert_eq!(lp["tops"], json!([3, 3, 3, 3, 3, 3]), "{v}");
+    assert_eq!(lp["greedy"], true, "{v}");
+    assert_eq!(lp["bytes"], true, "the tokens' bytes make the text: {v}");
+    assert_eq!(lp["streamed"], lp["whole"], "{v}");
+    let lp = &v["completion_logprobs"];
+    assert_eq!(
+        (lp["n"].as_u64(), lp["lps"].as_u64()),
+        (Some(5), Some(5)),
+        "{v}"
+    );
+    // Two alternatives, plus the sampled token when it is not one of them
+    // (no two tokens share a string: parts of characters read `bytes:\x..`).
+    assert!(
+        lp["tops"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|t| t == 2 || t == 3),
+        "{v}"
+    );
+    assert!(lp["max"].as_f64().unwrap() <= 0.0, "{v}");
+    // Offsets rise through the text and stay inside it.
+    let offsets: Vec<u64> = ids(&lp["offsets"]);
+    assert_eq!(offsets[0], 0, "{v}");
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{v}");
+    let chars = lp["text"].as_str().unwrap().chars().count() as u64;
+    assert!(offsets.iter().all(|&o| o < chars), "{v}");
+    assert_eq!(
+        v["echo"],
+        format!("The pool holds{}", comp["whole"].as_str().unwrap()),
+        "{v}"
+    );
+    assert_eq!(v["echo_streamed"], v["echo"], "{v}");
     // Issue 30, item 4: content parts, /health, error bodies on 404 and 405.
     assert_eq!(v["parts"], chat["whole"], "{v}");
     assert_eq!(v["image"][0], 400, "{v}");

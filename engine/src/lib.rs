@@ -9,11 +9,13 @@
 //! * [`pool`]: importing a prompt's cached chunks, storing new ones.
 //! * [`scheduler`]: the model thread: admission, chunked prefill, batched
 //!   decode, sampling ([`sampling`]).
-//! * [`serve`]: `kvpool run --role engine`, vLLM's HTTP API subset.
+//! * [`serve`]: `kvpool run --role engine`, vLLM's HTTP API subset
+//!   ([`logprobs`]: OpenAI's logprobs fields and answers).
 
 pub mod error;
 pub mod kv;
 pub mod loader;
+pub mod logprobs;
 pub mod metrics;
 pub mod model;
 pub mod model_config;

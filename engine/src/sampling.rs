@@ -20,6 +20,9 @@ pub struct SamplingParams {
     pub max_tokens: usize,
     /// Keep going after an end-of-sequence token.
     pub ignore_eos: bool,
+    /// Report each generated token's logprob and this many alternatives'
+    /// (`None`: no logprobs).
+    pub logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -30,6 +33,7 @@ impl Default for SamplingParams {
             seed: None,
             max_tokens: 16,
             ignore_eos: false,
+            logprobs: None,
         }
     }
 }
@@ -45,6 +49,11 @@ impl SamplingParams {
         }
         if self.max_tokens == 0 {
             return Err("max_tokens must be at least 1".into());
+        }
+        if self.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            return Err(format!(
+                "at most {MAX_TOP_LOGPROBS} top logprobs per token may be asked for"
+            ));
         }
         Ok(())
     }
@@ -122,6 +131,70 @@ impl Sampler {
     }
 }
 
+/// Most alternatives a request may ask for per token (vLLM's default
+/// `max_logprobs`).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// What a logprob of minus infinity is reported as (JSON has no infinity;
+/// vLLM's choice).
+pub const LOGPROB_FLOOR: f32 = -9999.0;
+
+/// The log-probability of a sampled token and of the most likely tokens,
+/// under the model's own distribution (the log-softmax of the raw logits,
+/// before temperature and top-p: what vLLM reports by default).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// Up to the asked number of `(token, logprob)`, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The logprobs of `token` and the `top` most likely tokens of `logits`.
+/// A NaN logit has probability 0; logits with no finite maximum report
+/// every token at [`LOGPROB_FLOOR`] (nothing here panics).
+pub fn logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = if max.is_finite() {
+        let sum: f32 = logits
+            .iter()
+            .filter(|l| !l.is_nan())
+            .map(|&l| (l - max).exp())
+            .sum();
+        max + sum.ln()
+    } else {
+        f32::NAN
+    };
+    let of = |l: f32| -> f32 {
+        let v = l - lse;
+        if v.is_finite() {
+            v.max(LOGPROB_FLOOR)
+        } else {
+            LOGPROB_FLOOR
+        }
+    };
+    let logprob = logits.get(token as usize).map_or(LOGPROB_FLOOR, |&l| of(l));
+    let k = top.min(MAX_TOP_LOGPROBS).min(logits.len());
+    // The k largest, kept sorted (k is small): highest first, ties by id.
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if l.is_nan() {
+                continue;
+            }
+            if best.len() == k && l <= best[k - 1].1 {
+                continue;
+            }
+            let at = best.partition_point(|&(_, b)| b >= l);
+            best.insert(at, (i as u32, l));
+            best.truncate(k);
+        }
+    }
+    TokenLogprobs {
+        logprob,
+        top: best.into_iter().map(|(t, l)| (t, of(l))).collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,6 +253,25 @@ mod tests {
         for _ in 0..100 {
             assert_eq!(s.sample(&[f32::NAN, 9.0, 0.0, f32::NAN]), 1);
         }
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_and_the_top_ones_come_first() {
+        let logits = [1.0f32, 3.0, 2.0, f32::NAN, 0.0];
+        let lp = logprobs(&logits, 2, 2);
+        let z: f32 = [1.0f32, 3.0, 2.0, 0.0].iter().map(|l| l.exp()).sum();
+        assert!((lp.logprob - (2.0 - z.ln())).abs() < 1e-5, "{lp:?}");
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 2]);
+        assert!((lp.top[0].1 - (3.0 - z.ln())).abs() < 1e-5);
+        let total: f32 = (0..5).map(|t| logprobs(&logits, t, 0).logprob.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-4, "{total}");
+        // NaN has no probability; no finite maximum reports the floor.
+        assert_eq!(logprobs(&logits, 3, 0).logprob, LOGPROB_FLOOR);
+        let none = logprobs(&[f32::NAN; 3], 0, 5);
+        assert_eq!(none.logprob, LOGPROB_FLOOR);
+        assert!(none.top.is_empty());
+        // Asking for more than there are, or than the cap, is bounded.
+        assert_eq!(logprobs(&logits, 0, 50).top.len(), 4);
     }
 
     #[test]

@@ -34,7 +34,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::kv::SeqKv;
 use crate::metrics::EngineMetrics;
 use crate::model::{Llama, Step};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{logprobs, Sampler, SamplingParams, TokenLogprobs};
 
 /// Why a sequence stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,8 +59,8 @@ impl Finish {
 pub enum Event {
     /// The prompt is done: how many of its tokens were computed.
     Prefilled { computed: usize },
-    /// A generated token.
-    Token(u32),
+    /// A generated token, with its logprobs when the request asked.
+    Token(u32, Option<TokenLogprobs>),
     /// The sequence ended.
     Done(Finish),
     /// The engine failed this sequence.
@@ -355,10 +355,15 @@ fn prefill_piece(
         return false;
     }
     let token = r.sampler.sample(&logits[0]);
+    let lp = r
+        .req
+        .params
+        .logprobs
+        .map(|k| logprobs(&logits[0], token, k));
     // The first token of the answer: generated too (was left out, so the
     // counter read one token short per request).
     metrics.generated_tokens.inc();
-    emit(r, token)
+    emit(r, token, lp)
 }
 
 /// Seals the prompt's full chunks computed here and queues them for the pool.
@@ -399,9 +404,9 @@ fn store_new_chunks(
 }
 
 /// Handles a sampled token; false when the sequence is over.
-fn emit(r: &mut Running, token: u32) -> bool {
+fn emit(r: &mut Running, token: u32, lp: Option<TokenLogprobs>) -> bool {
     r.generated += 1;
-    if !r.send(Event::Token(token)) {
+    if !r.send(Event::Token(token, lp)) {
         return false;
     }
     let eos = !r.req.params.ignore_eos && r.req.eos.contains(&token);
@@ -460,8 +465,9 @@ fn decode_step(
             for (&i, l) in which.iter().zip(&logits) {
                 let r = &mut running[i];
                 let token = r.sampler.sample(l);
+                let lp = r.req.params.logprobs.map(|k| logprobs(l, token, k));
                 metrics.generated_tokens.inc();
-                if !emit(r, token) {
+                if !emit(r, token, lp) {
                     ended.push(i);
                 }
             }
@@ -549,7 +555,7 @@ mod tests {
     fn tokens(rx: &mut mpsc::Receiver<Event>) -> Vec<u32> {
         let mut out = Vec::new();
         while let Ok(e) = rx.try_recv() {
-            if let Event::Token(t) = e {
+            if let Event::Token(t, _) = e {
                 out.push(t);
             }
         }

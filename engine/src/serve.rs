@@ -522,7 +522,7 @@ impl Generation {
         match tokio::time::timeout_at(self.deadline, self.events.recv()).await {
             Ok(e) => {
                 match &e {
-                    Some(Event::Token(_)) if self.first_token => {
+                    Some(Event::Token(..)) if self.first_token => {
                         self.first_token = false;
                         let s = self.arrived.elapsed().as_secs_f64();
                         self.time_to_first_token.observe(s);
@@ -766,7 +766,8 @@ struct CommonFields {
     kvpool_resume: Option<Resume>,
     /// Only 1 is supported.
     n: Option<usize>,
-    /// Not supported: refused when set.
+    /// A completion's count of alternatives, a chat's true or false
+    /// (with `top_logprobs` in `rest`): [`crate::logprobs::asked`].
     logprobs: Option<Value>,
     /// Every other field: those of OpenAI's API this engine does not apply
     /// are refused when they ask for something ([`refuse_unsupported`]);
@@ -779,15 +780,15 @@ struct CommonFields {
 /// they ask for something other than their default: silently ignoring
 /// `echo`, penalties, tools or a JSON response format would answer a
 /// different request than the one sent (issue 30).
-fn refuse_unsupported(rest: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+fn refuse_unsupported(rest: &serde_json::Map<String, Value>, chat: bool) -> Result<(), ApiError> {
     let asks = |k: &str, v: &Value| -> bool {
         match (k, v) {
             (_, Value::Null) => false,
-            ("echo", v) => *v != Value::Bool(false),
+            // A completion's echo is served ([`echo_of`]); a chat has none.
+            ("echo", v) => chat && *v != Value::Bool(false),
             ("best_of", v) => v.as_u64() != Some(1),
             ("presence_penalty" | "frequency_penalty", v) => v.as_f64() != Some(0.0),
             ("repetition_penalty", v) => v.as_f64() != Some(1.0),
-            ("top_logprobs", v) => v.as_u64() != Some(0),
             ("logit_bias" | "functions" | "tools", v) => {
                 !(v.as_object().is_some_and(|o| o.is_empty())
                     || v.as_array().is_some_and(|a| a.is_empty()))
@@ -820,6 +821,10 @@ fn refuse_unsupported(rest: &serde_json::Map<String, Value>) -> Result<(), ApiEr
 struct Resume {
     generated_tokens: usize,
     text_sent_bytes: usize,
+    /// The answer is a chat's: `logprobs` / `top_logprobs` are read and
+    /// answered in the chat form (the continuation itself is a completion).
+    #[serde(default)]
+    chat: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -899,17 +904,15 @@ impl AppState {
         prompt: Vec<u32>,
         c: &CommonFields,
         default_max: Option<usize>,
+        chat: bool,
     ) -> Result<GenRequest, ApiError> {
         if c.n.is_some_and(|n| n != 1) {
             return Err(ApiError::bad("n other than 1 is not supported"));
         }
-        if c.logprobs
-            .as_ref()
-            .is_some_and(|l| !l.is_null() && *l != Value::Bool(false))
-        {
-            return Err(ApiError::bad("logprobs are not supported"));
-        }
-        refuse_unsupported(&c.rest)?;
+        let logprobs =
+            crate::logprobs::asked(c.logprobs.as_ref(), c.rest.get("top_logprobs"), chat)
+                .map_err(ApiError::bad)?;
+        refuse_unsupported(&c.rest, chat)?;
         let e = &self.engine.inner;
         let room = e.max_model_len.saturating_sub(prompt.len());
         let max_tokens = c
@@ -925,6 +928,7 @@ impl AppState {
                 seed: c.seed,
                 max_tokens,
                 ignore_eos: c.ignore_eos,
+                logprobs,
             },
             kv_transfer: c.kv_transfer_params.clone(),
         })
@@ -961,8 +965,10 @@ async fn completions(
         let b: CompletionBody = parse(body)?;
         st.check_model(&b.common.model)?;
         let prompt = st.prompt_tokens(b.prompt)?;
-        let g = st.gen_request(prompt, &b.common, Some(16))?;
-        respond(&st, g, b.common, false, admission, rid.as_deref()).await
+        let chat_logprobs = b.common.kvpool_resume.is_some_and(|r| r.chat);
+        let g = st.gen_request(prompt, &b.common, Some(16), chat_logprobs)?;
+        let echo = echo_of(&st, &b.common, &g)?;
+        respond(&st, g, b.common, false, echo, admission, rid.as_deref()).await
     }
     .await;
     with_request_id(
@@ -983,14 +989,34 @@ async fn chat_completions(
         st.check_model(&b.common.model)?;
         let text = chat_text(&b.messages)?;
         let prompt = st.engine.tokenizer().encode(&text)?;
-        let g = st.gen_request(prompt, &b.common, None)?;
-        respond(&st, g, b.common, true, admission, rid.as_deref()).await
+        let g = st.gen_request(prompt, &b.common, None, true)?;
+        respond(&st, g, b.common, true, None, admission, rid.as_deref()).await
     }
     .await;
     with_request_id(
         r.unwrap_or_else(IntoResponse::into_response),
         rid.as_deref(),
     )
+}
+
+/// A completion's `echo`: the prompt's text, which the answer starts with
+/// (`None` unless asked). With logprobs it is refused: they would have to
+/// cover the prompt's tokens, which this engine does not compute.
+fn echo_of(st: &AppState, c: &CommonFields, g: &GenRequest) -> Result<Option<String>, ApiError> {
+    match c.rest.get("echo") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(None),
+        Some(Value::Bool(true)) if g.params.logprobs.is_some() => Err(ApiError::bad(
+            "`echo` with `logprobs` is not supported: the prompt's logprobs are not computed",
+        )),
+        Some(Value::Bool(true)) if c.kvpool_resume.is_some() => Err(ApiError::bad(
+            "`echo` and `kvpool_resume` together: a continued answer does not start again",
+        )),
+        Some(Value::Bool(true)) => {
+            let bytes = st.engine.tokenizer().decode_bytes(&g.prompt);
+            Ok(Some(String::from_utf8_lossy(&bytes).into_owned()))
+        }
+        Some(_) => Err(ApiError::bad("`echo` is true or false")),
+    }
 }
 
 /// Generated text so far, with stop strings applied.
@@ -1146,10 +1172,20 @@ async fn respond(
     g: GenRequest,
     c: CommonFields,
     chat: bool,
+    echo: Option<String>,
     admission: Admission,
     request_id: Option<&str>,
 ) -> Result<Response, ApiError> {
     let prompt_ids = g.prompt.clone();
+    let chat_logprobs = chat || c.kvpool_resume.is_some_and(|r| r.chat);
+    let mut lps = g.params.logprobs.map(|_| {
+        let mut b = crate::logprobs::Builder::new(chat_logprobs);
+        if let Some(r) = c.kvpool_resume {
+            let from = prompt_ids.len().saturating_sub(r.generated_tokens);
+            b.resume(st.engine.tokenizer(), &prompt_ids[from..]);
+        }
+        b
+    });
     let mut text = TextState::new(c.stop.clone());
     if let Some(r) = c.kvpool_resume {
         text.resume(&prompt_ids, r, st.engine.tokenizer())?;
@@ -1172,15 +1208,19 @@ async fn respond(
     }
     let created = now_s();
     if c.stream {
-        return Ok(stream_response(
-            st.clone(),
+        return Ok(stream_response(StreamAnswer {
+            st: st.clone(),
             gen,
             text,
             id,
             created,
             chat,
-            c.return_token_ids,
-        ));
+            token_ids: c.return_token_ids,
+            echo,
+            logprobs: lps,
+            first: true,
+            done: false,
+        }));
     }
     let finish;
     let mut computed = 0;
@@ -1189,7 +1229,10 @@ async fn respond(
             Some(Event::Prefilled { computed: n }) => computed = n,
             // Every token is in the ids (an end-of-sequence one too: its
             // text is empty), so the ids are the sequence the model made.
-            Some(Event::Token(t)) => {
+            Some(Event::Token(t, lp)) => {
+                if let (Some(b), Some(lp)) = (lps.as_mut(), lp) {
+                    b.push(st.engine.tokenizer(), t, &lp);
+                }
                 if text.push(t, st.engine.tokenizer()) {
                     finish = Finish::Stop;
                     break;
@@ -1205,7 +1248,11 @@ async fn respond(
     }
     let completion_tokens = text.own_ids().len();
     // The text not sent before (all of it, unless resumed).
-    let out_text = text.delta(st.engine.tokenizer(), true);
+    let mut out_text = text.delta(st.engine.tokenizer(), true);
+    if let Some(e) = echo {
+        out_text.insert_str(0, &e);
+    }
+    let logprobs = lps.as_mut().map_or(Value::Null, |b| b.take());
     let kvp = if gen.remote_decode {
         st.engine.transfer_params(&mut gen).await
     } else {
@@ -1213,9 +1260,9 @@ async fn respond(
     };
     let mut choice = if chat {
         json!({"index": 0, "message": {"role": "assistant", "content": out_text},
-            "logprobs": null, "finish_reason": finish.as_str()})
+            "logprobs": logprobs, "finish_reason": finish.as_str()})
     } else {
-        json!({"index": 0, "text": out_text, "logprobs": null, "finish_reason": finish.as_str()})
+        json!({"index": 0, "text": out_text, "logprobs": logprobs, "finish_reason": finish.as_str()})
     };
     if c.return_token_ids {
         choice["token_ids"] = json!(text.own_ids());
@@ -1244,7 +1291,8 @@ fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-fn stream_response(
+/// A streamed answer while it is sent.
+struct StreamAnswer {
     st: AppState,
     gen: Generation,
     text: TextState,
@@ -1252,39 +1300,31 @@ fn stream_response(
     created: u64,
     chat: bool,
     token_ids: bool,
-) -> Response {
-    struct S {
-        st: AppState,
-        gen: Generation,
-        text: TextState,
-        id: String,
-        created: u64,
-        chat: bool,
-        token_ids: bool,
-        first: bool,
-        done: bool,
-    }
-    let s = S {
-        st,
-        gen,
-        text,
-        id,
-        created,
-        chat,
-        token_ids,
-        first: true,
-        done: false,
-    };
-    fn chunk(s: &S, delta: &str, ids: &[u32], finish: Option<Finish>) -> Value {
+    /// The prompt's text, sent before the first token's (`echo`).
+    echo: Option<String>,
+    logprobs: Option<crate::logprobs::Builder>,
+    first: bool,
+    done: bool,
+}
+
+fn stream_response(s: StreamAnswer) -> Response {
+    type S = StreamAnswer;
+    fn chunk(s: &mut S, delta: &str, ids: &[u32], finish: Option<Finish>) -> Value {
         let name = &s.st.engine.inner.name;
+        let echo = s.echo.take();
+        let delta = match &echo {
+            Some(e) => std::borrow::Cow::Owned(format!("{e}{delta}")),
+            None => std::borrow::Cow::Borrowed(delta),
+        };
+        let lp = s.logprobs.as_mut().map_or(Value::Null, |b| b.take());
         let mut choice = if s.chat {
             let mut d = json!({"content": delta});
             if s.first {
                 d["role"] = json!("assistant");
             }
-            json!({"index": 0, "delta": d, "logprobs": null, "finish_reason": finish.map(Finish::as_str)})
+            json!({"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish.map(Finish::as_str)})
         } else {
-            json!({"index": 0, "text": delta, "logprobs": null, "finish_reason": finish.map(Finish::as_str)})
+            json!({"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish.map(Finish::as_str)})
         };
         if s.token_ids {
             choice["token_ids"] = json!(ids);
@@ -1313,14 +1353,17 @@ fn stream_response(
                 // Every token's id is sent, an end-of-sequence one too (its
                 // text is empty): a client that continues the sequence
                 // elsewhere needs all of them.
-                Some(Event::Token(t)) => {
+                Some(Event::Token(t, lp)) => {
+                    if let (Some(b), Some(lp)) = (s.logprobs.as_mut(), lp) {
+                        b.push(tok, t, &lp);
+                    }
                     if s.text.push(t, tok) {
                         stop_token = [t];
                         last_ids = &stop_token;
                         Some(Finish::Stop)
                     } else {
                         let d = s.text.delta(tok, false);
-                        let v = chunk(&s, &d, &[t], None);
+                        let v = chunk(&mut s, &d, &[t], None);
                         s.first = false;
                         return Some((Ok(sse(&v)), s));
                     }
@@ -1339,7 +1382,7 @@ fn stream_response(
                 }
             };
             let d = s.text.delta(tok, true);
-            let v = chunk(&s, &d, last_ids, finish);
+            let v = chunk(&mut s, &d, last_ids, finish);
             s.done = true;
             let mut out = sse(&v).to_vec();
             out.extend_from_slice(b"data: [DONE]\n\n");
@@ -1446,7 +1489,7 @@ mod tests {
             serde_json::json!({"response_format": {"type": "json_object"}}),
             serde_json::json!({"logit_bias": {"5": 10}}),
         ] {
-            let e = super::refuse_unsupported(&rest(asks.clone())).unwrap_err();
+            let e = super::refuse_unsupported(&rest(asks.clone()), true).unwrap_err();
             assert!(
                 e.message.contains("is not supported"),
                 "{asks}: {}",
@@ -1456,7 +1499,7 @@ mod tests {
         let defaults = serde_json::json!({"echo": false, "frequency_penalty": 0, "tools": [],
             "response_format": {"type": "text"}, "tool_choice": "none", "user": "u1",
             "stream_options": {"include_usage": true}, "best_of": 1, "logit_bias": null});
-        super::refuse_unsupported(&rest(defaults)).unwrap();
+        super::refuse_unsupported(&rest(defaults), true).unwrap();
     }
 
     /// OpenAI's content parts read as their texts joined by a newline, a
@@ -1510,6 +1553,7 @@ mod tests {
         let resume = |sent| super::Resume {
             generated_tokens: 4,
             text_sent_bytes: sent,
+            chat: false,
         };
         // The first engine sent "ab" of a, b, 0xe2, 0x82.
         let mut prompt = bytes(b"prompt");

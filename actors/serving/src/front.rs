@@ -662,6 +662,10 @@ struct Req {
     want_ids: bool,
     /// `max_tokens`, as the engine will apply it (completions default 16).
     max_tokens: Option<u64>,
+    /// A completion's `echo`: the prompt string the answer starts with
+    /// (served here; engines get no `echo`, so the text the front relays
+    /// and counts for a continuation is the generated text only).
+    echo: Option<String>,
 }
 
 impl Req {
@@ -693,6 +697,32 @@ impl Req {
                 _ => return Err(ApiError::bad("prompt must be a string or a list of token ids")),
             }
         }
+        let echo = match body.get("echo") {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+            Some(Value::Bool(true)) if chat => {
+                return Err(ApiError::bad("`echo` is a completion field, not a chat one"))
+            }
+            Some(Value::Bool(true))
+                if !matches!(&body["logprobs"], Value::Null | Value::Bool(false)) =>
+            {
+                return Err(ApiError::bad(
+                    "`echo` with `logprobs` is not supported: the prompt's logprobs are not computed",
+                ))
+            }
+            Some(Value::Bool(true)) => match &body["prompt"] {
+                Value::String(p) => Some(p.clone()),
+                _ => {
+                    return Err(ApiError::bad(
+                        "`echo` needs a string prompt here (a token-id prompt is not echoed)",
+                    ))
+                }
+            },
+            Some(_) => return Err(ApiError::bad("`echo` is true or false")),
+        };
+        let mut body = body;
+        if let Some(o) = body.as_object_mut() {
+            o.remove("echo");
+        }
         let max = |k: &str| body.get(k).and_then(Value::as_u64);
         let max_tokens = if chat {
             max("max_completion_tokens").or_else(|| max("max_tokens"))
@@ -712,6 +742,7 @@ impl Req {
                 .unwrap_or(false),
             want_ids: body["return_token_ids"].as_bool().unwrap_or(false),
             max_tokens,
+            echo,
             body,
         })
     }
@@ -743,8 +774,13 @@ struct Served {
 
 /// One step of a generation, from its task to the answer.
 enum Piece {
-    /// Text and the token ids it came from.
-    Text { text: String, ids: Vec<u32> },
+    /// Text, the token ids it came from and their logprobs (null when
+    /// not asked for).
+    Text {
+        text: String,
+        ids: Vec<u32>,
+        logprobs: Value,
+    },
     /// The end: a finish reason and the request's books, or an error.
     End(Result<(String, Box<Served>), ApiError>),
 }
@@ -990,6 +1026,7 @@ impl Front {
         let run = DecodeRun {
             front: self.clone(),
             req_body: req.body.clone(),
+            chat: req.chat,
             max_tokens: req.max_tokens,
             served,
             tx,
@@ -1391,6 +1428,9 @@ fn is_engine_failure(status: StatusCode, body: &[u8]) -> bool {
 struct DecodeRun {
     front: Front,
     req_body: Value,
+    /// A chat's answer (its continuation is a completion that answers
+    /// logprobs in the chat form).
+    chat: bool,
     max_tokens: Option<u64>,
     served: Served,
     tx: mpsc::Sender<Piece>,
@@ -1551,7 +1591,8 @@ impl DecodeRun {
         let mut prompt = self.served.prompt.clone();
         prompt.extend_from_slice(generated);
         let mut body = json!({"prompt": prompt, "kvpool_resume": {
-            "generated_tokens": generated.len(), "text_sent_bytes": text_sent}});
+            "generated_tokens": generated.len(), "text_sent_bytes": text_sent,
+            "chat": self.chat}});
         for k in [
             "model",
             "temperature",
@@ -1559,6 +1600,8 @@ impl DecodeRun {
             "seed",
             "stop",
             "ignore_eos",
+            "logprobs",
+            "top_logprobs",
         ] {
             if let Some(v) = self.req_body.get(k) {
                 body[k] = v.clone();
@@ -1665,7 +1708,15 @@ impl DecodeRun {
                             .observe(self.served.arrived.elapsed().as_secs_f64());
                     }
                     *text_sent += text.len();
-                    if !self.send(Piece::Text { text, ids }).await {
+                    let logprobs = c["logprobs"].clone();
+                    if !self
+                        .send(Piece::Text {
+                            text,
+                            ids,
+                            logprobs,
+                        })
+                        .await
+                    {
                         return StreamEnd::Gone;
                     }
                 }
@@ -1723,6 +1774,8 @@ fn stream_answer(rx: mpsc::Receiver<Piece>, req: &Req, rid: &str, model: &str) -
         first: bool,
         ids: u64,
         done: bool,
+        /// The prompt, sent with the first chunk (`echo`).
+        echo: Option<String>,
     }
     let s = S {
         rx,
@@ -1735,16 +1788,21 @@ fn stream_answer(rx: mpsc::Receiver<Piece>, req: &Req, rid: &str, model: &str) -
         first: true,
         ids: 0,
         done: false,
+        echo: req.echo.clone(),
     };
-    fn chunk(s: &mut S, text: &str, ids: &[u32], finish: Option<&str>) -> Value {
+    fn chunk(s: &mut S, text: &str, ids: &[u32], finish: Option<&str>, lp: Value) -> Value {
+        let text = match s.echo.take() {
+            Some(e) => format!("{e}{text}"),
+            None => text.to_string(),
+        };
         let mut choice = if s.chat {
             let mut d = json!({"content": text});
             if s.first {
                 d["role"] = json!("assistant");
             }
-            json!({"index": 0, "delta": d, "logprobs": null, "finish_reason": finish})
+            json!({"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish})
         } else {
-            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+            json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish})
         };
         if s.want_ids {
             choice["token_ids"] = json!(ids);
@@ -1759,14 +1817,18 @@ fn stream_answer(rx: mpsc::Receiver<Piece>, req: &Req, rid: &str, model: &str) -
         }
         let piece = s.rx.recv().await;
         let out: Bytes = match piece {
-            Some(Piece::Text { text, ids }) => {
+            Some(Piece::Text {
+                text,
+                ids,
+                logprobs,
+            }) => {
                 s.ids += ids.len() as u64;
-                let v = chunk(&mut s, &text, &ids, None);
+                let v = chunk(&mut s, &text, &ids, None, logprobs);
                 sse::event(&v)
             }
             Some(Piece::End(Ok((finish, served)))) => {
                 s.done = true;
-                let v = chunk(&mut s, "", &[], Some(&finish));
+                let v = chunk(&mut s, "", &[], Some(&finish), Value::Null);
                 let mut out = sse::event(&v).to_vec();
                 if s.include_usage {
                     let u = json!({"id": s.id, "object": if s.chat { "chat.completion.chunk" } else { "text_completion" },
@@ -1808,6 +1870,28 @@ fn stream_answer(rx: mpsc::Receiver<Piece>, req: &Req, rid: &str, model: &str) -
         })
 }
 
+/// Appends a piece's `logprobs` to the answer's (an engine that continues
+/// an answer counts `text_offset` from the answer's start: `kvpool_resume`).
+fn append_logprobs(acc: &mut Value, mut more: Value, chat: bool) {
+    if more.is_null() {
+        return;
+    }
+    if acc.is_null() {
+        *acc = more;
+        return;
+    }
+    let fields: &[&str] = if chat {
+        &["content"]
+    } else {
+        &["tokens", "token_logprobs", "top_logprobs", "text_offset"]
+    };
+    for f in fields {
+        if let (Some(a), Value::Array(m)) = (acc[*f].as_array_mut(), more[*f].take()) {
+            a.extend(m);
+        }
+    }
+}
+
 /// `data: {"error": ...}` then `data: [DONE]`.
 fn error_events(e: &ApiError) -> Bytes {
     let mut v = e.body();
@@ -1824,20 +1908,27 @@ async fn whole_answer(
     rid: &str,
     model: &str,
 ) -> Result<Response, ApiError> {
-    let mut text = String::new();
+    let mut text = req.echo.clone().unwrap_or_default();
     let mut ids: Vec<u32> = Vec::new();
+    // The pieces' logprobs in one (null when none came).
+    let mut lps = Value::Null;
     loop {
         match rx.recv().await {
-            Some(Piece::Text { text: t, ids: i }) => {
+            Some(Piece::Text {
+                text: t,
+                ids: i,
+                logprobs,
+            }) => {
                 text.push_str(&t);
                 ids.extend(i);
+                append_logprobs(&mut lps, logprobs, req.chat);
             }
             Some(Piece::End(Ok((finish, served)))) => {
                 let mut choice = if req.chat {
                     json!({"index": 0, "message": {"role": "assistant", "content": text},
-                        "logprobs": null, "finish_reason": finish})
+                        "logprobs": lps, "finish_reason": finish})
                 } else {
-                    json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+                    json!({"index": 0, "text": text, "logprobs": lps, "finish_reason": finish})
                 };
                 if req.want_ids {
                     choice["token_ids"] = json!(ids);
@@ -1995,6 +2086,10 @@ mod tests {
         assert_eq!(r.max_tokens, Some(5));
         let r = Req::parse(br#"{"messages": [{"role": "user", "content": "x"}]}"#, true).unwrap();
         assert_eq!((r.max_tokens, r.path), (None, "/v1/chat/completions"));
+        // echo is served here and not sent on to the engines.
+        let r = Req::parse(br#"{"prompt": "say", "echo": true}"#, false).unwrap();
+        assert_eq!(r.echo.as_deref(), Some("say"));
+        assert!(r.body.get("echo").is_none());
         for (bad, chat) in [
             (&br#"{"prompt": ["a", "b"]}"#[..], false),
             (br#"{"prompt": [[1], [2]]}"#, false),
@@ -2003,6 +2098,13 @@ mod tests {
             (br#"{"messages": []}"#, true),
             (br#"{"prompt": "x", "n": 2}"#, false),
             (b"not json", false),
+            (br#"{"prompt": [1, 2], "echo": true}"#, false),
+            (br#"{"prompt": "x", "echo": true, "logprobs": 1}"#, false),
+            (br#"{"prompt": "x", "echo": 1}"#, false),
+            (
+                br#"{"messages": [{"role": "user", "content": "x"}], "echo": true}"#,
+                true,
+            ),
         ] {
             let e = Req::parse(bad, chat).err().expect("refused");
             assert_eq!(
@@ -2012,6 +2114,28 @@ mod tests {
                 String::from_utf8_lossy(bad)
             );
         }
+    }
+
+    /// Pieces' logprobs join into one, field by field.
+    #[test]
+    fn logprobs_of_pieces_join_into_one() {
+        let piece = |toks: &[&str], at: usize| {
+            json!({"tokens": toks, "token_logprobs": vec![-1.0; toks.len()],
+                "top_logprobs": vec![json!({}); toks.len()], "text_offset": [at]})
+        };
+        let mut acc = Value::Null;
+        append_logprobs(&mut acc, piece(&["ab"], 0), false);
+        append_logprobs(&mut acc, Value::Null, false);
+        append_logprobs(&mut acc, piece(&["c"], 2), false);
+        assert_eq!(acc["tokens"], json!(["ab", "c"]));
+        assert_eq!(acc["text_offset"], json!([0, 2]));
+        assert_eq!(acc["token_logprobs"].as_array().unwrap().len(), 2);
+        let mut chat = Value::Null;
+        for t in ["x", "y"] {
+            let more = json!({"content": [{"token": t, "logprob": -0.5}]});
+            append_logprobs(&mut chat, more, true);
+        }
+        assert_eq!(chat["content"][1]["token"], "y");
     }
 
     /// Finding 7 of the RESP/HTTP review: a token-id prompt is counted
