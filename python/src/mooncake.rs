@@ -1204,8 +1204,9 @@ impl Store {
     /// Clears the replicas of `keys` (Mooncake's `batch_replica_clear`):
     /// the keys whose objects were removed. With `segment_name` empty every
     /// key is removed as `remove` does (not one a reader holds a lease on,
-    /// or one still being put); with a segment's name (as the master's
-    /// `/get_all_segments` lists it, or its hex id), only the keys whose
+    /// or one still being put); with a segment (its name as the master's
+    /// `/get_all_segments` lists it, its hex id, or its node's `host:port`,
+    /// which `get_hostname` gives for an embedded node), only the keys whose
     /// every replica is in that segment: the pool keeps no object with
     /// some of its replicas gone. Not atomic: a key replaced between the
     /// look and the removal is removed in its new version.
@@ -1230,7 +1231,11 @@ impl Store {
                 Some(
                     stat.segments
                         .iter()
-                        .filter(|g| g.name == segment || format!("{:016x}", g.id) == segment)
+                        .filter(|g| {
+                            g.name == segment
+                                || format!("{:016x}", g.id) == segment
+                                || format!("{}:{}", g.endpoint.host, g.endpoint.port) == segment
+                        })
                         .map(|g| g.id)
                         .collect(),
                 )

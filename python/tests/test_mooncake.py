@@ -406,7 +406,10 @@ def test_batch_replica_clear_removes_whole_objects_and_names_them(fresh_pool):
     assert s.batch_replica_clear(["rc3"], "no-such-segment") == []
     assert s.batch_replica_clear(["rc3"], segs[0]["name"]) == ["rc3"]
     assert s.batch_replica_clear(["rc4"], f"{segs[0]['id']:016x}") == ["rc4"]
-    assert s.batch_is_exist(["rc3", "rc4"]) == [0, 0]
+    # The node's host:port, as Mooncake's callers pass get_hostname().
+    assert s.put("rc5", b"z" * 64) == 0
+    assert s.batch_replica_clear(["rc5"], segs[0]["endpoint"]) == ["rc5"]
+    assert s.batch_is_exist(["rc3", "rc4", "rc5"]) == [0, 0, 0]
     assert s.batch_replica_clear([]) == []
     s.close()
     assert MooncakeDistributedStore().batch_replica_clear(["rc1"]) == []
