@@ -840,6 +840,39 @@ fn killing_the_decode_engine_mid_stream_gives_a_whole_answer_or_an_error_event()
     // An engine continuing another's stream first sends the text the other
     // held back: here two bytes of a euro sign (the built-in tokenizer's
     // ids are bytes), of which the client got nothing.
+    // n sequences from one engine: greedy, each equals the one answer;
+    // streamed, each index ends once and [DONE] comes last.
+    let want8 =
+        ids(&post_ok(&mono.addr, "/v1/completions", &greedy(&p, 8))["choices"][0]["token_ids"]);
+    let mut body = greedy(&p, 8);
+    body["n"] = json!(3);
+    let v = post_ok(&mono.addr, "/v1/completions", &body);
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{v}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i, "{v}");
+        assert_eq!(ids(&c["token_ids"]), want8, "{v}");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 24, "{v}");
+    body["stream"] = json!(true);
+    body["n"] = json!(2);
+    let mut r = BufReader::new(send(&mono.addr, "/v1/completions", &body, &[]));
+    assert_eq!(read_head(&mut r).0, 200);
+    let mut per: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+    let mut finished = [0; 2];
+    let (_, done) = read_stream(&mut r, |v| {
+        let c = &v["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        per[i].extend(ids(&c["token_ids"]));
+        if !c["finish_reason"].is_null() {
+            finished[i] += 1;
+        }
+    });
+    assert!(done, "[DONE] after both sequences");
+    assert_eq!(finished, [1, 1]);
+    assert_eq!(per[0], want8);
+    assert_eq!(per[1], want8);
+
     let mut held = p.clone();
     held.extend([0xe2, 0x82]);
     let mut body = greedy(&held, 8);
@@ -1071,6 +1104,18 @@ for ch in s:
 whole = c.completions.create(model="builtin:tiny", prompt="The pool holds", max_tokens=10,
                              temperature=0)
 out["completion"] = {"text": text, "finish": finish, "whole": whole.choices[0].text}
+# n sequences through the front (one prefill, a decode each): greedy, equal.
+r = c.completions.create(model="builtin:tiny", prompt="The pool holds", max_tokens=10,
+                         temperature=0, n=3)
+out["n"] = {"texts": [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)],
+            "usage": r.usage.completion_tokens}
+s = c.chat.completions.create(model="builtin:tiny", messages=msgs, max_tokens=8,
+                              temperature=0, n=2, stream=True)
+streamed = {}
+for ch in s:
+    for cc in ch.choices:
+        streamed[cc.index] = streamed.get(cc.index, "") + (cc.delta.content or "")
+out["n"]["streamed"] = [streamed.get(0), streamed.get(1)]
 out["models"] = [m.id for m in c.models.list()]
 # Issue 30, item 4: logprobs (greedy: the sampled token is the most likely
 # one), and echo.
@@ -1168,6 +1213,15 @@ fn the_openai_python_client_streams_a_chat_and_a_completion_from_role_all() {
     assert_eq!(comp["finish"], "length", "{v}");
     assert_eq!(comp["text"], comp["whole"], "{v}");
     assert_eq!(v["models"], json!(["builtin:tiny"]));
+    // Issue 30, item 4: n sequences through the front.
+    let whole = comp["whole"].as_str().unwrap();
+    assert_eq!(v["n"]["texts"], json!([whole, whole, whole]), "{v}");
+    assert_eq!(v["n"]["usage"], 30, "{v}");
+    assert_eq!(
+        v["n"]["streamed"],
+        json!([chat["whole"], chat["whole"]]),
+        "{v}"
+    );
     // Issue 30, item 4: logprobs and echo through the front.
     let lp = &v["chat_logprobs"];
     assert_eq!(lp["n"], 6, "one entry per generated token: {v}");

@@ -652,7 +652,11 @@ fn check_total(n: usize, max_tokens: u64, max: u64) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Most sequences one request may ask for (`n`), as the engines allow.
+const MAX_N: u64 = 16;
+
 /// A parsed generation request.
+#[derive(Clone)]
 struct Req {
     body: Value,
     chat: bool,
@@ -666,6 +670,8 @@ struct Req {
     /// (served here; engines get no `echo`, so the text the front relays
     /// and counts for a continuation is the generated text only).
     echo: Option<String>,
+    /// Sequences asked for (`n`): one decode each, after one prefill.
+    n: usize,
 }
 
 impl Req {
@@ -675,12 +681,13 @@ impl Req {
         if !body.is_object() {
             return Err(ApiError::bad("the body must be a JSON object"));
         }
-        if body
-            .get("n")
-            .is_some_and(|n| !n.is_null() && n.as_u64() != Some(1))
-        {
-            return Err(ApiError::bad("n other than 1 is not supported"));
-        }
+        let n = match body.get("n") {
+            None | Some(Value::Null) => 1,
+            Some(v) => match v.as_u64() {
+                Some(n) if (1..=MAX_N).contains(&n) => n as usize,
+                _ => return Err(ApiError::bad(format!("n must be from 1 to {MAX_N}"))),
+            },
+        };
         if chat {
             if body["messages"].as_array().is_none_or(|m| m.is_empty()) {
                 return Err(ApiError::bad("messages must be a non-empty array"));
@@ -722,6 +729,8 @@ impl Req {
         let mut body = body;
         if let Some(o) = body.as_object_mut() {
             o.remove("echo");
+            // Each decode generates one sequence.
+            o.remove("n");
         }
         let max = |k: &str| body.get(k).and_then(Value::as_u64);
         let max_tokens = if chat {
@@ -743,6 +752,7 @@ impl Req {
             want_ids: body["return_token_ids"].as_bool().unwrap_or(false),
             max_tokens,
             echo,
+            n,
             body,
         })
     }
@@ -753,6 +763,7 @@ impl Req {
 }
 
 /// Where a request stands while it is served.
+#[derive(Clone)]
 struct Served {
     rid: String,
     prompt: Vec<u32>,
@@ -774,15 +785,20 @@ struct Served {
 
 /// One step of a generation, from its task to the answer.
 enum Piece {
-    /// Text, the token ids it came from and their logprobs (null when
-    /// not asked for).
+    /// Text of sequence `index`, the token ids it came from and their
+    /// logprobs (null when not asked for).
     Text {
+        index: usize,
         text: String,
         ids: Vec<u32>,
         logprobs: Value,
     },
-    /// The end: a finish reason and the request's books, or an error.
-    End(Result<(String, Box<Served>), ApiError>),
+    /// The end of sequence `index`: a finish reason and its books, or an
+    /// error.
+    End {
+        index: usize,
+        result: Result<(String, Box<Served>), ApiError>,
+    },
 }
 
 async fn completions(State(f): State<Front>, headers: HeaderMap, body: Bytes) -> Response {
@@ -1013,25 +1029,43 @@ impl Front {
         let kv = self
             .prefill(&req, &chunks, pool_prefix, &mut served)
             .await?;
-        let (answer, failed_over) = self.start_decode(&req, &kv, &mut served).await?;
-        if failed_over {
-            self.count_failover("decode_start");
+        // One decode per sequence, from the one prefill's KV; sequence i
+        // samples with seed + i when a seed is given.
+        let mut runs = Vec::with_capacity(req.n);
+        for index in 0..req.n {
+            let mut r = req.clone();
+            if let Some(seed) = r.body.get("seed").and_then(Value::as_u64) {
+                r.body["seed"] = json!(seed.wrapping_add(index as u64));
+            }
+            let mut sv = served.clone();
+            let (answer, failed_over) = self.start_decode(&r, &kv, &mut sv).await?;
+            if failed_over {
+                self.count_failover("decode_start");
+            }
+            runs.push((r, sv, answer));
         }
-        let model = served
+        let model = runs[0]
+            .1
             .model
             .clone()
             .or_else(|| self.served_model())
             .unwrap_or_default();
         let (tx, rx) = mpsc::channel(PIECES);
-        let run = DecodeRun {
-            front: self.clone(),
-            req_body: req.body.clone(),
-            chat: req.chat,
-            max_tokens: req.max_tokens,
-            served,
-            tx,
-        };
-        tokio::spawn(run.pump(answer, permit));
+        // The admission place is held until the last sequence ends.
+        let permit = Arc::new(permit);
+        for (index, (r, sv, answer)) in runs.into_iter().enumerate() {
+            let run = DecodeRun {
+                front: self.clone(),
+                index,
+                req_body: r.body,
+                chat: req.chat,
+                max_tokens: req.max_tokens,
+                served: sv,
+                tx: tx.clone(),
+            };
+            tokio::spawn(run.pump(answer, permit.clone()));
+        }
+        drop(tx);
         if req.stream {
             Ok(stream_answer(rx, &req, rid, &model))
         } else {
@@ -1427,6 +1461,8 @@ fn is_engine_failure(status: StatusCode, body: &[u8]) -> bool {
 /// continuing on another decode instance when the one serving it fails.
 struct DecodeRun {
     front: Front,
+    /// Which of the request's sequences (`n`) this is.
+    index: usize,
     req_body: Value,
     /// A chat's answer (its continuation is a completion that answers
     /// logprobs in the chat form).
@@ -1449,7 +1485,7 @@ enum StreamEnd {
 }
 
 impl DecodeRun {
-    async fn pump(mut self, first: Answer, _permit: OwnedSemaphorePermit) {
+    async fn pump(mut self, first: Answer, _permit: Arc<OwnedSemaphorePermit>) {
         let m = self.front.inner.metrics.clone();
         m.in_flight.inc();
         let r = self.run(first).await;
@@ -1462,7 +1498,10 @@ impl DecodeRun {
                     tokens.clamp(1, u64::from(u32::MAX)) as u32,
                 );
                 let served = std::mem::replace(&mut self.served, empty_served());
-                let end = Piece::End(Ok((finish, Box::new(served))));
+                let end = Piece::End {
+                    index: self.index,
+                    result: Ok((finish, Box::new(served))),
+                };
                 let _ = self.send_by(end, None).await;
             }
             Ok(None) => {}
@@ -1473,7 +1512,11 @@ impl DecodeRun {
                     e.message
                 );
                 e.message = self.front.scrub(&e.message);
-                let _ = self.send_by(Piece::End(Err(e)), None).await;
+                let end = Piece::End {
+                    index: self.index,
+                    result: Err(e),
+                };
+                let _ = self.send_by(end, None).await;
             }
         }
     }
@@ -1711,6 +1754,7 @@ impl DecodeRun {
                     let logprobs = c["logprobs"].clone();
                     if !self
                         .send(Piece::Text {
+                            index: self.index,
                             text,
                             ids,
                             logprobs,
@@ -1771,11 +1815,16 @@ fn stream_answer(rx: mpsc::Receiver<Piece>, req: &Req, rid: &str, model: &str) -
         chat: bool,
         want_ids: bool,
         include_usage: bool,
-        first: bool,
+        /// Per sequence: no chunk sent yet (a chat's first names the role).
+        first: Vec<bool>,
         ids: u64,
+        /// Sequences that ended.
+        ended: usize,
+        /// Every sequence's books, for the usage chunk.
+        books: Option<Box<Served>>,
         done: bool,
-        /// The prompt, sent with the first chunk (`echo`).
-        echo: Option<String>,
+        /// Per sequence, the prompt, sent with its first chunk (`echo`).
+        echo: Vec<Option<String>>,
     }
     let s = S {
         rx,
@@ -1785,29 +1834,38 @@ fn stream_answer(rx: mpsc::Receiver<Piece>, req: &Req, rid: &str, model: &str) -
         chat: req.chat,
         want_ids: req.want_ids,
         include_usage: req.include_usage,
-        first: true,
+        first: vec![true; req.n],
         ids: 0,
+        ended: 0,
+        books: None,
         done: false,
-        echo: req.echo.clone(),
+        echo: vec![req.echo.clone(); req.n],
     };
-    fn chunk(s: &mut S, text: &str, ids: &[u32], finish: Option<&str>, lp: Value) -> Value {
-        let text = match s.echo.take() {
+    fn chunk(
+        s: &mut S,
+        index: usize,
+        text: &str,
+        ids: &[u32],
+        finish: Option<&str>,
+        lp: Value,
+    ) -> Value {
+        let text = match s.echo.get_mut(index).and_then(Option::take) {
             Some(e) => format!("{e}{text}"),
             None => text.to_string(),
         };
+        let first = s.first.get_mut(index).map(std::mem::take).unwrap_or(false);
         let mut choice = if s.chat {
             let mut d = json!({"content": text});
-            if s.first {
+            if first {
                 d["role"] = json!("assistant");
             }
-            json!({"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish})
+            json!({"index": index, "delta": d, "logprobs": lp, "finish_reason": finish})
         } else {
-            json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish})
+            json!({"index": index, "text": text, "logprobs": lp, "finish_reason": finish})
         };
         if s.want_ids {
             choice["token_ids"] = json!(ids);
         }
-        s.first = false;
         json!({"id": s.id, "object": if s.chat { "chat.completion.chunk" } else { "text_completion" },
             "created": s.created, "model": s.model, "choices": [choice]})
     }
@@ -1818,28 +1876,37 @@ fn stream_answer(rx: mpsc::Receiver<Piece>, req: &Req, rid: &str, model: &str) -
         let piece = s.rx.recv().await;
         let out: Bytes = match piece {
             Some(Piece::Text {
+                index,
                 text,
                 ids,
                 logprobs,
             }) => {
                 s.ids += ids.len() as u64;
-                let v = chunk(&mut s, &text, &ids, None, logprobs);
+                let v = chunk(&mut s, index, &text, &ids, None, logprobs);
                 sse::event(&v)
             }
-            Some(Piece::End(Ok((finish, served)))) => {
-                s.done = true;
-                let v = chunk(&mut s, "", &[], Some(&finish), Value::Null);
+            Some(Piece::End {
+                index,
+                result: Ok((finish, served)),
+            }) => {
+                s.ended += 1;
+                s.books.get_or_insert(served);
+                let v = chunk(&mut s, index, "", &[], Some(&finish), Value::Null);
                 let mut out = sse::event(&v).to_vec();
-                if s.include_usage {
-                    let u = json!({"id": s.id, "object": if s.chat { "chat.completion.chunk" } else { "text_completion" },
-                        "created": s.created, "model": s.model, "choices": [],
-                        "usage": usage(&served, s.ids)});
-                    out.extend_from_slice(&sse::event(&u));
+                if s.ended == s.first.len() {
+                    // Every sequence ended: the usage chunk, then [DONE].
+                    s.done = true;
+                    if let (true, Some(b)) = (s.include_usage, &s.books) {
+                        let u = json!({"id": s.id, "object": if s.chat { "chat.completion.chunk" } else { "text_completion" },
+                            "created": s.created, "model": s.model, "choices": [],
+                            "usage": usage(b, s.ids)});
+                        out.extend_from_slice(&sse::event(&u));
+                    }
+                    out.extend_from_slice(&sse::done());
                 }
-                out.extend_from_slice(&sse::done());
                 Bytes::from(out)
             }
-            Some(Piece::End(Err(e))) => {
+            Some(Piece::End { result: Err(e), .. }) => {
                 s.done = true;
                 error_events(&e)
             }
@@ -1901,48 +1968,70 @@ fn error_events(e: &ApiError) -> Bytes {
     Bytes::from(out)
 }
 
-/// A non-streamed answer, gathered from the pieces.
+/// A non-streamed answer, gathered from the pieces of its sequences.
 async fn whole_answer(
     mut rx: mpsc::Receiver<Piece>,
     req: &Req,
     rid: &str,
     model: &str,
 ) -> Result<Response, ApiError> {
-    let mut text = req.echo.clone().unwrap_or_default();
-    let mut ids: Vec<u32> = Vec::new();
-    // The pieces' logprobs in one (null when none came).
-    let mut lps = Value::Null;
-    loop {
+    /// One sequence's answer so far: its text, ids, logprobs (null when
+    /// none came) and, once ended, its choice.
+    struct Seq {
+        text: String,
+        ids: Vec<u32>,
+        lps: Value,
+        choice: Option<Value>,
+    }
+    let mut seqs: Vec<Seq> = (0..req.n)
+        .map(|_| Seq {
+            text: req.echo.clone().unwrap_or_default(),
+            ids: Vec::new(),
+            lps: Value::Null,
+            choice: None,
+        })
+        .collect();
+    let mut books: Option<Box<Served>> = None;
+    let mut ended = 0;
+    while ended < req.n {
         match rx.recv().await {
             Some(Piece::Text {
+                index,
                 text: t,
                 ids: i,
                 logprobs,
             }) => {
-                text.push_str(&t);
-                ids.extend(i);
-                append_logprobs(&mut lps, logprobs, req.chat);
+                let Some(q) = seqs.get_mut(index) else {
+                    continue;
+                };
+                q.text.push_str(&t);
+                q.ids.extend(i);
+                append_logprobs(&mut q.lps, logprobs, req.chat);
             }
-            Some(Piece::End(Ok((finish, served)))) => {
+            Some(Piece::End {
+                index,
+                result: Ok((finish, served)),
+            }) => {
+                let Some(q) = seqs.get_mut(index) else {
+                    continue;
+                };
+                let text = std::mem::take(&mut q.text);
+                let lps = std::mem::take(&mut q.lps);
                 let mut choice = if req.chat {
-                    json!({"index": 0, "message": {"role": "assistant", "content": text},
+                    json!({"index": index, "message": {"role": "assistant", "content": text},
                         "logprobs": lps, "finish_reason": finish})
                 } else {
-                    json!({"index": 0, "text": text, "logprobs": lps, "finish_reason": finish})
+                    json!({"index": index, "text": text, "logprobs": lps, "finish_reason": finish})
                 };
                 if req.want_ids {
-                    choice["token_ids"] = json!(ids);
+                    choice["token_ids"] = json!(q.ids);
                     choice["prompt_token_ids"] = json!(served.prompt);
                 }
-                let prefix = if req.chat { "chatcmpl" } else { "cmpl" };
-                let body = json!({"id": format!("{prefix}-{rid}"),
-                    "object": if req.chat { "chat.completion" } else { "text_completion" },
-                    "created": now_s(), "model": model, "choices": [choice],
-                    "usage": usage(&served, ids.len() as u64),
-                    "kvpool": kvpool_block(&served)});
-                return Ok(Json(body).into_response());
+                q.choice = Some(choice);
+                books.get_or_insert(served);
+                ended += 1;
             }
-            Some(Piece::End(Err(e))) => return Err(e),
+            Some(Piece::End { result: Err(e), .. }) => return Err(e),
             None => {
                 return Err(ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -1952,6 +2041,16 @@ async fn whole_answer(
             }
         }
     }
+    let generated: u64 = seqs.iter().map(|q| q.ids.len() as u64).sum();
+    let choices: Vec<Value> = seqs.into_iter().filter_map(|q| q.choice).collect();
+    let served = books.unwrap_or_else(|| Box::new(empty_served()));
+    let prefix = if req.chat { "chatcmpl" } else { "cmpl" };
+    let body = json!({"id": format!("{prefix}-{rid}"),
+        "object": if req.chat { "chat.completion" } else { "text_completion" },
+        "created": now_s(), "model": model, "choices": choices,
+        "usage": usage(&served, generated),
+        "kvpool": kvpool_block(&served)});
+    Ok(Json(body).into_response())
 }
 
 async fn models(State(f): State<Front>, headers: HeaderMap) -> Response {
@@ -2090,13 +2189,19 @@ mod tests {
         let r = Req::parse(br#"{"prompt": "say", "echo": true}"#, false).unwrap();
         assert_eq!(r.echo.as_deref(), Some("say"));
         assert!(r.body.get("echo").is_none());
+        // n sequences: one decode each, so the engines get no n.
+        let r = Req::parse(br#"{"prompt": "say", "n": 3}"#, false).unwrap();
+        assert_eq!(r.n, 3);
+        assert!(r.body.get("n").is_none());
         for (bad, chat) in [
             (&br#"{"prompt": ["a", "b"]}"#[..], false),
             (br#"{"prompt": [[1], [2]]}"#, false),
             (br#"{"prompt": 3}"#, false),
             (br#"[1]"#, false),
             (br#"{"messages": []}"#, true),
-            (br#"{"prompt": "x", "n": 2}"#, false),
+            (br#"{"prompt": "x", "n": 0}"#, false),
+            (br#"{"prompt": "x", "n": 17}"#, false),
+            (br#"{"prompt": "x", "n": "2"}"#, false),
             (b"not json", false),
             (br#"{"prompt": [1, 2], "echo": true}"#, false),
             (br#"{"prompt": "x", "echo": true, "logprobs": 1}"#, false),
