@@ -36,7 +36,8 @@ def kvpool_bin() -> str:
 
 
 class Pool:
-    """A running `kvpool run`; `addr` is its master's host:port."""
+    """A running `kvpool run`; `addr` is its master's host:port, `listening`
+    every listener it named before its role's (`{"resp": "127.0.0.1:..."}`)."""
 
     def __init__(self, tmp: pathlib.Path, role="all", segment="256MiB", config=""):
         cfg = tmp / f"kvpool-{uuid.uuid4().hex[:8]}.toml"
@@ -57,6 +58,7 @@ class Pool:
         want = f"kvpool {role} listening on "
         end = time.monotonic() + START_DEADLINE_S
         self.addr = None
+        self.listening = {}
         while time.monotonic() < end and self.addr is None:
             try:
                 line = lines.get(timeout=0.2)
@@ -66,6 +68,9 @@ class Pool:
                 continue
             if line.startswith(want):
                 self.addr = line[len(want):].strip()
+            elif line.startswith("kvpool ") and " listening on " in line:
+                name, addr = line[len("kvpool "):].split(" listening on ", 1)
+                self.listening[name] = addr.strip()
         if self.addr is None:
             self.stop()
             raise RuntimeError(f"kvpool did not start: {self.stderr_path.read_text()[-2000:]}")
