@@ -369,8 +369,12 @@ fn http_api_streams_tokenizes_and_refuses_bad_requests() {
     );
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("top_p"), "{body}");
-    let (status, body) = post(&e.addr, "/v1/completions", &json!({"prompt": "x", "n": 2}));
-    assert_eq!(status, 400, "{body}");
+    // n sequences: 1 to 16.
+    for n in [0, 17] {
+        let (status, body) = post(&e.addr, "/v1/completions", &json!({"prompt": "x", "n": n}));
+        assert_eq!(status, 400, "{body}");
+        assert!(body.contains("n must be"), "{body}");
+    }
     let long = vec![65u32; 40_000];
     let (status, body) = post(&e.addr, "/v1/completions", &json!({"prompt": long}));
     assert_eq!(status, 400, "{body}");
