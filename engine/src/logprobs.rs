@@ -81,8 +81,11 @@ fn token(tok: &Tokenizer, t: u32) -> (String, Vec<u8>) {
 /// Builds the `logprobs` of an answer, token by token.
 pub struct Builder {
     chat: bool,
-    /// The answer's bytes so far (`text_offset`).
-    text: Vec<u8>,
+    /// Characters of the answer's text up to its last character that can
+    /// no longer change, and the bytes after it (an incomplete UTF-8
+    /// sequence): `text_offset` without decoding the whole answer per token.
+    chars: usize,
+    tail: Vec<u8>,
     tokens: Vec<Value>,
     token_logprobs: Vec<Value>,
     top: Vec<Value>,
@@ -93,7 +96,8 @@ impl Builder {
     pub fn new(chat: bool) -> Self {
         Self {
             chat,
-            text: Vec::new(),
+            chars: 0,
+            tail: Vec::new(),
             tokens: Vec::new(),
             token_logprobs: Vec::new(),
             top: Vec::new(),
@@ -104,14 +108,52 @@ impl Builder {
     /// Starts after `tokens` another engine generated (a continued answer:
     /// offsets count from the answer's start).
     pub fn resume(&mut self, tok: &Tokenizer, tokens: &[u32]) {
-        self.text = tok.decode_bytes(tokens);
+        self.chars = 0;
+        self.tail.clear();
+        self.add_bytes(&tok.decode_bytes(tokens));
+    }
+
+    /// Counts `bytes` into the text: what is settled (valid characters, and
+    /// invalid sequences, one U+FFFD each) into `chars`; an incomplete tail
+    /// waits in `tail` for the bytes that may complete it.
+    fn add_bytes(&mut self, bytes: &[u8]) {
+        self.tail.extend_from_slice(bytes);
+        let mut rest = &self.tail[..];
+        loop {
+            match std::str::from_utf8(rest) {
+                Ok(v) => {
+                    self.chars += v.chars().count();
+                    rest = &[];
+                    break;
+                }
+                Err(e) => {
+                    let (valid, after) = rest.split_at(e.valid_up_to());
+                    // `valid` is UTF-8 by the error's own account.
+                    self.chars += String::from_utf8_lossy(valid).chars().count();
+                    match e.error_len() {
+                        Some(n) => {
+                            self.chars += 1;
+                            rest = &after[n..];
+                        }
+                        None => {
+                            rest = after;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let keep = rest.len();
+        let from = self.tail.len() - keep;
+        self.tail.drain(..from);
     }
 
     /// Adds sampled token `t`.
     pub fn push(&mut self, tok: &Tokenizer, t: u32, lp: &TokenLogprobs) {
         let (s, bytes) = token(tok, t);
-        let offset = (!self.chat).then(|| String::from_utf8_lossy(&self.text).chars().count());
-        self.text.extend_from_slice(&bytes);
+        let offset =
+            (!self.chat).then(|| self.chars + String::from_utf8_lossy(&self.tail).chars().count());
+        self.add_bytes(&bytes);
         if self.chat {
             let top: Vec<Value> = lp
                 .top
