@@ -910,6 +910,10 @@ pub struct RespConfig {
     /// own writes are seen at once; another process's replace or removal
     /// may be missed until the lease ends.
     pub view_cache_entries: usize,
+    /// Lists, sets, hashes and sorted sets live in the front's memory (the
+    /// pool stores immutable blobs), shared by its RESP threads: their
+    /// bytes at most. A write past it gets Redis's `OOM` error.
+    pub max_collection_memory: Bytes,
 }
 
 impl std::fmt::Debug for RespConfig {
@@ -937,6 +941,7 @@ impl std::fmt::Debug for RespConfig {
             .field("max_pipeline", &self.max_pipeline)
             .field("batch_keys", &self.batch_keys)
             .field("view_cache_entries", &self.view_cache_entries)
+            .field("max_collection_memory", &self.max_collection_memory)
             .finish()
     }
 }
@@ -965,6 +970,7 @@ impl Default for RespConfig {
             max_pipeline: 1024,
             batch_keys: 256,
             view_cache_entries: 65_536,
+            max_collection_memory: Bytes::mib(64),
         }
     }
 }

@@ -13,6 +13,7 @@ use kvpool_transport::proto::PutOptions;
 use kvpool_transport::{ErrorCode, KvError};
 
 use crate::cache::Epoch;
+use crate::collections::WRONGTYPE;
 use crate::commands::{Cmd, SPECS};
 use crate::conn::{Close, Conn, Held, Part, BUDGET_SPENT, FLUSH_AT};
 use crate::proto::{parse_int, reply, Parser};
@@ -243,9 +244,14 @@ impl Conn {
         // object's checksum); the rest from one lookup.
         let mut looked: Vec<&[u8]> = Vec::with_capacity(keys.len());
         let mut ask_at: Vec<usize> = Vec::with_capacity(keys.len());
+        let colls = &self.ctx.shared.collections;
         for (i, k) in keys.iter().enumerate() {
             if let Err(e) = check_key(k) {
                 out.push(Some(Fetched::Error(e)));
+                continue;
+            }
+            if colls.kind_of(k).is_some() {
+                out.push(Some(Fetched::Error(WRONGTYPE.into())));
                 continue;
             }
             if let Some(v) = cache.get(k) {
@@ -390,10 +396,36 @@ impl Conn {
             Cmd::Del | Cmd::Unlink => self.del(args).await,
             Cmd::Strlen => self.strlen(args[0]).await,
             Cmd::Dbsize => match self.ctx.client.stat().await {
-                Ok(s) => reply::int(o, s.keys as i64),
+                Ok(s) => reply::int(
+                    o,
+                    (s.keys as usize + self.ctx.shared.collections.len()) as i64,
+                ),
                 Err(e) => reply::error(o, &pool_error(&e)),
             },
             Cmd::Flushall | Cmd::Flushdb => self.flushall(args).await,
+            Cmd::Incr | Cmd::Decr | Cmd::Incrby | Cmd::Decrby => self.incr_by(cmd, args).await,
+            Cmd::Lpush
+            | Cmd::Rpush
+            | Cmd::Lpop
+            | Cmd::Rpop
+            | Cmd::Lrange
+            | Cmd::Llen
+            | Cmd::Sadd
+            | Cmd::Srem
+            | Cmd::Spop
+            | Cmd::Scard
+            | Cmd::Sismember
+            | Cmd::Smembers
+            | Cmd::Hset
+            | Cmd::Hget
+            | Cmd::Hdel
+            | Cmd::Hlen
+            | Cmd::Hgetall
+            | Cmd::Zadd
+            | Cmd::Zpopmin
+            | Cmd::Zcard
+            | Cmd::Zscore
+            | Cmd::Zrange => self.collection(cmd, args).await,
             Cmd::Info => {
                 let text = crate::info::render(&self.ctx, args).await;
                 reply::bulk(&mut self.out.bytes, text.as_bytes());
@@ -685,6 +717,10 @@ impl Conn {
                     // Whatever the answer (a put that timed out may still
                     // have ended).
                     self.ctx.shared.views.forget(key);
+                    if r.is_ok() {
+                        // SET replaces a key of any type, as in Redis.
+                        self.ctx.shared.collections.remove(key);
+                    }
                     r
                 })
                 .await;
@@ -710,6 +746,11 @@ impl Conn {
         // Whatever the answers (a put that timed out may still have ended).
         for k in &keys {
             self.ctx.shared.views.forget(k);
+        }
+        for (k, r) in keys.iter().zip(&done) {
+            if r.is_ok() {
+                self.ctx.shared.collections.remove(k);
+            }
         }
         let mut done = done.into_iter();
         for r in out.iter_mut().filter(|r| r.is_ok()) {
@@ -767,7 +808,9 @@ impl Conn {
             let fetched = self.fetch(chunk).await;
             for (f, k) in fetched.into_iter().zip(chunk) {
                 all.push(match f {
-                    Fetched::Error(_) if check_key(k).is_err() => Fetched::Nil,
+                    // Redis's MGET: nil for a key it cannot hold and for one
+                    // of another type.
+                    Fetched::Error(e) if check_key(k).is_err() || e == WRONGTYPE => Fetched::Nil,
                     f => f,
                 });
             }
@@ -787,6 +830,8 @@ impl Conn {
     async fn exists(&mut self, keys: &[&[u8]]) {
         let unique = unique_keys(keys);
         let mut found = std::collections::HashSet::new();
+        let colls = &self.ctx.shared.collections;
+        found.extend(unique.iter().filter(|k| colls.kind_of(k).is_some()));
         for chunk in unique.chunks(self.ctx.shared.cfg.batch_keys) {
             match self.ctx.client.batch_exists(chunk).await {
                 Ok(rs) => {
@@ -813,7 +858,11 @@ impl Conn {
     /// ends).
     async fn del(&mut self, keys: &[&[u8]]) {
         let unique = unique_keys(keys);
-        let mut removed = 0i64;
+        // A key counts once, held by a collection, the pool or both.
+        let colls = &self.ctx.shared.collections;
+        let held: std::collections::HashSet<&[u8]> =
+            unique.iter().copied().filter(|k| colls.remove(k)).collect();
+        let mut removed = held.len() as i64;
         for chunk in unique.chunks(self.ctx.shared.cfg.batch_keys) {
             let r = self.ctx.client.batch_remove(chunk, true).await;
             for k in chunk {
@@ -821,9 +870,10 @@ impl Conn {
             }
             match r {
                 Ok(rs) => {
-                    for r in rs {
+                    for (r, k) in rs.into_iter().zip(chunk) {
                         match r {
-                            Ok(()) => removed += 1,
+                            Ok(()) if !held.contains(k) => removed += 1,
+                            Ok(()) => {}
                             Err(e) if is_miss(&e) => {}
                             Err(e) => return reply::error(&mut self.out.bytes, &pool_error(&e)),
                         }
@@ -839,6 +889,9 @@ impl Conn {
     async fn strlen(&mut self, key: &[u8]) {
         if check_key(key).is_err() {
             return reply::int(&mut self.out.bytes, 0);
+        }
+        if self.ctx.shared.collections.kind_of(key).is_some() {
+            return reply::error(&mut self.out.bytes, WRONGTYPE);
         }
         match self.ctx.client.describe(key).await {
             Ok(info) if info.complete => reply::int(&mut self.out.bytes, info.size as i64),
@@ -859,6 +912,7 @@ impl Conn {
         // value being read is freed when its lease ends).
         let r = self.ctx.client.remove_all_with(true).await;
         self.ctx.shared.views.clear();
+        self.ctx.shared.collections.clear();
         match r {
             Ok(n) => {
                 tracing::info!(conn = self.id, removed = n, "FLUSHALL");

@@ -91,11 +91,16 @@ pub(crate) async fn render(ctx: &ThreadCtx, args: &[&[u8]]) -> String {
             "memory" => write!(
                 t,
                 "# Memory\r\nused_memory:{}\r\nmaxmemory:{}\r\nmaxmemory_policy:allkeys-lru\r\n\
-                 resp_buffer_bytes:{}\r\nresp_max_buffer_bytes:{}\r\n",
+                 resp_buffer_bytes:{}\r\nresp_max_buffer_bytes:{}\r\n\
+                 resp_collection_keys:{}\r\nresp_collection_bytes:{}\r\n\
+                 resp_max_collection_bytes:{}\r\n",
                 pool.map_or(0, |p| p.used),
                 pool.map_or(0, |p| p.capacity),
                 shared.budget.used(),
                 shared.cfg.max_buffer_memory.get(),
+                shared.collections.len(),
+                shared.collections.bytes(),
+                shared.cfg.max_collection_memory.get(),
             ),
             "stats" => {
                 let processed: u64 =
@@ -158,11 +163,11 @@ pub(crate) async fn render(ctx: &ThreadCtx, args: &[&[u8]]) -> String {
             }
             "keyspace" => {
                 let _ = t.write_str("# Keyspace\r\n");
-                match pool {
-                    Some(p) if p.keys > 0 => {
-                        write!(t, "db0:keys={},expires=0,avg_ttl=0\r\n", p.keys)
-                    }
-                    _ => Ok(()),
+                let keys = pool.map_or(0, |p| p.keys as usize) + shared.collections.len();
+                if keys > 0 {
+                    write!(t, "db0:keys={keys},expires=0,avg_ttl=0\r\n")
+                } else {
+                    Ok(())
                 }
             }
             _ => Ok(()),

@@ -17,6 +17,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use kvpool_transport::proto::PutOptions;
 use kvpool_transport::ErrorCode;
 
+use crate::collections::WRONGTYPE;
 use crate::commands::Cmd;
 use crate::conn::Conn;
 use crate::exec::{check_key, check_value, is_miss, pool_error, shown, Fetched};
@@ -120,6 +121,12 @@ impl SetOpts {
     }
 }
 
+/// The stripe of the front's counter locks that `key` takes.
+fn stripe_of(key: &[u8], stripes: usize) -> usize {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    (BuildHasherDefault::<DefaultHasher>::default().hash_one(key) % stripes as u64) as usize
+}
+
 /// A time or a count argument, with Redis's error.
 fn int_arg(a: &[u8]) -> Result<i64, String> {
     parse_int(a).ok_or_else(|| "ERR value is not an integer or out of range".to_string())
@@ -170,6 +177,12 @@ impl Conn {
                 "ERR another SET of this key on this connection's thread did not end in time",
             );
         };
+        // A list, set, hash or sorted set under the key: it exists, GET
+        // cannot answer its old value, and a SET replaces it.
+        let coll = ctx.shared.collections.kind_of(key).is_some();
+        if coll && o.get {
+            return reply::error(&mut self.out.bytes, WRONGTYPE);
+        }
         // The old value first (GET), then whether the condition holds, then
         // the write: one after another under this thread's hold on the key.
         // Another process's write may come between them (no transaction
@@ -192,9 +205,9 @@ impl Conn {
                 Ok(b) => b,
                 Err(e) => return reply::error(&mut self.out.bytes, &e),
             };
-            exists == (o.only == Some(Only::Present))
+            (exists || coll) == (o.only == Some(Only::Present))
         } else {
-            true
+            !(coll && o.only == Some(Only::Absent))
         };
         if set {
             let r = if o.gone {
@@ -217,6 +230,9 @@ impl Conn {
             };
             // Whatever the answer (a put that timed out may still have ended).
             ctx.shared.views.forget(key);
+            if r.is_ok() {
+                ctx.shared.collections.remove(key);
+            }
             match r {
                 Ok(b) => set = b,
                 Err(e) => return reply::error(&mut self.out.bytes, &pool_error(&e)),
@@ -227,6 +243,67 @@ impl Conn {
             (None, true) => reply::int(&mut self.out.bytes, set as i64),
             (None, false) if set => reply::ok(&mut self.out.bytes),
             (None, false) => reply::nil(&mut self.out.bytes, self.resp3),
+        }
+    }
+
+    /// `INCR`, `DECR`, `INCRBY`, `DECRBY`: the key's string read as a
+    /// 64-bit integer (none: 0), changed and written back. The three steps
+    /// hold the key's stripe of the front's counter locks (other INCRs of
+    /// it through any RESP thread wait) and this thread's hold on the key.
+    /// A SET or a write through another front may come between the read
+    /// and the write (see docs/ARCHITECTURE.md, "RESP front").
+    pub(crate) async fn incr_by(&mut self, cmd: Cmd, args: &[&[u8]]) {
+        let key = args[0];
+        let delta = match cmd {
+            Cmd::Incr => Ok(1),
+            Cmd::Decr => Ok(-1),
+            Cmd::Incrby => int_arg(args[1]),
+            _ => int_arg(args[1]).and_then(|n| {
+                n.checked_neg()
+                    .ok_or_else(|| "ERR decrement would overflow".to_string())
+            }),
+        };
+        let delta = match delta.and_then(|d| check_key(key).map(|()| d)) {
+            Ok(d) => d,
+            Err(e) => return reply::error(&mut self.out.bytes, &e),
+        };
+        if self.ctx.shared.collections.kind_of(key).is_some() {
+            return reply::error(&mut self.out.bytes, WRONGTYPE);
+        }
+        let ctx = self.ctx.clone();
+        let within = Duration::from_millis(ctx.client_timeout_ms);
+        let stripe = &ctx.shared.counters[stripe_of(key, ctx.shared.counters.len())];
+        let busy = "ERR another INCR or SET of this key did not end in time";
+        let Ok(_turn) = tokio::time::timeout(within, stripe.lock()).await else {
+            return reply::error(&mut self.out.bytes, busy);
+        };
+        let Ok(_held) = ctx.keys.lock(&[key], within).await else {
+            return reply::error(&mut self.out.bytes, busy);
+        };
+        let old = match self.fetch(&[key]).await.into_iter().next() {
+            Some(Fetched::Value(p)) => match parse_int(&p.value) {
+                Some(n) => n,
+                None => {
+                    return reply::error(
+                        &mut self.out.bytes,
+                        "ERR value is not an integer or out of range",
+                    )
+                }
+            },
+            Some(Fetched::Error(e)) => return reply::error(&mut self.out.bytes, &e),
+            Some(Fetched::Nil) | None => 0,
+        };
+        let Some(new) = old.checked_add(delta) else {
+            return reply::error(
+                &mut self.out.bytes,
+                "ERR increment or decrement would overflow",
+            );
+        };
+        let r = ctx.client.upsert(key, new.to_string().as_bytes()).await;
+        ctx.shared.views.forget(key);
+        match r {
+            Ok(()) => reply::int(&mut self.out.bytes, new),
+            Err(e) => reply::error(&mut self.out.bytes, &pool_error(&e)),
         }
     }
 
@@ -275,6 +352,14 @@ impl Conn {
     /// `TTL`/`PTTL` (-1: exists, with no deletion scheduled; -2: absent),
     /// `PERSIST` (0: no timeout to remove), `TYPE` (string or none).
     pub(crate) async fn lifetime(&mut self, cmd: Cmd, key: &[u8]) {
+        if let Some(kind) = self.ctx.shared.collections.kind_of(key) {
+            let o = &mut self.out.bytes;
+            return match cmd {
+                Cmd::Type => reply::simple(o, kind.name()),
+                Cmd::Persist => reply::int(o, 0),
+                _ => reply::int(o, -1),
+            };
+        }
         let exists = match self.key_exists(key).await {
             Ok(b) => b,
             Err(e) => return reply::error(&mut self.out.bytes, &e),
@@ -337,13 +422,22 @@ impl Conn {
         };
         // A key without a timeout has an infinite one: XX and GT never
         // apply to it, NX and LT always do.
+        let key = args[0];
+        let coll = self.ctx.shared.collections.kind_of(key).is_some();
+        if coll && !(xx || gt || left_ms > 0) {
+            // Expired at once: gone from both (a string of the same name in
+            // the pool too, which DEL would remove as well).
+            self.ctx.shared.collections.remove(key);
+            let _ = self.ctx.client.remove_with(key, true).await;
+            self.ctx.shared.views.forget(key);
+            return reply::int(&mut self.out.bytes, 1);
+        }
         if xx || gt || left_ms > 0 {
             return match self.key_exists(args[0]).await {
                 Ok(_) => reply::int(&mut self.out.bytes, 0),
                 Err(e) => reply::error(&mut self.out.bytes, &e),
             };
         }
-        let key = args[0];
         if check_key(key).is_err() {
             return reply::int(&mut self.out.bytes, 0);
         }

@@ -34,6 +34,7 @@
 
 mod cache;
 mod clients;
+mod collections;
 mod commands;
 mod conn;
 mod exec;
@@ -97,7 +98,15 @@ pub(crate) struct Shared {
     pub views: cache::ViewCache,
     /// Open connections, for `CLIENT LIST`.
     pub clients: Arc<clients::Clients>,
+    /// Lists, sets, hashes and sorted sets (held here, not in the pool).
+    pub collections: collections::Collections,
+    /// `INCR` and its kin read, add and write a key one at a time across
+    /// the RESP threads: a key's stripe is held for the three steps.
+    pub counters: Box<[tokio::sync::Mutex<()>]>,
 }
+
+/// Stripes of [`Shared::counters`].
+const COUNTER_STRIPES: usize = 64;
 
 /// One RESP thread's view: the shared parts and its own pool client.
 pub(crate) struct ThreadCtx {
@@ -164,6 +173,10 @@ pub async fn start(opts: RespOptions) -> Result<RespServer, RespError> {
         port: addr.port(),
         views: cache::ViewCache::new(cfg.view_cache_entries),
         clients: Arc::default(),
+        collections: collections::Collections::new(cfg.max_collection_memory.get()),
+        counters: (0..COUNTER_STRIPES)
+            .map(|_| tokio::sync::Mutex::new(()))
+            .collect(),
         cfg,
     });
     let mut client_cfg = opts.client;

@@ -599,6 +599,37 @@ pub mod reply {
         out.extend_from_slice(n.to_string().as_bytes());
         out.extend_from_slice(b"\r\n");
     }
+
+    /// A set of `n` members (each written after it): `~<n>` in RESP3, an
+    /// array in RESP2.
+    pub fn set(out: &mut Vec<u8>, n: usize, resp3: bool) {
+        if resp3 {
+            out.push(b'~');
+            out.extend_from_slice(n.to_string().as_bytes());
+            out.extend_from_slice(b"\r\n");
+        } else {
+            array(out, n);
+        }
+    }
+
+    /// A score: `,<double>` in RESP3, a bulk string in RESP2 (as Redis
+    /// does); infinities as `inf` and `-inf`.
+    pub fn double(out: &mut Vec<u8>, x: f64, resp3: bool) {
+        let text = if x == f64::INFINITY {
+            "inf".to_string()
+        } else if x == f64::NEG_INFINITY {
+            "-inf".to_string()
+        } else {
+            x.to_string()
+        };
+        if resp3 {
+            out.push(b',');
+            out.extend_from_slice(text.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        } else {
+            bulk(out, text.as_bytes());
+        }
+    }
 }
 
 #[cfg(test)]
