@@ -49,8 +49,8 @@ def encode_header(code: int, shape, data_bytes: int) -> bytes:
     shape = [int(d) for d in shape]
     if len(shape) > MAX_DIMS:
         raise ValueError(f"a tensor of {len(shape)} dimensions (at most {MAX_DIMS})")
-    if any(d <= 0 for d in shape):
-        raise ValueError(f"shape {tuple(shape)}: Mooncake's format has no empty dimension")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"shape {tuple(shape)}: a negative dimension")
     dims = shape + [-1] * (MAX_DIMS - len(shape))
     out = bytearray(HEADER_SIZE)
     _HEAD.pack_into(out, 0, MAGIC, VERSION, HEADER_SIZE, code, len(shape), _FULL, 0,
@@ -82,7 +82,9 @@ def decode_header(buf) -> tuple[int, tuple[int, ...]]:
         raise ValueError(f"data at {offset}, {nbytes} bytes, in a value of {len(mv)}")
     glob = _SHAPE.unpack_from(mv, _HEAD.size)
     local = _SHAPE.unpack_from(mv, _HEAD.size + _SHAPE.size)
-    if any(d <= 0 for d in glob[:ndim]) or any(d < 0 for d in local[:ndim]):
+    # A dimension may be 0 (an empty tensor: the header alone, as Mooncake
+    # stores it).
+    if any(d < 0 for d in glob[:ndim]) or any(d < 0 for d in local[:ndim]):
         raise ValueError("a dimension out of range")
     if any(d != -1 for d in glob[ndim:] + local[ndim:]):
         raise ValueError("dimensions past ndim are not -1")
@@ -139,5 +141,8 @@ def tensor_of(buf):
     if dtype is None:
         raise ValueError(f"this torch has no {DTYPES[code][0]}")
     nbytes = len(memoryview(buf).cast("B")) - HEADER_SIZE
+    if nbytes == 0:
+        # An empty tensor (torch.frombuffer refuses an empty range).
+        return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=HEADER_SIZE)
     return raw.view(dtype).reshape(shape)

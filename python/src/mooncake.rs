@@ -865,14 +865,18 @@ impl Store {
     ) -> PyResult<Vec<Vec<Vec<i64>>>> {
         let keys: Vec<Vec<Vec<u8>>> = all_keys.iter().map(keys_of).collect::<PyResult<_>>()?;
         // Every entry starts as -600 and becomes a size or a code once its
-        // fragment is served.
+        // fragment is served; one per destination offset, as Mooncake sizes
+        // them (its own test reads them so).
         let mut results: Vec<Vec<Vec<i64>>> = keys
             .iter()
             .enumerate()
             .map(|(i, ks)| {
                 (0..ks.len())
                     .map(|j| {
-                        let n = all_sizes.get(i).and_then(|s| s.get(j)).map_or(0, Vec::len);
+                        let n = all_dst_offsets
+                            .get(i)
+                            .and_then(|s| s.get(j))
+                            .map_or(0, Vec::len);
                         vec![INVALID_PARAMS; n]
                     })
                     .collect()

@@ -464,8 +464,14 @@ def test_tensors_round_trip_in_mooncakes_format(store, keys):
     assert store.put_tensor(keys("np"), np.zeros(3)) == INVALID_PARAMS
     assert store.put_tensor(keys("c64"), torch.zeros(2, dtype=torch.complex64)) == INVALID_PARAMS
     assert store.is_exist(keys("c64")) == 0
-    # Mooncake's format has no empty dimension (its readers refuse one).
-    assert store.put_tensor(keys("empty"), torch.zeros(0, 5)) == INVALID_PARAMS
+    # An empty tensor is its header alone, and reads back with its shape
+    # and dtype (as Mooncake stores it).
+    for i, shape in enumerate([(0,), (0, 5), (2, 0, 3)]):
+        empty = torch.zeros(shape, dtype=torch.bfloat16)
+        assert store.put_tensor(keys(f"empty{i}"), empty) == 0
+        assert store.get_size(keys(f"empty{i}")) == _tensor.HEADER_SIZE
+        back = store.get_tensor(keys(f"empty{i}"))
+        assert back.shape == empty.shape and back.dtype == empty.dtype
     # A value that is not a tensor object reads as None, not as a tensor.
     assert store.put(keys("plain"), b"\0" * 400) == 0
     assert store.get_tensor(keys("plain")) is None
