@@ -283,6 +283,26 @@ fn split_host(s: &str) -> Option<(String, u16)> {
     }
 }
 
+/// Mooncake's ports for a node when `local_hostname` names none (its
+/// transfer engine picks one of these; callers and its tests expect it).
+const MOONCAKE_PORTS: std::ops::RangeInclusive<u16> = 12300..=14300;
+
+/// A port of [`MOONCAKE_PORTS`] free on `host` (probed by binding it), or 0
+/// (the OS picks one) when none of 32 random tries is free.
+fn mooncake_port(host: &str) -> u16 {
+    use std::hash::BuildHasher;
+    let (lo, hi) = (*MOONCAKE_PORTS.start(), *MOONCAKE_PORTS.end());
+    let span = u64::from(hi - lo) + 1;
+    let seed = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
+    for i in 0..32u64 {
+        let p = lo + (seed.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)) % span) as u16;
+        if std::net::TcpListener::bind((host, p)).is_ok() {
+            return p;
+        }
+    }
+    0
+}
+
 /// The writes behind `put*` and `upsert*` (`replace`).
 impl Store {
     fn write_value(
@@ -456,7 +476,8 @@ impl Store {
     /// Connects to the master (`master`, host:port) and, with
     /// `global_segment_size > 0`, starts a storage node in this process that
     /// gives that many bytes of its DRAM to the pool, listening on
-    /// `local_hostname`'s host (and port, if it has one) and advertised to
+    /// `local_hostname`'s host and port (none: a free one of Mooncake's
+    /// 12300-14300, as its wheel picks) and advertised to
     /// clients under it. `protocol`: "tcp" (shared memory on the same host,
     /// TCP elsewhere) or "rdma" (`rdma_devices`, comma-separated, "" = any;
     /// a build without RDMA warns and uses tcp, as Mooncake's wheels
@@ -539,6 +560,12 @@ impl Store {
         let mut node = None;
         if global_segment_size > 0 {
             let bytes = global_segment_size.div_ceil(4096) * 4096;
+            // No port given: one of Mooncake's range, as its wheel picks.
+            let port = if port == 0 {
+                mooncake_port(&host)
+            } else {
+                port
+            };
             let listen = if host.contains(':') {
                 format!("[{host}]:{port}")
             } else {

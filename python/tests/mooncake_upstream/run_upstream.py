@@ -152,10 +152,6 @@ EXPECTED: dict[str, tuple[frozenset, str]] = {
         frozenset({"error", "fail"}),
         "soft_pin_ttl_ms = -1 or 1 << 64: PyO3's u64 setter raises OverflowError, the test "
         "wants pybind11's TypeError"),
-    "test_distributed_object_store.TestDistributedObjectStoreSingleStore.test_basic_get_hostname": (
-        frozenset({"fail"}),
-        "wants a port in Mooncake's RPC range 12300-14300 when local_hostname has none; "
-        "kvpool's embedded node takes an ephemeral port from the OS"),
     "test_distributed_object_store.TestZeroLocalBufferSize.test_zero_local_buffer_size": (
         frozenset({"fail"}),
         "deliberate difference: local_buffer_size = 0 does not make put fail (kvpool needs "
