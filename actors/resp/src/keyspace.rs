@@ -249,9 +249,11 @@ impl Conn {
     /// `INCR`, `DECR`, `INCRBY`, `DECRBY`: the key's string read as a
     /// 64-bit integer (none: 0), changed and written back. The three steps
     /// hold the key's stripe of the front's counter locks (other INCRs of
-    /// it through any RESP thread wait) and this thread's hold on the key.
-    /// A SET or a write through another front may come between the read
-    /// and the write (see docs/ARCHITECTURE.md, "RESP front").
+    /// it through any RESP thread wait) and this thread's hold on the key;
+    /// INCRs of the key from this thread that arrive meanwhile join the
+    /// same read and write ([`crate::locks::KeyLocks::add_one`]). A SET or
+    /// a write through another front may come between the read and the
+    /// write (see docs/ARCHITECTURE.md, "RESP front").
     pub(crate) async fn incr_by(&mut self, cmd: Cmd, args: &[&[u8]]) {
         let key = args[0];
         let delta = match cmd {
@@ -274,36 +276,47 @@ impl Conn {
         let within = Duration::from_millis(ctx.client_timeout_ms);
         let stripe = &ctx.shared.counters[stripe_of(key, ctx.shared.counters.len())];
         let busy = "ERR another INCR or SET of this key did not end in time";
-        let Ok(_turn) = tokio::time::timeout(within, stripe.lock()).await else {
-            return reply::error(&mut self.out.bytes, busy);
-        };
-        let Ok(_held) = ctx.keys.lock(&[key], within).await else {
-            return reply::error(&mut self.out.bytes, busy);
-        };
-        let old = match self.fetch(&[key]).await.into_iter().next() {
-            Some(Fetched::Value(p)) => match parse_int(&p.value) {
-                Some(n) => n,
-                None => {
-                    return reply::error(
-                        &mut self.out.bytes,
-                        "ERR value is not an integer or out of range",
-                    )
+        let this = &*self;
+        let (client, views) = (&ctx.client, &ctx.shared.views);
+        let r = ctx
+            .keys
+            .add_one(key, delta, stripe, within, busy, |deltas| async move {
+                let fail = |e: String| deltas.iter().map(|_| Err(e.clone())).collect();
+                let old = match this.fetch(&[key]).await.into_iter().next() {
+                    Some(Fetched::Value(p)) => match parse_int(&p.value) {
+                        Some(n) => n,
+                        None => return fail("ERR value is not an integer or out of range".into()),
+                    },
+                    Some(Fetched::Error(e)) => return fail(e),
+                    Some(Fetched::Nil) | None => 0,
+                };
+                // Each in the order it came; one that would overflow fails
+                // alone and changes nothing, as in Redis.
+                let mut at = old;
+                let out: Vec<Result<i64, String>> = deltas
+                    .iter()
+                    .map(|d| match at.checked_add(*d) {
+                        Some(x) => {
+                            at = x;
+                            Ok(x)
+                        }
+                        None => Err("ERR increment or decrement would overflow".to_string()),
+                    })
+                    .collect();
+                if at == old {
+                    return out;
                 }
-            },
-            Some(Fetched::Error(e)) => return reply::error(&mut self.out.bytes, &e),
-            Some(Fetched::Nil) | None => 0,
-        };
-        let Some(new) = old.checked_add(delta) else {
-            return reply::error(
-                &mut self.out.bytes,
-                "ERR increment or decrement would overflow",
-            );
-        };
-        let r = ctx.client.upsert(key, new.to_string().as_bytes()).await;
-        ctx.shared.views.forget(key);
+                let r = client.upsert(key, at.to_string().as_bytes()).await;
+                views.forget(key);
+                match r {
+                    Ok(()) => out,
+                    Err(e) => fail(pool_error(&e)),
+                }
+            })
+            .await;
         match r {
-            Ok(()) => reply::int(&mut self.out.bytes, new),
-            Err(e) => reply::error(&mut self.out.bytes, &pool_error(&e)),
+            Ok(n) => reply::int(&mut self.out.bytes, n),
+            Err(e) => reply::error(&mut self.out.bytes, &e),
         }
     }
 

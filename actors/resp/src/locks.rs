@@ -13,6 +13,11 @@
 //! writes the last value, and every one answers with that write's result.
 //! Linearizable as a pipeline's repeated SETs are: each joined SET is
 //! answered after the value that replaced it is in place.
+//!
+//! INCRs of one key combine the same way ([`KeyLocks::add_one`]): those
+//! that arrive while one waits for the key join it, and its one read and
+//! one write apply them all in the order they came; each answers with the
+//! count after its own increment.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -26,6 +31,55 @@ pub(crate) struct KeyLocks {
     held: RefCell<HashMap<Vec<u8>, Rc<Notify>>>,
     /// Per key, the write that waits for it, which new SETs join.
     pending: RefCell<HashMap<Vec<u8>, Rc<Pending>>>,
+    /// Per key, the increment that waits for it, which new INCRs join.
+    adding: RefCell<HashMap<Vec<u8>, Rc<PendingAdd>>>,
+}
+
+/// One read-add-write of a key that INCRs joined while it waited.
+struct PendingAdd {
+    /// The increments, in the order they came (the leader's first).
+    deltas: RefCell<Vec<i64>>,
+    /// Per increment, the count after it (or why it failed), once the
+    /// write ended.
+    results: RefCell<Option<Vec<Result<i64, String>>>>,
+    done: Notify,
+}
+
+impl PendingAdd {
+    fn finish(&self, r: Vec<Result<i64, String>>) {
+        let mut slot = self.results.borrow_mut();
+        if slot.is_none() {
+            *slot = Some(r);
+            self.done.notify_waiters();
+        }
+    }
+}
+
+/// Ends a pending increment whose leader gave up (a deadline, or its
+/// connection went away): the INCRs that joined it hear of it.
+struct AddLeading<'a> {
+    locks: &'a KeyLocks,
+    key: &'a [u8],
+    pending: Rc<PendingAdd>,
+}
+
+impl Drop for AddLeading<'_> {
+    fn drop(&mut self) {
+        let mut map = self.locks.adding.borrow_mut();
+        if map
+            .get(self.key)
+            .is_some_and(|p| Rc::ptr_eq(p, &self.pending))
+        {
+            map.remove(self.key);
+        }
+        let n = self.pending.deltas.borrow().len();
+        self.pending.finish(vec![
+            Err(
+                "ERR the INCR that was to write this key gave up".into()
+            );
+            n
+        ]);
+    }
 }
 
 /// One write of a key that SETs joined while the key was being written.
@@ -196,6 +250,75 @@ impl KeyLocks {
     }
 }
 
+impl KeyLocks {
+    /// An INCR of one key by `delta`: joins the increment that waits for
+    /// the key, if one does, else leads one: takes `stripe` (the front's
+    /// lock of the key across RESP threads), then the key, then runs
+    /// `apply` once with every increment joined by then, in order; `apply`
+    /// answers the count after each (or why that one failed). Answers this
+    /// INCR's count; at most `within`, else `busy`.
+    pub(crate) async fn add_one<F, Fut>(
+        &self,
+        key: &[u8],
+        delta: i64,
+        stripe: &tokio::sync::Mutex<()>,
+        within: Duration,
+        busy: &str,
+        apply: F,
+    ) -> Result<i64, String>
+    where
+        F: FnOnce(Vec<i64>) -> Fut,
+        Fut: std::future::Future<Output = Vec<Result<i64, String>>>,
+    {
+        let deadline = tokio::time::Instant::now() + within;
+        let joined = self.adding.borrow().get(key).cloned();
+        if let Some(p) = joined {
+            let at = {
+                let mut d = p.deltas.borrow_mut();
+                d.push(delta);
+                d.len() - 1
+            };
+            loop {
+                let woken = p.done.notified();
+                if let Some(r) = p.results.borrow().as_ref() {
+                    return r.get(at).cloned().unwrap_or_else(|| Err(busy.into()));
+                }
+                if tokio::time::timeout_at(deadline, woken).await.is_err() {
+                    return Err(busy.into());
+                }
+            }
+        }
+        let pending = Rc::new(PendingAdd {
+            deltas: RefCell::new(vec![delta]),
+            results: RefCell::new(None),
+            done: Notify::new(),
+        });
+        self.adding
+            .borrow_mut()
+            .insert(key.to_vec(), pending.clone());
+        let leading = AddLeading {
+            locks: self,
+            key,
+            pending,
+        };
+        let Ok(_turn) = tokio::time::timeout_at(deadline, stripe.lock()).await else {
+            return Err(busy.into());
+        };
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let Ok(_held) = self.lock(&[key], left).await else {
+            return Err(busy.into());
+        };
+        // The key is this increment's: INCRs arriving from now on wait in
+        // one of their own.
+        self.adding.borrow_mut().remove(key);
+        let deltas = leading.pending.deltas.borrow().clone();
+        let results = apply(deltas).await;
+        let mine = results.first().cloned().unwrap_or_else(|| Err(busy.into()));
+        leading.pending.finish(results);
+        mine
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -293,6 +416,62 @@ mod tests {
             assert_eq!(set(b"6", false).await.unwrap(), Ok(()));
             assert_eq!(writes.borrow().len(), 3);
             assert!(locks.pending.borrow().is_empty());
+        });
+    }
+
+    /// INCRs of a key that waits join one read-add-write; each answers the
+    /// count after its own increment, in the order they came.
+    #[test]
+    fn incrs_of_a_waiting_key_combine_and_answer_their_own_counts() {
+        on_one_thread(async {
+            let locks = Rc::new(KeyLocks::default());
+            let stripe = Rc::new(tokio::sync::Mutex::new(()));
+            let stored = Rc::new(RefCell::new(10i64));
+            let applies = Rc::new(RefCell::new(0));
+            let within = Duration::from_secs(5);
+            let incr = |d: i64| {
+                let (l, s, v, n) = (
+                    locks.clone(),
+                    stripe.clone(),
+                    stored.clone(),
+                    applies.clone(),
+                );
+                tokio::task::spawn_local(async move {
+                    l.add_one(b"k", d, &s, within, "busy", |deltas| async move {
+                        *n.borrow_mut() += 1;
+                        let mut at = *v.borrow();
+                        let out = deltas
+                            .into_iter()
+                            .map(|d| match at.checked_add(d) {
+                                Some(x) => {
+                                    at = x;
+                                    Ok(x)
+                                }
+                                None => Err("ERR overflow".to_string()),
+                            })
+                            .collect();
+                        *v.borrow_mut() = at;
+                        out
+                    })
+                    .await
+                })
+            };
+            let held = locks.lock(&[b"k"], within).await.unwrap();
+            let runs: Vec<_> = [1, 5, i64::MAX, -2].into_iter().map(incr).collect();
+            tokio::task::yield_now().await;
+            drop(held);
+            let mut got = Vec::new();
+            for r in runs {
+                got.push(r.await.unwrap());
+            }
+            assert_eq!(
+                got,
+                vec![Ok(11), Ok(16), Err("ERR overflow".to_string()), Ok(14)]
+            );
+            assert_eq!((*stored.borrow(), *applies.borrow()), (14, 1));
+            // Nothing waits: an INCR applies its own at once.
+            assert_eq!(incr(1).await.unwrap(), Ok(15));
+            assert!(locks.adding.borrow().is_empty());
         });
     }
 }
