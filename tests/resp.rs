@@ -738,6 +738,35 @@ fn the_argument_table_is_charged_to_the_buffer_budget() {
     drop(raw);
 }
 
+/// A large collection reply (LRANGE of a big list) is held from the
+/// front's buffer budget until sent, as a GET's value is: past the budget
+/// it is Redis's error, not memory the budget does not see.
+#[test]
+fn a_large_collection_reply_is_charged_to_the_buffer_budget() {
+    let p = pool_with_resp(
+        Some(
+            "[resp]\nproto_max_bulk_len = \"1 MiB\"\nmax_query_buffer = \"2 MiB\"\n\
+             max_buffer_memory = \"2 MiB\"\n",
+        ),
+        &[],
+    );
+    let mut raw = Raw::connect(&p.resp);
+    let v = vec![b'x'; 512 * 1024];
+    for n in 1..=6 {
+        assert_eq!(raw.cmd(&[b"RPUSH", b"big", &v]), Reply::Int(n));
+    }
+    // 3 MiB of reply against a 2 MiB budget.
+    let Reply::Error(e) = raw.cmd(&[b"LRANGE", b"big", b"0", b"-1"]) else {
+        panic!("a 3 MiB LRANGE answered past a 2 MiB budget");
+    };
+    assert!(e.contains("resp.max_buffer_memory"), "{e}");
+    // What fits is answered.
+    let Reply::Array(Some(two)) = raw.cmd(&[b"LRANGE", b"big", b"0", b"1"]) else {
+        panic!("LRANGE 0 1");
+    };
+    assert_eq!(two, vec![bulk(&v), bulk(&v)]);
+}
+
 /// A gateway (a pool client and the RESP front only) for `master`, with
 /// `config` (TOML) when given.
 fn gateway(master: &str, config: Option<&str>) -> Proc {

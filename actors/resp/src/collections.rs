@@ -11,14 +11,14 @@
 
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use indexmap::IndexSet;
 
 use crate::commands::Cmd;
-use crate::conn::Conn;
+use crate::conn::{Conn, Held, Part, BUDGET_SPENT};
 use crate::exec::{check_key, is_miss, pool_error};
 use crate::proto::{parse_int, reply};
 
@@ -127,12 +127,17 @@ struct Entry {
     bytes: u64,
 }
 
-struct Inner {
+/// One stripe of the map: the keys that hash to it, under one lock.
+struct Stripe {
     map: HashMap<Vec<u8>, Entry>,
-    bytes: u64,
     /// xorshift64* state, for SPOP.
     rng: u64,
 }
+
+/// Stripes of [`Collections`]: the RESP threads (one per core) take
+/// different locks for different keys, and a GET that checks its key's
+/// type waits for no write of another key.
+const STRIPES: usize = 64;
 
 /// A number below `below` from xorshift64* state `rng`.
 fn random(rng: &mut u64, below: usize) -> usize {
@@ -146,9 +151,11 @@ fn random(rng: &mut u64, below: usize) -> usize {
 
 /// The front's collections: every RESP thread's connections see the same.
 pub(crate) struct Collections {
-    inner: Mutex<Inner>,
-    /// Keys held (read without the lock: a GET skips the lock while none).
+    stripes: Box<[Mutex<Stripe>]>,
+    /// Keys held (read without a lock: a GET skips the stripes while none).
     keys: AtomicUsize,
+    /// Bytes held, reserved before a write adds them.
+    bytes: AtomicU64,
     /// Bytes at most (`resp.max_collection_memory`).
     limit: u64,
 }
@@ -164,24 +171,31 @@ fn clamp(start: i64, stop: i64, len: usize) -> Option<(usize, usize)> {
 
 impl Collections {
     pub(crate) fn new(limit: u64) -> Self {
+        let seed = RandomState::new().hash_one(0x6b76_706f_6f6c_u64);
         Collections {
-            inner: Mutex::new(Inner {
-                map: HashMap::new(),
-                bytes: 0,
-                rng: RandomState::new().hash_one(0x6b76_706f_6f6c_u64) | 1,
-            }),
+            stripes: (0..STRIPES as u64)
+                .map(|i| {
+                    Mutex::new(Stripe {
+                        map: HashMap::new(),
+                        rng: seed.wrapping_add(i) | 1,
+                    })
+                })
+                .collect(),
             keys: AtomicUsize::new(0),
+            bytes: AtomicU64::new(0),
             limit,
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
+    /// The stripe of `key`, locked.
+    fn lock(&self, key: &[u8]) -> MutexGuard<'_, Stripe> {
+        let at = BuildHasherDefault::<DefaultHasher>::default().hash_one(key) as usize % STRIPES;
         // A panic while held ends the process (the binary's panic hook
-        // aborts); the state is consistent at every unlock.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        // aborts); a stripe is consistent at every unlock.
+        self.stripes[at].lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// No key is held: the string commands skip the lock.
+    /// No key is held: the string commands skip the stripes.
     pub(crate) fn is_empty(&self) -> bool {
         self.keys.load(Ordering::Acquire) == 0
     }
@@ -193,7 +207,12 @@ impl Collections {
 
     /// Bytes held (keys, elements and their costs).
     pub(crate) fn bytes(&self) -> u64 {
-        self.lock().bytes
+        self.bytes.load(Ordering::Acquire)
+    }
+
+    /// Gives `n` bytes back.
+    fn free(&self, n: u64) {
+        self.bytes.fetch_sub(n, Ordering::AcqRel);
     }
 
     /// The type of `key`, if a collection holds it.
@@ -201,7 +220,7 @@ impl Collections {
         if self.is_empty() {
             return None;
         }
-        self.lock().map.get(key).map(|e| e.value.kind())
+        self.lock(key).map.get(key).map(|e| e.value.kind())
     }
 
     /// Removes `key`; whether it was held.
@@ -209,22 +228,25 @@ impl Collections {
         if self.is_empty() {
             return false;
         }
-        let mut g = self.lock();
-        let Some(e) = g.map.remove(key) else {
+        let Some(e) = self.lock(key).map.remove(key) else {
             return false;
         };
-        g.bytes -= e.bytes;
-        self.keys.store(g.map.len(), Ordering::Release);
+        self.free(e.bytes);
+        self.keys.fetch_sub(1, Ordering::AcqRel);
         true
     }
 
     /// Removes every key; how many there were.
     pub(crate) fn clear(&self) -> usize {
-        let mut g = self.lock();
-        let n = g.map.len();
-        g.map.clear();
-        g.bytes = 0;
-        self.keys.store(0, Ordering::Release);
+        let mut n = 0;
+        for stripe in self.stripes.iter() {
+            let mut g = stripe.lock().unwrap_or_else(|p| p.into_inner());
+            let gone: u64 = g.map.values().map(|e| e.bytes).sum();
+            n += g.map.len();
+            self.keys.fetch_sub(g.map.len(), Ordering::AcqRel);
+            g.map.clear();
+            self.free(gone);
+        }
         n
     }
 
@@ -236,7 +258,7 @@ impl Collections {
         kind: Kind,
         f: impl FnOnce(Option<&Value>) -> R,
     ) -> Result<R, String> {
-        let g = self.lock();
+        let g = self.lock(key);
         match g.map.get(key) {
             Some(e) if e.value.kind() != kind => Err(WRONGTYPE.into()),
             e => Ok(f(e.map(|e| &e.value))),
@@ -256,8 +278,8 @@ impl Collections {
         create: bool,
         f: impl FnOnce(&mut Value, &mut u64) -> (R, i64),
     ) -> Result<Option<R>, String> {
-        let mut g = self.lock();
-        let Inner { map, bytes, rng } = &mut *g;
+        let mut g = self.lock(key);
+        let Stripe { map, rng } = &mut *g;
         let fresh = match map.get(key) {
             Some(e) if e.value.kind() != kind => return Err(WRONGTYPE.into()),
             Some(_) => false,
@@ -266,12 +288,18 @@ impl Collections {
         };
         let key_cost = key.len() as u64 + KEY_COST;
         let need = grow + if fresh { key_cost } else { 0 };
-        if need > 0 && bytes.saturating_add(need) > self.limit {
-            return Err(format!(
-                "OOM command not allowed: the front's lists, sets, hashes and sorted sets \
-                 hold {} of their {} bytes (resp.max_collection_memory)",
-                bytes, self.limit
-            ));
+        if need > 0 {
+            // Reserved first, so that writes of other stripes cannot pass
+            // the limit together.
+            let held = self.bytes.fetch_add(need, Ordering::AcqRel);
+            if held.saturating_add(need) > self.limit {
+                self.free(need);
+                return Err(format!(
+                    "OOM command not allowed: the front's lists, sets, hashes and sorted sets \
+                     hold {held} of their {} bytes (resp.max_collection_memory)",
+                    self.limit
+                ));
+            }
         }
         if fresh {
             map.insert(
@@ -281,18 +309,25 @@ impl Collections {
                     bytes: key_cost,
                 },
             );
-            *bytes += key_cost;
+            self.keys.fetch_add(1, Ordering::AcqRel);
         }
         let e = map.get_mut(key).expect("held or inserted above");
         let (r, delta) = f(&mut e.value, rng);
         e.bytes = e.bytes.saturating_add_signed(delta);
-        *bytes = bytes.saturating_add_signed(delta);
+        // What `f` did not use of the reservation, or freed.
+        let unused = grow as i64 - delta;
+        if unused > 0 {
+            self.free(unused as u64);
+        } else {
+            self.bytes
+                .fetch_add(unused.unsigned_abs(), Ordering::AcqRel);
+        }
         if e.value.len() == 0 {
             let gone = e.bytes;
             map.remove(key);
-            *bytes -= gone;
+            self.free(gone);
+            self.keys.fetch_sub(1, Ordering::AcqRel);
         }
-        self.keys.store(map.len(), Ordering::Release);
         Ok(Some(r))
     }
 
@@ -619,50 +654,24 @@ impl Conn {
             Err(e) => Err(e),
         };
         let resp3 = self.resp3;
-        let o = &mut self.out.bytes;
-        match answer {
-            Err(e) => reply::error(o, &e),
-            Ok(Answer::Int(n)) => reply::int(o, n),
-            Ok(Answer::Bulk(Some(v))) => reply::bulk(o, &v),
-            Ok(Answer::Bulk(None)) => reply::nil(o, resp3),
-            Ok(Answer::Array(None)) => reply::array_nil(o, resp3),
-            Ok(Answer::Array(Some(items))) => {
-                reply::array(o, items.len());
-                for i in items {
-                    reply::bulk(o, &i);
-                }
-            }
-            Ok(Answer::Set(items)) => {
-                reply::set(o, items.len(), resp3);
-                for i in items {
-                    reply::bulk(o, &i);
-                }
-            }
-            Ok(Answer::Map(pairs)) => {
-                reply::map(o, pairs.len(), resp3);
-                for (k, v) in pairs {
-                    reply::bulk(o, &k);
-                    reply::bulk(o, &v);
-                }
-            }
-            Ok(Answer::Score(Some(x))) => reply::double(o, x, resp3),
-            Ok(Answer::Score(None)) => reply::nil(o, resp3),
-            Ok(Answer::Scored(items, nested)) => {
-                if nested && resp3 {
-                    reply::array(o, items.len());
-                    for (m, x) in items {
-                        reply::array(o, 2);
-                        reply::bulk(o, &m);
-                        reply::double(o, x, resp3);
-                    }
-                } else {
-                    reply::array(o, items.len() * 2);
-                    for (m, x) in items {
-                        reply::bulk(o, &m);
-                        reply::double(o, x, resp3);
-                    }
-                }
-            }
+        // Encoded apart; a large reply (LRANGE, SMEMBERS, HGETALL of a big
+        // collection) is held from the front's buffer budget until sent, as
+        // a GET's value is. The answer and its copy exist unbudgeted only
+        // until here, with no wait in between: one per RESP thread at most.
+        let mut buf = Vec::new();
+        encode(&mut buf, answer, resp3);
+        if buf.len() <= SMALL_REPLY {
+            self.out.bytes.extend_from_slice(&buf);
+            return;
+        }
+        let mut held = Held::none(&self.ctx.shared);
+        if held.grow(buf.len() as u64) {
+            self.out.raw_part(Part {
+                value: buf,
+                _held: held,
+            });
+        } else {
+            reply::error(&mut self.out.bytes, BUDGET_SPENT);
         }
     }
 
@@ -750,6 +759,57 @@ impl Conn {
             }
             _ => unreachable!("{cmd:?} is not a collection command"),
         })
+    }
+}
+
+/// Replies this long or shorter go straight into the connection's buffer.
+const SMALL_REPLY: usize = 16 * 1024;
+
+/// A collection command's answer (or its error) as RESP2 or RESP3 bytes.
+fn encode(o: &mut Vec<u8>, answer: Result<Answer, String>, resp3: bool) {
+    match answer {
+        Err(e) => reply::error(o, &e),
+        Ok(Answer::Int(n)) => reply::int(o, n),
+        Ok(Answer::Bulk(Some(v))) => reply::bulk(o, &v),
+        Ok(Answer::Bulk(None)) => reply::nil(o, resp3),
+        Ok(Answer::Array(None)) => reply::array_nil(o, resp3),
+        Ok(Answer::Array(Some(items))) => {
+            reply::array(o, items.len());
+            for i in items {
+                reply::bulk(o, &i);
+            }
+        }
+        Ok(Answer::Set(items)) => {
+            reply::set(o, items.len(), resp3);
+            for i in items {
+                reply::bulk(o, &i);
+            }
+        }
+        Ok(Answer::Map(pairs)) => {
+            reply::map(o, pairs.len(), resp3);
+            for (k, v) in pairs {
+                reply::bulk(o, &k);
+                reply::bulk(o, &v);
+            }
+        }
+        Ok(Answer::Score(Some(x))) => reply::double(o, x, resp3),
+        Ok(Answer::Score(None)) => reply::nil(o, resp3),
+        Ok(Answer::Scored(items, nested)) => {
+            if nested && resp3 {
+                reply::array(o, items.len());
+                for (m, x) in items {
+                    reply::array(o, 2);
+                    reply::bulk(o, &m);
+                    reply::double(o, x, resp3);
+                }
+            } else {
+                reply::array(o, items.len() * 2);
+                for (m, x) in items {
+                    reply::bulk(o, &m);
+                    reply::double(o, x, resp3);
+                }
+            }
+        }
     }
 }
 

@@ -165,6 +165,13 @@ impl Out {
         self.bytes.extend_from_slice(b"\r\n");
     }
 
+    /// Reply bytes encoded elsewhere (a large array), their memory held
+    /// from the budget until sent.
+    pub(crate) fn raw_part(&mut self, part: Part) {
+        self.part_bytes += part.len() as u64;
+        self.parts.push((self.bytes.len(), part));
+    }
+
     /// Bytes waiting, values included.
     pub(crate) fn pending(&self) -> u64 {
         self.bytes.len() as u64 + self.part_bytes
