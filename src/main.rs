@@ -173,7 +173,7 @@ enum Cmd {
     },
     /// Replay a request trace against a modelled cluster, per scheduling
     /// policy (`kvpool sim cache`: the pool's prefix hit ratio alone).
-    Sim(kvpool_conductor::cli::SimCommand),
+    Sim(kvpool_sim::cli::SimCommand),
     /// Measure a running pool.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -194,7 +194,7 @@ enum BenchCmd {
     /// Replay a request trace against the serving front at its timestamps:
     /// TTFT/TBT percentiles, SLO attainment and goodput, the columns of
     /// `kvpool sim`.
-    Serve(Box<kvpool_serving::bench::BenchServeArgs>),
+    Serve(Box<kvpool_sim::serve_bench::BenchServeArgs>),
     /// Put and get latency and throughput per transport, value size, batch:
     /// rows on stdout, one progress line per case on stderr.
     Transfer {
@@ -295,7 +295,7 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     match cli.cmd {
-        Cmd::Sim(cmd) => match kvpool_conductor::cli::run_sim_command(&cmd) {
+        Cmd::Sim(cmd) => match kvpool_sim::cli::run_sim_command(&cmd) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -322,7 +322,7 @@ fn main() -> ExitCode {
             let front = front_or_default(&args.front, &cfg);
             block_on_cli(async move {
                 let mut out = std::io::stdout();
-                kvpool_serving::bench::run_bench_serve(&front, &args, &mut out)
+                kvpool_sim::serve_bench::run_bench_serve(&front, &args, &mut out)
                     .await
                     .map(|_| ())
             })

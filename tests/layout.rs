@@ -62,3 +62,32 @@ fn no_crate_needs_protoc_at_build_time() {
         );
     }
 }
+
+/// Simulators, generators, plots and bench drivers are tools (`tools/`):
+/// no role's crate links plotting or progress bars (issue 32). Only the
+/// binary, which has `kvpool sim` and `kvpool bench serve`, links
+/// `kvpool-sim`.
+#[test]
+fn no_role_crate_links_the_tools_plotting_or_progress_bars() {
+    for krate in [
+        "kvpool-master",
+        "kvpool-storage-node",
+        "kvpool-conductor",
+        "kvpool-serving",
+        "kvpool-resp",
+        "kvpool-node",
+        "kvpool-ha",
+        "kvpool-engine",
+        "kvpool-client",
+    ] {
+        let tree = cargo_tree(&["-p", krate, "-e", "normal"]);
+        let crates = names(&tree);
+        assert!(crates.contains(&krate), "no {krate} in:\n{tree}");
+        for banned in ["plotters", "indicatif", "kvpool-sim", "kvpool-cluster-sim"] {
+            assert!(
+                !crates.contains(&banned),
+                "{krate} depends on {banned}:\n{tree}"
+            );
+        }
+    }
+}

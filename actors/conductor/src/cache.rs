@@ -5,8 +5,9 @@
 //! prefix order, first to last; a touch inserts a missing block or refreshes
 //! a present one. A request's hit is the longest prefix of its blocks that is
 //! cached *before* its touch ([`PrefixIndex::prefix_len`]). This is the
-//! accounting of the reference check: a global LRU on the synthetic trace hits
-//! 0.0825 / 0.4235 / 0.6396 of all blocks at 1,000 / 10,000 / unbounded blocks.
+//! accounting of the reference check (`kvpool_sim::cache_sim`): a global LRU on
+//! the synthetic trace hits 0.0825 / 0.4235 / 0.6396 of all blocks at 1,000 /
+//! 10,000 / unbounded blocks.
 //!
 //! A new block is always admitted: when the cache is full, the victim is
 //! chosen among the blocks already present, then the new one goes in.
@@ -31,7 +32,6 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use super::chunk_hash::{ChunkHash, IdHashBuilder, IdMap};
-use super::trace::Trace;
 
 /// Cache capacity in blocks, or unbounded (`inf`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -574,46 +574,6 @@ impl HitCounter {
         } else {
             self.hit_blocks as f64 / self.total_blocks as f64
         }
-    }
-}
-
-/// Result of [`simulate_cache`]; one JSON line of `kvpool sim cache --json`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct CacheSimReport {
-    /// Eviction policy.
-    pub cache_policy: CachePolicy,
-    /// Capacity in blocks (`"inf"` when unbounded).
-    pub cache_blocks: Capacity,
-    /// Requests replayed.
-    pub requests: u64,
-    /// Blocks asked for.
-    pub total_blocks: u64,
-    /// Blocks found in the longest cached prefix of each request.
-    pub hit_blocks: u64,
-    /// `hit_blocks / total_blocks`.
-    pub prefix_hit_ratio: f64,
-    /// Blocks evicted.
-    pub evictions: u64,
-}
-
-/// Replays `trace` through one global cache: each request hits its longest
-/// cached prefix, then touches all its blocks in prefix order.
-pub fn simulate_cache(trace: &Trace, policy: CachePolicy, capacity: Capacity) -> CacheSimReport {
-    let mut cache = Cache::new(policy, capacity);
-    let mut hits = HitCounter::default();
-    for (_, blocks) in trace.iter() {
-        let hit = cache.prefix_len(blocks);
-        hits.record(hit, blocks.len());
-        cache.touch(blocks);
-    }
-    CacheSimReport {
-        cache_policy: policy,
-        cache_blocks: capacity,
-        requests: trace.len() as u64,
-        total_blocks: hits.total_blocks,
-        hit_blocks: hits.hit_blocks,
-        prefix_hit_ratio: hits.ratio(),
-        evictions: cache.evictions(),
     }
 }
 

@@ -3,8 +3,8 @@
 //! [`Scheduler::schedule`] takes a request, a read-only [`ClusterView`] and
 //! the current time, and returns a [`Decision`]: a (prefill, decode) pair or
 //! a rejection with its reason. The same code runs in the simulator
-//! ([`crate::sim`]) and in the live actor
-//! ([`crate::actor`]), each with its own view.
+//! (`kvpool_sim::sim`) and in the live actor ([`crate::actor`]), each with
+//! its own view.
 //!
 //! Estimates (all from the [`CostModel`]):
 //!

@@ -24,12 +24,10 @@
 //! - [`roles`]: `kvpool run --role conductor|prefill-proxy|decode-proxy`
 //!   and role all's serving half;
 //! - [`chat`]: `kvpool chat`;
-//! - [`bench`]: `kvpool bench serve` (a trace against the live system);
 //! - [`http`], [`sse`], [`api`]: the HTTP client, server-sent events, and
 //!   what the routes share (request ids, OpenAI's error shape).
 
 pub mod api;
-pub mod bench;
 pub mod chat;
 pub mod front;
 pub mod http;

@@ -3,7 +3,7 @@
 //! The crate sits two levels below the workspace root, whose `tests/data/`
 //! holds the trace; change [`TRACE_PATH`] here if it moves.
 
-use kvpool_conductor::trace::Trace;
+use kvpool_sim::trace::Trace;
 
 /// The Mooncake synthetic trace (3,993 requests).
 pub const TRACE_PATH: &str = concat!(

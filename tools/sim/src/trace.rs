@@ -25,8 +25,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::chunk_hash::{ChunkHash, MOONCAKE_CHUNK_TOKENS};
-use super::gen::{GenParams, GEN_VERSION, HEADER_KEY};
+use crate::gen::{GenParams, GEN_VERSION, HEADER_KEY};
+use kvpool_conductor::chunk_hash::{ChunkHash, MOONCAKE_CHUNK_TOKENS};
 
 /// Errors of trace loading.
 #[derive(Debug, thiserror::Error)]

@@ -13,7 +13,8 @@ use std::sync::OnceLock;
 use hdrhistogram::Histogram;
 use plotters::prelude::*;
 
-use super::sim::LoadSeries;
+pub use crate::error::PlotError;
+use crate::sim::LoadSeries;
 use plotters::style::{register_font, FontStyle};
 
 /// Where [`plot_ttft_cdf`] looks for a font, in order.
@@ -30,16 +31,6 @@ pub const FONT_CANDIDATES: &[&str] = &[
     "/Library/Fonts/Arial.ttf",
     "C:\\Windows\\Fonts\\arial.ttf",
 ];
-
-/// Error of drawing or writing the plot.
-#[derive(Debug, thiserror::Error)]
-#[error("cannot draw plot {path}: {message}")]
-pub struct PlotError {
-    /// Output file.
-    pub path: String,
-    /// What went wrong.
-    pub message: String,
-}
 
 /// What [`plot_ttft_cdf`] managed to draw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -58,7 +58,7 @@
 //! order they were scheduled in.
 //!
 //! Decision log ([`simulate_logged`]): every arrival's view and decision and
-//! every finished request, in the format of [`crate::record`], the same as
+//! every finished request, in the format of [`kvpool_conductor::record`], the same as
 //! the live conductor's; the scheduler then decides on the captured view
 //! (which answers exactly what the simulator's state does).
 
@@ -68,15 +68,19 @@ use std::collections::{BinaryHeap, VecDeque};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
-use super::cache::{BlockCache, Cache, CachePolicy, Capacity, HitCounter, LruCache, PrefixIndex};
-use super::chunk_hash::{ChunkHash, IdHashBuilder, IdMap};
-use super::cost::{ConfigError, CostModel};
-use super::record::{LogRecord, LogSource, RecordedView};
-use super::scheduler::{
+use kvpool_conductor::cache::{
+    BlockCache, Cache, CachePolicy, Capacity, HitCounter, LruCache, PrefixIndex,
+};
+use kvpool_conductor::chunk_hash::{ChunkHash, IdHashBuilder, IdMap};
+use kvpool_conductor::cost::CostModel;
+
+use crate::error::SimError;
+use crate::trace::Trace;
+use kvpool_conductor::record::{LogRecord, LogSource, RecordedView};
+use kvpool_conductor::scheduler::{
     ClusterView, Decision, DecodeLoad, Policy, PrefillLoad, RejectReason, RequestView, Scheduler,
     Slo,
 };
-use super::trace::Trace;
 
 /// Highest latency the histograms record: one day, in microseconds.
 const HIST_MAX_US: u64 = 86_400_000_000;
@@ -170,26 +174,6 @@ impl SimConfig {
         self.cost.validate()?;
         Ok(())
     }
-}
-
-/// Errors of the simulator and its command line.
-#[derive(Debug, thiserror::Error)]
-pub enum SimError {
-    /// The trace could not be loaded.
-    #[error(transparent)]
-    Trace(#[from] super::trace::TraceError),
-    /// The cost model could not be loaded.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// A bad argument.
-    #[error("{0}")]
-    InvalidArg(String),
-    /// Output could not be written.
-    #[error("cannot write output: {0}")]
-    Output(#[from] std::io::Error),
-    /// The plot could not be drawn.
-    #[error(transparent)]
-    Plot(#[from] super::plot::PlotError),
 }
 
 /// Results of one simulation; one JSON line of `kvpool sim --json`.
@@ -1142,12 +1126,12 @@ mod tests {
             cfg.speed = 4.0;
             cfg.slo.tbt_ms = 40.0;
             let plain = simulate(&t, &cfg).unwrap();
-            let mut log = crate::record::DecisionLog::new(Vec::new());
+            let mut log = kvpool_conductor::record::DecisionLog::new(Vec::new());
             let logged =
                 simulate_logged(&t, &cfg, &mut |_| {}, Some(&mut |r| log.write(&r))).unwrap();
             assert_eq!(logged.report, plain.report, "{policy}");
             let bytes = log.finish().unwrap();
-            let r = crate::record::replay(&bytes[..]).unwrap();
+            let r = kvpool_conductor::record::replay(&bytes[..]).unwrap();
             assert_eq!(r.decisions, 400, "{policy}");
             assert_eq!(r.agreed, r.decisions, "{policy}: {:?}", r.mismatches);
         }

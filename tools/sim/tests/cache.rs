@@ -1,9 +1,10 @@
 //! Pool cache models on the synthetic trace, including the reference check.
 
-mod conductor_support;
+mod support;
 
-use conductor_support::load_trace;
-use kvpool_conductor::cache::{simulate_cache, CachePolicy, Capacity};
+use kvpool_conductor::cache::{CachePolicy, Capacity};
+use kvpool_sim::cache_sim::simulate_cache;
+use support::load_trace;
 
 #[test]
 fn lru_reference_hit_ratios() {

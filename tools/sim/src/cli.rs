@@ -14,14 +14,16 @@ use std::str::FromStr;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use super::cache::{simulate_cache, CachePolicy, CacheSimReport, Capacity};
-use super::cost::CostModel;
-use super::gen::{write_trace, GenParams, Preset};
-use super::plot::{plot_load_series, plot_ttft_cdf};
-use super::record::{replay, DecisionLog, ReplayReport};
-use super::scheduler::{Policy, Slo};
-use super::sim::{simulate_logged, SimConfig, SimError, SimOutcome, SimReport, SWING_HIGH};
-use super::trace::{ScaleParams, Trace};
+use crate::cache_sim::{simulate_cache, CacheSimReport};
+use crate::error::SimError;
+use crate::gen::{write_trace, GenParams, Preset};
+use crate::plot::{plot_load_series, plot_ttft_cdf};
+use crate::sim::{simulate_logged, SimConfig, SimOutcome, SimReport, SWING_HIGH};
+use crate::trace::{ScaleParams, Trace};
+use kvpool_conductor::cache::{CachePolicy, Capacity};
+use kvpool_conductor::cost::CostModel;
+use kvpool_conductor::record::{replay, DecisionLog, ReplayReport};
+use kvpool_conductor::scheduler::{Policy, Slo};
 
 /// A `--policy` value: one policy, or `all`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

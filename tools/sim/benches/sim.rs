@@ -8,10 +8,11 @@ use std::path::Path;
 use std::time::Instant;
 
 use hdrhistogram::Histogram;
-use kvpool_conductor::cache::{simulate_cache, CachePolicy, Capacity};
+use kvpool_conductor::cache::{CachePolicy, Capacity};
 use kvpool_conductor::scheduler::Policy;
-use kvpool_conductor::sim::{simulate, SimConfig};
-use kvpool_conductor::trace::Trace;
+use kvpool_sim::cache_sim::simulate_cache;
+use kvpool_sim::sim::{simulate, SimConfig};
+use kvpool_sim::trace::Trace;
 
 const TRACE_PATH: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),

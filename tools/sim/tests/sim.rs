@@ -1,12 +1,12 @@
 //! Trace replay on the synthetic trace: determinism, SLOs at speed 1, and
 //! early rejection under overload.
 
-mod conductor_support;
+mod support;
 
-use conductor_support::load_trace;
 use kvpool_conductor::scheduler::Policy;
-use kvpool_conductor::sim::{simulate, SimConfig, SimReport};
-use kvpool_conductor::trace::Trace;
+use kvpool_sim::sim::{simulate, SimConfig, SimReport};
+use kvpool_sim::trace::Trace;
+use support::load_trace;
 
 fn run(trace: &Trace, policy: Policy, prefill: usize, decode: usize, speed: f64) -> SimReport {
     let mut cfg = SimConfig::new(policy, prefill, decode);

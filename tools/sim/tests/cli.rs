@@ -1,14 +1,14 @@
 //! The `kvpool sim` command line, parsed with clap and run to a buffer.
 
-mod conductor_support;
+mod support;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 use clap::Parser;
-use conductor_support::{load_trace, TRACE_PATH};
-use kvpool_conductor::cli::{run_sim_cache_to, run_sim_gen, run_sim_to, SimCommand, SimSubcommand};
-use kvpool_conductor::trace::Trace;
+use kvpool_sim::cli::{run_sim_cache_to, run_sim_gen, run_sim_to, SimCommand, SimSubcommand};
+use kvpool_sim::trace::Trace;
+use support::{load_trace, TRACE_PATH};
 
 #[derive(Parser)]
 struct Cli {
@@ -174,7 +174,7 @@ fn sim_cache_json_lines() {
     }
 }
 
-fn gen_args(cmd: &SimCommand) -> &kvpool_conductor::cli::SimGenArgs {
+fn gen_args(cmd: &SimCommand) -> &kvpool_sim::cli::SimGenArgs {
     match &cmd.command {
         Some(SimSubcommand::Gen(args)) => args,
         _ => panic!("expected the gen subcommand"),

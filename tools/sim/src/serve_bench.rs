@@ -23,24 +23,22 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::cli::write_report_rows;
+use crate::sim::SimReport;
+use crate::trace::Trace;
 use axum::body::Bytes;
 use hdrhistogram::Histogram;
 use hyper::{Method, StatusCode};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvpool_conductor::cache::{CachePolicy, Capacity};
 use kvpool_conductor::chunk_hash::ChunkHash;
-use kvpool_conductor::cli::write_report_rows;
 use kvpool_conductor::scheduler::Policy;
-use kvpool_conductor::sim::SimReport;
-use kvpool_conductor::trace::Trace;
 use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-use crate::api;
-use crate::http;
-use crate::sse;
+use kvpool_serving::{api, http, sse};
 
 /// `kvpool bench serve`.
 #[derive(Debug, Clone, clap::Args)]

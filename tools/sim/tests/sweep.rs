@@ -29,14 +29,14 @@
 //! three times the load climbs to 1.25 (every request decoding then is
 //! missing the SLO) after having come back to the SLO or below.
 //!
-//! The table is printed (`cargo test --release --test conductor_sweep --
+//! The table is printed (`cargo test --release -p kvpool-sim --test sweep --
 //! --nocapture`; `SWEEP_SEEDS=4,5,6` replays other seeds); docs/BENCHMARKS.md
 //! holds a copy.
 
-use kvpool_conductor::gen::{generate, write_trace, GenParams, Preset};
 use kvpool_conductor::scheduler::{Policy, Slo};
-use kvpool_conductor::sim::{simulate, LoadSeries, SimConfig, SimOutcome};
-use kvpool_conductor::trace::Trace;
+use kvpool_sim::gen::{generate, write_trace, GenParams, Preset};
+use kvpool_sim::sim::{simulate, LoadSeries, SimConfig, SimOutcome};
+use kvpool_sim::trace::Trace;
 
 /// Generator seeds every regime is replayed on.
 const SEEDS: [u64; 3] = [1, 2, 3];
