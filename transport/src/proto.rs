@@ -7,11 +7,40 @@
 
 use rkyv::{Archive, Deserialize, Serialize};
 
-use crate::auth::Grant;
 use crate::error::{ErrorCode, KvError};
 
 /// A mounted segment's id, assigned by the master (stable for a segment name).
 pub type SegmentId = u64;
+
+/// A data-plane permission the master signs and a storage node checks
+/// without asking anyone: `op` on `len` bytes at `offset` of a segment,
+/// until `expires_ms` (Unix time, milliseconds), signed by the leader of
+/// `term` (HA on etcd: the etcd revision of the signing master's leader
+/// key; 0 for a master without an election). A storage node refuses a
+/// grant of a term older than one it has seen, so a deposed leader's grants
+/// stop working once the new leader's first grant reached the node. `mac`
+/// is zero in an open cluster, where the term is carried but neither
+/// recorded nor checked (nothing signs it).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Grant {
+    pub op: u8,
+    pub offset: u64,
+    pub len: u64,
+    pub expires_ms: u64,
+    pub term: u64,
+    pub mac: [u8; 16],
+}
+
+impl Grant {
+    /// Whether `offset..offset+len` lies inside the granted range.
+    pub fn covers(&self, offset: u64, len: u64) -> bool {
+        let (Some(end), Some(gend)) = (offset.checked_add(len), self.offset.checked_add(self.len))
+        else {
+            return false;
+        };
+        offset >= self.offset && end <= gend
+    }
+}
 /// A client's id: random per client instance, it names the writer of a put
 /// and the owner of a segment for liveness.
 pub type ClientId = u64;

@@ -25,13 +25,46 @@
 //! so no caller can leave the index behind; [`Objects::check`] recounts it.
 
 use std::collections::BTreeSet;
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hasher};
 
 use hashbrown::HashTable;
 use kvpool_transport::proto::ClientId;
 use smallvec::SmallVec;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::state::KeyHashBuilder;
+/// Hashes keys with one-shot xxh3 (a key is hashed by a single `write`),
+/// seeded per shard at random so clients cannot aim at collisions.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyHashBuilder(u64);
+
+impl KeyHashBuilder {
+    /// A builder whose hashes are seeded by `seed`.
+    pub fn with_seed(seed: u64) -> Self {
+        Self(seed)
+    }
+}
+
+/// See [`KeyHashBuilder`].
+pub struct KeyHasher(u64);
+
+impl BuildHasher for KeyHashBuilder {
+    type Hasher = KeyHasher;
+    fn build_hasher(&self) -> KeyHasher {
+        KeyHasher(self.0)
+    }
+}
+
+impl Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        self.0 = xxh3_64_with_seed(bytes, self.0);
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (self.0 ^ n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
 
 /// An object's slot in the slab.
 pub(crate) type Id = u32;
@@ -659,7 +692,7 @@ impl Objects {
                 if e.obj.complete().is_some() != complete {
                     return Err(format!(
                         "{} is in the {} table in another phase",
-                        super::state::show_key(&e.key),
+                        kvpool_transport::proto::show_key(&e.key),
                         if complete { "complete" } else { "processing" }
                     ));
                 }
@@ -667,7 +700,7 @@ impl Objects {
                 if find(table, &self.slab, hash, &e.key) != Some(id) {
                     return Err(format!(
                         "{} is not found by its key",
-                        super::state::show_key(&e.key)
+                        kvpool_transport::proto::show_key(&e.key)
                     ));
                 }
             }

@@ -674,8 +674,9 @@ const MAX_SHIP_WAITERS: usize = 4096;
 const COMPACT_MIN_LOG_BYTES: u64 = 64 << 20;
 /// ...and this many times the last snapshot.
 const COMPACT_LOG_RATIO: u64 = 4;
-/// Objects one step of a snapshot writes before requests run again.
-const SNAPSHOT_STEP_OBJECTS: usize = 4096;
+/// Objects one step of a compaction snapshot writes before requests run
+/// again (a standby's snapshot steps by `ship::SHIP_STEP_OBJECTS`).
+const COMPACT_STEP_OBJECTS: usize = 4096;
 
 impl Shard {
     /// Writes the records of every change since the last commit to the
@@ -910,7 +911,7 @@ async fn compact(ctx: ShardCtx, shard: Rc<Shard>) {
     let mut cur = SnapshotCursor::default();
     let mut buf = Vec::new();
     loop {
-        match shard.snapshot_into(&mut cur, SNAPSHOT_STEP_OBJECTS, &mut buf, &mut w) {
+        match shard.snapshot_into(&mut cur, COMPACT_STEP_OBJECTS, &mut buf, &mut w) {
             Ok(true) => break,
             Ok(false) => {}
             Err(e) => {
@@ -1537,11 +1538,10 @@ impl MasterConn {
             let due = st.ship.borrow_mut().snapshot_due(session);
             if let Some(mut cur) = due {
                 let mut buf = Vec::new();
-                let done = st.state.borrow().snapshot_step(
-                    &mut cur,
-                    ship::SNAPSHOT_STEP_OBJECTS,
-                    &mut buf,
-                );
+                let done =
+                    st.state
+                        .borrow()
+                        .snapshot_step(&mut cur, ship::SHIP_STEP_OBJECTS, &mut buf);
                 st.ship
                     .borrow_mut()
                     .snapshot_step_done(session, cur, &buf, done);

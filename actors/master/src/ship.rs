@@ -40,8 +40,9 @@ pub const MAX_FOLLOWERS: usize = 8;
 pub const FOLLOWER_BUFFER_BYTES: usize = 64 << 20;
 /// The snapshot's next step is made only while less than this is waiting.
 pub const SNAPSHOT_LOW_WATER: usize = 1 << 20;
-/// Objects one snapshot step covers.
-pub const SNAPSHOT_STEP_OBJECTS: usize = 1024;
+/// Objects one step of a snapshot shipped to a standby covers (compaction's
+/// own snapshot steps by 4096: `service::COMPACT_STEP_OBJECTS`).
+pub const SHIP_STEP_OBJECTS: usize = 1024;
 /// Most bytes of records one `Shipped` carries (at least one record).
 pub const SHIP_BYTES: usize = 1 << 20;
 /// How long the leader holds a `Follow` that finds nothing to send.

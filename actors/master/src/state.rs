@@ -52,39 +52,11 @@ use kvpool_transport::{ErrorCode, KvError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use smallvec::SmallVec;
-use std::hash::{BuildHasher, Hasher};
 
 use super::journal::{self, Hold, Image, ObjectRec};
-use super::objects::{Complete, Id, Object, Objects, Phase, Processing, Replica, ReplicaState};
-
-use xxhash_rust::xxh3::xxh3_64_with_seed;
-
-/// Hashes keys with one-shot xxh3 (a key is hashed by a single `write`),
-/// seeded per shard at random so clients cannot aim at collisions.
-#[derive(Debug, Clone, Copy)]
-pub struct KeyHashBuilder(u64);
-
-/// See [`KeyHashBuilder`].
-pub struct KeyHasher(u64);
-
-impl BuildHasher for KeyHashBuilder {
-    type Hasher = KeyHasher;
-    fn build_hasher(&self) -> KeyHasher {
-        KeyHasher(self.0)
-    }
-}
-
-impl Hasher for KeyHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        self.0 = xxh3_64_with_seed(bytes, self.0);
-    }
-    fn write_usize(&mut self, n: usize) {
-        self.0 = (self.0 ^ n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
+use super::objects::{
+    Complete, Id, KeyHashBuilder, Object, Objects, Phase, Processing, Replica, ReplicaState,
+};
 
 use kvpool_config::{MasterConfig, Placement};
 
@@ -527,7 +499,7 @@ impl ShardState {
     pub fn new(shard: u32, nr_shards: u32, cfg: ShardConfig, seed: u64) -> Self {
         assert!(shard < nr_shards);
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (shard as u64).wrapping_mul(0x9e37_79b9));
-        let hash = KeyHashBuilder(rng.random());
+        let hash = KeyHashBuilder::with_seed(rng.random());
         Self {
             shard,
             nr_shards,

@@ -17,14 +17,10 @@ use std::sync::{Mutex, MutexGuard};
 
 use indexmap::IndexSet;
 
+use crate::checks::{check_key, is_miss, pool_error, WRONGTYPE};
 use crate::commands::Cmd;
 use crate::conn::{Conn, Held, Part, BUDGET_SPENT};
-use crate::exec::{check_key, is_miss, pool_error};
 use crate::proto::{parse_int, reply};
-
-/// Redis's reply to a command on a key of another type.
-pub(crate) const WRONGTYPE: &str =
-    "WRONGTYPE Operation against a key holding the wrong kind of value";
 
 /// What one key costs beside its bytes (map entry, value header).
 const KEY_COST: u64 = 96;

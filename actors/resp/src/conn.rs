@@ -15,7 +15,7 @@ use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
 use crate::clients::{ClientMeta, Registered};
-use crate::multi::Queued;
+use crate::commands::Cmd;
 use crate::proto::{reply, Limits, Parser, Progress};
 use crate::{Shared, ThreadCtx};
 
@@ -209,6 +209,16 @@ impl Out {
         self.parts.clear();
         self.part_bytes = 0;
     }
+}
+
+/// A transaction's queue (`MULTI` ... `EXEC`: multi.rs): owned copies of the
+/// commands (the read buffer they came in moves on), their memory held from
+/// the front's budget.
+pub(crate) struct Queued {
+    pub(crate) cmds: Vec<(Cmd, Vec<Vec<u8>>)>,
+    pub(crate) _held: Held,
+    /// A command was refused while queueing: `EXEC` discards all.
+    pub(crate) aborted: bool,
 }
 
 /// One client's connection.

@@ -13,39 +13,14 @@ use kvpool_transport::proto::PutOptions;
 use kvpool_transport::{ErrorCode, KvError};
 
 use crate::cache::Epoch;
-use crate::collections::WRONGTYPE;
+use crate::checks::{check_key, check_value, is_miss, pool_error, WRONGTYPE};
 use crate::commands::{Cmd, SPECS};
 use crate::conn::{Close, Conn, Held, Part, BUDGET_SPENT, FLUSH_AT};
 use crate::proto::{parse_int, reply, Parser};
 
-/// The pool's longest key.
-pub(crate) const MAX_KEY_BYTES: usize = 4096;
 /// Keys read from other hosts per batch call (their values are held in
 /// memory at once).
 const REMOTE_BATCH: usize = 16;
-
-/// A key the pool can hold, or the error reply saying why not.
-pub(crate) fn check_key(k: &[u8]) -> Result<(), String> {
-    if k.is_empty() {
-        return Err("ERR kvpool keys cannot be empty".into());
-    }
-    if k.len() > MAX_KEY_BYTES {
-        return Err(format!(
-            "ERR the key is {} bytes; the pool's keys are at most {MAX_KEY_BYTES} bytes",
-            k.len()
-        ));
-    }
-    Ok(())
-}
-
-/// The error reply for a pool error: `OOM` when the pool has no space (as
-/// Redis at maxmemory), `ERR` with the pool's code and message otherwise.
-pub(crate) fn pool_error(e: &KvError) -> String {
-    match e.code {
-        ErrorCode::NoSpace => format!("OOM command not allowed: the pool has no space ({e})"),
-        _ => format!("ERR {e}"),
-    }
-}
 
 /// A value fetched for a GET or an MGET.
 pub(crate) enum Fetched {
@@ -939,21 +914,6 @@ fn unique_keys<'a>(keys: &[&'a [u8]]) -> Vec<&'a [u8]> {
     v.sort_unstable();
     v.dedup();
     v
-}
-
-/// A missing key, or one whose first put has not finished.
-pub(crate) fn is_miss(e: &KvError) -> bool {
-    matches!(
-        e.code,
-        ErrorCode::ObjectNotFound | ErrorCode::ReplicaNotReady
-    )
-}
-
-pub(crate) fn check_value(v: &[u8]) -> Result<(), String> {
-    if v.is_empty() {
-        return Err("ERR kvpool cannot store an empty value".into());
-    }
-    Ok(())
 }
 
 /// Redis's rule for connection names and library attributes: printable

@@ -17,10 +17,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use kvpool_transport::proto::PutOptions;
 use kvpool_transport::ErrorCode;
 
-use crate::collections::WRONGTYPE;
+use crate::checks::{check_key, check_value, is_miss, pool_error, WRONGTYPE};
 use crate::commands::Cmd;
 use crate::conn::Conn;
-use crate::exec::{check_key, check_value, is_miss, pool_error, shown, Fetched};
+use crate::exec::{shown, Fetched};
 use crate::proto::{parse_int, reply};
 
 /// The longest soft pin the master keeps (a `u32` of milliseconds, ~49.7

@@ -33,6 +33,7 @@
 //! what it receives. A `SET` replaces the value atomically.
 
 mod cache;
+mod checks;
 mod clients;
 mod collections;
 mod commands;

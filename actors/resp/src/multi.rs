@@ -13,22 +13,13 @@
 use std::time::Instant;
 
 use crate::commands::Cmd;
-use crate::conn::{Close, Conn, Held, FLUSH_AT};
+use crate::conn::{Close, Conn, Held, Queued, FLUSH_AT};
 use crate::proto::reply;
 
 /// Commands one transaction may queue.
 pub(crate) const MAX_QUEUED: usize = 100_000;
 /// What a queued argument costs beside its bytes (its `Vec`).
 const ARG_OVERHEAD: u64 = 24;
-
-/// A transaction's queue: owned copies of the commands (the read buffer
-/// they came in moves on), their memory held from the front's budget.
-pub(crate) struct Queued {
-    cmds: Vec<(Cmd, Vec<Vec<u8>>)>,
-    _held: Held,
-    /// A command was refused while queueing: `EXEC` discards all.
-    aborted: bool,
-}
 
 impl Conn {
     /// `MULTI` outside a transaction.
