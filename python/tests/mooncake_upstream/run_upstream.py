@@ -476,6 +476,33 @@ class UpstreamPool:
         self.proc.wait(timeout=10)
 
 
+# A fixed listen address (test_dummy_client's 127.0.0.1:50052) lies in
+# Linux's ephemeral port range, so a client's loopback connection can hold
+# that port for a while (seen once in CI: "Address already in use" after
+# kvpool's own 3 s wait), and a client that closed first keeps it in
+# TIME_WAIT for 60 s more. The start is tried again until this deadline.
+FIXED_PORT_DEADLINE_S = 150
+
+
+def start_pool(helpers, workdir: pathlib.Path, role: str, listen: str, segment: str):
+    """An UpstreamPool; a fixed address that is in use is tried again
+    for FIXED_PORT_DEADLINE_S."""
+    end = time.monotonic() + FIXED_PORT_DEADLINE_S
+    waited = False
+    while True:
+        try:
+            return UpstreamPool(helpers, workdir, role, listen, segment)
+        except RuntimeError as e:
+            fixed = not listen.endswith(":0")
+            if not (fixed and "Address already in use" in str(e) and time.monotonic() < end):
+                raise
+            if not waited:
+                print(f"   {listen} is in use (a client's ephemeral port?); trying again "
+                      f"for up to {FIXED_PORT_DEADLINE_S} s", flush=True)
+                waited = True
+            time.sleep(2)
+
+
 def file_env(spec: FileSpec, pool_addr: str | None, extra: dict) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(CLEARED_PREFIXES) and k not in CLEARED_NAMES}
@@ -573,7 +600,7 @@ def run_file(spec: FileSpec, args, helpers, tally: Tally, logdir: pathlib.Path,
     try:
         if spec.pool:
             try:
-                pool = UpstreamPool(helpers, workdir, spec.pool, spec.listen, spec.segment)
+                pool = start_pool(helpers, workdir, spec.pool, spec.listen, spec.segment)
             except Exception as e:  # noqa: BLE001
                 tally.unexpected.append(f"{stem}.<pool>")
                 print(f"  FAIL   <pool>: {e}")
