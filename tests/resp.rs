@@ -765,6 +765,18 @@ fn a_large_collection_reply_is_charged_to_the_buffer_budget() {
         panic!("LRANGE 0 1");
     };
     assert_eq!(two, vec![bulk(&v), bulk(&v)]);
+    // A pop whose reply the budget cannot hold is refused before it takes
+    // anything: the six elements stay (before, they were gone with the error).
+    let Reply::Error(e) = raw.cmd(&[b"LPOP", b"big", b"6"]) else {
+        panic!("a 3 MiB LPOP answered past a 2 MiB budget");
+    };
+    assert!(e.contains("resp.max_buffer_memory"), "{e}");
+    assert_eq!(raw.cmd(&[b"LLEN", b"big"]), Reply::Int(6));
+    let Reply::Array(Some(two)) = raw.cmd(&[b"LPOP", b"big", b"2"]) else {
+        panic!("LPOP big 2");
+    };
+    assert_eq!(two, vec![bulk(&v), bulk(&v)]);
+    assert_eq!(raw.cmd(&[b"LLEN", b"big"]), Reply::Int(4));
 }
 
 /// A gateway (a pool client and the RESP front only) for `master`, with

@@ -11,7 +11,7 @@
 
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
@@ -148,6 +148,9 @@ fn random(rng: &mut u64, below: usize) -> usize {
 /// The front's collections: every RESP thread's connections see the same.
 pub(crate) struct Collections {
     stripes: Box<[Mutex<Stripe>]>,
+    /// Picks a key's stripe, seeded at random: keys chosen to share one
+    /// stripe cannot be aimed at it.
+    striper: RandomState,
     /// Keys held (read without a lock: a GET skips the stripes while none).
     keys: AtomicUsize,
     /// Bytes held, reserved before a write adds them.
@@ -167,8 +170,10 @@ fn clamp(start: i64, stop: i64, len: usize) -> Option<(usize, usize)> {
 
 impl Collections {
     pub(crate) fn new(limit: u64) -> Self {
-        let seed = RandomState::new().hash_one(0x6b76_706f_6f6c_u64);
+        let striper = RandomState::new();
+        let seed = striper.hash_one(0x6b76_706f_6f6c_u64);
         Collections {
+            striper,
             stripes: (0..STRIPES as u64)
                 .map(|i| {
                     Mutex::new(Stripe {
@@ -185,7 +190,7 @@ impl Collections {
 
     /// The stripe of `key`, locked.
     fn lock(&self, key: &[u8]) -> MutexGuard<'_, Stripe> {
-        let at = BuildHasherDefault::<DefaultHasher>::default().hash_one(key) as usize % STRIPES;
+        let at = self.striper.hash_one(key) as usize % STRIPES;
         // A panic while held ends the process (the binary's panic hook
         // aborts); a stripe is consistent at every unlock.
         self.stripes[at].lock().unwrap_or_else(|p| p.into_inner())
@@ -355,6 +360,7 @@ impl Collections {
         key: &[u8],
         left: bool,
         count: usize,
+        admit: Admit<'_>,
     ) -> Result<Option<Vec<Vec<u8>>>, String> {
         self.write(key, Kind::List, 0, false, |v, _| {
             let Value::List(l) = v else { unreachable!() };
@@ -367,8 +373,19 @@ impl Collections {
                 freed += (i.len() as u64 + ELEMENT_COST) as i64;
                 out.push(i);
             }
-            (out, -freed)
+            if !admit(reply_bound(out.iter().map(Vec::len))) {
+                for i in out.into_iter().rev() {
+                    if left {
+                        l.push_front(i);
+                    } else {
+                        l.push_back(i);
+                    }
+                }
+                return (Err(()), 0);
+            }
+            (Ok(out), -freed)
         })
+        .and_then(refused)
     }
 
     /// `LRANGE key start stop`.
@@ -418,7 +435,12 @@ impl Collections {
     }
 
     /// `SPOP`: up to `count` members taken at random; `None` when absent.
-    pub(crate) fn spop(&self, key: &[u8], count: usize) -> Result<Option<Vec<Vec<u8>>>, String> {
+    pub(crate) fn spop(
+        &self,
+        key: &[u8],
+        count: usize,
+        admit: Admit<'_>,
+    ) -> Result<Option<Vec<Vec<u8>>>, String> {
         self.write(key, Kind::Set, 0, false, |v, rng| {
             let Value::Set(s) = v else { unreachable!() };
             let mut out = Vec::with_capacity(count.min(s.len()));
@@ -431,8 +453,13 @@ impl Collections {
                 freed += (m.len() as u64 + ELEMENT_COST) as i64;
                 out.push(m);
             }
-            (out, -freed)
+            if !admit(reply_bound(out.iter().map(Vec::len))) {
+                s.extend(out);
+                return (Err(()), 0);
+            }
+            (Ok(out), -freed)
         })
+        .and_then(refused)
     }
 
     /// `SISMEMBER`.
@@ -529,7 +556,12 @@ impl Collections {
     }
 
     /// `ZPOPMIN`: up to `count` lowest members with their scores.
-    pub(crate) fn zpopmin(&self, key: &[u8], count: usize) -> Result<Vec<(Vec<u8>, f64)>, String> {
+    pub(crate) fn zpopmin(
+        &self,
+        key: &[u8],
+        count: usize,
+        admit: Admit<'_>,
+    ) -> Result<Vec<(Vec<u8>, f64)>, String> {
         let cost = |m: &[u8]| 2 * m.len() as u64 + 2 * ELEMENT_COST;
         self.write(key, Kind::Zset, 0, false, |v, _| {
             let Value::Zset(z) = v else { unreachable!() };
@@ -543,8 +575,16 @@ impl Collections {
                 freed += cost(&m) as i64;
                 out.push((m, s));
             }
-            (out, -freed)
+            if !admit(reply_bound(out.iter().map(|(m, _)| m.len()))) {
+                for (m, s) in out {
+                    z.scores.insert(m.clone(), s);
+                    z.order.insert((Score(s), m));
+                }
+                return (Err(()), 0);
+            }
+            (Ok(out), -freed)
         })
+        .and_then(refused)
         .map(Option::unwrap_or_default)
     }
 
@@ -597,6 +637,26 @@ pub(crate) fn parse_score(a: &[u8]) -> Result<f64, String> {
     Ok(if x == 0.0 { 0.0 } else { x })
 }
 
+/// Asked by a pop, under its key's lock, whether a reply of at most this
+/// many bytes may be held; on a refusal the pop puts back what it took
+/// (nothing is lost to a reply that could not be sent).
+pub(crate) type Admit<'a> = &'a mut dyn FnMut(u64) -> bool;
+
+/// At most how long the reply of elements of these lengths is, in RESP2 or
+/// RESP3 (a bulk header and a score each, the array's header).
+fn reply_bound(lens: impl Iterator<Item = usize>) -> u64 {
+    lens.map(|n| n as u64 + 64).sum::<u64>() + 32
+}
+
+/// A pop's answer, or the budget's refusal as its error reply.
+fn refused<T>(r: Option<Result<T, ()>>) -> Result<Option<T>, String> {
+    match r {
+        None => Ok(None),
+        Some(Ok(v)) => Ok(Some(v)),
+        Some(Err(())) => Err(BUDGET_SPENT.into()),
+    }
+}
+
 /// A count argument (`LPOP key count` and kin): at least 0.
 fn count_arg(a: Option<&&[u8]>) -> Result<Option<usize>, String> {
     match a {
@@ -645,8 +705,13 @@ impl Conn {
 
     /// Lists, sets, hashes and sorted sets: `LPUSH` .. `ZRANGE`.
     pub(crate) async fn collection(&mut self, cmd: Cmd, args: &[&[u8]]) {
+        // A pop takes its reply's budget before it lets its elements go
+        // (`Admit`): a pop refused for want of budget loses nothing.
+        let mut held = Held::none(&self.ctx.shared);
         let answer = match self.not_a_string(args[0]).await {
-            Ok(()) => self.collection_answer(cmd, args),
+            Ok(()) => {
+                self.collection_answer(cmd, args, &mut |n| n <= SMALL_REPLY as u64 || held.grow(n))
+            }
             Err(e) => Err(e),
         };
         let resp3 = self.resp3;
@@ -654,14 +719,15 @@ impl Conn {
         // collection) is held from the front's buffer budget until sent, as
         // a GET's value is. The answer and its copy exist unbudgeted only
         // until here, with no wait in between: one per RESP thread at most.
+        // A pop's reply is within what it took above, so `set` only gives
+        // back.
         let mut buf = Vec::new();
         encode(&mut buf, answer, resp3);
         if buf.len() <= SMALL_REPLY {
             self.out.bytes.extend_from_slice(&buf);
             return;
         }
-        let mut held = Held::none(&self.ctx.shared);
-        if held.grow(buf.len() as u64) {
+        if held.set(buf.len() as u64) {
             self.out.raw_part(Part {
                 value: buf,
                 _held: held,
@@ -671,7 +737,12 @@ impl Conn {
         }
     }
 
-    fn collection_answer(&self, cmd: Cmd, args: &[&[u8]]) -> Result<Answer, String> {
+    fn collection_answer(
+        &self,
+        cmd: Cmd,
+        args: &[&[u8]],
+        admit: Admit<'_>,
+    ) -> Result<Answer, String> {
         let c = &self.ctx.shared.collections;
         let key = args[0];
         let rest = &args[1..];
@@ -681,8 +752,8 @@ impl Conn {
             Cmd::Lpop | Cmd::Rpop => {
                 let left = cmd == Cmd::Lpop;
                 match count_arg(rest.first())? {
-                    None => Answer::Bulk(c.pop(key, left, 1)?.and_then(|mut v| v.pop())),
-                    Some(k) => Answer::Array(c.pop(key, left, k)?),
+                    None => Answer::Bulk(c.pop(key, left, 1, admit)?.and_then(|mut v| v.pop())),
+                    Some(k) => Answer::Array(c.pop(key, left, k, admit)?),
                 }
             }
             Cmd::Lrange => Answer::Array(Some(c.range(
@@ -694,8 +765,8 @@ impl Conn {
             Cmd::Sadd => n(c.sadd(key, rest)?),
             Cmd::Srem => n(c.srem(key, rest)?),
             Cmd::Spop => match count_arg(rest.first())? {
-                None => Answer::Bulk(c.spop(key, 1)?.and_then(|mut v| v.pop())),
-                Some(k) => Answer::Set(c.spop(key, k)?.unwrap_or_default()),
+                None => Answer::Bulk(c.spop(key, 1, admit)?.and_then(|mut v| v.pop())),
+                Some(k) => Answer::Set(c.spop(key, k, admit)?.unwrap_or_default()),
             },
             Cmd::Scard => n(c.count(key, Kind::Set)?),
             Cmd::Sismember => Answer::Int(c.sismember(key, rest[0])? as i64),
@@ -732,7 +803,7 @@ impl Conn {
             }
             Cmd::Zpopmin => {
                 let k = count_arg(rest.first())?;
-                Answer::Scored(c.zpopmin(key, k.unwrap_or(1))?, k.is_some())
+                Answer::Scored(c.zpopmin(key, k.unwrap_or(1), admit)?, k.is_some())
             }
             Cmd::Zcard => n(c.count(key, Kind::Zset)?),
             Cmd::Zscore => Answer::Score(c.zscore(key, rest[0])?),
@@ -818,6 +889,37 @@ mod tests {
     }
 
     #[test]
+    fn a_pop_refused_its_reply_budget_puts_back_what_it_took() {
+        let c = Collections::new(1 << 20);
+        c.push(b"l", false, &[b"a", b"b", b"c"]).unwrap();
+        c.sadd(b"s", &[b"x", b"y"]).unwrap();
+        c.zadd(b"z", &[(1.0, b"m".as_slice()), (2.0, b"n")])
+            .unwrap();
+        let bytes = c.bytes();
+        let refuse: Admit<'_> = &mut |_| false;
+        assert_eq!(c.pop(b"l", true, 2, refuse), Err(BUDGET_SPENT.into()));
+        assert_eq!(
+            c.pop(b"l", false, 2, &mut |_| false),
+            Err(BUDGET_SPENT.into())
+        );
+        assert_eq!(c.spop(b"s", 2, &mut |_| false), Err(BUDGET_SPENT.into()));
+        assert_eq!(c.zpopmin(b"z", 1, &mut |_| false), Err(BUDGET_SPENT.into()));
+        assert_eq!(c.range(b"l", 0, -1), Ok(vec![b("a"), b("b"), b("c")]));
+        assert_eq!(c.count(b"s", Kind::Set), Ok(2));
+        assert_eq!(c.zscore(b"z", b"m"), Ok(Some(1.0)));
+        assert_eq!(c.zpopmin(b"z", 1, &mut |_| true), Ok(vec![(b("m"), 1.0)]));
+        assert!(c.bytes() < bytes);
+        // What a pop asks for covers its reply.
+        let mut asked = 0;
+        c.pop(b"l", true, 3, &mut |n| {
+            asked = n;
+            true
+        })
+        .unwrap();
+        assert!(asked >= 3 * (1 + 8) + 8, "{asked}");
+    }
+
+    #[test]
     fn lists_push_pop_and_range_as_redis() {
         let c = Collections::new(1 << 20);
         assert!(c.is_empty());
@@ -830,13 +932,16 @@ mod tests {
         assert_eq!(c.range(b"l", 5, 9), Ok(vec![]));
         assert_eq!(c.range(b"none", 0, -1), Ok(vec![]));
         assert_eq!(c.count(b"l", Kind::List), Ok(3));
-        assert_eq!(c.pop(b"l", true, 1), Ok(Some(vec![b("b")])));
-        assert_eq!(c.pop(b"l", false, 5), Ok(Some(vec![b("c"), b("a")])));
+        assert_eq!(c.pop(b"l", true, 1, &mut |_| true), Ok(Some(vec![b("b")])));
+        assert_eq!(
+            c.pop(b"l", false, 5, &mut |_| true),
+            Ok(Some(vec![b("c"), b("a")]))
+        );
         // Emptied: the key is gone, and so are its bytes.
         assert_eq!(c.kind_of(b"l"), None);
         assert!(c.is_empty());
         assert_eq!(c.bytes(), 0);
-        assert_eq!(c.pop(b"l", true, 1), Ok(None));
+        assert_eq!(c.pop(b"l", true, 1, &mut |_| true), Ok(None));
     }
 
     #[test]
@@ -864,13 +969,13 @@ mod tests {
         assert_eq!(c.srem(b"s", &[b"m0", b"nope"]), Ok(1));
         assert_eq!(c.sismember(b"s", b"m1"), Ok(true));
         assert_eq!(c.sismember(b"s", b"m0"), Ok(false));
-        let mut got = c.spop(b"s", 40).unwrap().unwrap();
-        got.extend(c.spop(b"s", 1000).unwrap().unwrap());
+        let mut got = c.spop(b"s", 40, &mut |_| true).unwrap().unwrap();
+        got.extend(c.spop(b"s", 1000, &mut |_| true).unwrap().unwrap());
         got.sort();
         let mut want: Vec<Vec<u8>> = members[1..].to_vec();
         want.sort();
         assert_eq!(got, want);
-        assert_eq!(c.spop(b"s", 1), Ok(None));
+        assert_eq!(c.spop(b"s", 1, &mut |_| true), Ok(None));
         assert!(c.is_empty());
     }
 
@@ -906,11 +1011,11 @@ mod tests {
             vec![b("n"), b("b"), b("a"), b("z")]
         );
         assert_eq!(
-            c.zpopmin(b"z", 2),
+            c.zpopmin(b"z", 2, &mut |_| true),
             Ok(vec![(b("n"), f64::NEG_INFINITY), (b("b"), 0.5)])
         );
         assert_eq!(c.count(b"z", Kind::Zset), Ok(2));
-        assert_eq!(c.zpopmin(b"none", 1), Ok(vec![]));
+        assert_eq!(c.zpopmin(b"none", 1, &mut |_| true), Ok(vec![]));
         assert_eq!(parse_score(b"-0"), Ok(0.0));
         assert_eq!(parse_score(b"+inf"), Ok(f64::INFINITY));
         assert_eq!(parse_score(b"1e3"), Ok(1000.0));
@@ -933,7 +1038,10 @@ mod tests {
         assert!(c.sadd(b"s", &[&big]).is_err());
         assert_eq!(c.kind_of(b"s"), None);
         // What is freed can be used again.
-        assert_eq!(c.pop(b"l", true, 1), Ok(Some(vec![big.clone()])));
+        assert_eq!(
+            c.pop(b"l", true, 1, &mut |_| true),
+            Ok(Some(vec![big.clone()]))
+        );
         assert_eq!(c.sadd(b"s", &[&big]), Ok(1));
     }
 }
