@@ -91,3 +91,66 @@ fn no_role_crate_links_the_tools_plotting_or_progress_bars() {
         }
     }
 }
+
+/// Every crate of the Python wheel's build (`maturin build --features abi3`,
+/// which resolves features for `kvpool-python` alone), with its features,
+/// as `cargo tree` lists it: `name vX.Y.Z [f1,f2]`.
+fn feature_lines(args: &[&str]) -> std::collections::BTreeSet<String> {
+    cargo_tree(&[args, &["-f", "{p} [{f}]"]].concat())
+        .lines()
+        .map(|l| {
+            l.replace(" (*)", "")
+                .replace(" (proc-macro)", "")
+                .trim()
+                .to_owned()
+        })
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
+/// The wheel's build asks for the builds `cargo test --release --workspace`
+/// made: the same crates with the same features, but for the module and
+/// PyO3. A crate whose features differ is compiled again, with everything
+/// above it; before `kvpool-python`'s `share-workspace-build` feature that
+/// was 80 crates and ~3 minutes of CI on 2 cores (docs/ARCHITECTURE.md,
+/// "Where CI's time goes").
+#[test]
+fn the_wheel_build_reuses_the_workspace_build() {
+    let workspace = feature_lines(&["--workspace", "-e", "normal,build,dev"]);
+    let wheel = feature_lines(&[
+        "-p",
+        "kvpool-python",
+        "--features",
+        "abi3",
+        "-e",
+        "normal,build",
+    ]);
+    assert!(
+        wheel.iter().any(|l| l.starts_with("kvpool-client ")),
+        "no client in the wheel's tree: {wheel:?}"
+    );
+    let only_the_wheel = ["kvpool-python ", "pyo3", "libloading ", "target-lexicon "];
+    let differ: Vec<&String> = wheel
+        .iter()
+        .filter(|l| !only_the_wheel.iter().any(|p| l.starts_with(p)))
+        .filter(|l| !workspace.contains(*l))
+        .collect();
+    assert!(
+        differ.is_empty(),
+        "the wheel's build asks for these crates with other features than the \
+         workspace's build, so it compiles them (and all above them) again; give \
+         `share-workspace-build` in python/Cargo.toml the workspace's features:\n{}",
+        differ
+            .iter()
+            .map(|l| {
+                let name = l.split_whitespace().next().unwrap_or("");
+                let ws: Vec<&String> = workspace
+                    .iter()
+                    .filter(|w| w.split_whitespace().next() == Some(name))
+                    .collect();
+                format!("  wheel:     {l}\n  workspace: {ws:?}")
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}

@@ -115,7 +115,7 @@ pub fn run(opts: ServeOptions) -> Result<(), EngineError> {
         println!("kvpool engine listening on {bound}");
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        kvpool_runtime::http::serve(listener, app, opts.config.runtime.http_limits(), async {
+        kvpool_http::serve(listener, app, opts.config.runtime.http_limits(), async {
             match kvpool_runtime::wait_for_signal().await {
                 Ok(sig) => tracing::info!("{sig}: stopping the engine"),
                 Err(e) => tracing::error!("cannot wait for signals: {e}"),

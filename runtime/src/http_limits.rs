@@ -1,6 +1,6 @@
-//! The limits of an HTTP listener ([`crate::http::serve`]), outside the
-//! `http` feature: the config crate names them for every role, the client
-//! included, which builds without HTTP.
+//! The limits of an HTTP listener (`kvpool_http::serve`), apart from the
+//! server: the config crate names them for every role, the client included,
+//! which builds without HTTP.
 
 use std::time::Duration;
 

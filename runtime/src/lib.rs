@@ -1,7 +1,7 @@
 //! kvpool's runtime: thread-per-core shards (glommio), the bridge to the actor
 //! side (tokio), key-to-shard hashing, the prefix-chained chunk hash of KV
-//! cache chunks, config loading, metrics and tracing, and the HTTP server
-//! every role's listeners use (deadlines and a connection cap).
+//! cache chunks, config loading, metrics and tracing, and the HTTP limits
+//! every role's listeners are served with (the server is `kvpool-http`).
 //!
 //! This crate knows nothing of kvpool's roles; `storage`, `transport` and
 //! the crates under `actors/` build on it.
@@ -9,8 +9,6 @@
 pub mod chunk_hash;
 pub mod config;
 pub mod hash;
-#[cfg(feature = "http")]
-pub mod http;
 pub mod http_limits;
 pub mod metrics;
 pub mod net;

@@ -29,7 +29,7 @@ pub struct HttpState {
     /// The cluster secret ("" = open): writing admin routes need it.
     pub secret: String,
     /// The listener's limits (`[runtime] http_*`).
-    pub limits: kvpool_runtime::http::HttpLimits,
+    pub limits: kvpool_http::HttpLimits,
 }
 
 /// How long `/healthz` waits for each shard.
@@ -92,12 +92,9 @@ pub async fn serve(
         .route("/get_all_segments", get(all_segment_names))
         .route("/api/v1/remove_all", post(remove_all))
         .with_state(state);
-    tokio::spawn(kvpool_runtime::http::serve(
-        listener,
-        app,
-        limits,
-        async move { shutdown.wait().await },
-    ));
+    tokio::spawn(kvpool_http::serve(listener, app, limits, async move {
+        shutdown.wait().await
+    }));
     Ok(bound)
 }
 

@@ -90,7 +90,7 @@ pub struct FrontOptions {
     /// Tokens per KV chunk: the engines' `engine.chunk_tokens`.
     pub chunk_tokens: usize,
     /// The front's HTTP listener's limits (`[runtime] http_*`).
-    pub http: kvpool_runtime::http::HttpLimits,
+    pub http: kvpool_http::HttpLimits,
     /// `serving.api_key` ("" = open): the `/v1` routes then need
     /// `Authorization: Bearer <key>`.
     pub api_key: String,

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 
 use axum::Router;
 use kvpool_config::{NodeConfig, ProxyConfig};
-use kvpool_runtime::http::{self, HttpLimits};
+use kvpool_http::{self as http, HttpLimits};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::Shutdown;
 

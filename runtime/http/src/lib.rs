@@ -30,7 +30,9 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify, Semaphore};
 
-pub use crate::http_limits::{HttpLimits, BODY_READ_TIMEOUT, HEADER_READ_TIMEOUT, MAX_CONNECTIONS};
+pub use kvpool_runtime::http_limits::{
+    HttpLimits, BODY_READ_TIMEOUT, HEADER_READ_TIMEOUT, MAX_CONNECTIONS,
+};
 
 /// Serves `app` on `listener` (HTTP/1.1) until `shutdown` resolves; then
 /// stops accepting, lets each connection finish the request it is serving,
