@@ -392,6 +392,71 @@ fn a_put_of_a_key_still_being_recovered_waits_for_its_segment_to_mount_again() {
     let _ = std::fs::remove_dir_all(&p.d);
 }
 
+/// The config of a storage node whose NVMe tier (`dir/tier.kvnv`) takes a
+/// copy of every object at its put.
+fn write_through_node_config(dir: &std::path::Path) -> String {
+    write_config(
+        dir,
+        "node.toml",
+        &format!(
+            "[storage]\nping_interval_ms = 200\n\
+             [storage.nvme]\npath = \"{}\"\ncapacity = \"64 MiB\"\npolicy = \"write_through\"\n\
+             avg_object_bytes = \"64 KiB\"\ntask_poll_ms = 20\n",
+            dir.join("tier.kvnv").display()
+        ),
+    )
+}
+
+/// Puts each `(key, value)` and waits until each has an NVMe copy.
+async fn put_on_nvme(c: &Client, objects: &[(&[u8], &[u8])]) {
+    for (k, v) in objects {
+        c.put(k, v).await.unwrap();
+    }
+    let end = Instant::now() + Duration::from_secs(20);
+    for (k, _) in objects {
+        while !c
+            .describe(k)
+            .await
+            .unwrap()
+            .replicas
+            .iter()
+            .any(|r| r.tier == Tier::Nvme)
+        {
+            assert!(Instant::now() < end, "no NVMe copy was written");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Once the node has reported its tier, `kept` reads back byte-exact, and
+/// `gone` stays removed, not even a while later (the whole tier was
+/// reported before the kept object was); only the kept key is stored.
+async fn kept_back_and_gone_stays_removed(c: &Client, kept: &[u8], master: &common::Proc) {
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        match c.get(b"kept").await {
+            Ok(v) => {
+                assert_eq!(xxh3_64(&v), xxh3_64(kept));
+                break;
+            }
+            Err(e) => assert!(Instant::now() < end, "the kept object: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for _ in 0..10 {
+        match c.get(b"gone").await {
+            Ok(v) => panic!(
+                "the removed key came back ({} bytes): {}",
+                v.len(),
+                master.stderr()
+            ),
+            Err(e) => assert_eq!(e.code, ErrorCode::ObjectNotFound, "the removed key: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(c.stat().await.unwrap().keys, 1, "only the kept key");
+}
+
 /// A key removed while its node could not be told (stopped) does not come
 /// back from its NVMe copy when the master restarts on its state directory
 /// and the node restarts and reports its tier: the Drop the copy is owed is
@@ -402,16 +467,7 @@ fn a_put_of_a_key_still_being_recovered_waits_for_its_segment_to_mount_again() {
 fn a_removed_key_does_not_come_back_from_its_nvme_copy_when_master_and_node_restart() {
     let d = scratch_dir("durability-owed-drop");
     let state = d.join("state");
-    let ncfg = write_config(
-        &d,
-        "node.toml",
-        &format!(
-            "[storage]\nping_interval_ms = 200\n\
-             [storage.nvme]\npath = \"{}\"\ncapacity = \"64 MiB\"\npolicy = \"write_through\"\n\
-             avg_object_bytes = \"64 KiB\"\ntask_poll_ms = 20\n",
-            d.join("tier.kvnv").display()
-        ),
-    );
+    let ncfg = write_through_node_config(&d);
     let mcfg = write_config(&d, "master.toml", "[master]\nclient_ttl_ms = 10000\n");
     let addr = common::fixed_addr(2);
     let mut master = start_master(&addr, &mcfg, state.to_str().unwrap());
@@ -421,22 +477,7 @@ fn a_removed_key_does_not_come_back_from_its_nvme_copy_when_master_and_node_rest
     let (gone, kept) = (value(11, 30_000), value(12, 40_000));
     rt.block_on(async {
         let c = Client::connect(&addr, cfg.clone()).await.unwrap();
-        c.put(b"gone", &gone).await.unwrap();
-        c.put(b"kept", &kept).await.unwrap();
-        let end = Instant::now() + Duration::from_secs(20);
-        for k in [&b"gone"[..], b"kept"] {
-            while !c
-                .describe(k)
-                .await
-                .unwrap()
-                .replicas
-                .iter()
-                .any(|r| r.tier == Tier::Nvme)
-            {
-                assert!(Instant::now() < end, "no NVMe copy was written");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
+        put_on_nvme(&c, &[(b"gone", &gone), (b"kept", &kept)]).await;
         // The node cannot take its Drop: it is stopped.
         node.freeze();
         c.remove(b"gone").await.unwrap();
@@ -449,28 +490,68 @@ fn a_removed_key_does_not_come_back_from_its_nvme_copy_when_master_and_node_rest
     let _node = common::start_storage(&addr, "32MiB", &["--config", &ncfg]);
     rt.block_on(async {
         let c = Client::connect(&master.addr, cfg.clone()).await.unwrap();
-        // The restarted node reports its tier: the kept object is back.
+        // The restarted node reports its tier: the kept object is back,
+        // the removed one is not.
+        kept_back_and_gone_stays_removed(&c, &kept, &master).await;
+    });
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Issue 32, copy identity: a key removed while the restarted master waited
+/// for its node (the object recovered, its tier not back), then a second
+/// `kill -9` and restart of the master before the node came back. The
+/// removed key stays removed; the other object comes back. Before, what
+/// the removal owed the node's tier was in the first restarted master's
+/// memory only, and the second adopted the node's copy of a key its image
+/// did not hold: the removed key came back.
+#[test]
+fn a_key_removed_while_its_node_was_away_stays_removed_across_two_master_restarts() {
+    let d = scratch_dir("durability-removed-away");
+    let state = d.join("state");
+    let ncfg = write_through_node_config(&d);
+    // A tier is listed once it has been mounted `client_ttl_ms` without a
+    // report; the second start must remove the key before its recovered
+    // objects are given up (also `client_ttl_ms`).
+    let mcfg = write_config(&d, "master.toml", "[master]\nclient_ttl_ms = 5000\n");
+    let addr = common::fixed_addr(2);
+    let mut master = start_master(&addr, &mcfg, state.to_str().unwrap());
+    let mut node = common::start_storage(&addr, "32MiB", &["--config", &ncfg]);
+    let rt = common::rt();
+    let cfg = client_cfg();
+    let (gone, kept) = (value(13, 30_000), value(14, 40_000));
+    rt.block_on(async {
+        let c = Client::connect(&addr, cfg.clone()).await.unwrap();
+        put_on_nvme(&c, &[(b"gone", &gone), (b"kept", &kept)]).await;
+        // Both master shards list the tier (logged, and recorded in the
+        // state directory).
         let end = Instant::now() + Duration::from_secs(20);
-        loop {
-            match c.get(b"kept").await {
-                Ok(v) => {
-                    assert_eq!(xxh3_64(&v), xxh3_64(&kept));
-                    break;
-                }
-                Err(e) => assert!(Instant::now() < end, "the kept object: {e}"),
-            }
+        while master.stderr().matches("NVMe tier listed").count() < 2 {
+            assert!(
+                Instant::now() < end,
+                "the tier was not listed: {}",
+                master.stderr()
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        // The removed one does not come back, not even a while later (the
-        // whole tier was reported before the kept object was).
-        for _ in 0..10 {
-            match c.get(b"gone").await {
-                Ok(v) => panic!("the removed key came back ({} bytes)", v.len()),
-                Err(e) => assert_eq!(e.code, ErrorCode::ObjectNotFound, "the removed key: {e}"),
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        assert_eq!(c.stat().await.unwrap().keys, 1, "only the kept key");
+    });
+    node.signal(Signal::KILL);
+    node.wait_exit(Duration::from_secs(10)).expect("killed");
+    master.signal(Signal::KILL);
+    master.wait_exit(Duration::from_secs(10)).expect("killed");
+    let mut master = start_master(&addr, &mcfg, state.to_str().unwrap());
+    rt.block_on(async {
+        let c = Client::connect(&master.addr, cfg.clone()).await.unwrap();
+        c.remove(b"gone")
+            .await
+            .expect("the recovered key is removed");
+    });
+    master.signal(Signal::KILL);
+    master.wait_exit(Duration::from_secs(10)).expect("killed");
+    let master = start_master(&addr, &mcfg, state.to_str().unwrap());
+    let _node = common::start_storage(&addr, "32MiB", &["--config", &ncfg]);
+    rt.block_on(async {
+        let c = Client::connect(&master.addr, cfg.clone()).await.unwrap();
+        kept_back_and_gone_stays_removed(&c, &kept, &master).await;
     });
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -870,6 +870,14 @@ fn a_node_cut_from_the_master_is_declared_dead_and_rejoins_with_its_nvme_objects
             for (k, v) in &on_victim {
                 absent_or_exact(&c, k, v).await;
             }
+            // A key removed while its only copy is on the node cut off does
+            // not come back with the node (issue 32; before, the master
+            // adopted the tier's copy of a key it no longer held).
+            let (removed, _) = on_victim.remove(0);
+            match c.remove(removed.as_bytes()).await {
+                Ok(()) => {}
+                Err(e) => assert_eq!(e.code, ErrorCode::ObjectNotFound, "{removed}: {e}"),
+            }
             let during = put_all(&c, "during", 8, 256 << 10, &PutOptions::default()).await;
 
             Net::heal(&[&cl.master_host, victim]);
@@ -892,6 +900,12 @@ fn a_node_cut_from_the_master_is_declared_dead_and_rejoins_with_its_nvme_objects
             all_readable(&c, &during, Duration::from_secs(5)).await;
             let after = put_all(&c, "after", 16, 256 << 10, &PutOptions::default()).await;
             all_readable(&c, &after, Duration::from_secs(5)).await;
+            // By now the node's report of its tier has reached the master
+            // (the other objects are back): the removed key is not.
+            match c.get(removed.as_bytes()).await {
+                Ok(v) => panic!("the removed key {removed} came back ({} bytes)", v.len()),
+                Err(e) => assert_eq!(e.code, ErrorCode::ObjectNotFound, "{removed}: {e}"),
+            }
             let admin = cl.admin_segments();
             assert_eq!(admin["segments"].as_array().unwrap().len(), 3, "{admin}");
         })

@@ -95,6 +95,7 @@ const TAG_GONE: u8 = 2;
 const TAG_HOLD: u8 = 3;
 const TAG_DROP_OWED: u8 = 4;
 const TAG_DROP_DONE: u8 = 5;
+const TAG_TIER_LISTED: u8 = 6;
 
 /// What the state directory records of one complete object.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,6 +145,12 @@ pub enum Record {
         nvme: SegmentId,
         key: Vec<u8>,
         loc: u64,
+    },
+    /// Every live copy on NVMe tier `nvme` is one this state lists (an
+    /// object's replica, or a copy owed a Drop): a copy the tier reports
+    /// that it does not list is an old one, never taken back.
+    TierListed {
+        nvme: SegmentId,
     },
 }
 
@@ -219,6 +226,14 @@ pub fn encode_hold(out: &mut Vec<u8>, h: &Hold) {
     end_frame(out, at);
 }
 
+/// Appends the frame of a `TierListed` record.
+pub fn encode_tier_listed(out: &mut Vec<u8>, nvme: SegmentId) {
+    let at = begin_frame(out);
+    out.push(TAG_TIER_LISTED);
+    put_u64(out, nvme);
+    end_frame(out, at);
+}
+
 /// Appends the frame of a `DropOwed` (`owed`) or `DropDone` record.
 pub fn encode_drop(out: &mut Vec<u8>, owed: bool, nvme: SegmentId, key: &[u8], loc: u64) {
     let at = begin_frame(out);
@@ -246,6 +261,7 @@ impl Record {
             Record::Hold(h) => encode_hold(out, h),
             Record::DropOwed { nvme, key, loc } => encode_drop(out, true, *nvme, key, *loc),
             Record::DropDone { nvme, key, loc } => encode_drop(out, false, *nvme, key, *loc),
+            Record::TierListed { nvme } => encode_tier_listed(out, *nvme),
         }
     }
 
@@ -297,6 +313,7 @@ impl Record {
                     Record::DropDone { nvme, key, loc }
                 }
             }
+            TAG_TIER_LISTED => Record::TierListed { nvme: c.u64()? },
             t => return Err(format!("unknown record tag {t}")),
         };
         if c.at != p.len() {
@@ -374,6 +391,8 @@ pub struct Image {
     pub holds: Vec<Hold>,
     /// (NVMe tier, key, location) of each copy owed a Drop.
     pub drops: HashSet<(SegmentId, Vec<u8>, u64)>,
+    /// NVMe tiers whose every live copy the image lists.
+    pub listed_tiers: HashSet<SegmentId>,
 }
 
 impl Image {
@@ -392,6 +411,9 @@ impl Image {
             }
             Record::DropDone { nvme, key, loc } => {
                 self.drops.remove(&(nvme, key, loc));
+            }
+            Record::TierListed { nvme } => {
+                self.listed_tiers.insert(nvme);
             }
         }
     }
@@ -748,6 +770,17 @@ mod tests {
                 len: 100,
                 until_unix_ms: 77,
             }),
+            Record::DropOwed {
+                nvme: 5,
+                key: b"d".to_vec(),
+                loc: 12,
+            },
+            Record::DropDone {
+                nvme: 5,
+                key: b"d".to_vec(),
+                loc: 12,
+            },
+            Record::TierListed { nvme: 0xfeed },
         ];
         let mut buf = Vec::new();
         for r in &recs {

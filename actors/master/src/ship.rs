@@ -365,7 +365,7 @@ pub fn decode_records(
             | Record::Gone { key }
             | Record::DropOwed { key, .. }
             | Record::DropDone { key, .. } => Some(key),
-            Record::Hold(_) => None,
+            Record::Hold(_) | Record::TierListed { .. } => None,
         };
         if let Some(k) = key {
             let owner = shard_of(k);

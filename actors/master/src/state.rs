@@ -76,6 +76,10 @@ pub struct ShardConfig {
     /// Reads of an NVMe-only object after which it is copied back to DRAM
     /// (0: never).
     pub promote_after_reads: u16,
+    /// How long an NVMe tier this shard does not list yet may go without a
+    /// report before it is listed (`client_ttl_ms`: a node silent that long
+    /// is dead anyway).
+    pub tier_quiet_ms: u64,
 }
 
 /// A segment's queue of node tasks, with an index of the Drops in it: a
@@ -137,6 +141,24 @@ pub const MAX_TASKS_PER_SEGMENT: usize = 16_384;
 
 /// A copy on an NVMe tier: (key, packed location).
 type CopyAt = (Box<[u8]>, u64);
+
+/// What a copy an NVMe tier reports is to the shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unlisted {
+    /// An object lists it.
+    Listed,
+    /// Of a tier not listed yet: taken on its word.
+    Adopted,
+    /// Its object's when its tier was unmounted as dead, and still.
+    Detached,
+    /// An old copy: refused.
+    Old,
+}
+
+/// Copies one shard remembers of NVMe tiers unmounted as dead, at most:
+/// beyond that, such a tier's copies are refused when it comes back (lost
+/// from the cache, never stale).
+pub const MAX_DETACHED_COPIES: usize = 262_144;
 
 /// Recovered replicas not back yet: (segment, offset).
 type Waiting = SmallVec<[(SegmentId, u64); 2]>;
@@ -242,6 +264,7 @@ impl ShardConfig {
             eviction_ratio: cfg.eviction_ratio,
             placement: cfg.placement,
             promote_after_reads: cfg.promote_after_reads,
+            tier_quiet_ms: cfg.client_ttl_ms,
         }
     }
 }
@@ -339,6 +362,24 @@ pub struct ShardState {
     /// (or a restarted master, from its state directory) is owed them still,
     /// and a `Recovered` report of such a copy is refused.
     owed_drops: HashMap<SegmentId, TierDrops>,
+    /// NVMe tiers every live copy of which this shard lists (an object's
+    /// replica, a copy detached with its tier, or one owed a Drop): a copy
+    /// such a tier reports that none of these names is an old one (its
+    /// object removed or replaced, its Drop lost with the node or handed out
+    /// before a restart) and is refused. Recorded (`TierListed`).
+    listed_tiers: HashSet<SegmentId>,
+    /// NVMe tiers mounted that this shard does not list yet (new to it, or
+    /// any tier after a restart without a state directory): the copies they
+    /// report are taken as they come, until `tier_quiet_ms` passed with no
+    /// report (the `now_ms` here); then the tier is listed.
+    adopting: HashMap<SegmentId, u64>,
+    /// Copies on listed tiers unmounted as dead (their node was cut off):
+    /// the master forgot them as replicas, but a tier that comes back may
+    /// report them and they are taken, unless their object was removed or
+    /// replaced since (then they are owed a Drop). By tier, then key.
+    detached: HashMap<SegmentId, HashMap<Box<[u8]>, u64>>,
+    /// Copies in `detached`.
+    detached_len: usize,
     demotions: u64,
     promotions: u64,
     /// Signs data-plane grants; `None` in an open cluster.
@@ -380,6 +421,8 @@ struct Durable {
     /// mounted since: until `parked_until_ms`, a put that finds no room
     /// waits for them (`TryAgain`) instead of hearing `NoSpace`.
     expected: HashSet<SegmentId>,
+    /// Tiers listed since the last records, to record.
+    listed: Vec<SegmentId>,
 }
 
 /// A recovered object some of whose replicas wait for their segments.
@@ -514,6 +557,10 @@ impl ShardState {
             fewer_replicas: 0,
             tasks: HashMap::new(),
             owed_drops: HashMap::new(),
+            listed_tiers: HashSet::new(),
+            adopting: HashMap::new(),
+            detached: HashMap::new(),
+            detached_len: 0,
             demotions: 0,
             promotions: 0,
             signer: None,
@@ -570,6 +617,7 @@ impl ShardState {
                 d.parked_holds.entry(h.segment).or_default().push(h);
             }
         }
+        self.listed_tiers.extend(image.listed_tiers);
         for (nvme, key, loc) in image.drops {
             self.owed_drops
                 .entry(nvme)
@@ -626,6 +674,9 @@ impl ShardState {
         // (the copy would come back).
         for (owed, nvme, key, loc) in d.drops.drain(..) {
             journal::encode_drop(out, owed, nvme, &key, loc);
+        }
+        for nvme in d.listed.drain(..) {
+            journal::encode_tier_listed(out, nvme);
         }
         self.objs.take_dirty(&mut d.keys);
         let mut keys = std::mem::take(&mut d.keys);
@@ -863,9 +914,14 @@ impl ShardState {
             "recovered replicas whose segments did not mount again in time: dropped"
         );
         d.parked_holds.clear();
-        let keys: Vec<Box<[u8]>> = d.parked.drain().map(|(k, _)| k).collect();
-        for k in keys {
+        let parked: Vec<(Box<[u8]>, Parked)> = d.parked.drain().collect();
+        for (k, p) in parked {
             self.objs.mark_dirty(&k);
+            // A listed tier that comes back later still has these copies:
+            // taken then, unless their object was removed or replaced.
+            for (seg, loc) in p.waiting {
+                self.detach(seg, &k, loc);
+            }
         }
     }
 
@@ -948,6 +1004,9 @@ impl ShardState {
             for (key, loc) in &t.owed {
                 journal::encode_drop(out, true, nvme, key, *loc);
             }
+        }
+        for &nvme in &self.listed_tiers {
+            journal::encode_tier_listed(out, nvme);
         }
         for Reverse(p) in &self.pending {
             if let Some(Some(s)) = self.slots.get(p.slot as usize) {
@@ -1119,6 +1178,9 @@ impl ShardState {
         };
         if dram {
             self.objs.mount_range(idx as u32, keep_ms);
+        } else if !self.listed_tiers.contains(&id) {
+            self.adopting
+                .insert(id, now_ms.saturating_add(self.cfg.tier_quiet_ms));
         }
         self.by_id.insert(id, idx as u32);
         self.attach_parked(idx as u32, id, now_ms);
@@ -1198,7 +1260,29 @@ impl ShardState {
             return 0;
         };
         let mut gone = 0;
+        // A tier that may come back: what it holds is remembered, and from
+        // then on only that (a tier still adopted is listed now: copies it
+        // had not reported yet are lost when it comes back, but a key
+        // removed while it was away does not return).
+        let detach = self.slot(idx).tier() == Tier::Nvme;
+        if detach {
+            self.list_tier(id);
+        }
         for oid in self.objs.ids_with_replica_in(idx) {
+            if detach {
+                let key: Box<[u8]> = self.objs.key(oid).into();
+                let locs: SmallVec<[u64; 2]> = self
+                    .objs
+                    .get(oid)
+                    .replicas
+                    .iter()
+                    .filter(|r| r.slot == idx)
+                    .map(|r| r.offset)
+                    .collect();
+                for loc in locs {
+                    self.detach(id, &key, loc);
+                }
+            }
             let left = self.objs.update(oid, |o| {
                 o.replicas.retain(|r| r.slot != idx);
                 o.replicas.len()
@@ -1369,11 +1453,103 @@ impl ShardState {
         }
     }
 
+    /// What a copy of `key` at `loc` that tier `nvme` reports and that no
+    /// object lists is: `Adopted` while the tier is not listed yet (its
+    /// report keeps it so for `tier_quiet_ms` more), `Detached` when it was
+    /// detached with its tier and its object has been neither removed nor
+    /// replaced since, else `Old`.
+    fn unlisted_copy(&mut self, nvme: SegmentId, key: &[u8], loc: u64, now_ms: u64) -> Unlisted {
+        if !self.listed_tiers.contains(&nvme) {
+            let next = now_ms.saturating_add(self.cfg.tier_quiet_ms);
+            let until = self.adopting.entry(nvme).or_insert(next);
+            if now_ms < *until {
+                *until = next;
+                return Unlisted::Adopted;
+            }
+            self.list_tier(nvme);
+        }
+        let Some(t) = self.detached.get_mut(&nvme) else {
+            return Unlisted::Old;
+        };
+        let Some(at) = t.remove(key) else {
+            return Unlisted::Old;
+        };
+        self.detached_len -= 1;
+        if t.is_empty() {
+            self.detached.remove(&nvme);
+        }
+        if at == loc {
+            Unlisted::Detached
+        } else {
+            Unlisted::Old
+        }
+    }
+
+    /// From now on every live copy of tier `nvme` is one this shard lists.
+    fn list_tier(&mut self, nvme: SegmentId) {
+        self.adopting.remove(&nvme);
+        if self.listed_tiers.insert(nvme) {
+            if let Some(d) = self.durable.as_mut() {
+                d.listed.push(nvme);
+            }
+            tracing::info!(
+                shard = self.shard,
+                tier = format!("{nvme:016x}"),
+                "NVMe tier listed: a copy it reports that no object lists is refused"
+            );
+        }
+    }
+
+    /// Remembers `key`'s copy at `loc` of listed tier `nvme`, which the
+    /// shard no longer counts as a replica (the tier is unmounted).
+    fn detach(&mut self, nvme: SegmentId, key: &[u8], loc: u64) {
+        if !self.listed_tiers.contains(&nvme) {
+            return; // not a listed tier (or not a tier): it adopts on return
+        }
+        if self.detached_len >= MAX_DETACHED_COPIES {
+            tracing::warn!(
+                key = %show_key(key),
+                "too many copies on tiers unmounted as dead: this one is refused if its tier \
+                 comes back"
+            );
+            return;
+        }
+        if self
+            .detached
+            .entry(nvme)
+            .or_default()
+            .insert(key.into(), loc)
+            .is_none()
+        {
+            self.detached_len += 1;
+        }
+    }
+
+    /// `key`'s object was removed or replaced: its copies on tiers unmounted
+    /// as dead are owed a Drop (refused if their tier reports them).
+    fn retire_detached(&mut self, key: &[u8]) {
+        if self.detached.is_empty() {
+            return;
+        }
+        let mut owed = Vec::new();
+        self.detached.retain(|&nvme, t| {
+            if let Some(loc) = t.remove(key) {
+                owed.push((nvme, loc));
+            }
+            !t.is_empty()
+        });
+        self.detached_len -= owed.len();
+        for (nvme, loc) in owed {
+            self.owe_and_queue_drop(nvme, key, loc, true);
+        }
+    }
+
     /// The recovered replicas of `key` still waiting for their segments
     /// belong to an object removed or replaced now: those on an NVMe tier
     /// are owed a Drop when the tier mounts again (until then nothing says
     /// which waiting segments are tiers).
     fn retire_parked(&mut self, key: &[u8]) {
+        self.retire_detached(key);
         let Some(d) = self.durable.as_mut() else {
             return;
         };
@@ -2524,20 +2700,32 @@ impl ShardState {
                         "this copy's object was removed or replaced: its Drop is owed",
                     ));
                 }
+                let unlisted = if listed {
+                    Unlisted::Listed
+                } else {
+                    self.unlisted_copy(*nvme, key, *loc, now_ms)
+                };
+                if unlisted == Unlisted::Old {
+                    // Every live copy of this tier is listed: this one is
+                    // an old object's whose Drop was handed out (the node
+                    // died before it ran it, or the master restarted), or
+                    // of a key removed while its tier was away.
+                    return Err(err(
+                        ErrorCode::ObjectAlreadyExists,
+                        "an old copy: no object lists it (its object was removed or replaced)",
+                    ));
+                }
                 match self.objs.complete_id(key) {
                     Some(id) => {
                         let o = self.objs.get(id);
                         // Without a checksum nothing shows the copy is this
                         // object's and not an earlier one's of the same
                         // size, unless this very replica is listed already
-                        // (its record came back from the state directory).
-                        let listed = o
-                            .replicas
-                            .iter()
-                            .any(|r| r.slot == nslot && r.offset == *loc);
+                        // (its record came back from the state directory),
+                        // or was this object's when its tier went.
                         let same = match o.checksum() {
                             Some(s) => s == *sum,
-                            None => listed,
+                            None => unlisted != Unlisted::Adopted,
                         };
                         if o.size != *len || !same {
                             return Err(err(
@@ -2604,6 +2792,9 @@ impl ShardState {
             return Ok(());
         }
         let Some(id) = self.objs.complete_id(key) else {
+            // Copies of the key on tiers unmounted as dead are its last
+            // object's: they must not come back with their tier.
+            self.retire_detached(key);
             return Err(match self.objs.processing_id(key) {
                 Some(id) if !self.is_stale(self.objs.get(id), now_ms) => err(
                     ErrorCode::ReplicaNotReady,
@@ -2656,6 +2847,14 @@ impl ShardState {
         for &id in &ids {
             let (k, obj) = self.objs.remove(id);
             self.retire(&k, &obj, now_ms);
+        }
+        let detached: Vec<Box<[u8]>> = self
+            .detached
+            .values()
+            .flat_map(|t| t.keys().cloned())
+            .collect();
+        for k in detached {
+            self.retire_detached(&k);
         }
         ids.len() as u64
     }
@@ -2714,6 +2913,15 @@ impl ShardState {
             ..TickReport::default()
         };
         self.expire_parked(now_ms);
+        let quiet: Vec<SegmentId> = self
+            .adopting
+            .iter()
+            .filter(|&(_, &until)| until <= now_ms)
+            .map(|(&t, _)| t)
+            .collect();
+        for t in quiet {
+            self.list_tier(t);
+        }
         let stale: Vec<Id> = self
             .objs
             .processing_ids()
@@ -2753,6 +2961,16 @@ impl ShardState {
     /// small shard.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.objs.check()?;
+        let detached: usize = self.detached.values().map(HashMap::len).sum();
+        if detached != self.detached_len || self.detached.values().any(HashMap::is_empty) {
+            return Err(format!(
+                "{detached} detached copies counted as {} (or an empty tier entry)",
+                self.detached_len
+            ));
+        }
+        if let Some(t) = self.adopting.keys().find(|t| self.listed_tiers.contains(t)) {
+            return Err(format!("tier {t:016x} is listed and still being adopted"));
+        }
         for (idx, slot) in self.slots.iter().enumerate() {
             let dram = slot.as_ref().is_some_and(|s| s.tier() == Tier::Dram);
             if self.objs.has_range(idx as u32) != dram {

@@ -1704,7 +1704,21 @@ fn tiered(write_through: bool) -> (M, SegmentId) {
     let mut c = cfg();
     c.promote_after_reads = 2;
     let mut m = M::with(1, c);
-    m.live.push(NODE);
+    let id = mount_node(&mut m, write_through);
+    (m, id)
+}
+
+/// `NODE` mounts its NVMe tier and its DRAM segment "dram" (the tier
+/// attached); returns the DRAM segment's id.
+fn mount_node(m: &mut M, write_through: bool) -> SegmentId {
+    if !m.live.contains(&NODE) {
+        m.live.push(NODE);
+    }
+    mount_tier(m);
+    mount_tiered_dram(m, "dram", write_through)
+}
+
+fn mount_tier(m: &mut M) {
     let mut nv = spec("nvme:host-a:/dev/x", 1 << 30, "host-a");
     nv.tier = Tier::Nvme;
     let r = m
@@ -1716,8 +1730,17 @@ fn tiered(write_through: bool) -> (M, SegmentId) {
     assert!(
         matches!(r, A::Mounted { segment_id } if segment_id == kvpool_transport::proto::segment_id_for("nvme:host-a:/dev/x"))
     );
-    let id = mount_tiered_dram(&mut m, "dram", write_through);
-    (m, id)
+}
+
+/// The tier's report of a copy of `key` at `loc` (no checksum).
+fn recovered(key: &str, loc: u64) -> NvmeUpdate {
+    NvmeUpdate::Recovered {
+        key: key.as_bytes().to_vec(),
+        nvme: nvme_id(),
+        loc,
+        len: 100,
+        sum: 0,
+    }
 }
 
 /// Mounts a 10 KiB DRAM segment `name` of `NODE` with the tier attached.
@@ -2353,11 +2376,142 @@ fn a_recovered_copy_whose_drop_is_queued_is_refused() {
     let e = update(&mut m, rec.clone()).unwrap_err();
     assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
     assert_eq!(code(m.get("k")), ErrorCode::ObjectNotFound);
-    // Long after (the node ran the Drop in the round it took it in), a copy
-    // at that place is reported as any other: a later put's copy may sit in
-    // the reused slot, its Stored report lost.
+    // Long after, too (issue 32: the node died before it ran the Drop, and
+    // reports its tier when it is back). Before, the master had forgotten
+    // the Drop after 10 s and took the copy: the removed key came back. The
+    // tier is listed by then (no report for `client_ttl_ms`): a copy no
+    // object lists is an old one. (A later put's copy in the reused slot
+    // whose Stored report was lost is refused too: that object keeps its
+    // DRAM replica.)
     m.advance(11_000);
-    update(&mut m, rec).unwrap();
+    let e = update(&mut m, rec).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
+    assert_eq!(code(m.get("k")), ErrorCode::ObjectNotFound);
+    m.check();
+}
+
+/// A fresh scratch directory for a master's state.
+fn state_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvpool-mb-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A master on `dir` whose node's tier holds write-through copies of "k"
+/// (at 3) and "kept" (at 4), and is listed (`client_ttl_ms` without a
+/// report); returns it and the node's DRAM segment.
+fn listed_tier_with_k_and_kept(dir: &std::path::Path) -> (M, SegmentId) {
+    let mut m = on_state_dir(dir, 1_000);
+    let dram = mount_node(&mut m, true);
+    m.put("k", 100);
+    write_through_copy(&mut m, dram, 3);
+    m.put("kept", 100);
+    write_through_copy(&mut m, dram, 4);
+    m.advance(m.cfg.client_ttl_ms + 1_000);
+    (m, dram)
+}
+
+/// After a restart, `NODE` mounts again and reports its tier: the copy of
+/// the removed "k" is refused, the listed copy of "kept" comes back.
+fn old_copy_refused_listed_copy_back(m: &mut M) {
+    mount_node(m, true);
+    let e = update(m, recovered("k", 3)).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
+    assert_eq!(code(m.get("k")), ErrorCode::ObjectNotFound);
+    update(m, recovered("kept", 4)).unwrap();
+    assert!(m.get("kept").unwrap().iter().any(|r| r.offset == 4));
+    m.check();
+}
+
+/// Issue 32, copy identity: a removed object's Drop went out to its node,
+/// which died before it ran it; the master restarted on its state
+/// directory; the node came back and reported its tier. The old copy is
+/// refused and the key stays removed; the copy the master lists comes back.
+/// Before, the restarted master had forgotten the Drop (it remembered
+/// handed-out Drops 10 s, in memory) and adopted the copy of a key its
+/// image did not hold: the removed key came back.
+#[test]
+fn a_removed_key_does_not_come_back_from_a_copy_whose_drop_was_handed_out_before_a_restart() {
+    let dir = state_dir("handed-out-drop");
+    let (mut m, dram) = listed_tier_with_k_and_kept(&dir);
+    m.remove("k", true).unwrap();
+    let t = tasks(&mut m, dram);
+    assert!(
+        t.iter()
+            .any(|t| matches!(t, NodeTask::Drop { key, loc: 3 } if key == b"k")),
+        "{t:?}"
+    );
+    drop(m); // the master goes; the node dies before it runs the Drop
+    old_copy_refused_listed_copy_back(&mut on_state_dir(&dir, 60_000));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 32, copy identity: a key removed while the restarted master waited
+/// for its node (the object was recovered, its segments not back), then a
+/// second restart before the node came back. Before, what the removal owed
+/// the node's tier was in memory only; the second master adopted the copy
+/// and the removed key came back.
+#[test]
+fn a_key_removed_while_its_node_was_away_stays_removed_across_a_second_restart() {
+    let dir = state_dir("removed-parked");
+    let (m, _) = listed_tier_with_k_and_kept(&dir);
+    drop(m);
+    let mut m = on_state_dir(&dir, 60_000); // the node stays away
+    m.remove("k", true).unwrap();
+    drop(m);
+    old_copy_refused_listed_copy_back(&mut on_state_dir(&dir, 70_000));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 32, copy identity: a tier unmounted as dead (its node was cut off)
+/// takes back, when it mounts again, the copies of objects nobody removed
+/// or replaced meanwhile, with or without other replicas, checksum or not;
+/// a copy of a key removed meanwhile is refused and owed a Drop. Before, a
+/// copy of a key the master no longer held was adopted: the key removed
+/// while its tier was away came back.
+#[test]
+fn a_tier_that_comes_back_takes_back_its_copies_but_not_those_of_keys_removed_meanwhile() {
+    let (mut m, dram) = tiered(true);
+    m.put("both", 100); // a DRAM and an NVMe replica
+    write_through_copy(&mut m, dram, 3);
+    // NVMe-only objects (reported by the tier while it is adopted).
+    for (k, loc) in [("only", 5), ("removed", 6), ("replaced", 7)] {
+        update(&mut m, recovered(k, loc)).unwrap();
+    }
+    m.advance(m.cfg.client_ttl_ms + 1_000); // the tier is listed
+    m.call(Q::UnmountSegment {
+        client_id: NODE,
+        segment_id: nvme_id(),
+    })
+    .unwrap();
+    assert_eq!(code(m.get("only")), ErrorCode::ObjectNotFound);
+    assert_eq!(code(m.remove("removed", true)), ErrorCode::ObjectNotFound);
+    m.put("replaced", 100);
+    mount_tier(&mut m);
+    for k in ["removed", "replaced"] {
+        let loc = if k == "removed" { 6 } else { 7 };
+        let e = update(&mut m, recovered(k, loc)).unwrap_err();
+        assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{k}: {e}");
+    }
+    assert_eq!(code(m.get("removed")), ErrorCode::ObjectNotFound);
+    assert_eq!(
+        m.get("replaced").unwrap().len(),
+        1,
+        "only the new DRAM replica"
+    );
+    update(&mut m, recovered("only", 5)).unwrap();
+    update(&mut m, recovered("both", 3)).unwrap();
+    assert_eq!(m.get("both").unwrap().len(), 2);
+    assert_eq!(m.get("only").unwrap()[0].offset, 5);
+    let t = tasks(&mut m, dram);
+    for (k, loc) in [(&b"removed"[..], 6), (b"replaced", 7)] {
+        assert!(
+            t.iter()
+                .any(|t| matches!(t, NodeTask::Drop { key, loc: l } if key == k && *l == loc)),
+            "{t:?}"
+        );
+    }
     m.check();
 }
 
