@@ -1,0 +1,927 @@
+//! NVMe tiers as one shard sees them: node tasks (Persist, Promote, Drop),
+//! tier reports, the Drops each tier is owed, and which copies a tier may
+//! bring back (listed tiers, detached copies).
+use super::*;
+
+/// A segment's queue of node tasks, with an index of the Drops in it: a
+/// `Recovered` report asks whether its copy's Drop is queued, and a node
+/// that reports its whole tier again asks that for every copy, so it is one
+/// lookup, not a scan of up to [`MAX_TASKS_PER_SEGMENT`] tasks per copy.
+#[derive(Debug, Default)]
+pub(crate) struct TaskQueue {
+    pub(super) q: VecDeque<NodeTask>,
+    /// (key, loc) of each queued Drop, and how many such Drops wait.
+    pub(super) drops: HashMap<(Vec<u8>, u64), u32>,
+}
+
+impl TaskQueue {
+    pub fn len(&self) -> usize {
+        self.q.len()
+    }
+
+    pub fn push_back(&mut self, t: NodeTask) {
+        self.index(&t);
+        self.q.push_back(t);
+    }
+
+    /// Queues `t` before every task waiting.
+    pub fn push_front(&mut self, t: NodeTask) {
+        self.index(&t);
+        self.q.push_front(t);
+    }
+
+    /// Counts `t` in the index of Drops, if it is one.
+    fn index(&mut self, t: &NodeTask) {
+        if let NodeTask::Drop { key, loc } = t {
+            *self.drops.entry((key.clone(), *loc)).or_default() += 1;
+        }
+    }
+
+    pub fn pop_front(&mut self) -> Option<NodeTask> {
+        let t = self.q.pop_front()?;
+        if let NodeTask::Drop { key, loc } = &t {
+            let k = (key.clone(), *loc);
+            match self.drops.get_mut(&k) {
+                Some(n) if *n > 1 => *n -= 1,
+                _ => {
+                    self.drops.remove(&k);
+                }
+            }
+        }
+        Some(t)
+    }
+
+    /// Whether a Drop of the copy of `key` at `loc` waits in the queue.
+    pub fn has_drop(&self, key: &[u8], loc: u64) -> bool {
+        !self.drops.is_empty() && self.drops.contains_key(&(key.to_vec(), loc))
+    }
+}
+
+/// Tasks queued for one segment's node, at most.
+pub const MAX_TASKS_PER_SEGMENT: usize = 16_384;
+
+/// A copy on an NVMe tier: (key, packed location).
+pub(super) type CopyAt = (Box<[u8]>, u64);
+
+/// What a copy an NVMe tier reports is to the shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Unlisted {
+    /// An object lists it.
+    Listed,
+    /// Of a tier not listed yet: taken on its word.
+    Adopted,
+    /// Its object's when its tier was unmounted as dead, and still.
+    Detached,
+    /// An old copy: refused.
+    Old,
+}
+
+/// Copies one shard remembers of NVMe tiers unmounted as dead, at most:
+/// beyond that, such a tier's copies are refused when it comes back (lost
+/// from the cache, never stale).
+pub const MAX_DETACHED_COPIES: usize = 262_144;
+
+/// Recovered replicas not back yet: (segment, offset).
+pub(super) type Waiting = SmallVec<[(SegmentId, u64); 2]>;
+
+/// A Drop owed (true) or settled (false): (owed, tier, key, location).
+pub(super) type DropRecord = (bool, SegmentId, Box<[u8]>, u64);
+
+/// How long a Drop handed out to a node is remembered: the node runs it in
+/// the round it fetched it in, but may report the copy (`Recovered`, from a
+/// report of its whole tier running beside its task rounds) meanwhile.
+pub(super) const SENT_DROP_MS: u64 = 10_000;
+
+/// The Drops one NVMe tier's node is owed (removed or replaced objects'
+/// copies), and those handed out lately: the node may report such a copy
+/// (`Recovered`) after it was handed the Drop and before it ran it.
+#[derive(Debug, Default)]
+pub(super) struct TierDrops {
+    pub(super) owed: HashSet<CopyAt>,
+    /// Handed out, until when remembered ([`SENT_DROP_MS`]); at most
+    /// [`MAX_TASKS_PER_SEGMENT`], oldest first in `sent_order`.
+    pub(super) sent: HashMap<CopyAt, u64>,
+    pub(super) sent_order: VecDeque<(CopyAt, u64)>,
+}
+
+impl TierDrops {
+    fn is_dropped(&self, c: &CopyAt, now_ms: u64) -> bool {
+        self.owed.contains(c) || self.sent.get(c).is_some_and(|&until| until > now_ms)
+    }
+
+    /// The Drop of `c` went out at `now_ms`: remembered a while. Whether it
+    /// was owed.
+    fn sent(&mut self, c: CopyAt, now_ms: u64) -> bool {
+        let owed = self.owed.remove(&c);
+        let until = now_ms.saturating_add(SENT_DROP_MS);
+        self.sent.insert(c.clone(), until);
+        self.sent_order.push_back((c, until));
+        while let Some((old, at)) = self.sent_order.front() {
+            if self.sent_order.len() <= MAX_TASKS_PER_SEGMENT && *at > now_ms {
+                break;
+            }
+            // Only the newest sending of a copy forgets it.
+            if self.sent.get(old) == Some(at) {
+                self.sent.remove(old);
+            }
+            self.sent_order.pop_front();
+        }
+        owed
+    }
+
+    /// `c` is an object's copy again: forgotten. Whether it was owed.
+    fn forget(&mut self, c: &CopyAt) -> bool {
+        self.sent.remove(c);
+        self.owed.remove(c)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.owed.is_empty() && self.sent.is_empty()
+    }
+}
+
+impl ShardState {
+    /// Queues for the node of DRAM segment `dram` the Drops its NVMe tier is
+    /// owed and that are not in its queue (its node came back with a new
+    /// DRAM segment, or the master restarted): first, before any task the
+    /// mount leads to.
+    pub(super) fn queue_owed_drops(&mut self, dram: SegmentId) {
+        let Some(&idx) = self.by_id.get(&dram) else {
+            return;
+        };
+        let Some(nvme) = self.slot(idx).spec.nvme.as_ref().map(|a| a.segment_id) else {
+            return;
+        };
+        let Some(owed) = self.owed_drops.get(&nvme) else {
+            return;
+        };
+        let q = self.tasks.entry(dram).or_default();
+        for (key, loc) in &owed.owed {
+            if q.len() >= MAX_TASKS_PER_SEGMENT {
+                break; // the rest go out at the node's next mount
+            }
+            if !q.has_drop(key, *loc) {
+                q.push_front(NodeTask::Drop {
+                    key: key.to_vec(),
+                    loc: *loc,
+                });
+            }
+        }
+    }
+
+    /// Records that `nvme`'s copy of `key` at `loc` is owed a Drop; false
+    /// when the tier is owed its maximum already.
+    pub(super) fn owe_drop(&mut self, nvme: SegmentId, key: &[u8], loc: u64) -> bool {
+        let t = self.owed_drops.entry(nvme).or_default();
+        if t.owed.len() >= MAX_TASKS_PER_SEGMENT {
+            return false;
+        }
+        if t.owed.insert((key.into(), loc)) {
+            if let Some(d) = self.durable.as_mut() {
+                d.drops.push((true, nvme, key.into(), loc));
+            }
+        }
+        true
+    }
+
+    /// `nvme`'s copy of `key` at `loc` is owed no Drop any more: it went out
+    /// to the node (`sent` at that time: remembered a while, the node may
+    /// report the copy before it runs the Drop), or the copy is an object's
+    /// again.
+    pub(super) fn settle_drop(&mut self, nvme: SegmentId, key: &[u8], loc: u64, sent: Option<u64>) {
+        let Some(t) = self.owed_drops.get_mut(&nvme) else {
+            return;
+        };
+        let c: CopyAt = (key.into(), loc);
+        let was_owed = match sent {
+            Some(now_ms) => t.sent(c, now_ms),
+            None => t.forget(&c),
+        };
+        if t.is_empty() {
+            self.owed_drops.remove(&nvme);
+        }
+        if was_owed {
+            if let Some(d) = self.durable.as_mut() {
+                d.drops.push((false, nvme, key.into(), loc));
+            }
+        }
+    }
+
+    /// The DRAM segment the NVMe tier `nvme` is attached to (its node's
+    /// task queue), if it is mounted.
+    pub(super) fn dram_of_tier(&self, nvme: SegmentId) -> Option<SegmentId> {
+        self.slots.iter().flatten().find_map(|d| {
+            d.spec
+                .nvme
+                .as_ref()
+                .is_some_and(|a| a.segment_id == nvme)
+                .then_some(d.id)
+        })
+    }
+
+    /// Whether `key`'s copy at `loc` of tier `nvme` is owed a Drop, or was
+    /// handed one lately: that copy's object was removed or replaced.
+    pub(super) fn drop_owed(&self, nvme: SegmentId, key: &[u8], loc: u64, now_ms: u64) -> bool {
+        self.owed_drops
+            .get(&nvme)
+            .is_some_and(|t| t.is_dropped(&(Box::<[u8]>::from(key), loc), now_ms))
+    }
+
+    /// Tells the nodes holding NVMe copies of a removed object to drop them.
+    /// NVMe space is the node's: without this a copy would outlive its
+    /// object, until NVMe eviction, and come back as `Recovered` when the
+    /// node restarts. The task goes on the queue of the DRAM segment the
+    /// tier is attached to, behind that node's Persist tasks, so the node
+    /// sees the removal and a later put of the same key in the order they
+    /// happened. The copy is owed its Drop until it goes out (`owed_drops`,
+    /// recorded in the state directory): a node whose DRAM segment is gone
+    /// meanwhile gets it when it mounts one again. With the tier owed its
+    /// maximum, or that queue full, the copy stays (logged).
+    pub(super) fn drop_nvme_copies(&mut self, key: &[u8], obj: &Object) {
+        for r in &obj.replicas {
+            let s = self.slot(r.slot);
+            if s.tier() == Tier::Nvme {
+                self.owe_and_queue_drop(s.id, key, r.offset, false);
+            }
+        }
+    }
+
+    /// Owes tier `nvme`'s node a Drop of `key`'s copy at `loc` and queues it
+    /// for the node's DRAM segment, if one is mounted (else it goes out at
+    /// the node's next mount); `first`: before every task waiting (the
+    /// removal it stands for came before them).
+    pub(super) fn owe_and_queue_drop(
+        &mut self,
+        nvme: SegmentId,
+        key: &[u8],
+        loc: u64,
+        first: bool,
+    ) {
+        if !self.owe_drop(nvme, key, loc) {
+            tracing::warn!(
+                key = %show_key(key),
+                "NVMe tier owed its maximum of Drops: the removed object's NVMe copy stays \
+                 until evicted"
+            );
+            return;
+        }
+        let Some(dram) = self.dram_of_tier(nvme) else {
+            return; // the node's DRAM segment is gone: it is asked at its next mount
+        };
+        let q = self.tasks.entry(dram).or_default();
+        if q.len() < MAX_TASKS_PER_SEGMENT {
+            let t = NodeTask::Drop {
+                key: key.to_vec(),
+                loc,
+            };
+            if first {
+                q.push_front(t);
+            } else {
+                q.push_back(t);
+            }
+        } else {
+            tracing::warn!(
+                key = %show_key(key),
+                "node task queue full: the removed object's Drop goes out when its node mounts \
+                 again"
+            );
+        }
+    }
+
+    /// What a copy of `key` at `loc` that tier `nvme` reports and that no
+    /// object lists is: `Adopted` while the tier is not listed yet (its
+    /// report keeps it so for `tier_quiet_ms` more), `Detached` when it was
+    /// detached with its tier and its object has been neither removed nor
+    /// replaced since, else `Old`.
+    pub(super) fn unlisted_copy(
+        &mut self,
+        nvme: SegmentId,
+        key: &[u8],
+        loc: u64,
+        now_ms: u64,
+    ) -> Unlisted {
+        if !self.listed_tiers.contains(&nvme) {
+            let next = now_ms.saturating_add(self.cfg.tier_quiet_ms);
+            let until = self.adopting.entry(nvme).or_insert(next);
+            if now_ms < *until {
+                *until = next;
+                return Unlisted::Adopted;
+            }
+            self.list_tier(nvme);
+        }
+        let Some(t) = self.detached.get_mut(&nvme) else {
+            return Unlisted::Old;
+        };
+        let Some(at) = t.remove(key) else {
+            return Unlisted::Old;
+        };
+        self.detached_len -= 1;
+        if t.is_empty() {
+            self.detached.remove(&nvme);
+        }
+        if at == loc {
+            Unlisted::Detached
+        } else {
+            Unlisted::Old
+        }
+    }
+
+    /// From now on every live copy of tier `nvme` is one this shard lists.
+    pub(super) fn list_tier(&mut self, nvme: SegmentId) {
+        self.adopting.remove(&nvme);
+        if self.listed_tiers.insert(nvme) {
+            if let Some(d) = self.durable.as_mut() {
+                d.listed.push(nvme);
+            }
+            tracing::info!(
+                shard = self.shard,
+                tier = format!("{nvme:016x}"),
+                "NVMe tier listed: a copy it reports that no object lists is refused"
+            );
+        }
+    }
+
+    /// Remembers `key`'s copy at `loc` of listed tier `nvme`, which the
+    /// shard no longer counts as a replica (the tier is unmounted).
+    pub(super) fn detach(&mut self, nvme: SegmentId, key: &[u8], loc: u64) {
+        if !self.listed_tiers.contains(&nvme) {
+            return; // not a listed tier (or not a tier): it adopts on return
+        }
+        if self.detached_len >= MAX_DETACHED_COPIES {
+            tracing::warn!(
+                key = %show_key(key),
+                "too many copies on tiers unmounted as dead: this one is refused if its tier \
+                 comes back"
+            );
+            return;
+        }
+        if self
+            .detached
+            .entry(nvme)
+            .or_default()
+            .insert(key.into(), loc)
+            .is_none()
+        {
+            self.detached_len += 1;
+        }
+    }
+
+    /// `key`'s object was removed or replaced: its copies on tiers unmounted
+    /// as dead are owed a Drop (refused if their tier reports them).
+    pub(super) fn retire_detached(&mut self, key: &[u8]) {
+        if self.detached.is_empty() {
+            return;
+        }
+        let mut owed = Vec::new();
+        self.detached.retain(|&nvme, t| {
+            if let Some(loc) = t.remove(key) {
+                owed.push((nvme, loc));
+            }
+            !t.is_empty()
+        });
+        self.detached_len -= owed.len();
+        for (nvme, loc) in owed {
+            self.owe_and_queue_drop(nvme, key, loc, true);
+        }
+    }
+
+    /// An NVMe-only object was read: after `promote_after_reads` reads, give
+    /// it a DRAM replica (pending until its node has copied the bytes in).
+    pub(super) fn count_nvme_read(&mut self, id: Id) {
+        let n = self.cfg.promote_after_reads;
+        let reads = self.objs.update(id, |o| {
+            let c = o.stored_mut();
+            c.nvme_reads = c.nvme_reads.saturating_add(1);
+            c.nvme_reads
+        });
+        let obj = self.objs.get(id);
+        if n == 0
+            || reads < n
+            || obj
+                .replicas
+                .iter()
+                .any(|r| r.state == ReplicaState::Promoting)
+        {
+            return;
+        }
+        self.objs.update(id, |o| o.stored_mut().nvme_reads = 0);
+        let obj = self.objs.get(id);
+        let size = obj.size;
+        let Some(nvme) = obj
+            .replicas
+            .iter()
+            .find(|r| {
+                self.slots[r.slot as usize]
+                    .as_ref()
+                    .is_some_and(|s| s.tier() == Tier::Nvme)
+            })
+            .copied()
+        else {
+            return;
+        };
+        let nvme_seg = self.slot(nvme.slot).id;
+        let owner = self.slot(nvme.slot).owner;
+        // Only the DRAM segment the tier is attached to: the node copies
+        // the bytes into its own memory, so the range must be in it.
+        let Some(idx) = self.slots.iter().enumerate().find_map(|(i, s)| {
+            let s = s.as_ref()?;
+            let attached = s.tier() == Tier::Dram
+                && s.owner == owner
+                && s.spec
+                    .nvme
+                    .as_ref()
+                    .is_some_and(|a| a.segment_id == nvme_seg);
+            (attached && !s.draining && !s.suspect).then_some(i as u32)
+        }) else {
+            return;
+        };
+        let Some(offset) = self.slot_mut(idx).alloc.alloc(size) else {
+            return;
+        };
+        let checksum = self.objs.get(id).checksum();
+        let dram = self.slot(idx).id;
+        let q = self.tasks.entry(nvme_seg).or_default();
+        if q.len() >= MAX_TASKS_PER_SEGMENT {
+            self.slot_mut(idx).alloc.dealloc(offset, size);
+            return;
+        }
+        // The node writes the range when it gets to the task: held as a
+        // put's grant is, from the read's lease end (no earlier than now).
+        let until = self.write_hold_until(self.objs.get(id).stored().lease_end_ms);
+        self.hold(idx, offset, size, until);
+        let q = self.tasks.entry(nvme_seg).or_default();
+        q.push_back(NodeTask::Promote {
+            key: self.objs.key(id).to_vec(),
+            loc: nvme.offset,
+            dram,
+            offset,
+            len: size,
+            checksum,
+        });
+        self.objs.update(id, |o| {
+            o.replicas.push(Replica {
+                slot: idx,
+                state: ReplicaState::Promoting,
+                offset,
+            })
+        });
+    }
+
+    /// The slot of segment `seg` if it is mounted, of tier `tier`, and owned
+    /// by `client`: what a node may report on or take work for.
+    pub(super) fn owned_slot(
+        &self,
+        client: ClientId,
+        seg: SegmentId,
+        tier: Tier,
+    ) -> Result<u32, KvError> {
+        let idx = *self.by_id.get(&seg).ok_or_else(|| {
+            err(
+                ErrorCode::SegmentNotFound,
+                format!("segment {seg:016x} is not mounted"),
+            )
+        })?;
+        let s = self.slot(idx);
+        if s.owner != client {
+            return Err(err(
+                ErrorCode::IllegalClient,
+                format!("segment {seg:016x} belongs to another client"),
+            ));
+        }
+        if s.tier() != tier {
+            return Err(err(
+                ErrorCode::InvalidParams,
+                format!("segment {seg:016x} is not a {tier:?} segment"),
+            ));
+        }
+        Ok(idx)
+    }
+
+    /// Checks that an NVMe location names a region the tier has.
+    pub(super) fn check_loc(&self, nslot: u32, loc: u64) -> Result<(), KvError> {
+        let regions = self.slot(nslot).spec.endpoint.nr_shards.max(1) as u64;
+        if loc >> 32 >= regions {
+            return Err(err(
+                ErrorCode::InvalidParams,
+                format!("NVMe location {loc:#x} names a region the tier does not have"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Up to `max` queued tasks for the given segments' node; every segment
+    /// named must be mounted and owned by `client`.
+    pub fn node_tasks(
+        &mut self,
+        client: ClientId,
+        segments: &[SegmentId],
+        max: usize,
+        now_ms: u64,
+    ) -> Result<Vec<NodeTask>, KvError> {
+        for seg in segments {
+            let idx = *self.by_id.get(seg).ok_or_else(|| {
+                err(
+                    ErrorCode::SegmentNotFound,
+                    format!("segment {seg:016x} is not mounted"),
+                )
+            })?;
+            if self.slot(idx).owner != client {
+                return Err(err(
+                    ErrorCode::IllegalClient,
+                    format!("segment {seg:016x} belongs to another client"),
+                ));
+            }
+        }
+        let mut out = Vec::new();
+        for seg in segments {
+            let Some(mut q) = self.tasks.remove(seg) else {
+                continue;
+            };
+            let tier = self
+                .by_id
+                .get(seg)
+                .and_then(|&i| self.slot(i).spec.nvme.as_ref())
+                .map(|a| a.segment_id);
+            while out.len() < max {
+                let Some(t) = q.pop_front() else {
+                    break;
+                };
+                let stale = self.task_is_stale(*seg, &t);
+                if let (NodeTask::Drop { key, loc }, Some(nvme)) = (&t, tier) {
+                    // Out to the node (or stale: the copy is an object's
+                    // again): owed no more, unless the same Drop waits again.
+                    if !q.has_drop(key, *loc) {
+                        self.settle_drop(nvme, key, *loc, (!stale).then_some(now_ms));
+                    }
+                }
+                if !stale {
+                    out.push(t);
+                }
+            }
+            self.tasks.insert(*seg, q);
+        }
+        Ok(out)
+    }
+
+    /// Whether task `t` of segment `seg`'s queue no longer stands, and is
+    /// dropped instead of handed out:
+    /// * a Persist whose object no longer holds the DRAM range it names as
+    ///   it did when the task was queued (removed, replaced, its replica
+    ///   evicted; for a demotion, the replica no longer `Demoting`): nothing
+    ///   waits for its report, and a node that ran it would copy whatever
+    ///   lies in the range now and replace the key's copy on its tier
+    ///   (maybe the one the current object lists) with it;
+    /// * a Drop of a copy that the object under the key lists again (a
+    ///   guard: a `Recovered` report of a copy whose Drop is queued is
+    ///   refused, so the master should never list such a copy).
+    pub(super) fn task_is_stale(&self, seg: SegmentId, t: &NodeTask) -> bool {
+        let (key, dram, offset, demote) = match t {
+            NodeTask::Persist {
+                key,
+                dram,
+                offset,
+                demote,
+                ..
+            } => (key, dram, offset, demote),
+            NodeTask::Drop { key, loc } => {
+                let tier = self
+                    .by_id
+                    .get(&seg)
+                    .and_then(|&i| self.slot(i).spec.nvme.as_ref())
+                    .and_then(|a| self.by_id.get(&a.segment_id));
+                return match (tier, self.objs.complete_id(key)) {
+                    (Some(&nslot), Some(id)) => self
+                        .objs
+                        .get(id)
+                        .replicas
+                        .iter()
+                        .any(|r| r.slot == nslot && r.offset == *loc),
+                    _ => false,
+                };
+            }
+            NodeTask::Promote { .. } => return false,
+        };
+        let (Some(&dslot), Some(id)) = (self.by_id.get(dram), self.objs.complete_id(key)) else {
+            return true;
+        };
+        !self.objs.get(id).replicas.iter().any(|r| {
+            r.slot == dslot
+                && r.offset == *offset
+                && if *demote {
+                    r.state == ReplicaState::Demoting
+                } else {
+                    r.state != ReplicaState::Promoting
+                }
+        })
+    }
+
+    /// Applies one report of node `client` about its NVMe tier. Everything
+    /// the report names is checked before anything changes: its segments
+    /// must be mounted, of the right tier and the reporter's own; NVMe
+    /// locations must name a region of the tier; DRAM ranges must be the
+    /// ones the master itself handed out for that object.
+    pub fn nvme_update(
+        &mut self,
+        client: ClientId,
+        u: &NvmeUpdate,
+        now_ms: u64,
+    ) -> Result<(), KvError> {
+        self.check_key(u.key())?;
+        match u {
+            NvmeUpdate::Stored {
+                key,
+                nvme,
+                loc,
+                len,
+                dram,
+                offset,
+                demote,
+                sum,
+            } => {
+                let nslot = self.owned_slot(client, *nvme, Tier::Nvme)?;
+                self.check_loc(nslot, *loc)?;
+                let dslot = match self.owned_slot(client, *dram, Tier::Dram) {
+                    Ok(d) => Some(d),
+                    // The DRAM segment went away meanwhile: the NVMe copy
+                    // still counts.
+                    Err(e) if e.code == ErrorCode::SegmentNotFound => None,
+                    Err(e) => return Err(e),
+                };
+                let id = self
+                    .objs
+                    .complete_id(key)
+                    .filter(|&id| self.objs.get(id).size == *len);
+                let Some(id) = id else {
+                    return Err(not_found(key));
+                };
+                let obj = self.objs.get(id);
+                if obj.checksum().is_some_and(|s| s != *sum) {
+                    return Err(err(
+                        ErrorCode::Corrupt,
+                        format!(
+                            "the NVMe copy of {} does not match the object's checksum",
+                            show_key(key)
+                        ),
+                    ));
+                }
+                let existing = obj
+                    .replicas
+                    .iter()
+                    .find(|r| r.slot == nslot)
+                    .map(|r| r.offset);
+                let pos = dslot.and_then(|d| {
+                    obj.replicas.iter().position(|r| {
+                        r.slot == d && r.offset == *offset && r.state != ReplicaState::Promoting
+                    })
+                });
+                match existing {
+                    Some(l) if l != *loc => {
+                        return Err(err(
+                            ErrorCode::ObjectAlreadyExists,
+                            "another NVMe copy is recorded",
+                        ))
+                    }
+                    Some(_) => {}
+                    // The copy was made from a DRAM range this object does
+                    // not hold: the object it was asked for was replaced (or
+                    // removed and put again) meanwhile, so these bytes may
+                    // be another version's. (The range itself is not reused
+                    // while a node may still read it: see `free_at`.)
+                    None if dslot.is_some() && pos.is_none() => {
+                        return Err(err(
+                            ErrorCode::ObjectNotFound,
+                            format!(
+                                "the object under {} no longer holds the DRAM range the copy \
+                                 was made from",
+                                show_key(key)
+                            ),
+                        ))
+                    }
+                    None => self
+                        .objs
+                        .update(id, |o| o.replicas.push(Replica::ready(nslot, *loc))),
+                }
+                // The write-through copy of a replica whose demotion is
+                // under way: the node still holds that demotion's Persist
+                // task, which reads the range; its own report ends it. (Were
+                // the replica Ready again, an eviction would free the range
+                // at once, the object having an NVMe copy, and the node
+                // would copy another put's bytes from it.)
+                let pos = pos.filter(|&p| {
+                    *demote || self.objs.get(id).replicas[p].state != ReplicaState::Demoting
+                });
+                if let Some(pos) = pos {
+                    let obj = self.objs.get(id);
+                    let was = (obj.replicas[pos].state == ReplicaState::Demoting)
+                        .then_some((obj.replicas[pos].slot, obj.size));
+                    if *demote {
+                        let r = self.objs.update(id, |o| o.replicas.remove(pos));
+                        let obj = self.objs.get(id);
+                        let (size, lease_end) = (obj.size, obj.stored().lease_end_ms);
+                        self.demotions += 1;
+                        self.evict_dram_replica(r, size, lease_end, now_ms);
+                    } else {
+                        self.objs
+                            .update(id, |o| o.replicas[pos].state = ReplicaState::Ready);
+                    }
+                    if let Some((idx, size)) = was {
+                        self.demotion_over(idx, size);
+                    }
+                }
+                // The copy is this object's: a Drop owed to an earlier
+                // object's copy in the same place is stale.
+                self.settle_drop(*nvme, key, *loc, None);
+                Ok(())
+            }
+            NvmeUpdate::PersistFailed {
+                key,
+                dram,
+                offset,
+                demote,
+            } => {
+                let dslot = self.owned_slot(client, *dram, Tier::Dram)?;
+                let id = self.objs.complete_id(key).ok_or_else(|| not_found(key))?;
+                let obj = self.objs.get(id);
+                let Some(pos) = obj.replicas.iter().position(|r| {
+                    r.slot == dslot && r.offset == *offset && r.state == ReplicaState::Demoting
+                }) else {
+                    return Ok(());
+                };
+                let size = obj.size;
+                if !*demote {
+                    // A write-through copy failed while a demotion of the
+                    // replica is under way: that demotion's own report
+                    // ends it (its task still reads the range).
+                    return Ok(());
+                }
+                // The eviction goes ahead without an NVMe copy.
+                let (r, left) = self.objs.update(id, |o| {
+                    let r = o.replicas.remove(pos);
+                    (r, o.replicas.len())
+                });
+                let lease_end = self.objs.get(id).stored().lease_end_ms;
+                if left == 0 {
+                    self.objs.remove(id);
+                }
+                self.demotion_over(dslot, size);
+                self.evict_dram_replica(r, size, lease_end, now_ms);
+                Ok(())
+            }
+            NvmeUpdate::Promoted {
+                key,
+                dram,
+                offset,
+                ok,
+            } => {
+                let dslot = self.owned_slot(client, *dram, Tier::Dram)?;
+                let id = self.objs.complete_id(key).ok_or_else(|| not_found(key))?;
+                let obj = self.objs.get(id);
+                let pos = obj
+                    .replicas
+                    .iter()
+                    .position(|r| {
+                        r.slot == dslot && r.offset == *offset && r.state == ReplicaState::Promoting
+                    })
+                    .ok_or_else(|| {
+                        err(ErrorCode::ObjectNotFound, "no promotion under way there")
+                    })?;
+                if *ok {
+                    self.objs
+                        .update(id, |o| o.replicas[pos].state = ReplicaState::Ready);
+                    self.promotions += 1;
+                } else {
+                    let size = obj.size;
+                    let r = self.objs.update(id, |o| o.replicas.remove(pos));
+                    self.free_replica_now(&r, size);
+                }
+                Ok(())
+            }
+            NvmeUpdate::Evicted { key, nvme, loc } => {
+                let nslot = match self.owned_slot(client, *nvme, Tier::Nvme) {
+                    Ok(n) => n,
+                    // Unmounted meanwhile: nothing lists the copy any more.
+                    Err(e) if e.code == ErrorCode::SegmentNotFound => return Ok(()),
+                    Err(e) => return Err(e),
+                };
+                if let Some(id) = self.objs.complete_id(key) {
+                    let left = self.objs.update(id, |o| {
+                        o.replicas
+                            .retain(|r| !(r.slot == nslot && r.offset == *loc));
+                        o.replicas.len()
+                    });
+                    if left == 0 {
+                        self.objs.remove(id);
+                    }
+                }
+                Ok(())
+            }
+            NvmeUpdate::Recovered {
+                key,
+                nvme,
+                loc,
+                len,
+                sum,
+            } => {
+                let nslot = self.owned_slot(client, *nvme, Tier::Nvme)?;
+                self.check_loc(nslot, *loc)?;
+                if *len == 0 || *len > self.cfg.max_value_bytes {
+                    return Err(err(
+                        ErrorCode::InvalidParams,
+                        format!("a recovered object of {len} bytes"),
+                    ));
+                }
+                let listed = self.objs.complete_id(key).is_some_and(|id| {
+                    self.objs
+                        .get(id)
+                        .replicas
+                        .iter()
+                        .any(|r| r.slot == nslot && r.offset == *loc)
+                });
+                if !listed && self.drop_owed(*nvme, key, *loc, now_ms) {
+                    // Reported before the node ran the Drop it is owed or
+                    // was just handed (the node restarted, or reported its
+                    // tier again; the master may have restarted too: what
+                    // is owed is in its state directory): taking it would
+                    // bring back a removed or replaced object. (A copy the
+                    // key's object lists is that object's: a later put's
+                    // copy took the slot, and the Drop is stale.)
+                    return Err(err(
+                        ErrorCode::ObjectAlreadyExists,
+                        "this copy's object was removed or replaced: its Drop is owed",
+                    ));
+                }
+                let unlisted = if listed {
+                    Unlisted::Listed
+                } else {
+                    self.unlisted_copy(*nvme, key, *loc, now_ms)
+                };
+                if unlisted == Unlisted::Old {
+                    // Every live copy of this tier is listed: this one is
+                    // an old object's whose Drop was handed out (the node
+                    // died before it ran it, or the master restarted), or
+                    // of a key removed while its tier was away.
+                    return Err(err(
+                        ErrorCode::ObjectAlreadyExists,
+                        "an old copy: no object lists it (its object was removed or replaced)",
+                    ));
+                }
+                match self.objs.complete_id(key) {
+                    Some(id) => {
+                        let o = self.objs.get(id);
+                        // Without a checksum nothing shows the copy is this
+                        // object's and not an earlier one's of the same
+                        // size, unless this very replica is listed already
+                        // (its record came back from the state directory),
+                        // or was this object's when its tier went.
+                        let same = match o.checksum() {
+                            Some(s) => s == *sum,
+                            None => unlisted != Unlisted::Adopted,
+                        };
+                        if o.size != *len || !same {
+                            return Err(err(
+                                ErrorCode::ObjectAlreadyExists,
+                                "a different object is stored under this key now",
+                            ));
+                        }
+                        self.objs.update(id, |o| {
+                            o.replicas.retain(|r| r.slot != nslot);
+                            o.replicas.push(Replica::ready(nslot, *loc));
+                        });
+                        self.settle_drop(*nvme, key, *loc, None);
+                        Ok(())
+                    }
+                    // A put of the key under way (a replace of a complete
+                    // key is the arm above: its copy is the complete one's).
+                    None if self.objs.processing_id(key).is_some() => {
+                        Err(err(ErrorCode::ObjectAlreadyExists, "the key is being put"))
+                    }
+                    None => {
+                        if self.key_count() >= self.cfg.max_keys || !self.objs.has_room() {
+                            return Err(err(
+                                ErrorCode::ResourceExhausted,
+                                "the pool holds its maximum of keys",
+                            ));
+                        }
+                        self.objs.insert(
+                            key,
+                            Object {
+                                size: *len,
+                                phase: Phase::Complete(Complete {
+                                    lease_end_ms: now_ms,
+                                    unread: false,
+                                    pin_end_ms: 0,
+                                    sum: *sum,
+                                    has_sum: true,
+                                    hard_pin: false,
+                                    nvme_reads: 0,
+                                }),
+                                replicas: smallvec::smallvec![Replica::ready(nslot, *loc)],
+                            },
+                        );
+                        Ok(())
+                    }
+                }
+            }
+        }
+    }
+}
