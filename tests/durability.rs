@@ -412,19 +412,12 @@ async fn put_on_nvme(c: &Client, objects: &[(&[u8], &[u8])]) {
     for (k, v) in objects {
         c.put(k, v).await.unwrap();
     }
-    let end = Instant::now() + Duration::from_secs(20);
     for (k, _) in objects {
-        while !c
-            .describe(k)
-            .await
-            .unwrap()
-            .replicas
-            .iter()
-            .any(|r| r.tier == Tier::Nvme)
-        {
-            assert!(Instant::now() < end, "no NVMe copy was written");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        common::eventually("an NVMe copy", Duration::from_secs(20), || async {
+            let info = c.describe(k).await.unwrap();
+            info.replicas.iter().any(|r| r.tier == Tier::Nvme)
+        })
+        .await;
     }
 }
 
@@ -432,17 +425,11 @@ async fn put_on_nvme(c: &Client, objects: &[(&[u8], &[u8])]) {
 /// `gone` stays removed, not even a while later (the whole tier was
 /// reported before the kept object was); only the kept key is stored.
 async fn kept_back_and_gone_stays_removed(c: &Client, kept: &[u8], master: &common::Proc) {
-    let end = Instant::now() + Duration::from_secs(20);
-    loop {
-        match c.get(b"kept").await {
-            Ok(v) => {
-                assert_eq!(xxh3_64(&v), xxh3_64(kept));
-                break;
-            }
-            Err(e) => assert!(Instant::now() < end, "the kept object: {e}"),
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let v = common::eventually("the kept object", Duration::from_secs(20), || async {
+        c.get(b"kept").await.map_err(|e| e.to_string())
+    })
+    .await;
+    assert_eq!(xxh3_64(&v), xxh3_64(kept));
     for _ in 0..10 {
         match c.get(b"gone").await {
             Ok(v) => panic!(
@@ -524,15 +511,12 @@ fn a_key_removed_while_its_node_was_away_stays_removed_across_two_master_restart
         put_on_nvme(&c, &[(b"gone", &gone), (b"kept", &kept)]).await;
         // Both master shards list the tier (logged, and recorded in the
         // state directory).
-        let end = Instant::now() + Duration::from_secs(20);
-        while master.stderr().matches("NVMe tier listed").count() < 2 {
-            assert!(
-                Instant::now() < end,
-                "the tier was not listed: {}",
-                master.stderr()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        common::eventually(
+            "both shards list the tier",
+            Duration::from_secs(20),
+            || async { master.stderr().matches("NVMe tier listed").count() >= 2 },
+        )
+        .await;
     });
     node.signal(Signal::KILL);
     node.wait_exit(Duration::from_secs(10)).expect("killed");

@@ -49,15 +49,6 @@ fn metric(engine: &Proc, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("metric kvpool_engine_{name} missing:\n{text}"))
 }
 
-/// Polls until `f` holds, for at most 30 s.
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + Duration::from_secs(30);
-    while !f() {
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// Engine processes share this config: the pool client over TCP only.
 const TCP_CONFIG: &str = "[client]\ntransport = \"tcp\"\n";
 
@@ -140,9 +131,11 @@ fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed()
     // The refused chunk was replaced by the recomputed one: a plain request
     // (lookup by batch exists) now loads both again, and the bytes are the
     // original ones.
-    wait_for("the recomputed chunk to be stored", || {
-        metric(&decode, "chunks_stored_total") >= 1.0
-    });
+    common::eventually_blocking(
+        "the recomputed chunk to be stored",
+        Duration::from_secs(30),
+        || metric(&decode, "chunks_stored_total") >= 1.0,
+    );
     let (code, again, _) = cli(&pool.addr, &["get", &keys[1]], None);
     assert_eq!(code, 0);
     assert_eq!(
@@ -167,9 +160,11 @@ fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed()
     assert_eq!(out["kvpool"]["chunks_refused"], 1);
     assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 256);
     assert_eq!(metric(&decode, "chunks_refused_total"), 2.0);
-    wait_for("the recomputed chunk to be stored again", || {
-        metric(&decode, "chunks_stored_total") > stored_before
-    });
+    common::eventually_blocking(
+        "the recomputed chunk to be stored again",
+        Duration::from_secs(30),
+        || metric(&decode, "chunks_stored_total") > stored_before,
+    );
     let (code, again, _) = cli(&pool.addr, &["get", &keys[1]], None);
     assert_eq!(code, 0);
     assert_eq!(again, bytes);
@@ -183,7 +178,7 @@ fn a_second_request_sharing_k_chunks_computes_only_the_rest() {
     let first = prompt(3 * 256 + 50, 7);
     let out = greedy(&e, &first, 4, None);
     assert_eq!(out["kvpool"]["prompt_tokens_computed"], 818);
-    wait_for("three chunks stored", || {
+    common::eventually_blocking("three chunks stored", Duration::from_secs(30), || {
         metric(&e, "chunks_stored_total") >= 3.0
     });
 
@@ -247,12 +242,16 @@ fn an_engine_whose_pool_is_down_serves_and_uses_the_pool_once_it_is_up() {
             "256MiB",
         ],
     );
-    wait_for("the engine to store its chunks in the pool", || {
-        let pre = greedy(&e, &p, 1, Some(json!({"do_remote_decode": true})));
-        pre["kv_transfer_params"]["chunk_keys"]
-            .as_array()
-            .is_some_and(|k| k.len() == 2)
-    });
+    common::eventually_blocking(
+        "the engine to store its chunks in the pool",
+        Duration::from_secs(30),
+        || {
+            let pre = greedy(&e, &p, 1, Some(json!({"do_remote_decode": true})));
+            pre["kv_transfer_params"]["chunk_keys"]
+                .as_array()
+                .is_some_and(|k| k.len() == 2)
+        },
+    );
 }
 
 #[test]
@@ -462,13 +461,17 @@ fn an_abandoned_request_is_cancelled_at_the_next_step_and_counted() {
         body.len()
     )
     .unwrap();
-    wait_for("the long request's prefill", || {
-        metric(&e, "prompt_tokens_computed_total") > 0.0
-    });
+    common::eventually_blocking(
+        "the long request's prefill",
+        Duration::from_secs(30),
+        || metric(&e, "prompt_tokens_computed_total") > 0.0,
+    );
     drop(s);
-    wait_for("the abandoned request's cancellation", || {
-        metric(&e, "requests_cancelled_total") == 1.0
-    });
+    common::eventually_blocking(
+        "the abandoned request's cancellation",
+        Duration::from_secs(30),
+        || metric(&e, "requests_cancelled_total") == 1.0,
+    );
     let work = || {
         (
             metric(&e, "prompt_tokens_computed_total"),
@@ -517,10 +520,14 @@ fn vllms_metric_names_count_what_ours_count() {
     );
     // The gauges are set at the end of the model thread's step, which may
     // come just after the answer that step finished was sent.
-    wait_for("the running and waiting gauges to read 0", || {
-        let (_, text) = common::http(&e.addr, "GET", "/metrics");
-        ["vllm:num_requests_running", "vllm:num_requests_waiting"]
-            .iter()
-            .all(|n| text.contains(&format!("{n}{{model_name=\"builtin:tiny\"}} 0\n")))
-    });
+    common::eventually_blocking(
+        "the running and waiting gauges to read 0",
+        Duration::from_secs(30),
+        || {
+            let (_, text) = common::http(&e.addr, "GET", "/metrics");
+            ["vllm:num_requests_running", "vllm:num_requests_waiting"]
+                .iter()
+                .all(|n| text.contains(&format!("{n}{{model_name=\"builtin:tiny\"}} 0\n")))
+        },
+    );
 }

@@ -415,15 +415,14 @@ async fn wait_stat(
     what: &str,
     ok: impl Fn(&PoolStat) -> bool,
 ) -> PoolStat {
-    let end = Instant::now() + within;
-    loop {
+    common::eventually(what, within, || async {
         match c.stat().await {
-            Ok(s) if ok(&s) => return s,
-            Ok(s) if Instant::now() >= end => panic!("{what}: not within {within:?}: {s:?}"),
-            Err(e) if Instant::now() >= end => panic!("{what}: not within {within:?}: {e}"),
-            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            Ok(s) if ok(&s) => Ok(s),
+            Ok(s) => Err(format!("{s:?}")),
+            Err(e) => Err(e.to_string()),
         }
-    }
+    })
+    .await
 }
 
 /// The outcome of one call under a fault.

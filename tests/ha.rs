@@ -142,7 +142,7 @@ fn leader_and_standby(url: &str, cfg: &str) -> (Proc, Proc) {
     let b = start_master(url, cfg);
     wait_role(&b, "standby", Duration::from_secs(10));
     // Only a standby in sync stands for election.
-    poll_until("the standby in sync", Duration::from_secs(20), || {
+    common::eventually_blocking("the standby in sync", Duration::from_secs(20), || {
         healthz_all(&b, "synced", "1")
     });
     (a, b)
@@ -164,7 +164,7 @@ fn secured_cluster(url: &str, tag: &str, secret: &str, size: &str) -> (Proc, Pro
 async fn read_back(c: &Client, n: u64, len: impl Fn(u64) -> usize) {
     for i in 0..n {
         let key = format!("obj-{i}");
-        let got = eventually("a read after failover", Duration::from_secs(20), || async {
+        let got = common::eventually("a read after failover", Duration::from_secs(20), || async {
             c.get(key.as_bytes()).await.map_err(|e| e.to_string())
         })
         .await;
@@ -218,39 +218,11 @@ fn wait_role(m: &Proc, role: &str, within: Duration) -> Duration {
     }
 }
 
-/// Polls `done` every 20 ms until it holds; fails the test after `within`.
-fn poll_until(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
-    let end = Instant::now() + within;
-    while !done() {
-        assert!(
-            Instant::now() < end,
-            "timed out after {within:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 fn client_config(secret: &str) -> ClientConfig {
     ClientConfig {
         secret: kvpool_config::Secret::new(secret.to_string()),
         timeout_ms: 5_000,
         ..Default::default()
-    }
-}
-
-/// Polls `f` until it is `Some`, for at most `within`.
-async fn eventually<T, F, Fut>(what: &str, within: Duration, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, String>>,
-{
-    let end = Instant::now() + within;
-    loop {
-        match f().await {
-            Ok(v) => return v,
-            Err(e) => assert!(Instant::now() < end, "{what} within {within:?}: {e}"),
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -416,7 +388,7 @@ fn the_leader_killed_under_eight_clients_a_standby_leads_and_nvme_objects_read_b
         // Write-through: every object gets its NVMe copy.
         for i in 0..n {
             let key = format!("obj-{i}");
-            eventually("an NVMe copy", Duration::from_secs(20), || async {
+            common::eventually("an NVMe copy", Duration::from_secs(20), || async {
                 let info = c
                     .describe(key.as_bytes())
                     .await
@@ -435,7 +407,7 @@ fn the_leader_killed_under_eight_clients_a_standby_leads_and_nvme_objects_read_b
     // Eight clients put until told to stop, through the kill.
     let w = Writers::start(&url, "", Duration::from_millis(10));
     // The kill comes once every writer is putting.
-    poll_until("all 8 writers putting", Duration::from_secs(20), || {
+    common::eventually_blocking("all 8 writers putting", Duration::from_secs(20), || {
         w.under_way.load(Ordering::Relaxed) == 8
     });
 
@@ -449,7 +421,7 @@ fn the_leader_killed_under_eight_clients_a_standby_leads_and_nvme_objects_read_b
     });
 
     // Writers go on on the new leader until some of their puts landed there.
-    poll_until(
+    common::eventually_blocking(
         "8 puts Ok on the new leader",
         Duration::from_secs(30),
         || w.ok_after_led.load(Ordering::Relaxed) >= 8,
@@ -493,7 +465,7 @@ fn a_stalled_leader_is_fenced_its_grants_refused_and_no_space_is_handed_out_twic
     let (a, b, _node) = secured_cluster(&url, "ha-stall", secret, "64MiB");
     // The standby follows the leader: the new leader will know the old
     // one's objects and the space its grants hold.
-    poll_until("the standby in sync", Duration::from_secs(20), || {
+    common::eventually_blocking("the standby in sync", Duration::from_secs(20), || {
         healthz_all(&b, "synced", "1")
     });
     kvpool_ha::install();
@@ -534,7 +506,7 @@ fn a_stalled_leader_is_fenced_its_grants_refused_and_no_space_is_handed_out_twic
         assert_eq!(c.master_addr(), b.addr);
         for i in 0..n {
             let key = format!("new-{i}");
-            eventually(
+            common::eventually(
                 "a put on the new leader",
                 Duration::from_secs(15),
                 || async {
@@ -635,7 +607,7 @@ fn a_stalled_leader_is_left_when_etcd_elects_another_not_at_the_calls_deadline()
     let deadline = Duration::from_millis(cfg.timeout_ms);
     let c = rt.block_on(async {
         let c = Client::connect(&url, cfg).await.unwrap();
-        eventually(
+        common::eventually(
             "a put before the stall",
             Duration::from_secs(10),
             || async {
@@ -663,7 +635,7 @@ fn a_stalled_leader_is_left_when_etcd_elects_another_not_at_the_calls_deadline()
         assert!(ended < deadline / 2, "left after {ended:?}: {r:?}");
 
         // Writes go on at the new leader once the node has mounted there.
-        eventually("a put on the new leader", deadline, || async {
+        common::eventually("a put on the new leader", deadline, || async {
             c.put(b"after", &value(3, 4096))
                 .await
                 .map_err(|e| e.to_string())
@@ -674,7 +646,7 @@ fn a_stalled_leader_is_left_when_etcd_elects_another_not_at_the_calls_deadline()
         assert_eq!(c.master_addr(), b.addr);
         // The old leader's object, shipped to the standby, reads back as
         // soon as the node's segment is mounted there.
-        let got = eventually("the old leader's object", deadline, || async {
+        let got = common::eventually("the old leader's object", deadline, || async {
             c.get(b"before").await.map_err(|e| e.to_string())
         })
         .await;
@@ -710,10 +682,10 @@ fn the_leader_killed_under_eight_clients_every_dram_object_reads_back_from_the_s
     let (a, b, _node) = secured_cluster(&url, "ha-ship", secret, "256MiB");
     // The standby follows every shard of the leader (authenticated with the
     // cluster secret), and the leader's replies wait for it.
-    poll_until("the standby in sync", Duration::from_secs(20), || {
+    common::eventually_blocking("the standby in sync", Duration::from_secs(20), || {
         healthz_all(&b, "synced", "1")
     });
-    poll_until(
+    common::eventually_blocking(
         "the leader's standby in sync",
         Duration::from_secs(20),
         || healthz_all(&a, "standbys_in_sync", "1"),
@@ -736,14 +708,14 @@ fn the_leader_killed_under_eight_clients_every_dram_object_reads_back_from_the_s
 
     // Eight clients put until told to stop, through the kill.
     let w = Writers::start(&url, secret, Duration::from_millis(5));
-    poll_until(
+    common::eventually_blocking(
         "80 puts Ok from the writers",
         Duration::from_secs(30),
         || w.oks.load(Ordering::Relaxed) >= 80,
     );
 
     let killed_at = kill_leader(a, &b, Some(&w));
-    poll_until(
+    common::eventually_blocking(
         "8 puts Ok on the new leader",
         Duration::from_secs(30),
         || w.ok_after_led.load(Ordering::Relaxed) >= 8,
@@ -779,7 +751,7 @@ fn a_stalled_standby_is_dropped_catches_up_from_a_snapshot_and_then_loses_nothin
     let mcfg = master_config("ha-catchup-master", "");
     let (a, b) = leader_and_standby(&url, &mcfg);
     let _node = common::start_storage(&url, "128MiB", &[]);
-    poll_until("the standby in sync", Duration::from_secs(20), || {
+    common::eventually_blocking("the standby in sync", Duration::from_secs(20), || {
         healthz_all(&b, "synced", "1")
     });
     kvpool_ha::install();
@@ -800,7 +772,7 @@ fn a_stalled_standby_is_dropped_catches_up_from_a_snapshot_and_then_loses_nothin
     // sync timeout, then it is dropped and puts go on without it.
     b.freeze();
     put(40, 80);
-    poll_until(
+    common::eventually_blocking(
         "the stalled standby dropped on every shard",
         Duration::from_secs(10),
         || healthz_all(&a, "standbys_in_sync", "0"),
@@ -808,7 +780,7 @@ fn a_stalled_standby_is_dropped_catches_up_from_a_snapshot_and_then_loses_nothin
     // Resumed, it starts a new session: a snapshot holding the 80 objects
     // (40 of which it never saw in the log), then the log.
     b.signal(Signal::CONT);
-    poll_until("the standby in sync again", Duration::from_secs(20), || {
+    common::eventually_blocking("the standby in sync again", Duration::from_secs(20), || {
         healthz_all(&a, "standbys_in_sync", "1") && healthz_all(&b, "synced", "1")
     });
     put(80, 120);
@@ -846,7 +818,7 @@ fn configs_with_state_dirs(tag: &str) -> (String, String) {
 async fn put_objects(c: &Client, from: u64, to: u64, len: impl Fn(u64) -> usize) {
     for i in from..to {
         let key = format!("obj-{i}");
-        eventually("a put", Duration::from_secs(10), || async {
+        common::eventually("a put", Duration::from_secs(10), || async {
             c.put(key.as_bytes(), &value(i, len(i)))
                 .await
                 .map_err(|e| e.to_string())
@@ -890,7 +862,7 @@ fn a_standby_never_in_sync_does_not_lead_and_the_last_leader_leads_again_from_it
     let a2 = start_master(&url, &cfg_a);
     wait_role(&a2, "leader", Duration::from_secs(15));
     rt.block_on(read_back(&c, 30, len));
-    poll_until("the standby in sync", Duration::from_secs(20), || {
+    common::eventually_blocking("the standby in sync", Duration::from_secs(20), || {
         healthz_all(&b, "synced", "1")
     });
     kill_leader(a2, &b, None);
@@ -911,7 +883,7 @@ fn a_standby_dropped_while_stalled_does_not_lead_when_the_leader_dies() {
     wait_role(&a, "leader", Duration::from_secs(10));
     let b = start_master(&url, &cfg_b);
     wait_role(&b, "standby", Duration::from_secs(10));
-    poll_until("the standby in sync", Duration::from_secs(20), || {
+    common::eventually_blocking("the standby in sync", Duration::from_secs(20), || {
         healthz_all(&b, "synced", "1")
     });
     let _node = common::start_storage(&url, "64MiB", &[]);
@@ -924,7 +896,7 @@ fn a_standby_dropped_while_stalled_does_not_lead_when_the_leader_dies() {
     // The first of these waits the sync timeout for b, which is dropped,
     // and its drop recorded; the rest go on without it.
     rt.block_on(put_objects(&c, 20, 40, len));
-    poll_until(
+    common::eventually_blocking(
         "the stalled standby dropped on every shard",
         Duration::from_secs(10),
         || healthz_all(&a, "standbys_in_sync", "0"),
@@ -971,7 +943,7 @@ fn a_leader_cut_from_etcd_is_replaced_by_its_standby_in_sync() {
     };
     signal("-STOP");
     // The lease is 2 s: the leader fences itself and is deposed.
-    poll_until("the leader deposed", Duration::from_secs(10), || {
+    common::eventually_blocking("the leader deposed", Duration::from_secs(10), || {
         try_get(&a.http, "/healthz").is_some_and(|(_, body)| body.contains("deposed"))
     });
     // Time for the standby's polls to meet the deposed leader's refusal

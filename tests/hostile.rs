@@ -44,27 +44,11 @@ fn write_through_tier(d: &Path) -> String {
 /// Waits until every object `obj-0..n` has an NVMe copy.
 async fn all_on_nvme(c: &Client, n: u64) {
     for i in 0..n {
-        eventually(Duration::from_secs(20), "write-through to NVMe", || async {
+        common::eventually("write-through to NVMe", Duration::from_secs(20), || async {
             let info = c.describe(format!("obj-{i}").as_bytes()).await.unwrap();
             info.replicas.iter().any(|r| r.tier == Tier::Nvme)
         })
         .await;
-    }
-}
-
-/// Polls `f` until it is true or `within` passes (then panics with `what`).
-async fn eventually<F, Fut>(within: Duration, what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let end = Instant::now() + within;
-    loop {
-        if f().await {
-            return;
-        }
-        assert!(Instant::now() < end, "{what} (waited {within:?})");
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -126,7 +110,7 @@ fn promotions_never_return_other_bytes_when_a_second_node_joins() {
         let c = Client::connect(&a.addr, ClientConfig::default())
             .await
             .unwrap();
-        eventually(Duration::from_secs(10), "node B mounted", || async {
+        common::eventually("node B mounted", Duration::from_secs(10), || async {
             c.stat().await.unwrap().segments.len() == 3
         })
         .await;
@@ -220,7 +204,7 @@ fn storage_nodes_mount_again_and_report_their_nvme_objects_when_the_master_resta
             .unwrap();
         // The node mounts its DRAM segment and its NVMe tier again and
         // reports every object on the tier.
-        eventually(Duration::from_secs(15), "the pool is back", || async {
+        common::eventually("the pool is back", Duration::from_secs(15), || async {
             let s = c.stat().await.unwrap();
             s.segments.len() == 2 && s.keys == n
         })
@@ -348,7 +332,7 @@ fn puts_succeed_right_after_the_emptiest_node_is_killed() {
         let c = Client::connect(&master.addr, ClientConfig::default())
             .await
             .unwrap();
-        eventually(Duration::from_secs(10), "both nodes mounted", || async {
+        common::eventually("both nodes mounted", Duration::from_secs(10), || async {
             c.stat().await.unwrap().segments.len() == 2
         })
         .await;
@@ -875,7 +859,7 @@ fn bytes_changed_behind_the_masters_back_are_corrupt_never_returned() {
         let setup = Client::connect(&node.addr, ClientConfig::default())
             .await
             .unwrap();
-        eventually(Duration::from_secs(10), "both nodes mounted", || async {
+        common::eventually("both nodes mounted", Duration::from_secs(10), || async {
             setup.stat().await.unwrap().segments.len() == 2
         })
         .await;

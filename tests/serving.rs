@@ -212,14 +212,6 @@ fn metric(addr: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + within;
-    while !f() {
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[test]
 fn disaggregated_greedy_output_equals_one_engine_and_a_shared_prefix_is_loaded() {
     let pool = pool();
@@ -482,7 +474,7 @@ fn rejected_requests_get_503_with_retry_after() {
     assert_eq!(a.header("retry-after"), Some("1"));
     drop(held);
     // The stream's place frees when its client goes: a request gets in again.
-    wait_for(
+    common::eventually_blocking(
         "the front to take requests again",
         Duration::from_secs(30),
         || small_request(&front.addr) == 200,
@@ -549,12 +541,12 @@ fn a_streaming_client_that_never_reads_loses_its_place() {
     )
     .unwrap();
     // The stream has started (its place is taken) ...
-    wait_for("the stream to start", Duration::from_secs(60), || {
+    common::eventually_blocking("the stream to start", Duration::from_secs(60), || {
         metric(&front.addr, "kvpool_conductor_in_flight") == 1.0
     });
     // ... and is dropped once its client has taken nothing for a second:
     // another request gets in, with the silent socket still open.
-    wait_for(
+    common::eventually_blocking(
         "the silent client's place to free",
         Duration::from_secs(300),
         || small_request(&front.addr) == 200,
@@ -720,7 +712,7 @@ fn a_token_prompt_longer_than_the_context_is_refused_before_any_work() {
         front,
     } = one_engine("ctx", "");
     // The front knows the engines' context once it lists their model.
-    wait_for("the model to be listed", Duration::from_secs(30), || {
+    common::eventually_blocking("the model to be listed", Duration::from_secs(30), || {
         let (_, body) = common::http(&front.addr, "GET", "/v1/models");
         body.contains("builtin:tiny")
     });
@@ -930,7 +922,7 @@ fn killing_the_decode_engine_mid_stream_gives_a_whole_answer_or_an_error_event()
         1.0
     );
     // The dead engine's instance is down; a new request goes to the other.
-    wait_for(
+    common::eventually_blocking(
         "the dead instance to be marked down",
         Duration::from_secs(10),
         || {
@@ -1215,7 +1207,7 @@ fn a_client_that_leaves_the_front_stops_its_request_at_the_engine() {
         dp: _dp,
         front,
     } = one_engine("cancel", "");
-    wait_for("the model to be listed", Duration::from_secs(30), || {
+    common::eventually_blocking("the model to be listed", Duration::from_secs(30), || {
         let (_, body) = common::http(&front.addr, "GET", "/v1/models");
         body.contains("builtin:tiny")
     });
@@ -1229,11 +1221,11 @@ fn a_client_that_leaves_the_front_stops_its_request_at_the_engine() {
             "ignore_eos": true}),
         &[],
     );
-    wait_for("the engine to start on it", Duration::from_secs(30), || {
+    common::eventually_blocking("the engine to start on it", Duration::from_secs(30), || {
         metric(&pe.addr, computed) > 0.0
     });
     drop(s);
-    wait_for(
+    common::eventually_blocking(
         "the engine to cancel the request",
         Duration::from_secs(30),
         || metric(&pe.addr, cancelled) >= 1.0,

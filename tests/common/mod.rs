@@ -383,6 +383,73 @@ pub fn start_storage_env(master: &str, size: &str, extra: &[&str], env: &[(&str,
     start_env("storage", &a, env)
 }
 
+/// What one poll of [`eventually`] or [`eventually_blocking`] found: done
+/// (with a value) or not yet (with why, for the failure message).
+pub trait Outcome {
+    type Done;
+    fn outcome(self) -> Result<Self::Done, String>;
+}
+
+impl Outcome for bool {
+    type Done = ();
+    fn outcome(self) -> Result<(), String> {
+        if self {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    }
+}
+
+impl<T> Outcome for Option<T> {
+    type Done = T;
+    fn outcome(self) -> Result<T, String> {
+        self.ok_or_else(|| "not yet".into())
+    }
+}
+
+impl<T> Outcome for Result<T, String> {
+    type Done = T;
+    fn outcome(self) -> Result<T, String> {
+        self
+    }
+}
+
+/// Polls `f` every 20 ms until it is done and returns what it found; after
+/// `within`, fails the test naming `what` and the last "not yet". The one
+/// wait of the suite (a fixed sleep hides how long things take).
+pub async fn eventually<O, F, Fut>(what: &str, within: Duration, mut f: F) -> O::Done
+where
+    O: Outcome,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = O>,
+{
+    let end = Instant::now() + within;
+    loop {
+        match f().await.outcome() {
+            Ok(v) => return v,
+            Err(e) => assert!(Instant::now() < end, "{what}: not within {within:?}: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// [`eventually`] on a thread without a runtime.
+pub fn eventually_blocking<O: Outcome>(
+    what: &str,
+    within: Duration,
+    mut f: impl FnMut() -> O,
+) -> O::Done {
+    let end = Instant::now() + within;
+    loop {
+        match f().outcome() {
+            Ok(v) => return v,
+            Err(e) => assert!(Instant::now() < end, "{what}: not within {within:?}: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// `127.0.0.1:PORT` with `n` free ports from PORT on, outside the kernel's
 /// ephemeral range (32768..), so that a process restarted on the same
 /// address does not find it taken by another test's outgoing connection.
