@@ -45,7 +45,7 @@ use kvpool_runtime::chunk_hash::{chunk_hashes, ChunkHash};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_transport::ErrorCode;
 use prometheus_client::metrics::histogram::Histogram;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
@@ -547,21 +547,8 @@ impl Generation {
     }
 }
 
-/// vLLM's `kv_transfer_params`, with kvpool's fields.
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
-#[serde(default)]
-pub struct KvTransferParams {
-    pub do_remote_decode: bool,
-    pub do_remote_prefill: bool,
-    /// Pool keys of the prompt's leading chunks, in order.
-    pub chunk_keys: Vec<String>,
-    /// Prompt tokens.
-    pub num_tokens: Option<usize>,
-    /// Tokens per chunk of the keys.
-    pub chunk_tokens: Option<usize>,
-    /// The pool's master address.
-    pub pool: Option<String>,
-}
+pub use kvpool_http::openai::KvTransferParams;
+use kvpool_http::openai::{KvNaming, Model, ModelList, PromptKv};
 
 /// An HTTP error in vLLM's shape.
 #[derive(Debug)]
@@ -1179,8 +1166,11 @@ async fn respond(
             "prompt_tokens_details": {"cached_tokens": loaded},
         },
         "kv_transfer_params": kvp,
-        "kvpool": {"prompt_tokens_computed": computed, "prompt_tokens_loaded": loaded,
-            "chunks_refused": refused},
+        "kvpool": PromptKv {
+            prompt_tokens_computed: computed as u64,
+            prompt_tokens_loaded: loaded as u64,
+            chunks_refused: refused as u64,
+        },
     });
     Ok(Json(body).into_response())
 }
@@ -1326,14 +1316,19 @@ fn stream_response(
 
 async fn models(State(st): State<AppState>) -> Response {
     let e = &st.engine.inner;
-    let kv = json!({"chunk_tokens": e.cfg.chunk_tokens, "key_model": e.layout.key_model(),
-        "key_format": e.layout.key_format(), "pool": e.master});
-    Json(
-        json!({"object": "list", "data": [{"id": e.name, "object": "model", "created": e.created,
-        "owned_by": "kvpool", "root": e.name, "parent": null, "max_model_len": e.max_model_len,
-        "kvpool": kv}]}),
-    )
-    .into_response()
+    let kv = KvNaming {
+        chunk_tokens: e.cfg.chunk_tokens,
+        key_model: e.layout.key_model().to_string(),
+        key_format: e.layout.key_format().to_string(),
+        pool: e.master.clone(),
+    };
+    let model = Model {
+        root: Some(e.name.clone()),
+        max_model_len: Some(e.max_model_len as u64),
+        kvpool: Some(kv),
+        ..Model::new(e.name.clone(), e.created)
+    };
+    Json(ModelList::new(vec![model])).into_response()
 }
 
 /// Where the engine serves its tokenizer as a Hugging Face `tokenizer.json`

@@ -66,6 +66,7 @@ use crate::http::{self, Answer, HttpError};
 use crate::proxy::{KvNaming, ProxyReport};
 use crate::sse;
 use crate::ServeError;
+use kvpool_http::openai::PrefillAnswer;
 
 mod routes;
 use routes::*;
@@ -1294,26 +1295,23 @@ impl Front {
                         .map_err(|e| e.to_string());
                     match (status, body) {
                         (StatusCode::OK, Ok(body)) => {
-                            let v: Value = serde_json::from_slice(&body).map_err(|e| {
+                            let a: PrefillAnswer = serde_json::from_slice(&body).map_err(|e| {
                                 ApiError::new(
                                     StatusCode::BAD_GATEWAY,
                                     "server_error",
-                                    format!("the prefill answer is not JSON: {e}"),
+                                    format!("the prefill answer is not a completion: {e}"),
                                 )
                             })?;
-                            served.cached_tokens = v["usage"]["prompt_tokens_details"]
-                                ["cached_tokens"]
-                                .as_u64()
-                                .unwrap_or(0);
-                            served.computed_tokens = v["kvpool"]["prompt_tokens_computed"].as_u64();
-                            served.engine_ids.0 = v["id"].as_str().map(str::to_string);
-                            served.model = v["model"].as_str().map(str::to_string);
-                            let mut kv = v["kv_transfer_params"].clone();
-                            if let Some(o) = kv.as_object_mut() {
-                                o.insert("do_remote_prefill".into(), json!(true));
-                                o.insert("do_remote_decode".into(), json!(false));
-                            }
-                            return Ok(kv);
+                            served.cached_tokens = a.cached_tokens();
+                            served.computed_tokens = a.kvpool.map(|k| k.prompt_tokens_computed);
+                            served.engine_ids.0 = a.id;
+                            served.model = a.model;
+                            let Some(mut kv) = a.kv_transfer_params else {
+                                return Ok(Value::Null);
+                            };
+                            kv.do_remote_prefill = true;
+                            kv.do_remote_decode = false;
+                            return Ok(serde_json::to_value(kv).unwrap_or(Value::Null));
                         }
                         (s, Ok(body)) if is_engine_failure(s, &body) => {
                             String::from_utf8_lossy(&body).into_owned()

@@ -92,19 +92,8 @@ impl ProxyRole {
     }
 }
 
-/// How an engine names its KV chunks in the pool (the `kvpool` object of
-/// our engine's `/v1/models`): `key_model@hash@key_format@chunk_tokens`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvNaming {
-    /// Tokens per chunk.
-    pub chunk_tokens: usize,
-    /// The model part of the key.
-    pub key_model: String,
-    /// The layout part of the key.
-    pub key_format: String,
-    /// The pool's master the engine uses, if any.
-    pub pool: Option<String>,
-}
+pub use kvpool_http::openai::KvNaming;
+use kvpool_http::openai::ModelList;
 
 /// What a proxy learned of its engine from `/v1/models`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -479,11 +468,15 @@ fn gauge(text: &str, names: &[&str]) -> Option<f64> {
 
 /// `EngineInfo` from a `/v1/models` answer (the first model).
 fn engine_info(v: &Value) -> Option<EngineInfo> {
-    let m = v["data"].get(0)?;
+    let m = serde_json::from_value::<ModelList>(v.clone())
+        .ok()?
+        .data
+        .into_iter()
+        .next()?;
     Some(EngineInfo {
-        model: m["id"].as_str()?.to_string(),
-        max_model_len: m["max_model_len"].as_u64(),
-        kv: serde_json::from_value(m["kvpool"].clone()).ok(),
+        model: m.id,
+        max_model_len: m.max_model_len,
+        kv: m.kvpool,
     })
 }
 

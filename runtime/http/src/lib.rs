@@ -13,6 +13,8 @@
 //! the 30 s of the header deadline, again and again (issue 29). A connection
 //! serving a request is never closed for a newcomer.
 
+pub mod openai;
+
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::{pin, Pin};

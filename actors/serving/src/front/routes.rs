@@ -1,6 +1,7 @@
 //! The front's small routes: models, the tokenizer file, health, metrics, status.
 
 use super::*;
+use kvpool_http::openai::{Model, ModelList};
 
 pub(super) async fn models(State(f): State<Front>, headers: HeaderMap) -> Response {
     if let Err(e) = check_api_key(&f, &headers) {
@@ -21,14 +22,14 @@ pub(super) async fn models(State(f): State<Front>, headers: HeaderMap) -> Respon
             }
         }
     }
-    let data: Vec<Value> = names
-        .iter()
-        .map(|n| {
-            json!({"id": n, "object": "model", "created": now_s(), "owned_by": "kvpool",
-                   "max_model_len": max_model_len})
+    let data: Vec<Model> = names
+        .into_iter()
+        .map(|n| Model {
+            max_model_len,
+            ..Model::new(n, now_s())
         })
         .collect();
-    Json(json!({"object": "list", "data": data})).into_response()
+    Json(ModelList::new(data)).into_response()
 }
 
 /// The served model's tokenizer files (`tokenizer.json`,
