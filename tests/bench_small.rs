@@ -13,6 +13,8 @@
 
 #[path = "../benches/engine.rs"]
 mod engine;
+#[path = "../benches/hot_reads.rs"]
+mod hot_reads;
 #[path = "../benches/integrity.rs"]
 mod integrity;
 #[path = "../benches/master.rs"]
@@ -31,6 +33,11 @@ mod transfer;
 #[test]
 fn engine_bench() {
     engine::main();
+}
+
+#[test]
+fn hot_reads_bench() {
+    hot_reads::main();
 }
 
 #[test]

@@ -682,7 +682,7 @@ fn puts_into_a_full_tiered_node_wait_for_demotions_instead_of_failing() {
 
 /// Overwrites `len` bytes at `offset` of a segment with a raw data-plane
 /// write (an open cluster takes it; what matters is what readers then get).
-fn scribble(addr: &str, segment_id: u64, offset: u64, len: usize) {
+pub(crate) fn scribble(addr: &str, segment_id: u64, offset: u64, len: usize) {
     overwrite(addr, segment_id, offset, len, 0xee);
 }
 

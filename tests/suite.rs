@@ -27,6 +27,7 @@ mod faults;
 mod fuzz_corpus;
 mod ha;
 mod hostile;
+mod hot_replicas;
 mod layout;
 mod liveness;
 mod location_cache;

@@ -159,6 +159,8 @@ pub fn iperf3_gbps(seconds: u32) -> Option<f64> {
 pub struct Node {
     pub child: Child,
     pub addr: String,
+    /// Its HTTP address, when started with `--http` ("" otherwise).
+    pub http: String,
 }
 
 impl Drop for Node {
@@ -190,6 +192,7 @@ pub fn start(role: &str, args: &[&str]) -> Node {
     let mut node = Node {
         child,
         addr: String::new(),
+        http: String::new(),
     };
     let want = format!("kvpool {role} listening on ");
     let (tx, rx) = std::sync::mpsc::channel();
@@ -198,17 +201,42 @@ pub fn start(role: &str, args: &[&str]) -> Node {
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
             if let Some(addr) = line.strip_prefix(&want) {
-                let _ = tx.send(addr.trim().to_string());
+                let _ = tx.send((false, addr.trim().to_string()));
+            } else if let Some(addr) = line.strip_prefix("kvpool http listening on ") {
+                let _ = tx.send((true, addr.trim().to_string()));
             }
         }
     });
-    match rx.recv_timeout(Duration::from_secs(30)) {
-        Ok(addr) => {
-            node.addr = addr;
-            node
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let wants_http = args.contains(&"--http");
+    while node.addr.is_empty() || (wants_http && node.http.is_empty()) {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok((false, addr)) => node.addr = addr,
+            Ok((true, addr)) => node.http = addr,
+            Err(e) => panic!("kvpool {role} did not become ready: {e}"),
         }
-        Err(e) => panic!("kvpool {role} did not become ready: {e}"),
     }
+    node
+}
+
+/// A counter or gauge of a process's `/metrics` (a counter's `_total`), or
+/// `None` when it is not there.
+pub fn metric(http: &str, name: &str) -> Option<u64> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(http).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    text.lines().find_map(|l| {
+        l.strip_prefix(name)
+            .and_then(|r| r.strip_prefix("_total ").or_else(|| r.strip_prefix(' ')))
+            .and_then(|v| v.trim().parse().ok())
+    })
 }
 
 /// The machine, for the record.

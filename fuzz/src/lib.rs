@@ -722,6 +722,7 @@ fn master_response_seeds() -> Vec<(&'static str, MasterResponse)> {
                         vshard_end: 4096,
                     }],
                     lease_ttl_ms: 5_000,
+                    hot_replicas: 0,
                 },
             },
         ),

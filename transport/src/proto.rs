@@ -100,6 +100,10 @@ pub struct ClusterMap {
     pub shards: Vec<MasterShardAddr>,
     /// The read lease GetReplicaList grants (a borrowed view lasts this long).
     pub lease_ttl_ms: u64,
+    /// DRAM replicas a hot object may have (`master.hot_replicas`; 0: no
+    /// hot-object replication). When set, every storage node polls for
+    /// `Fetch` tasks, the tier-less ones too.
+    pub hot_replicas: u16,
 }
 
 /// What a storage node contributes when it mounts a segment.
@@ -157,6 +161,18 @@ pub enum NodeTask {
     /// The object `key` was removed: drop its NVMe copy at `loc` (if that
     /// copy is still `key`'s). Queued with the node's other tasks, in order.
     Drop { key: Vec<u8>, loc: u64 },
+    /// Copy the object from one of `from` (DRAM replicas on other nodes,
+    /// with read grants) into DRAM segment `dram` at `offset`: an extra
+    /// replica of a hot object. Answered like a promotion (`Promoted`).
+    Fetch {
+        key: Vec<u8>,
+        from: Vec<ReplicaDesc>,
+        dram: SegmentId,
+        offset: u64,
+        len: u64,
+        /// The object's checksum: the node copies only bytes that match it.
+        checksum: u64,
+    },
 }
 
 /// What a storage node reports about its NVMe tier (batched, by key).
@@ -697,6 +713,8 @@ pub struct PoolStat {
     /// Objects moved to NVMe by eviction, and copied back to DRAM on reads.
     pub demotions: u64,
     pub promotions: u64,
+    /// Extra DRAM replicas of hot objects fetched since the master started.
+    pub hot_copies: u64,
 }
 
 /// Answers of a master shard.

@@ -178,6 +178,14 @@ impl NodeConfig {
                 "key `master.eviction_ratio`: {er} is not in (0, 1]"
             ));
         }
+        if self.master.hot_replicas >= 2 {
+            nonzero("master.hot_reads", self.master.hot_reads.into())?;
+            nonzero("master.hot_window_ms", self.master.hot_window_ms)?;
+            let hb = self.master.hot_budget;
+            if !(hb > 0.0 && hb < 1.0) {
+                return Err(format!("key `master.hot_budget`: {hb} is not in (0, 1)"));
+            }
+        }
         nonzero("storage.segment_size", self.storage.segment_size.get())?;
         if !self.storage.segment_size.get().is_multiple_of(4096) {
             return Err(format!(
@@ -411,6 +419,15 @@ pub struct MasterConfig {
     /// Reads of an object held only on NVMe after which it is copied back
     /// to DRAM (0: never).
     pub promote_after_reads: u16,
+    /// Hot-object replication: the most DRAM replicas (on distinct nodes)
+    /// an object read often gets; 0 or 1: none beyond what its put asked.
+    pub hot_replicas: u16,
+    /// An object read this many times within one `hot_window_ms` is hot.
+    pub hot_reads: u16,
+    /// The window reads are counted in, in ms.
+    pub hot_window_ms: u64,
+    /// At most this fraction of each shard's DRAM holds extra replicas.
+    pub hot_budget: f64,
     /// HA on etcd: `etcd://host:port[,host:port...][/name]`. Masters given
     /// the same URL elect one leader under an etcd lease; the others stand
     /// by. "" = a single master, no election (`--ha` sets it).
@@ -486,6 +503,10 @@ impl Default for MasterConfig {
             placement: Placement::LocalFirst,
             tick_ms: 100,
             promote_after_reads: 2,
+            hot_replicas: 0,
+            hot_reads: 16,
+            hot_window_ms: 1000,
+            hot_budget: 0.1,
             ha: String::new(),
             ha_lease_ttl_s: 3,
             ha_fence_margin_ms: 500,

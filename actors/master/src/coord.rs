@@ -452,6 +452,7 @@ impl CoordState {
         let mut evicted_bytes = 0;
         let mut demotions = 0;
         let mut promotions = 0;
+        let mut hot_copies = 0;
         let mut per_seg: HashMap<SegmentId, (u64, u64)> = HashMap::new();
         for r in results {
             if let CommandResult::Stat(s) = r {
@@ -460,6 +461,7 @@ impl CoordState {
                 evicted_bytes += s.evicted_bytes;
                 demotions += s.demotions;
                 promotions += s.promotions;
+                hot_copies += s.hot_copies;
                 for (id, cap, used) in s.segments {
                     let e = per_seg.entry(id).or_default();
                     e.0 += cap;
@@ -493,6 +495,7 @@ impl CoordState {
             evicted_bytes,
             demotions,
             promotions,
+            hot_copies,
             segments,
         }
     }

@@ -23,6 +23,7 @@ pub struct MasterMetrics {
     pub evicted_bytes: Gauge,
     pub demotions: Gauge,
     pub promotions: Gauge,
+    pub hot_copies: Gauge,
     pub stale_puts: Counter,
     /// Puts acknowledged with fewer replicas than they asked for.
     pub fewer_replicas: Counter,
@@ -43,6 +44,7 @@ impl MasterMetrics {
             evicted_bytes: Gauge::default(),
             demotions: Gauge::default(),
             promotions: Gauge::default(),
+            hot_copies: Gauge::default(),
             stale_puts: Counter::default(),
             fewer_replicas: Counter::default(),
             auth_refusals: Counter::default(),
@@ -88,6 +90,11 @@ impl MasterMetrics {
             "master_promotions",
             "Objects copied back from NVMe to DRAM since start",
             m.promotions.clone(),
+        );
+        reg.register(
+            "master_hot_copies",
+            "Extra DRAM replicas of hot objects fetched since start",
+            m.hot_copies.clone(),
         );
         reg.register(
             "master_stale_puts",

@@ -7,7 +7,8 @@
 //!   of it is Processing). They hash and compare through the slab, with the
 //!   shard's randomly seeded key hasher. An object's phase names its table.
 //! * Per DRAM range (a segment slot of the shard) an index of the replicas
-//!   eviction may take, in eviction order: unpinned before soft-pinned, then
+//!   eviction may take, in eviction order: extra replicas of hot objects
+//!   (`Replica::extra`) first, then unpinned before soft-pinned, then
 //!   the oldest rank, then the id. The rank is the end of the last read
 //!   lease; in a range without an NVMe tier (where eviction drops the only
 //!   copy) it is at least a lease after the put too: a put is a use, so a
@@ -77,9 +78,14 @@ pub(crate) struct Replica {
     pub state: ReplicaState,
     /// DRAM: offset in the segment. NVMe: the packed location.
     pub offset: u64,
+    /// An extra DRAM replica of a hot object (state/hot.rs): evicted before
+    /// any other replica in its range, never demoted. Memory only: recorded
+    /// as a plain replica.
+    pub extra: bool,
 }
 
-/// A replica's life: `Promoting -> Ready` (or dropped if the copy failed),
+/// A replica's life: `Promoting -> Ready` (or dropped if the copy failed;
+/// an extra replica of a hot object is `Promoting` while its node fetches it),
 /// `Ready -> Demoting -> dropped` (once its NVMe copy is in, or the copy
 /// failed and the eviction goes ahead without it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +106,7 @@ impl Replica {
             slot,
             state: ReplicaState::Ready,
             offset,
+            extra: false,
         }
     }
 }
@@ -239,6 +246,8 @@ struct Entry {
 /// The evictable replicas of one DRAM range, by (rank, id).
 #[derive(Debug, Default)]
 struct RangeIndex {
+    /// Extra replicas of hot objects, pinned or not.
+    extra: BTreeSet<(u64, Id)>,
     unpinned: BTreeSet<(u64, Id)>,
     pinned: BTreeSet<(u64, Id)>,
     /// What an unread object's rank adds to its completion time: a lease
@@ -248,8 +257,10 @@ struct RangeIndex {
 }
 
 impl RangeIndex {
-    fn side(&mut self, pinned: bool) -> &mut BTreeSet<(u64, Id)> {
-        if pinned {
+    fn side(&mut self, pinned: bool, extra: bool) -> &mut BTreeSet<(u64, Id)> {
+        if extra {
+            &mut self.extra
+        } else if pinned {
             &mut self.pinned
         } else {
             &mut self.unpinned
@@ -266,7 +277,8 @@ struct Entries {
     unread: bool,
     pin_end_ms: u64,
     pinned: bool,
-    slots: SmallVec<[u32; 2]>,
+    /// (range, whether the replica there is an extra one)
+    slots: SmallVec<[(u32, bool); 2]>,
 }
 
 impl Entries {
@@ -300,6 +312,13 @@ pub(crate) struct Objects {
     /// records (appeared, went, gained or lost a readable replica), since
     /// the shard last took them; `None`: not tracked (no state directory).
     dirty: Option<Vec<Box<[u8]>>>,
+    /// Bytes of every extra replica (`Replica::extra`), in any state.
+    extra_bytes: u64,
+}
+
+/// Bytes of `o`'s extra replicas.
+fn extra_bytes(o: &Object) -> u64 {
+    o.replicas.iter().filter(|r| r.extra).count() as u64 * o.size
 }
 
 /// What the state directory records of an object: whether it is complete,
@@ -355,7 +374,13 @@ impl Objects {
             pins: BTreeSet::new(),
             pin_cursor: (0, Id::MAX),
             dirty: None,
+            extra_bytes: 0,
         }
+    }
+
+    /// Bytes of every extra replica of a hot object.
+    pub fn extra_bytes(&self) -> u64 {
+        self.extra_bytes
     }
 
     /// From now on, keys whose complete object changes durably are kept
@@ -460,6 +485,7 @@ impl Objects {
                 (self.slab.len() - 1) as Id
             }
         };
+        self.extra_bytes += extra_bytes(&obj);
         self.slab[id as usize] = Some(Entry {
             key: key.into(),
             obj,
@@ -480,6 +506,7 @@ impl Objects {
         let complete = self.get(id).complete().is_some();
         self.unlink(id, complete);
         let Entry { key, obj } = self.slab[id as usize].take().expect("a live slot");
+        self.extra_bytes -= extra_bytes(&obj);
         self.free.push(id);
         if complete {
             self.mark_dirty(&key);
@@ -495,7 +522,9 @@ impl Objects {
         let before = self.entries(id);
         let was_complete = self.get(id).complete().is_some();
         let sig = self.dirty.is_some().then(|| durable_sig(self.get(id)));
+        let extra_before = extra_bytes(self.get(id));
         let r = f(&mut self.slab[id as usize].as_mut().expect("a live slot").obj);
+        self.extra_bytes = self.extra_bytes - extra_before + extra_bytes(self.get(id));
         if sig.is_some_and(|s| s != durable_sig(self.get(id))) {
             let key = entry(&self.slab, id).key.clone();
             if let Some(d) = &mut self.dirty {
@@ -566,7 +595,7 @@ impl Objects {
     /// its object first.
     pub fn unmount_range(&mut self, slot: u32) {
         if let Some(r) = self.ranges.get_mut(slot as usize).and_then(Option::take) {
-            debug_assert!(r.unpinned.is_empty() && r.pinned.is_empty());
+            debug_assert!(r.unpinned.is_empty() && r.pinned.is_empty() && r.extra.is_empty());
         }
     }
 
@@ -586,17 +615,17 @@ impl Objects {
                 .replicas
                 .iter()
                 .filter(|r| r.state == ReplicaState::Ready && self.has_range(r.slot))
-                .map(|r| r.slot)
+                .map(|r| (r.slot, r.extra))
                 .collect(),
         })
     }
 
-    /// The pinned or unpinned side of the index of the range in `slot`,
-    /// and the rank `e` has there.
-    fn side(&mut self, slot: u32, e: &Entries) -> (&mut BTreeSet<(u64, Id)>, u64) {
+    /// The side (extra, pinned or unpinned) of the index of the range in
+    /// `slot` that holds `e`'s replica there, and the rank `e` has there.
+    fn side(&mut self, slot: u32, extra: bool, e: &Entries) -> (&mut BTreeSet<(u64, Id)>, u64) {
         let r = self.ranges[slot as usize].as_mut().expect("indexed range");
         let rank = e.rank(r.keep_ms);
-        (r.side(e.pinned), rank)
+        (r.side(e.pinned, extra), rank)
     }
 
     fn add_entries(&mut self, id: Id, e: &Option<Entries>) {
@@ -605,8 +634,8 @@ impl Objects {
             let new = self.pins.insert((e.pin_end_ms, id));
             debug_assert!(new, "object {id} pinned twice");
         }
-        for &s in &e.slots {
-            let (side, rank) = self.side(s, e);
+        for &(s, extra) in &e.slots {
+            let (side, rank) = self.side(s, extra, e);
             let new = side.insert((rank, id));
             debug_assert!(new, "object {id} indexed twice in slot {s}");
         }
@@ -618,8 +647,8 @@ impl Objects {
             let had = self.pins.remove(&(e.pin_end_ms, id));
             debug_assert!(had, "object {id} missing from the pins");
         }
-        for &s in &e.slots {
-            let (side, rank) = self.side(s, e);
+        for &(s, extra) in &e.slots {
+            let (side, rank) = self.side(s, extra, e);
             let had = side.remove(&(rank, id));
             debug_assert!(had, "object {id} missing from the index of slot {s}");
         }
@@ -650,13 +679,15 @@ impl Objects {
     }
 
     /// The next replica to evict from the range in `slot` at `now_ms`: the
-    /// first by rank whose lease has ended, unpinned ones first. Pins must
-    /// have been swept to `now_ms`.
+    /// first by rank whose lease has ended, extra replicas of hot objects
+    /// first, then unpinned ones. Pins must have been swept to `now_ms`.
     pub fn first_victim(&self, slot: u32, now_ms: u64) -> Option<Id> {
         debug_assert!(self.pin_cursor.0 >= now_ms, "pins swept first");
         let r = self.ranges.get(slot as usize)?.as_ref()?;
         let due = |set: &BTreeSet<(u64, Id)>| set.first().filter(|e| e.0 <= now_ms).map(|e| e.1);
-        due(&r.unpinned).or_else(|| due(&r.pinned))
+        due(&r.extra)
+            .or_else(|| due(&r.unpinned))
+            .or_else(|| due(&r.pinned))
     }
 
     /// Checks the tables and the index against a recount: every live slot
@@ -665,6 +696,18 @@ impl Objects {
     /// ranks, the objects call for. O(objects).
     pub fn check(&self) -> Result<(), String> {
         let live = self.slab.iter().filter(|e| e.is_some()).count();
+        let extra: u64 = self
+            .slab
+            .iter()
+            .flatten()
+            .map(|e| extra_bytes(&e.obj))
+            .sum();
+        if extra != self.extra_bytes {
+            return Err(format!(
+                "extra replicas hold {extra} bytes, counted as {}",
+                self.extra_bytes
+            ));
+        }
         if live != self.complete.len() + self.processing.len() {
             return Err(format!(
                 "{live} objects in the slab, {} + {} in the tables",
@@ -726,10 +769,10 @@ impl Objects {
             if en.pinned {
                 pins.insert((en.pin_end_ms, i as Id));
             }
-            for &s in &en.slots {
+            for &(s, extra) in &en.slots {
                 let r = ranges[s as usize].as_mut().expect("has_range");
                 let rank = en.rank(r.keep_ms);
-                r.side(en.pinned).insert((rank, i as Id));
+                r.side(en.pinned, extra).insert((rank, i as Id));
             }
         }
         if pins != self.pins {
@@ -744,6 +787,7 @@ impl Objects {
                 continue;
             };
             for (side, w, h) in [
+                ("extra", &want.extra, &have.extra),
                 ("unpinned", &want.unpinned, &have.unpinned),
                 ("soft-pinned", &want.pinned, &have.pinned),
             ] {

@@ -341,6 +341,7 @@ impl MasterHandle {
         m.evicted_bytes.set(stat.evicted_bytes as i64);
         m.demotions.set(stat.demotions as i64);
         m.promotions.set(stat.promotions as i64);
+        m.hot_copies.set(stat.hot_copies as i64);
         m.segment_capacity.clear();
         m.segment_used.clear();
         for s in &stat.segments {
@@ -403,6 +404,7 @@ pub async fn start(
     };
     let cluster = ClusterMap {
         lease_ttl_ms: cfg.lease_ttl_ms,
+        hot_replicas: cfg.hot_replicas,
         shards: (0..n as u32)
             .map(|i| {
                 let (start, end) = vshard_range(&map, i);

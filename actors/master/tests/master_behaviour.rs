@@ -22,6 +22,8 @@ use nvme_tier::*;
 
 #[path = "master_behaviour/eviction.rs"]
 mod eviction;
+#[path = "master_behaviour/hot.rs"]
+mod hot;
 use eviction::*;
 
 const KIB: u64 = 1024;

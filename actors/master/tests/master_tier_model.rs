@@ -411,6 +411,7 @@ impl Run {
                     self.on_disk.remove(&loc);
                 }
             }
+            NodeTask::Fetch { .. } => panic!("hot replication is off in this model"),
         }
     }
 

@@ -5,12 +5,14 @@
 //!   `StorageNode` actor that mounts, pings and mounts again.
 //! * [`nvme_tier`]: the NVMe tier at work (demotions, promotions, eviction,
 //!   recovery reports).
+//! * [`fetch`]: extra replicas of hot objects, copied from other nodes.
 //! * [`gate`]: the checks on a data request before the shard acts on it
 //!   (segment, range, grant, NVMe region).
 //! * [`metrics`]: what the node exports on `/metrics`.
 //! * [`mounted`]: a node started and mounted at a master as one value (the
 //!   storage role, and a process that embeds a node).
 
+pub mod fetch;
 pub mod gate;
 pub mod metrics;
 pub mod mounted;

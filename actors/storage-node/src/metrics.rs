@@ -26,13 +26,15 @@ pub struct StorageMetrics {
     pub nvme_demotions: Counter,
     pub nvme_promotions: Counter,
     pub nvme_drops: Counter,
+    /// Extra replicas of hot objects fetched from other nodes.
+    pub hot_fetches: Counter,
     pub nvme_read_seconds: Histogram,
     pub nvme_write_seconds: Histogram,
     /// Live RDMA peer connections (queue-pair sets) to this node's segment.
     pub rdma_connections: Gauge,
     /// Data-plane requests refused: no valid grant from the master.
     pub auth_refusals: Counter,
-    /// Copies (demotion, write-through, promotion) refused because the
+    /// Copies (demotion, write-through, promotion, fetch) refused because the
     /// bytes did not match the object's checksum.
     pub checksum_mismatches: Counter,
 }
@@ -53,6 +55,7 @@ impl StorageMetrics {
             nvme_demotions: Counter::default(),
             nvme_promotions: Counter::default(),
             nvme_drops: Counter::default(),
+            hot_fetches: Counter::default(),
             nvme_read_seconds: latency_histogram(),
             nvme_write_seconds: latency_histogram(),
             rdma_connections: Gauge::default(),
@@ -66,7 +69,7 @@ impl StorageMetrics {
         );
         reg.register(
             "storage_checksum_mismatches",
-            "Demotions and promotions refused: bytes did not match the object's checksum",
+            "Demotions, promotions and hot-object fetches refused: bytes did not match the object's checksum",
             m.checksum_mismatches.clone(),
         );
         reg.register(
@@ -123,6 +126,11 @@ impl StorageMetrics {
             "storage_nvme_demotions",
             "Objects moved from DRAM to NVMe by eviction",
             m.nvme_demotions.clone(),
+        );
+        reg.register(
+            "storage_hot_fetches",
+            "Extra replicas of hot objects fetched from other nodes",
+            m.hot_fetches.clone(),
         );
         reg.register(
             "storage_nvme_promotions",

@@ -86,6 +86,20 @@ pub async fn start_mounted(
         tier.clone().spawn_loop(client.clone(), shutdown.clone());
         (client.clone(), tier.segment_id)
     });
+    if nvme.is_none() && client.cluster_map().hot_replicas >= 2 {
+        // Hot-object replication is on: this node may be asked to fetch
+        // extra replicas (a node with a tier runs them in the tier's loop).
+        crate::fetch::FetchTarget {
+            dram: svc.segment.clone(),
+            dram_id: svc.segment_id,
+            metrics: svc.metrics.clone(),
+        }
+        .spawn_loop(
+            client.clone(),
+            Duration::from_millis(cfg.nvme.task_poll_ms),
+            shutdown.clone(),
+        );
+    }
     Ok(MountedNode {
         actor,
         addr: svc.addr,

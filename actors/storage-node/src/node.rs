@@ -53,6 +53,8 @@ pub struct StorageService {
     /// The newest master term seen in an admitted grant (HA: grants of
     /// older terms come from a deposed leader and are refused).
     pub term: Arc<std::sync::atomic::AtomicU64>,
+    /// What the node exports on `/metrics`.
+    pub metrics: StorageMetrics,
 }
 
 /// Creates the segment and starts serving it on every shard. With `key`
@@ -213,6 +215,7 @@ pub async fn start(
         key,
         skew_ms,
         term,
+        metrics: m,
     })
 }
 

@@ -602,6 +602,14 @@ impl NodeNvme {
                 }
                 None
             }
+            t @ NodeTask::Fetch { .. } => {
+                let target = crate::fetch::FetchTarget {
+                    dram: self.dram.clone(),
+                    dram_id: self.dram_id,
+                    metrics: self.metrics.clone(),
+                };
+                target.run(client, t).await.map(|u| (u, None, false))
+            }
             NodeTask::Promote {
                 key,
                 loc,

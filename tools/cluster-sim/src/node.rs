@@ -845,6 +845,21 @@ impl NodeModel {
                 }
                 None
             }
+            // The simulated master does not replicate hot objects (its
+            // `hot_replicas` is 0); a node that could not reach the replica
+            // it names answers this way.
+            NodeTask::Fetch {
+                key, dram, offset, ..
+            } => Some((
+                NvmeUpdate::Promoted {
+                    key,
+                    dram,
+                    offset,
+                    ok: false,
+                },
+                None,
+                false,
+            )),
         }
     }
 }
@@ -886,5 +901,8 @@ fn short_task(t: &NodeTask) -> String {
             String::from_utf8_lossy(key)
         ),
         NodeTask::Drop { key, loc } => format!("Drop {} loc {loc}", String::from_utf8_lossy(key)),
+        NodeTask::Fetch { key, offset, .. } => {
+            format!("Fetch {} to {offset}", String::from_utf8_lossy(key))
+        }
     }
 }

@@ -67,6 +67,7 @@ use super::objects::{
 use kvpool_config::{MasterConfig, Placement};
 
 mod durable;
+mod hot;
 mod space;
 mod tier;
 
@@ -95,6 +96,13 @@ pub struct ShardConfig {
     /// report before it is listed (`client_ttl_ms`: a node silent that long
     /// is dead anyway).
     pub tier_quiet_ms: u64,
+    /// Hot-object replication (`hot.rs`): most DRAM replicas of a hot
+    /// object (< 2: off), reads per window that make it hot, the window,
+    /// and the fraction of the shard's DRAM extra replicas may hold.
+    pub hot_replicas: u16,
+    pub hot_reads: u16,
+    pub hot_window_ms: u64,
+    pub hot_budget: f64,
 }
 
 /// Signs data-plane grants (when the cluster has a secret).
@@ -143,6 +151,10 @@ impl ShardConfig {
             placement: cfg.placement,
             promote_after_reads: cfg.promote_after_reads,
             tier_quiet_ms: cfg.client_ttl_ms,
+            hot_replicas: cfg.hot_replicas,
+            hot_reads: cfg.hot_reads,
+            hot_window_ms: cfg.hot_window_ms,
+            hot_budget: cfg.hot_budget,
         }
     }
 }
@@ -172,6 +184,20 @@ struct SegmentSlot {
 impl SegmentSlot {
     fn tier(&self) -> Tier {
         self.spec.tier
+    }
+
+    /// A DRAM range placement may use for `size` bytes now: not draining,
+    /// not suspect, a free extent that fits.
+    fn takes(&self, size: u64) -> bool {
+        self.tier() == Tier::Dram
+            && !self.draining
+            && !self.suspect
+            && self.alloc.largest_free() >= self.alloc.rounded(size)
+    }
+
+    /// The fraction of this shard's range that is free.
+    fn free_ratio(&self) -> f64 {
+        self.alloc.free() as f64 / self.alloc.capacity().max(1) as f64
     }
 }
 
@@ -205,6 +231,8 @@ pub struct ShardStat {
     pub evicted_bytes: u64,
     pub demotions: u64,
     pub promotions: u64,
+    /// Extra replicas of hot objects fetched (in place and readable).
+    pub hot_copies: u64,
 }
 
 /// What one housekeeping pass did.
@@ -260,6 +288,12 @@ pub struct ShardState {
     detached_len: usize,
     demotions: u64,
     promotions: u64,
+    /// Reads of complete objects in the current window (hot.rs).
+    reads: hot::ReadCounts,
+    /// Extra replicas fetched since start.
+    hot_copies: u64,
+    /// Turns the DRAM replicas of a read (hot replication on).
+    spread: u32,
     /// Signs data-plane grants; `None` in an open cluster.
     signer: Option<GrantSigner>,
     /// The leader term grants carry (HA: set by the election, read at each
@@ -376,6 +410,9 @@ impl ShardState {
             detached_len: 0,
             demotions: 0,
             promotions: 0,
+            reads: hot::ReadCounts::default(),
+            hot_copies: 0,
+            spread: 0,
             signer: None,
             term: Arc::new(AtomicU64::new(0)),
             durable: None,
@@ -908,7 +945,7 @@ impl ShardState {
                 self.objs.update(id, |o| o.extend_lease(until_ms));
             }
             let obj = self.objs.get(id);
-            let descs = describe(
+            let mut descs = describe(
                 &self.slots,
                 obj,
                 self.signer.as_ref(),
@@ -919,6 +956,10 @@ impl ShardState {
             );
             if descs.first().is_some_and(|d| d.tier == Tier::Nvme) {
                 self.count_nvme_read(id);
+            }
+            if self.cfg.hot_replicas >= 2 {
+                self.spread_reads(&mut descs);
+                self.count_read(id, now_ms);
             }
             return Ok(descs);
         }
@@ -1267,6 +1308,7 @@ impl ShardState {
             evicted_bytes: self.evicted_bytes,
             demotions: self.demotions,
             promotions: self.promotions,
+            hot_copies: self.hot_copies,
         }
     }
 

@@ -123,14 +123,9 @@ impl ShardState {
             .enumerate()
             .filter_map(|(i, s)| {
                 let s = s.as_ref()?;
-                let fits = s.tier() == Tier::Dram
-                    && !s.draining
-                    && !s.suspect
-                    && s.alloc.largest_free() >= s.alloc.rounded(size);
-                fits.then(|| {
-                    let ratio = s.alloc.free() as f64 / s.alloc.capacity().max(1) as f64;
+                s.takes(size).then(|| {
                     let local = !preferred_host.is_empty() && s.spec.host_id == preferred_host;
-                    (i as u32, ratio, local)
+                    (i as u32, s.free_ratio(), local)
                 })
             })
             .collect();
@@ -207,7 +202,9 @@ impl ShardState {
             .tasks
             .get(&seg_id)
             .is_none_or(|q| q.len() < MAX_TASKS_PER_SEGMENT);
-        if tiered && queue_room && !has_nvme(&self.slots, obj) {
+        // An extra replica of a hot object is dropped: the object has others.
+        let extra = obj.replicas[pos].extra;
+        if tiered && queue_room && !extra && !has_nvme(&self.slots, obj) {
             // Demote: the node copies it to NVMe, then the DRAM replica goes.
             let task = NodeTask::Persist {
                 key: self.objs.key(id).to_vec(),

@@ -463,6 +463,7 @@ impl ShardState {
                 slot: idx,
                 state: ReplicaState::Promoting,
                 offset,
+                extra: false,
             })
         });
     }
@@ -600,6 +601,19 @@ impl ShardState {
                 };
             }
             NodeTask::Promote { .. } => return false,
+            // Stale once the replica it fills is gone (the object removed,
+            // replaced, or the replica dropped).
+            NodeTask::Fetch {
+                key, dram, offset, ..
+            } => {
+                let (Some(&dslot), Some(id)) = (self.by_id.get(dram), self.objs.complete_id(key))
+                else {
+                    return true;
+                };
+                return !self.objs.get(id).replicas.iter().any(|r| {
+                    r.slot == dslot && r.offset == *offset && r.state == ReplicaState::Promoting
+                });
+            }
         };
         let (Some(&dslot), Some(id)) = (self.by_id.get(dram), self.objs.complete_id(key)) else {
             return true;
@@ -786,9 +800,14 @@ impl ShardState {
                         err(ErrorCode::ObjectNotFound, "no promotion under way there")
                     })?;
                 if *ok {
+                    let extra = obj.replicas[pos].extra;
                     self.objs
                         .update(id, |o| o.replicas[pos].state = ReplicaState::Ready);
-                    self.promotions += 1;
+                    if extra {
+                        self.hot_copies += 1;
+                    } else {
+                        self.promotions += 1;
+                    }
                 } else {
                     let size = obj.size;
                     let r = self.objs.update(id, |o| o.replicas.remove(pos));

@@ -1,0 +1,173 @@
+//! Hot-object replication: extra DRAM replicas, on other nodes, of objects
+//! read often (`master.hot_replicas` >= 2; off by default).
+//!
+//! * Every read of a complete object (`get_replica_list`) is counted in a
+//!   window of `hot_window_ms`; the counts are one bounded map per shard,
+//!   emptied when the window turns (no field in the object).
+//! * An object read `hot_reads` times in a window is hot: if it has fewer
+//!   than `hot_replicas` DRAM replicas, none of them being filled, it gets one
+//!   more, in the emptiest DRAM segment of a node that holds none of them,
+//!   while the shard's extra replicas stay within `hot_budget` of its DRAM.
+//!   Its count starts again, so a hot object that found no room tries again
+//!   `hot_reads` reads later.
+//! * The new replica is `Promoting` (unreadable, held like a promotion's
+//!   range) until its node has fetched the bytes: a `Fetch` task names the
+//!   object's DRAM replicas with read grants (and extends the object's read
+//!   lease over the fetch), the node reads one, checks the bytes against the
+//!   object's checksum, writes them into the range and answers `Promoted`.
+//!   An object without a checksum is never replicated: the node could not
+//!   check what it copies.
+//! * Reads then spread: each answer turns the object's DRAM replicas by one
+//!   (clients take the first DRAM replica, their own host's first).
+//! * An extra replica is evicted before every other replica of its range
+//!   once its lease ends, and dropped (never demoted). It is memory only:
+//!   the state directory records it as a plain replica.
+
+use std::collections::HashMap;
+
+use kvpool_transport::proto::{NodeTask, ReplicaDesc, Tier};
+
+use super::*;
+
+/// Objects whose reads one window counts; reads of others are not counted
+/// until the window turns.
+pub const MAX_COUNTED_READS: usize = 65_536;
+
+/// Reads per object in the current window.
+#[derive(Debug, Default)]
+pub(super) struct ReadCounts {
+    window: u64,
+    counts: HashMap<Id, u16>,
+}
+
+impl ShardState {
+    /// Turns the DRAM replicas of a read's answer by one, so successive
+    /// readers start at different replicas.
+    pub(super) fn spread_reads(&mut self, descs: &mut [ReplicaDesc]) {
+        let dram = descs.iter().take_while(|d| d.tier == Tier::Dram).count();
+        if dram > 1 {
+            self.spread = self.spread.wrapping_add(1);
+            descs[..dram].rotate_left(self.spread as usize % dram);
+        }
+    }
+
+    /// Counts a read of complete object `id`; a hot one may get a replica.
+    pub(super) fn count_read(&mut self, id: Id, now_ms: u64) {
+        let window = now_ms / self.cfg.hot_window_ms.max(1);
+        let r = &mut self.reads;
+        if r.window != window {
+            r.window = window;
+            r.counts.clear();
+        }
+        let room = r.counts.len() < MAX_COUNTED_READS;
+        let n = match r.counts.get_mut(&id) {
+            Some(n) => {
+                *n = n.saturating_add(1);
+                *n
+            }
+            None if room => {
+                r.counts.insert(id, 1);
+                1
+            }
+            None => return,
+        };
+        if n >= self.cfg.hot_reads {
+            r.counts.insert(id, 0);
+            self.replicate(id, now_ms);
+        }
+    }
+
+    /// Gives hot object `id` one more DRAM replica, if it may have one and
+    /// there is a place for it (see the module doc).
+    fn replicate(&mut self, id: Id, now_ms: u64) {
+        let obj = self.objs.get(id);
+        let Some(checksum) = obj.checksum() else {
+            return;
+        };
+        let size = obj.size;
+        let mut dram = 0;
+        let mut owners = Vec::new();
+        for r in &obj.replicas {
+            let s = self.slot(r.slot);
+            if s.tier() != Tier::Dram {
+                continue;
+            }
+            if r.state == ReplicaState::Promoting {
+                return;
+            }
+            dram += 1;
+            owners.push(s.owner);
+        }
+        if dram == 0 || dram >= self.cfg.hot_replicas as usize {
+            return;
+        }
+        let capacity: u64 = self
+            .slots
+            .iter()
+            .flatten()
+            .filter(|s| s.tier() == Tier::Dram)
+            .map(|s| s.alloc.capacity())
+            .sum();
+        if (self.objs.extra_bytes() + size) as f64 > self.cfg.hot_budget * capacity as f64 {
+            return;
+        }
+        let target = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let s = s.as_ref()?;
+                let fits = s.takes(size)
+                    && !owners.contains(&s.owner)
+                    && self
+                        .tasks
+                        .get(&s.id)
+                        .is_none_or(|q| q.len() < MAX_TASKS_PER_SEGMENT);
+                fits.then_some((i as u32, s.free_ratio()))
+            })
+            .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)));
+        let Some((idx, _)) = target else {
+            return;
+        };
+        let offset = self
+            .slot_mut(idx)
+            .alloc
+            .alloc(size)
+            .expect("the target's largest free extent fits");
+        // The node reads a replica under a lease that covers the fetch, and
+        // writes the range until then: held as a put's grant is.
+        let until_ms = now_ms + self.cfg.lease_ttl_ms;
+        self.objs.update(id, |o| o.extend_lease(until_ms));
+        let hold = self.write_hold_until(until_ms);
+        self.hold(idx, offset, size, hold);
+        let obj = self.objs.get(id);
+        let from: Vec<ReplicaDesc> = describe(
+            &self.slots,
+            obj,
+            self.signer.as_ref(),
+            Access::Read { until_ms },
+            self.term(),
+        )
+        .into_iter()
+        .filter(|d| d.tier == Tier::Dram)
+        .collect();
+        let task = NodeTask::Fetch {
+            key: self.objs.key(id).to_vec(),
+            from,
+            dram: self.slot(idx).id,
+            offset,
+            len: size,
+            checksum,
+        };
+        let seg = self.slot(idx).id;
+        self.tasks.entry(seg).or_default().push_back(task);
+        self.objs.update(id, |o| {
+            o.replicas.push(Replica {
+                slot: idx,
+                state: ReplicaState::Promoting,
+                offset,
+                extra: true,
+            })
+        });
+    }
+}

@@ -1,0 +1,185 @@
+//! Extra replicas of hot objects: the node copies an object from another
+//! node's replica into the range of its own segment the master allocated
+//! (`NodeTask::Fetch`), and answers `Promoted`.
+//!
+//! ```text
+//!  loop (tokio, only when the cluster map says hot replication is on and
+//!        the node has no NVMe tier: the tier's loop runs these tasks too)
+//!     every task_poll_ms: NodeTasks(dram) from every master shard
+//!        Fetch: read a replica of `from` -> check the checksum -> copy into
+//!               the range -> Promoted { ok }
+//! ```
+//!
+//! The bytes are read into a buffer of the task's length (which must fit
+//! this node's segment), checked against the object's checksum, and only
+//! then written into the segment: a range never holds bytes that fail it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpool_client::Client;
+use kvpool_runtime::hash::value_sum;
+use kvpool_runtime::Shutdown;
+use kvpool_storage::Segment;
+use kvpool_transport::proto::{call, NodeTask, NvmeUpdate, ReplicaDesc, SegmentId, Tier};
+use kvpool_transport::{ErrorCode, KvError};
+
+use crate::metrics::StorageMetrics;
+
+/// How long one fetch may take (reading another node's replica).
+pub const FETCH_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The node's segment, as a fetch writes into it.
+#[derive(Clone)]
+pub struct FetchTarget {
+    pub dram: Arc<Segment>,
+    pub dram_id: SegmentId,
+    pub metrics: StorageMetrics,
+}
+
+impl FetchTarget {
+    /// Runs one `Fetch` task; returns the report the master waits for.
+    pub async fn run(&self, client: &Client, task: NodeTask) -> Option<NvmeUpdate> {
+        let NodeTask::Fetch {
+            key,
+            from,
+            dram,
+            offset,
+            len,
+            checksum,
+        } = task
+        else {
+            return None;
+        };
+        let ok = match self.fetch(client, &from, dram, offset, len, checksum).await {
+            Ok(()) => {
+                self.metrics.hot_fetches.inc();
+                true
+            }
+            Err(e) => {
+                tracing::warn!("fetching a replica of a hot object failed: {e}");
+                false
+            }
+        };
+        Some(NvmeUpdate::Promoted {
+            key,
+            dram,
+            offset,
+            ok,
+        })
+    }
+
+    async fn fetch(
+        &self,
+        client: &Client,
+        from: &[ReplicaDesc],
+        dram: SegmentId,
+        offset: u64,
+        len: u64,
+        checksum: u64,
+    ) -> Result<(), KvError> {
+        let invalid = |why: String| KvError::new(ErrorCode::InvalidParams, why);
+        if dram != self.dram_id {
+            return Err(invalid(format!(
+                "a fetch into segment {dram:016x}, which is not this node's ({:016x})",
+                self.dram_id
+            )));
+        }
+        self.dram
+            .check_range(offset, len)
+            .map_err(|e| invalid(e.to_string()))?;
+        if from.is_empty()
+            || from
+                .iter()
+                .any(|r| r.len != len || r.tier != Tier::Dram || r.segment_id == dram)
+        {
+            return Err(invalid(
+                "a fetch names no replica, or one of another length, tier, or on this node".into(),
+            ));
+        }
+        let mut buf = vec![0u8; len as usize];
+        let read = client
+            .engine()
+            .read(from, &mut buf, Instant::now() + FETCH_DEADLINE)
+            .await;
+        // The engine checks the bytes against the replica's checksum when
+        // the client checks checksums; this node checks them itself too.
+        if let Err(e) = read {
+            if e.code == ErrorCode::Corrupt {
+                self.metrics.checksum_mismatches.inc();
+            }
+            return Err(e);
+        }
+        if value_sum(&buf) != checksum {
+            self.metrics.checksum_mismatches.inc();
+            return Err(KvError::new(
+                ErrorCode::Corrupt,
+                "the fetched bytes do not match the object's checksum",
+            ));
+        }
+        // SAFETY: in bounds (checked above); the master allocated this range
+        // for the fetch and sends no reader or writer to it until it gets
+        // the Promoted report.
+        unsafe { self.dram.slice_mut(offset, len) }.copy_from_slice(&buf);
+        Ok(())
+    }
+
+    /// One round: the Fetch tasks of every master shard, run and reported.
+    async fn round(&self, client: &Client) -> Result<usize, KvError> {
+        let mut ran = 0;
+        for shard in 0..client.cluster_map().shards.len() as u32 {
+            let tasks = client
+                .call(call::NodeTasks {
+                    client_id: client.id(),
+                    shard,
+                    segments: vec![self.dram_id],
+                    max: 64,
+                })
+                .await?;
+            let mut updates = Vec::new();
+            for t in tasks {
+                ran += 1;
+                updates.extend(self.run(client, t).await);
+            }
+            if !updates.is_empty() {
+                let results = client
+                    .call(call::NvmeUpdates {
+                        client_id: client.id(),
+                        updates,
+                    })
+                    .await?;
+                for r in results.into_iter().map(Result::from) {
+                    if let Err(e) = r {
+                        tracing::debug!("a fetch report was refused: {e}");
+                    }
+                }
+            }
+        }
+        Ok(ran)
+    }
+
+    /// Runs rounds every `poll` until shutdown (a failing round is retried
+    /// after a second at least, and logged once per ten seconds).
+    pub fn spawn_loop(self, client: Client, poll: Duration, shutdown: Shutdown) {
+        tokio::spawn(async move {
+            let mut last_logged: Option<Instant> = None;
+            loop {
+                let wait = match self.round(&client).await {
+                    Ok(n) if n > 0 => Duration::ZERO,
+                    Ok(_) => poll,
+                    Err(e) => {
+                        if last_logged.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                            tracing::warn!("hot-replica fetch round failed: {e}");
+                            last_logged = Some(Instant::now());
+                        }
+                        poll.max(Duration::from_secs(1))
+                    }
+                };
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = shutdown.wait() => break,
+                }
+            }
+        });
+    }
+}

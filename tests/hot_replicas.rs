@@ -1,0 +1,180 @@
+//! Hot-object replication across real processes: a master with
+//! `hot_replicas = 2`, two storage nodes without NVMe tiers, clients over
+//! TCP. A hot object gets a second replica on the other node (fetched by
+//! that node), reads then land on both nodes, and the bytes stay the bytes.
+
+use std::time::Duration;
+
+use crate::common;
+use kvpool_client::Client;
+use kvpool_config::{ClientConfig, Transport};
+
+/// A counter or gauge of a process's `/metrics` (a counter's `_total`).
+fn metric(http: &str, name: &str) -> u64 {
+    let (_, text) = common::http(http, "GET", "/metrics");
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(name)
+                .and_then(|r| r.strip_prefix("_total ").or_else(|| r.strip_prefix(' ')))
+        })
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+}
+
+#[test]
+fn a_hot_object_is_copied_to_a_second_node_and_its_reads_spread_over_both() {
+    let dir = common::scratch_dir("hot-replicas");
+    let cfg = common::write_config(
+        &dir,
+        "master.toml",
+        "[master]\nhot_replicas = 2\nhot_reads = 4\nhot_window_ms = 60000\n",
+    );
+    let mut margs = common::ephemeral(&[]);
+    margs.splice(0..0, ["--config", cfg.as_str()]);
+    let master = common::start("master", &margs);
+    let s1 = common::start_storage(&master.addr, "64MiB", &[]);
+    let s2 = common::start_storage(&master.addr, "64MiB", &[]);
+    let nodes = [&s1, &s2];
+
+    let value = common::value(7, 256 << 10);
+    let other = common::value(8, 256 << 10);
+    let rt = common::rt();
+    rt.block_on(async {
+        // Over TCP, and without the location cache: every get asks the
+        // master (which counts it) and reads from a storage node.
+        let cfg = ClientConfig {
+            transport: Transport::Tcp,
+            location_cache_entries: 0,
+            ..Default::default()
+        };
+        let client = Client::connect(&master.addr, cfg).await.expect("connect");
+        common::eventually("both nodes mounted", Duration::from_secs(10), || async {
+            client.stat().await.is_ok_and(|s| s.segments.len() == 2)
+        })
+        .await;
+        client.put(b"hot", &value).await.expect("put hot");
+        client.put(b"cold", &other).await.expect("put cold");
+        let served = |i: usize| metric(&nodes[i].http, "kvpool_storage_read_bytes");
+        let before = [served(0), served(1)];
+        for _ in 0..4 {
+            assert_eq!(client.get(b"hot").await.expect("get hot"), value);
+        }
+        // One replica so far: one node served all four reads.
+        let after = [served(0), served(1)];
+        let grew: Vec<usize> = (0..2).filter(|&i| after[i] > before[i]).collect();
+        assert_eq!(grew.len(), 1, "reads before: {before:?}, after: {after:?}");
+        let holder = grew[0];
+        // The other node fetches a copy (it polls every 100 ms).
+        common::eventually("the extra replica", Duration::from_secs(10), || async {
+            client.stat().await.is_ok_and(|s| s.hot_copies == 1)
+        })
+        .await;
+        let fetcher = 1 - holder;
+        assert_eq!(
+            metric(&nodes[fetcher].http, "kvpool_storage_hot_fetches"),
+            1
+        );
+        assert_eq!(metric(&nodes[holder].http, "kvpool_storage_hot_fetches"), 0);
+        // Reads now start at each replica in turn: both nodes serve.
+        let start = [served(0), served(1)];
+        for _ in 0..20 {
+            assert_eq!(client.get(b"hot").await.expect("get hot"), value);
+        }
+        let end = [served(0), served(1)];
+        for i in 0..2 {
+            let bytes = end[i] - start[i];
+            assert!(
+                bytes >= 8 * value.len() as u64,
+                "node {i} served {bytes} bytes of 20 reads of {} bytes",
+                value.len()
+            );
+        }
+        // The cold object was read once: no copy of it.
+        assert_eq!(client.get(b"cold").await.expect("get cold"), other);
+        assert_eq!(client.stat().await.unwrap().hot_copies, 1);
+    });
+    drop((s1, s2, master));
+}
+
+#[test]
+fn a_fetch_that_reads_bytes_other_than_the_objects_adds_no_replica() {
+    let dir = common::scratch_dir("hot-replicas-bad");
+    let cfg = common::write_config(
+        &dir,
+        "master.toml",
+        "[master]\nhot_replicas = 2\nhot_reads = 4\nhot_window_ms = 60000\n",
+    );
+    let mut margs = common::ephemeral(&[]);
+    margs.splice(0..0, ["--config", cfg.as_str()]);
+    let master = common::start("master", &margs);
+    let s1 = common::start_storage(&master.addr, "64MiB", &[]);
+    let s2 = common::start_storage(&master.addr, "64MiB", &[]);
+    let value = common::value(9, 100_000);
+    let rt = common::rt();
+    rt.block_on(async {
+        let cfg = ClientConfig {
+            transport: Transport::Tcp,
+            location_cache_entries: 0,
+            ..Default::default()
+        };
+        let client = Client::connect(&master.addr, cfg).await.expect("connect");
+        common::eventually("both nodes mounted", Duration::from_secs(10), || async {
+            client.stat().await.is_ok_and(|s| s.segments.len() == 2)
+        })
+        .await;
+        client.put(b"hot", &value).await.expect("put");
+        let r = client.describe(b"hot").await.expect("describe").replicas;
+        assert_eq!(r.len(), 1);
+        // The one replica's bytes go bad behind the master's back.
+        crate::hostile::scribble(
+            &r[0].endpoint.shard_addr(r[0].data_shard()),
+            r[0].segment_id,
+            r[0].offset + 500,
+            64,
+        );
+        for _ in 0..4 {
+            let e = client
+                .get(b"hot")
+                .await
+                .expect_err("the only replica is bad");
+            assert_eq!(e.code, kvpool_transport::ErrorCode::Corrupt, "{e}");
+        }
+        // The other node fetches, finds the bytes fail the checksum, and
+        // says so: the master frees the range, no replica is added.
+        let fetcher = if r[0].endpoint.port == port_of(&s1.addr) {
+            &s2
+        } else {
+            &s1
+        };
+        common::eventually("the refused fetch", Duration::from_secs(10), || async {
+            metric(&fetcher.http, "kvpool_storage_checksum_mismatches") == 1
+        })
+        .await;
+        common::eventually("the range freed", Duration::from_secs(10), || async {
+            let s = client.stat().await.expect("stat");
+            let used: u64 = s.segments.iter().map(|g| g.used).sum();
+            (used < 2 * value.len() as u64).then_some(())
+        })
+        .await;
+        let s = client.stat().await.expect("stat");
+        assert_eq!(s.hot_copies, 0);
+        assert_eq!(metric(&fetcher.http, "kvpool_storage_hot_fetches"), 0);
+        assert_eq!(
+            client
+                .describe(b"hot")
+                .await
+                .expect("describe")
+                .replicas
+                .len(),
+            1
+        );
+    });
+    drop((s1, s2, master));
+}
+
+fn port_of(addr: &str) -> u16 {
+    addr.rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("host:port")
+}
