@@ -128,6 +128,7 @@ fn stat_dict<'py>(py: Python<'py>, s: &PoolStat) -> PyResult<Bound<'py, PyDict>>
     d.set_item("evicted_bytes", s.evicted_bytes)?;
     d.set_item("demotions", s.demotions)?;
     d.set_item("promotions", s.promotions)?;
+    d.set_item("hot_copies", s.hot_copies)?;
     let segs = PyList::empty(py);
     for g in &s.segments {
         let e = PyDict::new(py);

@@ -125,7 +125,7 @@ pub(crate) async fn render(ctx: &ThreadCtx, args: &[&[u8]]) -> String {
                     t,
                     "# Pool\r\npool_keys:{}\r\npool_segments:{}\r\npool_capacity_bytes:{}\r\n\
                      pool_used_bytes:{}\r\npool_evictions:{}\r\npool_evicted_bytes:{}\r\n\
-                     pool_demotions:{}\r\npool_promotions:{}\r\n",
+                     pool_demotions:{}\r\npool_promotions:{}\r\npool_hot_copies:{}\r\n",
                     p.keys,
                     p.segments.len(),
                     p.capacity,
@@ -134,6 +134,7 @@ pub(crate) async fn render(ctx: &ThreadCtx, args: &[&[u8]]) -> String {
                     p.evicted_bytes,
                     p.demotions,
                     p.promotions,
+                    p.hot_copies,
                 ),
                 Some(Err(e)) => write!(
                     t,
