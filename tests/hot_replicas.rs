@@ -21,19 +21,26 @@ fn metric(http: &str, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {name} in {text}"))
 }
 
-#[test]
-fn a_hot_object_is_copied_to_a_second_node_and_its_reads_spread_over_both() {
-    let dir = common::scratch_dir("hot-replicas");
+/// A master with `hot_replicas = 2` (hot after `hot_reads` reads in a minute)
+/// and two storage nodes of `size` without NVMe tiers.
+fn hot_pool(tag: &str, hot_reads: u16, size: &str) -> (common::Proc, common::Proc, common::Proc) {
+    let dir = common::scratch_dir(tag);
     let cfg = common::write_config(
         &dir,
         "master.toml",
-        "[master]\nhot_replicas = 2\nhot_reads = 4\nhot_window_ms = 60000\n",
+        &format!("[master]\nhot_replicas = 2\nhot_reads = {hot_reads}\nhot_window_ms = 60000\n"),
     );
     let mut margs = common::ephemeral(&[]);
     margs.splice(0..0, ["--config", cfg.as_str()]);
     let master = common::start("master", &margs);
-    let s1 = common::start_storage(&master.addr, "64MiB", &[]);
-    let s2 = common::start_storage(&master.addr, "64MiB", &[]);
+    let s1 = common::start_storage(&master.addr, size, &[]);
+    let s2 = common::start_storage(&master.addr, size, &[]);
+    (master, s1, s2)
+}
+
+#[test]
+fn a_hot_object_is_copied_to_a_second_node_and_its_reads_spread_over_both() {
+    let (master, s1, s2) = hot_pool("hot-replicas", 4, "64MiB");
     let nodes = [&s1, &s2];
 
     let value = common::value(7, 256 << 10);
@@ -98,17 +105,7 @@ fn a_hot_object_is_copied_to_a_second_node_and_its_reads_spread_over_both() {
 
 #[test]
 fn a_fetch_that_reads_bytes_other_than_the_objects_adds_no_replica() {
-    let dir = common::scratch_dir("hot-replicas-bad");
-    let cfg = common::write_config(
-        &dir,
-        "master.toml",
-        "[master]\nhot_replicas = 2\nhot_reads = 4\nhot_window_ms = 60000\n",
-    );
-    let mut margs = common::ephemeral(&[]);
-    margs.splice(0..0, ["--config", cfg.as_str()]);
-    let master = common::start("master", &margs);
-    let s1 = common::start_storage(&master.addr, "64MiB", &[]);
-    let s2 = common::start_storage(&master.addr, "64MiB", &[]);
+    let (master, s1, s2) = hot_pool("hot-replicas-bad", 4, "64MiB");
     let value = common::value(9, 100_000);
     let rt = common::rt();
     rt.block_on(async {
@@ -177,4 +174,82 @@ fn port_of(addr: &str) -> u16 {
         .next()
         .and_then(|p| p.parse().ok())
         .expect("host:port")
+}
+
+/// An engine's completion (greedy, `max_tokens` tokens) of token ids.
+fn complete(engine: &common::Proc, prompt: &[u32], max_tokens: usize) -> serde_json::Value {
+    use std::io::{Read, Write};
+    let body = serde_json::json!({"model": "builtin:tiny", "prompt": prompt,
+        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
+        "return_token_ids": true})
+    .to_string();
+    let mut s = std::net::TcpStream::connect(&engine.addr).expect("connect engine");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read answer");
+    let (head, body) = out.split_once("\r\n\r\n").expect("http answer");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{body}");
+    serde_json::from_str(body).expect("a completion")
+}
+
+#[test]
+fn a_prefix_many_requests_share_gets_a_second_replica_and_both_nodes_serve_it() {
+    let (master, s1, s2) = hot_pool("hot-replicas-engine", 3, "256MiB");
+    // Without the location cache every load asks the master, as loads by
+    // many engines would.
+    let ecfg = common::config_file(
+        "hot-engine",
+        "[client]\ntransport = \"tcp\"\nlocation_cache_entries = 0\n",
+    );
+    let e = common::tiny_engine(Some(&master.addr), &ecfg);
+    let system = common::byte_prompt(3 * 256, 11);
+    let first = complete(&e, &system, 4);
+    assert_eq!(first["kvpool"]["prompt_tokens_computed"], 768);
+    let rt = common::rt();
+    let client = rt
+        .block_on(Client::connect(&master.addr, ClientConfig::default()))
+        .expect("connect");
+    common::eventually_blocking("the prefix stored", Duration::from_secs(30), || {
+        rt.block_on(client.stat()).is_ok_and(|s| s.keys >= 3)
+    });
+    // The same prefix again and again: its first two chunks load from the
+    // pool each time, become hot and get a replica on the other node.
+    for _ in 0..3 {
+        let out = complete(&e, &system, 4);
+        assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 512);
+        assert_eq!(
+            out["choices"][0]["token_ids"],
+            first["choices"][0]["token_ids"]
+        );
+    }
+    common::eventually_blocking(
+        "replicas of the hot chunks",
+        Duration::from_secs(10),
+        || rt.block_on(client.stat()).is_ok_and(|s| s.hot_copies >= 2),
+    );
+    let served = || [&s1, &s2].map(|n| metric(&n.http, "kvpool_storage_read_bytes"));
+    let before = served();
+    for _ in 0..6 {
+        let out = complete(&e, &system, 4);
+        assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 512);
+        assert_eq!(
+            out["choices"][0]["token_ids"], first["choices"][0]["token_ids"],
+            "the same tokens from either replica"
+        );
+    }
+    let after = served();
+    for i in 0..2 {
+        assert!(
+            after[i] > before[i],
+            "node {i} served none of the loads: {before:?} -> {after:?}"
+        );
+    }
+    drop((e, s1, s2, master));
 }

@@ -17,7 +17,7 @@
 //!   object's checksum, writes them into the range and answers `Promoted`.
 //!   An object without a checksum is never replicated: the node could not
 //!   check what it copies.
-//! * Reads then spread: each answer turns the object's DRAM replicas by one
+//! * Reads then spread: each answer turns the object's DRAM replicas by its read count
 //!   (clients take the first DRAM replica, their own host's first).
 //! * An extra replica is evicted before every other replica of its range
 //!   once its lease ends, and dropped (never demoted). It is memory only:
@@ -41,18 +41,28 @@ pub(super) struct ReadCounts {
 }
 
 impl ShardState {
-    /// Turns the DRAM replicas of a read's answer by one, so successive
-    /// readers start at different replicas.
-    pub(super) fn spread_reads(&mut self, descs: &mut [ReplicaDesc]) {
+    /// Turns the DRAM replicas of a read's answer by the object's read
+    /// count `n`, so its successive readers start at each replica in turn
+    /// (a count per object: a shard-wide one would send two objects read
+    /// together to the same node every time).
+    pub(super) fn spread_reads(&mut self, descs: &mut [ReplicaDesc], n: Option<u16>) {
         let dram = descs.iter().take_while(|d| d.tier == Tier::Dram).count();
         if dram > 1 {
-            self.spread = self.spread.wrapping_add(1);
-            descs[..dram].rotate_left(self.spread as usize % dram);
+            let turn = match n {
+                Some(n) => n as usize,
+                None => {
+                    self.spread = self.spread.wrapping_add(1);
+                    self.spread as usize
+                }
+            };
+            descs[..dram].rotate_left(turn % dram);
         }
     }
 
-    /// Counts a read of complete object `id`; a hot one may get a replica.
-    pub(super) fn count_read(&mut self, id: Id, now_ms: u64) {
+    /// Counts a read of complete object `id` and returns its count in this
+    /// window (`None`: not counted, the map is full); a hot one may get a
+    /// replica.
+    pub(super) fn count_read(&mut self, id: Id, now_ms: u64) -> Option<u16> {
         let window = now_ms / self.cfg.hot_window_ms.max(1);
         let r = &mut self.reads;
         if r.window != window {
@@ -69,12 +79,13 @@ impl ShardState {
                 r.counts.insert(id, 1);
                 1
             }
-            None => return,
+            None => return None,
         };
         if n >= self.cfg.hot_reads {
             r.counts.insert(id, 0);
             self.replicate(id, now_ms);
         }
+        Some(n)
     }
 
     /// Gives hot object `id` one more DRAM replica, if it may have one and

@@ -292,7 +292,8 @@ pub struct ShardState {
     reads: hot::ReadCounts,
     /// Extra replicas fetched since start.
     hot_copies: u64,
-    /// Turns the DRAM replicas of a read (hot replication on).
+    /// Turns the DRAM replicas of a read of an object whose reads are not
+    /// counted (hot replication on, the window's map full).
     spread: u32,
     /// Signs data-plane grants; `None` in an open cluster.
     signer: Option<GrantSigner>,
@@ -958,8 +959,8 @@ impl ShardState {
                 self.count_nvme_read(id);
             }
             if self.cfg.hot_replicas >= 2 {
-                self.spread_reads(&mut descs);
-                self.count_read(id, now_ms);
+                let n = self.count_read(id, now_ms);
+                self.spread_reads(&mut descs, n);
             }
             return Ok(descs);
         }
