@@ -240,6 +240,7 @@ impl MasterCore {
             total.stale_discarded += r.stale_discarded;
             total.freed_bytes += r.freed_bytes;
             total.fewer_replicas += r.fewer_replicas;
+            total.fills_expired += r.fills_expired;
         }
         let expired = self.coord.expire(now_ms);
         for cmd in &expired.commands {

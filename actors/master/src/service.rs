@@ -1153,6 +1153,13 @@ async fn tick_loop(ctx: ShardCtx, state: Rc<Shard>, tick: Duration, metrics: Mas
                  segments with room (a node dead or full)"
             );
         }
+        if r.fills_expired > 0 {
+            tracing::warn!(
+                shard = ctx.id(),
+                fills = r.fills_expired,
+                "promotions or fetches given up: their node did not report within put_timeout_ms"
+            );
+        }
         if r.stale_discarded > 0 {
             metrics.stale_puts.inc_by(r.stale_discarded);
             tracing::info!(

@@ -33,6 +33,17 @@ use super::*;
 /// until the window turns.
 pub const MAX_COUNTED_READS: usize = 65_536;
 
+/// Fills (promotions and fetches) whose report is awaited; more are not
+/// watched (their replica waits for its report, as before the watch).
+pub const MAX_FILLS_WATCHED: usize = 65_536;
+
+/// Fills whose report is awaited, by when it is due (in order: every fill
+/// is due `put_timeout_ms` after it was asked for).
+#[derive(Debug, Default)]
+pub(super) struct Filling {
+    q: std::collections::VecDeque<(u64, Box<[u8]>, u32, u64)>,
+}
+
 /// Reads per object in the current window.
 #[derive(Debug, Default)]
 pub(super) struct ReadCounts {
@@ -180,5 +191,42 @@ impl ShardState {
                 extra: true,
             })
         });
+        self.fill_due(id, idx, offset, now_ms);
+    }
+
+    /// A node was asked to fill the range at `offset` of slot `idx` for
+    /// object `id`: its report is due within `put_timeout_ms`.
+    pub(super) fn fill_due(&mut self, id: Id, idx: u32, offset: u64, now_ms: u64) {
+        if self.filling.q.len() < MAX_FILLS_WATCHED {
+            let key = self.objs.key(id).into();
+            let due = now_ms.saturating_add(self.cfg.put_timeout_ms);
+            self.filling.q.push_back((due, key, idx, offset));
+        }
+    }
+
+    /// Gives up the fills whose report is overdue (the task or its report
+    /// was lost: a master's answer that did not reach the node, a node
+    /// that restarted): the replica goes, its range is freed after
+    /// `stale_put_grace_ms` (the node may still be writing it), and the
+    /// object may be promoted or replicated again. Returns how many.
+    pub(super) fn expire_fills(&mut self, now_ms: u64) -> u64 {
+        let mut expired = 0;
+        while self.filling.q.front().is_some_and(|f| f.0 <= now_ms) {
+            let (_, key, slot, offset) = self.filling.q.pop_front().expect("a front");
+            let Some(id) = self.objs.complete_id(&key) else {
+                continue;
+            };
+            let obj = self.objs.get(id);
+            let Some(pos) = obj.replicas.iter().position(|r| {
+                r.slot == slot && r.offset == offset && r.state == ReplicaState::Promoting
+            }) else {
+                continue;
+            };
+            let size = obj.size;
+            let r = self.objs.update(id, |o| o.replicas.remove(pos));
+            self.free_replica_at(&r, size, now_ms + self.cfg.stale_put_grace_ms, now_ms);
+            expired += 1;
+        }
+        expired
     }
 }

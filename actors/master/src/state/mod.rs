@@ -243,6 +243,9 @@ pub struct TickReport {
     /// Puts placed with fewer replicas than they asked for (too few
     /// segments with room) since the last tick.
     pub fewer_replicas: u64,
+    /// Promotions and fetches whose node did not report within
+    /// `put_timeout_ms`: their ranges were given up.
+    pub fills_expired: u64,
 }
 
 /// One master shard's state.
@@ -290,6 +293,9 @@ pub struct ShardState {
     promotions: u64,
     /// Reads of complete objects in the current window (hot.rs).
     reads: hot::ReadCounts,
+    /// Ranges being filled by a node (promotions, fetches), with the time
+    /// their report is due by (hot.rs).
+    filling: hot::Filling,
     /// Extra replicas fetched since start.
     hot_copies: u64,
     /// Turns the DRAM replicas of a read of an object whose reads are not
@@ -412,6 +418,7 @@ impl ShardState {
             demotions: 0,
             promotions: 0,
             reads: hot::ReadCounts::default(),
+            filling: hot::Filling::default(),
             hot_copies: 0,
             spread: 0,
             signer: None,
@@ -956,7 +963,7 @@ impl ShardState {
                 self.term(),
             );
             if descs.first().is_some_and(|d| d.tier == Tier::Nvme) {
-                self.count_nvme_read(id);
+                self.count_nvme_read(id, now_ms);
             }
             if self.cfg.hot_replicas >= 2 {
                 let n = self.count_read(id, now_ms);
@@ -1118,6 +1125,7 @@ impl ShardState {
             ..TickReport::default()
         };
         self.expire_parked(now_ms);
+        report.fills_expired = self.expire_fills(now_ms);
         let quiet: Vec<SegmentId> = self
             .adopting
             .iter()

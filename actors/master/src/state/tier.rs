@@ -387,7 +387,7 @@ impl ShardState {
 
     /// An NVMe-only object was read: after `promote_after_reads` reads, give
     /// it a DRAM replica (pending until its node has copied the bytes in).
-    pub(super) fn count_nvme_read(&mut self, id: Id) {
+    pub(super) fn count_nvme_read(&mut self, id: Id, now_ms: u64) {
         let n = self.cfg.promote_after_reads;
         let reads = self.objs.update(id, |o| {
             let c = o.stored_mut();
@@ -466,6 +466,7 @@ impl ShardState {
                 extra: false,
             })
         });
+        self.fill_due(id, idx, offset, now_ms);
     }
 
     /// The slot of segment `seg` if it is mounted, of tier `tier`, and owned

@@ -224,3 +224,45 @@ fn an_extra_replica_is_evicted_before_older_replicas_of_its_range() {
     assert_eq!(r.len(), 1, "k's extra replica went: {r:?}");
     assert_eq!(r[0].segment_id, a);
 }
+
+#[test]
+fn a_fetch_whose_report_never_comes_is_given_up_and_asked_for_again() {
+    let (mut m, _a, b) = two_nodes(0.5);
+    put_summed(&mut m, "k", 1000);
+    let single = m.used();
+    reads(&mut m, "k", 4);
+    assert_eq!(node_tasks(&mut m, NODE_B, b).len(), 1, "the fetch went out");
+    // Its report is lost. Until put_timeout_ms the replica waits for it.
+    m.advance(m.cfg.put_timeout_ms - 1_000);
+    reads(&mut m, "k", 4);
+    assert!(node_tasks(&mut m, NODE_B, b).is_empty());
+    // Then it is given up: the object is replicated again (a new fetch)
+    // and the first range comes back after the quarantine.
+    m.advance(2_000);
+    let t = {
+        reads(&mut m, "k", 4);
+        node_tasks(&mut m, NODE_B, b)
+    };
+    assert_eq!(t.len(), 1, "asked again: {t:?}");
+    let NodeTask::Fetch { dram, offset, .. } = t[0].clone() else {
+        panic!("{t:?}")
+    };
+    report(
+        &mut m,
+        NODE_B,
+        NvmeUpdate::Promoted {
+            key: b"k".to_vec(),
+            dram,
+            offset,
+            ok: true,
+        },
+    )
+    .unwrap();
+    assert_eq!(m.get("k").unwrap().len(), 2);
+    m.advance(m.cfg.stale_put_grace_ms + m.cfg.lease_ttl_ms + 1_000);
+    assert!(
+        m.used() <= 2 * single,
+        "the given-up range is free again: {} used, {single} per replica",
+        m.used()
+    );
+}
