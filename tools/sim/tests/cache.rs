@@ -1,6 +1,6 @@
 //! Pool cache models on the synthetic trace, including the reference check.
 
-mod support;
+use crate::support;
 
 use kvpool_conductor::cache::{CachePolicy, Capacity};
 use kvpool_sim::cache_sim::simulate_cache;

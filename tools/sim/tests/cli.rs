@@ -1,6 +1,6 @@
 //! The `kvpool sim` command line, parsed with clap and run to a buffer.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;

@@ -1,7 +1,7 @@
 //! Trace replay on the synthetic trace: determinism, SLOs at speed 1, and
 //! early rejection under overload.
 
-mod support;
+use crate::support;
 
 use kvpool_conductor::scheduler::Policy;
 use kvpool_sim::sim::{simulate, SimConfig, SimReport};

@@ -29,8 +29,8 @@
 //! three times the load climbs to 1.25 (every request decoding then is
 //! missing the SLO) after having come back to the SLO or below.
 //!
-//! The table is printed (`cargo test --release -p kvpool-sim --test sweep --
-//! --nocapture`; `SWEEP_SEEDS=4,5,6` replays other seeds); docs/BENCHMARKS.md
+//! The table is printed (`cargo test --release -p kvpool-sim --test simulator
+//! sweep:: -- --nocapture`; `SWEEP_SEEDS=4,5,6` replays other seeds); docs/BENCHMARKS.md
 //! holds a copy.
 
 use kvpool_conductor::scheduler::{Policy, Slo};
