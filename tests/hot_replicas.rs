@@ -169,6 +169,72 @@ fn a_fetch_that_reads_bytes_other_than_the_objects_adds_no_replica() {
     drop((s1, s2, master));
 }
 
+#[test]
+fn a_node_with_an_nvme_tier_fetches_in_its_tier_loop() {
+    let dir = common::scratch_dir("hot-replicas-tier");
+    let mcfg = common::write_config(
+        &dir,
+        "master.toml",
+        "[master]\nhot_replicas = 2\nhot_reads = 4\nhot_window_ms = 60000\n",
+    );
+    let ncfg = common::write_config(
+        &dir,
+        "node.toml",
+        &format!(
+            "[storage.nvme]\npath = \"{}\"\ncapacity = \"64 MiB\"\n\
+             avg_object_bytes = \"64 KiB\"\nsync_writes = false\ntask_poll_ms = 20\n",
+            dir.join("tier.kvnv").display()
+        ),
+    );
+    let mut margs = common::ephemeral(&[]);
+    margs.splice(0..0, ["--config", mcfg.as_str()]);
+    let master = common::start("master", &margs);
+    let plain = common::start_storage(&master.addr, "64MiB", &[]);
+    let value = common::value(5, 200_000);
+    let rt = common::rt();
+    rt.block_on(async {
+        let cfg = ClientConfig {
+            transport: Transport::Tcp,
+            location_cache_entries: 0,
+            ..Default::default()
+        };
+        let client = Client::connect(&master.addr, cfg).await.expect("connect");
+        common::eventually(
+            "the plain node mounted",
+            Duration::from_secs(10),
+            || async { client.stat().await.is_ok_and(|s| s.segments.len() == 1) },
+        )
+        .await;
+        // On the plain node (the only one yet); then the tiered node joins.
+        client.put(b"hot", &value).await.expect("put");
+        let tiered = common::start_storage(&master.addr, "64MiB", &["--config", ncfg.as_str()]);
+        common::eventually(
+            "the tiered node mounted",
+            Duration::from_secs(10),
+            || async { client.stat().await.is_ok_and(|s| s.segments.len() == 3) },
+        )
+        .await;
+        for _ in 0..4 {
+            assert_eq!(client.get(b"hot").await.expect("get"), value);
+        }
+        common::eventually(
+            "the tiered node's copy",
+            Duration::from_secs(10),
+            || async { client.stat().await.is_ok_and(|s| s.hot_copies == 1) },
+        )
+        .await;
+        assert_eq!(metric(&tiered.http, "kvpool_storage_hot_fetches"), 1);
+        assert_eq!(metric(&plain.http, "kvpool_storage_hot_fetches"), 0);
+        let r = client.describe(b"hot").await.expect("describe").replicas;
+        assert_eq!(r.len(), 2, "{r:?}");
+        for _ in 0..6 {
+            assert_eq!(client.get(b"hot").await.expect("get"), value);
+        }
+        drop(tiered);
+    });
+    drop((plain, master));
+}
+
 fn port_of(addr: &str) -> u16 {
     addr.rsplit(':')
         .next()
