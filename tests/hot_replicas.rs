@@ -38,6 +38,25 @@ fn hot_pool(tag: &str, hot_reads: u16, size: &str) -> (common::Proc, common::Pro
     (master, s1, s2)
 }
 
+/// A client over TCP without the location cache (every get asks the
+/// master, which counts it), once `segments` segments are mounted.
+async fn uncached_client(master: &str, what: &str, segments: usize) -> Client {
+    let cfg = ClientConfig {
+        transport: Transport::Tcp,
+        location_cache_entries: 0,
+        ..Default::default()
+    };
+    let client = Client::connect(master, cfg).await.expect("connect");
+    common::eventually(what, Duration::from_secs(10), || async {
+        client
+            .stat()
+            .await
+            .is_ok_and(|s| s.segments.len() == segments)
+    })
+    .await;
+    client
+}
+
 #[test]
 fn a_hot_object_is_copied_to_a_second_node_and_its_reads_spread_over_both() {
     let (master, s1, s2) = hot_pool("hot-replicas", 4, "64MiB");
@@ -49,16 +68,7 @@ fn a_hot_object_is_copied_to_a_second_node_and_its_reads_spread_over_both() {
     rt.block_on(async {
         // Over TCP, and without the location cache: every get asks the
         // master (which counts it) and reads from a storage node.
-        let cfg = ClientConfig {
-            transport: Transport::Tcp,
-            location_cache_entries: 0,
-            ..Default::default()
-        };
-        let client = Client::connect(&master.addr, cfg).await.expect("connect");
-        common::eventually("both nodes mounted", Duration::from_secs(10), || async {
-            client.stat().await.is_ok_and(|s| s.segments.len() == 2)
-        })
-        .await;
+        let client = uncached_client(&master.addr, "both nodes mounted", 2).await;
         client.put(b"hot", &value).await.expect("put hot");
         client.put(b"cold", &other).await.expect("put cold");
         let served = |i: usize| metric(&nodes[i].http, "kvpool_storage_read_bytes");
@@ -109,16 +119,7 @@ fn a_fetch_that_reads_bytes_other_than_the_objects_adds_no_replica() {
     let value = common::value(9, 100_000);
     let rt = common::rt();
     rt.block_on(async {
-        let cfg = ClientConfig {
-            transport: Transport::Tcp,
-            location_cache_entries: 0,
-            ..Default::default()
-        };
-        let client = Client::connect(&master.addr, cfg).await.expect("connect");
-        common::eventually("both nodes mounted", Duration::from_secs(10), || async {
-            client.stat().await.is_ok_and(|s| s.segments.len() == 2)
-        })
-        .await;
+        let client = uncached_client(&master.addr, "both nodes mounted", 2).await;
         client.put(b"hot", &value).await.expect("put");
         let r = client.describe(b"hot").await.expect("describe").replicas;
         assert_eq!(r.len(), 1);
