@@ -11,10 +11,14 @@ const PORT_ATTEMPTS: usize = 32;
 /// How long a fixed port that is in use is retried before start-up fails. A
 /// process killed with io_uring operations in flight (a pending accept) keeps
 /// its listening sockets bound until the kernel tears its rings down, which
-/// finishes shortly after the process is reaped: a node restarted at once on
-/// its own ports would otherwise fail to start. A port another live process
-/// holds still fails, once this has passed.
-pub const FIXED_PORT_WAIT: Duration = Duration::from_secs(3);
+/// finishes after the process is reaped, or after an embedded node's shard
+/// threads have ended (Mooncake's `close()` then `setup()` on the same
+/// `local_hostname` port): a node restarted at once on its own ports would
+/// otherwise fail to start. On a loaded machine the teardown took more than
+/// 4 s once (CI, Mooncake's `test_replication_failure_tolerance`, beside three
+/// other suites), hence 10 s. A port another live process holds still
+/// fails, once this has passed.
+pub const FIXED_PORT_WAIT: Duration = Duration::from_secs(10);
 
 /// Binds `n` consecutive ports starting at `addr`'s port. Port 0 asks the OS
 /// for a free base and retries if a following port is taken. The sockets are
