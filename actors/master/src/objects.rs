@@ -109,6 +109,16 @@ impl Replica {
             extra: false,
         }
     }
+
+    /// A range a node is filling (a promotion, or an extra replica's fetch).
+    pub fn filling(slot: u32, offset: u64, extra: bool) -> Self {
+        Self {
+            slot,
+            state: ReplicaState::Promoting,
+            offset,
+            extra,
+        }
+    }
 }
 
 /// A put in flight.

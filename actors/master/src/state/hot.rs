@@ -183,14 +183,8 @@ impl ShardState {
         };
         let seg = self.slot(idx).id;
         self.tasks.entry(seg).or_default().push_back(task);
-        self.objs.update(id, |o| {
-            o.replicas.push(Replica {
-                slot: idx,
-                state: ReplicaState::Promoting,
-                offset,
-                extra: true,
-            })
-        });
+        self.objs
+            .update(id, |o| o.replicas.push(Replica::filling(idx, offset, true)));
         self.fill_due(id, idx, offset, now_ms);
     }
 

@@ -459,12 +459,7 @@ impl ShardState {
             checksum,
         });
         self.objs.update(id, |o| {
-            o.replicas.push(Replica {
-                slot: idx,
-                state: ReplicaState::Promoting,
-                offset,
-                extra: false,
-            })
+            o.replicas.push(Replica::filling(idx, offset, false))
         });
         self.fill_due(id, idx, offset, now_ms);
     }
