@@ -54,6 +54,7 @@ fn layout(m: &LoadedModel, chunk_tokens: usize) -> KvLayout {
         kv_heads: c.num_key_value_heads,
         head_dim: c.head_dim(),
         fingerprint: m.fingerprint,
+        group_layers: c.num_hidden_layers,
     }
 }
 
@@ -126,7 +127,13 @@ impl Pool {
         let items: Vec<(String, Arc<[f32]>)> = hashes
             .iter()
             .enumerate()
-            .map(|(i, h)| (layout.key(*h), kv.seal_block(i, *h)))
+            .flat_map(|(i, h)| {
+                let segs = kv.seal_chunk(i, *h);
+                segs.into_iter()
+                    .enumerate()
+                    .map(|(g, s)| (layout.group_key(*h, g), s))
+                    .collect::<Vec<_>>()
+            })
             .collect();
         let refs: Vec<(&[u8], &[u8])> = items
             .iter()
@@ -153,11 +160,10 @@ impl Pool {
             .rt
             .block_on(self.kv.load_prefix(&layout, &hashes[..chunks], true));
         assert_eq!(
-            loaded.blocks.len(),
-            chunks,
+            loaded.chunks, chunks,
             "every chunk asked for is in the pool"
         );
-        let mut kv = SeqKv::with_loaded(layout, loaded.blocks);
+        let mut kv = SeqKv::with_loaded(layout, loaded.segs);
         prefill(model, &mut kv, prompt);
         t0.elapsed().as_secs_f64()
     }
@@ -302,7 +308,7 @@ pub fn main() {
                             .rt
                             .block_on(pool.kv.load_prefix(&l, &hashes[..1], true));
                         ld.push(t.elapsed().as_secs_f64());
-                        assert_eq!(got.blocks.len(), 1);
+                        assert_eq!(got.chunks, 1);
                     }
                 }
             }
@@ -314,7 +320,7 @@ pub fn main() {
             }
             println!(
                 "{name:<14} {len:>6} {:>10} {c:>10.3} {d:>10.3} {:>8.2}",
-                l.block_bytes(),
+                l.chunk_bytes(),
                 d / c
             );
         }

@@ -70,6 +70,30 @@ fn token_ids(v: &Value) -> Vec<u64> {
         .collect()
 }
 
+/// The `chunk_keys` of a prefill answer's `kv_transfer_params`.
+fn chunk_keys(kvp: &Value) -> Vec<String> {
+    kvp["chunk_keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Replaces the object `key` with its bytes but one bit in the middle;
+/// returns the original bytes.
+fn flip_a_bit(pool: &Proc, key: &str) -> Vec<u8> {
+    let (code, bytes, err) = cli(&pool.addr, &["get", key], None);
+    assert_eq!(code, 0, "{err}");
+    let mut bad = bytes.clone();
+    let at = bad.len() / 2;
+    bad[at] ^= 0x10;
+    assert_eq!(cli(&pool.addr, &["rm", "--force", key], None).0, 0);
+    let (code, _, err) = cli(&pool.addr, &["put", key], Some(&bad));
+    assert_eq!(code, 0, "{err}");
+    bytes
+}
+
 #[test]
 fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed() {
     let pool = pool();
@@ -92,12 +116,7 @@ fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed()
     assert_eq!(kvp["do_remote_prefill"], true, "{pre}");
     assert_eq!(kvp["num_tokens"], 700);
     assert_eq!(kvp["pool"], pool.addr.as_str());
-    let keys: Vec<String> = kvp["chunk_keys"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|k| k.as_str().unwrap().to_string())
-        .collect();
+    let keys = chunk_keys(&kvp);
     assert_eq!(keys.len(), 2, "{kvp}");
     assert_eq!(metric(&prefill, "chunks_stored_total"), 2.0);
 
@@ -112,14 +131,7 @@ fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed()
     assert_eq!(metric(&decode, "chunks_loaded_total"), 2.0);
 
     // Corrupt the second chunk in the pool: one payload bit flipped.
-    let (code, bytes, err) = cli(&pool.addr, &["get", &keys[1]], None);
-    assert_eq!(code, 0, "{err}");
-    let mut bad = bytes.clone();
-    let at = bad.len() / 2;
-    bad[at] ^= 0x10;
-    assert_eq!(cli(&pool.addr, &["rm", "--force", &keys[1]], None).0, 0);
-    let (code, _, err) = cli(&pool.addr, &["put", &keys[1]], Some(&bad));
-    assert_eq!(code, 0, "{err}");
+    let bytes = flip_a_bit(&pool, &keys[1]);
 
     let out = greedy(&decode, &p, 32, Some(dec_req));
     assert_eq!(token_ids(&out), want, "decode after a corrupt chunk");
@@ -168,6 +180,87 @@ fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed()
     let (code, again, _) = cli(&pool.addr, &["get", &keys[1]], None);
     assert_eq!(code, 0);
     assert_eq!(again, bytes);
+}
+
+/// The pool key of group `g` of the chunk named `key` (its last group's key).
+fn group_key(key: &str, g: usize, groups: usize) -> String {
+    let last = format!("-g{}of{groups}@", groups - 1);
+    assert!(key.contains(&last), "{key}");
+    key.replace(&last, &format!("-g{g}of{groups}@"))
+}
+
+#[test]
+fn layer_wise_streamed_kv_gives_the_scratch_tokens_loaded_streamed_or_whole() {
+    let pool = pool();
+    let plain = config_file("tcp", TCP_CONFIG);
+    // builtin:tiny has four layers: one pool object per layer of a chunk.
+    let streaming = config_file(
+        "stream",
+        &format!("{TCP_CONFIG}[engine]\nkv_layer_groups = 4\nkv_stream = true\n"),
+    );
+    let whole = config_file(
+        "groups",
+        &format!("{TCP_CONFIG}[engine]\nkv_layer_groups = 4\n"),
+    );
+    let scratch_engine = engine(None, &plain);
+    let prefill = engine(Some(&pool.addr), &streaming);
+    let decode = engine(Some(&pool.addr), &streaming);
+    let reader = engine(Some(&pool.addr), &whole);
+    let p = prompt(700, 11);
+    let want = token_ids(&greedy(&scratch_engine, &p, 24, None));
+
+    // The prefill engine streams each layer of both full chunks as the
+    // piece computing the chunk finishes it; it answers once all are in.
+    let pre = greedy(&prefill, &p, 1, Some(json!({"do_remote_decode": true})));
+    assert_eq!(token_ids(&pre)[0], want[0]);
+    let kvp = pre["kv_transfer_params"].clone();
+    let keys = chunk_keys(&kvp);
+    assert_eq!(keys.len(), 2, "{kvp}");
+    assert_eq!(metric(&prefill, "chunks_stored_total"), 2.0);
+    for key in &keys {
+        for g in 0..4 {
+            let (code, _, err) = cli(&pool.addr, &["get", &group_key(key, g, 4)], None);
+            assert_eq!(code, 0, "group {g} of {key}: {err}");
+        }
+    }
+
+    // The decode engine starts the prompt's last piece while the prefix
+    // arrives layer by layer.
+    let mut dec_req = kvp.clone();
+    dec_req["do_remote_prefill"] = true.into();
+    let out = greedy(&decode, &p, 24, Some(dec_req.clone()));
+    assert_eq!(token_ids(&out), want, "streamed load");
+    assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 512);
+    assert_eq!(out["kvpool"]["prompt_tokens_computed"], 188);
+    assert!(metric(&decode, "kv_stream_wait_seconds_count") >= 1.0);
+
+    // An engine that does not stream (same layout) loads the chunks whole.
+    let out = greedy(&reader, &p, 24, None);
+    assert_eq!(token_ids(&out), want, "streamed chunks loaded whole");
+    assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 512);
+
+    // Layer 2 of the second chunk corrupted: the streamed load stops there,
+    // the piece that had started is run again from the first chunk.
+    let bad_key = group_key(&keys[1], 2, 4);
+    let bytes = flip_a_bit(&pool, &bad_key);
+    let out = greedy(&decode, &p, 24, Some(dec_req));
+    assert_eq!(
+        token_ids(&out),
+        want,
+        "a refused streamed layer is recomputed"
+    );
+    assert_eq!(out["kvpool"]["chunks_refused"], 1);
+    assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 256);
+    assert_eq!(out["kvpool"]["prompt_tokens_computed"], 444);
+    assert_eq!(metric(&decode, "chunks_refused_total"), 1.0);
+    common::eventually_blocking(
+        "the recomputed layer to be stored",
+        Duration::from_secs(30),
+        || {
+            let (code, again, _) = cli(&pool.addr, &["get", &bad_key], None);
+            code == 0 && again == bytes
+        },
+    );
 }
 
 #[test]

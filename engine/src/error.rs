@@ -25,6 +25,10 @@ pub enum EngineError {
     /// The tensor library failed.
     #[error("tensor: {0}")]
     Tensor(#[from] candle_core::Error),
+    /// A streamed KV group did not arrive for every loaded chunk: only the
+    /// first `keep` chunks can be used; the scheduler recomputes the rest.
+    #[error("streamed KV lost from chunk {keep} on")]
+    KvLost { keep: usize },
     /// Start-up or serving failed for another reason.
     #[error("{0}")]
     Start(String),

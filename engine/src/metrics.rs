@@ -20,6 +20,8 @@ pub struct EngineMetrics {
     pub chunks_stored: Counter,
     pub chunks_store_failed: Counter,
     pub kv_load_seconds: Histogram,
+    /// Time a prefill piece waited for streamed KV groups.
+    pub kv_stream_wait_seconds: Histogram,
     pub prefill_seconds: Counter<f64, AtomicU64>,
     pub decode_seconds: Counter<f64, AtomicU64>,
     pub prefill_tokens_per_second: Gauge<f64, AtomicU64>,
@@ -53,6 +55,7 @@ impl EngineMetrics {
             chunks_stored: Counter::default(),
             chunks_store_failed: Counter::default(),
             kv_load_seconds: latency_histogram(),
+            kv_stream_wait_seconds: latency_histogram(),
             prefill_seconds: Counter::default(),
             decode_seconds: Counter::default(),
             prefill_tokens_per_second: Gauge::default(),
@@ -122,13 +125,21 @@ impl EngineMetrics {
         );
         reg.register(
             "engine_chunks_store_failed",
-            "KV chunks that could not be stored (logged; the request went on)",
+            "KV objects (a chunk's layer groups) that could not be stored (logged; the request \
+             went on)",
             m.chunks_store_failed.clone(),
         );
         reg.register(
             "engine_kv_load_seconds",
-            "Time to look up and load a prompt's cached chunks",
+            "Time to look up and load a prompt's cached chunks (streamed: until the last group \
+             arrived)",
             m.kv_load_seconds.clone(),
+        );
+        reg.register(
+            "engine_kv_stream_wait_seconds",
+            "Time a prefill piece waited for streamed KV groups of its loaded prefix (per piece \
+             of a request loading one)",
+            m.kv_stream_wait_seconds.clone(),
         );
         reg.register(
             "engine_prefill_seconds",

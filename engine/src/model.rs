@@ -54,6 +54,31 @@ pub struct Step<'a> {
     pub want_logits: bool,
 }
 
+/// Called around each layer of a forward pass: layer-wise KV streaming
+/// waits for a loaded group before its first layer and stores a computed
+/// group after its last.
+pub trait LayerHook {
+    /// Before layer `layer` reads step `step`'s KV. An error ends the pass
+    /// before any new position counts (the steps' KV lengths are unchanged).
+    fn before_layer(
+        &mut self,
+        step: usize,
+        layer: usize,
+        kv: &mut SeqKv,
+    ) -> Result<(), EngineError>;
+    /// Once layer `layer`'s K and V of step `step`'s new positions are written.
+    fn after_layer(&mut self, step: usize, layer: usize, kv: &mut SeqKv);
+}
+
+struct NoHook;
+
+impl LayerHook for NoHook {
+    fn before_layer(&mut self, _: usize, _: usize, _: &mut SeqKv) -> Result<(), EngineError> {
+        Ok(())
+    }
+    fn after_layer(&mut self, _: usize, _: usize, _: &mut SeqKv) {}
+}
+
 /// Weights by name, each with the file it came from (for error messages).
 pub type Weights = HashMap<String, (Tensor, PathBuf)>;
 
@@ -183,6 +208,15 @@ impl Llama {
     /// K and V to each step's KV. Returns the logits of the last new token
     /// of each step that asked for them, in step order.
     pub fn forward(&self, steps: &mut [Step<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
+        self.forward_with(steps, &mut NoHook)
+    }
+
+    /// [`Llama::forward`], calling `hook` around every layer of every step.
+    pub fn forward_with(
+        &self,
+        steps: &mut [Step<'_>],
+        hook: &mut dyn LayerHook,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         let cfg = &self.cfg;
         let hd = cfg.head_dim();
         let heads = cfg.num_attention_heads;
@@ -247,6 +281,9 @@ impl Llama {
             })
             .collect::<candle_core::Result<_>>()?;
         for (li, layer) in self.layers.iter().enumerate() {
+            for (i, s) in steps.iter_mut().enumerate() {
+                hook.before_layer(i, li, s.kv)?;
+            }
             let residual = &x;
             let hn = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
             let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
@@ -260,7 +297,9 @@ impl Llama {
             let k_all = k.flatten_all()?.to_vec1::<f32>()?;
             let v_all = v.flatten_all()?.to_vec1::<f32>()?;
             let mut ys = Vec::with_capacity(steps.len());
-            for ((s, &(off, n, start)), mask) in steps.iter_mut().zip(&rows).zip(&masks) {
+            for (i, ((s, &(off, n, start)), mask)) in
+                steps.iter_mut().zip(&rows).zip(&masks).enumerate()
+            {
                 let pick = |all: &[f32]| -> Vec<f32> {
                     let mut out = Vec::with_capacity(kvh * n * hd);
                     for h in 0..kvh {
@@ -270,6 +309,7 @@ impl Llama {
                     out
                 };
                 s.kv.write(li, &pick(&k_all), &pick(&v_all), n);
+                hook.after_layer(i, li, s.kv);
                 let len = start + n;
                 let keys =
                     Tensor::from_vec(s.kv.gather(li, false, len), (kvh, len, hd), &self.device)?;

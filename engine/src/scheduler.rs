@@ -22,18 +22,28 @@
 //!
 //! When a sequence's prompt is done, its new full chunks are sealed (header,
 //! checksum) and handed to the store task, shared with the sequence (a full
-//! block is never written again).
+//! chunk is never written again). With layer-wise streaming
+//! (`engine.kv_stream`) each group of layers of a chunk is sealed and handed
+//! over as soon as the piece computing the chunk has run its last layer, while
+//! the next group computes; and a prefix loaded from the pool arrives group by
+//! group while the piece runs: the pass waits before a group's first layer
+//! until that group is in place ([`PendingLoad`]). A group that arrives short
+//! (a chunk missing or refused) ends the pass; the sequence keeps the chunks
+//! that arrived and computes the rest, so the output never depends on whether
+//! or how KV was streamed.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpool_runtime::chunk_hash::ChunkHash;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::kv::SeqKv;
+use crate::error::EngineError;
+use crate::kv::{KvLayout, SeqKv};
 use crate::metrics::EngineMetrics;
-use crate::model::{Llama, Step};
+use crate::model::{LayerHook, Llama, Step};
 use crate::sampling::{logprobs, Sampler, SamplingParams, TokenLogprobs};
 
 /// Why a sequence stopped.
@@ -57,8 +67,9 @@ impl Finish {
 /// What a running request hears from the engine.
 #[derive(Debug)]
 pub enum Event {
-    /// The prompt is done: how many of its tokens were computed.
-    Prefilled { computed: usize },
+    /// The prompt is done: how many of its tokens were computed, and how
+    /// many KV objects of a streamed load were refused on the way.
+    Prefilled { computed: usize, refused: usize },
     /// A generated token, with its logprobs when the request asked.
     Token(u32, Option<TokenLogprobs>),
     /// The sequence ended.
@@ -67,17 +78,69 @@ pub enum Event {
     Failed(String),
 }
 
-/// A chunk to store: its pool key and its sealed block.
-pub type StoreItem = (String, Arc<[f32]>);
+/// A segment to store: the index of its chunk in the prompt, its group, its
+/// pool key and the sealed segment.
+pub struct StoreItem {
+    pub chunk: usize,
+    pub group: usize,
+    /// Whether this is the chunk's last group.
+    pub last: bool,
+    pub key: String,
+    pub segment: Arc<[f32]>,
+}
 
-/// A batch of chunks for the store task: the prompt's chunks
-/// `loaded_before..` (the earlier ones came from the pool). `done` (when
-/// set) hears how many leading chunks of the prompt are in the pool
-/// afterwards: `loaded_before` plus the leading run of `items` stored.
+/// What a prompt's store jobs achieved, shared by all of them.
+#[derive(Debug)]
+pub struct StoreTally {
+    /// The first chunk of the prompt with a segment not stored.
+    first_failed: AtomicUsize,
+}
+
+impl Default for StoreTally {
+    fn default() -> Self {
+        Self {
+            first_failed: AtomicUsize::new(usize::MAX),
+        }
+    }
+}
+
+impl StoreTally {
+    /// Records that a segment of chunk `chunk` is not in the pool.
+    pub fn fail(&self, chunk: usize) {
+        self.first_failed.fetch_min(chunk, Ordering::Relaxed);
+    }
+
+    /// Leading chunks of `0..end` in the pool, the ones before a failure.
+    pub fn leading(&self, end: usize) -> usize {
+        self.first_failed.load(Ordering::Relaxed).min(end)
+    }
+}
+
+/// Segments for the store task. Jobs run in order, so `done` (set on a
+/// prompt's last job) hears, after every earlier job of the prompt ran, how
+/// many of its leading chunks are in the pool: `end` (its full chunks)
+/// capped at the first one whose store failed.
 pub struct StoreJob {
     pub items: Vec<StoreItem>,
-    pub loaded_before: usize,
-    pub done: Option<oneshot::Sender<usize>>,
+    pub tally: Arc<StoreTally>,
+    pub done: Option<(usize, oneshot::Sender<usize>)>,
+}
+
+/// One group of a streamed load: segments of the leading chunks verified,
+/// and how many objects of the group were refused (0 or 1: the run ends there).
+pub struct StreamedGroup {
+    pub group: usize,
+    pub segs: Vec<Arc<[f32]>>,
+    pub refused: usize,
+}
+
+/// A prefix being loaded group by group: the loader sends group `g`'s
+/// verified segments of the leading chunks (in chunk order) for g = 0, 1, ...
+/// A group covering fewer chunks than were promised ends the loaded run there.
+pub struct PendingLoad {
+    pub groups: flume::Receiver<StreamedGroup>,
+    /// The model thread waits for a group at most until then.
+    pub deadline: Instant,
 }
 
 /// A request handed to the engine.
@@ -94,8 +157,8 @@ pub struct Request {
     pub max_len: usize,
     /// Store the prompt's new full chunks; `Some(tx)` also reports when stored.
     pub store: Option<Option<oneshot::Sender<usize>>>,
-    /// Key of chunk `i` (for stores).
-    pub key_of: Arc<dyn Fn(ChunkHash) -> String + Send + Sync>,
+    /// The loaded prefix still arriving (streamed), its chunks already in `kv`.
+    pub pending: Option<PendingLoad>,
     pub events: mpsc::Sender<Event>,
 }
 
@@ -105,6 +168,10 @@ struct Running {
     req: Request,
     sampler: Sampler,
     loaded_blocks: usize,
+    /// What the stores of this prompt achieved.
+    tally: Arc<StoreTally>,
+    /// Objects of a streamed load refused so far.
+    refused: usize,
     /// The token to feed next (decode phase), if any.
     next: Option<u32>,
     generated: usize,
@@ -126,6 +193,8 @@ impl Running {
 pub struct LoopConfig {
     pub chunk_tokens: usize,
     pub max_num_seqs: usize,
+    /// Store each group of a chunk's layers as soon as it is computed.
+    pub stream_store: bool,
 }
 
 /// What one [`Scheduler::step`] did.
@@ -302,6 +371,8 @@ fn admit(seq: u64, req: Request) -> Running {
         req,
         sampler,
         loaded_blocks,
+        tally: Arc::default(),
+        refused: 0,
         next: None,
         generated: 0,
         computed: 0,
@@ -321,17 +392,63 @@ fn prefill_piece(
     let end = ((pos / cfg.chunk_tokens + 1) * cfg.chunk_tokens).min(len);
     let last = end == len;
     let t0 = Instant::now();
+    let layout = *r.req.kv.layout();
+    let chunk = pos / cfg.chunk_tokens;
+    // The chunk this piece completes, when its groups are streamed to the pool.
+    let stream = match store_tx {
+        Some(tx)
+            if cfg.stream_store
+                && r.req.store.is_some()
+                && end == (chunk + 1) * cfg.chunk_tokens
+                && chunk >= r.loaded_blocks =>
+        {
+            Some(StreamStore {
+                chunk,
+                hash: r.req.hashes[chunk],
+                filled: end,
+                tx,
+                tally: &r.tally,
+                metrics,
+            })
+        }
+        _ => None,
+    };
+    let mut hook = PieceHook {
+        layout,
+        pending: r.req.pending.as_ref(),
+        waited: Duration::ZERO,
+        refused: 0,
+        store: stream,
+    };
     let out = {
         let mut steps = [Step {
             tokens: &r.req.prompt[pos..end],
             kv: &mut r.req.kv,
             want_logits: last,
         }];
-        model.forward(&mut steps)
+        model.forward_with(&mut steps, &mut hook)
     };
-    let secs = t0.elapsed().as_secs_f64();
+    let waited = hook.waited;
+    r.refused += hook.refused;
+    if r.req.pending.is_some() {
+        metrics.kv_stream_wait_seconds.observe(waited.as_secs_f64());
+        if (0..layout.groups()).all(|g| !r.req.kv.awaits(g)) {
+            r.req.pending = None;
+        }
+    }
+    let secs = (t0.elapsed() - waited).as_secs_f64();
     let logits = match out {
         Ok(l) => l,
+        Err(EngineError::KvLost { keep }) => {
+            // Keep the chunks that arrived; the next piece computes from there.
+            let keep = keep.min(r.loaded_blocks);
+            r.req.kv.truncate_chunks(keep);
+            r.loaded_blocks = keep;
+            if keep == 0 {
+                r.req.pending = None;
+            }
+            return true;
+        }
         Err(e) => {
             r.send(Event::Failed(format!("prefill failed: {e}")));
             return false;
@@ -348,9 +465,10 @@ fn prefill_piece(
         // A caller gone by now is counted and dropped at the step's end.
         return true;
     }
-    store_new_chunks(r, store_tx, metrics);
+    store_new_chunks(r, cfg, store_tx, metrics);
     if !r.send(Event::Prefilled {
         computed: r.computed,
+        refused: r.refused,
     }) {
         return false;
     }
@@ -366,9 +484,96 @@ fn prefill_piece(
     emit(r, token, lp)
 }
 
-/// Seals the prompt's full chunks computed here and queues them for the pool.
+/// The layer hook of a prefill piece: waits for streamed groups of the
+/// loaded prefix, and streams the groups of the chunk the piece completes.
+struct PieceHook<'a> {
+    layout: KvLayout,
+    pending: Option<&'a PendingLoad>,
+    /// Time spent waiting for streamed groups.
+    waited: Duration,
+    /// Objects of the streamed groups received that were refused.
+    refused: usize,
+    store: Option<StreamStore<'a>>,
+}
+
+struct StreamStore<'a> {
+    chunk: usize,
+    hash: ChunkHash,
+    /// Positions written once the piece's layers ran.
+    filled: usize,
+    tx: &'a flume::Sender<StoreJob>,
+    tally: &'a Arc<StoreTally>,
+    metrics: &'a EngineMetrics,
+}
+
+impl LayerHook for PieceHook<'_> {
+    fn before_layer(&mut self, _: usize, layer: usize, kv: &mut SeqKv) -> Result<(), EngineError> {
+        let g = self.layout.group_of(layer);
+        let Some(p) = self.pending.filter(|_| kv.awaits(g)) else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        let got = loop {
+            match p.groups.recv_deadline(p.deadline) {
+                // Groups come in order; one installed by an earlier pass
+                // that ended is not sent again.
+                Ok(got) if got.group == g => break Some(got),
+                Ok(_) => continue,
+                Err(_) => break None,
+            }
+        };
+        self.waited += t0.elapsed();
+        match got {
+            Some(got) => {
+                self.refused += got.refused;
+                let keep = got.segs.len();
+                if kv.install(g, got.segs) {
+                    Ok(())
+                } else {
+                    Err(EngineError::KvLost { keep })
+                }
+            }
+            None => {
+                tracing::warn!("streamed KV group {g} did not arrive in time; recomputing");
+                Err(EngineError::KvLost { keep: 0 })
+            }
+        }
+    }
+
+    fn after_layer(&mut self, _: usize, layer: usize, kv: &mut SeqKv) {
+        let Some(s) = &self.store else {
+            return;
+        };
+        let g = self.layout.group_of(layer);
+        let (first, count) = self.layout.group_span(g);
+        if layer + 1 != first + count {
+            return;
+        }
+        let item = StoreItem {
+            chunk: s.chunk,
+            group: g,
+            last: g + 1 == self.layout.groups(),
+            key: self.layout.group_key(s.hash, g),
+            segment: kv.seal_segment(s.chunk, g, s.hash, s.filled),
+        };
+        let job = StoreJob {
+            items: vec![item],
+            tally: s.tally.clone(),
+            done: None,
+        };
+        if s.tx.try_send(job).is_err() {
+            s.tally.fail(s.chunk);
+            s.metrics.chunks_store_failed.inc();
+            tracing::warn!("KV store queue is full or closed: a streamed group not stored");
+        }
+    }
+}
+
+/// Seals the prompt's full chunks computed here (those not streamed already)
+/// and queues them for the pool.
 fn store_new_chunks(
     r: &mut Running,
+    cfg: &LoopConfig,
     store_tx: Option<&flume::Sender<StoreJob>>,
     metrics: &EngineMetrics,
 ) {
@@ -376,28 +581,43 @@ fn store_new_chunks(
         return;
     };
     let loaded = r.loaded_blocks;
-    let full = r.req.prompt.len() / r.req.kv.layout().chunk_tokens;
+    let layout = *r.req.kv.layout();
+    let full = r.req.prompt.len() / layout.chunk_tokens;
     let Some(tx) = store_tx.filter(|_| full > loaded) else {
         if let Some(done) = done {
             let _ = done.send(loaded);
         }
         return;
     };
-    let mut items = Vec::with_capacity(full - loaded);
-    for i in loaded..full {
-        let hash = r.req.hashes[i];
-        items.push(((r.req.key_of)(hash), r.req.kv.seal_block(i, hash)));
+    let mut items = Vec::new();
+    if !cfg.stream_store {
+        for c in loaded..full {
+            let hash = r.req.hashes[c];
+            for (g, segment) in r.req.kv.seal_chunk(c, hash).into_iter().enumerate() {
+                let key = layout.group_key(hash, g);
+                items.push(StoreItem {
+                    chunk: c,
+                    group: g,
+                    last: g + 1 == layout.groups(),
+                    key,
+                    segment,
+                });
+            }
+        }
+    }
+    if items.is_empty() && done.is_none() {
+        return;
     }
     let n = items.len() as u64;
     let job = StoreJob {
         items,
-        loaded_before: loaded,
-        done,
+        tally: r.tally.clone(),
+        done: done.map(|tx| (full, tx)),
     };
     if let Err(e) = tx.try_send(job) {
         metrics.chunks_store_failed.inc_by(n);
-        tracing::warn!("KV store queue is full or closed: {n} chunks not stored");
-        if let Some(done) = e.into_inner().done {
+        tracing::warn!("KV store queue is full or closed: {n} KV objects not stored");
+        if let Some((_, done)) = e.into_inner().done {
             let _ = done.send(loaded);
         }
     }
@@ -492,6 +712,15 @@ mod tests {
     const CHUNK: usize = 64;
 
     fn setup(store: bool) -> (Scheduler, KvLayout, Option<flume::Receiver<StoreJob>>) {
+        setup_with(store, 4, false)
+    }
+
+    /// builtin:tiny (4 layers) with `group_layers` layers per KV object.
+    fn setup_with(
+        store: bool,
+        group_layers: usize,
+        stream_store: bool,
+    ) -> (Scheduler, KvLayout, Option<flume::Receiver<StoreJob>>) {
         let m = crate::loader::load("builtin:tiny").unwrap();
         let c = m.model.config();
         let layout = KvLayout {
@@ -500,9 +729,10 @@ mod tests {
             kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim(),
             fingerprint: m.fingerprint,
+            group_layers,
         };
         let (tx, rx) = if store {
-            let (tx, rx) = flume::bounded(8);
+            let (tx, rx) = flume::bounded(64);
             (Some(tx), Some(rx))
         } else {
             (None, None)
@@ -510,6 +740,7 @@ mod tests {
         let cfg = LoopConfig {
             chunk_tokens: CHUNK,
             max_num_seqs: 4,
+            stream_store,
         };
         let metrics = EngineMetrics::new(&MetricsRegistry::new());
         (
@@ -520,7 +751,7 @@ mod tests {
     }
 
     fn request(
-        layout: KvLayout,
+        _layout: KvLayout,
         prompt: Vec<u32>,
         kv: SeqKv,
         max_tokens: usize,
@@ -540,7 +771,7 @@ mod tests {
             eos: vec![],
             max_len: 4096,
             store: Some(None),
-            key_of: Arc::new(move |h| layout.key(h)),
+            pending: None,
             events: tx,
         };
         (req, rx)
@@ -595,7 +826,7 @@ mod tests {
         }
         assert!(matches!(
             b_rx.try_recv(),
-            Ok(Event::Prefilled { computed: 300 })
+            Ok(Event::Prefilled { computed: 300, .. })
         ));
         assert_eq!(tokens(&mut a_rx).len(), 2 + 5);
     }
@@ -623,7 +854,7 @@ mod tests {
         assert_eq!(s.step().prefill_tokens, 30);
         assert!(matches!(
             b_rx.try_recv(),
-            Ok(Event::Prefilled { computed: 30 })
+            Ok(Event::Prefilled { computed: 30, .. })
         ));
         assert_eq!(s.step().prefill_tokens, 64);
         run_to_end(&mut s);
@@ -661,11 +892,10 @@ mod tests {
             .try_recv()
             .expect("three full chunks queued for the pool");
         assert_eq!(job.items.len(), 3);
-        assert_eq!(job.loaded_before, 0);
-        let blocks: Vec<Arc<[f32]>> = job.items.iter().map(|(_, b)| b.clone()).collect();
+        let blocks: Vec<Arc<[f32]>> = job.items.iter().map(|i| i.segment.clone()).collect();
         let hashes = chunk_hashes(&p, CHUNK).unwrap();
         for (i, b) in blocks.iter().enumerate() {
-            crate::kv::verify(&layout, hashes[i], b, layout.block_bytes()).unwrap();
+            crate::kv::verify(&layout, hashes[i], 0, b, layout.segment_bytes(0)).unwrap();
         }
 
         let (b, mut b_rx) = request(
@@ -678,7 +908,7 @@ mod tests {
         run_to_end(&mut s);
         assert!(b_rx
             .try_recv()
-            .is_ok_and(|e| matches!(e, Event::Prefilled { computed: 8 })));
+            .is_ok_and(|e| matches!(e, Event::Prefilled { computed: 8, .. })));
         assert_eq!(tokens(&mut b_rx), scratch, "tokens after a loaded prefix");
 
         let (d, mut d_rx) = request(
@@ -704,7 +934,7 @@ mod tests {
                 .unwrap()
                 .items
                 .into_iter()
-                .map(|(_, b)| b)
+                .map(|i| i.segment)
                 .collect()
         };
         let (f, mut f_rx) = request(
@@ -720,5 +950,102 @@ mod tests {
             scratch,
             "a wrong prefix must change the output"
         );
+    }
+
+    /// Runs `p` alone; returns its tokens and every store job it queued.
+    fn run_alone(
+        group_layers: usize,
+        stream: bool,
+        p: &[u32],
+        kv: impl FnOnce(KvLayout) -> (SeqKv, Option<PendingLoad>),
+    ) -> (Vec<u32>, Vec<StoreJob>) {
+        let (mut s, layout, store_rx) = setup_with(true, group_layers, stream);
+        let (kv, pending) = kv(layout);
+        let (mut r, mut rx) = request(layout, p.to_vec(), kv, 12);
+        r.pending = pending;
+        s.admit(r);
+        run_to_end(&mut s);
+        let jobs = store_rx.unwrap().try_iter().collect();
+        (tokens(&mut rx), jobs)
+    }
+
+    /// The segments of every chunk, chunk after chunk, from store jobs.
+    fn segments(layout: KvLayout, jobs: &[StoreJob]) -> Vec<Vec<Arc<[f32]>>> {
+        let mut by_chunk: Vec<Vec<Option<Arc<[f32]>>>> = Vec::new();
+        for i in jobs.iter().flat_map(|j| &j.items) {
+            while by_chunk.len() <= i.chunk {
+                by_chunk.push(vec![None; layout.groups()]);
+            }
+            by_chunk[i.chunk][i.group] = Some(i.segment.clone());
+        }
+        by_chunk
+            .into_iter()
+            .map(|c| {
+                c.into_iter()
+                    .map(|s| s.expect("every group stored"))
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn streamed_groups_are_stored_as_they_finish_and_load_back_to_the_same_tokens() {
+        let p = prompt(200, 3);
+        let hashes = chunk_hashes(&p, CHUNK).unwrap();
+        let (whole, _) = run_alone(4, false, &p, |l| (SeqKv::new(l), None));
+        // One layer per group: each of the three full chunks' four groups is
+        // its own job, queued by the piece that computed the chunk.
+        let (streamed, jobs) = run_alone(1, true, &p, |l| (SeqKv::new(l), None));
+        assert_eq!(streamed, whole, "storing layer by layer changes nothing");
+        assert_eq!(jobs.len(), 12);
+        assert!(jobs.iter().all(|j| j.items.len() == 1 && j.done.is_none()));
+        let (_, layout, _) = setup_with(false, 1, true);
+        let chunks = segments(layout, &jobs);
+        for (c, segs) in chunks.iter().enumerate() {
+            for (g, seg) in segs.iter().enumerate() {
+                crate::kv::verify(&layout, hashes[c], g, seg, layout.segment_bytes(g)).unwrap();
+            }
+        }
+        let all: Vec<Arc<[f32]>> = chunks.iter().flatten().cloned().collect();
+
+        // Loaded whole by an engine that does not stream.
+        let (loaded, _) = run_alone(1, false, &p, |l| (SeqKv::with_loaded(l, all.clone()), None));
+        assert_eq!(loaded, whole, "streamed chunks loaded whole");
+
+        // Loaded group by group while the piece runs: group g for its first n chunks.
+        let groups = |sent: &[(usize, usize)]| {
+            let (tx, rx) = flume::bounded(4);
+            for &(g, n) in sent {
+                let segs = chunks.iter().take(n).map(|c| c[g].clone()).collect();
+                tx.send(StreamedGroup {
+                    group: g,
+                    segs,
+                    refused: 0,
+                })
+                .unwrap();
+            }
+            PendingLoad {
+                groups: rx,
+                deadline: Instant::now() + Duration::from_secs(5),
+            }
+        };
+        let every = [(0, 3), (1, 3), (2, 3), (3, 3)];
+        let (got, _) = run_alone(1, true, &p, |l| {
+            (SeqKv::with_pending(l, 3), Some(groups(&every)))
+        });
+        assert_eq!(got, whole, "streamed load");
+
+        // Group 2 arrives for one chunk only: the two others are computed.
+        let short = groups(&[(0, 3), (1, 3), (2, 1), (3, 1)]);
+        let (got, jobs) = run_alone(1, true, &p, |l| (SeqKv::with_pending(l, 3), Some(short)));
+        assert_eq!(got, whole, "a short streamed group is recomputed");
+        // Chunks 1 and 2 computed, each group stored once.
+        assert_eq!(jobs.len(), 8);
+
+        // Nothing arrives (the loader gave up): everything is computed.
+        let (got, _) = run_alone(1, true, &p, |l| {
+            (SeqKv::with_pending(l, 3), Some(groups(&[])))
+        });
+        assert_eq!(got, whole, "a streamed load that never came");
     }
 }

@@ -144,6 +144,8 @@ struct Inner {
     max_model_len: usize,
     vocab_size: usize,
     eos: Vec<u32>,
+    /// The pool client's deadline per call (bounds a streamed group's read).
+    client_timeout_ms: u64,
     submit: flume::Sender<Request>,
     /// Requests in flight (see [`admit`]).
     admission: Arc<Semaphore>,
@@ -185,7 +187,9 @@ impl Engine {
             kv_heads: mc.num_key_value_heads,
             head_dim: mc.head_dim(),
             fingerprint: model.fingerprint,
+            group_layers: KvLayout::group_layers_for(mc.num_hidden_layers, cfg.kv_layer_groups),
         };
+        layout.check().map_err(EngineError::Start)?;
         let max_model_len = match cfg.max_model_len {
             0 => mc.max_position_embeddings,
             n => n.min(mc.max_position_embeddings),
@@ -237,6 +241,7 @@ impl Engine {
         let loop_cfg = LoopConfig {
             chunk_tokens: cfg.chunk_tokens,
             max_num_seqs: cfg.max_num_seqs,
+            stream_store: cfg.kv_stream,
         };
         let LoadedModel {
             name,
@@ -261,6 +266,7 @@ impl Engine {
                 max_model_len,
                 vocab_size: mc.vocab_size,
                 eos: mc.eos_token_ids.clone(),
+                client_timeout_ms: node.client.timeout_ms,
                 submit,
                 admission,
                 master: master.map(str::to_string),
@@ -330,7 +336,8 @@ impl Engine {
         let loadable = (prompt.len() - 1) / chunk;
         let kvp = g.kv_transfer.unwrap_or_default();
         let pool = e.pool.get().cloned();
-        let mut loaded = crate::pool::Loaded::default();
+        // Chunks to load: whole (awaited here) or streamed (while the piece runs).
+        let mut load: Option<(usize, bool)> = None;
         if kvp.do_remote_prefill {
             if let Some(n) = kvp.num_tokens {
                 if n != prompt.len() {
@@ -356,20 +363,38 @@ impl Engine {
                 }
             }
             match &pool {
-                Some(p) => {
-                    let n = kvp.chunk_keys.len().min(loadable);
-                    loaded = p.load_prefix(&e.layout, &hashes[..n], false).await;
-                }
+                Some(_) => load = Some((kvp.chunk_keys.len().min(loadable), false)),
                 None => tracing::warn!(
                     "do_remote_prefill without a pool (no --master, or it is down): \
                      computing the whole prompt"
                 ),
             }
-        } else if let (Some(p), true) = (&pool, e.cfg.load_from_pool) {
-            loaded = p.load_prefix(&e.layout, &hashes[..loadable], true).await;
+        } else if pool.is_some() && e.cfg.load_from_pool {
+            load = Some((loadable, true));
         }
-        let loaded_tokens = loaded.blocks.len() * chunk;
-        let kv = SeqKv::with_loaded(e.layout, loaded.blocks);
+        let (kv, pending, refused) = match (&pool, load) {
+            (Some(p), Some((n, probe))) if e.cfg.kv_stream => {
+                let timeout = Duration::from_millis(e.client_timeout_ms);
+                // Each group's read has the client's deadline; the model
+                // thread waits for the last one at most that long per group.
+                let groups = e.layout.groups() as u32;
+                let deadline = Instant::now() + timeout * (groups + 1);
+                let (n, pending) = p
+                    .load_streamed(&e.layout, &hashes[..n], probe, timeout, deadline)
+                    .await;
+                (SeqKv::with_pending(e.layout, n), pending, 0)
+            }
+            (Some(p), Some((n, probe))) => {
+                let loaded = p.load_prefix(&e.layout, &hashes[..n], probe).await;
+                (
+                    SeqKv::with_loaded(e.layout, loaded.segs),
+                    None,
+                    loaded.refused,
+                )
+            }
+            _ => (SeqKv::new(e.layout), None, 0),
+        };
+        let loaded_tokens = kv.len();
         let remote_decode = kvp.do_remote_decode;
         let (store, stored) = if pool.is_some() && (e.cfg.store_to_pool || remote_decode) {
             if remote_decode {
@@ -382,8 +407,6 @@ impl Engine {
             (None, None)
         };
         let (tx, rx) = mpsc::channel(params.max_tokens + 2);
-        let layout = e.layout;
-        let key_of = Arc::new(move |h: ChunkHash| layout.key(h));
         let req = Request {
             prompt: prompt.clone(),
             hashes: hashes.clone(),
@@ -392,7 +415,7 @@ impl Engine {
             eos: e.eos.clone(),
             max_len: e.max_model_len,
             store,
-            key_of,
+            pending,
             events: tx,
         };
         e.submit.try_send(req).map_err(|err| match err {
@@ -414,7 +437,7 @@ impl Engine {
             prompt,
             hashes,
             loaded_tokens,
-            refused: loaded.refused,
+            refused,
             remote_decode,
             stored,
             events: rx,
@@ -1105,10 +1128,16 @@ async fn respond(
         let finish;
         loop {
             match s.gen.next().await? {
-                Some(Event::Prefilled { computed: k }) => {
+                Some(Event::Prefilled {
+                    computed: k,
+                    refused,
+                }) => {
                     if s.index == 0 {
                         computed = k;
                     }
+                    // A streamed load that arrived short was computed instead.
+                    s.gen.loaded_tokens = s.gen.loaded_tokens.min(s.gen.prompt.len() - k);
+                    s.gen.refused += refused;
                 }
                 // Every token is in the ids (an end-of-sequence one too: its
                 // text is empty), so the ids are the sequence the model made.

@@ -86,6 +86,7 @@ fn ours(model: &Llama, prompt: &[u32], decode: usize) -> Vec<Vec<f32>> {
         kv_heads: c.num_key_value_heads,
         head_dim: c.head_dim(),
         fingerprint: 0,
+        group_layers: c.num_hidden_layers,
     };
     let mut kv = SeqKv::new(layout);
     let mut out = Vec::new();

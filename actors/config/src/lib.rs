@@ -1158,6 +1158,14 @@ pub struct EngineConfig {
     pub store_to_pool: bool,
     /// Store jobs queued for the pool; a full queue drops the job (counted).
     pub store_queue_depth: usize,
+    /// Pool objects per KV chunk: the chunk's layers split into this many
+    /// groups (1 = one object per chunk). Part of each key: every engine
+    /// sharing a pool's chunks must use the same value.
+    pub kv_layer_groups: usize,
+    /// Layer-wise streaming: store each group of a chunk's layers as soon as
+    /// the chunk's piece has computed it, and start a prompt's prefill while
+    /// its loaded prefix still arrives, group by group.
+    pub kv_stream: bool,
     /// Deadline of one request, end to end.
     pub request_timeout_ms: u64,
     /// Largest HTTP request body.
@@ -1174,6 +1182,8 @@ impl Default for EngineConfig {
             load_from_pool: true,
             store_to_pool: true,
             store_queue_depth: 64,
+            kv_layer_groups: 1,
+            kv_stream: false,
             request_timeout_ms: 600_000,
             max_body_bytes: Bytes::mib(16),
         }
@@ -1188,6 +1198,7 @@ impl EngineConfig {
             ("engine.max_num_seqs", self.max_num_seqs as u64),
             ("engine.max_waiting", self.max_waiting as u64),
             ("engine.store_queue_depth", self.store_queue_depth as u64),
+            ("engine.kv_layer_groups", self.kv_layer_groups as u64),
             ("engine.request_timeout_ms", self.request_timeout_ms),
             ("engine.max_body_bytes", self.max_body_bytes.get()),
         ] {
@@ -1197,6 +1208,9 @@ impl EngineConfig {
         }
         if self.chunk_tokens > 65_536 {
             return Err("key `engine.chunk_tokens`: at most 65536".into());
+        }
+        if self.kv_layer_groups > 1024 {
+            return Err("key `engine.kv_layer_groups`: at most 1024".into());
         }
         if self.max_num_seqs > 1024 {
             return Err("key `engine.max_num_seqs`: at most 1024".into());

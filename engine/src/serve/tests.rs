@@ -298,7 +298,7 @@ fn x_request_id_names_the_answer_and_models_name_the_kv_keys() {
         let kv = &v["data"][0]["kvpool"];
         assert_eq!(kv["chunk_tokens"], 256, "{v}");
         assert!(kv["key_model"].as_str().unwrap().starts_with('m'), "{v}");
-        assert_eq!(kv["key_format"], "kv1-f32-l4h4d32", "{v}");
+        assert_eq!(kv["key_format"], "kv2-f32-l4h4d32", "{v}");
         assert!(kv["pool"].is_null(), "{v}");
     });
 }
