@@ -17,6 +17,8 @@ mod engine;
 mod hot_reads;
 #[path = "../benches/integrity.rs"]
 mod integrity;
+#[path = "../benches/kv_stream.rs"]
+mod kv_stream;
 #[path = "../benches/master.rs"]
 mod master;
 #[path = "../benches/master_ship.rs"]
@@ -43,6 +45,11 @@ fn hot_reads_bench() {
 #[test]
 fn integrity_bench() {
     integrity::main();
+}
+
+#[test]
+fn kv_stream_bench() {
+    kv_stream::main();
 }
 
 #[test]
