@@ -5,6 +5,17 @@
 //! how evenly the nodes served the bytes (busiest node's bytes over the
 //! mean; 1.0 = even).
 //!
+//!
+//! Then the same pool under engines: two `--role engine` processes
+//! (builtin:tiny, pool client over TCP) answer one-token completions whose
+//! prompts are one of a set of three-chunk prefixes, picked by the same Zipf
+//! law, plus a suffix of their own; the prefixes' chunks are in the pool
+//! (put by a first pass), so each request loads three chunks and computes
+//! the suffix. Prints TTFT p50/p99 per setting and the nodes' byte spread.
+//! The engines run with `client.location_cache_entries = 0`: with the cache,
+//! an engine's repeated reads of a chunk do not reach the master, which then
+//! never sees them as hot.
+//!
 //!     cargo bench --bench hot_reads          # full run
 //!     cargo test --release --bench hot_reads # small run (also part of the suite)
 
@@ -61,9 +72,149 @@ pub fn main() {
             );
         }
     }
+    let (prefixes, clients, requests) = if full { (32, 4, 40) } else { (8, 2, 6) };
+    println!(
+        "engines: {prefixes} prefixes of 3 chunks (Zipf s = {ZIPF_S}) + 32-token suffixes, \
+         2 builtin:tiny engines, {clients} clients x {requests} one-token completions"
+    );
+    println!(
+        "{:<14} {:>8} {:>8} {:>12} {:>11}",
+        "hot_replicas", "p50_ms", "p99_ms", "busiest/mean", "hot_copies"
+    );
+    for _ in 0..rounds {
+        for hot in [0u16, 2] {
+            let r = ttft_round(hot, prefixes, clients, requests);
+            println!(
+                "{:<14} {:>8.1} {:>8.1} {:>12.2} {:>11}",
+                hot, r.p50_ms, r.p99_ms, r.skew, r.hot_copies
+            );
+        }
+    }
 }
 
-fn round(hot: u16, keys: usize, size: usize, readers: usize, reads: usize) -> Round {
+/// TTFT of engine requests over Zipf-popular prefixes; see the file's head.
+struct TtftRound {
+    p50_ms: f64,
+    p99_ms: f64,
+    skew: f64,
+    hot_copies: u64,
+}
+
+fn ttft_round(hot: u16, prefixes: usize, clients: usize, requests: usize) -> TtftRound {
+    const SUFFIX: usize = 32;
+    let (master, nodes) = start_pool(hot);
+    wait_mounted(&master.addr);
+    let cfg = std::env::temp_dir().join(format!(
+        "kvpool-bench-hot-engine-{}-{hot}.toml",
+        std::process::id()
+    ));
+    std::fs::write(
+        &cfg,
+        "[client]\ntransport = \"tcp\"\nlocation_cache_entries = 0\n",
+    )
+    .expect("engine config");
+    let cfg = cfg.to_str().expect("utf-8 path").to_string();
+    let engines: Vec<support::Node> = (0..2)
+        .map(|_| {
+            support::start(
+                "engine",
+                &[
+                    "--model",
+                    "builtin:tiny",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--master",
+                    &master.addr,
+                    "--config",
+                    &cfg,
+                ],
+            )
+        })
+        .collect();
+    let prompt = |prefix: usize, seed: u32| -> Vec<u32> {
+        let mut p = support::byte_prompt(3 * 256, prefix as u32 + 1);
+        p.extend(support::byte_prompt(SUFFIX + 1, seed).into_iter().skip(1));
+        p
+    };
+    let ask = |engine: &support::Node, p: Vec<u32>| {
+        let body = serde_json::json!({"model": "builtin:tiny", "prompt": p, "max_tokens": 1,
+            "temperature": 0, "ignore_eos": true});
+        support::completion(&engine.addr, &body)
+    };
+    for k in 0..prefixes {
+        ask(&engines[k % 2], prompt(k, 1_000_000 + k as u32));
+    }
+    let served = || -> Vec<u64> {
+        nodes
+            .iter()
+            .map(|n| support::metric(&n.http, "kvpool_storage_read_bytes").unwrap_or(0))
+            .collect()
+    };
+    let cdf = zipf_cdf(prefixes, ZIPF_S);
+    let before = served();
+    let ttfts: Vec<f64> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..clients)
+            .map(|c| {
+                let (cdf, engines, ask, prompt) = (&cdf, &engines, &ask, &prompt);
+                s.spawn(move || {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(c as u64);
+                    (0..requests)
+                        .map(|i| {
+                            let u: f64 = rng.random();
+                            let k = cdf.partition_point(|&p| p < u).min(cdf.len() - 1);
+                            let p = prompt(k, (c * requests + i) as u32 + 7);
+                            let t = Instant::now();
+                            let out = ask(&engines[(c + i) % 2], p);
+                            let ms = t.elapsed().as_secs_f64() * 1e3;
+                            assert_eq!(
+                                out["kvpool"]["prompt_tokens_loaded"], 768,
+                                "the prefix came from the pool: {out}"
+                            );
+                            ms
+                        })
+                        .collect::<Vec<f64>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("client"))
+            .collect()
+    });
+    let after = served();
+    let bytes: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    let mean = bytes.iter().sum::<u64>() as f64 / NODES as f64;
+    let mut sorted = ttfts;
+    sorted.sort_by(f64::total_cmp);
+    let q = |f: f64| sorted[((sorted.len() - 1) as f64 * f).round() as usize];
+    TtftRound {
+        p50_ms: q(0.5),
+        p99_ms: q(0.99),
+        skew: *bytes.iter().max().unwrap_or(&0) as f64 / mean.max(1.0),
+        hot_copies: support::metric(&master.http, "kvpool_master_hot_copies").unwrap_or(0),
+    }
+}
+
+/// Waits until the four storage nodes have mounted their segments.
+fn wait_mounted(master: &str) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let client = Client::connect(master, ClientConfig::default())
+            .await
+            .expect("connect");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while client.stat().await.map_or(0, |s| s.segments.len()) < NODES {
+            assert!(Instant::now() < deadline, "storage nodes did not mount");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}
+
+/// A master with `hot_replicas = hot` and four storage nodes of one shard.
+fn start_pool(hot: u16) -> (support::Node, Vec<support::Node>) {
     let cfg = std::env::temp_dir().join(format!(
         "kvpool-bench-hot-{}-{hot}.toml",
         std::process::id()
@@ -104,6 +255,12 @@ fn round(hot: u16, keys: usize, size: usize, readers: usize, reads: usize) -> Ro
             )
         })
         .collect();
+    (master, nodes)
+}
+
+fn round(hot: u16, keys: usize, size: usize, readers: usize, reads: usize) -> Round {
+    let (master, nodes) = start_pool(hot);
+    wait_mounted(&master.addr);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -125,11 +282,6 @@ fn round(hot: u16, keys: usize, size: usize, readers: usize, reads: usize) -> Ro
     };
     let (lat, elapsed, before, after, hot_copies) = rt.block_on(async {
         let client = Client::connect(&addr, ccfg.clone()).await.expect("connect");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while client.stat().await.map_or(0, |s| s.segments.len()) < NODES {
-            assert!(Instant::now() < deadline, "storage nodes did not mount");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
         for k in 0..keys {
             client
                 .put(format!("chunk-{k}").as_bytes(), &value)

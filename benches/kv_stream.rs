@@ -22,8 +22,7 @@
 
 mod support;
 
-use std::io::{Read, Write};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde_json::{json, Value};
 use support::full_mode;
@@ -76,7 +75,9 @@ pub fn main() {
     for (k, &len) in sizes.iter().enumerate() {
         // Per mode a prompt never seen: its first P/D request is the "none"
         // figure, and it leaves every chunk in the pool for the "all" rounds.
-        let prompts: Vec<Vec<u32>> = (0..2).map(|i| prompt(len, (k * 2 + i) as u32)).collect();
+        let prompts: Vec<Vec<u32>> = (0..2)
+            .map(|i| support::byte_prompt(len, (k * 2 + i) as u32))
+            .collect();
         let mut none: Vec<Pd> = Vec::new();
         for i in 0..2 {
             none.push(pd(&modes[i], &prompts[i]));
@@ -151,7 +152,7 @@ fn pd(m: &Mode, p: &[u32]) -> Pd {
             "ignore_eos": true, "kv_transfer_params": kvp})
     };
     let t0 = Instant::now();
-    let pre = post(&m.prefill.addr, &body(json!({"do_remote_decode": true})));
+    let pre = support::completion(&m.prefill.addr, &body(json!({"do_remote_decode": true})));
     let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut kvp = pre["kv_transfer_params"].clone();
     kvp["do_remote_prefill"] = true.into();
@@ -160,7 +161,7 @@ fn pd(m: &Mode, p: &[u32]) -> Pd {
     let before = waited(&m.decode);
     let skipped = t_metrics.elapsed();
     let t1 = Instant::now();
-    let out = post(&m.decode.addr, &body(kvp));
+    let out = support::completion(&m.decode.addr, &body(kvp));
     let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
     let ttft_ms = (t0.elapsed() - skipped).as_secs_f64() * 1e3;
     let wait_ms = (waited(&m.decode) - before) * 1e3;
@@ -179,51 +180,13 @@ fn pd(m: &Mode, p: &[u32]) -> Pd {
 
 /// A float metric (a histogram's `_sum`) of an engine; 0 when absent.
 fn seconds(addr: &str, name: &str) -> f64 {
-    let text = http(
+    let text = support::http(
         addr,
         "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
     );
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
         .unwrap_or(0.0)
-}
-
-fn post(addr: &str, body: &Value) -> Value {
-    let body = body.to_string();
-    let text = http(
-        addr,
-        &format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        ),
-    );
-    let (head, json) = text.split_once("\r\n\r\n").expect("an HTTP answer");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{json}");
-    serde_json::from_str(json).expect("a JSON answer")
-}
-
-fn http(addr: &str, request: &str) -> String {
-    let mut s = std::net::TcpStream::connect(addr).expect("connect engine");
-    s.set_read_timeout(Some(Duration::from_secs(900)))
-        .expect("timeout");
-    s.write_all(request.as_bytes()).expect("send");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read answer");
-    out
-}
-
-/// BOS then pseudo-random bytes; `seed` makes prompts that share nothing.
-fn prompt(n: usize, seed: u32) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(2_654_435_761) | 1;
-    std::iter::once(256)
-        .chain((1..n).map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x % 256
-        }))
-        .collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -418,3 +418,45 @@ pub fn on_path(name: &str) -> Option<String> {
     let path = found.find(|p| p.is_file())?;
     Some(path.to_string_lossy().into_owned())
 }
+
+/// POSTs `body` to an engine's `/v1/completions`; the JSON answer (200 or panic).
+pub fn completion(addr: &str, body: &serde_json::Value) -> serde_json::Value {
+    let body = body.to_string();
+    let text = http(
+        addr,
+        &format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        ),
+    );
+    let (head, json) = text.split_once("\r\n\r\n").expect("an HTTP answer");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{json}");
+    serde_json::from_str(json).expect("a JSON answer")
+}
+
+/// Sends one HTTP/1.1 request (with `Connection: close`); the whole answer.
+pub fn http(addr: &str, request: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect engine");
+    s.set_read_timeout(Some(Duration::from_secs(900)))
+        .expect("timeout");
+    s.write_all(request.as_bytes()).expect("send");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read answer");
+    out
+}
+
+/// BOS then pseudo-random bytes (a byte-level built-in model's prompt);
+/// `seed` makes prompts that share nothing.
+pub fn byte_prompt(n: usize, seed: u32) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(2_654_435_761) | 1;
+    std::iter::once(256)
+        .chain((1..n).map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x % 256
+        }))
+        .collect()
+}
