@@ -18,7 +18,7 @@ use crate::cache_sim::{simulate_cache, CacheSimReport};
 use crate::error::SimError;
 use crate::gen::{write_trace, GenParams, Preset};
 use crate::plot::{plot_load_series, plot_ttft_cdf};
-use crate::sim::{simulate_logged, SimConfig, SimOutcome, SimReport, SWING_HIGH};
+use crate::sim::{simulate_logged, PoolNodes, SimConfig, SimOutcome, SimReport, SWING_HIGH};
 use crate::trace::{ScaleParams, Trace};
 use kvpool_conductor::cache::{CachePolicy, Capacity};
 use kvpool_conductor::cost::CostModel;
@@ -96,6 +96,20 @@ pub struct SimArgs {
     /// Never show a progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Model the pool's storage nodes (0: a fetch costs the instance's link
+    /// only): blocks live on nodes by hash, each node serves one fetch at a time.
+    #[arg(long, default_value_t = 0)]
+    pub pool_nodes: usize,
+    /// Each pool node's network, Gbit/s (with --pool-nodes).
+    #[arg(long, default_value_t = 100.0)]
+    pub node_gbps: f64,
+    /// Hot-object replication (with --pool-nodes): a block read this many
+    /// times within --hot-window-ms gets a second replica (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub hot_reads: u32,
+    /// The read-counting window of --hot-reads, ms.
+    #[arg(long, default_value_t = 1_000.0)]
+    pub hot_window_ms: f64,
     /// Write every decision with the cluster state it was made on to this
     /// file (JSON lines; `kvpool sim replay --log FILE` checks it).
     #[arg(long, value_name = "FILE")]
@@ -216,6 +230,9 @@ pub struct SimGenArgs {
     /// Longest prompt; a conversation ends before exceeding it.
     #[arg(long)]
     pub context_tokens_max: Option<u32>,
+    /// Zipf exponent of the shared prompts' popularity (0 = uniform).
+    #[arg(long)]
+    pub prefix_zipf_s: Option<f64>,
 }
 
 /// Requests of `kvpool sim gen` when neither `--requests` nor `--from` says.
@@ -260,6 +277,7 @@ impl SimGenArgs {
         set(&mut p.output_sigma, self.output_sigma);
         set(&mut p.output_tokens_max, self.output_tokens_max);
         set(&mut p.context_tokens_max, self.context_tokens_max);
+        set(&mut p.prefix_zipf_s, self.prefix_zipf_s);
         p.validate()
             .map_err(|e| SimError::InvalidArg(e.to_string()))?;
         Ok(p)
@@ -498,6 +516,12 @@ pub fn sim_configs(args: &SimArgs) -> Result<Vec<SimConfig>, SimError> {
             seed: args.seed,
             cost: cost.clone(),
             load_sample_ms: args.plot_load.as_ref().map(|_| LOAD_SAMPLE_MS),
+            pool_nodes: PoolNodes {
+                nodes: args.pool_nodes,
+                node_gbps: args.node_gbps,
+                hot_reads: args.hot_reads,
+                hot_window_ms: args.hot_window_ms,
+            },
         })
         .collect();
     for c in &configs {
@@ -577,7 +601,15 @@ pub fn write_report_rows(out: &mut dyn Write, r: &SimReport) -> io::Result<()> {
         r.goodput_rps,
         r.prefix_hit_ratio,
         r.makespan_s
-    )
+    )?;
+    if let Some(skew) = r.pool_node_skew {
+        writeln!(
+            out,
+            "  pool nodes: busiest served {skew:.2}x the mean bytes; {} blocks replicated as hot",
+            r.hot_blocks
+        )?;
+    }
+    Ok(())
 }
 
 fn json_line(out: &mut dyn Write, value: &impl serde::Serialize) -> Result<(), SimError> {

@@ -22,7 +22,8 @@
 //!   after the previous one. It ends early when its prompt would exceed
 //!   `context_tokens_max`.
 //! - Turn 1's prompt is a shared system prompt (`prefix_tokens` tokens, one
-//!   of `shared_prefixes`, picked uniformly) followed by the user's first
+//!   of `shared_prefixes`, picked uniformly, or by a Zipf law of exponent
+//!   `prefix_zipf_s` over their ranks) followed by the user's first
 //!   message (log-normal, mean `first_input_tokens_mean`, e.g. a document).
 //!   Turn `k + 1`'s prompt is turn `k`'s prompt, its answer, and a new user
 //!   message (log-normal, mean `turn_input_tokens_mean`). So the full blocks of
@@ -99,6 +100,14 @@ pub struct GenParams {
     pub output_tokens_max: u32,
     /// A conversation ends when its next prompt would be longer than this.
     pub context_tokens_max: u32,
+    /// Popularity of the shared system prompts: a Zipf law with this
+    /// exponent over their ranks (0 = uniform; left out of headers then).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub prefix_zipf_s: f64,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 /// Named starting points for [`GenParams`]; every field can be overridden.
@@ -112,6 +121,10 @@ pub enum Preset {
     /// Medium answers (mean 400 tokens), multi-turn, with bursts at 5x the
     /// base rate for 20 s about every 90 s.
     Bursty,
+    /// Single-turn requests (mean 200 answer tokens) on 64 shared 8k-token
+    /// prompts whose popularity follows a Zipf law (s = 1.1): a few prompts
+    /// carry most requests, the load hot-object replication is for.
+    SkewedPrefixes,
 }
 
 impl Preset {
@@ -137,6 +150,7 @@ impl Preset {
             output_sigma: 0.6,
             output_tokens_max: 4_096,
             context_tokens_max: 128_000,
+            prefix_zipf_s: 0.0,
         };
         match self {
             Preset::DecodeHeavy => GenParams {
@@ -150,6 +164,16 @@ impl Preset {
                 burst_len_s: 20.0,
                 burst_factor: 5.0,
                 output_tokens_mean: 400,
+                ..common
+            },
+            Preset::SkewedPrefixes => GenParams {
+                rate_rps: 4.0,
+                shared_prefixes: 64,
+                prefix_tokens: 8_192,
+                turns_mean: 1.0,
+                first_input_tokens_mean: 512,
+                output_tokens_mean: 200,
+                prefix_zipf_s: 1.1,
                 ..common
             },
         }
@@ -229,6 +253,7 @@ impl GenParams {
         int_at_least("output_tokens_mean", self.output_tokens_mean, 1)?;
         finite_at_least("output_sigma", self.output_sigma, 0.0)?;
         int_at_least("output_tokens_max", self.output_tokens_max, 1)?;
+        finite_at_least("prefix_zipf_s", self.prefix_zipf_s, 0.0)?;
         let first = u64::from(self.prefix_tokens) + 1;
         if u64::from(self.context_tokens_max) < first {
             return Err(GenError::Invalid {
@@ -372,6 +397,19 @@ pub fn generate(params: &GenParams) -> Result<Vec<GenRecord>, GenError> {
     let block = u64::from(BLOCK_TOKENS);
     let prefix_full_blocks = u64::from(params.prefix_tokens) / block;
     let mut next_id: u64 = u64::from(params.shared_prefixes) * prefix_full_blocks;
+    // Cumulative Zipf probabilities of the shared prompts' ranks.
+    let zipf: Option<Vec<f64>> = (params.prefix_zipf_s > 0.0).then(|| {
+        let w: Vec<f64> = (1..=params.shared_prefixes)
+            .map(|r| f64::from(r).powf(-params.prefix_zipf_s))
+            .collect();
+        let total: f64 = w.iter().sum();
+        w.iter()
+            .scan(0.0, |acc, x| {
+                *acc += x / total;
+                Some(*acc)
+            })
+            .collect()
+    });
     let mut rates = Rates::new(params, &mut rng);
     let mut next_conv_ms = rates.next_start(0.0, &mut rng);
     // Pending follow-up turns: (time in µs, tie-break sequence) -> conversation.
@@ -411,7 +449,13 @@ pub fn generate(params: &GenParams) -> Result<Vec<GenRecord>, GenError> {
                 let mut blocks = Vec::new();
                 let mut tokens = 0;
                 if params.shared_prefixes > 0 {
-                    let k = rng.random_range(0..u64::from(params.shared_prefixes));
+                    let k = match &zipf {
+                        Some(cdf) => {
+                            let u: f64 = rng.random();
+                            cdf.partition_point(|&p| p < u).min(cdf.len() - 1) as u64
+                        }
+                        None => rng.random_range(0..u64::from(params.shared_prefixes)),
+                    };
                     blocks.extend((0..prefix_full_blocks).map(|j| k * prefix_full_blocks + j));
                     tokens = u64::from(params.prefix_tokens);
                 }
@@ -502,7 +546,7 @@ mod tests {
 
     #[test]
     fn same_params_same_bytes_and_the_header_gives_them_back() {
-        for preset in [Preset::DecodeHeavy, Preset::Bursty] {
+        for preset in [Preset::DecodeHeavy, Preset::Bursty, Preset::SkewedPrefixes] {
             let p = small(preset);
             let mut a = Vec::new();
             write_trace(&p, &mut a).unwrap();
@@ -522,6 +566,28 @@ mod tests {
             write_trace(&q, &mut d).unwrap();
             assert_ne!(a, d);
         }
+    }
+
+    #[test]
+    fn skewed_prefixes_follow_their_zipf_law() {
+        let p = small(Preset::SkewedPrefixes);
+        let recs = generate(&p).unwrap();
+        let blocks = u64::from(p.prefix_tokens / BLOCK_TOKENS);
+        let mut per_prefix = vec![0u32; p.shared_prefixes as usize];
+        for r in &recs {
+            per_prefix[(r.hash_ids[0] / blocks) as usize] += 1;
+        }
+        // Rank 1 of 64 at s = 1.1 draws 25 % of the requests, rank 2 12 %.
+        let share = |k: usize| f64::from(per_prefix[k]) / recs.len() as f64;
+        assert!((0.21..0.29).contains(&share(0)), "{per_prefix:?}");
+        assert!((0.09..0.15).contains(&share(1)), "{per_prefix:?}");
+        assert!(share(0) > 5.0 * share(20), "{per_prefix:?}");
+        // Uniform when the exponent is 0 (and left out of the header).
+        let flat = GenParams {
+            prefix_zipf_s: 0.0,
+            ..p
+        };
+        assert!(!header_line(&flat).contains("prefix_zipf_s"));
     }
 
     #[test]

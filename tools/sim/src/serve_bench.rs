@@ -391,6 +391,8 @@ pub fn report(
         } else {
             hit as f64 / total as f64
         },
+        pool_node_skew: None,
+        hot_blocks: 0,
         makespan_s,
         tbt_forecast_requests: 0,
         tbt_forecast_at_join_bias_ms: None,

@@ -17,6 +17,15 @@
 //!   conductor "updating the cache of the instance it routed to". When prefill ends,
 //!   the first token exists (TTFT), and all the request's blocks are touched
 //!   in the instance's cache and in the pool.
+//! - Pool nodes (when [`PoolNodes::nodes`] > 0): a block lives on a home
+//!   node (its hash modulo the node count) and a fetch reads it there; each
+//!   node serves the bytes it is asked for one after another at `node_gbps`,
+//!   so a node holding popular blocks queues the fetches that need it, and a
+//!   fetch ends when its instance's link and every node it read from are
+//!   done. With `hot_reads` > 0, a block read that many times within
+//!   `hot_window_ms` gets a second replica on another node at once (no copy
+//!   time, no budget, kept for the rest of the run), and its reads alternate
+//!   between the two, as the master's hot-object replication does.
 //! - The KV then goes to the chosen decode instance (the transfer is assumed
 //!   to overlap prefill layer by layer, as in Mooncake, and costs nothing
 //!   extra). A decode instance runs continuous batching: requests wait in a
@@ -96,6 +105,31 @@ pub const SWING_LOW: f32 = 1.0;
 /// Swings in one run that make it oscillate ([`LoadSeries::oscillates`]).
 pub const OSCILLATION_MIN_SWINGS: usize = 3;
 
+/// The pool's storage nodes, modelled (see the module docs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolNodes {
+    /// Storage nodes (0: not modelled; a fetch costs the instance's link only).
+    pub nodes: usize,
+    /// Each node's network, Gbit/s.
+    pub node_gbps: f64,
+    /// Reads of a block within `hot_window_ms` that give it a second
+    /// replica (0: no replication).
+    pub hot_reads: u32,
+    /// The read-counting window, ms.
+    pub hot_window_ms: f64,
+}
+
+impl Default for PoolNodes {
+    fn default() -> Self {
+        Self {
+            nodes: 0,
+            node_gbps: 100.0,
+            hot_reads: 0,
+            hot_window_ms: 1_000.0,
+        }
+    }
+}
+
 /// What to simulate.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SimConfig {
@@ -120,6 +154,8 @@ pub struct SimConfig {
     /// Record a [`LoadSeries`] with a sample every this many simulated ms
     /// (`None`: no series).
     pub load_sample_ms: Option<f64>,
+    /// The pool's storage nodes.
+    pub pool_nodes: PoolNodes,
 }
 
 impl SimConfig {
@@ -137,6 +173,7 @@ impl SimConfig {
             seed: 0,
             cost: CostModel::default(),
             load_sample_ms: None,
+            pool_nodes: PoolNodes::default(),
         }
     }
 
@@ -170,6 +207,19 @@ impl SimConfig {
                     "the load sample interval must be a finite number of ms > 0, got {ms}"
                 )));
             }
+        }
+        let n = &self.pool_nodes;
+        if n.nodes > 0 && !(n.node_gbps.is_finite() && n.node_gbps > 0.0) {
+            return Err(SimError::InvalidArg(format!(
+                "--node-gbps must be a finite number > 0, got {}",
+                n.node_gbps
+            )));
+        }
+        if n.hot_reads > 0 && !(n.hot_window_ms.is_finite() && n.hot_window_ms > 0.0) {
+            return Err(SimError::InvalidArg(format!(
+                "--hot-window-ms must be a finite number > 0, got {}",
+                n.hot_window_ms
+            )));
         }
         self.cost.validate()?;
         Ok(())
@@ -235,6 +285,11 @@ pub struct SimReport {
     pub goodput_rps: f64,
     /// Block-weighted prefix hit ratio over prefilled requests.
     pub prefix_hit_ratio: f64,
+    /// Pool nodes modelled: bytes the busiest node served over the nodes'
+    /// mean (1.0 = even; null when not modelled or nothing was fetched).
+    pub pool_node_skew: Option<f64>,
+    /// Blocks that got a second replica (hot-object replication).
+    pub hot_blocks: u64,
     /// First arrival to last event, s (simulated time).
     pub makespan_s: f64,
     /// Requests in the forecast audit: routed, decoded, >= 2 output tokens.
@@ -402,6 +457,69 @@ struct State<'t> {
     prefill: Vec<PrefillInst>,
     decode: Vec<DecodeInst>,
     pool: Cache,
+    nodes: NodeState,
+}
+
+/// SplitMix64's finaliser: trace block ids are small consecutive numbers,
+/// the nodes must not see them in order.
+fn mix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The node block `b` is placed on among `n` (pseudo-random, as the master's
+/// placement spreads objects).
+fn home_node(b: ChunkHash, n: usize) -> usize {
+    (mix(b.0) % n as u64) as usize
+}
+
+/// The modelled storage nodes: when each is free, what each served, and
+/// the read counts of hot-object replication.
+#[derive(Debug, Default)]
+struct NodeState {
+    busy_until_ms: Vec<f64>,
+    bytes: Vec<f64>,
+    /// Per block: start of its read window, reads in it, replicated.
+    reads: IdMap<ChunkHash, (f64, u32, bool)>,
+    hot_blocks: u64,
+}
+
+impl NodeState {
+    /// Reads `bytes` of block `b` at `now`; returns when the node that
+    /// serves it is done.
+    fn read(&mut self, cfg: &PoolNodes, b: ChunkHash, bytes: f64, now: f64) -> f64 {
+        let n = cfg.nodes;
+        let home = home_node(b, n);
+        let mut node = home;
+        if cfg.hot_reads > 0 && n > 1 {
+            let e = self.reads.entry(b).or_insert((now, 0, false));
+            if now - e.0 > cfg.hot_window_ms {
+                *e = (now, 0, e.2);
+            }
+            e.1 += 1;
+            if !e.2 && e.1 >= cfg.hot_reads {
+                e.2 = true;
+                self.hot_blocks += 1;
+            }
+            if e.2 && e.1.is_multiple_of(2) {
+                node = (home + 1 + (mix(b.0 ^ 1) % (n as u64 - 1)) as usize) % n;
+            }
+        }
+        let start = self.busy_until_ms[node].max(now);
+        let end = start + bytes * 8.0 / (cfg.node_gbps * 1e9) * 1e3;
+        self.busy_until_ms[node] = end;
+        self.bytes[node] += bytes;
+        end
+    }
+
+    /// Busiest node's bytes over the mean.
+    fn skew(&self) -> Option<f64> {
+        let total: f64 = self.bytes.iter().sum();
+        let busiest = self.bytes.iter().copied().fold(0.0, f64::max);
+        (total > 0.0).then(|| busiest / (total / self.bytes.len() as f64))
+    }
 }
 
 impl ClusterView for State<'_> {
@@ -577,6 +695,11 @@ impl<'t, 'l> Sim<'t, 'l> {
                 prefill,
                 decode,
                 pool: Cache::new(cfg.cache_policy, cfg.cache_blocks),
+                nodes: NodeState {
+                    busy_until_ms: vec![0.0; cfg.pool_nodes.nodes],
+                    bytes: vec![0.0; cfg.pool_nodes.nodes],
+                    ..NodeState::default()
+                },
             },
             scheduler: Scheduler::new(cfg.policy, cfg.cost.clone(), cfg.slo, cfg.seed),
             events: BinaryHeap::with_capacity(cfg.prefill + cfg.decode + 1),
@@ -738,8 +861,24 @@ impl<'t, 'l> Sim<'t, 'l> {
         self.counters.hits.record(cached, blocks.len());
         let cached_tokens = cost.blocks_to_tokens(cached, r.input_tokens);
         let local_tokens = cost.blocks_to_tokens(local, r.input_tokens);
-        let duration = cost.fetch_ms(cached_tokens - local_tokens.min(cached_tokens))
-            + cost.prefill_ms(u64::from(r.input_tokens) - cached_tokens, cached_tokens);
+        let mut fetch_ms = cost.fetch_ms(cached_tokens - local_tokens.min(cached_tokens));
+        if self.cfg.pool_nodes.nodes > 0 && cached > local {
+            // The blocks only in the pool, each from the node serving it.
+            let per_token = cost.network.kv_bytes_per_token as f64;
+            let mut done = now + fetch_ms;
+            for (k, b) in blocks.iter().enumerate().take(cached).skip(local) {
+                let tokens = cost.blocks_to_tokens(k + 1, r.input_tokens)
+                    - cost.blocks_to_tokens(k, r.input_tokens);
+                let end =
+                    self.state
+                        .nodes
+                        .read(&self.cfg.pool_nodes, *b, tokens as f64 * per_token, now);
+                done = done.max(end);
+            }
+            fetch_ms = done - now;
+        }
+        let duration =
+            fetch_ms + cost.prefill_ms(u64::from(r.input_tokens) - cached_tokens, cached_tokens);
         let p = &mut self.state.prefill[i];
         p.queued_pred_ms = if p.queue.is_empty() {
             0.0
@@ -921,6 +1060,8 @@ impl<'t, 'l> Sim<'t, 'l> {
                 0.0
             },
             prefix_hit_ratio: c.hits.ratio(),
+            pool_node_skew: self.state.nodes.skew(),
+            hot_blocks: self.state.nodes.hot_blocks,
             makespan_s,
             tbt_forecast_requests: c.forecasts,
             tbt_forecast_at_join_bias_ms: mean(c.forecast_at_join_err_ms, c.forecasts),
@@ -1135,6 +1276,59 @@ mod tests {
             assert_eq!(r.decisions, 400, "{policy}");
             assert_eq!(r.agreed, r.decisions, "{policy}: {:?}", r.mismatches);
         }
+    }
+
+    #[test]
+    fn hot_replication_spreads_a_popular_prefix_over_two_pool_nodes() {
+        // One 8-block prefix read by every request, each on a prefill
+        // instance that does not hold it: every block comes from the pool,
+        // and all eight live on node 0.
+        let shared: Vec<u64> = (0..)
+            .filter(|&id| home_node(ChunkHash(id), 4) == 0)
+            .take(8)
+            .collect();
+        let lines: Vec<(u64, u32, u32, Vec<u64>)> = (0..40)
+            .map(|i| {
+                let mut blocks = shared.clone();
+                blocks.push(1_000_000 + i);
+                // The first request stores the prefix; the rest come later.
+                let at = if i == 0 { 0 } else { 600_000 + i * 10 };
+                (at, 9 * 512, 1, blocks)
+            })
+            .collect();
+        let refs: Vec<(u64, u32, u32, &[u64])> = lines
+            .iter()
+            .map(|(t, i, o, b)| (*t, *i, *o, b.as_slice()))
+            .collect();
+        let t = trace(&refs);
+        let run = |hot_reads: u32| {
+            let mut cfg = SimConfig::new(Policy::Random, 40, 1);
+            cfg.cost.prefill.local_cache_blocks = Capacity::Blocks(0);
+            cfg.pool_nodes = PoolNodes {
+                nodes: 4,
+                node_gbps: 1.0,
+                hot_reads,
+                hot_window_ms: 10_000.0,
+            };
+            simulate(&t, &cfg).unwrap().report
+        };
+        let (off, on) = (run(0), run(4));
+        assert_eq!(off.hot_blocks, 0);
+        assert_eq!(on.hot_blocks, 8);
+        let (skew_off, skew_on) = (off.pool_node_skew.unwrap(), on.pool_node_skew.unwrap());
+        assert_eq!(skew_off, 4.0, "every fetched byte from node 0");
+        // Node 0 and one other share it (by each window's read parity).
+        assert!(skew_on <= 3.0, "{skew_on}");
+        // Slow nodes make the fetch the bottleneck: two replicas halve the queue.
+        assert!(
+            on.ttft_ms_p99.unwrap() < off.ttft_ms_p99.unwrap(),
+            "{on:?} vs {off:?}"
+        );
+        let plain = {
+            let cfg = SimConfig::new(Policy::Random, 40, 1);
+            simulate(&t, &cfg).unwrap().report
+        };
+        assert_eq!(plain.pool_node_skew, None, "not modelled by default");
     }
 
     #[test]
