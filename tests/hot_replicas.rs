@@ -325,7 +325,7 @@ fn a_prefix_many_requests_share_gets_a_second_replica_and_both_nodes_serve_it() 
 #[test]
 fn under_pressure_an_extra_replica_is_evicted_before_an_older_object() {
     // One master shard (one range per segment), 1 s leases, extra replicas
-    // may take half the DRAM; two 8 MiB nodes of one shard each.
+    // may take half the DRAM; two 8 MiB nodes.
     let dir = common::scratch_dir("hot-evict");
     let cfg = common::write_config(
         &dir,
@@ -336,24 +336,8 @@ fn under_pressure_an_extra_replica_is_evicted_before_an_older_object() {
     let mut margs = common::ephemeral(&[]);
     margs.splice(0..0, ["--config", cfg.as_str()]);
     let master = common::start("master", &margs);
-    let node = || {
-        common::start(
-            "storage",
-            &[
-                "--listen",
-                "127.0.0.1:0",
-                "--http",
-                "127.0.0.1:0",
-                "--shards",
-                "1",
-                "--master",
-                &master.addr,
-                "--segment-size",
-                "8MiB",
-            ],
-        )
-    };
-    let (s1, s2) = (node(), node());
+    let s1 = common::start_storage(&master.addr, "8MiB", &[]);
+    let s2 = common::start_storage(&master.addr, "8MiB", &[]);
     let hot = common::value(11, 2 << 20);
     let old = common::value(12, 5_600_000);
     let rt = common::rt();

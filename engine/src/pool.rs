@@ -19,7 +19,7 @@
 //!   counted; the request it came from is not failed.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvpool_client::Client;
 use kvpool_runtime::chunk_hash::ChunkHash;
@@ -93,14 +93,14 @@ impl KvPool {
     /// Starts loading the longest run of leading chunks of `hashes` present
     /// in the pool group by group (see [`KvPool::load_prefix`] for `probe`).
     /// Returns the run's length and the groups as they arrive; each group's
-    /// read has `timeout`, and the model thread waits for the last group
+    /// read has the client's deadline (a read that fails or runs past it
+    /// ends the run there), and the model thread waits for the last group
     /// until `deadline`.
     pub async fn load_streamed(
         self: &Arc<Self>,
         layout: &KvLayout,
         hashes: &[ChunkHash],
         probe: bool,
-        timeout: Duration,
         deadline: Instant,
     ) -> (usize, Option<PendingLoad>) {
         let t0 = Instant::now();
@@ -116,13 +116,7 @@ impl KvPool {
         let (pool, layout, mut hashes) = (self.clone(), *layout, hashes[..n].to_vec());
         tokio::spawn(async move {
             for g in 0..layout.groups() {
-                let which = [g];
-                let read =
-                    tokio::time::timeout(timeout, pool.read_groups(&layout, &hashes, &which));
-                let Ok(loaded) = read.await else {
-                    tracing::warn!("streamed KV group {g} not read within {timeout:?}");
-                    return;
-                };
+                let loaded = pool.read_groups(&layout, &hashes, &[g]).await;
                 hashes.truncate(loaded.chunks);
                 let group = StreamedGroup {
                     group: g,

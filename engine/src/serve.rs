@@ -374,13 +374,13 @@ impl Engine {
         }
         let (kv, pending, refused) = match (&pool, load) {
             (Some(p), Some((n, probe))) if e.cfg.kv_stream => {
-                let timeout = Duration::from_millis(e.client_timeout_ms);
                 // Each group's read has the client's deadline; the model
                 // thread waits for the last one at most that long per group.
                 let groups = e.layout.groups() as u32;
-                let deadline = Instant::now() + timeout * (groups + 1);
+                let deadline =
+                    Instant::now() + Duration::from_millis(e.client_timeout_ms) * (groups + 1);
                 let (n, pending) = p
-                    .load_streamed(&e.layout, &hashes[..n], probe, timeout, deadline)
+                    .load_streamed(&e.layout, &hashes[..n], probe, deadline)
                     .await;
                 (SeqKv::with_pending(e.layout, n), pending, 0)
             }

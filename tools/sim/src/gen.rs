@@ -55,6 +55,10 @@ pub const GEN_VERSION: u32 = 1;
 /// Most requests one trace may hold (keeps every buffer bounded).
 pub const MAX_REQUESTS: u32 = 10_000_000;
 
+/// Most shared prompts a Zipf popularity law is drawn over (its table holds
+/// one probability each).
+pub const MAX_ZIPF_PREFIXES: u32 = 1_000_000;
+
 /// Tokens per block of the generated traces (Mooncake's).
 pub const BLOCK_TOKENS: u32 = 512;
 
@@ -254,6 +258,16 @@ impl GenParams {
         finite_at_least("output_sigma", self.output_sigma, 0.0)?;
         int_at_least("output_tokens_max", self.output_tokens_max, 1)?;
         finite_at_least("prefix_zipf_s", self.prefix_zipf_s, 0.0)?;
+        if self.prefix_zipf_s > 0.0 && self.shared_prefixes > MAX_ZIPF_PREFIXES {
+            // The Zipf draw keeps one probability per shared prompt.
+            return Err(GenError::Invalid {
+                key: "shared_prefixes",
+                reason: format!(
+                    "at most {MAX_ZIPF_PREFIXES} with prefix_zipf_s > 0, got {}",
+                    self.shared_prefixes
+                ),
+            });
+        }
         let first = u64::from(self.prefix_tokens) + 1;
         if u64::from(self.context_tokens_max) < first {
             return Err(GenError::Invalid {
@@ -588,6 +602,12 @@ mod tests {
             ..p
         };
         assert!(!header_line(&flat).contains("prefix_zipf_s"));
+        // A header asking for a Zipf table past its bound is refused, not allocated.
+        let huge = GenParams {
+            shared_prefixes: MAX_ZIPF_PREFIXES + 1,
+            ..small(Preset::SkewedPrefixes)
+        };
+        assert!(generate(&huge).is_err());
     }
 
     #[test]

@@ -105,6 +105,9 @@ pub const SWING_LOW: f32 = 1.0;
 /// Swings in one run that make it oscillate ([`LoadSeries::oscillates`]).
 pub const OSCILLATION_MIN_SWINGS: usize = 3;
 
+/// Most storage nodes [`PoolNodes`] models (two counters each).
+pub const MAX_POOL_NODES: usize = 65_536;
+
 /// The pool's storage nodes, modelled (see the module docs).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolNodes {
@@ -209,6 +212,12 @@ impl SimConfig {
             }
         }
         let n = &self.pool_nodes;
+        if n.nodes > MAX_POOL_NODES {
+            return Err(SimError::InvalidArg(format!(
+                "--pool-nodes is at most {MAX_POOL_NODES}, got {}",
+                n.nodes
+            )));
+        }
         if n.nodes > 0 && !(n.node_gbps.is_finite() && n.node_gbps > 0.0) {
             return Err(SimError::InvalidArg(format!(
                 "--node-gbps must be a finite number > 0, got {}",
@@ -1342,5 +1351,11 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("--speed"));
+        cfg.speed = 1.0;
+        cfg.pool_nodes.nodes = MAX_POOL_NODES + 1;
+        assert!(simulate(&t, &cfg)
+            .unwrap_err()
+            .to_string()
+            .contains("--pool-nodes"));
     }
 }
