@@ -10,7 +10,8 @@
 //! (builtin:tiny, pool client over TCP) answer one-token completions whose
 //! prompts are one of a set of three-chunk prefixes, picked by the same Zipf
 //! law, plus a suffix of their own; the prefixes' chunks are in the pool
-//! (put by a first pass), so each request loads three chunks and computes
+//! (put by a first pass, waited for until the engines count them stored),
+//! so each request loads three chunks and computes
 //! the suffix. Prints TTFT p50/p99 per setting and the nodes' byte spread.
 //! The engines run with `client.location_cache_entries = 0`: with the cache,
 //! an engine's repeated reads of a chunk do not reach the master, which then
@@ -143,6 +144,28 @@ fn ttft_round(hot: u16, prefixes: usize, clients: usize, requests: usize) -> Ttf
     };
     for k in 0..prefixes {
         ask(&engines[k % 2], prompt(k, 1_000_000 + k as u32));
+    }
+    // An engine answers before its chunks are stored (stores run behind the
+    // answer): wait until every prefix chunk is in the pool, so that each
+    // measured request can load its whole prefix.
+    let engine_metric = |name: &str| -> u64 {
+        engines
+            .iter()
+            .map(|e| support::metric(&e.addr, name).unwrap_or(0))
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while engine_metric("kvpool_engine_chunks_stored") < 3 * prefixes as u64 {
+        assert_eq!(
+            engine_metric("kvpool_engine_chunks_store_failed"),
+            0,
+            "a prefix chunk was not stored"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the prefix chunks were not stored within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
     let served = || -> Vec<u64> {
         nodes
