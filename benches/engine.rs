@@ -27,7 +27,7 @@ use kvpool_engine::model::{Llama, Step};
 use kvpool_engine::pool::KvPool;
 use kvpool_runtime::chunk_hash::chunk_hashes;
 use kvpool_runtime::metrics::MetricsRegistry;
-use kvpool_transport::proto::PutOptions;
+use kvpool_wire::proto::PutOptions;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -146,7 +146,7 @@ impl Pool {
         {
             match r {
                 Ok(()) => {}
-                Err(e) if e.code == kvpool_transport::ErrorCode::ObjectAlreadyExists => {}
+                Err(e) if e.code == kvpool_wire::ErrorCode::ObjectAlreadyExists => {}
                 Err(e) => panic!("put: {e}"),
             }
         }

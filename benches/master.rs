@@ -23,7 +23,7 @@ use kvpool_master::state::EVICT_STEP_VICTIMS;
 use kvpool_master::{call as master_call, Master, MasterArgs, MasterMsg};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardPool, ShardPoolConfig, Shutdown};
-use kvpool_transport::proto::{
+use kvpool_wire::proto::{
     call, Endpoint, MasterRequest as Q, MasterResponse as A, PutItem, PutOptions, SegmentSpec,
 };
 use ractor::{Actor, ActorRef};
@@ -41,7 +41,7 @@ fn fake_segment(name: &str) -> SegmentSpec {
         },
         slice_bytes: 1 << 40,
         host_id: "bench".into(),
-        tier: kvpool_transport::proto::Tier::Dram,
+        tier: kvpool_wire::proto::Tier::Dram,
         nvme: None,
     }
 }
@@ -666,9 +666,9 @@ pub fn main() {
 
 /// Keys as a `BatchPutEnd`'s items (no checksums: the bench measures the
 /// master's metadata path alone).
-fn done(keys: Vec<Vec<u8>>) -> Vec<kvpool_transport::proto::PutDone> {
+fn done(keys: Vec<Vec<u8>>) -> Vec<kvpool_wire::proto::PutDone> {
     keys.into_iter()
-        .map(|key| kvpool_transport::proto::PutDone {
+        .map(|key| kvpool_wire::proto::PutDone {
             key,
             checksum: None,
         })

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use kvpool_config::MasterConfig;
 use kvpool_master::core::MasterCore;
-use kvpool_transport::proto::{call, Endpoint, MasterRequest, PutOptions, SegmentSpec, Tier};
+use kvpool_wire::proto::{call, Endpoint, MasterRequest, PutOptions, SegmentSpec, Tier};
 use support::{full_mode, Lat};
 
 const SHARDS: u32 = 2;

@@ -22,11 +22,12 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 use kvpool_client::Client;
 use kvpool_config::NodeConfig;
-use kvpool_node::process::{self as node, Role};
+use kvpool_config::Role;
+use kvpool_node as node;
 use kvpool_runtime::config::Bytes;
 use kvpool_runtime::Shutdown;
-use kvpool_transport::proto::PutOptions;
-use kvpool_transport::KvError;
+use kvpool_wire::proto::PutOptions;
+use kvpool_wire::KvError;
 
 #[derive(Parser)]
 #[command(
@@ -47,25 +48,13 @@ struct Cli {
     cmd: Cmd,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum RoleArg {
-    All,
-    Master,
-    Storage,
-    Engine,
-    Conductor,
-    PrefillProxy,
-    DecodeProxy,
-    Gateway,
-}
-
 #[derive(Subcommand)]
 enum Cmd {
     /// Serve: run one or all roles until SIGINT/SIGTERM.
     Run {
         /// Which role(s) this process runs.
-        #[arg(long, value_enum, default_value = "all")]
-        role: RoleArg,
+        #[arg(long, default_value = "all", value_parser = role_parser())]
+        role: Role,
         /// Base listen address of the role (shard i listens on port + i);
         /// for `all`, the master's.
         #[arg(long, value_name = "HOST:PORT")]
@@ -359,105 +348,41 @@ fn main() -> ExitCode {
                 cost_model,
                 decision_log,
             };
-            let role = match role {
-                RoleArg::All => Role::All,
-                RoleArg::Master => Role::Master,
-                RoleArg::Storage => Role::Storage,
-                RoleArg::Gateway => Role::Gateway,
-                RoleArg::Engine => return run_engine(model, listen, cli.master, cfg),
-                RoleArg::Conductor | RoleArg::PrefillProxy | RoleArg::DecodeProxy => {
-                    return run_serving_role(role, listen, cli.master, serving, cfg)
+            let mut launch = node::Launch::default();
+            let flags = match role {
+                Role::Engine => {
+                    launch.model = model;
+                    launch.engine_listen = listen;
+                    launch.engine_master = cli.master;
+                    Ok(launch)
+                }
+                Role::Conductor | Role::PrefillProxy | Role::DecodeProxy => {
+                    serving_role_flags(role, listen, cli.master, serving, &mut cfg).map(|()| launch)
+                }
+                Role::All | Role::Master | Role::Storage | Role::Gateway => {
+                    let f = PoolFlags {
+                        listen,
+                        http,
+                        data_listen,
+                        segment_size,
+                        shards,
+                        state_dir,
+                        resp,
+                        model,
+                        no_serving,
+                        master: cli.master,
+                    };
+                    pool_role_flags(role, f, serving, &mut cfg)
                 }
             };
-            if model.is_some() && role != Role::All {
-                eprintln!("error: --model is for --role engine and --role all");
-                return ExitCode::from(2);
-            }
-            if let Err(e) = serving.apply(&mut cfg, false) {
-                eprintln!("error: {e}");
-                return ExitCode::from(2);
-            }
-            if let Some(m) = model {
-                cfg.serving.model = m;
-            }
-            // Role all on a free port puts every listener on one (the
-            // storage node's, and the serving path's).
-            let ephemeral =
-                role == Role::All && listen.as_deref().is_some_and(|l| l.ends_with(":0"));
-            if role == Role::Master && resp.is_some() {
-                eprintln!("error: --resp needs a pool client: roles all, storage or gateway");
-                return ExitCode::from(2);
-            }
-            if role == Role::Gateway {
-                if data_listen.is_some() || segment_size.is_some() {
-                    eprintln!(
-                        "error: --data-listen and --segment-size are for roles all and storage"
-                    );
+            let launch = match flags {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("error: {e}");
                     return ExitCode::from(2);
                 }
-                // The gateway's one listener is its RESP port.
-                if let Some(l) = resp.or(listen) {
-                    cfg.resp.listen = l;
-                }
-                if let Some(h) = http {
-                    cfg.resp.http = h;
-                }
-                if let Some(m) = cli.master {
-                    cfg.resp.master = m;
-                }
-                if let Some(n) = shards {
-                    cfg.runtime.shards = n;
-                }
-                return match node::run(role, cfg, Shutdown::new()) {
-                    Ok(()) => ExitCode::SUCCESS,
-                    Err(e) => {
-                        eprintln!("error: {e}");
-                        ExitCode::from(2)
-                    }
-                };
-            }
-            if let Some(r) = resp {
-                cfg.resp.listen = r;
-            }
-            if let Some(l) = listen {
-                if role == Role::All && data_listen.is_none() {
-                    if let Some(host) = l.strip_suffix(":0") {
-                        cfg.storage.listen = format!("{host}:0");
-                    }
-                }
-                match role {
-                    Role::Storage => cfg.storage.listen = l,
-                    _ => cfg.master.listen = l,
-                }
-            }
-            if let Some(d) = data_listen {
-                cfg.storage.listen = d;
-            }
-            if let Some(h) = http {
-                match role {
-                    Role::Storage => cfg.storage.http = h,
-                    _ => cfg.master.http = h,
-                }
-            }
-            if let Some(m) = cli.master {
-                cfg.storage.master = m;
-            }
-            if let Some(d) = state_dir {
-                if role != Role::Master && role != Role::All {
-                    eprintln!("error: --state-dir is for --role master and --role all");
-                    return ExitCode::from(2);
-                }
-                cfg.master.state_dir = d;
-            }
-            if let Some(s) = segment_size {
-                cfg.storage.segment_size = s;
-            }
-            if let Some(n) = shards {
-                cfg.runtime.shards = n;
-            }
-            let companion = (role == Role::All && cfg.serving.enabled && !no_serving)
-                .then(|| serving_companion(cfg.clone(), ephemeral));
-            match node::run_with(role, cfg, Shutdown::new(), companion) {
+            };
+            match node::launch(role, cfg, launch, Shutdown::new()) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {e}");
@@ -577,138 +502,133 @@ impl ServingFlags {
     }
 }
 
-/// `kvpool run --role conductor|prefill-proxy|decode-proxy`.
-fn run_serving_role(
-    role: RoleArg,
+/// `--role`: one of [`Role::NAMES`] (listed in `--help` and in the error).
+fn role_parser() -> impl clap::builder::TypedValueParser<Value = Role> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(Role::NAMES)
+        .map(|name| name.parse::<Role>().expect("a name of Role::NAMES"))
+}
+
+/// `kvpool run --role conductor|prefill-proxy|decode-proxy`: the flags into
+/// the configuration.
+fn serving_role_flags(
+    role: Role,
     listen: Option<String>,
     master: Option<String>,
     flags: ServingFlags,
-    mut cfg: NodeConfig,
-) -> ExitCode {
-    use kvpool_serving::proxy::ProxyRole;
-    let proxy = match role {
-        RoleArg::PrefillProxy => Some(ProxyRole::Prefill),
-        RoleArg::DecodeProxy => Some(ProxyRole::Decode),
-        _ => None,
-    };
-    if let Err(e) = flags.apply(&mut cfg, proxy.is_some()) {
-        eprintln!("error: {e}");
-        return ExitCode::from(2);
-    }
-    let r = match proxy {
-        Some(p) => {
-            if let Some(l) = listen {
-                match p {
-                    ProxyRole::Prefill => cfg.serving.prefill_proxy.listen = l,
-                    ProxyRole::Decode => cfg.serving.decode_proxy.listen = l,
-                }
-            }
-            kvpool_serving::roles::run_proxy(p, cfg, Shutdown::new())
-        }
-        None => {
-            if let Some(l) = listen {
-                cfg.serving.conductor.listen = l;
-            }
-            if let Some(m) = master {
-                cfg.serving.conductor.pool = m;
-            }
-            kvpool_serving::roles::run_conductor(cfg, Shutdown::new())
-        }
-    };
-    match r {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(2)
+    cfg: &mut NodeConfig,
+) -> Result<(), String> {
+    let proxy = matches!(role, Role::PrefillProxy | Role::DecodeProxy);
+    flags.apply(cfg, proxy)?;
+    if let Some(l) = listen {
+        match role {
+            Role::PrefillProxy => cfg.serving.prefill_proxy.listen = l,
+            Role::DecodeProxy => cfg.serving.decode_proxy.listen = l,
+            _ => cfg.serving.conductor.listen = l,
         }
     }
+    if let (Some(m), Role::Conductor) = (master, role) {
+        cfg.serving.conductor.pool = m;
+    }
+    Ok(())
 }
 
-/// Role all's serving path, started inside the pool's process once the
-/// master serves: two engines of `serving.model` (prefill and decode, on
-/// `serving.prefill_proxy.engine` / `serving.decode_proxy.engine`), their
-/// proxies, and the conductor's front, all using this process's pool.
-fn serving_companion(cfg: NodeConfig, ephemeral: bool) -> node::Companion {
-    Box::new(move |ctx: node::CompanionCtx| {
-        Box::pin(async move {
-            let err = |e: String| kvpool_config::NodeError::Start(format!("serving: {e}"));
-            let mut lines = Vec::new();
-            let mut engines = Vec::new();
-            // Both models load at once, off the runtime's threads.
-            let loads: Vec<_> = (0..2)
-                .map(|_| {
-                    let spec = cfg.serving.model.clone();
-                    tokio::task::spawn_blocking(move || kvpool_engine::loader::load(&spec))
-                })
-                .collect();
-            let addrs = [
-                ("prefill-engine", &cfg.serving.prefill_proxy.engine),
-                ("decode-engine", &cfg.serving.decode_proxy.engine),
-            ];
-            for ((name, addr), load) in addrs.into_iter().zip(loads) {
-                let model = load
-                    .await
-                    .map_err(|e| err(e.to_string()))?
-                    .map_err(|e| err(e.to_string()))?;
-                let registry = kvpool_runtime::metrics::MetricsRegistry::new();
-                let engine =
-                    kvpool_engine::serve::Engine::start(model, &cfg, Some(&ctx.master), &registry)
-                        .await
-                        .map_err(|e| err(e.to_string()))?;
-                let listen = kvpool_serving::roles::maybe_ephemeral(addr, ephemeral);
-                let bound = kvpool_serving::roles::serve_http(
-                    &listen,
-                    name,
-                    engine.router(registry),
-                    cfg.runtime.http_limits(),
-                    ctx.shutdown.clone(),
-                )
-                .await
-                .map_err(|e| err(e.to_string()))?;
-                lines.push(format!("kvpool {name} listening on {bound}"));
-                engines.push(bound.to_string());
-            }
-            let more = kvpool_serving::roles::start_all(
-                &cfg,
-                &ctx.master,
-                &engines[0],
-                &engines[1],
-                ephemeral,
-                ctx.shutdown.clone(),
-            )
-            .await
-            .map_err(|e| err(e.to_string()))?;
-            lines.extend(more);
-            Ok(lines)
-        })
-    })
-}
-
-/// `kvpool run --role engine`: serves the model on `--listen` (default
-/// 127.0.0.1:8000), with the pool at `--master` when given.
-fn run_engine(
-    model: Option<String>,
+/// The flags of `kvpool run` for the pool's roles (all, master, storage,
+/// gateway).
+struct PoolFlags {
     listen: Option<String>,
+    http: Option<String>,
+    data_listen: Option<String>,
+    segment_size: Option<Bytes>,
+    shards: Option<usize>,
+    state_dir: Option<String>,
+    resp: Option<String>,
+    model: Option<String>,
+    no_serving: bool,
     master: Option<String>,
-    cfg: NodeConfig,
-) -> ExitCode {
-    let Some(model) = model else {
-        eprintln!("error: --role engine needs --model DIR|builtin:tiny|builtin:small");
-        return ExitCode::from(2);
-    };
-    let opts = kvpool_engine::serve::ServeOptions {
-        model,
-        listen: listen.unwrap_or_else(|| "127.0.0.1:8000".into()),
-        master,
-        config: cfg,
-    };
-    match kvpool_engine::serve::run(opts) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(2)
+}
+
+/// The pool roles' flags into the configuration; what the launch needs.
+fn pool_role_flags(
+    role: Role,
+    f: PoolFlags,
+    serving: ServingFlags,
+    cfg: &mut NodeConfig,
+) -> Result<node::Launch, String> {
+    let mut launch = node::Launch::default();
+    if f.model.is_some() && !role.takes_a_model() {
+        return Err("--model is for --role engine and --role all".into());
+    }
+    serving.apply(cfg, false)?;
+    if let Some(m) = f.model {
+        cfg.serving.model = m;
+    }
+    // Role all on a free port puts every listener on one (the
+    // storage node's, and the serving path's).
+    let ephemeral = role == Role::All && f.listen.as_deref().is_some_and(|l| l.ends_with(":0"));
+    if role == Role::Master && f.resp.is_some() {
+        return Err("--resp needs a pool client: roles all, storage or gateway".into());
+    }
+    if role == Role::Gateway {
+        if f.data_listen.is_some() || f.segment_size.is_some() {
+            return Err("--data-listen and --segment-size are for roles all and storage".into());
+        }
+        // The gateway's one listener is its RESP port.
+        if let Some(l) = f.resp.or(f.listen) {
+            cfg.resp.listen = l;
+        }
+        if let Some(h) = f.http {
+            cfg.resp.http = h;
+        }
+        if let Some(m) = f.master {
+            cfg.resp.master = m;
+        }
+        if let Some(n) = f.shards {
+            cfg.runtime.shards = n;
+        }
+        return Ok(launch);
+    }
+    if let Some(r) = f.resp {
+        cfg.resp.listen = r;
+    }
+    if let Some(l) = f.listen {
+        if role == Role::All && f.data_listen.is_none() {
+            if let Some(host) = l.strip_suffix(":0") {
+                cfg.storage.listen = format!("{host}:0");
+            }
+        }
+        match role {
+            Role::Storage => cfg.storage.listen = l,
+            _ => cfg.master.listen = l,
         }
     }
+    if let Some(d) = f.data_listen {
+        cfg.storage.listen = d;
+    }
+    if let Some(h) = f.http {
+        match role {
+            Role::Storage => cfg.storage.http = h,
+            _ => cfg.master.http = h,
+        }
+    }
+    if let Some(m) = f.master {
+        cfg.storage.master = m;
+    }
+    if let Some(d) = f.state_dir {
+        if role != Role::Master && role != Role::All {
+            return Err("--state-dir is for --role master and --role all".into());
+        }
+        cfg.master.state_dir = d;
+    }
+    if let Some(s) = f.segment_size {
+        cfg.storage.segment_size = s;
+    }
+    if let Some(n) = f.shards {
+        cfg.runtime.shards = n;
+    }
+    launch.serving = role == Role::All && cfg.serving.enabled && !f.no_serving;
+    launch.ephemeral = ephemeral;
+    Ok(launch)
 }
 
 #[derive(Debug)]

@@ -5,8 +5,8 @@ use crate::common;
 
 use kvpool_client::Client;
 use kvpool_config::ClientConfig;
-use kvpool_transport::proto::PutOptions;
-use kvpool_transport::ErrorCode;
+use kvpool_wire::proto::PutOptions;
+use kvpool_wire::ErrorCode;
 
 #[test]
 fn batch_calls_return_one_result_per_key_in_order() {

@@ -206,17 +206,48 @@ fn the_production_master_configs_keep_a_state_directory() {
     }
 }
 
+/// `--role` takes the one list of roles (`kvpool_config::Role`): `--help`
+/// names every role, and an unknown one is refused with exit 2 and that
+/// list, before anything starts.
+#[test]
+fn run_role_takes_every_role_and_refuses_others_naming_them() {
+    let run = |args: &[&str]| bin_output(args, Duration::from_secs(30));
+    let roles = [
+        "all",
+        "master",
+        "storage",
+        "gateway",
+        "engine",
+        "conductor",
+        "prefill-proxy",
+        "decode-proxy",
+    ];
+    let help = run(&["run", "--help"]);
+    assert!(help.status.success());
+    let help = String::from_utf8(help.stdout).unwrap();
+    for role in roles {
+        assert!(
+            help.contains(role),
+            "--help does not name role {role}:\n{help}"
+        );
+    }
+    let out = run(&["run", "--role", "prefill"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("prefill"), "{err}");
+    for role in roles {
+        assert!(
+            err.contains(role),
+            "the error does not name role {role}: {err}"
+        );
+    }
+}
+
 /// `kvpool run --help` describes each flag with its own text (`--resp` once
 /// carried `--model`'s).
 #[test]
 fn run_help_describes_resp_as_the_redis_front() {
-    let child = std::process::Command::new(common::BIN)
-        .args(["run", "--help"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = common::wait_output(child, Duration::from_secs(30));
+    let out = bin_output(&["run", "--help"], Duration::from_secs(30));
     assert!(out.status.success());
     let help = String::from_utf8(out.stdout).unwrap();
     // One flag's lines: its own, then its description's, up to the next flag.
@@ -270,13 +301,7 @@ fn sim_prints_one_json_object_per_policy_and_cache_capacity() {
         "/tests/data/synthetic_trace.jsonl"
     );
     let run = |args: &[&str]| {
-        let child = std::process::Command::new(common::BIN)
-            .args(args)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let out = common::wait_output(child, Duration::from_secs(60));
+        let out = bin_output(args, Duration::from_secs(60));
         assert!(
             out.status.success(),
             "{}",
@@ -446,4 +471,15 @@ fn a_cli_command_does_not_log_that_it_has_no_rdma() {
         log.contains("no rdma") || log.contains("rdma devices opened"),
         "{log}"
     );
+}
+
+/// The binary run with `args`, its output once it ends (within `within`).
+fn bin_output(args: &[&str], within: Duration) -> std::process::Output {
+    let child = std::process::Command::new(common::BIN)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_output(child, within)
 }

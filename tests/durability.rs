@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use kvpool_client::Client;
 use kvpool_config::ClientConfig;
-use kvpool_transport::proto::{PutOptions, Tier};
-use kvpool_transport::ErrorCode;
+use kvpool_wire::proto::{PutOptions, Tier};
+use kvpool_wire::ErrorCode;
 use xxhash_rust::xxh3::xxh3_64;
 
 use common::{scratch_dir, value, write_config, Signal};

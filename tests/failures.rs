@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use common::Signal;
 use kvpool_client::Client;
 use kvpool_config::{ClientConfig, Transport};
-use kvpool_transport::ErrorCode;
+use kvpool_wire::ErrorCode;
 
 const DEADLINE_MS: u64 = 3000;
 

@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use common::{value, Proc};
 use kvpool_client::Client;
 use kvpool_config::{ClientConfig, Transport};
-use kvpool_transport::proto::{PoolStat, PutOptions, Tier};
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::proto::{PoolStat, PutOptions, Tier};
+use kvpool_wire::{ErrorCode, KvError};
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Every client call's deadline in these tests.

@@ -13,8 +13,8 @@ mod fuzz;
 
 use std::path::{Path, PathBuf};
 
-use kvpool_transport::frame;
-use kvpool_transport::proto::{DataRequest, MasterRequest};
+use kvpool_wire::frame;
+use kvpool_wire::proto::{DataRequest, MasterRequest};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::{value, Proc, Signal};
 use kvpool_client::{Client, ClientConfig, ErrorCode};
-use kvpool_transport::proto::{call, PutOptions, Tier};
+use kvpool_wire::proto::{call, PutOptions, Tier};
 
 /// A single-member etcd on two free loopback ports, with its data in a
 /// fresh directory; killed and removed when dropped.

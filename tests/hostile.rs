@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use kvpool_client::Client;
 use kvpool_config::ClientConfig;
-use kvpool_transport::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
-use kvpool_transport::proto::{MasterRequest, MasterResponse, Tier, WireError};
-use kvpool_transport::ErrorCode;
+use kvpool_wire::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
+use kvpool_wire::proto::{MasterRequest, MasterResponse, Tier, WireError};
+use kvpool_wire::ErrorCode;
 use xxhash_rust::xxh3::xxh3_64;
 
 use common::{scratch_dir as dir, start_storage, value, write_config};
@@ -408,7 +408,7 @@ fn a_forged_nvme_report_is_refused_and_every_shard_keeps_answering() {
     // outside it, from a client that owns nothing.
     let forged = MasterRequest::NvmeUpdates {
         client_id: 0x0bad,
-        updates: vec![kvpool_transport::proto::NvmeUpdate::Recovered {
+        updates: vec![kvpool_wire::proto::NvmeUpdate::Recovered {
             key: key.clone(),
             nvme: dram,
             loc: 1 << 40,
@@ -419,7 +419,7 @@ fn a_forged_nvme_report_is_refused_and_every_shard_keeps_answering() {
     let shard0 = node.addr.clone();
     match raw_call(&shard0, &forged) {
         Ok(MasterResponse::BatchDone(v)) => assert!(
-            matches!(v[0], kvpool_transport::proto::ItemResult::Err(_)),
+            matches!(v[0], kvpool_wire::proto::ItemResult::Err(_)),
             "the forged update was accepted: {v:?}"
         ),
         Err(_) => {}
@@ -694,7 +694,7 @@ fn overwrite(addr: &str, segment_id: u64, offset: u64, len: usize, byte: u8) {
     let mut bytes = frame::encode(
         FrameKind::DataRequest,
         3,
-        &kvpool_transport::proto::DataRequest::Write {
+        &kvpool_wire::proto::DataRequest::Write {
             segment_id,
             offset,
             len: len as u64,
@@ -735,11 +735,11 @@ fn one_packet_with_a_huge_unsigned_term_does_not_fence_a_storage_node() {
         let req = frame::encode(
             FrameKind::DataRequest,
             9,
-            &kvpool_transport::proto::DataRequest::Read {
+            &kvpool_wire::proto::DataRequest::Read {
                 segment_id: rep.segment_id,
                 offset: rep.offset,
                 len: 1,
-                grant: kvpool_transport::auth::Grant {
+                grant: kvpool_wire::auth::Grant {
                     term: 1 << 63,
                     ..Default::default()
                 },
@@ -863,7 +863,7 @@ fn bytes_changed_behind_the_masters_back_are_corrupt_never_returned() {
             setup.stat().await.unwrap().segments.len() == 2
         })
         .await;
-        let two = kvpool_transport::proto::PutOptions {
+        let two = kvpool_wire::proto::PutOptions {
             replicas: 2,
             ..Default::default()
         };

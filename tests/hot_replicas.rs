@@ -136,7 +136,7 @@ fn a_fetch_that_reads_bytes_other_than_the_objects_adds_no_replica() {
                 .get(b"hot")
                 .await
                 .expect_err("the only replica is bad");
-            assert_eq!(e.code, kvpool_transport::ErrorCode::Corrupt, "{e}");
+            assert_eq!(e.code, kvpool_wire::ErrorCode::Corrupt, "{e}");
         }
         // The other node fetches, finds the bytes fail the checksum, and
         // says so: the master frees the range, no replica is added.

@@ -92,6 +92,48 @@ fn no_role_crate_links_the_tools_plotting_or_progress_bars() {
     }
 }
 
+/// The master, the configuration, HA, the RESP front, the serving path and
+/// the engine speak the wire protocol (`kvpool-wire`) and move no bytes
+/// themselves: none of them links the transfer engine (`kvpool-transport`)
+/// but through the client, and the master not at all (docs/ARCHITECTURE.md,
+/// "The wire protocol and the transfer engine are two crates").
+#[test]
+fn the_master_and_the_fronts_link_the_protocol_not_the_transfer_engine() {
+    for krate in ["kvpool-master", "kvpool-config", "kvpool-wire"] {
+        let tree = cargo_tree(&["-p", krate, "-e", "normal"]);
+        let crates = names(&tree);
+        assert!(
+            crates.contains(&"kvpool-wire"),
+            "no kvpool-wire in:\n{tree}"
+        );
+        for banned in ["kvpool-transport", "kvpool-client", "ibverbs-sys"] {
+            assert!(
+                !crates.contains(&banned),
+                "{krate} depends on {banned}:\n{tree}"
+            );
+        }
+    }
+    // The others reach the engine only through the client, which moves
+    // their bytes: their own tree's first level names no transfer engine.
+    for krate in [
+        "kvpool-ha",
+        "kvpool-resp",
+        "kvpool-serving",
+        "kvpool-engine",
+    ] {
+        let tree = cargo_tree(&["-p", krate, "-e", "normal", "--depth", "1"]);
+        let crates = names(&tree);
+        assert!(
+            crates.contains(&"kvpool-wire"),
+            "no kvpool-wire in:\n{tree}"
+        );
+        assert!(
+            !crates.contains(&"kvpool-transport"),
+            "{krate} depends on kvpool-transport itself:\n{tree}"
+        );
+    }
+}
+
 /// Every crate of the Python wheel's build (`maturin build --features abi3`,
 /// which resolves features for `kvpool-python` alone), with its features,
 /// as `cargo tree` lists it: `name vX.Y.Z [f1,f2]`.

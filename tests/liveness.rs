@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use common::Signal;
 use kvpool_client::Client;
 use kvpool_config::ClientConfig;
-use kvpool_transport::proto::PutOptions;
-use kvpool_transport::ErrorCode;
+use kvpool_wire::proto::PutOptions;
+use kvpool_wire::ErrorCode;
 
 const CLIENT_TTL_MS: u64 = 2_000;
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::value;
 use kvpool_client::Client;
 use kvpool_config::ClientConfig;
-use kvpool_transport::ErrorCode;
+use kvpool_wire::ErrorCode;
 
 /// A single-process pool whose read leases last `lease_ms`.
 fn pool(name: &str, lease_ms: u64) -> (common::Proc, std::path::PathBuf) {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use kvpool_client::Client;
 use kvpool_config::ClientConfig;
 use kvpool_storage_node::{StorageNode, StorageNodeArgs, StorageNodeMsg};
-use kvpool_transport::proto::{Endpoint, SegmentSpec, Tier};
+use kvpool_wire::proto::{Endpoint, SegmentSpec, Tier};
 use ractor::{call, Actor};
 
 /// A storage node's ticks while its master is frozen: every ping waits out

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use kvpool_client::Client;
 use kvpool_config::ClientConfig;
-use kvpool_transport::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
-use kvpool_transport::proto::{MasterRequest, WireError};
-use kvpool_transport::ErrorCode;
+use kvpool_wire::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
+use kvpool_wire::proto::{MasterRequest, WireError};
+use kvpool_wire::ErrorCode;
 
 /// What the peer did with a bad connection.
 #[derive(Debug, PartialEq)]

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use kvpool_client::Client;
 use kvpool_config::ClientConfig;
-use kvpool_transport::proto::Tier;
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::proto::Tier;
+use kvpool_wire::{ErrorCode, KvError};
 use xxhash_rust::xxh3::xxh3_64;
 
 use common::{scratch_dir as dir, value, write_config};

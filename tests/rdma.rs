@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use kvpool_client::Client;
 use kvpool_config::{ClientConfig, RdmaMode, Transport};
-use kvpool_transport::proto::PutOptions;
 use kvpool_transport::rdma::{RdmaConfig, RdmaContext, RdmaError};
+use kvpool_wire::proto::PutOptions;
 use rand::{RngCore, SeedableRng};
 use xxhash_rust::xxh3::xxh3_64;
 

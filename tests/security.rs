@@ -13,13 +13,13 @@ use std::time::Duration;
 
 use kvpool_client::Client;
 use kvpool_config::{ClientConfig, Secret, Transport};
-use kvpool_transport::auth::{self, ClusterKey, Grant};
-use kvpool_transport::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
-use kvpool_transport::proto::{
+use kvpool_wire::auth::{self, ClusterKey, Grant};
+use kvpool_wire::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
+use kvpool_wire::proto::{
     DataRequest, DataResponse, Endpoint, MasterRequest, MasterResponse, NvmeUpdate, ReplicaDesc,
     SegmentSpec, Tier, WireError,
 };
-use kvpool_transport::ErrorCode;
+use kvpool_wire::ErrorCode;
 
 const SECRET: &str = "a-test-cluster-secret-0123456789";
 
@@ -412,7 +412,7 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
     // The segment is not handed to a local process without a grant, nor
     // to one that shows a live grant without proving the secret (issue 29:
     // a grant seen on the wire mapped the whole segment until it expired).
-    let shm_request = |grant: &kvpool_transport::auth::Grant| {
+    let shm_request = |grant: &kvpool_wire::auth::Grant| {
         let mut req = Vec::from(*b"KVSQ");
         req.extend_from_slice(&segment_id.to_le_bytes());
         req.push(grant.op);
@@ -443,7 +443,7 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
         got
     };
     let handed = |got: &[u8]| got.windows(4).any(|w| w == b"KVSH");
-    let none = kvpool_transport::auth::Grant::default();
+    let none = kvpool_wire::auth::Grant::default();
     let live = shm_request(&rep.grant);
     for (what, req, after) in [
         ("no grant", shm_request(&none), false),

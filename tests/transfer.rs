@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvpool_client::Client;
 use kvpool_config::{ClientConfig, Transport};
 use kvpool_runtime::config::Bytes;
-use kvpool_transport::ErrorCode;
+use kvpool_wire::ErrorCode;
 use rand::{RngCore, SeedableRng};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -253,8 +253,8 @@ fn a_registered_buffer_is_put_from_and_read_into_in_place() {
 #[test]
 fn a_client_set_to_populate_at_map_fills_the_whole_mapped_segment() {
     use kvpool_config::ShmPopulate;
-    use kvpool_transport::proto::call;
     use kvpool_transport::shm::{ShmMap, POPULATE_CHUNK};
+    use kvpool_wire::proto::call;
     let node = common::start("all", &common::ephemeral(&["--segment-size", "64MiB"]));
     let rt = common::rt();
     rt.block_on(async {

@@ -12,7 +12,7 @@ use kvpool_client::Client;
 use kvpool_config::{ClientConfig, Transport};
 use kvpool_runtime::config::Bytes;
 use kvpool_transport::engine::Transfer;
-use kvpool_transport::ErrorCode;
+use kvpool_wire::ErrorCode;
 use rand::{RngCore, SeedableRng};
 
 fn cfg(transport: Transport) -> ClientConfig {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use common::value;
 use kvpool_client::Client;
 use kvpool_config::ClientConfig;
-use kvpool_transport::proto::{call, PutOptions};
+use kvpool_wire::proto::{call, PutOptions};
 
 /// A single-process pool whose read leases last `lease_ms`.
 fn pool(name: &str, lease_ms: u64, segment: &str) -> (common::Proc, std::path::PathBuf) {
@@ -322,7 +322,7 @@ fn a_plain_put_of_a_stored_key_is_refused_and_an_upsert_of_a_new_key_stores_it()
         c.upsert(b"new", &value(1, 300)).await.unwrap();
         assert_eq!(c.get(b"new").await.unwrap(), value(1, 300));
         let e = c.put(b"new", &value(2, 300)).await.unwrap_err();
-        assert_eq!(e.code, kvpool_transport::ErrorCode::ObjectAlreadyExists);
+        assert_eq!(e.code, kvpool_wire::ErrorCode::ObjectAlreadyExists);
         // Its own upsert is read back at once, though it remembers where
         // the old value lies (under a lease that still runs).
         c.upsert(b"new", &value(3, 301)).await.unwrap();

@@ -23,8 +23,8 @@ use std::time::Instant;
 
 use kvpool_client::Client;
 use kvpool_runtime::chunk_hash::ChunkHash;
-use kvpool_transport::proto::PutOptions;
-use kvpool_transport::ErrorCode;
+use kvpool_wire::proto::PutOptions;
+use kvpool_wire::ErrorCode;
 
 use crate::kv::{block_bytes, block_bytes_mut, verify, KvLayout};
 use crate::metrics::EngineMetrics;

@@ -43,7 +43,7 @@ use kvpool_client::Client;
 use kvpool_config::{EngineConfig, NodeConfig};
 use kvpool_runtime::chunk_hash::{chunk_hashes, ChunkHash};
 use kvpool_runtime::metrics::MetricsRegistry;
-use kvpool_transport::ErrorCode;
+use kvpool_wire::ErrorCode;
 use prometheus_client::metrics::histogram::Histogram;
 use serde::Deserialize;
 use serde_json::{json, Value};

@@ -22,17 +22,17 @@ use kvpool_config::{MasterConfig, NodeConfig};
 use kvpool_master::core::MasterCore;
 use kvpool_storage::Segment;
 use kvpool_storage_node::gate::{handshake, DataGate, Handshake};
-use kvpool_transport::auth::{ClusterKey, Grant, GrantClock};
-use kvpool_transport::engine::check_answer;
-use kvpool_transport::frame::{self, AlignedVec, FrameBudget, FrameHeader, FrameKind, HEADER_LEN};
-use kvpool_transport::proto::call::{self, Call};
-use kvpool_transport::proto::{
+use kvpool_wire::auth::{ClusterKey, Grant, GrantClock};
+use kvpool_wire::frame::check_answer;
+use kvpool_wire::frame::{self, AlignedVec, FrameBudget, FrameHeader, FrameKind, HEADER_LEN};
+use kvpool_wire::proto::call::{self, Call};
+use kvpool_wire::proto::{
     ClusterMap, DataRequest, DataResponse, Endpoint, ItemResult, MasterRequest, MasterResponse,
     MasterShardAddr, NodeTask, NvmeUpdate, ObjectInfo, PoolStat, PutDone, PutItem, PutOptions,
     ReplicaDesc, SegmentSpec, Tier, WireError,
 };
-use kvpool_transport::route::merge_batch;
-use kvpool_transport::{ErrorCode, KvError, RdmaConnectRequest, RdmaRequest, RdmaResponse};
+use kvpool_wire::route::merge_batch;
+use kvpool_wire::{ErrorCode, KvError, RdmaConnectRequest, RdmaRequest, RdmaResponse};
 
 /// The targets, by name (the folders of `fuzz/corpus/`).
 pub const TARGETS: [&str; 5] = ["frame", "master_request", "data_request", "reply", "config"];
@@ -233,7 +233,7 @@ pub fn data_request(data: &[u8]) {
     for key in [None, Some(&side.key)] {
         // The connection's handshake first, as on the data port: a fresh
         // connection, and one that has proved the secret.
-        let mut fresh = kvpool_transport::server::ConnState::default();
+        let mut fresh = kvpool_wire::server::ConnState::default();
         let first = handshake(key, &req, &mut fresh);
         if key.is_some() {
             let handshake_step = matches!(
@@ -248,7 +248,7 @@ pub fn data_request(data: &[u8]) {
             );
             assert!(!fresh.authenticated, "one frame authenticated: {req:?}");
         }
-        let mut proved = kvpool_transport::server::ConnState {
+        let mut proved = kvpool_wire::server::ConnState {
             authenticated: true,
             ..Default::default()
         };
@@ -440,10 +440,10 @@ pub fn master_request_seeds() -> Vec<MasterRequest> {
         },
         MasterRequest::UnmountSegment {
             client_id: NODE,
-            segment_id: kvpool_transport::proto::segment_id_for("seg-a"),
+            segment_id: kvpool_wire::proto::segment_id_for("seg-a"),
         },
         MasterRequest::DrainSegment {
-            segment_id: kvpool_transport::proto::segment_id_for("seg-a"),
+            segment_id: kvpool_wire::proto::segment_id_for("seg-a"),
         },
         MasterRequest::PutStart {
             client_id: WRITER,
@@ -778,7 +778,7 @@ fn master_response_seeds() -> Vec<(&'static str, MasterResponse)> {
 
 /// A `Shipped` answer with an object, a removal and a hold of shard 0
 /// (keys of even length, in [`typed_replies`]).
-fn shipped_seed() -> kvpool_transport::proto::Shipped {
+fn shipped_seed() -> kvpool_wire::proto::Shipped {
     use kvpool_master::journal::{Hold, ObjectRec, Record};
     let key = b"k0".to_vec();
     let mut records = Vec::new();
@@ -800,7 +800,7 @@ fn shipped_seed() -> kvpool_transport::proto::Shipped {
         until_unix_ms: 1,
     })
     .encode(&mut records);
-    kvpool_transport::proto::Shipped {
+    kvpool_wire::proto::Shipped {
         session: 3,
         term: 2,
         start: 0,
@@ -879,7 +879,7 @@ pub fn seeds(repo: &std::path::Path) -> Vec<Seed> {
         ("data", DataResponse::Data { len: 4096 }),
         (
             "rdma_caps",
-            DataResponse::Rdma(RdmaResponse::Caps(kvpool_transport::RdmaCaps::unavailable(
+            DataResponse::Rdma(RdmaResponse::Caps(kvpool_wire::RdmaCaps::unavailable(
                 "none",
             ))),
         ),

@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use std::sync::{Mutex, RwLock};
 
 use kvpool_client::{Client, MemoryRegistration};
-use kvpool_transport::proto::{PoolStat, PutOptions};
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::proto::{PoolStat, PutOptions};
+use kvpool_wire::{ErrorCode, KvError};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};

@@ -2,7 +2,7 @@
 //! one table that turns kvpool's error codes into Mooncake's negative codes
 //! for `kvpool.mooncake`.
 
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 use pyo3::prelude::*;
 
 /// Mooncake's codes that the shim returns without a kvpool error behind them.

@@ -11,7 +11,7 @@
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::{Mutex, OnceLock};
 
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 
 type CuResult = c_int;
 type CuDevicePtr = u64;

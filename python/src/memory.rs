@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use kvpool_client::{Client, MemoryRegistration};
 
 use crate::cuda;
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 use pyo3::exceptions::{PyBufferError, PyRuntimeError};
 use pyo3::prelude::*;
 

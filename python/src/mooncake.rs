@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use kvpool_client::Client;
 use kvpool_config::Transport;
-use kvpool_transport::proto::PutOptions;
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::proto::PutOptions;
+use kvpool_wire::{ErrorCode, KvError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyTuple, PyType};
@@ -829,14 +829,13 @@ impl Store {
         let r = run(py, async move {
             let mut out = Vec::with_capacity(n);
             for chunk in keys.chunks(MAX_BATCH) {
-                let req = kvpool_transport::proto::call::BatchGet {
+                let req = kvpool_wire::proto::call::BatchGet {
                     keys: chunk.to_vec(),
                 };
                 match inner.client.call(req).await {
                     Ok(lists) => out.extend(lists.into_iter().map(|l| {
-                        let reps =
-                            Result::<Vec<kvpool_transport::proto::ReplicaDesc>, KvError>::from(l)
-                                .ok()?;
+                        let reps = Result::<Vec<kvpool_wire::proto::ReplicaDesc>, KvError>::from(l)
+                            .ok()?;
                         if reps.is_empty() {
                             return None;
                         }
@@ -844,8 +843,8 @@ impl Store {
                             reps.iter()
                                 .map(|r| {
                                     let tier = match r.tier {
-                                        kvpool_transport::proto::Tier::Dram => "memory",
-                                        kvpool_transport::proto::Tier::Nvme => "disk",
+                                        kvpool_wire::proto::Tier::Dram => "memory",
+                                        kvpool_wire::proto::Tier::Nvme => "disk",
                                     };
                                     (
                                         tier.to_string(),

@@ -9,7 +9,7 @@
 use std::future::Future;
 use std::sync::OnceLock;
 
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 
 /// Worker threads of the runtime (`KVPOOL_PY_THREADS` overrides).
 const DEFAULT_THREADS: usize = 2;

@@ -18,8 +18,8 @@
 //! the checksum is computed over what is sent.
 
 use kvpool_client::Client;
-use kvpool_transport::proto::PutOptions;
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::proto::PutOptions;
+use kvpool_wire::{ErrorCode, KvError};
 
 use crate::cuda::{Device, Pinned, Session, StagingPool};
 use crate::{memory, runtime};

@@ -19,7 +19,7 @@
 //! nothing is left half-read.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,12 +27,14 @@ use futures_util::stream::{self, StreamExt, TryStreamExt};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use crate::checksum;
-use crate::error::{ErrorCode, KvError};
-use crate::frame::{self, FrameKind};
+use crate::data_conn::prove_data;
 use crate::pool::{ConnPool, Stream};
-use crate::proto::{DataRequest, DataResponse, Endpoint, ReplicaDesc, SegmentId, Tier};
 use crate::shm::ShmMap;
+use crate::stats::EngineStats;
+use kvpool_wire::checksum;
+use kvpool_wire::error::{ErrorCode, KvError};
+use kvpool_wire::frame::{self, check_answer, FrameKind};
+use kvpool_wire::proto::{DataRequest, DataResponse, Endpoint, ReplicaDesc, SegmentId, Tier};
 
 /// Which data path to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,8 +88,8 @@ pub struct EngineConfig {
     /// as soon as it is mapped (besides each chunk's on first use).
     pub shm_populate_at_map: bool,
     /// The cluster secret: each new data connection proves it holds it
-    /// ([`prove_data`]) before its first request.
-    pub key: Option<crate::auth::ClusterKey>,
+    /// ([`crate::data_conn::prove_data`]) before its first request.
+    pub key: Option<kvpool_wire::auth::ClusterKey>,
 }
 
 impl Default for EngineConfig {
@@ -107,74 +109,6 @@ impl Default for EngineConfig {
             key: None,
         }
     }
-}
-
-/// Proves on a new data connection that this side holds the cluster secret,
-/// and checks the node's proof in turn (a node without the secret is not
-/// trusted with this engine's bytes). Uses request ids `id` and `id + 1`.
-pub async fn prove_data(
-    s: &mut Stream,
-    key: &crate::auth::ClusterKey,
-    id: u64,
-    max_frame: u32,
-) -> Result<(), KvError> {
-    async fn ask(
-        s: &mut Stream,
-        id: u64,
-        req: &DataRequest,
-        max_frame: u32,
-    ) -> Result<Result<DataResponse, KvError>, KvError> {
-        frame::write_all(s, &frame::encode(FrameKind::DataRequest, id, req)).await?;
-        let (rid, answer) =
-            frame::read_reply::<DataResponse, _>(s, FrameKind::DataResponse, max_frame).await?;
-        check_answer(rid, id, answer)
-    }
-    // Data connections name no client.
-    const CLIENT: u64 = 0;
-    let nc = crate::auth::nonce();
-    let begin = DataRequest::AuthBegin {
-        client_id: CLIENT,
-        nonce: nc,
-    };
-    let ns = match ask(s, id, &begin, max_frame).await? {
-        Ok(DataResponse::AuthChallenge { nonce }) => nonce,
-        Ok(other) => {
-            return Err(KvError::new(
-                ErrorCode::Malformed,
-                format!("the node answered AuthBegin with {other:?}"),
-            ))
-        }
-        Err(e) if e.code == ErrorCode::Unsupported => {
-            return Err(KvError::new(
-                ErrorCode::Unauthenticated,
-                format!(
-                    "this client has a cluster secret but the storage node has none ({}); \
-                     refusing to trust it",
-                    e.message
-                ),
-            ))
-        }
-        Err(e) => return Err(e),
-    };
-    let prove = DataRequest::AuthProve {
-        proof: key.data_client_proof(CLIENT, &nc, &ns),
-    };
-    let proof = match ask(s, id + 1, &prove, max_frame).await?? {
-        DataResponse::AuthOk { proof } => proof,
-        other => {
-            return Err(KvError::new(
-                ErrorCode::Malformed,
-                format!("the node answered AuthProve with {other:?}"),
-            ))
-        }
-    };
-    key.verify_data_server_proof(CLIENT, &nc, &ns, &proof)
-        .map_err(|_| {
-            KvError::new(
-                ErrorCode::Unauthenticated,
-                "the storage node could not prove it holds the cluster secret",
-            )
-        })
 }
 
 /// The bytes of one transfer.
@@ -240,29 +174,6 @@ impl<'a> Transfer<'a> {
             ..Self::write(src, replicas)
         }
     }
-}
-
-/// Counters of the engine (for metrics, tests and leak checks).
-#[derive(Debug, Default)]
-pub struct EngineStats {
-    pub in_flight: AtomicUsize,
-    pub max_in_flight_seen: AtomicUsize,
-    pub slices: AtomicU64,
-    pub slice_retries: AtomicU64,
-    pub replica_failovers: AtomicU64,
-    pub shm_bytes: AtomicU64,
-    pub tcp_bytes: AtomicU64,
-    /// Bytes moved by RDMA READ/WRITE (zero copy or staged).
-    pub rdma_bytes: AtomicU64,
-    /// Of those, bytes that went through a registered bounce buffer because
-    /// the caller's buffer was not registered.
-    pub rdma_staged_bytes: AtomicU64,
-    /// RDMA connections set up.
-    pub rdma_connects: AtomicU64,
-    /// Nodes put on TCP because RDMA could not be set up (each logged).
-    pub rdma_fallbacks: AtomicU64,
-    /// Reads whose bytes did not match the object's checksum.
-    pub corrupt_reads: AtomicU64,
 }
 
 /// Why shm is not used for a segment, remembered for a while.
@@ -1274,26 +1185,5 @@ fn peer(e: KvError, addr: &str) -> KvError {
         e
     } else {
         KvError::new(e.code, format!("{addr}: {}", e.message))
-    }
-}
-
-/// The answer to request `want`, as the outer result (the connection can
-/// be used again) or an outer error (it cannot). An error frame with id 0
-/// answers the connection, not a request (a server at its connection cap
-/// says `ResourceExhausted` so): that error is the outer one, as it is.
-pub fn check_answer<T>(
-    got: u64,
-    want: u64,
-    answer: Result<T, KvError>,
-) -> Result<Result<T, KvError>, KvError> {
-    if got == want {
-        return Ok(answer);
-    }
-    match answer {
-        Err(e) if got == 0 => Err(e),
-        _ => Err(KvError::new(
-            ErrorCode::Malformed,
-            format!("answer to request {got} arrived for request {want}"),
-        )),
     }
 }

@@ -24,15 +24,15 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 
-use crate::engine::EngineStats;
-use crate::error::{ErrorCode, KvError};
-use crate::frame::{self, FrameKind};
 use crate::pool::{Conn, ConnPool};
-use crate::proto::{DataRequest, DataResponse, ReplicaDesc, SegmentId};
 use crate::rdma::{
     Op, RdmaBuffer, RdmaConnection, RdmaContext, RdmaMemory, Registration, TransferSpec,
 };
-use crate::rdma_wire::{RdmaRequest, RdmaResponse};
+use crate::stats::EngineStats;
+use kvpool_wire::error::{ErrorCode, KvError};
+use kvpool_wire::frame::{self, FrameKind};
+use kvpool_wire::proto::{DataRequest, DataResponse, ReplicaDesc, SegmentId};
+use kvpool_wire::rdma_wire::{RdmaRequest, RdmaResponse};
 
 /// How long a node that refused RDMA stays on TCP before the engine asks again.
 const RDMA_RETRY: Duration = Duration::from_secs(10);
@@ -59,7 +59,7 @@ enum Entry {
 pub(crate) struct RdmaPath {
     ctx: Arc<RdmaContext>,
     /// The cluster secret: a new control connection proves it first.
-    key: Option<crate::auth::ClusterKey>,
+    key: Option<kvpool_wire::auth::ClusterKey>,
     peers: Mutex<HashMap<SegmentId, Entry>>,
     /// Free bounce buffers (registered, owned by their registration).
     staging: Mutex<Vec<Arc<Registration>>>,
@@ -109,7 +109,7 @@ impl Drop for Staged<'_> {
 }
 
 impl RdmaPath {
-    pub(crate) fn new(ctx: Arc<RdmaContext>, key: Option<crate::auth::ClusterKey>) -> Self {
+    pub(crate) fn new(ctx: Arc<RdmaContext>, key: Option<kvpool_wire::auth::ClusterKey>) -> Self {
         Self {
             ctx,
             key,
@@ -205,7 +205,7 @@ impl RdmaPath {
     async fn connect(
         &self,
         segment_id: SegmentId,
-        grant: &crate::auth::Grant,
+        grant: &kvpool_wire::auth::Grant,
         pool: Arc<ConnPool>,
         connect_timeout: Duration,
         max_frame: u32,
@@ -215,7 +215,7 @@ impl RdmaPath {
             if let Some(key) = &self.key {
                 // Ids 1 and 2; the set-up's requests after it reuse them
                 // (each answer is read before the next request).
-                crate::engine::prove_data(control.stream(), key, 1, max_frame).await?;
+                crate::data_conn::prove_data(control.stream(), key, 1, max_frame).await?;
             }
         }
         let caps = match ask(&mut control, 1, RdmaRequest::Caps, grant, max_frame).await? {
@@ -420,7 +420,7 @@ async fn ask(
     control: &mut Conn,
     id: u64,
     req: RdmaRequest,
-    grant: &crate::auth::Grant,
+    grant: &kvpool_wire::auth::Grant,
     max_frame: u32,
 ) -> Result<RdmaResponse, KvError> {
     let s = control.stream();

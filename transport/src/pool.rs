@@ -13,7 +13,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::compat::{Compat, TokioAsyncReadCompatExt};
 
-use crate::error::{ErrorCode, KvError};
+use kvpool_wire::error::{ErrorCode, KvError};
 
 /// A pooled stream, seen through the `futures-io` traits the frame code uses.
 pub type Stream = Compat<TcpStream>;

@@ -39,9 +39,9 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
-use crate::auth::{ClusterKey, Grant, NONCE_BYTES};
-use crate::error::{ErrorCode, KvError};
-use crate::proto::SegmentId;
+use kvpool_wire::auth::{ClusterKey, Grant, NONCE_BYTES};
+use kvpool_wire::error::{ErrorCode, KvError};
+use kvpool_wire::proto::SegmentId;
 
 const MAGIC: [u8; 4] = *b"KVSH";
 const HEADER: usize = 20;
@@ -71,7 +71,7 @@ pub async fn send_challenge(
     stream: &mut tokio::net::UnixStream,
 ) -> std::io::Result<[u8; NONCE_BYTES]> {
     use tokio::io::AsyncWriteExt;
-    let ns = crate::auth::nonce();
+    let ns = kvpool_wire::auth::nonce();
     let mut b = [0u8; CHALLENGE];
     b[0..4].copy_from_slice(&CHALLENGE_MAGIC);
     b[4..].copy_from_slice(&ns);
@@ -442,11 +442,11 @@ impl ShmMap {
         // source (as in `read_into`); `dst` is ours, distinct from the
         // mapping, and it is the side hashed.
         Ok(unsafe {
-            crate::checksum::copy_and_sum(
+            kvpool_wire::checksum::copy_and_sum(
                 dst.as_mut_ptr(),
                 self.ptr.as_ptr().add(offset as usize),
                 dst.len(),
-                crate::checksum::Side::Dst,
+                kvpool_wire::checksum::Side::Dst,
             )
         })
     }
@@ -460,11 +460,11 @@ impl ShmMap {
         // in `write_from`); `src` is a shared borrow, so it does not change,
         // and it is the side hashed.
         Ok(unsafe {
-            crate::checksum::copy_and_sum(
+            kvpool_wire::checksum::copy_and_sum(
                 self.ptr.as_ptr().add(offset as usize),
                 src.as_ptr(),
                 src.len(),
-                crate::checksum::Side::Src,
+                kvpool_wire::checksum::Side::Src,
             )
         })
     }

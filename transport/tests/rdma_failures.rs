@@ -11,7 +11,7 @@ mod rdma_common;
 use std::time::{Duration, Instant};
 
 use kvpool_transport::rdma::{Op, RdmaConfig, TransferSpec};
-use kvpool_transport::ErrorCode;
+use kvpool_wire::ErrorCode;
 use rdma_common::*;
 
 const MIB: usize = 1 << 20;

@@ -5,7 +5,7 @@
 #![cfg(feature = "rdma")]
 
 use kvpool_transport::rdma::{NoDeviceReason, RdmaConfig, RdmaContext, RdmaError};
-use kvpool_transport::{ErrorCode, KvError, RdmaCaps};
+use kvpool_wire::{ErrorCode, KvError, RdmaCaps};
 
 fn no_device(cfg: RdmaConfig) -> NoDeviceReason {
     match RdmaContext::open(cfg) {

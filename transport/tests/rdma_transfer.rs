@@ -11,7 +11,7 @@ mod rdma_common;
 use std::sync::Arc;
 
 use kvpool_transport::rdma::{Op, RawMemory, RdmaBuffer, RdmaConfig, RdmaMemory, TransferSpec};
-use kvpool_transport::{ErrorCode, RdmaCaps};
+use kvpool_wire::{ErrorCode, RdmaCaps};
 use rdma_common::*;
 
 const MIB: usize = 1 << 20;
@@ -165,7 +165,7 @@ async fn the_mr_cache_reuses_covering_ranges_is_bounded_and_keeps_busy_memory() 
     let c = Arc::new(RdmaBuffer::new(MIB));
     let e = ctx.register(c.clone()).unwrap_err();
     assert_eq!(
-        kvpool_transport::KvError::from(e).code,
+        kvpool_wire::KvError::from(e).code,
         ErrorCode::ResourceExhausted
     );
     // Unheld -> evicted (least recently used) and deregistered.
@@ -355,10 +355,7 @@ async fn out_of_range_and_unsupported_peers_are_refused_up_front() {
         )
         .unwrap_err();
     assert!(e.to_string().contains("ENOSYS"), "{e}");
-    assert_eq!(
-        kvpool_transport::KvError::from(e).code,
-        ErrorCode::Unsupported
-    );
+    assert_eq!(kvpool_wire::KvError::from(e).code, ErrorCode::Unsupported);
     // The connection still works after all that.
     let ok = conn
         .try_submit(TransferSpec {

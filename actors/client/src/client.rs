@@ -11,7 +11,7 @@
 //! to the master shard that owns the key, using the cluster map from `Hello`.
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), kvpool_transport::KvError> {
+//! # async fn demo() -> Result<(), kvpool_wire::KvError> {
 //! use kvpool_client::Client;
 //! use kvpool_client::ClientConfig;
 //!
@@ -31,22 +31,22 @@ use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 use kvpool_runtime::hash::{vshard_of, ShardMap};
-use kvpool_transport::auth::{self, ClusterKey};
-use kvpool_transport::engine::{EngineConfig, Transfer, TransferEngine};
-use kvpool_transport::frame::{self, FrameKind};
+use kvpool_transport::engine::{EngineConfig, Transfer, TransferEngine, TransportChoice};
 use kvpool_transport::pool::{ConnPool, Stream};
-use kvpool_transport::proto::call::{self, Call};
-use kvpool_transport::proto::{
+use kvpool_transport::shm::ShmMap;
+use kvpool_wire::auth::{self, ClusterKey};
+use kvpool_wire::frame::{self, FrameKind};
+use kvpool_wire::proto::call::{self, Call};
+use kvpool_wire::proto::{
     ClientId, ClusterMap, Endpoint, MasterRequest, MasterResponse, ObjectInfo, PoolStat, PutDone,
     PutItem, PutOptions, ReplicaDesc, SegmentId, SegmentSpec, Tier,
 };
-use kvpool_transport::shm::ShmMap;
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 
 use crate::leader::{leader_may_have_moved, MasterSource};
 use crate::locations::OnDrop;
 use kvpool_config::ClientConfig;
-use kvpool_transport::route::{self, merge_batch, split_batch_by, Target};
+use kvpool_wire::route::{self, merge_batch, split_batch_by, Target};
 
 mod buffers;
 use buffers::*;
@@ -295,7 +295,7 @@ impl Client {
         let max = cfg.max_connections_per_endpoint;
         #[allow(unused_mut)]
         let mut engine = TransferEngine::new(EngineConfig {
-            transport: cfg.transport.choice(),
+            transport: transport_choice(cfg.transport),
             tcp_slice_bytes: cfg.tcp_slice_bytes.get(),
             lanes: cfg.lanes,
             shard_affinity: cfg.shard_affinity,
@@ -1339,7 +1339,7 @@ async fn rpc(
     frame::write_all(s, &frame::encode(FrameKind::MasterRequest, id, req)).await?;
     let (rid, answer) =
         frame::read_reply::<MasterResponse, _>(s, FrameKind::MasterResponse, max_frame).await?;
-    kvpool_transport::engine::check_answer(rid, id, answer)
+    kvpool_wire::frame::check_answer(rid, id, answer)
 }
 
 /// Proves to the master that this connection holds the cluster secret, and
@@ -1390,4 +1390,15 @@ pub fn local_host_id() -> String {
         .nodename()
         .to_string_lossy()
         .into_owned()
+}
+
+/// The transfer engine's data path for the configured one.
+fn transport_choice(t: kvpool_config::Transport) -> TransportChoice {
+    use kvpool_config::Transport;
+    match t {
+        Transport::Auto => TransportChoice::Auto,
+        Transport::Tcp => TransportChoice::Tcp,
+        Transport::Shm => TransportChoice::Shm,
+        Transport::Rdma => TransportChoice::Rdma,
+    }
 }

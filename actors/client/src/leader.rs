@@ -16,7 +16,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 
 /// A boxed future of a source's answer.
 pub type Resolving<'a> = Pin<Box<dyn Future<Output = Result<String, KvError>> + Send + 'a>>;

@@ -15,5 +15,5 @@ pub mod rdma;
 
 pub use client::{local_host_id, Client, MemoryRegistration, ReadView, RegisteredBuffer};
 pub use kvpool_config::ClientConfig;
-pub use kvpool_transport::{ErrorCode, KvError};
+pub use kvpool_wire::{ErrorCode, KvError};
 pub use leader::{register_scheme, MasterSource};

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kvpool_transport::proto::ReplicaDesc;
+use kvpool_wire::proto::ReplicaDesc;
 
 /// Independent locks, so concurrent gets of different keys rarely meet.
 const PARTS: usize = 16;
@@ -164,8 +164,8 @@ impl Locations {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvpool_transport::auth::Grant;
-    use kvpool_transport::proto::{Endpoint, Tier};
+    use kvpool_wire::auth::Grant;
+    use kvpool_wire::proto::{Endpoint, Tier};
     use std::time::Duration;
 
     fn rep(offset: u64) -> ReplicaDesc {

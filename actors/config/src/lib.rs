@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use kvpool_runtime::config::Bytes;
 use kvpool_runtime::ShardPoolConfig;
-use kvpool_transport::auth::ClusterKey;
+use kvpool_wire::auth::ClusterKey;
+use kvpool_wire::limits::{MAX_FRAME_BYTES, MAX_KEY_BYTES, MIN_FRAME_BYTES};
 use serde::{Deserialize, Serialize};
 
 /// The whole config file.
@@ -123,8 +124,10 @@ impl NodeConfig {
         nonzero("master.inbox_depth", self.master.inbox_depth as u64)?;
         nonzero("master.max_connections", self.master.max_connections as u64)?;
         nonzero("master.max_key_bytes", self.master.max_key_bytes as u64)?;
-        if self.master.max_key_bytes > 4096 {
-            return Err("key `master.max_key_bytes`: at most 4096".into());
+        if self.master.max_key_bytes > MAX_KEY_BYTES {
+            return Err(format!(
+                "key `master.max_key_bytes`: at most {MAX_KEY_BYTES}"
+            ));
         }
         nonzero("master.max_value_bytes", self.master.max_value_bytes.get())?;
         nonzero("master.max_keys", self.master.max_keys)?;
@@ -279,17 +282,21 @@ impl NodeConfig {
             ("storage.max_frame_bytes", self.storage.max_frame_bytes),
             ("client.max_frame_bytes", self.client.max_frame_bytes),
         ] {
-            if v.get() < 4096 || v.get() > u32::MAX as u64 {
-                return Err(format!("key `{k}`: must be between 4 KiB and 4 GiB"));
+            if v.get() < MIN_FRAME_BYTES || v.get() > MAX_FRAME_BYTES {
+                return Err(format!(
+                    "key `{k}`: must be between {} KiB and 4 GiB",
+                    MIN_FRAME_BYTES >> 10
+                ));
             }
         }
         Ok(())
     }
 }
 
-/// The smallest `master.max_frame_bytes` a master on etcd takes (log
-/// shipping's largest answer fits).
-pub const HA_MIN_FRAME_BYTES: u64 = 2 << 20;
+pub use kvpool_wire::limits::HA_MIN_FRAME_BYTES;
+
+mod role;
+pub use role::Role;
 
 /// `[runtime]`: shards and the actor side.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -490,7 +497,7 @@ impl Default for MasterConfig {
             io_timeout_ms: 10_000,
             first_frame_timeout_ms: 5_000,
             max_frame_memory: Bytes::mib(256),
-            max_key_bytes: 4096,
+            max_key_bytes: MAX_KEY_BYTES,
             max_value_bytes: Bytes::gib(1),
             max_keys: 100_000_000,
             max_batch: 4096,
@@ -834,18 +841,6 @@ pub enum Transport {
     Tcp,
     Shm,
     Rdma,
-}
-
-impl Transport {
-    pub fn choice(self) -> kvpool_transport::engine::TransportChoice {
-        use kvpool_transport::engine::TransportChoice as C;
-        match self {
-            Transport::Auto => C::Auto,
-            Transport::Tcp => C::Tcp,
-            Transport::Shm => C::Shm,
-            Transport::Rdma => C::Rdma,
-        }
-    }
 }
 
 impl Default for ClientConfig {
@@ -1229,7 +1224,7 @@ pub enum NodeError {
     #[error(transparent)]
     Runtime(#[from] kvpool_runtime::RuntimeError),
     #[error(transparent)]
-    Kv(#[from] kvpool_transport::KvError),
+    Kv(#[from] kvpool_wire::KvError),
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
 }

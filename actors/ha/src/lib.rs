@@ -29,7 +29,7 @@ use kvpool_client::leader::{Moved, Resolving};
 use kvpool_client::MasterSource;
 use kvpool_master::{Fence, FenceRole, MasterHandle};
 use kvpool_runtime::Shutdown;
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 use tokio::sync::{oneshot, watch};
 
 /// The election's name when the URL names none.

@@ -13,8 +13,8 @@
 //! use kvpool_master::{call, Master, MasterArgs};
 //! use kvpool_runtime::metrics::MetricsRegistry;
 //! use kvpool_runtime::{ShardPool, ShardPoolConfig, Shutdown};
-//! use kvpool_transport::proto::call::{Exist, MountSegment, PutEnd, PutStart};
-//! use kvpool_transport::proto::{Endpoint, SegmentSpec};
+//! use kvpool_wire::proto::call::{Exist, MountSegment, PutEnd, PutStart};
+//! use kvpool_wire::proto::{Endpoint, SegmentSpec};
 //! use ractor::Actor;
 //!
 //! let pool = ShardPool::start(
@@ -38,7 +38,7 @@
 //!         endpoint: Endpoint { host: "127.0.0.1".into(), port: 7300, nr_shards: 1 },
 //!         slice_bytes: 1 << 20,
 //!         host_id: "node-a".into(),
-//!         tier: kvpool_transport::proto::Tier::Dram,
+//!         tier: kvpool_wire::proto::Tier::Dram,
 //!         nvme: None,
 //!     };
 //!     let seg = call(&master, MountSegment { client_id: 1, spec }).await.unwrap();
@@ -59,9 +59,9 @@
 
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::ShardHandle;
-use kvpool_transport::proto::call::Call;
-use kvpool_transport::proto::{MasterRequest, MasterResponse};
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::proto::call::Call;
+use kvpool_wire::proto::{MasterRequest, MasterResponse};
+use kvpool_wire::{ErrorCode, KvError};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::service::{self, MasterHandle};
@@ -98,7 +98,7 @@ pub struct MasterArgs {
     pub shards: ShardHandle,
     pub config: MasterConfig,
     /// The cluster secret (`None`: an open cluster).
-    pub key: Option<kvpool_transport::auth::ClusterKey>,
+    pub key: Option<kvpool_wire::auth::ClusterKey>,
     pub metrics: MetricsRegistry,
 }
 

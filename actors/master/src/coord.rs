@@ -10,25 +10,17 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use kvpool_transport::proto::{
+use kvpool_wire::proto::{
     segment_id_for, ClientId, MasterRequest, MasterResponse, PoolStat, SegmentId, SegmentSpec,
     SegmentStat,
 };
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 
 use super::state::{ShardStat, ShardState};
 
-/// Most clients the coordinator tracks for liveness.
-pub const MAX_CLIENTS: usize = 1 << 20;
-/// Largest segment a node may mount (256 TiB): bounds what a report or an
-/// allocation can name.
-pub const MAX_SEGMENT_BYTES: u64 = 1 << 48;
-/// Most shards a node may announce.
-pub const MAX_NODE_SHARDS: u16 = 1024;
-/// Longest segment name, host id or endpoint host.
-pub const MAX_NAME_BYTES: usize = 256;
-/// Most segments one ping may name.
-pub const MAX_PING_SEGMENTS: usize = 64;
+pub use kvpool_wire::limits::{
+    MAX_CLIENTS, MAX_NAME_BYTES, MAX_NODE_SHARDS, MAX_PING_SEGMENTS, MAX_SEGMENT_BYTES,
+};
 
 /// A command every shard applies.
 #[derive(Debug, Clone)]
@@ -156,13 +148,13 @@ fn check_spec(spec: &SegmentSpec) -> Result<(), KvError> {
         return bad("no endpoint to reach it at".into());
     }
     match spec.tier {
-        kvpool_transport::proto::Tier::Dram => {
+        kvpool_wire::proto::Tier::Dram => {
             let slices = spec.slice_bytes.checked_mul(spec.endpoint.nr_shards as u64);
             if spec.slice_bytes == 0 || slices.is_none_or(|b| b < spec.size) {
                 return bad("its shards' slices do not cover it".into());
             }
         }
-        kvpool_transport::proto::Tier::Nvme => {
+        kvpool_wire::proto::Tier::Nvme => {
             if spec.nvme.is_some() {
                 return bad("an NVMe tier has no tier of its own".into());
             }
@@ -281,8 +273,8 @@ impl CoordState {
                     // now, the same size. A DRAM segment is never taken for
                     // one (its allocator and replicas would be read as
                     // NVMe's: found by the master_request fuzz target).
-                    let same_tier_back = spec.tier == kvpool_transport::proto::Tier::Nvme
-                        && m.spec.tier == kvpool_transport::proto::Tier::Nvme
+                    let same_tier_back = spec.tier == kvpool_wire::proto::Tier::Nvme
+                        && m.spec.tier == kvpool_wire::proto::Tier::Nvme
                         && m.spec.size == spec.size;
                     if same || same_tier_back {
                         // A retried mount is the same mount. Mounted by

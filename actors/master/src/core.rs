@@ -7,8 +7,8 @@
 //! shards and moves requests between them by message.
 
 use kvpool_runtime::hash::ShardMap;
-use kvpool_transport::proto::{MasterRequest, MasterResponse};
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::proto::{MasterRequest, MasterResponse};
+use kvpool_wire::{ErrorCode, KvError};
 
 use std::path::Path;
 
@@ -16,7 +16,7 @@ use super::coord::{CommandResult, CoordState, Decision, ShardCommand};
 use super::journal::{self, JournalError, LogWriter, SnapshotWriter, Sync};
 use super::state::{ShardConfig, ShardState, SnapshotCursor, TickReport, EVICT_STEP_VICTIMS};
 use kvpool_config::MasterConfig;
-use kvpool_transport::route::{self, merge_batch, split_batch, Target};
+use kvpool_wire::route::{self, merge_batch, split_batch, Target};
 
 /// Checks a batch's size; answers an empty batch at once.
 pub fn check_batch(

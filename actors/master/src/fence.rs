@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 
 /// What a master is in its election.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -32,7 +32,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
-use kvpool_transport::proto::SegmentId;
+use kvpool_wire::proto::SegmentId;
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Largest payload of one record: a key of at most this much, with its

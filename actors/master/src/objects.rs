@@ -29,7 +29,7 @@ use std::collections::BTreeSet;
 use std::hash::{BuildHasher, Hasher};
 
 use hashbrown::HashTable;
-use kvpool_transport::proto::ClientId;
+use kvpool_wire::proto::ClientId;
 use smallvec::SmallVec;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -745,7 +745,7 @@ impl Objects {
                 if e.obj.complete().is_some() != complete {
                     return Err(format!(
                         "{} is in the {} table in another phase",
-                        kvpool_transport::proto::show_key(&e.key),
+                        kvpool_wire::proto::show_key(&e.key),
                         if complete { "complete" } else { "processing" }
                     ));
                 }
@@ -753,7 +753,7 @@ impl Objects {
                 if find(table, &self.slab, hash, &e.key) != Some(id) {
                     return Err(format!(
                         "{} is not found by its key",
-                        kvpool_transport::proto::show_key(&e.key)
+                        kvpool_wire::proto::show_key(&e.key)
                     ));
                 }
             }

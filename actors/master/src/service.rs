@@ -32,13 +32,11 @@ use glommio::net::TcpStream;
 use kvpool_runtime::hash::{ShardMap, VSHARDS};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardCtx, ShardHandle};
-use kvpool_transport::auth::ClusterKey;
-use kvpool_transport::frame::{self, FrameHeader, FrameKind};
-use kvpool_transport::proto::call::{self, Call};
-use kvpool_transport::proto::{
-    ClusterMap, MasterRequest, MasterResponse, MasterShardAddr, Shipped,
-};
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::auth::ClusterKey;
+use kvpool_wire::frame::{self, FrameHeader, FrameKind};
+use kvpool_wire::proto::call::{self, Call};
+use kvpool_wire::proto::{ClusterMap, MasterRequest, MasterResponse, MasterShardAddr, Shipped};
+use kvpool_wire::{ErrorCode, KvError};
 
 use super::coord::{CommandResult, CoordState, Decision, ShardCommand};
 use super::core::check_batch;
@@ -50,8 +48,8 @@ use crate::metrics::MasterMetrics;
 use crate::ship::{self, Shipping, Standby};
 use kvpool_config::MasterConfig;
 use kvpool_config::NodeError;
-use kvpool_transport::route::{self, merge_batch, split_batch, Target};
-use kvpool_transport::server::{self, ConnState, Handler, Next, RefusalLog, ServerLimits};
+use kvpool_wire::route::{self, merge_batch, split_batch, Target};
+use kvpool_wire::server::{self, ConnState, Handler, Next, RefusalLog, ServerLimits};
 
 mod conn;
 use conn::*;
@@ -206,7 +204,7 @@ impl MasterHandle {
     /// Sends each part to its shard; the answers, with their positions.
     async fn forward_parts(
         &self,
-        parts: Vec<kvpool_transport::route::BatchPart>,
+        parts: Vec<kvpool_wire::route::BatchPart>,
     ) -> Vec<(Vec<usize>, Result<MasterResponse, KvError>)> {
         let mut waits = Vec::with_capacity(parts.len());
         for p in parts {
@@ -449,10 +447,10 @@ pub async fn start(
         io_timeout: Duration::from_millis(cfg.io_timeout_ms),
         first_frame_timeout: Duration::from_millis(cfg.first_frame_timeout_ms),
         max_frame_bytes: cfg.max_frame_bytes.get() as u32,
-        frame_budget: kvpool_transport::frame::FrameBudget::new(cfg.max_frame_memory.get()),
+        frame_budget: kvpool_wire::frame::FrameBudget::new(cfg.max_frame_memory.get()),
         require_auth: key.is_some(),
     };
-    let unix_at_zero_ms = kvpool_transport::auth::unix_ms().saturating_sub(now_ms());
+    let unix_at_zero_ms = kvpool_wire::auth::unix_ms().saturating_sub(now_ms());
     let signer = key.as_ref().map(|k| GrantSigner {
         key: k.clone(),
         unix_at_zero_ms,

@@ -27,7 +27,7 @@
 use std::net::ToSocketAddrs;
 use std::time::{Duration, Instant};
 
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 
 use crate::journal::{next_frame, Frame, Image, Record, FRAME_HEADER};
 use crate::state::SnapshotCursor;
@@ -428,8 +428,7 @@ impl Standby {
         self.acked += bytes;
         self.synced |= synced;
         if self.image.holds.len() > 2 * self.holds_after_trim.max(1024) {
-            self.image
-                .drop_holds_before(kvpool_transport::auth::unix_ms());
+            self.image.drop_holds_before(kvpool_wire::auth::unix_ms());
             self.holds_after_trim = self.image.holds.len();
         }
     }

@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use kvpool_config::{MasterConfig, Placement};
 use kvpool_master::core::MasterCore;
-use kvpool_transport::proto::{
+use kvpool_wire::proto::{
     Endpoint, ItemResult, MasterRequest as Q, MasterResponse as A, ObjectInfo, PoolStat, PutItem,
     PutOptions, ReplicaDesc, SegmentId, SegmentSpec,
 };
-use kvpool_transport::proto::{NodeTask, NvmeAttach, NvmeUpdate, Tier};
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::proto::{NodeTask, NvmeAttach, NvmeUpdate, Tier};
+use kvpool_wire::{ErrorCode, KvError};
 
 #[path = "master_behaviour/trust.rs"]
 mod trust;
@@ -60,7 +60,7 @@ fn spec(name: &str, size: u64, host: &str) -> SegmentSpec {
         },
         slice_bytes: size,
         host_id: host.into(),
-        tier: kvpool_transport::proto::Tier::Dram,
+        tier: kvpool_wire::proto::Tier::Dram,
         nvme: None,
     }
 }
@@ -298,14 +298,14 @@ fn a_dram_segment_mounted_again_as_nvme_of_the_same_size_is_invalid_params_and_k
     m.mount("seg", 64 * KIB);
     m.put("k", 100);
     let mut nv = spec("seg", 64 * KIB, "host-a");
-    nv.tier = kvpool_transport::proto::Tier::Nvme;
+    nv.tier = kvpool_wire::proto::Tier::Nvme;
     let r = m.call(Q::MountSegment {
         client_id: NODE,
         spec: nv,
     });
     assert_eq!(code(r), ErrorCode::InvalidParams);
     let r = m.get("k").unwrap();
-    assert_eq!(r[0].tier, kvpool_transport::proto::Tier::Dram);
+    assert_eq!(r[0].tier, kvpool_wire::proto::Tier::Dram);
     assert_eq!(m.stat().capacity, 64 * KIB);
 }
 
@@ -1021,7 +1021,7 @@ fn batch_put_start_with_replace_replaces_each_stored_key() {
         put_id: 0,
         items: ["a", "b", "new"]
             .iter()
-            .map(|k| kvpool_transport::proto::PutDone {
+            .map(|k| kvpool_wire::proto::PutDone {
                 key: k.as_bytes().to_vec(),
                 checksum: None,
             })
@@ -1092,7 +1092,7 @@ fn batch_put_end_and_revoke_report_each_key() {
             put_id: 0,
             items: keys(&[ks[0], ks[1], "missing", ks[2]])
                 .into_iter()
-                .map(|key| kvpool_transport::proto::PutDone {
+                .map(|key| kvpool_wire::proto::PutDone {
                     key,
                     checksum: None,
                 })

@@ -9,8 +9,8 @@ use kvpool_config::MasterConfig;
 use kvpool_master::{call, Master, MasterArgs};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardPool, ShardPoolConfig, Shutdown};
-use kvpool_transport::proto::call::{MountSegment, PutEnd, PutStart, Stat};
-use kvpool_transport::proto::{Endpoint, SegmentSpec, Tier};
+use kvpool_wire::proto::call::{MountSegment, PutEnd, PutStart, Stat};
+use kvpool_wire::proto::{Endpoint, SegmentSpec, Tier};
 use ractor::Actor;
 
 const KIB: u64 = 1024;

@@ -26,10 +26,10 @@ use std::collections::HashMap;
 
 use kvpool_config::{MasterConfig, Placement};
 use kvpool_master::core::MasterCore;
-use kvpool_transport::proto::{
+use kvpool_wire::proto::{
     Endpoint, MasterRequest as Q, MasterResponse as A, PutOptions, SegmentId, SegmentSpec,
 };
-use kvpool_transport::ErrorCode;
+use kvpool_wire::ErrorCode;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -136,7 +136,7 @@ fn spec(name: &str, size: u64) -> SegmentSpec {
         },
         slice_bytes: size,
         host_id: "h".into(),
-        tier: kvpool_transport::proto::Tier::Dram,
+        tier: kvpool_wire::proto::Tier::Dram,
         nvme: None,
     }
 }

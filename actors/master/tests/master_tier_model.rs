@@ -25,12 +25,12 @@ use std::path::Path;
 use kvpool_config::MasterConfig;
 use kvpool_master::core::{EvictDrive, MasterCore};
 use kvpool_master::journal::{self, ObjectRec};
-use kvpool_transport::proto::call::{self, Call};
-use kvpool_transport::proto::{
+use kvpool_wire::proto::call::{self, Call};
+use kvpool_wire::proto::{
     segment_id_for, Endpoint, MasterRequest, NodeTask, NvmeAttach, NvmeUpdate, PutOptions,
     SegmentId, SegmentSpec, Tier,
 };
-use kvpool_transport::KvError;
+use kvpool_wire::KvError;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use kvpool_runtime::hash::ShardMap;
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 use serde::Serialize;
 
 use kvpool_client::Client;

@@ -12,9 +12,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::Shutdown;
-use kvpool_transport::proto::call::{self, Call};
-use kvpool_transport::proto::{ReplicaDesc, Tier};
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::proto::call::{self, Call};
+use kvpool_wire::proto::{ReplicaDesc, Tier};
+use kvpool_wire::{ErrorCode, KvError};
 use serde_json::{json, Value};
 
 use kvpool_config::NodeError;
@@ -49,7 +49,7 @@ fn authorize(st: &HttpState, headers: &HeaderMap, route: &str) -> Result<(), KvE
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
-    if kvpool_transport::auth::constant_time_eq(given.as_bytes(), st.secret.as_bytes()) {
+    if kvpool_wire::auth::constant_time_eq(given.as_bytes(), st.secret.as_bytes()) {
         return Ok(());
     }
     {

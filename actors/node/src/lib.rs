@@ -2,12 +2,17 @@
 //! serves HTTP (`/healthz`, `/metrics`, the master's admin routes), and
 //! measures a running pool (`kvpool bench transfer`).
 //!
-//! * [`process`]: `run(role, config, shutdown)`.
+//! * [`launch`]: the one dispatch of every role (`kvpool run --role`).
+//! * [`process`]: the pool's process: `run(role, config, shutdown)` for
+//!   master, storage node, gateway, and role all with its serving path.
 //! * [`http`]: the HTTP side of every role.
 //! * [`bench`]: the transfer bench behind `kvpool bench transfer`.
 
 pub mod bench;
 pub mod http;
+pub mod launch;
 pub mod process;
 
-pub use process::{run, Role};
+pub use kvpool_config::Role;
+pub use launch::{launch, Launch};
+pub use process::run;

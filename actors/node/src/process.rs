@@ -3,8 +3,6 @@
 //! ready; on SIGINT/SIGTERM unmounts its segment, lets in-flight requests
 //! finish (or fail) within the drain deadline, and returns.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::time::Duration;
 
 use kvpool_runtime::metrics::MetricsRegistry;
@@ -12,79 +10,40 @@ use kvpool_runtime::{ShardHandle, ShardPool, Shutdown};
 use ractor::{call, Actor, ActorRef};
 
 use crate::http::{self, HttpState};
-use kvpool_config::NodeConfig;
 use kvpool_config::NodeError;
+use kvpool_config::{NodeConfig, Role};
 use kvpool_master::{Master, MasterArgs, MasterHandle, MasterMsg};
 use kvpool_storage_node as storage_node;
-
-/// Which roles a process runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    /// Master and one storage node in one process.
-    All,
-    Master,
-    Storage,
-    /// A pool client and the RESP front only (`[resp]`, `--master`).
-    Gateway,
-}
-
-impl Role {
-    pub fn name(self) -> &'static str {
-        match self {
-            Role::All => "all",
-            Role::Master => "master",
-            Role::Storage => "storage",
-            Role::Gateway => "gateway",
-        }
-    }
-
-    fn has_master(self) -> bool {
-        matches!(self, Role::All | Role::Master)
-    }
-
-    fn has_storage(self) -> bool {
-        matches!(self, Role::All | Role::Storage)
-    }
-
-    /// Roles with a pool client of their own may serve RESP.
-    fn may_serve_resp(self) -> bool {
-        matches!(self, Role::All | Role::Storage | Role::Gateway)
-    }
-}
 
 /// How long a storage node keeps trying to reach the master at start.
 const MOUNT_DEADLINE: Duration = Duration::from_secs(30);
 
-/// What a companion is given: the master's address (this process's, or
-/// the one it reports to) and the process's shutdown signal.
-pub struct CompanionCtx {
-    /// The master's RPC address.
-    pub master: String,
-    /// Triggered when the process stops.
-    pub shutdown: Shutdown,
+/// Role all's serving path, run inside the pool's process (see
+/// [`start_serving`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Serving {
+    /// Every serving listener on a free port (role all on `--listen
+    /// HOST:0`).
+    pub ephemeral: bool,
 }
-
-/// More work a process runs beside its roles (role all's serving path, in
-/// the binary): started on the process's tokio runtime once the roles
-/// serve and before the ready lines, it returns its own ready lines (printed
-/// before `kvpool all listening on`). Its tasks stop with `shutdown`.
-pub type Companion = Box<
-    dyn FnOnce(CompanionCtx) -> Pin<Box<dyn Future<Output = Result<Vec<String>, NodeError>> + Send>>
-        + Send,
->;
 
 /// Runs `role` until SIGINT or SIGTERM (or `shutdown`), then stops cleanly.
 pub fn run(role: Role, cfg: NodeConfig, shutdown: Shutdown) -> Result<(), NodeError> {
     run_with(role, cfg, shutdown, None)
 }
 
-/// [`run`], with a [`Companion`] started once the roles serve.
+/// [`run`], with role all's serving path started once the pool serves.
 pub fn run_with(
     role: Role,
     cfg: NodeConfig,
     shutdown: Shutdown,
-    companion: Option<Companion>,
+    serving: Option<Serving>,
 ) -> Result<(), NodeError> {
+    if !role.is_pool() {
+        return Err(NodeError::Start(format!(
+            "role {role} is not run by the pool process (all, master, storage, gateway)"
+        )));
+    }
     cfg.validate().map_err(NodeError::Config)?;
     let pool = ShardPool::start(&cfg.runtime.shard_pool(), shutdown.clone())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -97,7 +56,7 @@ pub fn run_with(
         &cfg,
         pool.handle(),
         shutdown.clone(),
-        companion,
+        serving,
     ));
     shutdown.trigger();
     rt.shutdown_timeout(Duration::from_secs(2));
@@ -136,7 +95,7 @@ fn warn_if_open(role: Role, cfg: &NodeConfig) {
     if !cfg.security.secret.is_empty() {
         return;
     }
-    let wide = cfg.wide_listens(role.has_master(), role.has_storage());
+    let wide = cfg.wide_listens(role.runs_master(), role.runs_storage());
     if wide.is_empty() {
         return;
     }
@@ -202,7 +161,7 @@ fn start_election(
 /// directory is the same master; random without a state directory.
 fn master_identity(state_dir: &str) -> Result<String, NodeError> {
     let fresh = || {
-        kvpool_transport::auth::nonce()
+        kvpool_wire::auth::nonce()
             .iter()
             .map(|b| format!("{b:02x}"))
             .collect::<String>()
@@ -251,13 +210,13 @@ async fn run_roles(
     cfg: &NodeConfig,
     shards: ShardHandle,
     shutdown: Shutdown,
-    companion: Option<Companion>,
+    serving: Option<Serving>,
 ) -> Result<(), NodeError> {
     let metrics = MetricsRegistry::new();
     let key = cfg.cluster_key().map_err(NodeError::Config)?;
     warn_if_open(role, cfg);
     let mut master: Option<(ActorRef<MasterMsg>, MasterHandle)> = None;
-    if role.has_master() {
+    if role.runs_master() {
         let args = MasterArgs {
             shards: shards.clone(),
             config: cfg.master.clone(),
@@ -276,7 +235,7 @@ async fn run_roles(
     }
 
     let mut storage: Option<storage_node::MountedNode> = None;
-    if role.has_storage() {
+    if role.runs_storage() {
         let master_addr = own_master(cfg, &master).unwrap_or_else(|| cfg.storage.master.clone());
         let opts = storage_node::MountOptions {
             master: master_addr,
@@ -338,14 +297,10 @@ async fn run_roles(
         shutdown.clone(),
     )
     .await?;
-    let companion_lines = match companion {
-        Some(start) => {
+    let serving_lines = match serving {
+        Some(Serving { ephemeral }) => {
             let master = own_master(cfg, &master).unwrap_or_else(|| cfg.storage.master.clone());
-            start(CompanionCtx {
-                master,
-                shutdown: shutdown.clone(),
-            })
-            .await?
+            start_serving(cfg, &master, ephemeral, shutdown.clone()).await?
         }
         None => Vec::new(),
     };
@@ -361,7 +316,7 @@ async fn run_roles(
     if let Some(node) = &storage {
         println!("kvpool storage listening on {}", node.addr());
     }
-    for line in companion_lines {
+    for line in serving_lines {
         println!("{line}");
     }
     if let (Some(r), Role::Gateway) = (&resp, role) {
@@ -399,4 +354,65 @@ async fn run_roles(
         actor.stop(None);
     }
     Ok(())
+}
+
+/// Role all's serving path, started inside the pool's process once the
+/// master serves: two engines of `serving.model` (prefill and decode, on
+/// `serving.prefill_proxy.engine` / `serving.decode_proxy.engine`), their
+/// proxies, and the conductor's front, all using this process's pool.
+/// Returns their ready lines (printed before `kvpool all listening on`).
+async fn start_serving(
+    cfg: &NodeConfig,
+    master: &str,
+    ephemeral: bool,
+    shutdown: Shutdown,
+) -> Result<Vec<String>, NodeError> {
+    let err = |e: String| NodeError::Start(format!("serving: {e}"));
+    let mut lines = Vec::new();
+    let mut engines = Vec::new();
+    // Both models load at once, off the runtime's threads.
+    let loads: Vec<_> = (0..2)
+        .map(|_| {
+            let spec = cfg.serving.model.clone();
+            tokio::task::spawn_blocking(move || kvpool_engine::loader::load(&spec))
+        })
+        .collect();
+    let addrs = [
+        ("prefill-engine", &cfg.serving.prefill_proxy.engine),
+        ("decode-engine", &cfg.serving.decode_proxy.engine),
+    ];
+    for ((name, addr), load) in addrs.into_iter().zip(loads) {
+        let model = load
+            .await
+            .map_err(|e| err(e.to_string()))?
+            .map_err(|e| err(e.to_string()))?;
+        let registry = kvpool_runtime::metrics::MetricsRegistry::new();
+        let engine = kvpool_engine::serve::Engine::start(model, cfg, Some(master), &registry)
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        let listen = kvpool_serving::roles::maybe_ephemeral(addr, ephemeral);
+        let bound = kvpool_serving::roles::serve_http(
+            &listen,
+            name,
+            engine.router(registry),
+            cfg.runtime.http_limits(),
+            shutdown.clone(),
+        )
+        .await
+        .map_err(|e| err(e.to_string()))?;
+        lines.push(format!("kvpool {name} listening on {bound}"));
+        engines.push(bound.to_string());
+    }
+    let more = kvpool_serving::roles::start_all(
+        cfg,
+        master,
+        &engines[0],
+        &engines[1],
+        ephemeral,
+        shutdown.clone(),
+    )
+    .await
+    .map_err(|e| err(e.to_string()))?;
+    lines.extend(more);
+    Ok(lines)
 }

@@ -3,10 +3,10 @@
 //! string commands (`exec`, `keyspace`) and the collections, which
 //! otherwise do not import each other.
 
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 
 /// The pool's longest key.
-pub(crate) const MAX_KEY_BYTES: usize = 4096;
+pub(crate) use kvpool_wire::limits::MAX_KEY_BYTES;
 
 /// A key the pool can hold, or the error reply saying why not.
 pub(crate) fn check_key(k: &[u8]) -> Result<(), String> {

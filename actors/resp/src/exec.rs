@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpool_client::ReadView;
-use kvpool_transport::proto::PutOptions;
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::proto::PutOptions;
+use kvpool_wire::{ErrorCode, KvError};
 
 use crate::cache::Epoch;
 use crate::checks::{check_key, check_value, is_miss, pool_error, WRONGTYPE};
@@ -440,7 +440,7 @@ impl Conn {
             return Err(wrong);
         }
         let want = self.ctx.shared.cfg.requirepass.as_bytes();
-        if want.is_empty() || kvpool_transport::auth::constant_time_eq(pass, want) {
+        if want.is_empty() || kvpool_wire::auth::constant_time_eq(pass, want) {
             self.authed = true;
             Ok(())
         } else {

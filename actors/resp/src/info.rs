@@ -4,7 +4,7 @@
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
 
-use kvpool_transport::proto::PoolStat;
+use kvpool_wire::proto::PoolStat;
 
 use crate::commands::SPECS;
 use crate::ThreadCtx;

@@ -14,8 +14,8 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use kvpool_transport::proto::PutOptions;
-use kvpool_transport::ErrorCode;
+use kvpool_wire::proto::PutOptions;
+use kvpool_wire::ErrorCode;
 
 use crate::checks::{check_key, check_value, is_miss, pool_error, WRONGTYPE};
 use crate::commands::Cmd;

@@ -253,8 +253,8 @@ pub async fn start(opts: RespOptions) -> Result<RespServer, RespError> {
 /// gateway may start before its master).
 const CONNECT_DEADLINE: Duration = Duration::from_secs(30);
 
-async fn connect(master: &str, cfg: ClientConfig) -> Result<Client, kvpool_transport::KvError> {
-    use kvpool_transport::ErrorCode;
+async fn connect(master: &str, cfg: ClientConfig) -> Result<Client, kvpool_wire::KvError> {
+    use kvpool_wire::ErrorCode;
     let deadline = Instant::now() + CONNECT_DEADLINE;
     loop {
         match Client::connect(master, cfg.clone()).await {

@@ -831,7 +831,7 @@ fn check_api_key(f: &Front, headers: &HeaderMap) -> Result<(), ApiError> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
-    if kvpool_transport::auth::constant_time_eq(given.as_bytes(), want.as_bytes()) {
+    if kvpool_wire::auth::constant_time_eq(given.as_bytes(), want.as_bytes()) {
         return Ok(());
     }
     let message = if given.is_empty() {

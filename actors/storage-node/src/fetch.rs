@@ -21,8 +21,8 @@ use kvpool_client::Client;
 use kvpool_runtime::hash::value_sum;
 use kvpool_runtime::Shutdown;
 use kvpool_storage::Segment;
-use kvpool_transport::proto::{call, NodeTask, NvmeUpdate, ReplicaDesc, SegmentId, Tier};
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::proto::{call, NodeTask, NvmeUpdate, ReplicaDesc, SegmentId, Tier};
+use kvpool_wire::{ErrorCode, KvError};
 
 use crate::metrics::StorageMetrics;
 

@@ -10,10 +10,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvpool_storage::nvme::NvmeLoc;
 use kvpool_storage::Segment;
-use kvpool_transport::auth::{self, ClusterKey, Grant, GrantClock, GrantOp};
-use kvpool_transport::proto::{DataRequest, DataResponse, SegmentId};
-use kvpool_transport::server::ConnState;
-use kvpool_transport::{ErrorCode, KvError, RdmaRequest};
+use kvpool_wire::auth::{self, ClusterKey, Grant, GrantClock, GrantOp};
+use kvpool_wire::proto::{DataRequest, DataResponse, SegmentId};
+use kvpool_wire::server::ConnState;
+use kvpool_wire::{ErrorCode, KvError, RdmaRequest};
 
 /// What the data port does with a request, by the connection's handshake.
 #[derive(Debug)]

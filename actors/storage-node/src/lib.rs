@@ -20,6 +20,14 @@ pub mod node;
 pub mod nvme_tier;
 pub mod rdma;
 
+// The storage crate's own bounds (its segment and the tier's on-disk index)
+// against the protocol's (`kvpool_wire::limits`): every key the protocol
+// allows fits the tier's index, and every segment the node can make is one
+// the master mounts.
+const _: () = assert!(kvpool_storage::nvme::MAX_KEY_BYTES >= kvpool_wire::limits::MAX_KEY_BYTES);
+const _: () =
+    assert!(kvpool_storage::segment::MAX_SEGMENT_BYTES <= kvpool_wire::limits::MAX_SEGMENT_BYTES);
+
 pub use mounted::{start_mounted, MountOptions, MountedNode};
 pub use node::{
     spawn_shm_server, start, StorageNode, StorageNodeArgs, StorageNodeMsg, StorageService,

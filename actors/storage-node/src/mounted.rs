@@ -21,9 +21,9 @@ use kvpool_client::{Client, ClientConfig};
 use kvpool_config::{NodeError, StorageConfig};
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardHandle, Shutdown};
-use kvpool_transport::auth::ClusterKey;
-use kvpool_transport::proto::{SegmentId, SegmentSpec};
-use kvpool_transport::ErrorCode;
+use kvpool_wire::auth::ClusterKey;
+use kvpool_wire::proto::{SegmentId, SegmentSpec};
+use kvpool_wire::ErrorCode;
 use ractor::{call, Actor, ActorRef};
 
 use crate::node::{self, StorageNode, StorageNodeArgs, StorageNodeMsg};

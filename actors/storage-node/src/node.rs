@@ -22,12 +22,12 @@ use glommio::net::TcpStream;
 use kvpool_runtime::metrics::MetricsRegistry;
 use kvpool_runtime::{ShardCtx, ShardHandle};
 use kvpool_storage::Segment;
-use kvpool_transport::auth::{ClusterKey, GrantClock};
-use kvpool_transport::frame::{self, FrameHeader, FrameKind};
-use kvpool_transport::proto::{
+use kvpool_wire::auth::{ClusterKey, GrantClock};
+use kvpool_wire::frame::{self, FrameHeader, FrameKind};
+use kvpool_wire::proto::{
     segment_id_for, DataRequest, DataResponse, Endpoint, NvmeAttach, SegmentId, SegmentSpec, Tier,
 };
-use kvpool_transport::{ErrorCode, KvError, RdmaCaps, RdmaRequest, RdmaResponse};
+use kvpool_wire::{ErrorCode, KvError, RdmaCaps, RdmaRequest, RdmaResponse};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use crate::gate::{DataGate, Handshake};
@@ -35,7 +35,7 @@ use crate::metrics::StorageMetrics;
 use kvpool_client::Client;
 use kvpool_config::NodeError;
 use kvpool_config::StorageConfig;
-use kvpool_transport::server::{self, ConnState, Handler, Next, RefusalLog, ServerLimits};
+use kvpool_wire::server::{self, ConnState, Handler, Next, RefusalLog, ServerLimits};
 
 /// A started storage node's data plane.
 pub struct StorageService {
@@ -159,7 +159,7 @@ pub async fn start(
         io_timeout: Duration::from_millis(cfg.io_timeout_ms),
         first_frame_timeout: Duration::from_millis(cfg.first_frame_timeout_ms),
         max_frame_bytes: cfg.max_frame_bytes.get() as u32,
-        frame_budget: kvpool_transport::frame::FrameBudget::new(cfg.max_frame_memory.get()),
+        frame_budget: kvpool_wire::frame::FrameBudget::new(cfg.max_frame_memory.get()),
         // With a secret, a connection proves it holds it before anything
         // else (gate::handshake), within first_frame_timeout; each data
         // request also carries a grant for what it touches.
@@ -284,7 +284,7 @@ const SHM_EXCHANGE: Duration = Duration::from_secs(1);
 /// What the shm socket's tasks share.
 struct ShmServer {
     segment: Arc<Segment>,
-    id: kvpool_transport::proto::SegmentId,
+    id: kvpool_wire::proto::SegmentId,
     key: Option<ClusterKey>,
     skew_ms: u64,
     term: Arc<std::sync::atomic::AtomicU64>,
@@ -413,7 +413,7 @@ impl Handler for DataConn {
     async fn handle(
         &self,
         hdr: FrameHeader,
-        payload: kvpool_transport::frame::AlignedVec,
+        payload: kvpool_wire::frame::AlignedVec,
         stream: &mut TcpStream,
         conn: &mut ConnState,
     ) -> Next {

@@ -22,10 +22,10 @@ use kvpool_runtime::hash::value_sum;
 use kvpool_runtime::{ShardHandle, Shutdown};
 use kvpool_storage::nvme::{Eviction, NvmeConfig, NvmeError, NvmeLoc, NvmeShard, NvmeValue};
 use kvpool_storage::Segment;
-use kvpool_transport::proto::{
+use kvpool_wire::proto::{
     call, segment_id_for, Endpoint, NodeTask, NvmeUpdate, SegmentId, SegmentSpec, Tier,
 };
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::metrics::StorageMetrics;
@@ -399,7 +399,7 @@ impl NodeNvme {
                             ErrorCode::Corrupt,
                             format!(
                                 "the DRAM bytes of {} do not match the object's checksum",
-                                kvpool_transport::proto::show_key(&k)
+                                kvpool_wire::proto::show_key(&k)
                             ),
                         ));
                     }

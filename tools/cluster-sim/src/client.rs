@@ -17,8 +17,8 @@
 //!
 //! Not modelled: batches, the location cache, shared-memory and RDMA paths.
 
-use kvpool_transport::proto::{MasterRequest, MasterResponse, PutOptions, ReplicaDesc};
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::proto::{MasterRequest, MasterResponse, PutOptions, ReplicaDesc};
+use kvpool_wire::{ErrorCode, KvError};
 use rand::Rng;
 
 use crate::{key, sum_of, Addr, Body, Content, Ctx, Msg, Timer, CLIENT_TIMEOUT_MS, KEYS, PING_MS};

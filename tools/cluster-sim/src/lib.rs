@@ -16,7 +16,7 @@
 //!   runs as events of its own (`EvictDrive::Manual`), as the live shards
 //!   run it between requests.
 //! * Storage nodes ([`node`]) and clients ([`client`]) are state machines
-//!   that follow the real protocol (`kvpool_transport::proto` requests and
+//!   that follow the real protocol (`kvpool_wire::proto` requests and
 //!   answers, the node's tasks and NVMe reports, pings, mounts and
 //!   remounts, the client's deadline, `TryAgain` waits, re-placement after
 //!   an unreachable node, revoke after a timeout). They are models of
@@ -38,10 +38,8 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use kvpool_config::MasterConfig;
 use kvpool_master::core::{EvictDrive, MasterCore};
-use kvpool_transport::proto::{
-    MasterRequest, MasterResponse, NvmeUpdate, ObjectInfo, SegmentId, Tier,
-};
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::proto::{MasterRequest, MasterResponse, NvmeUpdate, ObjectInfo, SegmentId, Tier};
+use kvpool_wire::{ErrorCode, KvError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -1208,7 +1206,7 @@ fn short_resp(r: &MasterResponse) -> String {
         MasterResponse::BatchDone(v) => {
             let ok = v
                 .iter()
-                .filter(|r| matches!(r, kvpool_transport::proto::ItemResult::Ok(_)))
+                .filter(|r| matches!(r, kvpool_wire::proto::ItemResult::Ok(_)))
                 .count();
             format!("{ok}/{} ok", v.len())
         }

@@ -27,11 +27,11 @@
 
 use std::collections::BTreeMap;
 
-use kvpool_transport::proto::{
+use kvpool_wire::proto::{
     segment_id_for, Endpoint, ItemResult, MasterRequest, MasterResponse, NodeTask, NvmeAttach,
     NvmeUpdate, SegmentId, SegmentSpec, Tier,
 };
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 use rand::Rng;
 
 use crate::{

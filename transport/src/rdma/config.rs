@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use crate::error::{ErrorCode, KvError};
-use crate::rdma_wire::MAX_LANES_PER_CONNECTION;
+use kvpool_wire::error::{ErrorCode, KvError};
+use kvpool_wire::rdma_wire::MAX_LANES_PER_CONNECTION;
 
 /// Default slice: one work request moves at most this many bytes.
 pub const DEFAULT_SLICE_BYTES: usize = 64 * 1024;

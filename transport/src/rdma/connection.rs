@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use ibverbs_sys as ffi;
 
-use crate::error::{ErrorCode, KvError};
-use crate::rdma_wire::{
+use kvpool_wire::error::{ErrorCode, KvError};
+use kvpool_wire::rdma_wire::{
     RdmaCaps, RdmaConnectReply, RdmaConnectRequest, RdmaLaneRequest, RdmaLinkLayer, RdmaQpEndpoint,
     RdmaRegion,
 };

@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex};
 
 use ibverbs_sys as ffi;
 
-use crate::error::{ErrorCode, KvError};
-use crate::rdma_wire::{RdmaCaps, RdmaLinkLayer, RdmaPortInfo, MAX_ADVERTISED_DEVICES};
+use kvpool_wire::error::{ErrorCode, KvError};
+use kvpool_wire::rdma_wire::{RdmaCaps, RdmaLinkLayer, RdmaPortInfo, MAX_ADVERTISED_DEVICES};
 
 use super::config::{RdmaConfig, MAX_RD_ATOMIC};
 use super::error::{NoDeviceReason, RdmaError};

@@ -11,7 +11,7 @@ use std::io;
 
 use ibverbs_sys::ibv_wc_status as wcs;
 
-use crate::error::{ErrorCode, KvError};
+use kvpool_wire::error::{ErrorCode, KvError};
 
 /// Why there is no usable RDMA device.
 #[derive(Debug, Clone, PartialEq, Eq)]

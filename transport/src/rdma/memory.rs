@@ -20,7 +20,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::error::{ErrorCode, KvError};
+use kvpool_wire::error::{ErrorCode, KvError};
 
 use super::verbs::Mr;
 

@@ -20,7 +20,7 @@
 //! * Set-up: [`RdmaContext::open`] (or [`RdmaError::NoDevice`] with the
 //!   reason), [`RdmaContext::caps`] to advertise, [`RdmaContext::connect`] +
 //!   [`PendingConnection::complete`] on the client, [`RdmaContext::accept`] on
-//!   the node; the messages are [`crate::rdma_wire`]'s.
+//!   the node; the messages are [`kvpool_wire::rdma_wire`]'s.
 //! * Memory: [`RdmaContext::register`] (cached, keyed by address range),
 //!   [`RdmaContext::lookup`] for a sub-range of a registered buffer.
 //! * Transfers: [`RdmaConnection::try_submit`] / [`RdmaConnection::submit`]

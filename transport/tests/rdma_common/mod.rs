@@ -10,12 +10,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvpool_transport::frame::{self, FrameKind};
 use kvpool_transport::rdma::{
     PassiveConnection, RdmaBuffer, RdmaConfig, RdmaConnection, RdmaContext, RdmaError, RdmaMemory,
     Registration,
 };
-use kvpool_transport::{KvError, RdmaRequest, RdmaResponse};
+use kvpool_wire::frame::{self, FrameKind};
+use kvpool_wire::{KvError, RdmaRequest, RdmaResponse};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::compat::{Compat, TokioAsyncReadCompatExt};
 

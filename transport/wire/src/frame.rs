@@ -34,8 +34,6 @@ pub const MAGIC: [u8; 4] = *b"KVPL";
 /// 3: `PutOptions::replace` (the atomic replace), `RemoveAll`'s `force` (issue 16).
 pub const VERSION: u8 = 3;
 pub const HEADER_LEN: usize = 24;
-/// Default bound on a control payload (keys are <= 4 KiB; batches are bounded).
-pub const DEFAULT_MAX_FRAME_BYTES: u32 = 4 << 20;
 
 /// What a frame's payload is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -401,6 +399,27 @@ pub async fn write_all<W: AsyncWrite + Unpin>(w: &mut W, buf: &[u8]) -> Result<(
 /// Encodes an error frame.
 pub fn encode_error(request_id: u64, err: &KvError) -> Vec<u8> {
     encode(FrameKind::Error, request_id, &WireError::from(err))
+}
+
+/// The answer to request `want`, as the outer result (the connection can
+/// be used again) or an outer error (it cannot). An error frame with id 0
+/// answers the connection, not a request (a server at its connection cap
+/// says `ResourceExhausted` so): that error is the outer one, as it is.
+pub fn check_answer<T>(
+    got: u64,
+    want: u64,
+    answer: Result<T, KvError>,
+) -> Result<Result<T, KvError>, KvError> {
+    if got == want {
+        return Ok(answer);
+    }
+    match answer {
+        Err(e) if got == 0 => Err(e),
+        _ => Err(KvError::new(
+            ErrorCode::Malformed,
+            format!("answer to request {got} arrived for request {want}"),
+        )),
+    }
 }
 
 #[cfg(test)]

@@ -30,10 +30,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::error::{ErrorCode, KvError};
 
-/// Most lanes (queue pairs) one connection may ask for.
-pub const MAX_LANES_PER_CONNECTION: usize = 64;
-/// Most devices one peer may advertise.
-pub const MAX_ADVERTISED_DEVICES: usize = 32;
+pub use crate::limits::{MAX_ADVERTISED_DEVICES, MAX_LANES_PER_CONNECTION};
 
 /// The link layer of a port: it decides how a queue pair addresses its peer
 /// (LID on InfiniBand, GID in a GRH on RoCE).

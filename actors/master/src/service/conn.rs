@@ -149,7 +149,7 @@ impl MasterConn {
         req: &MasterRequest,
         conn: &mut ConnState,
     ) -> Result<(), (Result<MasterResponse, KvError>, bool)> {
-        use kvpool_transport::auth;
+        use kvpool_wire::auth;
         let refuse = |e: KvError| Err((Err(e), true));
         let Some(key) = &self.key else {
             return match req {
@@ -233,7 +233,7 @@ impl Handler for MasterConn {
     async fn handle(
         &self,
         hdr: FrameHeader,
-        payload: kvpool_transport::frame::AlignedVec,
+        payload: kvpool_wire::frame::AlignedVec,
         stream: &mut TcpStream,
         conn: &mut ConnState,
     ) -> Next {

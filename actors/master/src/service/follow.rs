@@ -96,7 +96,7 @@ pub(super) async fn follow_session(
     let _ = s.set_nodelay(true);
     let mut id = 1u64;
     if let Some(key) = &setup.key {
-        let nc = kvpool_transport::auth::nonce();
+        let nc = kvpool_wire::auth::nonce();
         let begin = MasterRequest::AuthBegin {
             client_id,
             nonce: nc,

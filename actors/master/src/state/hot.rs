@@ -25,7 +25,7 @@
 
 use std::collections::HashMap;
 
-use kvpool_transport::proto::{NodeTask, ReplicaDesc, Tier};
+use kvpool_wire::proto::{NodeTask, ReplicaDesc, Tier};
 
 use super::*;
 

@@ -49,12 +49,12 @@ use std::sync::Arc;
 
 use kvpool_storage::alloc::RangeAllocator;
 use kvpool_storage::segment::SEGMENT_ALIGN;
-use kvpool_transport::auth::{ClusterKey, Grant, GrantOp};
-use kvpool_transport::proto::{
+use kvpool_wire::auth::{ClusterKey, Grant, GrantOp};
+use kvpool_wire::proto::{
     ClientId, ItemResult, MasterRequest, MasterResponse, NodeTask, NvmeUpdate, ObjectInfo, PutItem,
     PutOptions, ReplicaDesc, SegmentId, SegmentSpec, Tier,
 };
-use kvpool_transport::{ErrorCode, KvError};
+use kvpool_wire::{ErrorCode, KvError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use smallvec::SmallVec;
@@ -322,7 +322,7 @@ fn not_found(key: &[u8]) -> KvError {
     )
 }
 
-pub use kvpool_transport::proto::show_key;
+pub use kvpool_wire::proto::show_key;
 
 /// The readable replicas of `obj` as clients need them (DRAM first, then
 /// NVMe; replicas still being filled by a promotion are left out), with the

@@ -57,7 +57,7 @@ fn shard_with_a_segment() -> ShardState {
     let spec = SegmentSpec {
         name: "n:1:1".into(),
         size: 1 << 20,
-        endpoint: kvpool_transport::proto::Endpoint {
+        endpoint: kvpool_wire::proto::Endpoint {
             host: "127.0.0.1".into(),
             port: 1,
             nr_shards: 1,

@@ -36,7 +36,7 @@ pub(super) fn mount_tier(m: &mut M) {
         })
         .unwrap();
     assert!(
-        matches!(r, A::Mounted { segment_id } if segment_id == kvpool_transport::proto::segment_id_for("nvme:host-a:/dev/x"))
+        matches!(r, A::Mounted { segment_id } if segment_id == kvpool_wire::proto::segment_id_for("nvme:host-a:/dev/x"))
     );
 }
 
@@ -72,7 +72,7 @@ pub(super) fn mount_tiered_dram(m: &mut M, name: &str, write_through: bool) -> S
 
 pub(super) fn nvme_id() -> SegmentId {
     let _ = NVME;
-    kvpool_transport::proto::segment_id_for("nvme:host-a:/dev/x")
+    kvpool_wire::proto::segment_id_for("nvme:host-a:/dev/x")
 }
 
 pub(super) fn tasks(m: &mut M, seg: SegmentId) -> Vec<NodeTask> {

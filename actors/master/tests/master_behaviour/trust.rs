@@ -266,7 +266,7 @@ fn free_space_in_pieces_too_small_with_no_demotion_under_way_is_no_space_not_try
 #[test]
 fn with_a_secret_the_master_signs_write_and_read_grants_for_each_replica() {
     use kvpool_master::state::{GrantSigner, ShardConfig, ShardState};
-    use kvpool_transport::auth::{ClusterKey, GrantClock, GrantOp};
+    use kvpool_wire::auth::{ClusterKey, GrantClock, GrantOp};
     let key = ClusterKey::new(b"grant-test-secret-0123").unwrap();
     let c = cfg();
     let mut s =
@@ -275,7 +275,7 @@ fn with_a_secret_the_master_signs_write_and_read_grants_for_each_replica() {
             unix_at_zero_ms: 1_000_000,
         }));
     let seg = Arc::new(spec("a", 64 * KIB, "host-a"));
-    let id = kvpool_transport::proto::segment_id_for("a");
+    let id = kvpool_wire::proto::segment_id_for("a");
     s.add_segment(id, seg, NODE, 0);
     let w = s.put_start(WRITER, b"k", 4096, &opts(1), 10).unwrap();
     let g = w[0].grant;
