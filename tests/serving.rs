@@ -212,6 +212,60 @@ fn metric(addr: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// A text prompt (and a chat) through the front is tokenized once: by the
+/// front's `/tokenize` call; the prefill and decode engines take the ids
+/// along (`kvpool_prompt_token_ids`) and answer as one engine does. A
+/// client's own `kvpool_prompt_token_ids` is not passed on.
+#[test]
+fn a_text_prompt_through_the_front_is_tokenized_once_and_answers_as_one_engine() {
+    let pool = pool();
+    let cfg = config_file("tok-once", &fast("", TCP));
+    let mono = engine(None, &cfg);
+    let pe = engine(Some(&pool.addr), &cfg);
+    let de = engine(Some(&pool.addr), &cfg);
+    let pp = proxy("prefill-proxy", &pe.addr, &cfg);
+    let dp = proxy("decode-proxy", &de.addr, &cfg);
+    let front = conductor(&[&pp], &[&dp], &pool.addr, &cfg, &[]);
+    let tokenized = || {
+        metric(&pe.addr, "kvpool_engine_prompts_tokenized_total")
+            + metric(&de.addr, "kvpool_engine_prompts_tokenized_total")
+    };
+    let text = "a prompt of plain text, tokenized by the front once. ".repeat(12);
+    let completion = json!({"model": "builtin:tiny", "prompt": text, "max_tokens": 12,
+        "temperature": 0, "ignore_eos": true, "return_token_ids": true,
+        "kvpool_prompt_token_ids": [1, 2, 3]});
+    let chat = json!({"model": "builtin:tiny", "max_tokens": 12, "temperature": 0,
+        "ignore_eos": true, "return_token_ids": true,
+        "messages": [{"role": "user", "content": text}]});
+    for (path, body) in [
+        ("/v1/completions", &completion),
+        ("/v1/chat/completions", &chat),
+    ] {
+        let mut alone = body.clone();
+        alone
+            .as_object_mut()
+            .unwrap()
+            .remove("kvpool_prompt_token_ids");
+        let want = post_ok(&mono.addr, path, &alone);
+        let before = tokenized();
+        let got = post_ok(&front.addr, path, body);
+        assert_eq!(
+            tokenized() - before,
+            1.0,
+            "{path}: the prompt is tokenized once, by the front's /tokenize"
+        );
+        assert_eq!(
+            got["usage"]["prompt_tokens"], want["usage"]["prompt_tokens"],
+            "{path}: {got}"
+        );
+        assert_eq!(
+            ids(&got["choices"][0]["token_ids"]),
+            ids(&want["choices"][0]["token_ids"]),
+            "{path}: the answer through the front is one engine's"
+        );
+    }
+}
+
 #[test]
 fn disaggregated_greedy_output_equals_one_engine_and_a_shared_prefix_is_loaded() {
     let pool = pool();

@@ -12,6 +12,10 @@ use prometheus_client::metrics::histogram::Histogram;
 #[derive(Clone)]
 pub struct EngineMetrics {
     pub requests: Counter,
+    /// Prompts this engine ran its tokenizer on (a request's text or
+    /// messages, or `/tokenize`); a prompt whose token ids came with the
+    /// request (`kvpool_prompt_token_ids`, or a token-id prompt) is not.
+    pub prompts_tokenized: Counter,
     pub prompt_tokens_computed: Counter,
     pub prompt_tokens_loaded: Counter,
     pub generated_tokens: Counter,
@@ -47,6 +51,7 @@ impl EngineMetrics {
     pub fn new(reg: &MetricsRegistry) -> Self {
         let m = Self {
             requests: Counter::default(),
+            prompts_tokenized: Counter::default(),
             prompt_tokens_computed: Counter::default(),
             prompt_tokens_loaded: Counter::default(),
             generated_tokens: Counter::default(),
@@ -92,6 +97,11 @@ impl EngineMetrics {
             "engine_requests",
             "Generation requests accepted",
             m.requests.clone(),
+        );
+        reg.register(
+            "engine_prompts_tokenized",
+            "Prompts run through the tokenizer (text or messages, and /tokenize)",
+            m.prompts_tokenized.clone(),
         );
         reg.register(
             "engine_prompt_tokens_computed",

@@ -777,6 +777,12 @@ struct CommonFields {
     /// A stream continued on this engine after another one failed (the
     /// conductor's front sends it): see [`Resume`].
     kvpool_resume: Option<Resume>,
+    /// The prompt's token ids, when the sender has them already (the
+    /// conductor's front tokenized the prompt once): used as the prompt
+    /// instead of tokenizing `prompt` or `messages` again. They are the
+    /// request's own prompt, checked as a token-id prompt is (vocabulary,
+    /// context); a vLLM engine ignores the field.
+    kvpool_prompt_token_ids: Option<Vec<u32>>,
     /// Sequences to generate (1 to [`MAX_N`]), each its own choice.
     n: Option<usize>,
     /// A completion's count of alternatives, a chat's true or false
@@ -904,11 +910,12 @@ impl AppState {
 
     fn prompt_tokens(&self, p: Prompt) -> Result<Vec<u32>, ApiError> {
         match p {
-            Prompt::Text(t) => Ok(self.engine.tokenizer().encode(&t)?),
+            Prompt::Text(t) => {
+                self.engine.inner.metrics.prompts_tokenized.inc();
+                Ok(self.engine.tokenizer().encode(&t)?)
+            }
             Prompt::Tokens(t) => Ok(t),
-            Prompt::Batch(_) => Err(ApiError::bad(
-                "a batch of prompts is not supported: send one prompt per request",
-            )),
+            Prompt::Batch(_) => Err(ApiError::bad(BATCH_REFUSED)),
         }
     }
 
@@ -975,9 +982,13 @@ async fn completions(
 ) -> Response {
     let rid = request_id(&headers);
     let r: Result<Response, ApiError> = async {
-        let b: CompletionBody = parse(body)?;
+        let mut b: CompletionBody = parse(body)?;
         st.check_model(&b.common.model)?;
-        let prompt = st.prompt_tokens(b.prompt)?;
+        let prompt = match (b.common.kvpool_prompt_token_ids.take(), b.prompt) {
+            (_, Prompt::Batch(_)) => return Err(ApiError::bad(BATCH_REFUSED)),
+            (Some(ids), _) => ids,
+            (None, p) => st.prompt_tokens(p)?,
+        };
         let chat_logprobs = b.common.kvpool_resume.is_some_and(|r| r.chat);
         let g = st.gen_request(prompt, &b.common, Some(16), chat_logprobs)?;
         let echo = echo_of(&st, &b.common, &g)?;
@@ -998,10 +1009,17 @@ async fn chat_completions(
 ) -> Response {
     let rid = request_id(&headers);
     let r: Result<Response, ApiError> = async {
-        let b: ChatBody = parse(body)?;
+        let mut b: ChatBody = parse(body)?;
         st.check_model(&b.common.model)?;
+        // The messages are checked even when their tokens came along.
         let text = chat_text(&b.messages)?;
-        let prompt = st.engine.tokenizer().encode(&text)?;
+        let prompt = match b.common.kvpool_prompt_token_ids.take() {
+            Some(ids) => ids,
+            None => {
+                st.engine.inner.metrics.prompts_tokenized.inc();
+                st.engine.tokenizer().encode(&text)?
+            }
+        };
         let g = st.gen_request(prompt, &b.common, None, true)?;
         respond(&st, g, b.common, true, None, admission, rid.as_deref()).await
     }
@@ -1031,6 +1049,9 @@ fn echo_of(st: &AppState, c: &CommonFields, g: &GenRequest) -> Result<Option<Str
         Some(_) => Err(ApiError::bad("`echo` is true or false")),
     }
 }
+
+/// The answer to a batch of prompts.
+const BATCH_REFUSED: &str = "a batch of prompts is not supported: send one prompt per request";
 
 /// Most sequences one request may ask for (`n`).
 const MAX_N: usize = 16;
@@ -1389,7 +1410,10 @@ async fn tokenize(
         st.check_model(&b.model)?;
         let tokens = match (b.prompt, b.messages) {
             (Some(p), None) => st.prompt_tokens(p)?,
-            (None, Some(m)) => st.engine.tokenizer().encode(&chat_text(&m)?)?,
+            (None, Some(m)) => {
+                st.engine.inner.metrics.prompts_tokenized.inc();
+                st.engine.tokenizer().encode(&chat_text(&m)?)?
+            }
             _ => return Err(ApiError::bad("give exactly one of prompt and messages")),
         };
         Ok(Json(

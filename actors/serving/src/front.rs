@@ -66,7 +66,7 @@ use crate::http::{self, Answer, HttpError};
 use crate::proxy::{KvNaming, ProxyReport};
 use crate::sse;
 use crate::ServeError;
-use kvpool_http::openai::PrefillAnswer;
+use kvpool_http::openai::{PrefillAnswer, PROMPT_TOKEN_IDS};
 
 mod routes;
 use routes::*;
@@ -996,7 +996,8 @@ impl Front {
         if let (Some(n), Some(max)) = (token_prompt_len(body), max_len) {
             check_context(n, max)?;
         }
-        let req = Req::parse(body, chat)?;
+        let token_prompt = token_prompt_len(body).is_some();
+        let mut req = Req::parse(body, chat)?;
         if let (Some(want), Some(have)) = (req.model(), self.served_model()) {
             if want != have {
                 return Err(ApiError::new(
@@ -1009,6 +1010,14 @@ impl Front {
         }
         let deadline = arrived + Duration::from_millis(self.inner.cfg.request_timeout_ms);
         let prompt = self.tokenize(&req, rid, deadline).await?;
+        // The engines take the tokens along instead of tokenizing the text
+        // again (a client's own field of that name is not passed on).
+        if let Some(fields) = req.body.as_object_mut() {
+            fields.remove(PROMPT_TOKEN_IDS);
+            if !token_prompt {
+                fields.insert(PROMPT_TOKEN_IDS.into(), json!(prompt));
+            }
+        }
         if let Some(max) = max_len {
             check_context(prompt.len(), max)?;
             if let Some(m) = req.max_tokens {

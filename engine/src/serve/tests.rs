@@ -329,3 +329,84 @@ fn engine_config_file_parses_and_bad_keys_are_named() {
     let e = cfg.engine.validate().unwrap_err();
     assert!(e.contains("engine.max_num_seqs"), "{e}");
 }
+
+/// Token ids sent along (`kvpool_prompt_token_ids`, what the conductor's
+/// front sends once it tokenized the prompt) are the prompt: the text or
+/// messages are not tokenized again, and the answer is that of the ids as a
+/// token-id prompt. Out-of-vocabulary ids are refused as in a token prompt.
+#[test]
+fn prompt_token_ids_sent_along_are_the_prompt_and_skip_the_tokenizer() {
+    let (rt, app) = served("");
+    assert_eq!(
+        kvpool_http::openai::PROMPT_TOKEN_IDS,
+        "kvpool_prompt_token_ids"
+    );
+    rt.block_on(async {
+        let tokenized = || async {
+            let resp = call(&app, request("GET", "/metrics", "")).await;
+            let b = axum::body::to_bytes(resp.into_body(), usize::MAX)
+                .await
+                .unwrap();
+            String::from_utf8_lossy(&b)
+                .lines()
+                .find_map(|l| l.strip_prefix("kvpool_engine_prompts_tokenized_total "))
+                .map(|v| v.trim().parse::<u64>().unwrap())
+                .unwrap_or(0)
+        };
+        let ids = r#"[256, 104, 105, 33]"#;
+        let plain = format!(
+            r#"{{"prompt": {ids}, "max_tokens": 4, "temperature": 0, "ignore_eos": true,
+            "return_token_ids": true}}"#
+        );
+        let want =
+            json_of(call(&app, request("POST", "/v1/completions", plain.clone())).await).await;
+        assert_eq!(tokenized().await, 0, "a token-id prompt is not tokenized");
+        for (path, body) in [
+            (
+                "/v1/completions",
+                format!(
+                    r#"{{"prompt": "other text", "kvpool_prompt_token_ids": {ids},
+                    "max_tokens": 4, "temperature": 0, "ignore_eos": true,
+                    "return_token_ids": true}}"#
+                ),
+            ),
+            (
+                "/v1/chat/completions",
+                format!(
+                    r#"{{"messages": [{{"role": "user", "content": "other"}}],
+                    "kvpool_prompt_token_ids": {ids}, "max_tokens": 4, "temperature": 0,
+                    "ignore_eos": true, "return_token_ids": true}}"#
+                ),
+            ),
+        ] {
+            let v = json_of(call(&app, request("POST", path, body.clone())).await).await;
+            assert_eq!(v["usage"]["prompt_tokens"], 4, "{path}: {v}");
+            assert_eq!(
+                v["choices"][0]["token_ids"], want["choices"][0]["token_ids"],
+                "{path}: {v}"
+            );
+        }
+        assert_eq!(tokenized().await, 0, "ids sent along skip the tokenizer");
+        // The text alone is tokenized, and counted.
+        let text = r#"{"prompt": "hi!", "max_tokens": 1}"#;
+        assert_eq!(
+            call(&app, request("POST", "/v1/completions", text))
+                .await
+                .status(),
+            200
+        );
+        assert_eq!(tokenized().await, 1);
+        // Ids are checked as a token-id prompt's are.
+        let bad = r#"{"prompt": "x", "kvpool_prompt_token_ids": [4000000000], "max_tokens": 1}"#;
+        let resp = call(&app, request("POST", "/v1/completions", bad)).await;
+        assert_eq!(resp.status(), 400);
+        let v = json_of(resp).await;
+        assert!(
+            v["message"]
+                .as_str()
+                .unwrap()
+                .contains("outside the vocabulary"),
+            "{v}"
+        );
+    });
+}

@@ -11,6 +11,12 @@ use serde_json::{Map, Value};
 /// vLLM's `kv_transfer_params`, with kvpool's fields. A prefill asked with
 /// `do_remote_decode` answers the params its decode is sent with
 /// `do_remote_prefill`.
+/// The request field that carries the prompt's token ids from the front
+/// to the prefill and decode engines (the front tokenized the prompt once);
+/// an engine that has them does not tokenize `prompt` or `messages` again.
+/// vLLM ignores it.
+pub const PROMPT_TOKEN_IDS: &str = "kvpool_prompt_token_ids";
+
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct KvTransferParams {
