@@ -212,20 +212,45 @@ fn metric(addr: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// A text prompt (and a chat) through the front is tokenized once: by the
-/// front's `/tokenize` call; the prefill and decode engines take the ids
-/// along (`kvpool_prompt_token_ids`) and answer as one engine does. A
-/// client's own `kvpool_prompt_token_ids` is not passed on.
-#[test]
-fn a_text_prompt_through_the_front_is_tokenized_once_and_answers_as_one_engine() {
+/// A disaggregated pair over TCP: a pool, a prefill and a decode engine
+/// with their proxies, a front over them, and one engine alone (`mono`,
+/// no pool) to compare answers with.
+struct Pd {
+    _pool: Proc,
+    mono: Proc,
+    pe: Proc,
+    de: Proc,
+    front: Proc,
+    _proxies: [Proc; 2],
+}
+
+fn pd(tag: &str) -> Pd {
     let pool = pool();
-    let cfg = config_file("tok-once", &fast("", TCP));
+    let cfg = config_file(tag, &fast("", TCP));
     let mono = engine(None, &cfg);
     let pe = engine(Some(&pool.addr), &cfg);
     let de = engine(Some(&pool.addr), &cfg);
     let pp = proxy("prefill-proxy", &pe.addr, &cfg);
     let dp = proxy("decode-proxy", &de.addr, &cfg);
     let front = conductor(&[&pp], &[&dp], &pool.addr, &cfg, &[]);
+    Pd {
+        _pool: pool,
+        mono,
+        pe,
+        de,
+        front,
+        _proxies: [pp, dp],
+    }
+}
+
+/// A text prompt (and a chat) through the front is tokenized once: by the
+/// front's `/tokenize` call; the prefill and decode engines take the ids
+/// along (`kvpool_prompt_token_ids`) and answer as one engine does. A
+/// client's own `kvpool_prompt_token_ids` is not passed on.
+#[test]
+fn a_text_prompt_through_the_front_is_tokenized_once_and_answers_as_one_engine() {
+    let c = pd("tok-once");
+    let (mono, pe, de, front) = (&c.mono, &c.pe, &c.de, &c.front);
     let tokenized = || {
         metric(&pe.addr, "kvpool_engine_prompts_tokenized_total")
             + metric(&de.addr, "kvpool_engine_prompts_tokenized_total")
@@ -268,14 +293,8 @@ fn a_text_prompt_through_the_front_is_tokenized_once_and_answers_as_one_engine()
 
 #[test]
 fn disaggregated_greedy_output_equals_one_engine_and_a_shared_prefix_is_loaded() {
-    let pool = pool();
-    let cfg = config_file("pd", &fast("", TCP));
-    let mono = engine(None, &cfg);
-    let pe = engine(Some(&pool.addr), &cfg);
-    let de = engine(Some(&pool.addr), &cfg);
-    let pp = proxy("prefill-proxy", &pe.addr, &cfg);
-    let dp = proxy("decode-proxy", &de.addr, &cfg);
-    let front = conductor(&[&pp], &[&dp], &pool.addr, &cfg, &[]);
+    let c = pd("pd");
+    let (mono, pe, de, front) = (&c.mono, &c.pe, &c.de, &c.front);
 
     // One engine alone, then the same request through the front: prefill
     // on one process, KV through the pool, decode on another.
