@@ -146,18 +146,18 @@ fn a_put_with_fewer_replicas_than_asked_is_counted_and_logged() {
     let (code, _, err) = common::cli(m, &["put", "one"], Some(b"v"));
     assert_eq!(code, 0, "{err}");
     let want = "kvpool_master_puts_fewer_replicas_total 1\n";
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    loop {
-        let (_, body) = common::http(&node.http, "GET", "/metrics");
-        if body.contains(want) {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{want:?} not in /metrics (the tick reports it within a second):\n{body}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    common::eventually_blocking(
+        "the count in /metrics (the tick reports it within a second)",
+        std::time::Duration::from_secs(5),
+        || {
+            let (_, body) = common::http(&node.http, "GET", "/metrics");
+            if body.contains(want) {
+                Ok(())
+            } else {
+                Err(format!("{want:?} not in:\n{body}"))
+            }
+        },
+    );
     assert!(
         node.stderr()
             .contains("puts acknowledged with fewer replicas than they asked for"),

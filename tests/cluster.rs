@@ -29,33 +29,8 @@ fn thousand_objects_of_random_sizes_round_trip_across_a_master_and_two_storage_p
     let mut margs = common::ephemeral(&[]);
     margs.splice(0..0, ["--config", cfg_s.as_str()]);
     let master = common::start("master", &margs);
-    let storage_args = |seg: &'static str| -> Vec<String> {
-        [
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--shards",
-            "2",
-            "--master",
-            &master.addr,
-            "--segment-size",
-            seg,
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-    };
-    let a1 = storage_args("1536MiB");
-    let a2 = storage_args("1536MiB");
-    let s1 = common::start(
-        "storage",
-        &a1.iter().map(String::as_str).collect::<Vec<_>>(),
-    );
-    let s2 = common::start(
-        "storage",
-        &a2.iter().map(String::as_str).collect::<Vec<_>>(),
-    );
+    let s1 = common::start_storage(&master.addr, "1536MiB", &[]);
+    let s2 = common::start_storage(&master.addr, "1536MiB", &[]);
 
     let seed: u64 = rand::random();
     println!("seed {seed}");
@@ -137,19 +112,22 @@ fn thousand_objects_of_random_sizes_round_trip_across_a_master_and_two_storage_p
 
     // `stat` (the CLI) shows them gone at once, and the space free once the
     // readers' leases have ended.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let (code, out, err) = common::cli(&master.addr, &["stat", "--json"], None);
-        assert_eq!(code, 0, "{err}");
-        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(v["keys"], 0, "{v}");
-        assert_eq!(v["segments"].as_array().unwrap().len(), 2, "{v}");
-        if v["used"] == 0 {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "space not freed: {v}");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    common::eventually_blocking(
+        "the space freed",
+        std::time::Duration::from_secs(10),
+        || {
+            let (code, out, err) = common::cli(&master.addr, &["stat", "--json"], None);
+            assert_eq!(code, 0, "{err}");
+            let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+            assert_eq!(v["keys"], 0, "{v}");
+            assert_eq!(v["segments"].as_array().unwrap().len(), 2, "{v}");
+            if v["used"] == 0 {
+                Ok(())
+            } else {
+                Err(format!("space not freed: {v}"))
+            }
+        },
+    );
     drop((s1, s2));
     let _ = std::fs::remove_file(&cfg);
 }

@@ -14,21 +14,7 @@ const DEADLINE_MS: u64 = 3000;
 
 fn cluster() -> (common::Proc, common::Proc) {
     let master = common::start("master", &common::ephemeral(&[]));
-    let storage = common::start(
-        "storage",
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--shards",
-            "2",
-            "--master",
-            &master.addr,
-            "--segment-size",
-            "256MiB",
-        ],
-    );
+    let storage = common::start_storage(&master.addr, "256MiB", &[]);
     (master, storage)
 }
 

@@ -22,7 +22,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{value, Proc};
+use common::{put_patiently, value, Proc};
 use kvpool_client::Client;
 use kvpool_config::{ClientConfig, Transport};
 use kvpool_wire::proto::{PoolStat, PutOptions, Tier};
@@ -1292,21 +1292,6 @@ impl Drop for LoopFs {
             eprintln!("cleanup: {e}");
         }
         let _ = std::fs::remove_file(&self.img);
-    }
-}
-
-/// A put that waits while the pool is full and demotions catch up, as a
-/// cache's client does (bounded by a deadline).
-async fn put_patiently(c: &Client, key: &str, v: &[u8]) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        match c.put(key.as_bytes(), v).await {
-            Ok(()) => return,
-            Err(e) if e.code == ErrorCode::NoSpace && Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(e) => panic!("put {key}: {e}"),
-        }
     }
 }
 

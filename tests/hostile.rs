@@ -91,17 +91,7 @@ fn promotions_never_return_other_bytes_when_a_second_node_joins() {
             .await
             .unwrap();
         for i in 0..n {
-            let key = format!("obj-{i}");
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                match c.put(key.as_bytes(), &value(i, len(i))).await {
-                    Ok(()) => break,
-                    Err(e) if e.code == ErrorCode::NoSpace && Instant::now() < deadline => {
-                        tokio::time::sleep(Duration::from_millis(20)).await
-                    }
-                    Err(e) => panic!("put {key}: {e}"),
-                }
-            }
+            common::put_patiently(&c, &format!("obj-{i}"), &value(i, len(i))).await;
         }
     });
     // Node B joins: larger and empty, so placement prefers it.

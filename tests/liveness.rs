@@ -24,23 +24,7 @@ fn a_killed_storage_node_is_unmounted_within_client_ttl_and_replicas_elsewhere_s
     let mut margs = common::ephemeral(&[]);
     margs.splice(0..0, ["--config", cfg.as_str()]);
     let master = common::start("master", &margs);
-    let storage = |_: usize| {
-        common::start(
-            "storage",
-            &[
-                "--listen",
-                "127.0.0.1:0",
-                "--http",
-                "127.0.0.1:0",
-                "--shards",
-                "2",
-                "--master",
-                &master.addr,
-                "--segment-size",
-                "64MiB",
-            ],
-        )
-    };
+    let storage = |_: usize| common::start_storage(&master.addr, "64MiB", &[]);
     let victim = storage(0);
     let survivor = storage(1);
     let victim_port: u16 = victim.addr.rsplit(':').next().unwrap().parse().unwrap();

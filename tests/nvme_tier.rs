@@ -6,7 +6,7 @@
 use crate::common;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvpool_client::Client;
 use kvpool_config::ClientConfig;
@@ -14,22 +14,7 @@ use kvpool_wire::proto::Tier;
 use kvpool_wire::{ErrorCode, KvError};
 use xxhash_rust::xxh3::xxh3_64;
 
-use common::{scratch_dir as dir, value, write_config};
-
-/// A put that waits while the pool is full and demotions catch up, as a
-/// client of a cache does (bounded by a deadline).
-async fn put_patiently(c: &Client, key: &str, v: &[u8]) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        match c.put(key.as_bytes(), v).await {
-            Ok(()) => return,
-            Err(e) if e.code == ErrorCode::NoSpace && Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(e) => panic!("put {key}: {e}"),
-        }
-    }
-}
+use common::{put_patiently, scratch_dir as dir, value, write_config};
 
 #[test]
 fn dram_filled_to_three_times_its_size_stays_readable_through_the_nvme_tier() {
@@ -90,15 +75,15 @@ fn dram_filled_to_three_times_its_size_stays_readable_through_the_nvme_tier() {
             let _ = c.get(format!("obj-{i}").as_bytes()).await.unwrap();
             let _ = c.get(format!("obj-{i}").as_bytes()).await.unwrap();
         }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
+        common::eventually("a promotion", Duration::from_secs(10), || async {
             let s = c.stat().await.unwrap();
             if s.promotions > 0 {
-                break;
+                Ok(())
+            } else {
+                Err(format!("no promotion happened: {s:?}"))
             }
-            assert!(Instant::now() < deadline, "no promotion happened: {s:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        })
+        .await;
         let promoted = {
             let mut k = 0;
             for &i in &probe {
@@ -186,17 +171,16 @@ fn a_storage_node_killed_and_restarted_on_the_same_nvme_path_serves_its_objects_
                 .unwrap();
         }
         // Write-through: wait until every object has its NVMe copy.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        for i in 0..n {
-            loop {
+        common::eventually("every NVMe copy", Duration::from_secs(20), || async {
+            for i in 0..n {
                 let info = c.describe(format!("obj-{i}").as_bytes()).await.unwrap();
-                if info.replicas.iter().any(|r| r.tier == Tier::Nvme) {
-                    break;
+                if !info.replicas.iter().any(|r| r.tier == Tier::Nvme) {
+                    return Err(format!("obj-{i} has no NVMe copy yet"));
                 }
-                assert!(Instant::now() < deadline, "obj-{i} never reached NVMe");
-                tokio::time::sleep(Duration::from_millis(20)).await;
             }
-        }
+            Ok(())
+        })
+        .await;
         // Removed at the master: the node drops the NVMe copies too, so they
         // do not come back after the restart. obj-38 is then put again with
         // other bytes of the same length: its new copy must be these bytes,
@@ -205,28 +189,24 @@ fn a_storage_node_killed_and_restarted_on_the_same_nvme_path_serves_its_objects_
             c.remove(format!("obj-{i}").as_bytes()).await.unwrap();
         }
         c.put(b"obj-38", &value(1038, len(38))).await.unwrap();
-        loop {
-            let info = c.describe(b"obj-38").await.unwrap();
-            if info.replicas.iter().any(|r| r.tier == Tier::Nvme) {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the new obj-38 never reached NVMe"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        loop {
-            let (_, m) = common::http(&first.http, "GET", "/metrics");
-            if m.contains("kvpool_storage_nvme_drops_total 2") {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the removed objects' NVMe copies were not dropped"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        common::eventually(
+            "the new obj-38 on NVMe",
+            Duration::from_secs(20),
+            || async {
+                let info = c.describe(b"obj-38").await.unwrap();
+                info.replicas.iter().any(|r| r.tier == Tier::Nvme)
+            },
+        )
+        .await;
+        common::eventually(
+            "the removed objects' NVMe copies dropped",
+            Duration::from_secs(20),
+            || async {
+                let (_, m) = common::http(&first.http, "GET", "/metrics");
+                m.contains("kvpool_storage_nvme_drops_total 2")
+            },
+        )
+        .await;
     });
     first.signal(common::Signal::KILL);
     let mut first = first;
@@ -239,18 +219,19 @@ fn a_storage_node_killed_and_restarted_on_the_same_nvme_path_serves_its_objects_
             .unwrap();
         // The dead node's DRAM segment goes after client_ttl; then only the
         // restarted node's DRAM segment and its NVMe tier remain.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let s = c.stat().await.unwrap();
-            if s.segments.len() == 2 {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the dead node is still mounted: {s:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        common::eventually(
+            "the dead node unmounted",
+            Duration::from_secs(10),
+            || async {
+                let s = c.stat().await.unwrap();
+                if s.segments.len() == 2 {
+                    Ok(())
+                } else {
+                    Err(format!("the dead node is still mounted: {s:?}"))
+                }
+            },
+        )
+        .await;
         let e = c.get(b"obj-39").await.expect_err("obj-39 was removed");
         assert_eq!(e.code, ErrorCode::ObjectNotFound, "{e}");
         for i in 0..n - 1 {

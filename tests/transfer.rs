@@ -289,16 +289,19 @@ fn a_client_set_to_populate_at_map_fills_the_whole_mapped_segment() {
         .await
         .unwrap();
         let m = mapped(&eager, b"at-map").await;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while m.populated_chunks() < chunks(&m) {
-            assert!(
-                Instant::now() < deadline,
-                "at_map filled {} of {} chunks in 20 s",
-                m.populated_chunks(),
-                chunks(&m)
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        common::eventually(
+            "at_map filling every chunk",
+            Duration::from_secs(20),
+            || async {
+                let (filled, all) = (m.populated_chunks(), chunks(&m));
+                if filled >= all {
+                    Ok(())
+                } else {
+                    Err(format!("at_map filled {filled} of {all} chunks"))
+                }
+            },
+        )
+        .await;
         assert_eq!(m.populated_chunks(), chunks(&m), "each chunk once");
     });
 }

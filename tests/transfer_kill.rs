@@ -40,21 +40,7 @@ fn open_fds() -> usize {
 #[test]
 fn a_peer_killed_mid_batch_fails_every_pending_request_within_the_deadline_and_leaks_nothing() {
     let master = common::start("master", &common::ephemeral(&[]));
-    let storage = common::start(
-        "storage",
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--shards",
-            "2",
-            "--master",
-            &master.addr,
-            "--segment-size",
-            "512MiB",
-        ],
-    );
+    let storage = common::start_storage(&master.addr, "512MiB", &[]);
     let rt = common::rt();
     rt.block_on(async {
         let fds_before = open_fds();
@@ -118,15 +104,14 @@ fn a_peer_killed_mid_batch_fails_every_pending_request_within_the_deadline_and_l
         // The client and its pools are gone: every connection it opened is closed.
         assert_eq!(kvpool_transport::pool::open_connections(), conns_before);
         assert_eq!(kvpool_transport::shm::open_mappings(), 0);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while open_fds() > fds_before && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert!(
-            open_fds() <= fds_before,
-            "fds: {} before, {} after",
-            fds_before,
-            open_fds()
-        );
+        common::eventually("the fds closed", Duration::from_secs(5), || async {
+            let now = open_fds();
+            if now <= fds_before {
+                Ok(())
+            } else {
+                Err(format!("fds: {fds_before} before, {now} after"))
+            }
+        })
+        .await;
     });
 }

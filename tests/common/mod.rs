@@ -450,6 +450,21 @@ pub fn eventually_blocking<O: Outcome>(
     }
 }
 
+/// A put that waits while the pool is full (`NoSpace`) and demotions or
+/// evictions catch up, as a cache's client does: at most 30 s.
+pub async fn put_patiently(c: &kvpool_client::Client, key: &str, v: &[u8]) {
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        match c.put(key.as_bytes(), v).await {
+            Ok(()) => return,
+            Err(e) if e.code == kvpool_wire::ErrorCode::NoSpace && Instant::now() < end => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("put {key}: {e}"),
+        }
+    }
+}
+
 /// `127.0.0.1:PORT` with `n` free ports from PORT on, outside the kernel's
 /// ephemeral range (32768..), so that a process restarted on the same
 /// address does not find it taken by another test's outgoing connection.
