@@ -993,10 +993,11 @@ impl Front {
                 )
             })?;
         let max_len = self.max_model_len();
-        if let (Some(n), Some(max)) = (token_prompt_len(body), max_len) {
+        let token_len = token_prompt_len(body);
+        let token_prompt = token_len.is_some();
+        if let (Some(n), Some(max)) = (token_len, max_len) {
             check_context(n, max)?;
         }
-        let token_prompt = token_prompt_len(body).is_some();
         let mut req = Req::parse(body, chat)?;
         if let (Some(want), Some(have)) = (req.model(), self.served_model()) {
             if want != have {
