@@ -8,7 +8,7 @@
 //! attention runs per sequence over its own KV ([`SeqKv`]), written before
 //! it is read so a piece attends to itself. The math is the reference Llama
 //! (Hugging Face `modeling_llama.py`): the oracle test checks our logits
-//! against candle-transformers' implementation.
+//! against that implementation (transformers' `LlamaForCausalLM`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
