@@ -112,7 +112,9 @@ fn print(p: bench::Progress<'_>) {
 #[cfg(feature = "rdma")]
 fn rdma_mode(full: bool) {
     use kvpool_config::Transport;
-    use kvpool_transport::rdma::{RdmaConfig, RdmaContext};
+    use kvpool_rdma::{RdmaConfig, RdmaContext};
+    // The in-process client's RDMA (the binary installs its own).
+    kvpool_rdma::install();
     println!("machine: {}", support::machine());
     let dev = match RdmaContext::open(RdmaConfig::default()) {
         Ok(ctx) => std::env::var("RDMA_DEVICE")

@@ -271,6 +271,10 @@ fn main() -> ExitCode {
     // Every client of this process (CLI, storage node, RESP, engines) may
     // name the master as etcd://...: the leader of masters on etcd.
     kvpool_ha::install();
+    // Built with RDMA: every client and storage node of this process may use
+    // it (their settings permitting).
+    #[cfg(feature = "rdma")]
+    kvpool_rdma::install();
     let mut cfg = match load_config(cli.config.as_ref()) {
         Ok(c) => c,
         Err(e) => {

@@ -196,3 +196,51 @@ fn the_wheel_build_reuses_the_workspace_build() {
             .join("\n")
     );
 }
+
+/// The verbs code is a plug-in (docs/ARCHITECTURE.md, "RDMA as a plug-in"):
+/// only the binary and the Python module link `kvpool-rdma`, and turning the
+/// `rdma` feature on changes no other crate of the workspace's build, so the
+/// `rdma` build compiles `kvpool-rdma`, its verbs bindings and the binary's
+/// crate, not the client, the storage node or the fronts again.
+#[test]
+fn only_the_binary_and_the_python_module_link_the_verbs_code() {
+    let users = cargo_tree(&[
+        "--workspace",
+        "--features",
+        "kvpool/rdma,kvpool-python/rdma",
+        "-e",
+        "normal",
+        "-i",
+        "kvpool-rdma",
+    ]);
+    let mut users = names(&users);
+    users.sort_unstable();
+    users.dedup();
+    assert_eq!(
+        users,
+        ["kvpool", "kvpool-python", "kvpool-rdma"],
+        "{users:?}"
+    );
+
+    let plain = feature_lines(&["--workspace", "-e", "normal,build,dev"]);
+    let rdma = feature_lines(&[
+        "--workspace",
+        "--features",
+        "kvpool/rdma",
+        "-e",
+        "normal,build,dev",
+    ]);
+    // What the feature adds (the verbs bindings, their build tools) is new
+    // lines; a crate of the plain build whose features changed would be a
+    // line of the plain build missing from this one.
+    let changed: Vec<&String> = plain
+        .iter()
+        .filter(|l| !rdma.contains(*l))
+        .filter(|l| !l.starts_with("kvpool ") && !l.starts_with("kvpool-rdma "))
+        .collect();
+    assert!(
+        changed.is_empty(),
+        "the rdma feature changes these crates' features, so its build compiles \
+         them again: {changed:?}"
+    );
+}

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvpool_client::Client;
 use kvpool_config::{ClientConfig, RdmaMode, Transport};
-use kvpool_transport::rdma::{RdmaConfig, RdmaContext, RdmaError};
+use kvpool_rdma::{RdmaConfig, RdmaContext, RdmaError};
 use kvpool_wire::proto::PutOptions;
 use rand::{RngCore, SeedableRng};
 use xxhash_rust::xxh3::xxh3_64;
@@ -21,7 +21,10 @@ use xxhash_rust::xxh3::xxh3_64;
 const MIB: usize = 1 << 20;
 
 /// Whether this machine has an RDMA device; prints the skip line if not.
+/// Installs the RDMA of this test process's clients (the binary installs
+/// its own).
 fn device_or_skip(test: &str) -> bool {
+    kvpool_rdma::install();
     match RdmaContext::open(RdmaConfig::default()) {
         Ok(_) => true,
         Err(RdmaError::NoDevice(reason)) => {

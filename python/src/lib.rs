@@ -32,6 +32,10 @@ mod staged;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Built with RDMA: every client and embedded node the module opens may
+    // use it (their settings permitting).
+    #[cfg(feature = "rdma")]
+    kvpool_rdma::install();
     m.add_class::<client::PyClient>()?;
     m.add_class::<mooncake::Store>()?;
     m.add_class::<mooncake::ReplicateConfig>()?;

@@ -28,6 +28,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::data_conn::prove_data;
+use crate::nic::{Nic, NicDataPath, NicOp, RdmaBuffer};
 use crate::pool::{ConnPool, Stream};
 use crate::shm::ShmMap;
 use crate::stats::EngineStats;
@@ -212,8 +213,8 @@ pub struct TransferEngine {
     /// (with `shard_affinity`): random, so the clients of a host spread
     /// over a node's cores.
     home: u16,
-    #[cfg(feature = "rdma")]
-    rdma: Option<crate::engine_rdma::RdmaPath>,
+    /// The RDMA path, when a NIC was opened (see [`crate::nic`]).
+    rdma: Option<Arc<dyn NicDataPath>>,
 }
 
 impl TransferEngine {
@@ -235,7 +236,6 @@ impl TransferEngine {
             stats: EngineStats::default(),
             unreachable: Mutex::new(Vec::new()),
             suspect: Mutex::new(Vec::new()),
-            #[cfg(feature = "rdma")]
             rdma: None,
         }
     }
@@ -305,22 +305,19 @@ impl TransferEngine {
         ))
     }
 
-    /// Uses RDMA (through `ctx`) for DRAM replicas whose node supports it.
-    #[cfg(feature = "rdma")]
-    pub fn enable_rdma(&mut self, ctx: Arc<crate::rdma::RdmaContext>) {
-        self.rdma = Some(crate::engine_rdma::RdmaPath::new(ctx, self.cfg.key.clone()));
+    /// Uses RDMA (through `nic`) for DRAM replicas whose node supports it.
+    pub fn enable_rdma(&mut self, nic: Arc<dyn Nic>) {
+        self.rdma = Some(nic.data_path(self.cfg.key.clone()));
     }
 
-    /// The RDMA context, when RDMA is enabled.
-    #[cfg(feature = "rdma")]
-    pub fn rdma_context(&self) -> Option<&Arc<crate::rdma::RdmaContext>> {
-        self.rdma.as_ref().map(|r| r.context())
+    /// The RDMA devices, when RDMA is enabled.
+    pub fn rdma_nic(&self) -> Option<&Arc<dyn Nic>> {
+        self.rdma.as_ref().map(|r| r.nic())
     }
 
     /// A zeroed buffer registered with this engine's RDMA devices: gets into
     /// it and puts from it are zero copy. `Unsupported` without RDMA.
-    #[cfg(feature = "rdma")]
-    pub fn alloc_rdma_buffer(&self, len: usize) -> Result<Arc<crate::rdma::RdmaBuffer>, KvError> {
+    pub fn alloc_rdma_buffer(&self, len: usize) -> Result<Arc<RdmaBuffer>, KvError> {
         match &self.rdma {
             Some(r) => r.alloc(len),
             None => Err(KvError::new(
@@ -332,13 +329,18 @@ impl TransferEngine {
 
     /// Whether RDMA is enabled (built in and a device opened).
     pub fn rdma_enabled(&self) -> bool {
-        #[cfg(feature = "rdma")]
-        {
-            self.rdma.is_some()
-        }
-        #[cfg(not(feature = "rdma"))]
-        {
-            false
+        self.rdma.is_some()
+    }
+
+    /// What an RDMA read or write of `r` needs from the engine.
+    fn nic_op<'a>(&'a self, r: &'a ReplicaDesc, deadline: Instant) -> NicOp<'a> {
+        NicOp {
+            replica: r,
+            deadline,
+            pool: self.pools_for(&r.endpoint, r.data_shard(), 1).remove(0),
+            connect_timeout: self.cfg.connect_timeout,
+            max_frame: self.cfg.max_frame_bytes,
+            stats: &self.stats,
         }
     }
 
@@ -349,29 +351,11 @@ impl TransferEngine {
         dst: &mut [u8],
         deadline: Instant,
     ) -> Option<Result<(), KvError>> {
-        #[cfg(feature = "rdma")]
-        {
-            let path = self.rdma.as_ref()?;
-            if self.cfg.transport == TransportChoice::Tcp {
-                return None;
-            }
-            let pool = self.pools_for(&r.endpoint, r.data_shard(), 1).remove(0);
-            path.read(
-                r,
-                dst,
-                deadline,
-                pool,
-                self.cfg.connect_timeout,
-                self.cfg.max_frame_bytes,
-                &self.stats,
-            )
-            .await
+        let path = self.rdma.as_ref()?;
+        if self.cfg.transport == TransportChoice::Tcp {
+            return None;
         }
-        #[cfg(not(feature = "rdma"))]
-        {
-            let _ = (r, dst, deadline);
-            None
-        }
+        path.read(self.nic_op(r, deadline), dst).await
     }
 
     /// Writes a DRAM replica over RDMA; `None`: use TCP for it.
@@ -381,29 +365,11 @@ impl TransferEngine {
         src: &[u8],
         deadline: Instant,
     ) -> Option<Result<(), KvError>> {
-        #[cfg(feature = "rdma")]
-        {
-            let path = self.rdma.as_ref()?;
-            if self.cfg.transport == TransportChoice::Tcp {
-                return None;
-            }
-            let pool = self.pools_for(&r.endpoint, r.data_shard(), 1).remove(0);
-            path.write(
-                r,
-                src,
-                deadline,
-                pool,
-                self.cfg.connect_timeout,
-                self.cfg.max_frame_bytes,
-                &self.stats,
-            )
-            .await
+        let path = self.rdma.as_ref()?;
+        if self.cfg.transport == TransportChoice::Tcp {
+            return None;
         }
-        #[cfg(not(feature = "rdma"))]
-        {
-            let _ = (r, src, deadline);
-            None
-        }
+        path.write(self.nic_op(r, deadline), src).await
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -855,7 +821,6 @@ impl TransferEngine {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&segment_id);
-        #[cfg(feature = "rdma")]
         if let Some(r) = &self.rdma {
             r.forget_segment(segment_id);
         }

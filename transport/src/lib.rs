@@ -7,8 +7,9 @@
 //! * [`stats`]: the engine's counters.
 //! * [`pool`], [`shm`]: client TCP connection pools; the shared-memory
 //!   transport (memfd passed over a unix socket).
-//! * `rdma` (feature `rdma`): the verbs layer: devices, memory registration,
-//!   RC queue pairs, one-sided READ/WRITE with slicing, lanes and retry.
+//! * [`nic`]: RDMA as traits, implemented by `kvpool-rdma` (the verbs
+//!   layer: devices, memory registration, RC queue pairs, one-sided
+//!   READ/WRITE) and installed at start by a build with the `rdma` feature.
 //!
 //! What goes over the sockets (frames, messages, error codes, limits) is
 //! `kvpool-wire`'s. Payload bytes of a put or get never go through rkyv: on
@@ -17,10 +18,7 @@
 
 pub mod data_conn;
 pub mod engine;
-#[cfg(feature = "rdma")]
-mod engine_rdma;
+pub mod nic;
 pub mod pool;
-#[cfg(feature = "rdma")]
-pub mod rdma;
 pub mod shm;
 pub mod stats;

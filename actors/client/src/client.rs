@@ -313,8 +313,7 @@ impl Client {
             match crate::rdma::open(&cfg.rdma, rdma_required, "client")
                 .map_err(|why| KvError::new(ErrorCode::Unsupported, why))?
             {
-                #[cfg(feature = "rdma")]
-                crate::rdma::Opened::Rdma(ctx) => engine.enable_rdma(ctx),
+                crate::rdma::Opened::Rdma(nic) => engine.enable_rdma(nic),
                 crate::rdma::Opened::Tcp(_) => {}
             }
         }
@@ -621,15 +620,14 @@ impl Client {
                 "cannot register an empty buffer",
             ));
         }
-        #[cfg(feature = "rdma")]
-        if let Some(ctx) = self.inner.engine.rdma_context() {
-            let buf = Arc::new(kvpool_transport::rdma::RdmaBuffer::new(len));
-            let reg = ctx.register(buf.clone()).map_err(KvError::from)?;
+        if let Some(nic) = self.inner.engine.rdma_nic() {
+            let buf = Arc::new(kvpool_transport::nic::RdmaBuffer::new(len));
+            let reg = nic.register(buf.clone())?;
             return Ok(RegisteredBuffer {
                 mem: BufferMem::Nic {
                     buf,
                     reg,
-                    ctx: ctx.clone(),
+                    nic: nic.clone(),
                 },
                 len,
             });
@@ -663,23 +661,21 @@ impl Client {
                 format!("cannot register {len} bytes at {addr:#x}"),
             ));
         }
-        #[cfg(feature = "rdma")]
-        if let Some(ctx) = self.inner.engine.rdma_context() {
+        if let Some(nic) = self.inner.engine.rdma_nic() {
             // SAFETY: the range's validity until the registration is gone
             // is this function's own contract, passed on.
-            let raw = unsafe { kvpool_transport::rdma::RawMemory::new(addr as *mut u8, len) }
+            let raw = unsafe { kvpool_transport::nic::RawMemory::new(addr as *mut u8, len) }
                 .ok_or_else(|| KvError::new(ErrorCode::InvalidParams, "null address"))?;
-            let reg = ctx.register(Arc::new(raw)).map_err(KvError::from)?;
+            let reg = nic.register(Arc::new(raw))?;
             return Ok(MemoryRegistration {
                 addr,
                 len,
-                nic: Some((reg, ctx.clone())),
+                nic: Some((reg, nic.clone())),
             });
         }
         Ok(MemoryRegistration {
             addr,
             len,
-            #[cfg(feature = "rdma")]
             nic: None,
         })
     }

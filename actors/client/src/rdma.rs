@@ -1,25 +1,22 @@
 //! Choosing and opening the RDMA transport for a role, from its
 //! [`RdmaSettings`]: the one place that decides "rdma, or tcp and why".
 //!
-//! * Built without the `rdma` feature: `auto` serves/uses TCP (the reason
+//! * Built without the `rdma` feature (no RDMA installed in the process,
+//!   `kvpool_transport::nic::provider`): `auto` serves/uses TCP (the reason
 //!   is "built without the rdma feature"); `required` is a start-up error.
 //! * Built with it: the devices are opened; no device (listing devices fails
 //!   with ENOSYS on a machine without RDMA, or the named device is missing)
 //!   under `auto` is one log line (info for a node, debug for a client) and
 //!   TCP; under `required` a start-up error.
 
-#[cfg(feature = "rdma")]
 use std::sync::Arc;
 
 use kvpool_config::{RdmaMode, RdmaSettings};
-
-#[cfg(feature = "rdma")]
-pub use kvpool_transport::rdma::RdmaContext;
+use kvpool_transport::nic::{self, Nic, OpenError, RdmaConfig};
 
 /// The outcome of opening RDMA for a role.
 pub enum Opened {
-    #[cfg(feature = "rdma")]
-    Rdma(Arc<RdmaContext>),
+    Rdma(Arc<dyn Nic>),
     /// TCP, and why (for the log line and the node's advertised caps).
     Tcp(String),
 }
@@ -47,14 +44,10 @@ pub fn open(s: &RdmaSettings, required: bool, role: &str) -> Result<Opened, Stri
     }
 }
 
-#[cfg(not(feature = "rdma"))]
-fn open_devices(_s: &RdmaSettings) -> Result<Opened, String> {
-    Err("this kvpool was built without the rdma feature".into())
-}
-
-#[cfg(feature = "rdma")]
 fn open_devices(s: &RdmaSettings) -> Result<Opened, String> {
-    use kvpool_transport::rdma::{RdmaConfig, RdmaError};
+    let Some(provider) = nic::provider() else {
+        return Err("this kvpool was built without the rdma feature".into());
+    };
     let cfg = RdmaConfig {
         devices: s.devices.clone(),
         port: s.port,
@@ -65,12 +58,12 @@ fn open_devices(s: &RdmaSettings) -> Result<Opened, String> {
         max_requests_per_connection: s.max_requests_per_connection,
         ..RdmaConfig::default()
     };
-    match RdmaContext::open(cfg) {
-        Ok(ctx) => {
-            tracing::info!(devices = ?ctx.device_names(), "rdma devices opened");
-            Ok(Opened::Rdma(ctx))
+    match provider.open(cfg) {
+        Ok(nic) => {
+            tracing::info!(devices = ?nic.device_names(), "rdma devices opened");
+            Ok(Opened::Rdma(nic))
         }
-        Err(RdmaError::NoDevice(reason)) => Err(format!("no RDMA device ({reason})")),
-        Err(e) => Err(format!("opening the RDMA devices failed: {e}")),
+        Err(OpenError::NoDevice(reason)) => Err(format!("no RDMA device ({reason})")),
+        Err(OpenError::Failed(e)) => Err(format!("opening the RDMA devices failed: {e}")),
     }
 }

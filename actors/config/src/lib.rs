@@ -580,7 +580,7 @@ pub enum RdmaMode {
 }
 
 /// `[storage.rdma]` / `[client.rdma]`: the RDMA transport (cargo feature
-/// `rdma`). Device settings follow `kvpool_transport::rdma::RdmaConfig`.
+/// `rdma`). Device settings follow `kvpool_transport::nic::RdmaConfig`.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RdmaSettings {

@@ -361,7 +361,6 @@ impl RefusalCount {
 struct DataConn {
     shard: u32,
     /// Ends the wait of an RDMA control connection at shutdown.
-    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     shutdown: kvpool_runtime::Shutdown,
     rdma: crate::rdma::NodeRdma,
     segment: Arc<Segment>,
@@ -583,8 +582,7 @@ impl DataConn {
         match req {
             RdmaRequest::Caps => {
                 let caps = match &self.rdma {
-                    #[cfg(feature = "rdma")]
-                    crate::rdma::NodeRdma::On { ctx, .. } => ctx.caps(),
+                    crate::rdma::NodeRdma::On { nic, .. } => nic.caps(),
                     crate::rdma::NodeRdma::Off(why) => RdmaCaps::unavailable(why.clone()),
                 };
                 server::answer(stream, &reply(RdmaResponse::Caps(caps))).await
@@ -592,27 +590,27 @@ impl DataConn {
             RdmaRequest::Connect(req) => {
                 // The gate checked the grant and the segment.
                 match &self.rdma {
-                    #[cfg(feature = "rdma")]
-                    crate::rdma::NodeRdma::On { ctx, region } => match ctx.accept(&req, region) {
-                        Ok((r, passive)) => {
-                            if let Next::Close =
-                                server::answer(stream, &reply(RdmaResponse::Connected(r))).await
-                            {
-                                return Next::Close;
+                    crate::rdma::NodeRdma::On { nic, region } => {
+                        match nic.clone().accept(&req, region) {
+                            Ok((r, passive)) => {
+                                if let Next::Close =
+                                    server::answer(stream, &reply(RdmaResponse::Connected(r))).await
+                                {
+                                    return Next::Close;
+                                }
+                                self.metrics.rdma_connections.inc();
+                                tracing::debug!(lanes = passive.lanes(), "rdma peer connected");
+                                self.hold_until_closed(stream).await;
+                                drop(passive);
+                                self.metrics.rdma_connections.dec();
+                                Next::Close
                             }
-                            self.metrics.rdma_connections.inc();
-                            tracing::debug!(lanes = passive.lanes(), "rdma peer connected");
-                            self.hold_until_closed(stream).await;
-                            drop(passive);
-                            self.metrics.rdma_connections.dec();
-                            Next::Close
+                            Err(e) => {
+                                tracing::warn!("rdma connect from a client failed: {e}");
+                                server::answer(stream, &frame::encode_error(id, &e)).await
+                            }
                         }
-                        Err(e) => {
-                            let e = KvError::from(e);
-                            tracing::warn!("rdma connect from a client failed: {e}");
-                            server::answer(stream, &frame::encode_error(id, &e)).await
-                        }
-                    },
+                    }
                     crate::rdma::NodeRdma::Off(why) => {
                         drop(req);
                         let e = KvError::new(
@@ -628,7 +626,6 @@ impl DataConn {
 
     /// Waits until the peer closes `stream` (anything it sends is
     /// ignored) or the node shuts down.
-    #[cfg(feature = "rdma")]
     async fn hold_until_closed(&self, stream: &mut TcpStream) {
         let _ = stream.set_read_timeout(None);
         futures_lite::future::or(

@@ -4,22 +4,17 @@
 
 use std::sync::Arc;
 
-#[cfg(feature = "rdma")]
-use kvpool_client::rdma::RdmaContext;
 use kvpool_client::rdma::{open, Opened};
-#[cfg(feature = "rdma")]
-use kvpool_config::RdmaMode;
-use kvpool_config::RdmaSettings;
+use kvpool_config::{RdmaMode, RdmaSettings};
+use kvpool_transport::nic::{Nic, NicRegion, RdmaMemory};
 
 /// A storage node's DRAM segment, as memory to register with the NIC.
-#[cfg(feature = "rdma")]
 pub struct SegmentMemory(pub Arc<kvpool_storage::Segment>);
 
 // SAFETY: the segment is one fixed mapping that lives as long as the Arc;
 // the registration holds this value, so the mapping outlives every memory
 // region made from it and every work request that uses one.
-#[cfg(feature = "rdma")]
-unsafe impl kvpool_transport::rdma::RdmaMemory for SegmentMemory {
+unsafe impl RdmaMemory for SegmentMemory {
     fn as_ptr(&self) -> *mut u8 {
         self.0.as_ptr()
     }
@@ -31,10 +26,9 @@ unsafe impl kvpool_transport::rdma::RdmaMemory for SegmentMemory {
 /// What a storage node's data plane knows about RDMA.
 #[derive(Clone)]
 pub enum NodeRdma {
-    #[cfg(feature = "rdma")]
     On {
-        ctx: Arc<RdmaContext>,
-        region: Arc<kvpool_transport::rdma::Registration>,
+        nic: Arc<dyn Nic>,
+        region: Arc<dyn NicRegion>,
     },
     /// Clients asking for RDMA are told this reason and use TCP.
     Off(String),
@@ -47,13 +41,9 @@ impl NodeRdma {
         segment: &Arc<kvpool_storage::Segment>,
     ) -> Result<NodeRdma, String> {
         match open(s, false, "storage")? {
-            Opened::Tcp(why) => {
-                let _ = segment;
-                Ok(NodeRdma::Off(why))
-            }
-            #[cfg(feature = "rdma")]
-            Opened::Rdma(ctx) => match ctx.register(Arc::new(SegmentMemory(segment.clone()))) {
-                Ok(region) => Ok(NodeRdma::On { ctx, region }),
+            Opened::Tcp(why) => Ok(NodeRdma::Off(why)),
+            Opened::Rdma(nic) => match nic.register(Arc::new(SegmentMemory(segment.clone()))) {
+                Ok(region) => Ok(NodeRdma::On { nic, region }),
                 Err(e) => {
                     let why = format!("registering the segment with the NIC failed: {e}");
                     if s.enabled == RdmaMode::Required {

@@ -22,11 +22,10 @@ pub struct RegisteredBuffer {
 
 pub(super) enum BufferMem {
     Host(Box<[u8]>),
-    #[cfg(feature = "rdma")]
     Nic {
-        buf: Arc<kvpool_transport::rdma::RdmaBuffer>,
-        reg: Arc<kvpool_transport::rdma::Registration>,
-        ctx: Arc<kvpool_transport::rdma::RdmaContext>,
+        buf: Arc<kvpool_transport::nic::RdmaBuffer>,
+        reg: Arc<dyn kvpool_transport::nic::NicRegion>,
+        nic: Arc<dyn kvpool_transport::nic::Nic>,
     },
 }
 
@@ -51,7 +50,6 @@ impl RegisteredBuffer {
     pub(super) fn busy(&self) -> bool {
         match &self.mem {
             BufferMem::Host(_) => false,
-            #[cfg(feature = "rdma")]
             BufferMem::Nic { reg, .. } => Arc::strong_count(reg) > 2,
         }
     }
@@ -74,7 +72,6 @@ impl RegisteredBuffer {
             // SAFETY: no transfer is in flight on the buffer (checked just
             // above; a new one needs `&mut self` or this `&self`, which the
             // returned slice borrows), so nothing writes it while it lives.
-            #[cfg(feature = "rdma")]
             BufferMem::Nic { buf, .. } => Ok(unsafe { buf.bytes(0, self.len) }),
         }
     }
@@ -86,7 +83,6 @@ impl RegisteredBuffer {
             BufferMem::Host(b) => Ok(b),
             // SAFETY: no transfer is in flight (checked above) and `&mut
             // self` keeps any other slice of the buffer from living.
-            #[cfg(feature = "rdma")]
             BufferMem::Nic { buf, .. } => Ok(unsafe { buf.bytes_mut(0, self.len) }),
         }
     }
@@ -94,11 +90,10 @@ impl RegisteredBuffer {
 
 impl Drop for RegisteredBuffer {
     fn drop(&mut self) {
-        #[cfg(feature = "rdma")]
-        if let BufferMem::Nic { reg, ctx, .. } = &self.mem {
+        if let BufferMem::Nic { reg, nic, .. } = &self.mem {
             // The cache lets go; the registration (and the memory it owns)
             // goes when the last work request in flight does.
-            ctx.unregister(reg.addr(), reg.len());
+            nic.unregister(reg.addr(), reg.len());
         }
     }
 }
@@ -121,10 +116,9 @@ impl std::fmt::Debug for RegisteredBuffer {
 pub struct MemoryRegistration {
     pub(super) addr: usize,
     pub(super) len: usize,
-    #[cfg(feature = "rdma")]
     pub(super) nic: Option<(
-        Arc<kvpool_transport::rdma::Registration>,
-        Arc<kvpool_transport::rdma::RdmaContext>,
+        Arc<dyn kvpool_transport::nic::NicRegion>,
+        Arc<dyn kvpool_transport::nic::Nic>,
     )>,
 }
 
@@ -143,14 +137,7 @@ impl MemoryRegistration {
 
     /// Whether the NIC holds a memory region for the range (RDMA on).
     pub fn nic_registered(&self) -> bool {
-        #[cfg(feature = "rdma")]
-        {
-            self.nic.is_some()
-        }
-        #[cfg(not(feature = "rdma"))]
-        {
-            false
-        }
+        self.nic.is_some()
     }
 
     /// Whether `addr..addr + len` lies inside this range.
@@ -164,11 +151,10 @@ impl MemoryRegistration {
 
 impl Drop for MemoryRegistration {
     fn drop(&mut self) {
-        #[cfg(feature = "rdma")]
-        if let Some((reg, ctx)) = self.nic.take() {
+        if let Some((reg, nic)) = self.nic.take() {
             // The cache lets go; the MRs go when the last work request
             // holding the registration does.
-            ctx.unregister(reg.addr(), reg.len());
+            nic.unregister(reg.addr(), reg.len());
         }
     }
 }

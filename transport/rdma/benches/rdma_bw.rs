@@ -3,7 +3,7 @@
 //! device (a client connection and a node's passive side, set up in-process),
 //! with several transfers in flight. Prints p50/p99/max per transfer and MB/s
 //! over the wall time, and one `RESULT kvpool <op> <lanes> <bytes> <MB/s>`
-//! line per case for scripts. `transport/benches/rdma-compare.sh` runs it
+//! line per case for scripts. `transport/rdma/benches/rdma-compare.sh` runs it
 //! beside perftest's `ib_write_bw` / `ib_read_bw` in the same machine.
 //!
 //!     cargo bench -p kvpool-transport --features rdma --bench rdma_bw   # full
@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use kvpool_transport::rdma::{
+use kvpool_rdma::{
     Op, RdmaBuffer, RdmaConfig, RdmaConnection, RdmaContext, RdmaError, TransferSpec,
 };
 
@@ -49,7 +49,7 @@ fn size_name(n: usize) -> String {
 /// Moves `total` bytes in `size` transfers, `depth` in flight at once.
 fn run(
     conn: &RdmaConnection,
-    local: &Arc<kvpool_transport::rdma::Registration>,
+    local: &Arc<kvpool_rdma::Registration>,
     op: Op,
     size: usize,
     total: usize,
@@ -58,7 +58,7 @@ fn run(
 ) -> (Histogram<u64>, Duration) {
     let count = (total / size).max(4);
     let mut h = Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3).expect("histogram");
-    let mut inflight: VecDeque<(kvpool_transport::rdma::Transfer, Instant)> = VecDeque::new();
+    let mut inflight: VecDeque<(kvpool_rdma::Transfer, Instant)> = VecDeque::new();
     let slots = remote_len / size;
     let started = Instant::now();
     let mut next = 0;

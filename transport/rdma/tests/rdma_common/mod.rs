@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvpool_transport::rdma::{
+use kvpool_rdma::{
     PassiveConnection, RdmaBuffer, RdmaConfig, RdmaConnection, RdmaContext, RdmaError, RdmaMemory,
     Registration,
 };

@@ -1,6 +1,13 @@
 //! The RDMA transport: one-sided RDMA READ (get) and WRITE (put) over
 //! ibverbs RC queue pairs, set up over kvpool's own control channel.
 //!
+//! Built only with the `rdma` feature (empty otherwise: a fresh machine has
+//! no rdma-core build tools). It implements `kvpool_transport::nic`'s
+//! traits; [`install`] makes it the process's RDMA, which the binary and the
+//! Python module call at start. Nothing above the transfer engine names this
+//! crate, so a build with RDMA compiles this crate and the binary again, not
+//! the client, the storage node or the fronts.
+//!
 //! ```text
 //!  process
 //!  +----------------------------------------------------------------------+
@@ -30,21 +37,25 @@
 //!
 //! Design decisions and their reasons: `docs/ARCHITECTURE.md` ("RDMA transport").
 
-mod config;
+#![cfg(feature = "rdma")]
+
 mod connection;
 mod device;
 mod error;
 mod memory;
+mod nic;
+mod path;
 mod verbs;
 
-pub use config::{
-    RdmaConfig, DEFAULT_LANES_PER_PEER, DEFAULT_MAX_OUTSTANDING_PER_LANE,
-    DEFAULT_MAX_REQUESTS_PER_CONNECTION, DEFAULT_SLICE_BYTES, MAX_RD_ATOMIC, MAX_SLICE_BYTES,
-};
 pub use connection::{
     ConnStats, LaneStats, Op, PassiveConnection, PendingConnection, RdmaConnection, Transfer,
     TransferSpec,
 };
 pub use device::RdmaContext;
 pub use error::{NoDeviceReason, RdmaError};
+pub use kvpool_transport::nic::{
+    RdmaConfig, DEFAULT_LANES_PER_PEER, DEFAULT_MAX_OUTSTANDING_PER_LANE,
+    DEFAULT_MAX_REQUESTS_PER_CONNECTION, DEFAULT_SLICE_BYTES, MAX_RD_ATOMIC, MAX_SLICE_BYTES,
+};
 pub use memory::{LocalSlice, MrCacheStats, RawMemory, RdmaBuffer, RdmaMemory, Registration};
+pub use nic::install;

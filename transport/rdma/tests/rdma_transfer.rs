@@ -10,7 +10,7 @@ mod rdma_common;
 
 use std::sync::Arc;
 
-use kvpool_transport::rdma::{Op, RawMemory, RdmaBuffer, RdmaConfig, RdmaMemory, TransferSpec};
+use kvpool_rdma::{Op, RawMemory, RdmaBuffer, RdmaConfig, RdmaMemory, TransferSpec};
 use kvpool_wire::{ErrorCode, RdmaCaps};
 use rdma_common::*;
 

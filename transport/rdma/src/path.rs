@@ -1,4 +1,4 @@
-//! The transfer engine's RDMA path (feature `rdma`): one RDMA connection per
+//! The transfer engine's RDMA path (`NicDataPath`): one RDMA connection per
 //! (client, segment), set up over a TCP control connection to the segment's
 //! node; RDMA READ for gets, RDMA WRITE for puts.
 //!
@@ -24,11 +24,12 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 
-use crate::pool::{Conn, ConnPool};
-use crate::rdma::{
-    Op, RdmaBuffer, RdmaConnection, RdmaContext, RdmaMemory, Registration, TransferSpec,
+use crate::{
+    LocalSlice, Op, RdmaBuffer, RdmaConnection, RdmaContext, RdmaMemory, Registration, TransferSpec,
 };
-use crate::stats::EngineStats;
+use kvpool_transport::nic::{Nic, NicDataPath, NicFuture, NicOp};
+use kvpool_transport::pool::{Conn, ConnPool};
+use kvpool_transport::stats::EngineStats;
 use kvpool_wire::error::{ErrorCode, KvError};
 use kvpool_wire::frame::{self, FrameKind};
 use kvpool_wire::proto::{DataRequest, DataResponse, ReplicaDesc, SegmentId};
@@ -58,6 +59,8 @@ enum Entry {
 /// The engine's RDMA state.
 pub(crate) struct RdmaPath {
     ctx: Arc<RdmaContext>,
+    /// `ctx`, as the engine sees it.
+    nic: Arc<dyn Nic>,
     /// The cluster secret: a new control connection proves it first.
     key: Option<kvpool_wire::auth::ClusterKey>,
     peers: Mutex<HashMap<SegmentId, Entry>>,
@@ -111,16 +114,13 @@ impl Drop for Staged<'_> {
 impl RdmaPath {
     pub(crate) fn new(ctx: Arc<RdmaContext>, key: Option<kvpool_wire::auth::ClusterKey>) -> Self {
         Self {
+            nic: ctx.clone(),
             ctx,
             key,
             peers: Mutex::new(HashMap::new()),
             staging: Mutex::new(Vec::new()),
             staging_slots: Semaphore::new(STAGING_SLOTS),
         }
-    }
-
-    pub(crate) fn context(&self) -> &Arc<RdmaContext> {
-        &self.ctx
     }
 
     fn lock_peers(&self) -> std::sync::MutexGuard<'_, HashMap<SegmentId, Entry>> {
@@ -133,7 +133,7 @@ impl RdmaPath {
 
     /// A zeroed buffer of `len` bytes registered with this engine's devices:
     /// transfers into or out of it are zero copy.
-    pub(crate) fn alloc(&self, len: usize) -> Result<Arc<RdmaBuffer>, KvError> {
+    fn alloc_buffer(&self, len: usize) -> Result<Arc<RdmaBuffer>, KvError> {
         let buf = Arc::new(RdmaBuffer::new(len));
         self.ctx.register(buf.clone())?;
         Ok(buf)
@@ -215,7 +215,8 @@ impl RdmaPath {
             if let Some(key) = &self.key {
                 // Ids 1 and 2; the set-up's requests after it reuse them
                 // (each answer is read before the next request).
-                crate::data_conn::prove_data(control.stream(), key, 1, max_frame).await?;
+                kvpool_transport::data_conn::prove_data(control.stream(), key, 1, max_frame)
+                    .await?;
             }
         }
         let caps = match ask(&mut control, 1, RdmaRequest::Caps, grant, max_frame).await? {
@@ -267,7 +268,7 @@ impl RdmaPath {
     }
 
     /// Forgets every connection to `segment` (the segment went away).
-    pub(crate) fn forget_segment(&self, segment: SegmentId) {
+    fn forget(&self, segment: SegmentId) {
         self.lock_peers().remove(&segment);
     }
 
@@ -301,7 +302,7 @@ impl RdmaPath {
 
     /// Reads `r` into `dst` over RDMA; `None`: this node is on TCP.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) async fn read(
+    async fn read_replica(
         &self,
         r: &ReplicaDesc,
         dst: &mut [u8],
@@ -348,7 +349,7 @@ impl RdmaPath {
 
     /// Writes `src` to `r` over RDMA; `None`: this node is on TCP.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) async fn write(
+    async fn write_replica(
         &self,
         r: &ReplicaDesc,
         src: &[u8],
@@ -394,10 +395,48 @@ impl RdmaPath {
     }
 }
 
+impl NicDataPath for RdmaPath {
+    fn nic(&self) -> &Arc<dyn Nic> {
+        &self.nic
+    }
+
+    fn read<'a>(&'a self, op: NicOp<'a>, dst: &'a mut [u8]) -> NicFuture<'a> {
+        Box::pin(self.read_replica(
+            op.replica,
+            dst,
+            op.deadline,
+            op.pool,
+            op.connect_timeout,
+            op.max_frame,
+            op.stats,
+        ))
+    }
+
+    fn write<'a>(&'a self, op: NicOp<'a>, src: &'a [u8]) -> NicFuture<'a> {
+        Box::pin(self.write_replica(
+            op.replica,
+            src,
+            op.deadline,
+            op.pool,
+            op.connect_timeout,
+            op.max_frame,
+            op.stats,
+        ))
+    }
+
+    fn forget_segment(&self, segment: SegmentId) {
+        self.forget(segment);
+    }
+
+    fn alloc(&self, len: usize) -> Result<Arc<RdmaBuffer>, KvError> {
+        self.alloc_buffer(len)
+    }
+}
+
 async fn run(
     peer: &Peer,
     op: Op,
-    local: crate::rdma::LocalSlice,
+    local: LocalSlice,
     remote_offset: u64,
     deadline: Instant,
 ) -> Result<(), KvError> {

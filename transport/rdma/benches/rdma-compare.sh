@@ -4,7 +4,7 @@
 # Runs kvpool's rdma_bw bench (full mode) and perftest's ib_write_bw /
 # ib_read_bw on the same RDMA device in the same machine, and prints the
 # MB/s of each and their ratio. Meant to run where the device is: inside the
-# soft-RoCE guest (see transport/tests/run-rdma-tests.sh --bench) or directly
+# soft-RoCE guest (../shared/tools/rxe-vm/run.sh) or directly
 # on a host with a NIC.
 #
 # Settings: RDMA_DEVICE (rxe0), RDMA_GID_INDEX (1: the guest's RoCE v2

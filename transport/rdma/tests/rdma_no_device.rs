@@ -4,7 +4,7 @@
 //! it checks the other reasons (a named device that is missing or unusable).
 #![cfg(feature = "rdma")]
 
-use kvpool_transport::rdma::{NoDeviceReason, RdmaConfig, RdmaContext, RdmaError};
+use kvpool_rdma::{NoDeviceReason, RdmaConfig, RdmaContext, RdmaError};
 use kvpool_wire::{ErrorCode, KvError, RdmaCaps};
 
 fn no_device(cfg: RdmaConfig) -> NoDeviceReason {

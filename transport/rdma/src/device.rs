@@ -8,10 +8,10 @@ use ibverbs_sys as ffi;
 use kvpool_wire::error::{ErrorCode, KvError};
 use kvpool_wire::rdma_wire::{RdmaCaps, RdmaLinkLayer, RdmaPortInfo, MAX_ADVERTISED_DEVICES};
 
-use super::config::{RdmaConfig, MAX_RD_ATOMIC};
 use super::error::{NoDeviceReason, RdmaError};
 use super::memory::{LocalSlice, MrCacheStats, MrCounters, RangeCache, RdmaMemory, Registration};
 use super::verbs::{DeviceHandle, DeviceList, GidEntry};
+use kvpool_transport::nic::{RdmaConfig, MAX_RD_ATOMIC};
 
 /// One opened device: its context, its protection domain, the port we use.
 pub(crate) struct RdmaDevice {

@@ -10,7 +10,7 @@ mod rdma_common;
 
 use std::time::{Duration, Instant};
 
-use kvpool_transport::rdma::{Op, RdmaConfig, TransferSpec};
+use kvpool_rdma::{Op, RdmaConfig, TransferSpec};
 use kvpool_wire::ErrorCode;
 use rdma_common::*;
 
@@ -18,7 +18,7 @@ const MIB: usize = 1 << 20;
 /// What a reset lane may take to flush, on top of a deadline.
 const FLUSH_GRACE: Duration = Duration::from_secs(1);
 
-async fn read_back_works(ctx: &std::sync::Arc<kvpool_transport::rdma::RdmaContext>, node: &Node) {
+async fn read_back_works(ctx: &std::sync::Arc<kvpool_rdma::RdmaContext>, node: &Node) {
     let (conn, _control) = connect(ctx, node.addr).await;
     let (dst, reg) = buffer(ctx, MIB);
     let t = conn
@@ -185,7 +185,7 @@ async fn slices_of_a_dead_lane_are_retried_on_another_lane() {
     // SAFETY: no connection yet.
     fill(unsafe { node.segment.bytes_mut(0, 16 * MIB) }, 11);
     let (dst, reg) = buffer(&ctx, 16 * MIB);
-    let read_all = |conn: &kvpool_transport::rdma::RdmaConnection| {
+    let read_all = |conn: &kvpool_rdma::RdmaConnection| {
         conn.try_submit(TransferSpec {
             op: Op::Read,
             local: reg.whole(),
