@@ -51,75 +51,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Serve: run one or all roles until SIGINT/SIGTERM.
-    Run {
-        /// Which role(s) this process runs.
-        #[arg(long, default_value = "all", value_parser = role_parser())]
-        role: Role,
-        /// Base listen address of the role (shard i listens on port + i);
-        /// for `all`, the master's.
-        #[arg(long, value_name = "HOST:PORT")]
-        listen: Option<String>,
-        /// HTTP address for /healthz and /metrics.
-        #[arg(long, value_name = "HOST:PORT")]
-        http: Option<String>,
-        /// Base data-plane address of the storage node (role all; for role
-        /// storage, --listen). With role all and a --listen on port 0, the
-        /// storage node takes ephemeral ports too.
-        #[arg(long, value_name = "HOST:PORT")]
-        data_listen: Option<String>,
-        /// DRAM this storage node gives to the pool: bytes, or with a
-        /// KiB/MiB/GiB suffix.
-        #[arg(long, value_name = "BYTES")]
-        segment_size: Option<Bytes>,
-        /// Shards (cores) to run; 0 = all cores.
-        #[arg(long, value_name = "N")]
-        shards: Option<usize>,
-        /// Roles master and all: keep the master's log and snapshots in DIR,
-        /// so a restarted master remembers every object (`[master]
-        /// state_dir`).
-        #[arg(long, value_name = "DIR")]
-        state_dir: Option<String>,
-        /// Serve the Redis protocol (RESP2 and RESP3) on this address: roles all and
-        /// storage add the listener; role gateway is a pool client with only
-        /// it (default 127.0.0.1:6379). See `[resp]` in configs/.
-        #[arg(long, value_name = "HOST:PORT")]
-        resp: Option<String>,
-        /// Role engine (and role all's two engines): a Hugging Face model
-        /// folder, `builtin:tiny` or `builtin:small`.
-        #[arg(long, value_name = "DIR|builtin:tiny|builtin:small")]
-        model: Option<String>,
-        /// Role all: leave the serving path off (master and storage only).
-        #[arg(long)]
-        no_serving: bool,
-        /// Role prefill-proxy / decode-proxy: the engine it fronts.
-        #[arg(long, value_name = "HOST:PORT")]
-        engine: Option<String>,
-        /// Role conductor: the prefill proxies, in instance order.
-        #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...")]
-        prefill: Vec<String>,
-        /// Role conductor: the decode proxies, in instance order.
-        #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...")]
-        decode: Vec<String>,
-        /// Role conductor (and all): the scheduling policy.
-        #[arg(long, value_name = "POLICY")]
-        policy: Option<String>,
-        /// Role conductor (and all): the front's API key (`[serving]
-        /// api_key`; the environment's KVPOOL_API_KEY keeps it out of `ps`).
-        #[arg(long, value_name = "KEY")]
-        api_key: Option<String>,
-        /// Role conductor (and all): the cluster cost model (TOML).
-        #[arg(long, value_name = "FILE")]
-        cost_model: Option<String>,
-        /// Role conductor (and all): log every scheduling decision and the
-        /// view it was made on to FILE (`kvpool sim replay --log FILE`).
-        #[arg(long, value_name = "FILE")]
-        decision_log: Option<String>,
-        /// Role master: campaign with the other masters on etcd
-        /// (etcd://host:port[,host:port...][/name]); one leads, the others
-        /// stand by. Sets `[master] ha`.
-        #[arg(long, value_name = "etcd://HOST:PORT,...")]
-        ha: Option<String>,
-    },
+    Run(RunArgs),
     /// One chat turn against the conductor's front, streamed to the terminal.
     Chat(kvpool_serving::chat::ChatArgs),
     /// Store a value: from FILE, or stdin when FILE is `-` or absent.
@@ -320,63 +252,29 @@ fn main() -> ExitCode {
                     .map(|_| ())
             })
         }
-        Cmd::Run {
+        Cmd::Run(RunArgs {
             role,
-            listen,
-            http,
-            data_listen,
-            segment_size,
-            shards,
-            state_dir,
-            resp,
-            model,
-            no_serving,
-            engine,
-            prefill,
-            decode,
-            policy,
-            api_key,
-            cost_model,
-            decision_log,
+            pool,
+            serving,
             ha,
-        } => {
+        }) => {
             if let Some(url) = ha {
                 cfg.master.ha = url;
             }
-            let serving = ServingFlags {
-                engine,
-                prefill,
-                decode,
-                policy,
-                api_key,
-                cost_model,
-                decision_log,
-            };
             let mut launch = node::Launch::default();
             let flags = match role {
                 Role::Engine => {
-                    launch.model = model;
-                    launch.engine_listen = listen;
+                    launch.model = pool.model;
+                    launch.engine_listen = pool.listen;
                     launch.engine_master = cli.master;
                     Ok(launch)
                 }
                 Role::Conductor | Role::PrefillProxy | Role::DecodeProxy => {
-                    serving_role_flags(role, listen, cli.master, serving, &mut cfg).map(|()| launch)
+                    serving_role_flags(role, pool.listen, cli.master, serving, &mut cfg)
+                        .map(|()| launch)
                 }
                 Role::All | Role::Master | Role::Storage | Role::Gateway => {
-                    let f = PoolFlags {
-                        listen,
-                        http,
-                        data_listen,
-                        segment_size,
-                        shards,
-                        state_dir,
-                        resp,
-                        model,
-                        no_serving,
-                        master: cli.master,
-                    };
-                    pool_role_flags(role, f, serving, &mut cfg)
+                    pool_role_flags(role, pool, cli.master, serving, &mut cfg)
                 }
             };
             let launch = match flags {
@@ -454,14 +352,48 @@ fn block_on_cli(fut: impl std::future::Future<Output = Result<(), String>>) -> E
     }
 }
 
+/// `kvpool run`'s flags: the role, the pool's flags, the serving path's.
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Which role(s) this process runs.
+    #[arg(long, default_value = "all", value_parser = role_parser())]
+    role: Role,
+    #[command(flatten)]
+    pool: PoolFlags,
+    #[command(flatten)]
+    serving: ServingFlags,
+    /// Role master: campaign with the other masters on etcd
+    /// (etcd://host:port[,host:port...][/name]); one leads, the others
+    /// stand by. Sets `[master] ha`.
+    #[arg(long, value_name = "etcd://HOST:PORT,...")]
+    ha: Option<String>,
+}
+
 /// `kvpool run` flags of the serving roles.
+#[derive(clap::Args)]
 struct ServingFlags {
+    /// Role prefill-proxy / decode-proxy: the engine it fronts.
+    #[arg(long, value_name = "HOST:PORT")]
     engine: Option<String>,
+    /// Role conductor: the prefill proxies, in instance order.
+    #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...")]
     prefill: Vec<String>,
+    /// Role conductor: the decode proxies, in instance order.
+    #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...")]
     decode: Vec<String>,
+    /// Role conductor (and all): the scheduling policy.
+    #[arg(long, value_name = "POLICY")]
     policy: Option<String>,
+    /// Role conductor (and all): the front's API key (`[serving]
+    /// api_key`; the environment's KVPOOL_API_KEY keeps it out of `ps`).
+    #[arg(long, value_name = "KEY")]
     api_key: Option<String>,
+    /// Role conductor (and all): the cluster cost model (TOML).
+    #[arg(long, value_name = "FILE")]
     cost_model: Option<String>,
+    /// Role conductor (and all): log every scheduling decision and the
+    /// view it was made on to FILE (`kvpool sim replay --log FILE`).
+    #[arg(long, value_name = "FILE")]
     decision_log: Option<String>,
 }
 
@@ -538,24 +470,52 @@ fn serving_role_flags(
 }
 
 /// The flags of `kvpool run` for the pool's roles (all, master, storage,
-/// gateway).
+/// gateway); role engine takes `--listen` and `--model` of them.
+#[derive(clap::Args)]
 struct PoolFlags {
+    /// Base listen address of the role (shard i listens on port + i);
+    /// for `all`, the master's.
+    #[arg(long, value_name = "HOST:PORT")]
     listen: Option<String>,
+    /// HTTP address for /healthz and /metrics.
+    #[arg(long, value_name = "HOST:PORT")]
     http: Option<String>,
+    /// Base data-plane address of the storage node (role all; for role
+    /// storage, --listen). With role all and a --listen on port 0, the
+    /// storage node takes ephemeral ports too.
+    #[arg(long, value_name = "HOST:PORT")]
     data_listen: Option<String>,
+    /// DRAM this storage node gives to the pool: bytes, or with a
+    /// KiB/MiB/GiB suffix.
+    #[arg(long, value_name = "BYTES")]
     segment_size: Option<Bytes>,
+    /// Shards (cores) to run; 0 = all cores.
+    #[arg(long, value_name = "N")]
     shards: Option<usize>,
+    /// Roles master and all: keep the master's log and snapshots in DIR,
+    /// so a restarted master remembers every object (`[master]
+    /// state_dir`).
+    #[arg(long, value_name = "DIR")]
     state_dir: Option<String>,
+    /// Serve the Redis protocol (RESP2 and RESP3) on this address: roles all and
+    /// storage add the listener; role gateway is a pool client with only
+    /// it (default 127.0.0.1:6379). See `[resp]` in configs/.
+    #[arg(long, value_name = "HOST:PORT")]
     resp: Option<String>,
+    /// Role engine (and role all's two engines): a Hugging Face model
+    /// folder, `builtin:tiny` or `builtin:small`.
+    #[arg(long, value_name = "DIR|builtin:tiny|builtin:small")]
     model: Option<String>,
+    /// Role all: leave the serving path off (master and storage only).
+    #[arg(long)]
     no_serving: bool,
-    master: Option<String>,
 }
 
 /// The pool roles' flags into the configuration; what the launch needs.
 fn pool_role_flags(
     role: Role,
     f: PoolFlags,
+    master: Option<String>,
     serving: ServingFlags,
     cfg: &mut NodeConfig,
 ) -> Result<node::Launch, String> {
@@ -584,7 +544,7 @@ fn pool_role_flags(
         if let Some(h) = f.http {
             cfg.resp.http = h;
         }
-        if let Some(m) = f.master {
+        if let Some(m) = master {
             cfg.resp.master = m;
         }
         if let Some(n) = f.shards {
@@ -615,7 +575,7 @@ fn pool_role_flags(
             _ => cfg.master.http = h,
         }
     }
-    if let Some(m) = f.master {
+    if let Some(m) = master {
         cfg.storage.master = m;
     }
     if let Some(d) = f.state_dir {
