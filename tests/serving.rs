@@ -245,8 +245,10 @@ fn pd(tag: &str) -> Pd {
 
 /// A text prompt (and a chat) through the front is tokenized once: by the
 /// front's `/tokenize` call; the prefill and decode engines take the ids
-/// along (`kvpool_prompt_token_ids`) and answer as one engine does. A
-/// client's own `kvpool_prompt_token_ids` is not passed on.
+/// along (`kvpool_prompt_token_ids`) and answer as one engine does. The
+/// front's own fields from a client (`kvpool_prompt_token_ids`, and
+/// `kvpool_resume`, which would make the decode engine treat the prompt's
+/// last tokens as its answer) are not passed on.
 #[test]
 fn a_text_prompt_through_the_front_is_tokenized_once_and_answers_as_one_engine() {
     let c = pd("tok-once");
@@ -258,7 +260,8 @@ fn a_text_prompt_through_the_front_is_tokenized_once_and_answers_as_one_engine()
     let text = "a prompt of plain text, tokenized by the front once. ".repeat(12);
     let completion = json!({"model": "builtin:tiny", "prompt": text, "max_tokens": 12,
         "temperature": 0, "ignore_eos": true, "return_token_ids": true,
-        "kvpool_prompt_token_ids": [1, 2, 3]});
+        "kvpool_prompt_token_ids": [1, 2, 3],
+        "kvpool_resume": {"generated_tokens": 8, "text_sent_bytes": 5, "chat": false}});
     let chat = json!({"model": "builtin:tiny", "max_tokens": 12, "temperature": 0,
         "ignore_eos": true, "return_token_ids": true,
         "messages": [{"role": "user", "content": text}]});
@@ -267,10 +270,9 @@ fn a_text_prompt_through_the_front_is_tokenized_once_and_answers_as_one_engine()
         ("/v1/chat/completions", &chat),
     ] {
         let mut alone = body.clone();
-        alone
-            .as_object_mut()
-            .unwrap()
-            .remove("kvpool_prompt_token_ids");
+        let fields = alone.as_object_mut().unwrap();
+        fields.remove("kvpool_prompt_token_ids");
+        fields.remove("kvpool_resume");
         let want = post_ok(&mono.addr, path, &alone);
         let before = tokenized();
         let got = post_ok(&front.addr, path, body);
@@ -288,6 +290,14 @@ fn a_text_prompt_through_the_front_is_tokenized_once_and_answers_as_one_engine()
             ids(&want["choices"][0]["token_ids"]),
             "{path}: the answer through the front is one engine's"
         );
+        let text = |v: &Value| {
+            let c = &v["choices"][0];
+            c["text"]
+                .as_str()
+                .or(c["message"]["content"].as_str())
+                .map(str::to_owned)
+        };
+        assert_eq!(text(&got), text(&want), "{path}: the same text");
     }
 }
 

@@ -66,7 +66,7 @@ use crate::http::{self, Answer, HttpError};
 use crate::proxy::{KvNaming, ProxyReport};
 use crate::sse;
 use crate::ServeError;
-use kvpool_http::openai::{PrefillAnswer, PROMPT_TOKEN_IDS};
+use kvpool_http::openai::{PrefillAnswer, PROMPT_TOKEN_IDS, RESUME};
 
 mod routes;
 use routes::*;
@@ -1012,9 +1012,11 @@ impl Front {
         let deadline = arrived + Duration::from_millis(self.inner.cfg.request_timeout_ms);
         let prompt = self.tokenize(&req, rid, deadline).await?;
         // The engines take the tokens along instead of tokenizing the text
-        // again (a client's own field of that name is not passed on).
+        // again. The front's own fields are not a client's to set: a
+        // client's are not passed on.
         if let Some(fields) = req.body.as_object_mut() {
             fields.remove(PROMPT_TOKEN_IDS);
+            fields.remove(RESUME);
             if !token_prompt {
                 fields.insert(PROMPT_TOKEN_IDS.into(), json!(prompt));
             }

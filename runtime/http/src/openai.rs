@@ -17,6 +17,12 @@ use serde_json::{Map, Value};
 /// vLLM ignores it.
 pub const PROMPT_TOKEN_IDS: &str = "kvpool_prompt_token_ids";
 
+/// The request field with which the front continues a stream on another
+/// decode engine: how many of the prompt's last tokens were generated and
+/// how much of their text the client already has. The front's own; a
+/// client's field of that name is not passed on.
+pub const RESUME: &str = "kvpool_resume";
+
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct KvTransferParams {

@@ -204,9 +204,9 @@ impl DecodeRun {
     ) -> Value {
         let mut prompt = self.served.prompt.clone();
         prompt.extend_from_slice(generated);
-        let mut body = json!({"prompt": prompt, "kvpool_resume": {
-            "generated_tokens": generated.len(), "text_sent_bytes": text_sent,
-            "chat": self.chat}});
+        let mut body = json!({"prompt": prompt});
+        body[RESUME] = json!({"generated_tokens": generated.len(), "text_sent_bytes": text_sent,
+            "chat": self.chat});
         for k in [
             "model",
             "temperature",
