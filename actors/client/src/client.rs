@@ -25,7 +25,7 @@
 //! # Ok(()) }
 //! ```
 
-use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -45,6 +45,7 @@ use kvpool_wire::{ErrorCode, KvError};
 
 use crate::leader::{leader_may_have_moved, MasterSource};
 use crate::locations::OnDrop;
+use crate::put::{waits_to_put, Action, EndRetry, PutIds, PutProtocol, PUT_RETRY_MAX};
 use kvpool_config::ClientConfig;
 use kvpool_wire::route::{self, merge_batch, split_batch_by, Target};
 
@@ -81,7 +82,7 @@ struct Inner {
     engine: TransferEngine,
     req_ids: AtomicU64,
     /// Names each placement of a put (`PutOptions::put_id`); never 0.
-    put_ids: AtomicU16,
+    put_ids: PutIds,
     host_id: String,
     /// The cluster secret: master connections authenticate with it.
     key: Option<ClusterKey>,
@@ -117,32 +118,6 @@ fn host_of(addr: &str) -> String {
 /// How long before the lease's end a view stops handing out bytes (clock
 /// skew between this process and the master, and time to use the slice).
 const VIEW_MARGIN: Duration = Duration::from_millis(500);
-/// Times one put may be placed again after its node proved unreachable.
-const MAX_PLACEMENTS: u32 = 3;
-
-/// The longest pause between two tries of a put told to wait (`TryAgain`:
-/// another writer's replace of the key is ending, space is on its way):
-/// a replace ends within a millisecond or two, and a put that slept past
-/// it added that sleep to its latency (a hot key's SETs from two RESP
-/// threads: p99 73 ms at 50 ms; issue 28). One small request to the master
-/// per waiting put every 8 ms is cheap.
-const PUT_RETRY_MAX: Duration = Duration::from_millis(8);
-
-/// Whether a put refused with `e` waits and asks again (within its
-/// deadline): `TryAgain` (space on its way out, another writer's replace
-/// ending, room only on a node a client reported unreachable) and
-/// `ReplicaNotReady` (the key is an object a restarted or new leader
-/// recovered, whose segment has not mounted again yet: it is taken back, or
-/// dropped, within the master's `client_ttl_ms`).
-fn waits_to_put(e: &KvError) -> bool {
-    matches!(e.code, ErrorCode::TryAgain | ErrorCode::ReplicaNotReady)
-}
-
-/// How many times a put's end is sent again while the master cannot be
-/// reached (with backoff up to 200 ms: about 5 s, the longest a failover
-/// takes under the default etcd lease; the call's deadline ends it first).
-const END_TRIES: u32 = 30;
-
 /// Pause between two looks for the leader while none answers (a failover
 /// under way); the caller's deadline bounds the whole search.
 const FOLLOW_PAUSE: Duration = Duration::from_millis(100);
@@ -329,7 +304,7 @@ impl Client {
                 stale: std::sync::atomic::AtomicBool::new(false),
                 engine,
                 req_ids: AtomicU64::new(1),
-                put_ids: AtomicU16::new(1),
+                put_ids: PutIds::default(),
                 host_id,
                 key,
                 locations: crate::locations::Locations::new(location_entries),
@@ -769,125 +744,62 @@ impl Client {
         // this client that asked the master before the put ended must not
         // leave the old object's replicas behind for the next get.
         let _forget = OnDrop(|| self.inner.locations.forget(key));
-        let deadline = self.call_deadline();
-        // The put id of the last placement asked for (0: none yet).
-        let last_put = AtomicU16::new(0);
+        let start = Instant::now();
+        let deadline = start + self.timeout();
+        let ids = &self.inner.put_ids;
+        let mut put = PutProtocol::new(
+            self.inner.id,
+            key.to_vec(),
+            value.len() as u64,
+            self.with_host(opts),
+            self.timeout(),
+        );
         let res = self
             .deadline("put", async {
-                let mut backoff = Duration::from_millis(1);
-                let mut placements = 0;
+                let mut action = put.begin(ids);
                 loop {
-                    // A placement that is not the last may use half the time
-                    // left for its bytes: if a node it was placed on fell
-                    // silent, the next placement still has time.
-                    let write_by = if placements < MAX_PLACEMENTS {
-                        Instant::now() + deadline.saturating_duration_since(Instant::now()) / 2
-                    } else {
-                        deadline
-                    };
-                    // The placement before this one (0: none), whose answer
-                    // may have been lost.
-                    let before = last_put.load(Ordering::Relaxed);
-                    match self.put_inner(key, value, opts, write_by, &last_put).await {
-                        Err(e) if waits_to_put(&e) => {
-                            // Space is on its way out, another writer's put
-                            // of the key is ending, or the key is a recovered
-                            // object whose segment has not mounted again yet:
-                            // wait for it, bounded by the call's deadline
-                            // (then it is a Timeout).
-                            tokio::time::sleep(backoff).await;
-                            backoff = (backoff * 2).min(PUT_RETRY_MAX);
+                    action = match action {
+                        Action::Ask(req) => {
+                            let res = self.send(req).await;
+                            put.answered(start.elapsed(), ids, res)
                         }
-                        Err(e) if e.code == ErrorCode::ObjectNotFound => {
-                            // The PutEnd found the put gone: the master
-                            // discarded it (it ran past put_timeout_ms, or
-                            // heard nothing from this client for
-                            // client_ttl_ms and dropped its puts). The bytes
-                            // are written again, in a new placement.
-                            if placements >= MAX_PLACEMENTS {
-                                return Err(KvError::new(
-                                    ErrorCode::Unavailable,
-                                    format!(
-                                        "the master discarded the put before it ended, {} \
-                                         times: {}",
-                                        placements + 1,
-                                        e.message
-                                    ),
-                                ));
-                            }
-                            placements += 1;
-                            tracing::debug!("a put is placed again: {e}");
+                        Action::Write { replicas, by } => {
+                            let by = start + by;
+                            let engine = &self.inner.engine;
+                            // The checksum is computed as the bytes go out
+                            // (each piece while it is in cache), not in a
+                            // pass of its own.
+                            let written = if self.inner.cfg.checksums {
+                                engine.write_summed(&replicas, value, by).await.map(Some)
+                            } else {
+                                engine.write(&replicas, value, by).await.map(|()| None)
+                            };
+                            put.written(written)
                         }
-                        Err(e)
-                            if e.code == ErrorCode::ObjectAlreadyExists
-                                && placements > 0
-                                && !opts.replace =>
-                        {
-                            // An earlier placement whose end took effect
-                            // though its answer was lost: done if the key
-                            // holds these bytes.
-                            if self.holds(key, value, deadline).await {
-                                return Ok(());
-                            }
-                            // Or one whose start took effect though its
-                            // answer was lost ("being put" by this client):
-                            // revoked by its id (it touches no other
-                            // placement), then placed again.
-                            let revoked = before != 0
-                                && placements < MAX_PLACEMENTS
-                                && self
-                                    .ask(call::PutRevoke {
-                                        client_id: self.inner.id,
-                                        key: key.to_vec(),
-                                        put_id: before,
-                                    })
-                                    .await
-                                    .is_ok();
-                            if !revoked {
-                                return Err(e);
-                            }
-                            placements += 1;
-                            tracing::debug!("a put's earlier placement is revoked: {e}");
+                        Action::Sleep(pause) => {
+                            tokio::time::sleep(pause).await;
+                            put.woke(ids)
                         }
-                        Err(e) if placements < MAX_PLACEMENTS => {
-                            // A node that could not be reached: the master
-                            // hears of it and places the put elsewhere. (The
-                            // report may have gone with another call's: a
-                            // write that timed out or found its node gone is
-                            // placed again all the same.)
-                            let reported = self.report_unreachable().await;
-                            let unreached =
-                                matches!(e.code, ErrorCode::Timeout | ErrorCode::Unavailable);
-                            if reported == 0 && !unreached {
-                                return Err(e);
-                            }
-                            placements += 1;
-                            tracing::debug!("a put is placed again: {e}");
+                        Action::ReportUnreachable => {
+                            let n = self.report_unreachable().await;
+                            put.reported(ids, n)
                         }
-                        other => return other,
+                        Action::ReadBack => {
+                            let holds = self.holds(key, value, deadline).await;
+                            put.held(ids, holds)
+                        }
+                        Action::Done(r) => return r,
                     }
                 }
             })
             .await;
-        let put_id = last_put.load(Ordering::Relaxed);
-        if let Err(e) = &res {
-            if e.code == ErrorCode::Timeout && put_id != 0 {
+        if let Some(revoke) = put.timed_out() {
+            if res.as_ref().is_err_and(|e| e.code == ErrorCode::Timeout) {
                 // The put may be half done: give its space back, best effort,
-                // under a deadline of its own. It names its placement, so if
-                // it arrives late it touches no later put of the key.
+                // under a deadline of its own.
                 let me = self.clone();
-                let key = key.to_vec();
                 tokio::spawn(async move {
-                    let _ = me
-                        .deadline(
-                            "put revoke",
-                            me.ask(call::PutRevoke {
-                                client_id: me.inner.id,
-                                key,
-                                put_id,
-                            }),
-                        )
-                        .await;
+                    let _ = me.deadline("put revoke", me.send(revoke)).await;
                 });
             }
         }
@@ -896,12 +808,7 @@ impl Client {
 
     /// A name for a new placement of a put (wraps, skipping 0).
     fn next_put_id(&self) -> u16 {
-        loop {
-            let id = self.inner.put_ids.fetch_add(1, Ordering::Relaxed);
-            if id != 0 {
-                return id;
-            }
-        }
+        self.inner.put_ids.next()
     }
 
     fn with_host(&self, opts: &PutOptions) -> PutOptions {
@@ -946,108 +853,18 @@ impl Client {
         }
     }
 
-    /// One placement of a put; its bytes are written by `deadline`. The
-    /// checksum is computed as the bytes go out (each piece while it is in
-    /// cache), not in a pass of its own.
-    async fn put_inner(
-        &self,
-        key: &[u8],
-        value: &[u8],
-        opts: &PutOptions,
-        deadline: Instant,
-        last_put: &AtomicU16,
-    ) -> Result<(), KvError> {
-        let mut opts = self.with_host(opts);
-        opts.put_id = self.next_put_id();
-        let put_id = opts.put_id;
-        // Before it is sent: the master may hear of it though no answer
-        // comes back.
-        last_put.store(put_id, Ordering::Relaxed);
-        let replicas = self
-            .ask(call::PutStart {
-                client_id: self.inner.id,
-                key: key.to_vec(),
-                len: value.len() as u64,
-                opts,
-            })
-            .await?;
-        let engine = &self.inner.engine;
-        let written = if self.inner.cfg.checksums {
-            engine
-                .write_summed(&replicas, value, deadline)
-                .await
-                .map(Some)
-        } else {
-            engine
-                .write(&replicas, value, deadline)
-                .await
-                .map(|()| None)
-        };
-        match written {
-            Ok(checksum) => self.end_put(key, value, put_id, checksum, deadline).await,
-            Err(e) => {
-                let _ = self
-                    .ask(call::PutRevoke {
-                        client_id: self.inner.id,
-                        key: key.to_vec(),
-                        put_id,
-                    })
-                    .await;
-                Err(e)
-            }
-        }
-    }
-
-    /// Ends a placement whose bytes are written. The master may have
-    /// completed the put and its answer been lost (its connection broke, or
-    /// it failed over after shipping the end to the standby that now leads):
-    /// the end is sent again while the master cannot be reached, bounded by
-    /// `END_TRIES` and the call's deadline. It names its placement, so it
-    /// cannot complete another; one that finds the key already complete
-    /// reads the key back, and the put is done if the key holds `value`.
-    async fn end_put(
-        &self,
-        key: &[u8],
-        value: &[u8],
-        put_id: u16,
-        checksum: Option<u64>,
-        deadline: Instant,
-    ) -> Result<(), KvError> {
-        let (r, again) = self
-            .send_end(|| call::PutEnd {
-                client_id: self.inner.id,
-                key: key.to_vec(),
-                put_id,
-                checksum,
-            })
-            .await;
-        match r {
-            Err(e) if e.code == ErrorCode::ObjectAlreadyExists && again => {
-                if self.holds(key, value, deadline).await {
-                    Ok(())
-                } else {
-                    Err(e)
-                }
-            }
-            r => r,
-        }
-    }
-
     /// Sends a put's end (`end()` makes it) and again while the master
     /// cannot be reached (backoff to 200 ms, `END_TRIES` sends at most);
     /// the answer, and whether the end was sent more than once.
     async fn send_end<C: Call>(&self, end: impl Fn() -> C) -> (Result<C::Reply, KvError>, bool) {
-        let mut backoff = Duration::from_millis(5);
-        let mut unanswered = 0;
+        let mut retry = EndRetry::default();
         loop {
             match self.ask(end()).await {
-                Err(e) if leader_may_have_moved(&e) && unanswered < END_TRIES => {
-                    tracing::debug!("a put's end is sent again: {e}");
-                    unanswered += 1;
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(200));
-                }
-                r => return (r, unanswered > 0),
+                Err(e) => match retry.again(&e) {
+                    Some(pause) => tokio::time::sleep(pause).await,
+                    None => return (Err(e), retry.resent()),
+                },
+                r => return (r, retry.resent()),
             }
         }
     }

@@ -4,6 +4,8 @@
 //!
 //! * [`Client`]: `put`/`get`/`exists`/`remove`, their batch forms, borrowed
 //!   views of same-host values; see the `client` module docs.
+//! * [`put`]: a put's protocol as a state machine without I/O, which
+//!   [`Client::put_with`] drives (and the cluster simulation too).
 //! * [`rdma`]: whether a role uses RDMA, and why not.
 //! * [`leader`]: where the master is: a fixed address, or a registered
 //!   source (`etcd://...`) that follows the leader of several masters.
@@ -11,6 +13,7 @@
 mod client;
 pub mod leader;
 mod locations;
+pub mod put;
 pub mod rdma;
 
 pub use client::{local_host_id, Client, MemoryRegistration, ReadView, RegisteredBuffer};

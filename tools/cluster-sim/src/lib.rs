@@ -155,8 +155,10 @@ pub enum Timer {
     ClientNext,
     /// A client's call `op` reaches its deadline.
     ClientDeadline(u64),
-    /// A client's call `op` tries again after `TryAgain`.
-    ClientRetry(u64),
+    /// A client's put ends a pause its protocol asked for (the pause's id).
+    ClientWake(u64),
+    /// A client's put's writes reach their time (the round's id).
+    ClientWriteBy(u64),
     /// A client's liveness ping.
     ClientPing,
 }
@@ -296,6 +298,12 @@ pub struct Stats {
     pub recovered: u64,
     pub disk_failures: u64,
     pub owed_checked: u64,
+    /// What the real put protocol asked the client models for: pauses
+    /// (told to wait, or an end resent), reports of unreachable nodes,
+    /// read-backs after a lost answer.
+    pub put_pauses: u64,
+    pub put_reports: u64,
+    pub put_readbacks: u64,
 }
 
 impl Stats {
@@ -316,6 +324,9 @@ impl Stats {
         self.recovered += o.recovered;
         self.disk_failures += o.disk_failures;
         self.owed_checked += o.owed_checked;
+        self.put_pauses += o.put_pauses;
+        self.put_reports += o.put_reports;
+        self.put_readbacks += o.put_readbacks;
     }
 }
 
