@@ -326,6 +326,23 @@ impl ShardState {
         }
     }
 
+    /// Whether a Persist of `key`'s object to tier `nvme` may be under way:
+    /// a demotion of one of its DRAM replicas on the segment the tier is
+    /// attached to, or a write-through copy not listed yet.
+    pub(super) fn copy_under_way(&self, key: &[u8], nvme: SegmentId) -> bool {
+        let Some(id) = self.objs.complete_id(key) else {
+            return false;
+        };
+        let o = self.objs.get(id);
+        let on_tier = o.replicas.iter().any(|r| self.slot(r.slot).id == nvme);
+        o.replicas.iter().any(|r| {
+            self.slot(r.slot).spec.nvme.as_ref().is_some_and(|a| {
+                a.segment_id == nvme
+                    && (r.state == ReplicaState::Demoting || (a.write_through && !on_tier))
+            })
+        })
+    }
+
     /// From now on every live copy of tier `nvme` is one this shard lists.
     pub(super) fn list_tier(&mut self, nvme: SegmentId) {
         self.adopting.remove(&nvme);
@@ -870,6 +887,18 @@ impl ShardState {
                 } else {
                     self.unlisted_copy(*nvme, key, *loc, now_ms)
                 };
+                if unlisted == Unlisted::Old && self.copy_under_way(key, *nvme) {
+                    // The node reports its whole tier beside its rounds: a
+                    // copy a Persist of this object has just written may be
+                    // reported before its `Stored`. Not now (the node keeps
+                    // it): its `Stored` lists it, and a copy that never
+                    // reports (its persist failed) is refused as old at the
+                    // tier's next report, when nothing is under way.
+                    return Err(err(
+                        ErrorCode::TryAgain,
+                        "a copy of this object is on its way to this tier: its Stored report lists it",
+                    ));
+                }
                 if unlisted == Unlisted::Old {
                     // Every live copy of this tier is listed: this one is
                     // an old object's whose Drop was handed out (the node
