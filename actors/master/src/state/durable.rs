@@ -100,14 +100,7 @@ impl ShardState {
                 d.parked_holds.entry(h.segment).or_default().push(h);
             }
         }
-        self.listed_tiers.extend(image.listed_tiers);
-        for (nvme, key, loc) in image.drops {
-            self.owed_drops
-                .entry(nvme)
-                .or_default()
-                .owed
-                .insert((key.into_boxed_slice(), loc));
-        }
+        self.copies.restore(image.listed_tiers, image.drops);
     }
 
     /// Recovered objects still waiting for a segment (all their replicas,
@@ -483,12 +476,10 @@ impl ShardState {
         for h in d.parked_holds.values().flatten() {
             journal::encode_hold(out, h);
         }
-        for (&nvme, t) in &self.owed_drops {
-            for (key, loc) in &t.owed {
-                journal::encode_drop(out, true, nvme, key, *loc);
-            }
+        for (nvme, key, loc) in self.copies.all_owed() {
+            journal::encode_drop(out, true, nvme, key, loc);
         }
-        for &nvme in &self.listed_tiers {
+        for nvme in self.copies.listed() {
             journal::encode_tier_listed(out, nvme);
         }
         for Reverse(p) in &self.pending {

@@ -1,10 +1,15 @@
 //! One master shard's metadata, as a pure state machine.
 //!
-//! Here: the shard, its segments and the object calls. Beside it: `space`
-//! (placement, deferred frees, eviction), `tier` (node tasks, NVMe tier
-//! reports, owed Drops, listed tiers), `durable` (the state directory's
-//! records, snapshots, recovery), `tests`. One `ShardState`, impl blocks by
-//! subject.
+//! Here: `ShardState`, the gets, removals, ticks and the request dispatch,
+//! coordinating its parts, each with its own invariant check:
+//! `segments` (the mounted segments' slots, mounts and unmounts), `puts`
+//! (a put's start, end and revoke), `space` (placement, deferred frees,
+//! eviction, the extents' accounting), `copies` (the copy book of NVMe
+//! tiers: owed Drops, listed and adopted tiers, detached copies), `tier`
+//! (node tasks, NVMe tier reports), `hot` (extra replicas of hot objects),
+//! `durable` (the state directory's records, snapshots, recovery), and the
+//! object store itself ([`super::objects::Objects`]). One `ShardState`,
+//! impl blocks by subject; `tests`.
 //!
 //! No I/O and no clock: every call that depends on time takes `now_ms`, so
 //! the same code runs under the live service and under tests with a simulated
@@ -66,15 +71,21 @@ use super::objects::{
 
 use kvpool_config::{MasterConfig, Placement};
 
+mod copies;
 mod durable;
 mod hot;
+mod puts;
+mod segments;
 mod space;
 mod tier;
 
+use segments::SegmentSlot;
+
+pub use copies::MAX_DETACHED_COPIES;
 pub use durable::SnapshotCursor;
 use durable::*;
+pub use tier::MAX_TASKS_PER_SEGMENT;
 use tier::*;
-pub use tier::{MAX_DETACHED_COPIES, MAX_TASKS_PER_SEGMENT};
 
 /// What one shard enforces, sized from the config at start.
 #[derive(Debug, Clone)]
@@ -159,48 +170,6 @@ impl ShardConfig {
     }
 }
 
-/// A segment as one shard sees it: its spec and this shard's range of it.
-#[derive(Debug)]
-struct SegmentSlot {
-    id: SegmentId,
-    spec: Arc<SegmentSpec>,
-    /// DRAM: this shard's range. NVMe: empty (the node manages that space).
-    alloc: RangeAllocator,
-    draining: bool,
-    /// The client (storage node) that mounted it: only it may report on it
-    /// or take its tasks.
-    owner: ClientId,
-    /// A client could not reach its node: no new replicas go there until the
-    /// owner's next ping.
-    suspect: bool,
-    /// Bytes of this segment's `Demoting` replicas (space on its way out),
-    /// kept as they change so a put need not count them.
-    demoting: u64,
-    /// Bytes the off-path eviction still owes this range (an episode under
-    /// way; 0: none).
-    evict_owed: u64,
-}
-
-impl SegmentSlot {
-    fn tier(&self) -> Tier {
-        self.spec.tier
-    }
-
-    /// A DRAM range placement may use for `size` bytes now: not draining,
-    /// not suspect, a free extent that fits.
-    fn takes(&self, size: u64) -> bool {
-        self.tier() == Tier::Dram
-            && !self.draining
-            && !self.suspect
-            && self.alloc.largest_free() >= self.alloc.rounded(size)
-    }
-
-    /// The fraction of this shard's range that is free.
-    fn free_ratio(&self) -> f64 {
-        self.alloc.free() as f64 / self.alloc.capacity().max(1) as f64
-    }
-}
-
 /// Debug builds check the space invariants after every tick of a shard
 /// with at most this many objects (the check is O(objects)).
 #[cfg(debug_assertions)]
@@ -265,30 +234,9 @@ pub struct ShardState {
     fewer_replicas: u64,
     /// Work for storage nodes, by the segment whose node does it.
     tasks: HashMap<SegmentId, TaskQueue>,
-    /// The NVMe copies (key, location) of removed or replaced objects whose
-    /// Drop has not gone out to their node yet, by tier. Kept apart from the
-    /// task queues, which go with their DRAM segment: a node that comes back
-    /// (or a restarted master, from its state directory) is owed them still,
-    /// and a `Recovered` report of such a copy is refused.
-    owed_drops: HashMap<SegmentId, TierDrops>,
-    /// NVMe tiers every live copy of which this shard lists (an object's
-    /// replica, a copy detached with its tier, or one owed a Drop): a copy
-    /// such a tier reports that none of these names is an old one (its
-    /// object removed or replaced, its Drop lost with the node or handed out
-    /// before a restart) and is refused. Recorded (`TierListed`).
-    listed_tiers: HashSet<SegmentId>,
-    /// NVMe tiers mounted that this shard does not list yet (new to it, or
-    /// any tier after a restart without a state directory): the copies they
-    /// report are taken as they come, until `tier_quiet_ms` passed with no
-    /// report (the `now_ms` here); then the tier is listed.
-    adopting: HashMap<SegmentId, u64>,
-    /// Copies on listed tiers unmounted as dead (their node was cut off):
-    /// the master forgot them as replicas, but a tier that comes back may
-    /// report them and they are taken, unless their object was removed or
-    /// replaced since (then they are owed a Drop). By tier, then key.
-    detached: HashMap<SegmentId, HashMap<Box<[u8]>, u64>>,
-    /// Copies in `detached`.
-    detached_len: usize,
+    /// The copy book of NVMe tiers: owed Drops, listed and adopted tiers,
+    /// copies detached with a tier (copies.rs).
+    copies: copies::Copies,
     demotions: u64,
     promotions: u64,
     /// Reads of complete objects in the current window (hot.rs).
@@ -410,11 +358,7 @@ impl ShardState {
             evicted_bytes: 0,
             fewer_replicas: 0,
             tasks: HashMap::new(),
-            owed_drops: HashMap::new(),
-            listed_tiers: HashSet::new(),
-            adopting: HashMap::new(),
-            detached: HashMap::new(),
-            detached_len: 0,
+            copies: copies::Copies::default(),
             demotions: 0,
             promotions: 0,
             reads: hot::ReadCounts::default(),
@@ -470,157 +414,6 @@ impl ShardState {
         (lo, hi - lo)
     }
 
-    // ---- segments ---------------------------------------------------------
-
-    /// Adds a segment (idempotent for the same id; a known NVMe tier that
-    /// mounts again after its node restarted gets its new address and owner).
-    pub fn add_segment(
-        &mut self,
-        id: SegmentId,
-        spec: Arc<SegmentSpec>,
-        owner: ClientId,
-        now_ms: u64,
-    ) {
-        if let Some(&idx) = self.by_id.get(&id) {
-            if let Some(slot) = self.slots[idx as usize].as_mut() {
-                slot.spec = spec;
-                slot.owner = owner;
-                slot.suspect = false;
-            }
-            return;
-        }
-        let alloc = match spec.tier {
-            Tier::Dram => {
-                let (lo, len) = self.range_of(spec.size);
-                RangeAllocator::new(lo, len, SEGMENT_ALIGN)
-            }
-            // The node manages NVMe space; the master only records replicas.
-            Tier::Nvme => RangeAllocator::new(0, 0, SEGMENT_ALIGN),
-        };
-        let slot = SegmentSlot {
-            id,
-            alloc,
-            spec,
-            draining: false,
-            owner,
-            suspect: false,
-            demoting: 0,
-            evict_owed: 0,
-        };
-        let dram = slot.tier() == Tier::Dram;
-        // A put is a use: where eviction drops the only copy (no NVMe
-        // tier), an unread object ranks as if read at its completion.
-        let keep_ms = if slot.spec.nvme.is_none() {
-            self.cfg.lease_ttl_ms
-        } else {
-            0
-        };
-        let idx = match self.slots.iter().position(Option::is_none) {
-            Some(i) => {
-                self.slots[i] = Some(slot);
-                i
-            }
-            None => {
-                self.slots.push(Some(slot));
-                self.slots.len() - 1
-            }
-        };
-        if dram {
-            self.objs.mount_range(idx as u32, keep_ms);
-        } else if !self.listed_tiers.contains(&id) {
-            self.adopting
-                .insert(id, now_ms.saturating_add(self.cfg.tier_quiet_ms));
-        }
-        self.by_id.insert(id, idx as u32);
-        self.attach_parked(idx as u32, id, now_ms);
-        self.queue_owed_drops(id);
-    }
-
-    /// Removes a segment and every replica on it; objects left with no replica
-    /// are removed. Returns how many objects went. Idempotent. O(objects).
-    pub fn remove_segment(&mut self, id: SegmentId) -> u64 {
-        let Some(idx) = self.by_id.remove(&id) else {
-            return 0;
-        };
-        let mut gone = 0;
-        // A tier that may come back: what it holds is remembered, and from
-        // then on only that (a tier still adopted is listed now: copies it
-        // had not reported yet are lost when it comes back, but a key
-        // removed while it was away does not return).
-        let detach = self.slot(idx).tier() == Tier::Nvme;
-        if detach {
-            self.list_tier(id);
-        }
-        for oid in self.objs.ids_with_replica_in(idx) {
-            if detach {
-                let key: Box<[u8]> = self.objs.key(oid).into();
-                let locs: SmallVec<[u64; 2]> = self
-                    .objs
-                    .get(oid)
-                    .replicas
-                    .iter()
-                    .filter(|r| r.slot == idx)
-                    .map(|r| r.offset)
-                    .collect();
-                for loc in locs {
-                    self.detach(id, &key, loc);
-                }
-            }
-            let left = self.objs.update(oid, |o| {
-                o.replicas.retain(|r| r.slot != idx);
-                o.replicas.len()
-            });
-            if left == 0 {
-                self.objs.remove(oid);
-                gone += 1;
-            }
-        }
-        self.objs.unmount_range(idx);
-        self.slots[idx as usize] = None;
-        self.tasks.remove(&id);
-        // Extents that waited to be freed go with the mount: the same
-        // segment mounted again (a node declared dead that joins again) has
-        // a fresh allocator that never handed them out.
-        self.pending.retain(|p| p.0.slot != idx);
-        gone
-    }
-
-    /// Marks a segment suspect (a client could not reach its node) or clears
-    /// the mark (its owner pinged): placement skips suspect segments.
-    pub fn set_suspect(&mut self, id: SegmentId, suspect: bool) {
-        if let Some(&idx) = self.by_id.get(&id) {
-            if let Some(s) = self.slots[idx as usize].as_mut() {
-                s.suspect = suspect;
-            }
-        }
-    }
-
-    /// Marks a segment draining: its replicas stay readable, no new puts go
-    /// there. Returns false for an unknown segment.
-    pub fn drain_segment(&mut self, id: SegmentId) -> bool {
-        match self.by_id.get(&id) {
-            Some(&idx) => {
-                if let Some(s) = self.slots[idx as usize].as_mut() {
-                    s.draining = true;
-                }
-                true
-            }
-            None => false,
-        }
-    }
-
-    fn slot(&self, idx: u32) -> &SegmentSlot {
-        self.slots[idx as usize]
-            .as_ref()
-            .expect("replicas only point at mounted slots")
-    }
-
-    fn slot_mut(&mut self, idx: u32) -> &mut SegmentSlot {
-        self.slots[idx as usize]
-            .as_mut()
-            .expect("replicas only point at mounted slots")
-    }
-
     // ---- object calls (space and eviction: `space.rs`; node tasks and tier
     // reports: `tier.rs`; the state directory: `durable.rs`) -----------------------------------------------------
 
@@ -643,301 +436,6 @@ impl ShardState {
 
     fn describe_replicas(&self, obj: &Object) -> Vec<ReplicaDesc> {
         describe(&self.slots, obj, None, Access::Describe, 0)
-    }
-
-    pub fn put_start(
-        &mut self,
-        client: ClientId,
-        key: &[u8],
-        len: u64,
-        opts: &PutOptions,
-        now_ms: u64,
-    ) -> Result<Vec<ReplicaDesc>, KvError> {
-        self.check_key(key)?;
-        if len == 0 {
-            return Err(err(ErrorCode::InvalidParams, "value length is 0"));
-        }
-        if len > self.cfg.max_value_bytes {
-            return Err(err(
-                ErrorCode::InvalidParams,
-                format!(
-                    "value of {len} bytes exceeds the maximum of {}",
-                    self.cfg.max_value_bytes
-                ),
-            ));
-        }
-        if opts.replicas == 0 {
-            return Err(err(ErrorCode::InvalidParams, "replicas must be at least 1"));
-        }
-        if self.parked_only(key) {
-            return Err(Self::recovering(key));
-        }
-        let exists = self.objs.complete_id(key).is_some();
-        if exists && !opts.replace {
-            return Err(err(
-                ErrorCode::ObjectAlreadyExists,
-                format!("key {} exists", show_key(key)),
-            ));
-        }
-        if let Some(id) = self.objs.processing_id(key) {
-            let o = self.objs.get(id);
-            if !self.is_stale(o, now_ms) {
-                // Two replaces by different writers: one waits for the other
-                // to end, then replaces its object (the last PutEnd wins).
-                // One writer's second put of a key it is putting is a bug.
-                return Err(if opts.replace && o.put().writer != client {
-                    err(
-                        ErrorCode::TryAgain,
-                        format!(
-                            "another writer is putting key {}; try again when it is done",
-                            show_key(key)
-                        ),
-                    )
-                } else {
-                    err(
-                        ErrorCode::ObjectAlreadyExists,
-                        format!("key {} is being put", show_key(key)),
-                    )
-                });
-            }
-            self.discard_processing(id, now_ms);
-        }
-        // A replace of a stored key adds no key in the end: the count does
-        // not refuse it. Its Processing entry counts while it lasts (so at
-        // most one replace per stored key stands beyond the limit).
-        if (!exists && self.key_count() >= self.cfg.max_keys) || !self.objs.has_room() {
-            return Err(err(
-                ErrorCode::ResourceExhausted,
-                format!(
-                    "the pool holds its maximum of keys ({} on this shard)",
-                    self.cfg.max_keys
-                ),
-            ));
-        }
-        self.release_due(now_ms);
-        let want = opts.replicas as usize;
-        let mut targets = self.place(len, want, &opts.preferred_host);
-        if targets.is_empty() {
-            // Allocation failed: evict until the object fits, then try once
-            // more.
-            let idxs = self.evict_to_fit(len, want, now_ms);
-            targets = self.place(len, want, &opts.preferred_host);
-            if targets.is_empty() {
-                // Space on its way out to the NVMe tier (demotions under
-                // way) that would make room: the writer waits for it. Space
-                // held by leases or quarantine is not counted: it may stay
-                // held for longer than a put's deadline.
-                let coming = idxs.iter().any(|&idx| {
-                    let s = self.slot(idx);
-                    let demoting = self.demoting_bytes(idx);
-                    demoting > 0 && s.alloc.free() + demoting >= s.alloc.rounded(len)
-                });
-                if coming {
-                    return Err(err(
-                        ErrorCode::TryAgain,
-                        format!("no room for {len} bytes yet; demotions to NVMe are freeing space"),
-                    ));
-                }
-            }
-        }
-        if targets.is_empty() {
-            if self.room_while_suspect(len) {
-                // A client could not reach the node of a segment with room
-                // (a lossy link, a dead node): placement skips it until its
-                // node pings again, or its lease ends and it goes. The
-                // writer waits for that within its deadline instead of
-                // hearing that there is no room.
-                return Err(err(
-                    ErrorCode::TryAgain,
-                    format!(
-                        "the segments with room for {len} bytes are suspected unreachable \
-                         (a client could not reach their nodes); waiting for their next ping"
-                    ),
-                ));
-            }
-            if self.awaiting_segments(now_ms) {
-                // A restarted master or a new leader: segments it knew of
-                // have not mounted again yet (their nodes ping within a
-                // second). The writer waits for them within its deadline.
-                return Err(err(
-                    ErrorCode::TryAgain,
-                    format!(
-                        "no room for {len} bytes yet: this master just took over and its \
-                         storage nodes have not all mounted again"
-                    ),
-                ));
-            }
-            return Err(err(
-                ErrorCode::NoSpace,
-                format!("no segment has room for {len} bytes, even after eviction"),
-            ));
-        }
-        if targets.len() < want {
-            // Acknowledged all the same (a put that waited for a second
-            // node could wait forever), and said: the tick reports it
-            // (a metric and a log line).
-            self.fewer_replicas += 1;
-        }
-        let mut replicas = SmallVec::new();
-        for &idx in &targets {
-            let offset = self
-                .slot_mut(idx)
-                .alloc
-                .alloc(len)
-                .expect("placement checked the largest free extent");
-            replicas.push(Replica::ready(idx, offset));
-            // The writer may write there until its grant runs out, even
-            // past a restart of this master.
-            let until = self.write_hold_until(now_ms);
-            self.hold(idx, offset, len, until);
-        }
-        let obj = Object {
-            size: len,
-            phase: Phase::Processing(Processing {
-                started_ms: now_ms,
-                writer: client,
-                soft_pin_ttl_ms: opts.soft_pin_ttl_ms.min(u32::MAX as u64) as u32,
-                hard_pin: opts.hard_pin,
-                replace: opts.replace,
-                put_id: opts.put_id,
-            }),
-            replicas,
-        };
-        let descs = describe(
-            &self.slots,
-            &obj,
-            self.signer.as_ref(),
-            Access::Write {
-                until_ms: now_ms + self.cfg.put_timeout_ms,
-            },
-            self.term(),
-        );
-        self.objs.insert(key, obj);
-        for idx in targets {
-            self.owe_if_high(idx);
-        }
-        Ok(descs)
-    }
-
-    /// The caller's own Processing object, of the placement `put_id` names
-    /// (any, for 0); a stale one is discarded first.
-    fn own_processing(
-        &mut self,
-        client: ClientId,
-        key: &[u8],
-        put_id: u16,
-        now_ms: u64,
-    ) -> Result<Id, KvError> {
-        self.check_key(key)?;
-        let Some(id) = self.objs.processing_id(key) else {
-            return Err(if self.objs.complete_id(key).is_some() {
-                err(
-                    ErrorCode::ObjectAlreadyExists,
-                    format!("key {} is already complete", show_key(key)),
-                )
-            } else {
-                not_found(key)
-            });
-        };
-        let obj = self.objs.get(id);
-        if obj.put().writer != client {
-            return Err(err(
-                ErrorCode::IllegalClient,
-                format!("key {} is being put by another client", show_key(key)),
-            ));
-        }
-        if put_id != 0 && obj.put().put_id != put_id {
-            // An end or revoke of an earlier placement that reached us after
-            // the writer placed the key again: that placement is over.
-            return Err(err(
-                ErrorCode::ObjectNotFound,
-                format!(
-                    "put {put_id} of key {} is over (the writer placed the key again since)",
-                    show_key(key)
-                ),
-            ));
-        }
-        if self.is_stale(obj, now_ms) {
-            self.discard_processing(id, now_ms);
-            return Err(err(
-                ErrorCode::ObjectNotFound,
-                format!(
-                    "the put of {} took over put_timeout_ms ({}) and was discarded",
-                    show_key(key),
-                    self.cfg.put_timeout_ms
-                ),
-            ));
-        }
-        Ok(id)
-    }
-
-    /// Completes a put; `checksum` is what the writer computed over the
-    /// bytes it wrote (readers check it).
-    pub fn put_end(
-        &mut self,
-        client: ClientId,
-        key: &[u8],
-        put_id: u16,
-        checksum: Option<u64>,
-        now_ms: u64,
-    ) -> Result<(), KvError> {
-        let id = self.own_processing(client, key, put_id, now_ms)?;
-        // Recovered replicas of the key still waiting for their segment are
-        // the old object's: they go with it.
-        self.retire_parked(key);
-        // A replace: the object it replaces goes now, as a forced Remove
-        // would take it (its space waits for its readers' lease, its NVMe
-        // copies are dropped before the new object's copy is asked for).
-        if let Some(old) = self.objs.complete_id(key) {
-            debug_assert!(
-                self.objs.get(id).put().replace,
-                "only a replace meets a complete key"
-            );
-            let (k, old) = self.objs.remove(old);
-            self.retire(&k, &old, now_ms);
-        }
-        self.objs.update(id, |o| o.complete_at(now_ms, checksum));
-        // Write-through: the first replica on a node with an NVMe tier is
-        // copied there now (the node does it when it next asks for work).
-        let obj = self.objs.get(id);
-        let through = obj.replicas.iter().find_map(|r| {
-            let s = self.slot(r.slot);
-            match &s.spec.nvme {
-                Some(a) if a.write_through => Some((s.id, r.offset)),
-                _ => None,
-            }
-        });
-        if let Some((seg, offset)) = through {
-            let (len, checksum) = (obj.size, obj.checksum());
-            let q = self.tasks.entry(seg).or_default();
-            if q.len() < MAX_TASKS_PER_SEGMENT {
-                q.push_back(NodeTask::Persist {
-                    key: key.to_vec(),
-                    dram: seg,
-                    offset,
-                    len,
-                    demote: false,
-                    checksum,
-                });
-            }
-        }
-        Ok(())
-    }
-
-    /// Ends a put its writer gave up. Its space is quarantined for
-    /// `stale_put_grace_ms`, not freed at once: the writer stopped, but
-    /// bytes it had sent may still be on their way to a node (a write that
-    /// failed on a deadline), and they must not land in another key's put.
-    pub fn put_revoke(
-        &mut self,
-        client: ClientId,
-        key: &[u8],
-        put_id: u16,
-        now_ms: u64,
-    ) -> Result<(), KvError> {
-        let id = self.own_processing(client, key, put_id, now_ms)?;
-        self.discard_processing(id, now_ms);
-        Ok(())
     }
 
     /// The object's replicas; grants a read lease until `now + lease_ttl`.
@@ -1060,12 +558,7 @@ impl ShardState {
             let (k, obj) = self.objs.remove(id);
             self.retire(&k, &obj, now_ms);
         }
-        let detached: Vec<Box<[u8]>> = self
-            .detached
-            .values()
-            .flat_map(|t| t.keys().cloned())
-            .collect();
-        for k in detached {
+        for k in self.copies.detached_keys() {
             self.retire_detached(&k);
         }
         ids.len() as u64
@@ -1126,13 +619,7 @@ impl ShardState {
         };
         self.expire_parked(now_ms);
         report.fills_expired = self.expire_fills(now_ms);
-        let quiet: Vec<SegmentId> = self
-            .adopting
-            .iter()
-            .filter(|&(_, &until)| until <= now_ms)
-            .map(|(&t, _)| t)
-            .collect();
-        for t in quiet {
+        for t in self.copies.quiet(now_ms) {
             self.list_tier(t);
         }
         let stale: Vec<Id> = self
@@ -1174,123 +661,10 @@ impl ShardState {
     /// small shard.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.objs.check()?;
-        let detached: usize = self.detached.values().map(HashMap::len).sum();
-        if detached != self.detached_len || self.detached.values().any(HashMap::is_empty) {
-            return Err(format!(
-                "{detached} detached copies counted as {} (or an empty tier entry)",
-                self.detached_len
-            ));
-        }
-        if let Some(t) = self.adopting.keys().find(|t| self.listed_tiers.contains(t)) {
-            return Err(format!("tier {t:016x} is listed and still being adopted"));
-        }
-        for (idx, slot) in self.slots.iter().enumerate() {
-            let dram = slot.as_ref().is_some_and(|s| s.tier() == Tier::Dram);
-            if self.objs.has_range(idx as u32) != dram {
-                return Err(format!(
-                    "slot {idx}: the eviction index has a range for it: {}, it is a mounted \
-                     DRAM segment: {dram}",
-                    !dram
-                ));
-            }
-        }
-        let mut extents: HashMap<u32, Vec<(u64, u64, String)>> = HashMap::new();
-        let mut demoting: HashMap<u32, u64> = HashMap::new();
-        for id in self.objs.complete_ids() {
-            let o = self.objs.get(id);
-            for r in &o.replicas {
-                if r.state == ReplicaState::Demoting {
-                    *demoting.entry(r.slot).or_default() += demoting_extent(o.size);
-                }
-            }
-        }
-        for id in self.objs.processing_ids() {
-            let (k, o) = (self.objs.key(id), self.objs.get(id));
-            if !o.put().replace && self.objs.complete_id(k).is_some() {
-                return Err(format!(
-                    "{} is complete and being put by a put that is not a replace",
-                    show_key(k)
-                ));
-            }
-        }
-        for (state, ids) in [
-            ("complete", self.objs.complete_ids().collect::<Vec<_>>()),
-            ("processing", self.objs.processing_ids().collect()),
-        ] {
-            for id in ids {
-                let (k, o) = (self.objs.key(id), self.objs.get(id));
-                for r in &o.replicas {
-                    let Some(Some(slot)) = self.slots.get(r.slot as usize) else {
-                        return Err(format!(
-                            "{state} object {} has a replica in unmounted slot {}",
-                            show_key(k),
-                            r.slot
-                        ));
-                    };
-                    if slot.tier() == Tier::Dram {
-                        extents.entry(r.slot).or_default().push((
-                            r.offset,
-                            slot.alloc.rounded(o.size),
-                            format!("{state} {}", show_key(k)),
-                        ));
-                    }
-                }
-            }
-        }
-        for Reverse(p) in self.pending.iter() {
-            if let Some(Some(slot)) = self.slots.get(p.slot as usize) {
-                if slot.id == p.segment {
-                    extents.entry(p.slot).or_default().push((
-                        p.offset,
-                        slot.alloc.rounded(p.size),
-                        format!("a free due at {} ms", p.at_ms),
-                    ));
-                }
-            }
-        }
-        for (idx, slot) in self.slots.iter().enumerate() {
-            let Some(slot) = slot else { continue };
-            if slot.tier() != Tier::Dram {
-                continue;
-            }
-            let counted = demoting.get(&(idx as u32)).copied().unwrap_or(0);
-            if slot.demoting != counted {
-                return Err(format!(
-                    "segment {:016x}: {} demoting bytes counted, {counted} in Demoting replicas",
-                    slot.id, slot.demoting
-                ));
-            }
-            let mut v = extents.remove(&(idx as u32)).unwrap_or_default();
-            let sum: u64 = v.iter().map(|e| e.1).sum();
-            if sum != slot.alloc.used() {
-                return Err(format!(
-                    "segment {:016x}: the allocator has {} bytes in use, the extents held \
-                     add up to {sum}",
-                    slot.id,
-                    slot.alloc.used()
-                ));
-            }
-            let (lo, len) = (slot.alloc.base(), slot.alloc.capacity());
-            v.sort_unstable_by_key(|e| e.0);
-            for e in &v {
-                if e.0 < lo || e.0 + e.1 > lo + len {
-                    return Err(format!(
-                        "segment {:016x}: {} at {}+{} lies outside this shard's range \
-                         {lo}+{len}",
-                        slot.id, e.2, e.0, e.1
-                    ));
-                }
-            }
-            for w in v.windows(2) {
-                if w[0].0 + w[0].1 > w[1].0 {
-                    return Err(format!(
-                        "segment {:016x}: {} at {}+{} overlaps {} at {}+{}",
-                        slot.id, w[0].2, w[0].0, w[0].1, w[1].2, w[1].0, w[1].1
-                    ));
-                }
-            }
-        }
-        Ok(())
+        self.copies.check()?;
+        self.check_segments()?;
+        self.check_puts()?;
+        self.check_space()
     }
 
     /// Distinct keys: a key being replaced is in both tables, and counts
@@ -1322,19 +696,6 @@ impl ShardState {
     }
 
     // ---- dispatch ---------------------------------------------------------
-
-    fn batch_put_start(
-        &mut self,
-        client: ClientId,
-        items: &[PutItem],
-        opts: &PutOptions,
-        now_ms: u64,
-    ) -> Vec<ItemResult<Vec<ReplicaDesc>>> {
-        items
-            .iter()
-            .map(|i| self.put_start(client, &i.key, i.len, opts, now_ms).into())
-            .collect()
-    }
 
     /// Applies a key or batch request (the master's RPC dispatch). Batch
     /// requests are applied to every key given, whichever shard owns it: the

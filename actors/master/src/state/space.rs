@@ -370,4 +370,99 @@ impl ShardState {
         }
         idxs
     }
+
+    /// The space invariants: in every DRAM range, the extents the objects,
+    /// puts and deferred frees hold add up to what the allocator has in use,
+    /// lie inside the shard's range and do not overlap; the demoting bytes
+    /// counted are those of `Demoting` replicas.
+    pub(super) fn check_space(&self) -> Result<(), String> {
+        let mut extents: HashMap<u32, Vec<(u64, u64, String)>> = HashMap::new();
+        let mut demoting: HashMap<u32, u64> = HashMap::new();
+        for id in self.objs.complete_ids() {
+            let o = self.objs.get(id);
+            for r in &o.replicas {
+                if r.state == ReplicaState::Demoting {
+                    *demoting.entry(r.slot).or_default() += demoting_extent(o.size);
+                }
+            }
+        }
+        for (state, ids) in [
+            ("complete", self.objs.complete_ids().collect::<Vec<_>>()),
+            ("processing", self.objs.processing_ids().collect()),
+        ] {
+            for id in ids {
+                let (k, o) = (self.objs.key(id), self.objs.get(id));
+                for r in &o.replicas {
+                    let Some(Some(slot)) = self.slots.get(r.slot as usize) else {
+                        return Err(format!(
+                            "{state} object {} has a replica in unmounted slot {}",
+                            show_key(k),
+                            r.slot
+                        ));
+                    };
+                    if slot.tier() == Tier::Dram {
+                        extents.entry(r.slot).or_default().push((
+                            r.offset,
+                            slot.alloc.rounded(o.size),
+                            format!("{state} {}", show_key(k)),
+                        ));
+                    }
+                }
+            }
+        }
+        for Reverse(p) in self.pending.iter() {
+            if let Some(Some(slot)) = self.slots.get(p.slot as usize) {
+                if slot.id == p.segment {
+                    extents.entry(p.slot).or_default().push((
+                        p.offset,
+                        slot.alloc.rounded(p.size),
+                        format!("a free due at {} ms", p.at_ms),
+                    ));
+                }
+            }
+        }
+        for (idx, slot) in self.slots.iter().enumerate() {
+            let Some(slot) = slot else { continue };
+            if slot.tier() != Tier::Dram {
+                continue;
+            }
+            let counted = demoting.get(&(idx as u32)).copied().unwrap_or(0);
+            if slot.demoting != counted {
+                return Err(format!(
+                    "segment {:016x}: {} demoting bytes counted, {counted} in Demoting replicas",
+                    slot.id, slot.demoting
+                ));
+            }
+            let mut v = extents.remove(&(idx as u32)).unwrap_or_default();
+            let sum: u64 = v.iter().map(|e| e.1).sum();
+            if sum != slot.alloc.used() {
+                return Err(format!(
+                    "segment {:016x}: the allocator has {} bytes in use, the extents held \
+                     add up to {sum}",
+                    slot.id,
+                    slot.alloc.used()
+                ));
+            }
+            let (lo, len) = (slot.alloc.base(), slot.alloc.capacity());
+            v.sort_unstable_by_key(|e| e.0);
+            for e in &v {
+                if e.0 < lo || e.0 + e.1 > lo + len {
+                    return Err(format!(
+                        "segment {:016x}: {} at {}+{} lies outside this shard's range \
+                         {lo}+{len}",
+                        slot.id, e.2, e.0, e.1
+                    ));
+                }
+            }
+            for w in v.windows(2) {
+                if w[0].0 + w[0].1 > w[1].0 {
+                    return Err(format!(
+                        "segment {:016x}: {} at {}+{} overlaps {} at {}+{}",
+                        slot.id, w[0].2, w[0].0, w[0].1, w[1].2, w[1].0, w[1].1
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
 }

@@ -1,6 +1,7 @@
 //! NVMe tiers as one shard sees them: node tasks (Persist, Promote, Drop),
 //! tier reports, the Drops each tier is owed, and which copies a tier may
 //! bring back (listed tiers, detached copies).
+use super::copies::Unlisted;
 use super::*;
 
 /// A segment's queue of node tasks, with an index of the Drops in it: a
@@ -60,85 +61,11 @@ impl TaskQueue {
 /// Tasks queued for one segment's node, at most.
 pub const MAX_TASKS_PER_SEGMENT: usize = 16_384;
 
-/// A copy on an NVMe tier: (key, packed location).
-pub(super) type CopyAt = (Box<[u8]>, u64);
-
-/// What a copy an NVMe tier reports is to the shard.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Unlisted {
-    /// An object lists it.
-    Listed,
-    /// Of a tier not listed yet: taken on its word.
-    Adopted,
-    /// Its object's when its tier was unmounted as dead, and still.
-    Detached,
-    /// An old copy: refused.
-    Old,
-}
-
-/// Copies one shard remembers of NVMe tiers unmounted as dead, at most:
-/// beyond that, such a tier's copies are refused when it comes back (lost
-/// from the cache, never stale).
-pub const MAX_DETACHED_COPIES: usize = 262_144;
-
 /// Recovered replicas not back yet: (segment, offset).
 pub(super) type Waiting = SmallVec<[(SegmentId, u64); 2]>;
 
 /// A Drop owed (true) or settled (false): (owed, tier, key, location).
 pub(super) type DropRecord = (bool, SegmentId, Box<[u8]>, u64);
-
-/// How long a Drop handed out to a node is remembered: the node runs it in
-/// the round it fetched it in, but may report the copy (`Recovered`, from a
-/// report of its whole tier running beside its task rounds) meanwhile.
-pub(super) const SENT_DROP_MS: u64 = 10_000;
-
-/// The Drops one NVMe tier's node is owed (removed or replaced objects'
-/// copies), and those handed out lately: the node may report such a copy
-/// (`Recovered`) after it was handed the Drop and before it ran it.
-#[derive(Debug, Default)]
-pub(super) struct TierDrops {
-    pub(super) owed: HashSet<CopyAt>,
-    /// Handed out, until when remembered ([`SENT_DROP_MS`]); at most
-    /// [`MAX_TASKS_PER_SEGMENT`], oldest first in `sent_order`.
-    pub(super) sent: HashMap<CopyAt, u64>,
-    pub(super) sent_order: VecDeque<(CopyAt, u64)>,
-}
-
-impl TierDrops {
-    fn is_dropped(&self, c: &CopyAt, now_ms: u64) -> bool {
-        self.owed.contains(c) || self.sent.get(c).is_some_and(|&until| until > now_ms)
-    }
-
-    /// The Drop of `c` went out at `now_ms`: remembered a while. Whether it
-    /// was owed.
-    fn sent(&mut self, c: CopyAt, now_ms: u64) -> bool {
-        let owed = self.owed.remove(&c);
-        let until = now_ms.saturating_add(SENT_DROP_MS);
-        self.sent.insert(c.clone(), until);
-        self.sent_order.push_back((c, until));
-        while let Some((old, at)) = self.sent_order.front() {
-            if self.sent_order.len() <= MAX_TASKS_PER_SEGMENT && *at > now_ms {
-                break;
-            }
-            // Only the newest sending of a copy forgets it.
-            if self.sent.get(old) == Some(at) {
-                self.sent.remove(old);
-            }
-            self.sent_order.pop_front();
-        }
-        owed
-    }
-
-    /// `c` is an object's copy again: forgotten. Whether it was owed.
-    fn forget(&mut self, c: &CopyAt) -> bool {
-        self.sent.remove(c);
-        self.owed.remove(c)
-    }
-
-    fn is_empty(&self) -> bool {
-        self.owed.is_empty() && self.sent.is_empty()
-    }
-}
 
 impl ShardState {
     /// Queues for the node of DRAM segment `dram` the Drops its NVMe tier is
@@ -152,11 +79,8 @@ impl ShardState {
         let Some(nvme) = self.slot(idx).spec.nvme.as_ref().map(|a| a.segment_id) else {
             return;
         };
-        let Some(owed) = self.owed_drops.get(&nvme) else {
-            return;
-        };
         let q = self.tasks.entry(dram).or_default();
-        for (key, loc) in &owed.owed {
+        for (key, loc) in self.copies.owed(nvme) {
             if q.len() >= MAX_TASKS_PER_SEGMENT {
                 break; // the rest go out at the node's next mount
             }
@@ -172,11 +96,10 @@ impl ShardState {
     /// Records that `nvme`'s copy of `key` at `loc` is owed a Drop; false
     /// when the tier is owed its maximum already.
     pub(super) fn owe_drop(&mut self, nvme: SegmentId, key: &[u8], loc: u64) -> bool {
-        let t = self.owed_drops.entry(nvme).or_default();
-        if t.owed.len() >= MAX_TASKS_PER_SEGMENT {
+        let Some(new) = self.copies.owe(nvme, key, loc) else {
             return false;
-        }
-        if t.owed.insert((key.into(), loc)) {
+        };
+        if new {
             if let Some(d) = self.durable.as_mut() {
                 d.drops.push((true, nvme, key.into(), loc));
             }
@@ -189,18 +112,7 @@ impl ShardState {
     /// report the copy before it runs the Drop), or the copy is an object's
     /// again.
     pub(super) fn settle_drop(&mut self, nvme: SegmentId, key: &[u8], loc: u64, sent: Option<u64>) {
-        let Some(t) = self.owed_drops.get_mut(&nvme) else {
-            return;
-        };
-        let c: CopyAt = (key.into(), loc);
-        let was_owed = match sent {
-            Some(now_ms) => t.sent(c, now_ms),
-            None => t.forget(&c),
-        };
-        if t.is_empty() {
-            self.owed_drops.remove(&nvme);
-        }
-        if was_owed {
+        if self.copies.settle(nvme, key, loc, sent) {
             if let Some(d) = self.durable.as_mut() {
                 d.drops.push((false, nvme, key.into(), loc));
             }
@@ -222,9 +134,7 @@ impl ShardState {
     /// Whether `key`'s copy at `loc` of tier `nvme` is owed a Drop, or was
     /// handed one lately: that copy's object was removed or replaced.
     pub(super) fn drop_owed(&self, nvme: SegmentId, key: &[u8], loc: u64, now_ms: u64) -> bool {
-        self.owed_drops
-            .get(&nvme)
-            .is_some_and(|t| t.is_dropped(&(Box::<[u8]>::from(key), loc), now_ms))
+        self.copies.is_dropped(nvme, key, loc, now_ms)
     }
 
     /// Tells the nodes holding NVMe copies of a removed object to drop them.
@@ -300,30 +210,14 @@ impl ShardState {
         loc: u64,
         now_ms: u64,
     ) -> Unlisted {
-        if !self.listed_tiers.contains(&nvme) {
+        if !self.copies.is_listed(nvme) {
             let next = now_ms.saturating_add(self.cfg.tier_quiet_ms);
-            let until = self.adopting.entry(nvme).or_insert(next);
-            if now_ms < *until {
-                *until = next;
+            if self.copies.adopts(nvme, now_ms, next) {
                 return Unlisted::Adopted;
             }
             self.list_tier(nvme);
         }
-        let Some(t) = self.detached.get_mut(&nvme) else {
-            return Unlisted::Old;
-        };
-        let Some(at) = t.remove(key) else {
-            return Unlisted::Old;
-        };
-        self.detached_len -= 1;
-        if t.is_empty() {
-            self.detached.remove(&nvme);
-        }
-        if at == loc {
-            Unlisted::Detached
-        } else {
-            Unlisted::Old
-        }
+        self.copies.take_detached(nvme, key, loc)
     }
 
     /// Whether a Persist of `key`'s object to tier `nvme` may be under way:
@@ -345,8 +239,7 @@ impl ShardState {
 
     /// From now on every live copy of tier `nvme` is one this shard lists.
     pub(super) fn list_tier(&mut self, nvme: SegmentId) {
-        self.adopting.remove(&nvme);
-        if self.listed_tiers.insert(nvme) {
+        if self.copies.list(nvme) {
             if let Some(d) = self.durable.as_mut() {
                 d.listed.push(nvme);
             }
@@ -361,43 +254,19 @@ impl ShardState {
     /// Remembers `key`'s copy at `loc` of listed tier `nvme`, which the
     /// shard no longer counts as a replica (the tier is unmounted).
     pub(super) fn detach(&mut self, nvme: SegmentId, key: &[u8], loc: u64) {
-        if !self.listed_tiers.contains(&nvme) {
-            return; // not a listed tier (or not a tier): it adopts on return
-        }
-        if self.detached_len >= MAX_DETACHED_COPIES {
+        if !self.copies.detach(nvme, key, loc) {
             tracing::warn!(
                 key = %show_key(key),
                 "too many copies on tiers unmounted as dead: this one is refused if its tier \
                  comes back"
             );
-            return;
-        }
-        if self
-            .detached
-            .entry(nvme)
-            .or_default()
-            .insert(key.into(), loc)
-            .is_none()
-        {
-            self.detached_len += 1;
         }
     }
 
     /// `key`'s object was removed or replaced: its copies on tiers unmounted
     /// as dead are owed a Drop (refused if their tier reports them).
     pub(super) fn retire_detached(&mut self, key: &[u8]) {
-        if self.detached.is_empty() {
-            return;
-        }
-        let mut owed = Vec::new();
-        self.detached.retain(|&nvme, t| {
-            if let Some(loc) = t.remove(key) {
-                owed.push((nvme, loc));
-            }
-            !t.is_empty()
-        });
-        self.detached_len -= owed.len();
-        for (nvme, loc) in owed {
+        for (nvme, loc) in self.copies.retire(key) {
             self.owe_and_queue_drop(nvme, key, loc, true);
         }
     }

@@ -1,0 +1,335 @@
+//! What one shard knows of the copies on NVMe tiers that no object lists
+//! (issue 32): the Drops each tier is owed and those handed out lately,
+//! which tiers are listed (every live copy known) or still adopted, and
+//! the copies detached with a tier unmounted as dead. Data and its own
+//! invariant check; the rules that use it (what a `Recovered` copy is, when
+//! a Drop is queued) are `tier.rs`'s, and the state directory's records of
+//! it are the caller's (each change that is recorded says so).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use kvpool_wire::proto::SegmentId;
+
+use super::tier::MAX_TASKS_PER_SEGMENT;
+
+/// A copy on an NVMe tier: (key, packed location).
+pub(super) type CopyAt = (Box<[u8]>, u64);
+
+/// What a copy an NVMe tier reports is to the shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Unlisted {
+    /// An object lists it.
+    Listed,
+    /// Of a tier not listed yet: taken on its word.
+    Adopted,
+    /// Its object's when its tier was unmounted as dead, and still.
+    Detached,
+    /// An old copy: refused.
+    Old,
+}
+
+/// Copies one shard remembers of NVMe tiers unmounted as dead, at most:
+/// beyond that, such a tier's copies are refused when it comes back (lost
+/// from the cache, never stale).
+pub const MAX_DETACHED_COPIES: usize = 262_144;
+
+/// How long a Drop handed out to a node is remembered: the node runs it in
+/// the round it fetched it in, but may report the copy (`Recovered`, from a
+/// report of its whole tier running beside its task rounds) meanwhile.
+pub(super) const SENT_DROP_MS: u64 = 10_000;
+
+/// The Drops one NVMe tier's node is owed (removed or replaced objects'
+/// copies), and those handed out lately: the node may report such a copy
+/// (`Recovered`) after it was handed the Drop and before it ran it.
+#[derive(Debug, Default)]
+struct TierDrops {
+    owed: HashSet<CopyAt>,
+    /// Handed out, until when remembered ([`SENT_DROP_MS`]); at most
+    /// [`MAX_TASKS_PER_SEGMENT`], oldest first in `sent_order`.
+    sent: HashMap<CopyAt, u64>,
+    sent_order: VecDeque<(CopyAt, u64)>,
+}
+
+impl TierDrops {
+    fn is_dropped(&self, c: &CopyAt, now_ms: u64) -> bool {
+        self.owed.contains(c) || self.sent.get(c).is_some_and(|&until| until > now_ms)
+    }
+
+    /// The Drop of `c` went out at `now_ms`: remembered a while. Whether it
+    /// was owed.
+    fn sent(&mut self, c: CopyAt, now_ms: u64) -> bool {
+        let owed = self.owed.remove(&c);
+        let until = now_ms.saturating_add(SENT_DROP_MS);
+        self.sent.insert(c.clone(), until);
+        self.sent_order.push_back((c, until));
+        while let Some((old, at)) = self.sent_order.front() {
+            if self.sent_order.len() <= MAX_TASKS_PER_SEGMENT && *at > now_ms {
+                break;
+            }
+            // Only the newest sending of a copy forgets it.
+            if self.sent.get(old) == Some(at) {
+                self.sent.remove(old);
+            }
+            self.sent_order.pop_front();
+        }
+        owed
+    }
+
+    /// `c` is an object's copy again: forgotten. Whether it was owed.
+    fn forget(&mut self, c: &CopyAt) -> bool {
+        self.sent.remove(c);
+        self.owed.remove(c)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.owed.is_empty() && self.sent.is_empty()
+    }
+}
+
+/// The copy book of one shard's NVMe tiers.
+#[derive(Debug, Default)]
+pub(super) struct Copies {
+    /// The copies (key, location) of removed or replaced objects whose Drop
+    /// has not gone out to their node yet, by tier. Kept apart from the
+    /// task queues, which go with their DRAM segment: a node that comes back
+    /// (or a restarted master, from its state directory) is owed them
+    /// still, and a `Recovered` report of such a copy is refused.
+    drops: HashMap<SegmentId, TierDrops>,
+    /// Tiers every live copy of which this shard lists (an object's
+    /// replica, a copy detached with its tier, or one owed a Drop): a copy
+    /// such a tier reports that none of these names is an old one and is
+    /// refused. Recorded (`TierListed`).
+    listed: HashSet<SegmentId>,
+    /// Tiers mounted that this shard does not list yet (new to it, or any
+    /// tier after a restart without a state directory): the copies they
+    /// report are taken as they come, until `tier_quiet_ms` passed with no
+    /// report (the time here); then the tier is listed.
+    adopting: HashMap<SegmentId, u64>,
+    /// Copies on listed tiers unmounted as dead (their node was cut off):
+    /// the shard forgot them as replicas, but a tier that comes back may
+    /// report them and they are taken, unless their object was removed or
+    /// replaced since (then they are owed a Drop). By tier, then key.
+    detached: HashMap<SegmentId, HashMap<Box<[u8]>, u64>>,
+    /// Copies in `detached`.
+    detached_len: usize,
+}
+
+impl Copies {
+    // ---- owed Drops ----
+
+    /// Owes tier `nvme` a Drop of `key`'s copy at `loc`: `None` when the
+    /// tier is owed its maximum already, else whether it is new (to record).
+    pub fn owe(&mut self, nvme: SegmentId, key: &[u8], loc: u64) -> Option<bool> {
+        let t = self.drops.entry(nvme).or_default();
+        if t.owed.len() >= MAX_TASKS_PER_SEGMENT {
+            return None;
+        }
+        Some(t.owed.insert((key.into(), loc)))
+    }
+
+    /// `nvme`'s copy of `key` at `loc` is owed no Drop any more: it went out
+    /// (`sent` at that time: remembered a while), or the copy is an
+    /// object's again. Whether it was owed (to record).
+    pub fn settle(&mut self, nvme: SegmentId, key: &[u8], loc: u64, sent: Option<u64>) -> bool {
+        let Some(t) = self.drops.get_mut(&nvme) else {
+            return false;
+        };
+        let c: CopyAt = (key.into(), loc);
+        let was_owed = match sent {
+            Some(now_ms) => t.sent(c, now_ms),
+            None => t.forget(&c),
+        };
+        if t.is_empty() {
+            self.drops.remove(&nvme);
+        }
+        was_owed
+    }
+
+    /// Whether `key`'s copy at `loc` of tier `nvme` is owed a Drop, or was
+    /// handed one lately.
+    pub fn is_dropped(&self, nvme: SegmentId, key: &[u8], loc: u64, now_ms: u64) -> bool {
+        self.drops
+            .get(&nvme)
+            .is_some_and(|t| t.is_dropped(&(Box::<[u8]>::from(key), loc), now_ms))
+    }
+
+    /// The copies tier `nvme` is owed a Drop of.
+    pub fn owed(&self, nvme: SegmentId) -> impl Iterator<Item = &CopyAt> {
+        self.drops
+            .get(&nvme)
+            .into_iter()
+            .flat_map(|t| t.owed.iter())
+    }
+
+    /// Every owed Drop: (tier, key, location), for a snapshot.
+    pub fn all_owed(&self) -> impl Iterator<Item = (SegmentId, &[u8], u64)> {
+        self.drops
+            .iter()
+            .flat_map(|(&n, t)| t.owed.iter().map(move |(k, l)| (n, &k[..], *l)))
+    }
+
+    // ---- listed and adopted tiers ----
+
+    pub fn is_listed(&self, nvme: SegmentId) -> bool {
+        self.listed.contains(&nvme)
+    }
+
+    /// Every listed tier, for a snapshot.
+    pub fn listed(&self) -> impl Iterator<Item = SegmentId> + '_ {
+        self.listed.iter().copied()
+    }
+
+    /// Tier `nvme` mounted: adopted until `until_ms` unless listed.
+    pub fn mounted(&mut self, nvme: SegmentId, until_ms: u64) {
+        if !self.listed.contains(&nvme) {
+            self.adopting.insert(nvme, until_ms);
+        }
+    }
+
+    /// Whether tier `nvme` is still adopted after a report at `now_ms`
+    /// (which keeps it so until `next_ms`); false: it is to be listed.
+    pub fn adopts(&mut self, nvme: SegmentId, now_ms: u64, next_ms: u64) -> bool {
+        if self.listed.contains(&nvme) {
+            return false;
+        }
+        let until = self.adopting.entry(nvme).or_insert(next_ms);
+        if now_ms < *until {
+            *until = next_ms;
+            return true;
+        }
+        false
+    }
+
+    /// Lists tier `nvme`; whether it is new (to record).
+    pub fn list(&mut self, nvme: SegmentId) -> bool {
+        self.adopting.remove(&nvme);
+        self.listed.insert(nvme)
+    }
+
+    /// Tiers adopted with no report since `now_ms`: to be listed.
+    pub fn quiet(&self, now_ms: u64) -> Vec<SegmentId> {
+        self.adopting
+            .iter()
+            .filter(|&(_, &until)| until <= now_ms)
+            .map(|(&t, _)| t)
+            .collect()
+    }
+
+    // ---- detached copies ----
+
+    /// Remembers `key`'s copy at `loc` of tier `nvme`, which the shard no
+    /// longer counts as a replica (the tier is unmounted), if the tier is
+    /// listed; false when the book is full.
+    pub fn detach(&mut self, nvme: SegmentId, key: &[u8], loc: u64) -> bool {
+        if !self.listed.contains(&nvme) {
+            return true; // not a listed tier: it adopts on return
+        }
+        if self.detached_len >= MAX_DETACHED_COPIES {
+            return false;
+        }
+        if self
+            .detached
+            .entry(nvme)
+            .or_default()
+            .insert(key.into(), loc)
+            .is_none()
+        {
+            self.detached_len += 1;
+        }
+        true
+    }
+
+    /// A reported copy of `key` at `loc` on tier `nvme` that no object
+    /// lists: `Detached` (and forgotten as detached) if it was detached
+    /// there, else `Old`.
+    pub fn take_detached(&mut self, nvme: SegmentId, key: &[u8], loc: u64) -> Unlisted {
+        let Some(t) = self.detached.get_mut(&nvme) else {
+            return Unlisted::Old;
+        };
+        let Some(at) = t.remove(key) else {
+            return Unlisted::Old;
+        };
+        self.detached_len -= 1;
+        if t.is_empty() {
+            self.detached.remove(&nvme);
+        }
+        if at == loc {
+            Unlisted::Detached
+        } else {
+            Unlisted::Old
+        }
+    }
+
+    /// `key`'s object was removed or replaced: its detached copies, forgotten
+    /// here, as (tier, location) (each to be owed a Drop).
+    pub fn retire(&mut self, key: &[u8]) -> Vec<(SegmentId, u64)> {
+        let mut out = Vec::new();
+        if self.detached.is_empty() {
+            return out;
+        }
+        self.detached.retain(|&nvme, t| {
+            if let Some(loc) = t.remove(key) {
+                out.push((nvme, loc));
+            }
+            !t.is_empty()
+        });
+        self.detached_len -= out.len();
+        out
+    }
+
+    /// The keys of every detached copy.
+    pub fn detached_keys(&self) -> Vec<Box<[u8]>> {
+        self.detached
+            .values()
+            .flat_map(|t| t.keys().cloned())
+            .collect()
+    }
+
+    // ---- a restart's image ----
+
+    /// What a state directory's image said: listed tiers, owed Drops.
+    pub fn restore(
+        &mut self,
+        listed: impl IntoIterator<Item = SegmentId>,
+        owed: impl IntoIterator<Item = (SegmentId, Vec<u8>, u64)>,
+    ) {
+        self.listed.extend(listed);
+        for (nvme, key, loc) in owed {
+            self.drops
+                .entry(nvme)
+                .or_default()
+                .owed
+                .insert((key.into_boxed_slice(), loc));
+        }
+    }
+
+    /// The book's own invariants: the detached count, no empty entry, no
+    /// tier both listed and adopted, the bounds.
+    pub fn check(&self) -> Result<(), String> {
+        let detached: usize = self.detached.values().map(HashMap::len).sum();
+        if detached != self.detached_len || self.detached.values().any(HashMap::is_empty) {
+            return Err(format!(
+                "{detached} detached copies counted as {} (or an empty tier entry)",
+                self.detached_len
+            ));
+        }
+        if detached > MAX_DETACHED_COPIES {
+            return Err(format!("{detached} detached copies, over the bound"));
+        }
+        if let Some(t) = self.adopting.keys().find(|t| self.listed.contains(t)) {
+            return Err(format!("tier {t:016x} is listed and still being adopted"));
+        }
+        for (nvme, t) in &self.drops {
+            if t.is_empty() {
+                return Err(format!("tier {nvme:016x} has an empty entry of Drops"));
+            }
+            if t.owed.len() > MAX_TASKS_PER_SEGMENT {
+                return Err(format!(
+                    "tier {nvme:016x} is owed {} Drops, over the bound",
+                    t.owed.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
