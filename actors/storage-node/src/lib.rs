@@ -5,6 +5,8 @@
 //!   `StorageNode` actor that mounts, pings and mounts again.
 //! * [`nvme_tier`]: the NVMe tier at work (demotions, promotions, eviction,
 //!   recovery reports).
+//! * [`round`]: one NVMe round's reports without I/O (which copies the
+//!   master hears of, which the node removes), shared with the simulation.
 //! * [`fetch`]: extra replicas of hot objects, copied from other nodes.
 //! * [`gate`]: the checks on a data request before the shard acts on it
 //!   (segment, range, grant, NVMe region).
@@ -19,6 +21,7 @@ pub mod mounted;
 pub mod node;
 pub mod nvme_tier;
 pub mod rdma;
+pub mod round;
 
 // The storage crate's own bounds (its segment and the tier's on-disk index)
 // against the protocol's (`kvpool_wire::limits`): every key the protocol

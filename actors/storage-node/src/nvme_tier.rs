@@ -29,6 +29,7 @@ use kvpool_wire::{ErrorCode, KvError};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::metrics::StorageMetrics;
+use crate::round::Round;
 use kvpool_client::Client;
 use kvpool_config::NodeError;
 use kvpool_config::{NvmeEvictionPolicy, NvmeTierConfig};
@@ -178,44 +179,6 @@ struct CopyRef {
     seq: u64,
 }
 
-/// The copies of a reported batch to remove: those named by an update the
-/// master refused (it does not want them) and by no update it took (two
-/// Persist tasks of one object's bytes name one copy: a refusal of the
-/// first must not remove the copy the master took for the second).
-fn refused_copies(written: &[Option<CopyRef>], results: &[Result<(), KvError>]) -> Vec<CopyRef> {
-    let taken: Vec<CopyRef> = written
-        .iter()
-        .zip(results)
-        .filter_map(|(w, r)| w.filter(|_| r.is_ok()))
-        .collect();
-    let mut out: Vec<CopyRef> = written
-        .iter()
-        .zip(results)
-        .filter_map(|(w, r)| w.filter(|c| r.is_err() && !taken.contains(c)))
-        .collect();
-    out.dedup();
-    out
-}
-
-/// Turns a Stored report into PersistFailed (the copy is not to be listed).
-fn persist_failed(u: &mut NvmeUpdate) {
-    if let NvmeUpdate::Stored {
-        key,
-        dram,
-        offset,
-        demote,
-        ..
-    } = u
-    {
-        *u = NvmeUpdate::PersistFailed {
-            key: std::mem::take(key),
-            dram: *dram,
-            offset: *offset,
-            demote: *demote,
-        };
-    }
-}
-
 impl NodeNvme {
     /// Reports every object the tier holds now (after a start, or to a
     /// master that restarted and forgot them); copies the master refuses as
@@ -277,7 +240,7 @@ impl NodeNvme {
         for (r, res) in held.iter().zip(results) {
             match res {
                 Ok(()) => {}
-                Err(e) if e.code == ErrorCode::ObjectAlreadyExists => {
+                Err(e) if crate::round::stale(&e) => {
                     stale += 1;
                     self.remove_copy(CopyRef {
                         loc: r.loc,
@@ -656,16 +619,11 @@ impl NodeNvme {
     /// lead to its slot and the slot hold that very copy (a later task of
     /// the round that replaced the key's object can have removed it and
     /// written the new copy into the same, reused slot).
-    async fn flush_written(
-        &self,
-        updates: &mut [NvmeUpdate],
-        written: &mut [Option<CopyRef>],
-        fresh: &[CopyRef],
-    ) {
+    async fn flush_written(&self, round: &mut Round<CopyRef>) {
         // Every region a copy was reported from, not only the fresh ones: a
         // copy found already there may be one whose record an earlier,
         // failed flush left behind (a flush with nothing dirty is free).
-        let mut regions: Vec<u32> = written.iter().flatten().map(|c| c.loc.region).collect();
+        let mut regions: Vec<u32> = round.copies().map(|c| c.loc.region).collect();
         regions.sort_unstable();
         regions.dedup();
         for region in regions {
@@ -673,17 +631,8 @@ impl NodeNvme {
             // copy this round wrote can have been evicted again by a later
             // task's NoSpace retry (LRU ranks unread copies first), and its
             // slot reused; the master must not hear of it.
-            let (at, check): (Vec<usize>, Vec<(Vec<u8>, CopyRef)>) = updates
-                .iter()
-                .zip(written.iter())
-                .enumerate()
-                .filter_map(|(i, (u, w))| match (u, w) {
-                    (NvmeUpdate::Stored { key, .. }, Some(c)) if c.loc.region == region => {
-                        Some((i, (key.clone(), *c)))
-                    }
-                    _ => None,
-                })
-                .unzip();
+            let check = round.stored(|c| c.loc.region == region);
+            let at: Vec<usize> = check.iter().map(|c| c.0).collect();
             let r = self
                 .shards
                 .run_on(region as usize, move |_| async move {
@@ -692,7 +641,7 @@ impl NodeNvme {
                     Ok::<Vec<bool>, KvError>(
                         check
                             .iter()
-                            .map(|(k, c)| {
+                            .map(|(_, k, c)| {
                                 t.lookup(k) == Some(c.loc) && t.copy_seq(c.loc) == Some(c.seq)
                             })
                             .collect(),
@@ -705,31 +654,14 @@ impl NodeNvme {
                 Ok(present) => {
                     for (i, here) in at.into_iter().zip(present) {
                         if !here {
-                            tracing::warn!(
-                                "NVMe: copy at {:?} gone before it was reported",
-                                written[i]
-                            );
-                            persist_failed(&mut updates[i]);
-                            written[i] = None;
+                            tracing::warn!("NVMe: a copy went before it was reported");
+                            round.gone(i);
                         }
                     }
                 }
                 Err(e) => {
                     tracing::warn!("NVMe: index records of region {region} not durable: {e}");
-                    let mut lost: Vec<CopyRef> = fresh
-                        .iter()
-                        .filter(|c| c.loc.region == region)
-                        .copied()
-                        .collect();
-                    lost.sort_unstable_by_key(|c| (c.loc.slot, c.seq));
-                    lost.dedup();
-                    for (u, w) in updates.iter_mut().zip(written.iter_mut()) {
-                        if w.is_some_and(|c| lost.contains(&c)) {
-                            persist_failed(u);
-                            *w = None;
-                        }
-                    }
-                    for c in lost {
+                    for c in round.flush_failed(|c| c.loc.region == region) {
                         self.remove_copy(c).await;
                     }
                 }
@@ -749,27 +681,21 @@ impl NodeNvme {
                 max: 256,
             };
             let tasks = client.call(req).await?;
-            let mut updates = Vec::new();
-            let mut written = Vec::new();
-            let mut fresh = Vec::new();
+            let mut round = Round::default();
             for t in tasks {
                 ran += 1;
                 if let Some((u, loc, new)) = self.run_task(client, t).await {
-                    updates.push(u);
-                    written.push(loc);
-                    if new {
-                        fresh.extend(loc);
-                    }
+                    round.ran(u, loc, new);
                 }
             }
-            if updates.is_empty() {
+            if round.is_empty() {
                 continue;
             }
-            self.flush_written(&mut updates, &mut written, &fresh).await;
-            let results = self.report(client, updates).await?;
+            self.flush_written(&mut round).await;
+            let results = self.report(client, round.take_updates()).await?;
             // The copies the master no longer wants (object gone), each
             // removed only while its slot still holds it.
-            for c in refused_copies(&written, &results) {
+            for c in round.refused(&results) {
                 self.remove_copy(c).await;
             }
         }
@@ -959,19 +885,19 @@ mod tests {
             batch: Vec<Ran>,
             answers: impl Fn(&NvmeUpdate) -> Result<(), KvError>,
         ) -> Vec<NvmeUpdate> {
-            let fresh: Vec<CopyRef> = batch.iter().filter(|b| b.2).filter_map(|b| b.1).collect();
-            let (mut updates, mut written): (Vec<_>, Vec<_>) =
-                batch.into_iter().map(|(u, c, _)| (u, c)).unzip();
+            let mut round = Round::default();
+            for (u, c, wrote) in batch {
+                round.ran(u, c, wrote);
+            }
             self.rt.block_on(async {
-                self.nvme
-                    .flush_written(&mut updates, &mut written, &fresh)
-                    .await;
+                self.nvme.flush_written(&mut round).await;
+                let updates = round.take_updates();
                 let results: Vec<_> = updates.iter().map(&answers).collect();
-                for c in refused_copies(&written, &results) {
+                for c in round.refused(&results) {
                     self.nvme.remove_copy(c).await;
                 }
-            });
-            updates
+                updates
+            })
         }
     }
 

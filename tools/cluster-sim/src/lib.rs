@@ -1,10 +1,10 @@
 //! A seeded simulation of a kvpool cluster, in one thread (issue 18).
 //!
 //! ```text
-//!   clients (models) --\                         /-- storage nodes (models):
-//!                       >-- simulated network --<     DRAM ranges, an NVMe tier
-//!   MasterCore (REAL) -/   drop, delay, reorder,  \   on a simulated disk
-//!                          duplicate, partition
+//!   clients: the REAL put protocol --\                  /-- storage nodes: models with
+//!   (gets and removals: models)       >-- simulated --<    the REAL round rules; DRAM,
+//!   MasterCore (REAL) ---------------/    network       \   an NVMe tier on a simulated disk
+//!                          (drop, delay, reorder, duplicate, partition)
 //!   one clock (sim ms), one event queue, one PRNG from the seed
 //! ```
 //!
@@ -15,13 +15,18 @@
 //!   routes, with the simulated clock as its argument. Its off-path eviction
 //!   runs as events of its own (`EvictDrive::Manual`), as the live shards
 //!   run it between requests.
-//! * Storage nodes ([`node`]) and clients ([`client`]) are state machines
-//!   that follow the real protocol (`kvpool_wire::proto` requests and
-//!   answers, the node's tasks and NVMe reports, pings, mounts and
-//!   remounts, the client's deadline, `TryAgain` waits, re-placement after
-//!   an unreachable node, revoke after a timeout). They are models of
-//!   `actors/storage-node` and `actors/client`, not that code: values are
-//!   tags (put number n) and a checksum is a function of the tag.
+//! * Clients ([`client`]) put with the real protocol,
+//!   [`kvpool_client::put::PutProtocol`] (waits, re-placements, the end's
+//!   resends, read-backs, the revoke at the deadline); the model does its
+//!   I/O. Their gets and removals are models of `Client::get` and
+//!   `Client::remove_with`.
+//! * Storage nodes ([`node`]) are state machines that follow the real
+//!   protocol (`kvpool_wire::proto` requests and answers, the node's tasks
+//!   and NVMe reports, pings, mounts and remounts); what a round reports,
+//!   and which copies it then removes, is the node's own code
+//!   ([`kvpool_storage_node::round`]), as is which refused `Recovered`
+//!   copies are stale. The rest is a model of `actors/storage-node`: values
+//!   are tags (put number n) and a checksum is a function of the tag.
 //! * The network, clock and disk are simulated. Node crashes lose DRAM and
 //!   the tier's index records not yet flushed (the write is torn: its copy
 //!   is gone after restart); tier writes and flushes fail at random. The

@@ -27,6 +27,7 @@
 
 use std::collections::BTreeMap;
 
+use kvpool_storage_node::round::{self, Round};
 use kvpool_wire::proto::{
     segment_id_for, Endpoint, ItemResult, MasterRequest, MasterResponse, NodeTask, NvmeAttach,
     NvmeUpdate, SegmentId, SegmentSpec, Tier,
@@ -119,13 +120,8 @@ enum PingStep {
 
 #[derive(Debug, Clone)]
 enum RoundStep {
-    Tasks {
-        shard: u32,
-    },
-    Updates {
-        shard: u32,
-        written: Vec<Option<CopyRef>>,
-    },
+    Tasks { shard: u32 },
+    Updates { shard: u32, round: Round<CopyRef> },
     Evicted(Vec<u64>),
 }
 
@@ -542,9 +538,7 @@ impl NodeModel {
                 for (&c, r) in locs.iter().zip(results) {
                     match r {
                         ItemResult::Ok(()) => ctx.stats.recovered += 1,
-                        ItemResult::Err(e)
-                            if KvError::from(e.clone()).code == ErrorCode::ObjectAlreadyExists =>
-                        {
+                        ItemResult::Err(e) if round::stale(&KvError::from(e.clone())) => {
                             t.remove_copy(c, exact);
                         }
                         ItemResult::Err(_) => {}
@@ -576,50 +570,33 @@ impl NodeModel {
     ) {
         match (step, res) {
             (RoundStep::Tasks { shard }, Ok(MasterResponse::Tasks(tasks))) => {
-                let mut updates = Vec::new();
-                let mut written = Vec::new();
-                let mut fresh = Vec::new();
+                let mut round = Round::default();
                 for t in tasks {
                     if let Some((u, loc, new)) = self.run_task(t, ctx) {
-                        updates.push(u);
-                        written.push(loc);
-                        if new {
-                            fresh.extend(loc);
-                        }
+                        round.ran(u, loc, new);
                     }
                 }
-                if updates.is_empty() {
+                if round.is_empty() {
                     self.next_shard(shard, ctx);
                     return;
                 }
-                self.flush(&mut updates, &mut written, &fresh, ctx);
+                self.flush(&mut round, ctx);
                 let req = MasterRequest::NvmeUpdates {
                     client_id: self.client_id,
-                    updates,
+                    updates: round.take_updates(),
                 };
-                self.call_round(ctx, req, RoundStep::Updates { shard, written });
+                self.call_round(ctx, req, RoundStep::Updates { shard, round });
             }
-            (RoundStep::Updates { shard, written }, Ok(MasterResponse::BatchDone(results))) => {
-                // The master no longer wants these copies; with
-                // `exact_copies` only those no update it took names, each
-                // while its location still holds it.
+            (RoundStep::Updates { shard, round }, Ok(MasterResponse::BatchDone(results))) => {
+                // The copies the master no longer wants (the node's rule),
+                // each while its location still holds it (by location
+                // alone without `exact_copies`).
                 let exact = self.rules.exact_copies;
                 let t = self.tier.as_mut().expect("a tier runs rounds");
-                let ok: Vec<bool> = results
-                    .iter()
-                    .map(|r| matches!(r, ItemResult::Ok(())))
-                    .collect();
-                let taken: Vec<CopyRef> = written
-                    .iter()
-                    .zip(&ok)
-                    .filter_map(|(w, &ok)| w.filter(|_| ok))
-                    .collect();
-                for (w, ok) in written.into_iter().zip(ok) {
-                    if let (false, Some(c)) = (ok, w) {
-                        if !exact || !taken.contains(&c) {
-                            t.remove_copy(c, exact);
-                        }
-                    }
+                let results: Vec<Result<(), KvError>> =
+                    results.into_iter().map(Result::from).collect();
+                for c in round.refused(&results) {
+                    t.remove_copy(c, exact);
                 }
                 self.next_shard(shard, ctx);
             }
@@ -672,26 +649,14 @@ impl NodeModel {
     }
 
     /// The index records of this round's copies go to the device before
-    /// the master hears of them; a failed flush turns the fresh ones into
-    /// `PersistFailed` and removes them.
-    fn flush(
-        &mut self,
-        updates: &mut [NvmeUpdate],
-        written: &mut [Option<CopyRef>],
-        fresh: &[CopyRef],
-        ctx: &mut Ctx,
-    ) {
+    /// the master hears of them; what a failed flush or a copy gone from
+    /// its place means for the reports is the node's rule ([`Round`]).
+    fn flush(&mut self, round: &mut Round<CopyRef>, ctx: &mut Ctx) {
         let exact = self.rules.exact_copies;
         let t = self.tier.as_mut().expect("a tier runs rounds");
         if ctx.rng.random_bool(ctx.faults.disk_fail) {
             ctx.stats.disk_failures += 1;
-            for (u, w) in updates.iter_mut().zip(written.iter_mut()) {
-                if w.is_some_and(|l| fresh.contains(&l)) {
-                    persist_failed(u);
-                    *w = None;
-                }
-            }
-            for &c in fresh {
+            for c in round.flush_failed(|_| true) {
                 t.remove_copy(c, exact);
             }
             return;
@@ -704,14 +669,10 @@ impl NodeModel {
         // Checked by key and location alone, a later task of the round
         // that replaced the key's copy in the same (reused) slot passes
         // for the earlier copy; see `NodeRules::exact_copies`.
-        for (u, w) in updates.iter_mut().zip(written.iter_mut()) {
-            let (NvmeUpdate::Stored { key, .. }, Some(c)) = (&*u, *w) else {
-                continue;
-            };
-            let here = t.lookup(key) == Some(c.0) && t.holds(c, exact);
+        for (i, key, c) in round.stored(|_| true) {
+            let here = t.lookup(&key) == Some(c.0) && t.holds(c, exact);
             if !here {
-                persist_failed(u);
-                *w = None;
+                round.gone(i);
             }
         }
     }
@@ -861,25 +822,6 @@ impl NodeModel {
                 false,
             )),
         }
-    }
-}
-
-/// Turns a Stored report into PersistFailed (the copy is not to be listed).
-fn persist_failed(u: &mut NvmeUpdate) {
-    if let NvmeUpdate::Stored {
-        key,
-        dram,
-        offset,
-        demote,
-        ..
-    } = u
-    {
-        *u = NvmeUpdate::PersistFailed {
-            key: std::mem::take(key),
-            dram: *dram,
-            offset: *offset,
-            demote: *demote,
-        };
     }
 }
 

@@ -1,0 +1,227 @@
+//! One NVMe round's reports, without I/O (issue 32): which copies the
+//! master hears of, which become `PersistFailed` after the index flush,
+//! and which the node removes once the master answered. The node
+//! ([`crate::nvme_tier`]) drives it over its tier's regions; the cluster
+//! simulation (`tools/cluster-sim`) drives the same code over its simulated
+//! disk, so these rules exist once.
+//!
+//! ```text
+//!  tasks ran ──▶ ran(update, copy, wrote)      (Persist: Stored or PersistFailed,
+//!                                               Promote: Promoted)
+//!  index flush ─▶ ok: stored() checked, gone(i) for a copy not in its place
+//!                 failed: flush_failed(pick): the fresh copies are lost
+//!  report ──────▶ updates(); the answers ──▶ refused(results): copies to remove
+//! ```
+//!
+//! A copy is named by the driver's `C` (the node's slot and write sequence
+//! number, so it acts on the copy a report named, never on whatever took
+//! its slot since).
+
+use kvpool_wire::proto::NvmeUpdate;
+use kvpool_wire::KvError;
+
+/// The reports of one round's tasks and the copies they name.
+#[derive(Debug, Clone)]
+pub struct Round<C> {
+    updates: Vec<NvmeUpdate>,
+    /// The copy each update names (a Stored report's), if any.
+    written: Vec<Option<C>>,
+    /// The copies this round wrote (not found already there).
+    fresh: Vec<C>,
+}
+
+impl<C> Default for Round<C> {
+    fn default() -> Self {
+        Self {
+            updates: Vec::new(),
+            written: Vec::new(),
+            fresh: Vec::new(),
+        }
+    }
+}
+
+impl<C: Copy + PartialEq> Round<C> {
+    /// A task ran: its report, the copy the report names, and whether the
+    /// task wrote that copy (rather than finding it there).
+    pub fn ran(&mut self, update: NvmeUpdate, copy: Option<C>, wrote: bool) {
+        self.updates.push(update);
+        self.written.push(copy);
+        if wrote {
+            self.fresh.extend(copy);
+        }
+    }
+
+    /// Whether no task has anything to report.
+    pub fn is_empty(&self) -> bool {
+        self.updates.is_empty()
+    }
+
+    /// Every copy a report names (the index flush covers them all: a copy
+    /// found already there may be one whose record an earlier, failed flush
+    /// left behind).
+    pub fn copies(&self) -> impl Iterator<Item = &C> {
+        self.written.iter().flatten()
+    }
+
+    /// The `Stored` reports whose copy `pick` selects, to check after the
+    /// flush that each is still in its place: (report, key, copy).
+    pub fn stored(&self, pick: impl Fn(&C) -> bool) -> Vec<(usize, Vec<u8>, C)> {
+        self.updates
+            .iter()
+            .zip(&self.written)
+            .enumerate()
+            .filter_map(|(i, (u, w))| match (u, w) {
+                (NvmeUpdate::Stored { key, .. }, Some(c)) if pick(c) => Some((i, key.clone(), *c)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Report `i`'s copy is not in its place after the flush (a later task
+    /// evicted it, or replaced the key's copy in the same slot): the master
+    /// must not hear of it as stored.
+    pub fn gone(&mut self, i: usize) {
+        persist_failed(&mut self.updates[i]);
+        self.written[i] = None;
+    }
+
+    /// The index flush of the copies `pick` selects failed: the copies this
+    /// round wrote there are lost (after a crash their records would not
+    /// be there); their reports become `PersistFailed`. Returns them, for
+    /// the driver to remove.
+    pub fn flush_failed(&mut self, pick: impl Fn(&C) -> bool) -> Vec<C> {
+        let mut lost: Vec<C> = Vec::new();
+        for c in self.fresh.iter().filter(|c| pick(c)) {
+            if !lost.contains(c) {
+                lost.push(*c);
+            }
+        }
+        for (u, w) in self.updates.iter_mut().zip(self.written.iter_mut()) {
+            if w.is_some_and(|c| lost.contains(&c)) {
+                persist_failed(u);
+                *w = None;
+            }
+        }
+        lost
+    }
+
+    /// The reports to send (in task order).
+    pub fn take_updates(&mut self) -> Vec<NvmeUpdate> {
+        std::mem::take(&mut self.updates)
+    }
+
+    /// The copies to remove once the master answered the reports (one
+    /// result each, in order): those named by a report it refused (it does
+    /// not want them) and by no report it took (two Persist tasks of one
+    /// object's bytes name one copy: a refusal of the first must not remove
+    /// the copy the master took for the second).
+    pub fn refused(&self, results: &[Result<(), KvError>]) -> Vec<C> {
+        let taken: Vec<C> = self
+            .written
+            .iter()
+            .zip(results)
+            .filter_map(|(w, r)| w.filter(|_| r.is_ok()))
+            .collect();
+        let mut out: Vec<C> = Vec::new();
+        for (w, r) in self.written.iter().zip(results) {
+            if let Some(c) = w {
+                if r.is_err() && !taken.contains(c) && !out.contains(c) {
+                    out.push(*c);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Whether the master's refusal of a `Recovered` copy (a report of the
+/// whole tier) means the copy is stale and the node removes it: another
+/// object lives under the key, or no object lists it
+/// (`ObjectAlreadyExists`). Any other refusal keeps it (`TryAgain`: its
+/// own `Stored` report is on the way; a full pool, a master restarting).
+pub fn stale(e: &KvError) -> bool {
+    e.code == kvpool_wire::ErrorCode::ObjectAlreadyExists
+}
+
+/// Turns a `Stored` report into `PersistFailed` (the copy is not to be
+/// listed; the master ends a demotion without it).
+pub fn persist_failed(u: &mut NvmeUpdate) {
+    if let NvmeUpdate::Stored {
+        key,
+        dram,
+        offset,
+        demote,
+        ..
+    } = u
+    {
+        *u = NvmeUpdate::PersistFailed {
+            key: std::mem::take(key),
+            dram: *dram,
+            offset: *offset,
+            demote: *demote,
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvpool_wire::ErrorCode;
+
+    fn stored(key: &str, loc: u64) -> NvmeUpdate {
+        NvmeUpdate::Stored {
+            key: key.as_bytes().to_vec(),
+            nvme: 1,
+            loc,
+            len: 4,
+            dram: 2,
+            offset: 0,
+            demote: true,
+            sum: 9,
+        }
+    }
+
+    fn failed(u: &NvmeUpdate) -> bool {
+        matches!(u, NvmeUpdate::PersistFailed { demote: true, .. })
+    }
+
+    fn no() -> Result<(), KvError> {
+        Err(KvError::new(ErrorCode::ObjectNotFound, "gone"))
+    }
+
+    #[test]
+    fn a_refused_report_removes_its_copy_unless_another_report_the_master_took_names_it() {
+        let mut r: Round<(u64, u64)> = Round::default();
+        r.ran(stored("a", 1), Some((1, 7)), true);
+        r.ran(stored("b", 1), Some((1, 7)), false); // the same bytes, one copy
+        r.ran(stored("c", 2), Some((2, 8)), true);
+        r.ran(stored("d", 2), Some((2, 8)), false);
+        assert_eq!(r.refused(&[no(), Ok(()), no(), no()]), vec![(2, 8)]);
+    }
+
+    #[test]
+    fn a_failed_flush_loses_the_fresh_copies_it_covers_and_their_reports() {
+        let mut r: Round<(u64, u64)> = Round::default();
+        r.ran(stored("a", 1), Some((1, 1)), true);
+        r.ran(stored("b", 2), Some((2, 1)), false); // found there: not lost
+        r.ran(stored("c", 3), Some((3, 1)), true); // another region
+        assert_eq!(r.flush_failed(|c| c.0 < 3), vec![(1, 1)]);
+        let u = r.take_updates();
+        assert!(failed(&u[0]) && !failed(&u[1]) && !failed(&u[2]), "{u:?}");
+        // A lost copy is no longer named, so a refusal removes nothing more.
+        assert_eq!(r.refused(&[no(), Ok(()), Ok(())]), vec![]);
+    }
+
+    #[test]
+    fn a_copy_gone_after_the_flush_is_reported_failed_and_never_removed() {
+        let mut r: Round<(u64, u64)> = Round::default();
+        r.ran(stored("a", 1), Some((1, 1)), true);
+        r.ran(stored("b", 2), Some((2, 1)), true);
+        let check = r.stored(|_| true);
+        assert_eq!(check.len(), 2);
+        assert_eq!((check[1].0, check[1].1.as_slice()), (1, &b"b"[..]));
+        r.gone(0);
+        assert_eq!(r.refused(&[no(), no()]), vec![(2, 1)]);
+        assert!(failed(&r.take_updates()[0]));
+    }
+}
