@@ -16,6 +16,7 @@ use kvpool_wire::proto::{
 };
 use kvpool_wire::{ErrorCode, KvError};
 
+use super::objects::Map;
 use super::state::{ShardStat, ShardState};
 
 pub use kvpool_wire::limits::{
@@ -174,8 +175,8 @@ pub struct Expired {
 #[derive(Debug)]
 pub struct CoordState {
     segments: BTreeMap<SegmentId, Mounted>,
-    by_name: HashMap<String, SegmentId>,
-    last_seen: HashMap<ClientId, u64>,
+    by_name: Map<String, SegmentId>,
+    last_seen: Map<ClientId, u64>,
     client_ttl_ms: u64,
 }
 
@@ -183,8 +184,8 @@ impl CoordState {
     pub fn new(client_ttl_ms: u64) -> Self {
         Self {
             segments: BTreeMap::new(),
-            by_name: HashMap::new(),
-            last_seen: HashMap::new(),
+            by_name: Map::default(),
+            last_seen: Map::default(),
             client_ttl_ms,
         }
     }

@@ -27,7 +27,7 @@
 //! cut off. Anything else malformed is an error that names the file and the
 //! offset: the master refuses to start rather than forget an object.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
@@ -385,14 +385,16 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> JournalError + '_ {
 
 /// What a shard's directory holds: its complete objects, the space held
 /// beyond the crash, and the NVMe copies whose Drop a node is still owed.
+/// Ordered, so a shard restored from it is the same shard every time (its
+/// objects inserted, and Drops owed, in one order: a simulation replays).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Image {
-    pub objects: HashMap<Vec<u8>, ObjectRec>,
+    pub objects: BTreeMap<Vec<u8>, ObjectRec>,
     pub holds: Vec<Hold>,
     /// (NVMe tier, key, location) of each copy owed a Drop.
-    pub drops: HashSet<(SegmentId, Vec<u8>, u64)>,
+    pub drops: BTreeSet<(SegmentId, Vec<u8>, u64)>,
     /// NVMe tiers whose every live copy the image lists.
-    pub listed_tiers: HashSet<SegmentId>,
+    pub listed_tiers: BTreeSet<SegmentId>,
 }
 
 impl Image {

@@ -28,4 +28,5 @@ pub mod state;
 
 pub use actor::{call, Master, MasterArgs, MasterMsg};
 pub use fence::{Fence, FenceRole};
+pub use objects::fix_hash_seed;
 pub use service::MasterHandle;

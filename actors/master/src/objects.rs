@@ -45,6 +45,31 @@ impl KeyHashBuilder {
     }
 }
 
+/// The seed of the state's other maps and sets ([`Map`], [`Set`]): random
+/// once per process, unless [`fix_hash_seed`] fixed it first.
+static HASH_SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+
+impl Default for KeyHashBuilder {
+    /// Seeded with the process's seed.
+    fn default() -> Self {
+        Self(*HASH_SEED.get_or_init(rand::random))
+    }
+}
+
+/// Fixes the seed of the state's maps and sets for this process, before
+/// any state is made: a simulation then iterates them in the same order in
+/// every run, and a seed replays exactly. Production leaves it random
+/// (clients cannot aim at collisions). False if another seed was fixed or
+/// drawn already.
+pub fn fix_hash_seed(seed: u64) -> bool {
+    HASH_SEED.get_or_init(|| seed) == &seed
+}
+
+/// A map of the master's state: keyed xxh3, seeded per process.
+pub(crate) type Map<K, V> = std::collections::HashMap<K, V, KeyHashBuilder>;
+/// A set of the master's state, as [`Map`].
+pub(crate) type Set<K> = std::collections::HashSet<K, KeyHashBuilder>;
+
 /// See [`KeyHashBuilder`].
 pub struct KeyHasher(u64);
 

@@ -61,6 +61,10 @@ use node::{Back, NodeModel};
 /// key since.
 pub const DRAM_SURVIVES_MASTER_RESTART: bool = true;
 
+/// The seed of the master's maps and sets in a simulation (the same in every
+/// run; see `kvpool_master::fix_hash_seed`).
+const MASTER_HASH_SEED: u64 = 0x5eed_0f3a_57e2;
+
 /// Wall-clock time at simulated time 0 (what the journal's holds count in).
 const UNIX_AT_ZERO_MS: u64 = 1_700_000_000_000;
 
@@ -526,6 +530,12 @@ pub struct World {
 
 impl World {
     pub fn new(seed: u64, opts: &Options) -> Self {
+        // The master's maps iterate in one order in every run (its task
+        // queues, owed Drops, parked objects...): a seed replays exactly.
+        assert!(
+            kvpool_master::fix_hash_seed(MASTER_HASH_SEED),
+            "the master's hash seed was drawn before the simulation fixed it"
+        );
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let faults = Faults::draw(&mut rng);
         let nr_nodes = rng.random_range(2..=3);

@@ -6,7 +6,9 @@
 //! a Drop is queued) are `tier.rs`'s, and the state directory's records of
 //! it are the caller's (each change that is recorded says so).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
+
+use crate::objects::{Map, Set};
 
 use kvpool_wire::proto::SegmentId;
 
@@ -43,10 +45,10 @@ pub(super) const SENT_DROP_MS: u64 = 10_000;
 /// (`Recovered`) after it was handed the Drop and before it ran it.
 #[derive(Debug, Default)]
 struct TierDrops {
-    owed: HashSet<CopyAt>,
+    owed: Set<CopyAt>,
     /// Handed out, until when remembered ([`SENT_DROP_MS`]); at most
     /// [`MAX_TASKS_PER_SEGMENT`], oldest first in `sent_order`.
-    sent: HashMap<CopyAt, u64>,
+    sent: Map<CopyAt, u64>,
     sent_order: VecDeque<(CopyAt, u64)>,
 }
 
@@ -94,22 +96,22 @@ pub(super) struct Copies {
     /// task queues, which go with their DRAM segment: a node that comes back
     /// (or a restarted master, from its state directory) is owed them
     /// still, and a `Recovered` report of such a copy is refused.
-    drops: HashMap<SegmentId, TierDrops>,
+    drops: Map<SegmentId, TierDrops>,
     /// Tiers every live copy of which this shard lists (an object's
     /// replica, a copy detached with its tier, or one owed a Drop): a copy
     /// such a tier reports that none of these names is an old one and is
     /// refused. Recorded (`TierListed`).
-    listed: HashSet<SegmentId>,
+    listed: Set<SegmentId>,
     /// Tiers mounted that this shard does not list yet (new to it, or any
     /// tier after a restart without a state directory): the copies they
     /// report are taken as they come, until `tier_quiet_ms` passed with no
     /// report (the time here); then the tier is listed.
-    adopting: HashMap<SegmentId, u64>,
+    adopting: Map<SegmentId, u64>,
     /// Copies on listed tiers unmounted as dead (their node was cut off):
     /// the shard forgot them as replicas, but a tier that comes back may
     /// report them and they are taken, unless their object was removed or
     /// replaced since (then they are owed a Drop). By tier, then key.
-    detached: HashMap<SegmentId, HashMap<Box<[u8]>, u64>>,
+    detached: Map<SegmentId, Map<Box<[u8]>, u64>>,
     /// Copies in `detached`.
     detached_len: usize,
 }
@@ -306,8 +308,8 @@ impl Copies {
     /// The book's own invariants: the detached count, no empty entry, no
     /// tier both listed and adopted, the bounds.
     pub fn check(&self) -> Result<(), String> {
-        let detached: usize = self.detached.values().map(HashMap::len).sum();
-        if detached != self.detached_len || self.detached.values().any(HashMap::is_empty) {
+        let detached: usize = self.detached.values().map(Map::len).sum();
+        if detached != self.detached_len || self.detached.values().any(Map::is_empty) {
             return Err(format!(
                 "{detached} detached copies counted as {} (or an empty tier entry)",
                 self.detached_len

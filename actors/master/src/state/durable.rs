@@ -14,9 +14,9 @@ pub(super) struct Durable {
     /// Scratch for the keys taken from the object store.
     pub(super) keys: Vec<Box<[u8]>>,
     /// Recovered replicas whose segments have not mounted again, by key.
-    pub(super) parked: HashMap<Box<[u8]>, Parked>,
+    pub(super) parked: Map<Box<[u8]>, Parked>,
     /// Recovered holds on segments that have not mounted again.
-    pub(super) parked_holds: HashMap<SegmentId, Vec<Hold>>,
+    pub(super) parked_holds: Map<SegmentId, Vec<Hold>>,
     /// When replicas still parked are given up (`now_ms` clock), as an
     /// unmount would drop them.
     pub(super) parked_until_ms: u64,
@@ -26,11 +26,11 @@ pub(super) struct Durable {
     /// Recovered replicas, still waiting for their segments, of objects
     /// removed or replaced since: a tier among those segments is owed a
     /// Drop of them when it mounts.
-    pub(super) removed_parked: HashMap<Box<[u8]>, Waiting>,
+    pub(super) removed_parked: Map<Box<[u8]>, Waiting>,
     /// Segments the recovered state names (replicas, holds) that have not
     /// mounted since: until `parked_until_ms`, a put that finds no room
     /// waits for them (`TryAgain`) instead of hearing `NoSpace`.
-    pub(super) expected: HashSet<SegmentId>,
+    pub(super) expected: Set<SegmentId>,
     /// Tiers listed since the last records, to record.
     pub(super) listed: Vec<SegmentId>,
 }

@@ -23,8 +23,6 @@
 //!   once its lease ends, and dropped (never demoted). It is memory only:
 //!   the state directory records it as a plain replica.
 
-use std::collections::HashMap;
-
 use kvpool_wire::proto::{NodeTask, ReplicaDesc, Tier};
 
 use super::*;
@@ -48,7 +46,7 @@ pub(super) struct Filling {
 #[derive(Debug, Default)]
 pub(super) struct ReadCounts {
     window: u64,
-    counts: HashMap<Id, u16>,
+    counts: Map<Id, u16>,
 }
 
 impl ShardState {

@@ -48,7 +48,7 @@
 //! until it fits (at most the ratio); the rest of the ratio is owed.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
@@ -66,7 +66,8 @@ use smallvec::SmallVec;
 
 use super::journal::{self, Hold, Image, ObjectRec};
 use super::objects::{
-    Complete, Id, KeyHashBuilder, Object, Objects, Phase, Processing, Replica, ReplicaState,
+    Complete, Id, KeyHashBuilder, Map, Object, Objects, Phase, Processing, Replica, ReplicaState,
+    Set,
 };
 
 use kvpool_config::{MasterConfig, Placement};
@@ -224,7 +225,7 @@ pub struct ShardState {
     nr_shards: u32,
     cfg: ShardConfig,
     slots: Vec<Option<SegmentSlot>>,
-    by_id: HashMap<SegmentId, u32>,
+    by_id: Map<SegmentId, u32>,
     objs: Objects,
     pending: BinaryHeap<Reverse<PendingFree>>,
     rng: ChaCha8Rng,
@@ -233,7 +234,7 @@ pub struct ShardState {
     /// Puts placed with fewer replicas than asked since the last tick.
     fewer_replicas: u64,
     /// Work for storage nodes, by the segment whose node does it.
-    tasks: HashMap<SegmentId, TaskQueue>,
+    tasks: Map<SegmentId, TaskQueue>,
     /// The copy book of NVMe tiers: owed Drops, listed and adopted tiers,
     /// copies detached with a tier (copies.rs).
     copies: copies::Copies,
@@ -350,14 +351,14 @@ impl ShardState {
             nr_shards,
             cfg,
             slots: Vec::new(),
-            by_id: HashMap::new(),
+            by_id: Map::default(),
             objs: Objects::new(hash),
             pending: BinaryHeap::new(),
             rng,
             evictions: 0,
             evicted_bytes: 0,
             fewer_replicas: 0,
-            tasks: HashMap::new(),
+            tasks: Map::default(),
             copies: copies::Copies::default(),
             demotions: 0,
             promotions: 0,

@@ -12,7 +12,7 @@ use super::*;
 pub(crate) struct TaskQueue {
     pub(super) q: VecDeque<NodeTask>,
     /// (key, loc) of each queued Drop, and how many such Drops wait.
-    pub(super) drops: HashMap<(Vec<u8>, u64), u32>,
+    pub(super) drops: Map<(Vec<u8>, u64), u32>,
 }
 
 impl TaskQueue {
