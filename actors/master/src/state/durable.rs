@@ -35,6 +35,40 @@ pub(super) struct Durable {
     pub(super) listed: Vec<SegmentId>,
 }
 
+impl Durable {
+    /// The recovered image's own invariants: a replica waits only for a
+    /// segment that has not mounted again (a mount attaches it) and that
+    /// recovery expects (puts wait for it); a removed object's waiting
+    /// copies are listed only while some remain.
+    pub(super) fn check(&self, mounted: impl Fn(SegmentId) -> bool) -> Result<(), String> {
+        for (key, p) in &self.parked {
+            for &(seg, off) in &p.waiting {
+                if mounted(seg) {
+                    return Err(format!(
+                        "{}'s recovered replica at {off} waits for segment {seg:016x}, which \
+                         is mounted",
+                        show_key(key)
+                    ));
+                }
+                if !self.expected.contains(&seg) {
+                    return Err(format!(
+                        "{}'s recovered replica waits for segment {seg:016x}, which recovery \
+                         does not expect",
+                        show_key(key)
+                    ));
+                }
+            }
+        }
+        if let Some(k) = self.removed_parked.iter().find(|(_, w)| w.is_empty()) {
+            return Err(format!(
+                "removed {} is listed with no copy waiting",
+                show_key(k.0)
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// A recovered object some of whose replicas wait for their segments.
 #[derive(Debug)]
 pub(super) struct Parked {

@@ -663,6 +663,9 @@ impl ShardState {
     pub fn check_invariants(&self) -> Result<(), String> {
         self.objs.check()?;
         self.copies.check()?;
+        if let Some(d) = &self.durable {
+            d.check(|seg| self.by_id.contains_key(&seg))?;
+        }
         self.check_segments()?;
         self.check_puts()?;
         self.check_space()
