@@ -678,15 +678,18 @@ impl Conn {
         }
         let keys: Vec<&[u8]> = todo.iter().map(|(k, _)| *k).collect();
         let within = Duration::from_millis(self.ctx.client_timeout_ms);
-        let busy = "ERR another SET of this key on this connection's thread did not end in time";
+        let busy = "ERR another SET of this key did not end in time";
         let client = &self.ctx.client;
         if let [(key, value)] = todo[..] {
             // One key: SETs of it from this thread's other connections
-            // combine (see crate::locks).
+            // combine, and another thread's write of it is waited for at
+            // its stripe (see crate::locks).
+            let counters = &self.ctx.shared.counters;
+            let stripe = &counters[crate::keyspace::stripe_of(key, counters.len())];
             let r = self
                 .ctx
                 .keys
-                .set_one(key, value, within, busy, |joined| async move {
+                .set_one(key, value, stripe, within, busy, |joined| async move {
                     let v = joined.as_deref().unwrap_or(value);
                     let r = client.upsert(key, v).await.map_err(|e| pool_error(&e));
                     // Whatever the answer (a put that timed out may still

@@ -122,7 +122,7 @@ impl SetOpts {
 }
 
 /// The stripe of the front's counter locks that `key` takes.
-fn stripe_of(key: &[u8], stripes: usize) -> usize {
+pub(crate) fn stripe_of(key: &[u8], stripes: usize) -> usize {
     use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
     (BuildHasherDefault::<DefaultHasher>::default().hash_one(key) % stripes as u64) as usize
 }

@@ -102,12 +102,15 @@ pub(crate) struct Shared {
     /// Lists, sets, hashes and sorted sets (held here, not in the pool).
     pub collections: collections::Collections,
     /// `INCR` and its kin read, add and write a key one at a time across
-    /// the RESP threads: a key's stripe is held for the three steps.
+    /// the RESP threads: a key's stripe is held for the three steps. A SET
+    /// of one key holds it for its write (another thread's SET of the key
+    /// waits here, not at the master).
     pub counters: Box<[tokio::sync::Mutex<()>]>,
 }
 
-/// Stripes of [`Shared::counters`].
-const COUNTER_STRIPES: usize = 64;
+/// Stripes of [`Shared::counters`]: enough that SETs of distinct keys from
+/// many connections seldom share one (a SET holds its stripe for a write).
+const COUNTER_STRIPES: usize = 1024;
 
 /// One RESP thread's view: the shared parts and its own pool client.
 pub(crate) struct ThreadCtx {

@@ -190,11 +190,17 @@ impl KeyLocks {
     /// itself and writes the last value given by then with `write`: `None`
     /// for its own `value` (not copied), else the copy a joined SET left.
     /// Every joined SET answers with that write's result; at most `within`.
-    /// `busy` is the error when the key stays held past it.
+    /// `busy` is the error when the key stays held past it. The write takes
+    /// `stripe` (the front's lock of the key across RESP threads, as INCR's)
+    /// before the key: another thread's write of the key waits for it here,
+    /// woken when it ends, rather than meeting it at the master and asking
+    /// again every few milliseconds.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn set_one<F, Fut>(
         &self,
         key: &[u8],
         value: &[u8],
+        stripe: &tokio::sync::Mutex<()>,
         within: Duration,
         busy: &str,
         write: F,
@@ -235,6 +241,9 @@ impl KeyLocks {
             locks: self,
             key,
             pending,
+        };
+        let Ok(_turn) = tokio::time::timeout_at(deadline, stripe.lock()).await else {
+            return Err(busy.into());
         };
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let Ok(_held) = self.lock(&[key], left).await else {
@@ -373,12 +382,13 @@ mod tests {
     fn sets_of_a_key_being_written_combine_into_one_write_of_the_last_value() {
         on_one_thread(async {
             let locks = Rc::new(KeyLocks::default());
+            let stripe = Rc::new(tokio::sync::Mutex::new(()));
             let writes = Rc::new(RefCell::new(Vec::new()));
             let within = Duration::from_secs(5);
             let set = |v: &'static [u8], fail: bool| {
-                let (l, w) = (locks.clone(), writes.clone());
+                let (l, w, s) = (locks.clone(), writes.clone(), stripe.clone());
                 tokio::task::spawn_local(async move {
-                    l.set_one(b"k", v, within, "busy", |joined| async move {
+                    l.set_one(b"k", v, &s, within, "busy", |joined| async move {
                         w.borrow_mut().push(joined.unwrap_or_else(|| v.to_vec()));
                         if fail {
                             Err("ERR refused".to_string())
