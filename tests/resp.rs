@@ -1378,7 +1378,21 @@ fn sets_of_one_key_from_both_resp_threads_take_turns_in_the_front_not_at_the_mas
             })
         })
         .collect();
-    for w in writers {
+    // SETs with an option (here an expiry) take the same turns.
+    let with_expiry: Vec<_> = (0..8u64)
+        .map(|w| {
+            let addr = p.resp.clone();
+            std::thread::spawn(move || {
+                let mut c = Raw::connect(&addr);
+                for i in 0..20 {
+                    let v = common::value(w * 100 + i, 4096);
+                    let r = c.cmd(&[b"SET", b"turns-ex", &v, b"EX", b"1000"]);
+                    assert_eq!(r, ok(), "writer {w} SET EX {i}");
+                }
+            })
+        })
+        .collect();
+    for w in writers.into_iter().chain(with_expiry) {
         w.join().expect("every SET answered OK");
     }
     assert_eq!(

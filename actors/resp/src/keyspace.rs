@@ -171,11 +171,18 @@ impl Conn {
         }
         let within = Duration::from_millis(self.ctx.client_timeout_ms);
         let ctx = self.ctx.clone();
-        let Ok(_held) = ctx.keys.lock(&[key], within).await else {
-            return reply::error(
-                &mut self.out.bytes,
-                "ERR another SET of this key on this connection's thread did not end in time",
-            );
+        let busy = "ERR another SET of this key did not end in time";
+        // The key's stripe first (as a plain SET's write and INCR take it):
+        // another RESP thread's write of the key waits for this one here,
+        // not at the master; then this thread's hold on the key.
+        let deadline = tokio::time::Instant::now() + within;
+        let stripe = &ctx.shared.counters[stripe_of(key, ctx.shared.counters.len())];
+        let Ok(_turn) = tokio::time::timeout_at(deadline, stripe.lock()).await else {
+            return reply::error(&mut self.out.bytes, busy);
+        };
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let Ok(_held) = ctx.keys.lock(&[key], left).await else {
+            return reply::error(&mut self.out.bytes, busy);
         };
         // A list, set, hash or sorted set under the key: it exists, GET
         // cannot answer its old value, and a SET replaces it.
@@ -184,9 +191,9 @@ impl Conn {
             return reply::error(&mut self.out.bytes, WRONGTYPE);
         }
         // The old value first (GET), then whether the condition holds, then
-        // the write: one after another under this thread's hold on the key.
-        // Another process's write may come between them (no transaction
-        // spans the pool); see docs/ARCHITECTURE.md.
+        // the write: one after another under the key's stripe and this
+        // thread's hold on it. Another process's write may come between
+        // them (no transaction spans the pool); see docs/ARCHITECTURE.md.
         let old = if o.get {
             match self.fetch(&[key]).await.into_iter().next() {
                 Some(Fetched::Error(e)) => return reply::error(&mut self.out.bytes, &e),
