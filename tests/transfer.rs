@@ -142,6 +142,64 @@ fn more_slices_than_the_in_flight_bound_wait_instead_of_piling_up() {
     });
 }
 
+/// A batch call of more keys than a master takes in one request
+/// (`master.max_batch`, 4,096 by default) goes to its shard in pieces: an
+/// engine's chunks times layer groups of a long prompt are such a batch.
+/// Before, 5,000 keys to a one-shard master were refused as a whole
+/// ("a batch of 5000 keys exceeds master.max_batch").
+#[test]
+fn a_batch_over_the_masters_bound_goes_in_pieces_and_every_key_answers_in_place() {
+    let node = common::start(
+        "all",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--shards",
+            "1",
+            "--segment-size",
+            "128MiB",
+        ],
+    );
+    let rt = common::rt();
+    rt.block_on(async {
+        let c = Client::connect(&node.addr, cfg(Transport::Tcp))
+            .await
+            .unwrap();
+        let n = 5_000;
+        let keys: Vec<String> = (0..n).map(|i| format!("piece{i}")).collect();
+        let values: Vec<Vec<u8>> = (0..n).map(|i| data(i as u64, 64)).collect();
+        let items: Vec<(&[u8], &[u8])> = keys
+            .iter()
+            .zip(&values)
+            .map(|(k, v)| (k.as_bytes(), v.as_slice()))
+            .collect();
+        for (i, r) in c
+            .batch_put(&items, &Default::default())
+            .await
+            .unwrap()
+            .into_iter()
+            .enumerate()
+        {
+            r.unwrap_or_else(|e| panic!("put {i}: {e}"));
+        }
+        let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        let found = c.batch_exists(&refs).await.unwrap();
+        assert!(found.iter().all(|r| matches!(r, Ok(true))));
+        let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; 64]).collect();
+        let mut items: Vec<(&[u8], &mut [u8])> = keys
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(k, b)| (k.as_bytes(), b.as_mut_slice()))
+            .collect();
+        for r in c.batch_get_into(&mut items).await.unwrap() {
+            assert_eq!(r.unwrap(), 64);
+        }
+        assert!(bufs == values, "every key read its own value");
+    });
+}
+
 #[test]
 fn a_borrowed_view_reads_in_place_until_its_lease_ends() {
     let dir = std::env::temp_dir().join(format!("kvpool-view-{}", std::process::id()));

@@ -47,7 +47,7 @@ use crate::leader::{leader_may_have_moved, MasterSource};
 use crate::locations::OnDrop;
 use crate::put::{waits_to_put, Action, EndRetry, PutIds, PutProtocol, PUT_RETRY_MAX};
 use kvpool_config::ClientConfig;
-use kvpool_wire::route::{self, merge_batch, split_batch_by, Target};
+use kvpool_wire::route::{self, merge_batch, split_batch_pieces, Target};
 
 mod buffers;
 use buffers::*;
@@ -118,6 +118,12 @@ fn host_of(addr: &str) -> String {
 /// How long before the lease's end a view stops handing out bytes (clock
 /// skew between this process and the master, and time to use the slice).
 const VIEW_MARGIN: Duration = Duration::from_millis(500);
+/// Keys per master request of a batch call: a larger batch (an engine's
+/// chunks times layer groups of a long prompt; a client's own) goes to its
+/// shard in pieces of this many, side by side. Masters refuse more than
+/// `master.max_batch` (4,096 by default; keep it at least this).
+const BATCH_PIECE: usize = 1024;
+
 /// Pause between two looks for the leader while none answers (a failover
 /// under way); the caller's deadline bounds the whole search.
 const FOLLOW_PAUSE: Duration = Duration::from_millis(100);
@@ -484,15 +490,16 @@ impl Client {
         C::reply(self.send(c.into()).await?)
     }
 
-    /// A batch request: one sub-batch per owning shard, sent at once, merged
-    /// back in the order of the keys.
+    /// A batch request: one sub-batch per owning shard (cut into pieces of
+    /// [`BATCH_PIECE`] keys), sent at once, merged back in the order of the
+    /// keys.
     async fn master_batch(
         &self,
         view: &View,
         req: MasterRequest,
     ) -> Result<MasterResponse, KvError> {
         let n = req.batch_keys().map(|k| k.len()).unwrap_or(0);
-        let parts = split_batch_by(req, |k| shard_in(view, k) as u32);
+        let parts = split_batch_pieces(req, |k| shard_in(view, k) as u32, BATCH_PIECE);
         let calls = parts.into_iter().map(|p| async move {
             let res = self.master_on(view, p.shard as usize, &p.req).await;
             (p.positions, res)

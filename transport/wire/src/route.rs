@@ -59,7 +59,7 @@ pub fn split_batch(req: MasterRequest, map: &ShardMap) -> Vec<BatchPart> {
 }
 
 /// Like [`split_batch`] with any key -> shard function (clients use the
-/// cluster map's ranges).
+/// cluster map's ranges). `shard_of` is called once per key, in order.
 pub fn split_batch_by(req: MasterRequest, shard_of: impl Fn(&[u8]) -> u32) -> Vec<BatchPart> {
     let keys = req.batch_keys().expect("a batch request");
     let mut by_shard: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
@@ -131,6 +131,39 @@ pub fn split_batch_by(req: MasterRequest, shard_of: impl Fn(&[u8]) -> u32) -> Ve
             }
         })
         .collect()
+}
+
+/// Like [`split_batch_by`], and a shard's part of more than `max` keys is
+/// cut into pieces of at most `max` keys, in order, each a request of its
+/// own to that shard (a master refuses a batch over `master.max_batch`).
+pub fn split_batch_pieces(
+    req: MasterRequest,
+    shard_of: impl Fn(&[u8]) -> u32,
+    max: usize,
+) -> Vec<BatchPart> {
+    let max = max.max(1);
+    let mut out = Vec::new();
+    for part in split_batch_by(req, shard_of) {
+        if part.positions.len() <= max {
+            out.push(part);
+            continue;
+        }
+        // The n-th key of the part goes to piece n / max.
+        let next = std::cell::Cell::new(0usize);
+        let pieces = split_batch_by(part.req, |_| {
+            let i = next.get();
+            next.set(i + 1);
+            (i / max) as u32
+        });
+        for p in pieces {
+            out.push(BatchPart {
+                shard: part.shard,
+                positions: p.positions.iter().map(|&i| part.positions[i]).collect(),
+                req: p.req,
+            });
+        }
+    }
+    out
 }
 
 /// Puts the parts' answers back in the order of the original batch of `n`.
@@ -260,6 +293,53 @@ mod tests {
         assert_eq!(t(tasks(2).into()), Target::Shard(2));
         let e = target(&tasks(3).into(), owner, 3).unwrap_err();
         assert_eq!(e.code, ErrorCode::InvalidParams, "{e}");
+    }
+
+    /// A shard's part over the bound is cut into pieces of at most `max`
+    /// keys, in order; every key is in one piece, of its own shard, and its
+    /// answer goes back to its own place.
+    #[test]
+    fn a_part_over_the_bound_is_cut_into_pieces_that_keep_every_keys_place() {
+        let keys: Vec<Vec<u8>> = (0..23u32)
+            .map(|i| vec![b'k'; 1 + (i as usize % 5)])
+            .collect();
+        let req: MasterRequest = call::BatchExist { keys: keys.clone() }.into();
+        let parts = split_batch_pieces(req, owner, 4);
+        let mut seen = vec![0; keys.len()];
+        for p in &parts {
+            let MasterRequest::BatchExist { keys: sub } = &p.req else {
+                panic!("a piece of another kind")
+            };
+            assert!(sub.len() <= 4 && sub.len() == p.positions.len());
+            assert!(p.positions.windows(2).all(|w| w[0] < w[1]), "in order");
+            for (k, &at) in sub.iter().zip(&p.positions) {
+                assert_eq!(k, &keys[at]);
+                assert_eq!(owner(k), p.shard);
+                seen[at] += 1;
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
+        // Answers merge back in the batch's order.
+        let answers = parts
+            .iter()
+            .map(|p| {
+                let v = p
+                    .positions
+                    .iter()
+                    .map(|&at| ItemResult::from(Ok::<bool, KvError>(at % 2 == 0)))
+                    .collect();
+                (p.positions.clone(), Ok(MasterResponse::BatchExists(v)))
+            })
+            .collect();
+        let MasterResponse::BatchExists(v) = merge_batch(keys.len(), answers).unwrap() else {
+            panic!("not an exists answer")
+        };
+        let got: Vec<bool> = v.into_iter().map(|r| Result::from(r).unwrap()).collect();
+        let want: Vec<bool> = (0..keys.len()).map(|i| i % 2 == 0).collect();
+        assert_eq!(got, want);
+        // Within the bound: the parts of split_batch_by, unchanged.
+        let req: MasterRequest = call::BatchExist { keys }.into();
+        assert_eq!(split_batch_pieces(req, owner, 100).len(), 3);
     }
 
     #[test]
