@@ -121,8 +121,10 @@ const VIEW_MARGIN: Duration = Duration::from_millis(500);
 /// Keys per master request of a batch call: a larger batch (an engine's
 /// chunks times layer groups of a long prompt; a client's own) goes to its
 /// shard in pieces of this many, side by side. Masters refuse more than
-/// `master.max_batch` (4,096 by default; keep it at least this).
-const BATCH_PIECE: usize = 1024;
+/// `master.max_batch`, whose default this is. (A batch within it is one
+/// request per shard, as before; a lost answer to one piece of a larger
+/// one fails that piece's keys alone, as a lost shard's part does.)
+const BATCH_PIECE: usize = 4096;
 
 /// Pause between two looks for the leader while none answers (a failover
 /// under way); the caller's deadline bounds the whole search.
@@ -800,15 +802,13 @@ impl Client {
                 }
             })
             .await;
-        if let Some(revoke) = put.timed_out() {
-            if res.as_ref().is_err_and(|e| e.code == ErrorCode::Timeout) {
-                // The put may be half done: give its space back, best effort,
-                // under a deadline of its own.
-                let me = self.clone();
-                tokio::spawn(async move {
-                    let _ = me.deadline("put revoke", me.send(revoke)).await;
-                });
-            }
+        if let Some(revoke) = res.as_ref().err().and_then(|e| put.revoke_after(e)) {
+            // The put may be half done: give its space back, best effort,
+            // under a deadline of its own.
+            let me = self.clone();
+            tokio::spawn(async move {
+                let _ = me.deadline("put revoke", me.send(revoke)).await;
+            });
         }
         res
     }

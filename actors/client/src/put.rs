@@ -23,7 +23,8 @@
 //! Inputs are the answers (`answered`, `written`, `reported`, `held`), the
 //! end of a pause (`woke`) and the time since the put began; the output is
 //! the next [`Action`]. The caller's deadline is the driver's: when it
-//! passes, [`PutProtocol::timed_out`] names the revoke to send.
+//! passes, or the put ends in a timeout, [`PutProtocol::revoke_after`] names
+//! the revoke to send.
 
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::Duration;
@@ -195,6 +196,10 @@ pub struct PutProtocol {
     checksum: Option<u64>,
     /// The resends of this placement's `PutEnd`.
     end: EndRetry,
+    /// `revoke_after` named its revoke already.
+    revoke_named: bool,
+    /// The put ended well (nothing to revoke).
+    ended_well: bool,
 }
 
 impl PutProtocol {
@@ -220,6 +225,8 @@ impl PutProtocol {
             backoff: Duration::from_millis(1),
             checksum: None,
             end: EndRetry::default(),
+            revoke_named: false,
+            ended_well: false,
         }
     }
 
@@ -259,7 +266,7 @@ impl PutProtocol {
             // Whatever the revoke's answer: the write's error decides.
             Stage::Revoking(e) => self.decide(ids, e),
             Stage::Ending => match res.and_then(call::PutEnd::reply) {
-                Ok(()) => Action::Done(Ok(())),
+                Ok(()) => self.succeeded(),
                 Err(e) => match self.end.again(&e) {
                     Some(pause) => {
                         self.stage = Stage::EndPause;
@@ -338,7 +345,7 @@ impl PutProtocol {
     /// Whether the key read back holds exactly this put's value.
     pub fn held(&mut self, ids: &PutIds, holds: bool) -> Action {
         match std::mem::replace(&mut self.stage, Stage::Done) {
-            Stage::CheckingEnd(_) | Stage::CheckingExists(_) if holds => Action::Done(Ok(())),
+            Stage::CheckingEnd(_) | Stage::CheckingExists(_) if holds => self.succeeded(),
             Stage::CheckingEnd(e) => self.decide(ids, e),
             // Or the start of the earlier placement took effect though its
             // answer was lost ("being put" by this client): revoked by its
@@ -355,13 +362,26 @@ impl PutProtocol {
         }
     }
 
-    /// The call's deadline passed: the put is over, and the revoke that
-    /// gives a half-done placement's space back, if one was named. It names
-    /// its placement, so arriving late it touches no later put of the key.
-    pub fn timed_out(&mut self) -> Option<MasterRequest> {
-        let open = !self.is_done();
+    /// The put is over with `e` (the driver's deadline passing is a
+    /// `Timeout`): after a timeout, the revoke that gives a half-done
+    /// placement's space back, if one was named (its start or end may have
+    /// taken effect though no answer came: whether the deadline cut the put
+    /// short or the last placement itself timed out). It names its
+    /// placement, so arriving late it touches no later put of the key. Once.
+    pub fn revoke_after(&mut self, e: &KvError) -> Option<MasterRequest> {
         self.stage = Stage::Done;
-        (open && self.put_id != 0).then(|| self.revoke(self.put_id))
+        let due = e.code == ErrorCode::Timeout
+            && self.put_id != 0
+            && !self.revoke_named
+            && !self.ended_well;
+        self.revoke_named |= due;
+        due.then(|| self.revoke(self.put_id))
+    }
+
+    /// The put is done, well.
+    fn succeeded(&mut self) -> Action {
+        self.ended_well = true;
+        Action::Done(Ok(()))
     }
 
     /// What a placement's error leads to.

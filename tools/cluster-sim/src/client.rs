@@ -126,7 +126,8 @@ impl ClientModel {
             Timer::ClientPing => self.ping(ctx),
             Timer::ClientDeadline(op) if o.id == op => {
                 // The put may be half done: its space back, best effort.
-                if let Some(revoke) = o.put.as_mut().and_then(PutProtocol::timed_out) {
+                let deadline = KvError::new(ErrorCode::Timeout, "the call's deadline");
+                if let Some(revoke) = o.put.as_mut().and_then(|p| p.revoke_after(&deadline)) {
                     ctx.ask(me, revoke);
                 }
                 ctx.stats.timeouts += 1;
@@ -285,8 +286,14 @@ impl ClientModel {
                 o.awaiting = ctx.ask(me, req);
             }
             Action::Done(r) => {
-                if r.is_ok() {
-                    ctx.stats.puts_ok += 1;
+                match &r {
+                    Ok(()) => ctx.stats.puts_ok += 1,
+                    // A put that timed out may be half done (as the client).
+                    Err(e) => {
+                        if let Some(revoke) = o.put.as_mut().and_then(|p| p.revoke_after(e)) {
+                            ctx.ask(me, revoke);
+                        }
+                    }
                 }
                 self.end(ctx, r.map_err(|e| e.code));
             }

@@ -68,7 +68,12 @@ fn a_put_starts_writes_within_half_its_time_and_ends_with_the_checksum_written()
     assert_eq!(ended(p.written(Ok(Some(42)))), (id, Some(42)));
     assert!(done(p.answered(now, &ids, Ok(MasterResponse::Done))).is_ok());
     assert!(p.is_done());
-    assert_eq!(p.timed_out(), None, "a put that ended revokes nothing");
+    let late = KvError::new(ErrorCode::Timeout, "late");
+    assert_eq!(
+        p.revoke_after(&late),
+        None,
+        "a put that ended well revokes nothing"
+    );
 }
 
 #[test]
@@ -239,10 +244,38 @@ fn a_put_past_its_deadline_revokes_the_placement_under_way() {
     let mut p = put(false);
     let id = started(p.begin(&ids));
     p.answered(Duration::ZERO, &ids, replicas());
-    let revoke = p.timed_out().expect("a revoke");
+    let deadline = KvError::new(ErrorCode::Timeout, "the call's deadline");
+    let revoke = p.revoke_after(&deadline).expect("a revoke");
     assert_eq!(revoked(Action::Ask(revoke)), id);
     assert!(p.is_done());
-    assert_eq!(p.timed_out(), None, "once");
+    assert_eq!(p.revoke_after(&deadline), None, "once");
+}
+
+/// Review of 677b16f: the client before the state machine revoked after
+/// any timeout of a put that had named a placement; the first version of
+/// the machine only when the deadline cut it short, not when its last
+/// placement's start (or end) itself timed out.
+#[test]
+fn a_put_whose_last_placement_times_out_revokes_that_placement() {
+    let ids = PutIds::default();
+    let mut p = put(false);
+    started(p.begin(&ids));
+    for _ in 0..MAX_PLACEMENTS {
+        let a = p.answered(Duration::ZERO, &ids, err(ErrorCode::Timeout));
+        assert!(matches!(a, Action::ReportUnreachable));
+        started(p.reported(&ids, 0));
+    }
+    let last = p.put_id();
+    let e = done(p.answered(Duration::ZERO, &ids, err(ErrorCode::Timeout))).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Timeout);
+    let revoke = p.revoke_after(&e).expect("the last placement's revoke");
+    assert_eq!(revoked(Action::Ask(revoke)), last);
+    // Another error than a timeout revokes nothing.
+    let mut q = put(false);
+    started(q.begin(&ids));
+    q.answered(Duration::ZERO, &ids, err(ErrorCode::NoSpace));
+    let e = done(q.reported(&ids, 0)).unwrap_err();
+    assert_eq!(q.revoke_after(&e), None);
 }
 
 #[test]

@@ -220,14 +220,20 @@ impl ShardState {
         self.copies.take_detached(nvme, key, loc)
     }
 
-    /// Whether a Persist of `key`'s object to tier `nvme` may be under way:
-    /// a demotion of one of its DRAM replicas on the segment the tier is
-    /// attached to, or a write-through copy not listed yet.
-    pub(super) fn copy_under_way(&self, key: &[u8], nvme: SegmentId) -> bool {
+    /// Whether a reported copy of `len` bytes summing to `sum` may be the
+    /// one a Persist of `key`'s object to tier `nvme` is writing: a
+    /// demotion of one of its DRAM replicas on the segment the tier is
+    /// attached to, or a write-through copy not listed yet, of the object's
+    /// size and (when it has one) checksum. A copy of another object under
+    /// the key is not (refused as old).
+    pub(super) fn copy_under_way(&self, key: &[u8], nvme: SegmentId, len: u64, sum: u64) -> bool {
         let Some(id) = self.objs.complete_id(key) else {
             return false;
         };
         let o = self.objs.get(id);
+        if o.size != len || o.checksum().is_some_and(|s| s != sum) {
+            return false;
+        }
         let on_tier = o.replicas.iter().any(|r| self.slot(r.slot).id == nvme);
         o.replicas.iter().any(|r| {
             self.slot(r.slot).spec.nvme.as_ref().is_some_and(|a| {
@@ -756,7 +762,7 @@ impl ShardState {
                 } else {
                     self.unlisted_copy(*nvme, key, *loc, now_ms)
                 };
-                if unlisted == Unlisted::Old && self.copy_under_way(key, *nvme) {
+                if unlisted == Unlisted::Old && self.copy_under_way(key, *nvme, *len, *sum) {
                     // The node reports its whole tier beside its rounds: a
                     // copy a Persist of this object has just written may be
                     // reported before its `Stored`. Not now (the node keeps

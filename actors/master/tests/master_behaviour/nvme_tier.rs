@@ -949,6 +949,17 @@ fn the_tier_report_of_a_copy_whose_demotion_has_not_reported_does_not_delete_it(
     let NodeTask::Persist { len, .. } = persist else {
         unreachable!()
     };
+    // A copy of another object under the key (another size) is no copy
+    // of this demotion: refused as old, so the node deletes it.
+    let other = NvmeUpdate::Recovered {
+        key: b"k0".to_vec(),
+        nvme: nvme_id(),
+        loc: 9,
+        len: len + 1,
+        sum: 0,
+    };
+    let e = update(&mut m, other).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
     // The copy is written at 7; the tier's report comes first.
     let early = NvmeUpdate::Recovered {
         key: b"k0".to_vec(),
