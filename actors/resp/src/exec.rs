@@ -684,8 +684,7 @@ impl Conn {
             // One key: SETs of it from this thread's other connections
             // combine, and another thread's write of it is waited for at
             // its stripe (see crate::locks).
-            let counters = &self.ctx.shared.counters;
-            let stripe = &counters[crate::keyspace::stripe_of(key, counters.len())];
+            let stripe = self.ctx.shared.counters.of(key);
             let r = self
                 .ctx
                 .keys

@@ -121,12 +121,6 @@ impl SetOpts {
     }
 }
 
-/// The stripe of the front's counter locks that `key` takes.
-pub(crate) fn stripe_of(key: &[u8], stripes: usize) -> usize {
-    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
-    (BuildHasherDefault::<DefaultHasher>::default().hash_one(key) % stripes as u64) as usize
-}
-
 /// A time or a count argument, with Redis's error.
 fn int_arg(a: &[u8]) -> Result<i64, String> {
     parse_int(a).ok_or_else(|| "ERR value is not an integer or out of range".to_string())
@@ -176,7 +170,7 @@ impl Conn {
         // another RESP thread's write of the key waits for this one here,
         // not at the master; then this thread's hold on the key.
         let deadline = tokio::time::Instant::now() + within;
-        let stripe = &ctx.shared.counters[stripe_of(key, ctx.shared.counters.len())];
+        let stripe = ctx.shared.counters.of(key);
         let Ok(_turn) = tokio::time::timeout_at(deadline, stripe.lock()).await else {
             return reply::error(&mut self.out.bytes, busy);
         };
@@ -281,7 +275,7 @@ impl Conn {
         }
         let ctx = self.ctx.clone();
         let within = Duration::from_millis(ctx.client_timeout_ms);
-        let stripe = &ctx.shared.counters[stripe_of(key, ctx.shared.counters.len())];
+        let stripe = ctx.shared.counters.of(key);
         let busy = "ERR another INCR or SET of this key did not end in time";
         let this = &*self;
         let (client, views) = (&ctx.client, &ctx.shared.views);

@@ -105,7 +105,30 @@ pub(crate) struct Shared {
     /// the RESP threads: a key's stripe is held for the three steps. A SET
     /// of one key holds it for its write (another thread's SET of the key
     /// waits here, not at the master).
-    pub counters: Box<[tokio::sync::Mutex<()>]>,
+    pub counters: KeyStripes,
+}
+
+/// Locks of keys across the RESP threads, by stripe. The stripe of a key is
+/// chosen by a hasher seeded at random per process: keys chosen to share a
+/// victim key's stripe (and hold up its SETs) cannot be aimed at it.
+pub struct KeyStripes {
+    locks: Box<[tokio::sync::Mutex<()>]>,
+    hasher: std::hash::RandomState,
+}
+
+impl KeyStripes {
+    fn new(n: usize) -> Self {
+        Self {
+            locks: (0..n).map(|_| tokio::sync::Mutex::new(())).collect(),
+            hasher: std::hash::RandomState::new(),
+        }
+    }
+
+    /// The lock of `key`'s stripe.
+    pub fn of(&self, key: &[u8]) -> &tokio::sync::Mutex<()> {
+        use std::hash::BuildHasher;
+        &self.locks[(self.hasher.hash_one(key) % self.locks.len() as u64) as usize]
+    }
 }
 
 /// Stripes of [`Shared::counters`]: enough that SETs of distinct keys from
@@ -178,9 +201,7 @@ pub async fn start(opts: RespOptions) -> Result<RespServer, RespError> {
         views: cache::ViewCache::new(cfg.view_cache_entries),
         clients: Arc::default(),
         collections: collections::Collections::new(cfg.max_collection_memory.get()),
-        counters: (0..COUNTER_STRIPES)
-            .map(|_| tokio::sync::Mutex::new(()))
-            .collect(),
+        counters: KeyStripes::new(COUNTER_STRIPES),
         cfg,
     });
     let mut client_cfg = opts.client;
