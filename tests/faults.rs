@@ -968,7 +968,11 @@ fn random_loss_on_every_client_link_gives_the_bytes_put_or_errors_and_never_hang
 /// end to its standby): the put returns Ok and the key reads back, where it
 /// used to place the put again and fail with "key exists". The same for a
 /// batch put, and for a put whose start's answer is lost (it used to fail
-/// with "key is being put", by its own first placement). The client's iptables mark the connection that carries the
+/// with "key is being put", by its own first placement); and for a batch
+/// of two keys on the two master shards whose one shard's answer (to the
+/// start, or to the end) is lost while the other's arrives (the key failed
+/// `Unavailable` though its end took effect: a batch end was sent again
+/// only when every shard's part failed). The client's iptables mark the connection that carries the
 /// second request naming the key (the start is the first, the end the
 /// second) and drop what the master sends back on it; once the master's
 /// admin API shows the key complete, `ss -K` aborts the client's master
@@ -991,33 +995,56 @@ fn a_put_whose_start_or_end_took_effect_but_whose_answer_was_lost_returns_ok() {
             .await;
             // (the request whose answer is lost: 0 the start, 1 the end;
             // the key's state once the master has applied it)
+            // (keys in the put: 0 a single put, 1 or 2 a batch)
             for (n, batch, lost, state) in [
-                (1u64, false, "1", "complete"),
-                (2, true, "1", "complete"),
-                (3, false, "0", "processing"),
+                (1u64, 0, "1", "complete"),
+                (2, 1, "1", "complete"),
+                (3, 0, "0", "processing"),
+                (4, 2, "1", "complete"),
+                (5, 2, "0", "processing"),
             ] {
                 let key = format!("lost-end-{n}-7f3a9c");
                 let v = value(n, 64 << 10);
+                // The batch's other key, on the other master shard.
+                let shards = kvpool_runtime::hash::ShardMap::new(2).unwrap();
+                let other = (0..)
+                    .map(|i| format!("other-{n}-{i}"))
+                    .find(|o| shards.shard_of(o.as_bytes()) != shards.shard_of(key.as_bytes()))
+                    .unwrap();
+                let w = value(n + 100, 64 << 10);
                 let r = answer_lost(&cl, &key, lost, state, || {
                     let (c, k, v) = (c.clone(), key.clone(), v.clone());
+                    let (o, w) = (other.clone(), w.clone());
                     async move {
-                        if batch {
-                            let items = [(k.as_bytes(), v.as_slice())];
-                            let mut r = c.batch_put(&items, &PutOptions::default()).await?;
-                            r.pop().expect("one result")
-                        } else {
-                            c.put(k.as_bytes(), &v).await
+                        if batch == 0 {
+                            return c.put(k.as_bytes(), &v).await;
                         }
+                        let mut items = vec![(k.as_bytes(), v.as_slice())];
+                        if batch == 2 {
+                            items.push((o.as_bytes(), w.as_slice()));
+                        }
+                        let r = c.batch_put(&items, &PutOptions::default()).await?;
+                        assert_eq!(r.len(), batch, "one result per item");
+                        for (i, r) in r.into_iter().enumerate() {
+                            r.map_err(|e| KvError::new(e.code, format!("item {i}: {e}")))?;
+                        }
+                        Ok(())
                     }
                 })
                 .await;
                 r.unwrap_or_else(|e| {
-                    panic!("{key} (batch {batch}): a put whose request took effect failed: {e}")
+                    panic!("{key} (batch of {batch}): a put whose request took effect failed: {e}")
                 });
                 assert!(
                     c.get(key.as_bytes()).await.unwrap() == v,
                     "{key}: other bytes than were put"
                 );
+                if batch == 2 {
+                    assert!(
+                        c.get(other.as_bytes()).await.unwrap() == w,
+                        "{other}: other bytes than were put"
+                    );
+                }
             }
         })
     });

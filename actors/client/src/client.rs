@@ -45,7 +45,7 @@ use kvpool_wire::{ErrorCode, KvError};
 
 use crate::leader::{leader_may_have_moved, MasterSource};
 use crate::locations::OnDrop;
-use crate::put::{waits_to_put, Action, EndRetry, PutIds, PutProtocol, PUT_RETRY_MAX};
+use crate::put::{Action, PlaceIds, PutIds, PutProtocol};
 use kvpool_config::ClientConfig;
 use kvpool_wire::route::{self, merge_batch, split_batch_pieces, Target};
 
@@ -857,22 +857,6 @@ impl Client {
                     })
                     .await;
             });
-        }
-    }
-
-    /// Sends a put's end (`end()` makes it) and again while the master
-    /// cannot be reached (backoff to 200 ms, `END_TRIES` sends at most);
-    /// the answer, and whether the end was sent more than once.
-    async fn send_end<C: Call>(&self, end: impl Fn() -> C) -> (Result<C::Reply, KvError>, bool) {
-        let mut retry = EndRetry::default();
-        loop {
-            match self.ask(end()).await {
-                Err(e) => match retry.again(&e) {
-                    Some(pause) => tokio::time::sleep(pause).await,
-                    None => return (Err(e), retry.resent()),
-                },
-                r => return (r, retry.resent()),
-            }
         }
     }
 

@@ -20,6 +20,12 @@
 //!              └ past [`MAX_PLACEMENTS`]: the error
 //! ```
 //!
+//! A batch put drives one protocol per item, in rounds: the items' asks of
+//! a round go out grouped by kind and placement id (`BatchPutStart`,
+//! `BatchPutEnd`, `BatchPutRevoke`), their writes in one engine batch, and
+//! each item is fed its own part of the answers ([`PutProtocol::feed`]), so
+//! a batch item is retried, placed again and read back by the same rules.
+//!
 //! Inputs are the answers (`answered`, `written`, `reported`, `held`), the
 //! end of a pause (`woke`) and the time since the put began; the output is
 //! the next [`Action`]. The caller's deadline is the driver's: when it
@@ -112,9 +118,27 @@ impl Default for PutIds {
     }
 }
 
-impl PutIds {
+/// Where a put's placements get their ids: a client's [`PutIds`], or
+/// [`OneId`] for the placements of one round of a batch put.
+pub trait PlaceIds {
+    /// The id of a new placement.
+    fn next(&self) -> u16;
+}
+
+/// One id for every placement made with it: the items of a batch put
+/// placed in the same round share their `BatchPutStart`'s id.
+#[derive(Debug, Clone, Copy)]
+pub struct OneId(pub u16);
+
+impl PlaceIds for OneId {
+    fn next(&self) -> u16 {
+        self.0
+    }
+}
+
+impl PlaceIds for PutIds {
     /// A name for a new placement.
-    pub fn next(&self) -> u16 {
+    fn next(&self) -> u16 {
         loop {
             let id = self.0.fetch_add(1, Ordering::Relaxed);
             if id != 0 {
@@ -147,6 +171,21 @@ pub enum Action {
     ReadBack,
     /// The put is over.
     Done(Result<(), KvError>),
+}
+
+/// What came of an [`Action`] (see [`PutProtocol::feed`]).
+#[derive(Debug)]
+pub enum Input {
+    /// The master's answer to [`Action::Ask`].
+    Answer(Result<MasterResponse, KvError>),
+    /// The result of [`Action::Write`].
+    Written(Result<Option<u64>, KvError>),
+    /// [`Action::Sleep`] is over.
+    Woke,
+    /// [`Action::ReportUnreachable`]: how many segments were reported.
+    Reported(usize),
+    /// [`Action::ReadBack`]: whether the key holds this put's value.
+    Held(bool),
 }
 
 #[derive(Debug)]
@@ -231,7 +270,7 @@ impl PutProtocol {
     }
 
     /// The first placement: `PutStart`.
-    pub fn begin(&mut self, ids: &PutIds) -> Action {
+    pub fn begin(&mut self, ids: &impl PlaceIds) -> Action {
         self.place(ids)
     }
 
@@ -245,11 +284,23 @@ impl PutProtocol {
         matches!(self.stage, Stage::Done)
     }
 
+    /// What came of the last action, as one input (the batch put's driver
+    /// hands each item its part of a round this way).
+    pub fn feed(&mut self, now: Duration, ids: &impl PlaceIds, input: Input) -> Action {
+        match input {
+            Input::Answer(res) => self.answered(now, ids, res),
+            Input::Written(res) => self.written(res),
+            Input::Woke => self.woke(ids),
+            Input::Reported(n) => self.reported(ids, n),
+            Input::Held(holds) => self.held(ids, holds),
+        }
+    }
+
     /// The master's answer to the last [`Action::Ask`].
     pub fn answered(
         &mut self,
         now: Duration,
-        ids: &PutIds,
+        ids: &impl PlaceIds,
         res: Result<MasterResponse, KvError>,
     ) -> Action {
         match std::mem::replace(&mut self.stage, Stage::Done) {
@@ -313,7 +364,7 @@ impl PutProtocol {
     }
 
     /// The pause of [`Action::Sleep`] is over.
-    pub fn woke(&mut self, ids: &PutIds) -> Action {
+    pub fn woke(&mut self, ids: &impl PlaceIds) -> Action {
         match std::mem::replace(&mut self.stage, Stage::Done) {
             Stage::Waiting => self.place(ids),
             Stage::EndPause => {
@@ -327,7 +378,7 @@ impl PutProtocol {
     /// `n` unreachable segments were reported (the report may have gone
     /// with another call's: a write that timed out or found its node gone
     /// is placed again all the same).
-    pub fn reported(&mut self, ids: &PutIds, n: usize) -> Action {
+    pub fn reported(&mut self, ids: &impl PlaceIds, n: usize) -> Action {
         match std::mem::replace(&mut self.stage, Stage::Done) {
             Stage::Reporting(e) => {
                 let unreached = matches!(e.code, ErrorCode::Timeout | ErrorCode::Unavailable);
@@ -343,7 +394,7 @@ impl PutProtocol {
     }
 
     /// Whether the key read back holds exactly this put's value.
-    pub fn held(&mut self, ids: &PutIds, holds: bool) -> Action {
+    pub fn held(&mut self, ids: &impl PlaceIds, holds: bool) -> Action {
         match std::mem::replace(&mut self.stage, Stage::Done) {
             Stage::CheckingEnd(_) | Stage::CheckingExists(_) if holds => self.succeeded(),
             Stage::CheckingEnd(e) => self.decide(ids, e),
@@ -385,7 +436,7 @@ impl PutProtocol {
     }
 
     /// What a placement's error leads to.
-    fn decide(&mut self, ids: &PutIds, e: KvError) -> Action {
+    fn decide(&mut self, ids: &impl PlaceIds, e: KvError) -> Action {
         if waits_to_put(&e) {
             // Space is on its way out, another writer's put of the key is
             // ending, or the key is a recovered object whose segment has
@@ -431,7 +482,7 @@ impl PutProtocol {
     }
 
     /// A new placement: a new id, `PutStart`.
-    fn place(&mut self, ids: &PutIds) -> Action {
+    fn place(&mut self, ids: &impl PlaceIds) -> Action {
         self.before = self.put_id;
         self.put_id = ids.next();
         self.stage = Stage::Starting;

@@ -3,14 +3,21 @@
 
 use super::*;
 
+use std::collections::BTreeMap;
+
+use crate::put::{Input, OneId};
+
 impl Client {
-    /// Stores several values; one result per item, in order. Keys are
-    /// grouped by owning master shard (one call per shard); all values move
-    /// in one engine batch (sent straight from the given slices). Items
-    /// that meet space still being freed, a key still being recovered by a
-    /// restarted master, or (with `opts.replace`, the atomic replace of
-    /// [`Client::upsert`]) another client's put of their key, wait for it
-    /// within the deadline.
+    /// Stores several values; one result per item, in order. Each item
+    /// follows the put protocol ([`PutProtocol`]: waits, placements again,
+    /// resent ends and read-backs by the same rules as [`Client::put_with`]);
+    /// the items move together in rounds, each round's requests grouped
+    /// into one batch call per kind and placement (one per owning master
+    /// shard), its writes in one engine batch (sent straight from the given
+    /// slices). With `opts.replace` (the atomic replace of
+    /// [`Client::upsert`]) an item that meets another client's put of its
+    /// key waits for it within the deadline. A batch the deadline cuts
+    /// short is a `Timeout`; the placements it leaves are revoked.
     pub async fn batch_put(
         &self,
         items: &[(&[u8], &[u8])],
@@ -22,162 +29,244 @@ impl Client {
                 self.inner.locations.forget(k);
             }
         });
-        let deadline = self.call_deadline();
-        self.deadline("batch_put", async {
-            let mut out: Vec<Option<Result<(), KvError>>> = vec![None; items.len()];
-            let mut todo: Vec<usize> = (0..items.len()).collect();
-            let mut backoff = Duration::from_millis(1);
-            loop {
-                let sub: Vec<(&[u8], &[u8])> = todo.iter().map(|&i| items[i]).collect();
-                let res = self.batch_put_once(&sub, opts, deadline).await?;
-                let mut again = Vec::new();
-                for (&i, r) in todo.iter().zip(res) {
-                    match r {
-                        Err(e) if waits_to_put(&e) => again.push(i),
-                        r => out[i] = Some(r),
+        let start = Instant::now();
+        let deadline = start + self.timeout();
+        let opts = self.with_host(opts);
+        let mut puts: Vec<PutProtocol> = items
+            .iter()
+            .map(|(k, v)| {
+                let len = v.len() as u64;
+                PutProtocol::new(self.inner.id, k.to_vec(), len, opts.clone(), self.timeout())
+            })
+            .collect();
+        let mut out: Vec<Option<Result<(), KvError>>> = vec![None; items.len()];
+        let res = self
+            .deadline("batch_put", async {
+                let ids = OneId(self.next_put_id());
+                let mut next: Vec<(usize, Action)> = puts
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, p)| (i, p.begin(&ids)))
+                    .collect();
+                loop {
+                    let mut pending = Vec::with_capacity(next.len());
+                    for (i, a) in next {
+                        match a {
+                            Action::Done(r) => out[i] = Some(r),
+                            a => pending.push((i, a)),
+                        }
                     }
+                    if pending.is_empty() {
+                        return Ok(());
+                    }
+                    let inputs = self.put_round(items, pending, start, deadline).await;
+                    let now = start.elapsed();
+                    let ids = OneId(self.next_put_id());
+                    next = inputs
+                        .into_iter()
+                        .map(|(i, input)| (i, puts[i].feed(now, &ids, input)))
+                        .collect();
                 }
-                if again.is_empty() {
-                    break;
-                }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(PUT_RETRY_MAX);
-                todo = again;
+            })
+            .await;
+        // Half-done placements give their space back, best effort, under a
+        // deadline of their own: those the deadline cut short and those
+        // whose last placement timed out (as a single put's).
+        let mut revokes: BTreeMap<u16, Vec<Vec<u8>>> = BTreeMap::new();
+        for (p, o) in puts.iter_mut().zip(&out) {
+            let e = match (o, &res) {
+                (Some(Err(e)), _) | (None, Err(e)) => e,
+                _ => continue,
+            };
+            if let Some(MasterRequest::PutRevoke { key, put_id, .. }) = p.revoke_after(e) {
+                revokes.entry(put_id).or_default().push(key);
             }
-            Ok(out
-                .into_iter()
-                .map(|o| o.expect("every item has its result"))
-                .collect())
-        })
-        .await
+        }
+        if !revokes.is_empty() {
+            let me = self.clone();
+            let client_id = self.inner.id;
+            tokio::spawn(async move {
+                for (put_id, keys) in revokes {
+                    let revoke = call::BatchPutRevoke {
+                        client_id,
+                        put_id,
+                        keys,
+                    };
+                    let _ = me.deadline("batch put revoke", me.ask(revoke)).await;
+                }
+            });
+        }
+        res?;
+        Ok(out
+            .into_iter()
+            .map(|o| o.expect("every item has its result"))
+            .collect())
     }
 
-    pub(super) async fn batch_put_once(
+    /// One round of a batch put: the items' actions (none `Done`), grouped
+    /// and carried out side by side; each item's input, in no set order.
+    async fn put_round(
         &self,
         items: &[(&[u8], &[u8])],
-        opts: &PutOptions,
+        pending: Vec<(usize, Action)>,
+        start: Instant,
         deadline: Instant,
-    ) -> Result<Vec<Result<(), KvError>>, KvError> {
-        {
-            let mut opts = self.with_host(opts);
-            opts.put_id = self.next_put_id();
-            let put_id = opts.put_id;
+    ) -> Vec<(usize, Input)> {
+        type Group<T> = BTreeMap<u16, (Vec<usize>, Vec<T>)>;
+        let mut starts: Group<PutItem> = BTreeMap::new();
+        let mut start_opts: BTreeMap<u16, PutOptions> = BTreeMap::new();
+        let mut ends: Group<PutDone> = BTreeMap::new();
+        let mut revokes: Group<Vec<u8>> = BTreeMap::new();
+        let mut alone: Vec<(usize, MasterRequest)> = Vec::new();
+        let mut writes: BTreeMap<Duration, Vec<(usize, Vec<ReplicaDesc>)>> = BTreeMap::new();
+        let (mut sleep, mut sleepers) = (Duration::ZERO, Vec::new());
+        let (mut reporters, mut readers) = (Vec::new(), Vec::new());
+        let mut out = Vec::with_capacity(pending.len());
+        for (i, a) in pending {
+            match a {
+                Action::Ask(MasterRequest::PutStart { key, len, opts, .. }) => {
+                    let g = starts.entry(opts.put_id).or_default();
+                    g.0.push(i);
+                    g.1.push(PutItem { key, len });
+                    start_opts.entry(opts.put_id).or_insert(opts);
+                }
+                Action::Ask(MasterRequest::PutEnd {
+                    key,
+                    put_id,
+                    checksum,
+                    ..
+                }) => {
+                    let g = ends.entry(put_id).or_default();
+                    g.0.push(i);
+                    g.1.push(PutDone { key, checksum });
+                }
+                Action::Ask(MasterRequest::PutRevoke { key, put_id, .. }) => {
+                    let g = revokes.entry(put_id).or_default();
+                    g.0.push(i);
+                    g.1.push(key);
+                }
+                Action::Ask(req) => alone.push((i, req)),
+                Action::Write { replicas, by } => writes.entry(by).or_default().push((i, replicas)),
+                Action::Sleep(d) => {
+                    sleep = sleep.max(d);
+                    sleepers.push(i);
+                }
+                Action::ReportUnreachable => reporters.push(i),
+                Action::ReadBack => readers.push(i),
+                Action::Done(r) => out.push((
+                    i,
+                    Input::Answer(Err(KvError::new(
+                        ErrorCode::Internal,
+                        format!("a batch put's round got a finished item ({r:?})"),
+                    ))),
+                )),
+            }
+        }
+        let client_id = self.inner.id;
+        // Every request of the round, one future each, side by side: the
+        // grouped ones answer per item, another (none today) as it is.
+        let mut requests: Vec<(Vec<usize>, MasterRequest, bool)> = Vec::new();
+        for (put_id, (at, items)) in starts {
+            let opts = start_opts.remove(&put_id).unwrap_or_default();
             let req = call::BatchPutStart {
-                client_id: self.inner.id,
-                items: items
-                    .iter()
-                    .map(|(k, v)| PutItem {
-                        key: k.to_vec(),
-                        len: v.len() as u64,
-                    })
-                    .collect(),
+                client_id,
+                items,
                 opts,
             };
-            let started: Vec<Result<Vec<ReplicaDesc>, KvError>> =
-                self.ask(req).await?.into_iter().map(Result::from).collect();
-            // Per item: Ok(checksum) written; Err((e, true)) allocated but
-            // not written (its space must go back); Err((e, false)) refused.
-            let summing = self.inner.cfg.checksums;
-            let mut transfers: Vec<Transfer<'_>> = Vec::new();
-            let mut which: Vec<usize> = Vec::new();
-            for (i, (s, (_, v))) in started.iter().zip(items).enumerate() {
-                if let Ok(reps) = s {
-                    transfers.push(if summing {
+            requests.push((at, req.into(), true));
+        }
+        for (put_id, (at, items)) in ends {
+            let req = call::BatchPutEnd {
+                client_id,
+                put_id,
+                items,
+            };
+            requests.push((at, req.into(), true));
+        }
+        for (put_id, (at, keys)) in revokes {
+            let req = call::BatchPutRevoke {
+                client_id,
+                put_id,
+                keys,
+            };
+            requests.push((at, req.into(), true));
+        }
+        requests.extend(alone.into_iter().map(|(i, req)| (vec![i], req, false)));
+        let asks = requests.into_iter().map(|(at, req, grouped)| async move {
+            let res = self.send(req).await;
+            if grouped {
+                per_item(at, res)
+            } else {
+                at.into_iter()
+                    .map(|i| (i, Input::Answer(res.clone())))
+                    .collect()
+            }
+        });
+        let summing = self.inner.cfg.checksums;
+        let writes = writes.into_iter().map(|(by, group)| async move {
+            let mut transfers: Vec<Transfer<'_>> = group
+                .iter()
+                .map(|(i, reps)| {
+                    let v = items[*i].1;
+                    if summing {
                         Transfer::write_summed(v, reps)
                     } else {
                         Transfer::write(v, reps)
-                    });
-                    which.push(i);
-                }
-            }
-            self.inner.engine.run(&mut transfers, deadline, None).await;
-            let mut written: Vec<Result<Option<u64>, (KvError, bool)>> = started
-                .iter()
-                .map(|s| match s {
-                    Ok(_) => Ok(None),
-                    Err(e) => Err((e.clone(), false)),
-                })
-                .collect();
-            for (t, &i) in transfers.into_iter().zip(&which) {
-                written[i] = match t.status {
-                    Some(Err(e)) => Err((e, true)),
-                    _ => Ok(t.sum),
-                };
-            }
-            type Written = Result<Option<u64>, (KvError, bool)>;
-            let keys_where = |pred: fn(&Written) -> bool| -> Vec<Vec<u8>> {
-                written
-                    .iter()
-                    .zip(items)
-                    .filter(|(w, _)| pred(w))
-                    .map(|(_, (k, _))| k.to_vec())
-                    .collect()
-            };
-            let ok_items: Vec<PutDone> = written
-                .iter()
-                .zip(items)
-                .filter_map(|(w, (k, _))| {
-                    w.as_ref().ok().map(|sum| PutDone {
-                        key: k.to_vec(),
-                        checksum: *sum,
-                    })
-                })
-                .collect();
-            let failed_keys = keys_where(|w| matches!(w, Err((_, true))));
-            if !failed_keys.is_empty() {
-                let _ = self
-                    .ask(call::BatchPutRevoke {
-                        client_id: self.inner.id,
-                        put_id,
-                        keys: failed_keys,
-                    })
-                    .await;
-            }
-            let ok_values: Vec<&[u8]> = written
-                .iter()
-                .zip(items)
-                .filter(|(w, _)| w.is_ok())
-                .map(|(_, (_, v))| *v)
-                .collect();
-            // Sent again while the master cannot be reached, as a single
-            // put's end is (see `end_put`).
-            let (answers, again) = if ok_items.is_empty() {
-                (Vec::new(), false)
-            } else {
-                let (r, again) = self
-                    .send_end(|| call::BatchPutEnd {
-                        client_id: self.inner.id,
-                        put_id,
-                        items: ok_items.clone(),
-                    })
-                    .await;
-                let answers: Vec<Result<(), KvError>> = r?.into_iter().map(Result::from).collect();
-                (answers, again)
-            };
-            let mut ends = Vec::with_capacity(answers.len());
-            for ((a, d), v) in answers.into_iter().zip(&ok_items).zip(ok_values) {
-                ends.push(match a {
-                    Err(e) if e.code == ErrorCode::ObjectAlreadyExists && again => {
-                        if self.holds(&d.key, v, deadline).await {
-                            Ok(())
-                        } else {
-                            Err(e)
-                        }
                     }
-                    a => a,
-                });
-            }
-            let mut ended = ends.into_iter();
-            Ok(written
-                .into_iter()
-                .map(|w| match w {
-                    Ok(_) => ended.next().unwrap_or_else(|| {
-                        Err(KvError::new(ErrorCode::Internal, "missing put_end result"))
-                    }),
-                    Err((e, _)) => Err(e),
                 })
-                .collect())
-        }
+                .collect();
+            self.inner
+                .engine
+                .run(&mut transfers, start + by, None)
+                .await;
+            group
+                .iter()
+                .zip(transfers)
+                .map(|((i, _), t)| {
+                    let written = match t.status {
+                        Some(Err(e)) => Err(e),
+                        _ => Ok(t.sum),
+                    };
+                    (*i, Input::Written(written))
+                })
+                .collect::<Vec<_>>()
+        });
+        let sleeping = async {
+            if !sleepers.is_empty() {
+                tokio::time::sleep(sleep).await;
+            }
+            sleepers
+                .into_iter()
+                .map(|i| (i, Input::Woke))
+                .collect::<Vec<_>>()
+        };
+        let reporting = async {
+            if reporters.is_empty() {
+                return Vec::new();
+            }
+            let n = self.report_unreachable().await;
+            reporters
+                .into_iter()
+                .map(|i| (i, Input::Reported(n)))
+                .collect()
+        };
+        let reading = readers.into_iter().map(|i| async move {
+            let (k, v) = items[i];
+            (i, Input::Held(self.holds(k, v, deadline).await))
+        });
+        let (asked, written, slept, reported, read) = tokio::join!(
+            futures_util::future::join_all(asks),
+            futures_util::future::join_all(writes),
+            sleeping,
+            reporting,
+            futures_util::future::join_all(reading),
+        );
+        out.extend(asked.into_iter().flatten());
+        out.extend(written.into_iter().flatten());
+        out.extend(slept);
+        out.extend(reported);
+        out.extend(read);
+        out
     }
 
     /// Reads several values straight into the given buffers; one result per
@@ -340,4 +429,26 @@ impl Client {
         })
         .await
     }
+}
+
+/// A batch answer (`BatchDone` or `BatchReplicas`) handed to the items at
+/// `at` as the answers of their single calls; a whole failure is each
+/// item's.
+fn per_item(at: Vec<usize>, res: Result<MasterResponse, KvError>) -> Vec<(usize, Input)> {
+    let answers: Vec<Result<MasterResponse, KvError>> = match res {
+        Ok(MasterResponse::BatchDone(v)) if v.len() == at.len() => v
+            .into_iter()
+            .map(|r| Result::from(r).map(|()| MasterResponse::Done))
+            .collect(),
+        Ok(MasterResponse::BatchReplicas(v)) if v.len() == at.len() => v
+            .into_iter()
+            .map(|r| Result::from(r).map(MasterResponse::Replicas))
+            .collect(),
+        Ok(other) => vec![Err(call::unexpected("a batch put", &other)); at.len()],
+        Err(e) => vec![Err(e); at.len()],
+    };
+    at.into_iter()
+        .zip(answers)
+        .map(|(i, a)| (i, Input::Answer(a)))
+        .collect()
 }

@@ -290,3 +290,34 @@ fn an_input_the_stage_does_not_wait_for_is_an_internal_error_not_a_panic() {
         "a read-back nobody asked for"
     );
 }
+
+#[test]
+fn a_batch_round_places_its_items_under_one_id_and_each_item_resends_its_own_lost_end() {
+    let round = OneId(41);
+    let (mut a, mut b) = (put(false), put(false));
+    assert_eq!(started(a.begin(&round)), 41);
+    assert_eq!(started(b.begin(&round)), 41, "one BatchPutStart per round");
+    let now = Duration::ZERO;
+    let next = OneId(42);
+    for p in [&mut a, &mut b] {
+        let write = p.feed(now, &next, Input::Answer(replicas()));
+        assert!(matches!(write, Action::Write { .. }), "{write:?}");
+        assert_eq!(
+            ended(p.feed(now, &next, Input::Written(Ok(Some(9))))),
+            (41, Some(9))
+        );
+    }
+    // The batch end's answer reached `a` (its master shard answered) and not
+    // `b` (the other shard's connection broke): only `b` sends its end again,
+    // by the same placement's id; `a` is done.
+    assert!(done(a.feed(now, &next, Input::Answer(Ok(MasterResponse::Done)))).is_ok());
+    let lost = Input::Answer(err(ErrorCode::Unavailable));
+    match b.feed(now, &next, lost) {
+        Action::Sleep(_) => {}
+        other => panic!("expected a pause before the end goes again, got {other:?}"),
+    }
+    assert_eq!(ended(b.feed(now, &next, Input::Woke)), (41, Some(9)));
+    let exists = Input::Answer(err(ErrorCode::ObjectAlreadyExists));
+    assert!(matches!(b.feed(now, &next, exists), Action::ReadBack));
+    assert!(done(b.feed(now, &next, Input::Held(true))).is_ok());
+}
