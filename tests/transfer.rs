@@ -146,12 +146,14 @@ fn more_slices_than_the_in_flight_bound_wait_instead_of_piling_up() {
 /// (`master.max_batch`, 4,096 by default) goes to its shard in pieces: an
 /// engine's chunks times layer groups of a long prompt are such a batch.
 /// Before, 5,000 keys to a one-shard master were refused as a whole
-/// ("a batch of 5000 keys exceeds master.max_batch").
+/// ("a batch of 5000 keys exceeds master.max_batch"); and a master whose
+/// `max_batch` is set below 4,096 refused every piece of 4,096 keys (the
+/// client now cuts pieces by the bound the master's cluster map tells).
 #[test]
 fn a_batch_over_the_masters_bound_goes_in_pieces_and_every_key_answers_in_place() {
-    let node = common::start(
-        "all",
-        &[
+    let small = common::config_file("max-batch-1000", "[master]\nmax_batch = 1000\n");
+    for config in [None, Some(small.as_str())] {
+        let mut args = vec![
             "--listen",
             "127.0.0.1:0",
             "--http",
@@ -160,13 +162,20 @@ fn a_batch_over_the_masters_bound_goes_in_pieces_and_every_key_answers_in_place(
             "1",
             "--segment-size",
             "128MiB",
-        ],
-    );
+        ];
+        if let Some(f) = config {
+            args.extend(["--config", f]);
+        }
+        let node = common::start("all", &args);
+        batch_of_5000_keys(&node.addr, config.is_some());
+    }
+}
+
+/// Puts, finds and reads back 5,000 keys in one batch call each.
+fn batch_of_5000_keys(master: &str, small: bool) {
     let rt = common::rt();
     rt.block_on(async {
-        let c = Client::connect(&node.addr, cfg(Transport::Tcp))
-            .await
-            .unwrap();
+        let c = Client::connect(master, cfg(Transport::Tcp)).await.unwrap();
         let n = 5_000;
         let keys: Vec<String> = (0..n).map(|i| format!("piece{i}")).collect();
         let values: Vec<Vec<u8>> = (0..n).map(|i| data(i as u64, 64)).collect();
@@ -182,11 +191,14 @@ fn a_batch_over_the_masters_bound_goes_in_pieces_and_every_key_answers_in_place(
             .into_iter()
             .enumerate()
         {
-            r.unwrap_or_else(|e| panic!("put {i}: {e}"));
+            r.unwrap_or_else(|e| panic!("put {i} (max_batch 1000: {small}): {e}"));
         }
         let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
         let found = c.batch_exists(&refs).await.unwrap();
-        assert!(found.iter().all(|r| matches!(r, Ok(true))));
+        assert!(
+            found.iter().all(|r| matches!(r, Ok(true))),
+            "every key found (max_batch 1000: {small})"
+        );
         let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; 64]).collect();
         let mut items: Vec<(&[u8], &mut [u8])> = keys
             .iter()

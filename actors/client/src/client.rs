@@ -118,12 +118,12 @@ fn host_of(addr: &str) -> String {
 /// How long before the lease's end a view stops handing out bytes (clock
 /// skew between this process and the master, and time to use the slice).
 const VIEW_MARGIN: Duration = Duration::from_millis(500);
-/// Keys per master request of a batch call: a larger batch (an engine's
-/// chunks times layer groups of a long prompt; a client's own) goes to its
-/// shard in pieces of this many, side by side. Masters refuse more than
-/// `master.max_batch`, whose default this is. (A batch within it is one
-/// request per shard, as before; a lost answer to one piece of a larger
-/// one fails that piece's keys alone, as a lost shard's part does.)
+/// Keys per master request of a batch call, at most: a larger batch (an
+/// engine's chunks times layer groups of a long prompt; a client's own) goes
+/// to its shard in pieces side by side, of this many keys or of the
+/// master's `max_batch` (told in its cluster map) where that is smaller.
+/// Within it a batch is one request per shard; each piece's keys answer (and
+/// retry) on their own.
 const BATCH_PIECE: usize = 4096;
 
 /// Pause between two looks for the leader while none answers (a failover
@@ -493,15 +493,16 @@ impl Client {
     }
 
     /// A batch request: one sub-batch per owning shard (cut into pieces of
-    /// [`BATCH_PIECE`] keys), sent at once, merged back in the order of the
-    /// keys.
+    /// [`BATCH_PIECE`] keys or the master's `max_batch`), sent at once,
+    /// merged back in the order of the keys.
     async fn master_batch(
         &self,
         view: &View,
         req: MasterRequest,
     ) -> Result<MasterResponse, KvError> {
         let n = req.batch_keys().map(|k| k.len()).unwrap_or(0);
-        let parts = split_batch_pieces(req, |k| shard_in(view, k) as u32, BATCH_PIECE);
+        let piece = BATCH_PIECE.min(view.cluster.max_batch.max(1) as usize);
+        let parts = split_batch_pieces(req, |k| shard_in(view, k) as u32, piece);
         let calls = parts.into_iter().map(|p| async move {
             let res = self.master_on(view, p.shard as usize, &p.req).await;
             (p.positions, res)

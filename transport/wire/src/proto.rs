@@ -104,6 +104,10 @@ pub struct ClusterMap {
     /// hot-object replication). When set, every storage node polls for
     /// `Fetch` tasks, the tier-less ones too.
     pub hot_replicas: u16,
+    /// The most keys one batch request may name (`master.max_batch`): a
+    /// client cuts a longer batch into pieces of at most this many keys per
+    /// shard.
+    pub max_batch: u32,
 }
 
 /// What a storage node contributes when it mounts a segment.
