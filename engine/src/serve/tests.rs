@@ -410,3 +410,131 @@ fn prompt_token_ids_sent_along_are_the_prompt_and_skip_the_tokenizer() {
         );
     });
 }
+
+/// The text as the whole of `ids` decodes (what the incremental text
+/// must equal): invalid bytes as U+FFFD; unless `last`, an incomplete
+/// tail held back (and a Hugging Face decoder's trailing U+FFFD).
+fn whole_text(tok: &Tokenizer, ids: &[u32], last: bool) -> String {
+    let bytes = tok.decode_bytes(ids);
+    let mut out = String::new();
+    let mut rest = &bytes[..];
+    while !rest.is_empty() {
+        match std::str::from_utf8(rest) {
+            Ok(s) => {
+                out.push_str(s);
+                rest = &[];
+            }
+            Err(e) => {
+                let (valid, after) = rest.split_at(e.valid_up_to());
+                out.push_str(std::str::from_utf8(valid).unwrap());
+                match e.error_len() {
+                    Some(n) => {
+                        out.push(char::REPLACEMENT_CHARACTER);
+                        rest = &after[n..];
+                    }
+                    None => {
+                        if last {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                        }
+                        rest = &[];
+                    }
+                }
+            }
+        }
+    }
+    if !last && matches!(tok, Tokenizer::Hf(_)) {
+        let kept = out.trim_end_matches(char::REPLACEMENT_CHARACTER).len();
+        out.truncate(kept);
+    }
+    out
+}
+
+/// Token by token, the incremental text (settled chunks and a short
+/// window) is the whole sequence's decode; the streamed deltas add up to
+/// it; a stop string cuts it where it first appears in the whole text.
+#[test]
+fn incremental_text_and_stops_equal_the_whole_decode_token_by_token() {
+    use rand::{Rng, SeedableRng};
+    let tok = Tokenizer::Bytes;
+    // ASCII, the bytes of two- to four-byte characters, invalid bytes.
+    let alphabet: Vec<u8> = [&b"abXY "[..], "é€😀".as_bytes(), &[0xff, 0x80, 0xe2]].concat();
+    for seed in 0..200u64 {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let stop = match seed % 3 {
+            0 => None,
+            1 => Some(Stop::One("XY".into())),
+            _ => Some(Stop::Many(vec!["€Y".into(), "a a".into()])),
+        };
+        let stops: Vec<String> = match &stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        let mut t = TextState::new(stop);
+        let mut ids = Vec::new();
+        let mut sent = String::new();
+        let mut stopped = false;
+        for _ in 0..rng.random_range(1..300) {
+            let id = u32::from(alphabet[rng.random_range(0..alphabet.len())]);
+            ids.push(id);
+            let want = whole_text(&tok, &ids, false);
+            let first = stops.iter().filter_map(|s| want.find(s.as_str())).min();
+            if t.push(id, &tok) {
+                assert_eq!(
+                    t.stopped.as_deref(),
+                    Some(&want[..first.unwrap()]),
+                    "seed {seed}"
+                );
+                stopped = true;
+                break;
+            }
+            assert_eq!(first, None, "seed {seed}: a stop string missed in {want:?}");
+            assert_eq!(t.text(&tok, false), want, "seed {seed}");
+            sent.push_str(&t.delta(&tok, false));
+            assert!(
+                want.starts_with(&sent),
+                "seed {seed}: {sent:?} is not a prefix of {want:?}"
+            );
+        }
+        sent.push_str(&t.delta(&tok, true));
+        let want = match stopped {
+            true => t.stopped.clone().unwrap(),
+            false => whole_text(&tok, &ids, true),
+        };
+        assert_eq!(sent, want, "seed {seed}: the deltas add up to the text");
+    }
+}
+
+/// The same with a Hugging Face tokenizer whose decoder puts a space
+/// between words (the window's context decides the space): token by
+/// token, the text is the whole sequence's decode.
+#[test]
+fn incremental_text_of_spaced_words_equals_the_whole_decode() {
+    use rand::{Rng, SeedableRng};
+    let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+"normalizer":null,"pre_tokenizer":{"type":"WhitespaceSplit"},"post_processor":null,
+"decoder":null,"model":{"type":"WordLevel","vocab":{"[UNK]":0,"a":1,"X":2,"Y":3,"\u00e9t\u00e9":4},
+"unk_token":"[UNK]"}}"#;
+    let hf: tokenizers::Tokenizer = json.parse().expect("tokenizer json");
+    let tok = Tokenizer::Hf(Box::new(hf));
+    assert_eq!(tok.decode_bytes(&[1, 2, 4]), "a X été".as_bytes());
+    for seed in 0..50u64 {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut t = TextState::new(Some(Stop::One("X Y".into())));
+        let mut ids = Vec::new();
+        for _ in 0..rng.random_range(1..100) {
+            let id = rng.random_range(1..5u32);
+            ids.push(id);
+            let want = whole_text(&tok, &ids, false);
+            if t.push(id, &tok) {
+                let at = want
+                    .find("X Y")
+                    .expect("a stop where the whole text has one");
+                assert_eq!(t.stopped.as_deref(), Some(&want[..at]), "seed {seed}");
+                break;
+            }
+            assert!(!want.contains("X Y"), "seed {seed}: a stop string missed");
+            assert_eq!(t.text(&tok, false), want, "seed {seed}");
+        }
+    }
+}

@@ -3,6 +3,12 @@
 use super::*;
 
 /// Generated text so far, with stop strings applied.
+///
+/// Decoded incrementally: each token costs the decode of a short window
+/// (the ids since the text last settled, and the chunk before them for the
+/// decoder's context) and a stop-string search over the text's tail, not a
+/// decode and search of everything generated (which made a long answer's
+/// tokens cost more and more).
 #[derive(Clone)]
 pub(super) struct TextState {
     pub(super) ids: Vec<u32>,
@@ -14,6 +20,19 @@ pub(super) struct TextState {
     pub(super) sent: usize,
     /// Final text once a stop string matched.
     pub(super) stopped: Option<String>,
+    /// The text of `ids[..read]`, final whatever comes next.
+    settled: String,
+    /// The text the ids past `read` add so far, a tail that may still
+    /// become a character held back (what `text(_, false)` appends).
+    pending: String,
+    /// `ids[window..read]` are decoded again with the ids past `read` (a
+    /// decoder's context: a leading space, the space between two words),
+    /// and their own text is taken off what that gives.
+    window: usize,
+    read: usize,
+    /// Where `settled` ended at the last stop-string search: a match that
+    /// starts more than the longest stop string before it was found then.
+    searched: usize,
 }
 
 impl TextState {
@@ -29,6 +48,11 @@ impl TextState {
             stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
             sent: 0,
             stopped: None,
+            settled: String::new(),
+            pending: String::new(),
+            window: 0,
+            read: 0,
+            searched: 0,
         }
     }
 
@@ -37,8 +61,37 @@ impl TextState {
     /// is held back: an incomplete UTF-8 sequence (byte-level tokens) or
     /// trailing U+FFFD (what a Hugging Face decoder makes of one).
     pub(super) fn text(&self, tok: &Tokenizer, last: bool) -> String {
-        let bytes = tok.decode_bytes(&self.ids);
+        let mut out = self.settled.clone();
+        if last {
+            out.push_str(&self.fresh_text(tok, true).0);
+        } else {
+            out.push_str(&self.pending);
+        }
+        out
+    }
+
+    /// The bytes the ids past `read` add, decoded beside the window's ids
+    /// for context (bytes past the window's own text; a decoder that
+    /// changes the window's text gives what lies past its old length).
+    fn fresh(&self, tok: &Tokenizer) -> Vec<u8> {
+        if self.read == self.ids.len() {
+            return Vec::new();
+        }
+        let before = match self.window == self.read {
+            true => 0,
+            false => tok.decode_bytes(&self.ids[self.window..self.read]).len(),
+        };
+        let mut all = tok.decode_bytes(&self.ids[self.window..]);
+        all.drain(..before.min(all.len()));
+        all
+    }
+
+    /// [`TextState::fresh`] as text by the rules of [`TextState::text`], and
+    /// whether it is whole (nothing held back: it may settle).
+    fn fresh_text(&self, tok: &Tokenizer, last: bool) -> (String, bool) {
+        let bytes = self.fresh(tok);
         let mut out = String::with_capacity(bytes.len());
+        let mut whole = true;
         let mut rest = &bytes[..];
         loop {
             match std::str::from_utf8(rest) {
@@ -57,6 +110,7 @@ impl TextState {
                         }
                         // An incomplete sequence at the end.
                         None => {
+                            whole = false;
                             if last {
                                 out.push(char::REPLACEMENT_CHARACTER);
                             }
@@ -66,11 +120,27 @@ impl TextState {
                 }
             }
         }
-        if !last && matches!(tok, Tokenizer::Hf(_)) {
-            let kept = out.trim_end_matches(char::REPLACEMENT_CHARACTER).len();
-            out.truncate(kept);
+        if matches!(tok, Tokenizer::Hf(_)) && out.ends_with(char::REPLACEMENT_CHARACTER) {
+            whole = false;
+            if !last {
+                let kept = out.trim_end_matches(char::REPLACEMENT_CHARACTER).len();
+                out.truncate(kept);
+            }
         }
-        out
+        (out, whole)
+    }
+
+    /// Decodes what the ids past `read` add; settles it when whole.
+    fn advance(&mut self, tok: &Tokenizer) {
+        let (text, whole) = self.fresh_text(tok, false);
+        if whole {
+            self.settled.push_str(&text);
+            self.pending.clear();
+            self.window = self.read;
+            self.read = self.ids.len();
+        } else {
+            self.pending = text;
+        }
     }
 
     /// Starts from tokens another engine generated, `r.text_sent_bytes`
@@ -91,6 +161,9 @@ impl TextState {
         };
         self.ids = prompt[start..].to_vec();
         self.resumed = self.ids.len();
+        (self.settled, self.pending) = (String::new(), String::new());
+        (self.window, self.read, self.searched) = (0, 0, 0);
+        self.advance(tok);
         let text = self.text(tok, false);
         if r.text_sent_bytes > text.len() {
             return Err(ApiError::bad(format!(
@@ -112,13 +185,17 @@ impl TextState {
     /// Adds a token; true when a stop string matched.
     pub(super) fn push(&mut self, t: u32, tok: &Tokenizer) -> bool {
         self.ids.push(t);
-        if self.stop.is_empty() {
+        self.advance(tok);
+        let Some(longest) = self.stop.iter().map(String::len).max() else {
             return false;
-        }
-        let text = self.text(tok, false);
-        let hit = self.stop.iter().filter_map(|s| text.find(s.as_str())).min();
+        };
+        // Only the tail can hold a match not found before.
+        let from = floor(&self.settled, self.searched.saturating_sub(longest));
+        self.searched = self.settled.len();
+        let tail = [&self.settled[from..], &self.pending].concat();
+        let hit = self.stop.iter().filter_map(|s| tail.find(s.as_str())).min();
         if let Some(i) = hit {
-            self.stopped = Some(text[..i].to_string());
+            self.stopped = Some([&self.settled[..from], &tail[..i]].concat());
             return true;
         }
         false
@@ -127,12 +204,26 @@ impl TextState {
     /// Text not yet streamed that can be sent now (a possible stop-string
     /// prefix at the end is held back unless `last`).
     pub(super) fn delta(&mut self, tok: &Tokenizer, last: bool) -> String {
-        let text = self.stopped.clone().unwrap_or_else(|| self.text(tok, last));
+        // The text from about what was sent (the text before it is not
+        // copied again).
+        let (from, text) = match &self.stopped {
+            Some(t) => (0, t.clone()),
+            None => {
+                let from = floor(&self.settled, self.sent);
+                let mut t = self.settled[from..].to_string();
+                match last {
+                    true => t.push_str(&self.fresh_text(tok, true).0),
+                    false => t.push_str(&self.pending),
+                }
+                (from, t)
+            }
+        };
+        let mut sent = self.sent - from;
         // A decoder need not be prefix-stable: what was sent may no longer
         // end on a character boundary of the new text. Never slice inside
         // a character.
-        while self.sent < text.len() && !text.is_char_boundary(self.sent) {
-            self.sent += 1;
+        while sent < text.len() && !text.is_char_boundary(sent) {
+            sent += 1;
         }
         let mut upto = text.len();
         if !last {
@@ -142,16 +233,23 @@ impl TextState {
                 .map(|s| s.len().saturating_sub(1))
                 .max()
                 .unwrap_or(0);
-            upto = upto.saturating_sub(hold);
-            while !text.is_char_boundary(upto) {
-                upto -= 1;
-            }
+            upto = floor(&text, upto.saturating_sub(hold));
         }
-        if upto <= self.sent {
+        if upto <= sent {
+            self.sent = from + sent;
             return String::new();
         }
-        let d = text[self.sent..upto].to_string();
-        self.sent = upto;
+        let d = text[sent..upto].to_string();
+        self.sent = from + upto;
         d
     }
+}
+
+/// The largest character boundary of `s` at or before `i`.
+fn floor(s: &str, i: usize) -> usize {
+    let mut i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
 }
