@@ -1350,9 +1350,9 @@ fn set_replaces_atomically_readers_see_the_old_or_the_new_value_never_a_mix_or_a
 /// SETs of one key from connections on both RESP threads take turns in the
 /// front: a thread's write of the key waits for the other's at the key's
 /// stripe, woken when it ends, and the master never refuses a replace of
-/// it for another (`TryAgain`: `put_start` errors). Before, the two threads' replaces met at
-/// the master and the second asked again every few milliseconds
-/// (redis-benchmark's one-key SET: p99 13-27x its p50, 2-core).
+/// it for another (`TryAgain`: `put_start` errors). The same for MSETs of
+/// the key among others (their writes took no stripe: they met the other
+/// thread's SETs at the master).
 #[test]
 fn sets_of_one_key_from_both_resp_threads_take_turns_in_the_front_not_at_the_master() {
     let p = pool_with_resp(None, &[]);
@@ -1392,7 +1392,22 @@ fn sets_of_one_key_from_both_resp_threads_take_turns_in_the_front_not_at_the_mas
             })
         })
         .collect();
-    for w in writers.into_iter().chain(with_expiry) {
+    // MSETs of the key and another take the same turns.
+    let msets: Vec<_> = (0..8u64)
+        .map(|w| {
+            let addr = p.resp.clone();
+            std::thread::spawn(move || {
+                let mut c = Raw::connect(&addr);
+                for i in 0..20 {
+                    let v = common::value(w * 100 + i, 4096);
+                    let other = format!("turns-m{w}");
+                    let r = c.cmd(&[b"MSET", b"turns", &v, other.as_bytes(), &v]);
+                    assert_eq!(r, ok(), "writer {w} MSET {i}");
+                }
+            })
+        })
+        .collect();
+    for w in writers.into_iter().chain(with_expiry).chain(msets) {
         w.join().expect("every SET answered OK");
     }
     assert_eq!(

@@ -706,7 +706,17 @@ impl Conn {
             }
             return out;
         }
-        let Ok(_held) = self.ctx.keys.lock(&keys, within).await else {
+        // The keys' stripes first (as a SET of one key takes its own):
+        // another RESP thread's write of one of them waits here, not at the
+        // master; then this thread's hold on the keys.
+        let deadline = tokio::time::Instant::now() + within;
+        let stripes = self.ctx.shared.counters.lock_all(&keys, deadline).await;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let held = match stripes {
+            Some(_) => self.ctx.keys.lock(&keys, left).await.ok(),
+            None => None,
+        };
+        let (Some(_turns), Some(_held)) = (stripes, held) else {
             for r in out.iter_mut().filter(|r| r.is_ok()) {
                 *r = Err(busy.into());
             }

@@ -103,8 +103,9 @@ pub(crate) struct Shared {
     pub collections: collections::Collections,
     /// `INCR` and its kin read, add and write a key one at a time across
     /// the RESP threads: a key's stripe is held for the three steps. A SET
-    /// of one key holds it for its write (another thread's SET of the key
-    /// waits here, not at the master).
+    /// holds its key's stripe for its write, an MSET (or a pipeline's run
+    /// of SETs) its keys' stripes (another thread's write of a key waits
+    /// here, not at the master). Always before this thread's hold on a key.
     pub counters: KeyStripes,
 }
 
@@ -126,14 +127,38 @@ impl KeyStripes {
 
     /// The lock of `key`'s stripe.
     pub fn of(&self, key: &[u8]) -> &tokio::sync::Mutex<()> {
+        &self.locks[self.index(key)]
+    }
+
+    fn index(&self, key: &[u8]) -> usize {
         use std::hash::BuildHasher;
-        &self.locks[(self.hasher.hash_one(key) % self.locks.len() as u64) as usize]
+        (self.hasher.hash_one(key) % self.locks.len() as u64) as usize
+    }
+
+    /// The locks of the stripes of `keys`, each once, taken in the stripes'
+    /// order (two writers of several keys never wait for each other in a
+    /// circle; a writer of one key holds one stripe); `None` when they are
+    /// not all held by `deadline`.
+    pub async fn lock_all(
+        &self,
+        keys: &[&[u8]],
+        deadline: tokio::time::Instant,
+    ) -> Option<Vec<tokio::sync::MutexGuard<'_, ()>>> {
+        let mut at: Vec<usize> = keys.iter().map(|k| self.index(k)).collect();
+        at.sort_unstable();
+        at.dedup();
+        let mut held = Vec::with_capacity(at.len());
+        for i in at {
+            let lock = self.locks[i].lock();
+            held.push(tokio::time::timeout_at(deadline, lock).await.ok()?);
+        }
+        Some(held)
     }
 }
 
 /// Stripes of [`Shared::counters`]: enough that SETs of distinct keys from
 /// many connections seldom share one (a SET holds its stripe for a write).
-const COUNTER_STRIPES: usize = 1024;
+const COUNTER_STRIPES: usize = 16_384;
 
 /// One RESP thread's view: the shared parts and its own pool client.
 pub(crate) struct ThreadCtx {
