@@ -95,14 +95,19 @@ impl EmbeddedNode {
 
     /// Unmounts the segment at the master, then stops the shards (in-flight
     /// requests get the drain deadline).
+    /// Once the shards ended, the ports are free at once (a `setup` on the
+    /// same `local_hostname` port may follow): the listeners stop listening
+    /// though the kernel may still be tearing the shards' rings down.
     pub fn stop(mut self) {
+        let listening = self.node.as_ref().map(|n| n.listening());
         if let Some(node) = self.node.take() {
             let _ = runtime::block_on(node.leave());
         }
         self.shutdown.trigger();
         if let Some(pool) = self.pool.take() {
-            if let Err(e) = pool.shutdown_and_join() {
-                tracing::warn!("embedded storage node: {e}");
+            match pool.shutdown_and_join() {
+                Ok(()) => listening.iter().for_each(|l| l.stop()),
+                Err(e) => tracing::warn!("embedded storage node: {e}"),
             }
         }
     }

@@ -16,8 +16,9 @@ const PORT_ATTEMPTS: usize = 32;
 /// `local_hostname` port): a node restarted at once on its own ports would
 /// otherwise fail to start. On a loaded machine the teardown took more than
 /// 4 s once (CI, Mooncake's `test_replication_failure_tolerance`, beside three
-/// other suites), hence 10 s. A port another live process holds still
-/// fails, once this has passed.
+/// other suites), hence 10 s; an embedded node now also shuts its listeners
+/// down when it stops ([`Listening`]), which frees them at once. A port
+/// another live process holds still fails, once this has passed.
 pub const FIXED_PORT_WAIT: Duration = Duration::from_secs(10);
 
 /// Binds `n` consecutive ports starting at `addr`'s port. Port 0 asks the OS
@@ -70,6 +71,34 @@ pub fn bind_sharded_within(
     )))
 }
 
+/// Second handles (dups) of a node's listening sockets, to stop listening
+/// when the node stops. A socket shut down leaves the LISTEN state at once,
+/// so its port can be bound again (both sockets have `SO_REUSEADDR`, which
+/// std sets) even while the shards' io_uring rings still hold it: the kernel
+/// tears a ring down after its thread ended, and a pending accept keeps the
+/// socket bound until then (under load for more than 10 s: Mooncake's
+/// `close()` then `setup()` on the same port failed with "Address already in
+/// use").
+pub struct Listening(Vec<TcpListener>);
+
+impl Listening {
+    /// Handles of `listeners` (the same sockets).
+    pub fn of(listeners: &[TcpListener]) -> std::io::Result<Self> {
+        let dups = listeners.iter().map(TcpListener::try_clone);
+        Ok(Self(dups.collect::<std::io::Result<_>>()?))
+    }
+
+    /// Stops listening on every socket: their ports are free to bind; an
+    /// accept still pending fails. Call it once the node's shards ended.
+    pub fn stop(&self) {
+        for l in &self.0 {
+            if let Err(e) = rustix::net::shutdown(l, rustix::net::Shutdown::Both) {
+                tracing::debug!("stop listening on {:?}: {e}", l.local_addr());
+            }
+        }
+    }
+}
+
 fn try_bind(base: SocketAddr, n: usize) -> std::io::Result<(SocketAddr, Vec<TcpListener>)> {
     let first = TcpListener::bind(base)?;
     let bound = first.local_addr()?;
@@ -98,6 +127,24 @@ mod tests {
         for (i, l) in ls.iter().enumerate() {
             assert_eq!(l.local_addr().unwrap().port(), addr.port() + i as u16);
         }
+    }
+
+    /// A socket something else still holds (here the listeners themselves,
+    /// as a torn-down ring's pending accept does) keeps its ports bound
+    /// until it is shut down; then the ports can be bound again at once.
+    #[test]
+    fn stopped_listeners_free_their_ports_while_still_held() {
+        let (addr, held) = bind_sharded("127.0.0.1:0", 2).unwrap();
+        let listening = Listening::of(&held).unwrap();
+        let again = |wait| bind_sharded_within(&addr.to_string(), 2, wait);
+        assert!(
+            again(Duration::from_millis(100)).is_err(),
+            "still listening"
+        );
+        listening.stop();
+        let (rebound, ls) = again(Duration::ZERO).expect("the ports are free once stopped");
+        assert_eq!((rebound, ls.len()), (addr, 2));
+        drop(held);
     }
 
     #[test]

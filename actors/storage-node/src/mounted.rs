@@ -15,6 +15,7 @@
 //! server run on it) and the shutdown signal; `leave` does not trigger it.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvpool_client::{Client, ClientConfig};
@@ -54,6 +55,7 @@ pub struct MountedNode {
     spec: SegmentSpec,
     /// The NVMe tier's segment, unmounted by its node's client on leave.
     nvme: Option<(Client, SegmentId)>,
+    listening: Arc<kvpool_runtime::net::Listening>,
 }
 
 /// Starts a storage node on `shards` with `cfg` and mounts it at the master
@@ -105,6 +107,7 @@ pub async fn start_mounted(
         addr: svc.addr,
         spec: svc.spec,
         nvme,
+        listening: svc.listening,
     })
 }
 
@@ -112,6 +115,12 @@ impl MountedNode {
     /// The data plane's base address (shard i on port + i).
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Its data listeners: [`Listening::stop`](kvpool_runtime::net::Listening::stop)
+    /// them once the shards ended, to bind the same ports again at once.
+    pub fn listening(&self) -> Arc<kvpool_runtime::net::Listening> {
+        self.listening.clone()
     }
 
     /// What the node mounted.

@@ -55,6 +55,9 @@ pub struct StorageService {
     pub term: Arc<std::sync::atomic::AtomicU64>,
     /// What the node exports on `/metrics`.
     pub metrics: StorageMetrics,
+    /// The data listeners, to stop listening once the shards ended (an
+    /// embedded node that starts again on its ports).
+    pub listening: Arc<kvpool_runtime::net::Listening>,
 }
 
 /// Creates the segment and starts serving it on every shard. With `key`
@@ -95,6 +98,8 @@ pub async fn start(
 ) -> Result<StorageService, NodeError> {
     let n = shards.nr_shards();
     let (addr, listeners) = kvpool_runtime::net::bind_sharded(&cfg.listen, n)?;
+    let listening = kvpool_runtime::net::Listening::of(&listeners)
+        .map_err(|e| NodeError::Start(format!("listeners: {e}")))?;
     let host_id = if cfg.host_id.is_empty() {
         kvpool_client::local_host_id()
     } else {
@@ -216,6 +221,7 @@ pub async fn start(
         skew_ms,
         term,
         metrics: m,
+        listening: Arc::new(listening),
     })
 }
 
