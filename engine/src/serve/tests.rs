@@ -538,3 +538,30 @@ fn incremental_text_of_spaced_words_equals_the_whole_decode() {
         }
     }
 }
+
+/// A decoder that strips the first word's leading space (SentencePiece's
+/// Metaspace), and a special token (skipped when decoding) between two
+/// words: the word after it keeps its space, as in the whole decode.
+#[test]
+fn a_skipped_special_token_between_words_keeps_the_next_words_space() {
+    let json = r#"{"version":"1.0","truncation":null,"padding":null,
+"added_tokens":[{"id":3,"content":"<sep>","single_word":false,"lstrip":false,"rstrip":false,
+"normalized":false,"special":true}],
+"normalizer":null,"pre_tokenizer":null,"post_processor":null,
+"decoder":{"type":"Metaspace","replacement":"\u2581","prepend_scheme":"always","split":true},
+"model":{"type":"WordLevel","vocab":{"[UNK]":0,"\u2581world":1,"\u2581next":2,"<sep>":3},
+"unk_token":"[UNK]"}}"#;
+    let hf: tokenizers::Tokenizer = json.parse().expect("tokenizer json");
+    let tok = Tokenizer::Hf(Box::new(hf));
+    let ids = [3, 1, 3, 3, 2, 1];
+    assert_eq!(tok.decode_bytes(&ids), "world next world".as_bytes());
+    let mut t = TextState::new(None);
+    let mut sent = String::new();
+    for (i, &id) in ids.iter().enumerate() {
+        t.push(id, &tok);
+        assert_eq!(t.text(&tok, false), whole_text(&tok, &ids[..=i], false));
+        sent.push_str(&t.delta(&tok, false));
+    }
+    sent.push_str(&t.delta(&tok, true));
+    assert_eq!(sent, "world next world");
+}

@@ -27,7 +27,8 @@ pub(super) struct TextState {
     pending: String,
     /// `ids[window..read]` are decoded again with the ids past `read` (a
     /// decoder's context: a leading space, the space between two words),
-    /// and their own text is taken off what that gives.
+    /// and their own text is taken off what that gives. It starts at the
+    /// last settled chunk that had text.
     window: usize,
     read: usize,
     /// Where `settled` ended at the last stop-string search: a match that
@@ -134,9 +135,15 @@ impl TextState {
     fn advance(&mut self, tok: &Tokenizer) {
         let (text, whole) = self.fresh_text(tok, false);
         if whole {
+            // A chunk with no text (a special token, skipped) is no context:
+            // the window keeps the chunk before it (a decoder that strips the
+            // first word's leading space would take the next word for the
+            // first).
+            if !text.is_empty() {
+                self.window = self.read;
+            }
             self.settled.push_str(&text);
             self.pending.clear();
-            self.window = self.read;
             self.read = self.ids.len();
         } else {
             self.pending = text;
