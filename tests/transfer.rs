@@ -171,6 +171,27 @@ fn a_batch_over_the_masters_bound_goes_in_pieces_and_every_key_answers_in_place(
     }
 }
 
+/// A key given twice in one batch put: the first is stored, the second is
+/// `ObjectAlreadyExists` (as the master refuses a second put of a key by
+/// the writer putting it) and is never placed.
+#[test]
+fn a_key_given_twice_in_one_batch_put_is_stored_once_and_the_second_refused() {
+    let node = common::start("all", &common::ephemeral(&["--segment-size", "64MiB"]));
+    common::rt().block_on(async {
+        let c = Client::connect(&node.addr, cfg(Transport::Tcp))
+            .await
+            .unwrap();
+        let (a, b) = (data(1, 4096), data(2, 4096));
+        let items: [(&[u8], &[u8]); 3] = [(b"twice", &a), (b"once", &b), (b"twice", &b)];
+        let r = c.batch_put(&items, &Default::default()).await.unwrap();
+        assert!(r[0].is_ok() && r[1].is_ok(), "{r:?}");
+        let e = r[2].as_ref().unwrap_err();
+        assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
+        assert!(c.get(b"twice").await.unwrap() == a, "the first value stays");
+        assert!(c.get(b"once").await.unwrap() == b);
+    });
+}
+
 /// Puts, finds and reads back 5,000 keys in one batch call each.
 fn batch_of_5000_keys(master: &str, small: bool) {
     let rt = common::rt();

@@ -40,12 +40,26 @@ impl Client {
             })
             .collect();
         let mut out: Vec<Option<Result<(), KvError>>> = vec![None; items.len()];
+        // A key given again in the batch is refused, as the master refuses
+        // a second put of a key by the writer putting it; it is not placed
+        // (its placements would share the first one's id, and a revoke of
+        // its own could reach the first's).
+        let mut seen = std::collections::HashSet::with_capacity(items.len());
+        for (i, (k, _)) in items.iter().enumerate() {
+            if !seen.insert(*k) {
+                out[i] = Some(Err(KvError::new(
+                    ErrorCode::ObjectAlreadyExists,
+                    "the key is given earlier in this batch (being put)",
+                )));
+            }
+        }
         let res = self
             .deadline("batch_put", async {
                 let ids = OneId(self.next_put_id());
                 let mut next: Vec<(usize, Action)> = puts
                     .iter_mut()
                     .enumerate()
+                    .filter(|(i, _)| out[*i].is_none())
                     .map(|(i, p)| (i, p.begin(&ids)))
                     .collect();
                 loop {
