@@ -30,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 use crate::data_conn::prove_data;
 use crate::nic::{Nic, NicDataPath, NicOp, RdmaBuffer};
 use crate::pool::{ConnPool, Stream};
+use crate::read::{marks_unreachable, Prefer, ReplicaRead, Step, Suspects};
 use crate::shm::ShmMap;
 use crate::stats::EngineStats;
 use kvpool_wire::checksum;
@@ -189,10 +190,6 @@ enum ShmEntry {
 
 /// How long a failed shm set-up keeps a segment on TCP before trying again.
 const SHM_RETRY: Duration = Duration::from_secs(10);
-/// Segments remembered as unreachable until a caller takes them.
-const MAX_UNREACHABLE: usize = 64;
-/// How long a segment that could not be reached is read last.
-const SUSPECT_FOR: Duration = Duration::from_secs(2);
 
 /// Moves bytes to and from storage nodes. Cheap to share (`Arc`).
 pub struct TransferEngine {
@@ -204,11 +201,11 @@ pub struct TransferEngine {
     permits: Arc<Semaphore>,
     req_ids: AtomicU64,
     stats: EngineStats,
-    /// Segments whose node could not be reached, for the caller to report.
-    unreachable: Mutex<Vec<SegmentId>>,
-    /// Segments that could not be reached lately, and until when reads try
-    /// their replicas last (at most `MAX_UNREACHABLE`).
-    suspect: Mutex<Vec<(SegmentId, Instant)>>,
+    /// Segments whose node could not be reached: for the caller to report,
+    /// and tried last by reads for a while ([`crate::read`]'s rules).
+    suspects: Mutex<Suspects>,
+    /// The origin of the time the read rules are given.
+    epoch: Instant,
     /// This engine's own shard of every node, modulo the node's shards
     /// (with `shard_affinity`): random, so the clients of a host spread
     /// over a node's cores.
@@ -234,8 +231,8 @@ impl TransferEngine {
             permits,
             req_ids: AtomicU64::new(1),
             stats: EngineStats::default(),
-            unreachable: Mutex::new(Vec::new()),
-            suspect: Mutex::new(Vec::new()),
+            suspects: Mutex::new(Suspects::default()),
+            epoch: Instant::now(),
             rdma: None,
         }
     }
@@ -243,33 +240,22 @@ impl TransferEngine {
     /// Segments whose node this engine could not reach since the last call
     /// (connection refused, reset or timed out), each once.
     pub fn take_unreachable(&self) -> Vec<SegmentId> {
-        std::mem::take(&mut *self.unreachable.lock().unwrap_or_else(|p| p.into_inner()))
+        self.suspects().take_unreachable()
     }
 
     /// Whether some segment was unreachable since the last `take_unreachable`.
     pub fn has_unreachable(&self) -> bool {
-        !self
-            .unreachable
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty()
+        self.suspects().has_unreachable()
+    }
+
+    fn suspects(&self) -> std::sync::MutexGuard<'_, Suspects> {
+        self.suspects.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn note_unreachable(&self, segment: SegmentId, e: &KvError) {
-        if !matches!(e.code, ErrorCode::Unavailable | ErrorCode::Timeout) {
-            return;
-        }
-        {
-            let mut v = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
-            if !v.contains(&segment) && v.len() < MAX_UNREACHABLE {
-                v.push(segment);
-            }
-        }
-        let now = Instant::now();
-        let mut s = self.suspect.lock().unwrap_or_else(|p| p.into_inner());
-        s.retain(|&(seg, until)| until > now && seg != segment);
-        if s.len() < MAX_UNREACHABLE {
-            s.push((segment, now + SUSPECT_FOR));
+        if marks_unreachable(e) {
+            let now = self.epoch.elapsed();
+            self.suspects().note(segment, e, now);
         }
     }
 
@@ -462,28 +448,6 @@ impl TransferEngine {
         Ok(t.sum.expect("a summed write that succeeded has its sum"))
     }
 
-    /// Orders replicas: those of a node that could not be reached lately
-    /// last, then DRAM before NVMe, then same host first when shm may be
-    /// used.
-    fn ordered<'r>(&self, replicas: &'r [ReplicaDesc]) -> Vec<&'r ReplicaDesc> {
-        let mut v: Vec<&ReplicaDesc> = replicas.iter().collect();
-        let shm = self.cfg.transport != TransportChoice::Tcp;
-        // One lock per read, and no clock read while nothing is suspect.
-        let suspect = self.suspect.lock().unwrap_or_else(|p| p.into_inner());
-        let now = (!suspect.is_empty()).then(Instant::now);
-        let is_suspect = |seg: SegmentId| {
-            now.is_some_and(|now| suspect.iter().any(|&(s, until)| s == seg && until > now))
-        };
-        v.sort_by_key(|r| {
-            (
-                is_suspect(r.segment_id),
-                r.tier == Tier::Nvme,
-                shm && r.host_id != self.cfg.host_id,
-            )
-        });
-        v
-    }
-
     /// A connection from `pool`; a new one proves the cluster secret first
     /// when this engine has it.
     async fn data_conn(&self, pool: &Arc<ConnPool>) -> Result<crate::pool::Conn, KvError> {
@@ -551,37 +515,44 @@ impl TransferEngine {
         }
     }
 
+    /// Reads `dst` from one of `replicas`, by [`crate::read`]'s rules
+    /// (order, shares of the time left, failover).
     async fn read_any(
         &self,
         replicas: &[ReplicaDesc],
         dst: &mut [u8],
         deadline: Instant,
     ) -> Result<(), KvError> {
-        if replicas.is_empty() {
-            return Err(KvError::new(
-                ErrorCode::ObjectNotFound,
-                "no replica to read",
-            ));
-        }
-        let mut last = None;
-        let order = self.ordered(replicas);
-        let n = order.len();
-        for (i, r) in order.into_iter().enumerate() {
-            if r.len != dst.len() as u64 {
-                return Err(KvError::new(
-                    ErrorCode::InvalidParams,
-                    format!("buffer of {} bytes for an object of {}", dst.len(), r.len),
-                ));
-            }
-            if i > 0 {
-                self.stats.replica_failovers.fetch_add(1, Ordering::Relaxed);
-            }
-            // Each replica left gets an equal share of the time left (the
-            // last one all of it): a node that stays silent (a cut cable,
-            // no reset) costs its share, not the whole call, and the next
-            // replica is still tried in time.
-            let left = (n - i) as u32;
-            let share = deadline.saturating_duration_since(Instant::now()) / left;
+        let prefer = Prefer {
+            shm: self.cfg.transport != TransportChoice::Tcp,
+            host_id: &self.cfg.host_id,
+        };
+        let mut read = {
+            let suspects = self.suspects();
+            // No clock read while nothing is suspect.
+            let now = if suspects.none_suspect() {
+                Duration::ZERO
+            } else {
+                self.epoch.elapsed()
+            };
+            ReplicaRead::new(replicas, dst.len() as u64, prefer, &suspects, now)?
+        };
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let (r, share, timed) = match read.next(left) {
+                Step::Try {
+                    index,
+                    share,
+                    timed,
+                    failover,
+                } => {
+                    if failover {
+                        self.stats.replica_failovers.fetch_add(1, Ordering::Relaxed);
+                    }
+                    (&replicas[index], share, timed)
+                }
+                Step::Failed(e) => return Err(e),
+            };
             let attempt_deadline = Instant::now() + share;
             // The checksum is computed on the way where the path allows
             // (`Some`), else over `dst` afterwards.
@@ -612,19 +583,10 @@ impl TransferEngine {
                     }
                 }
             };
-            let res = if left > 1 {
+            let res = if timed {
                 tokio::time::timeout(share, attempt)
                     .await
-                    .unwrap_or_else(|_| {
-                        Err(KvError::new(
-                            ErrorCode::Timeout,
-                            format!(
-                                "the replica on segment {:016x} did not answer within its \
-                                 share of the deadline ({share:?}); trying the next",
-                                r.segment_id
-                            ),
-                        ))
-                    })
+                    .unwrap_or_else(|_| Err(ReplicaRead::share_passed(r, share)))
             } else {
                 attempt.await
             };
@@ -633,11 +595,10 @@ impl TransferEngine {
                 Err(e) => {
                     tracing::debug!(segment = r.segment_id, "read from replica failed: {e}");
                     self.note_unreachable(r.segment_id, &e);
-                    last = Some(e);
+                    read.failed(e);
                 }
             }
         }
-        Err(last.expect("at least one replica"))
     }
 
     /// Writes `src` to every replica; with `summing`, also returns its

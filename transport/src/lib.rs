@@ -5,6 +5,8 @@
 //!   with deadlines, back-pressure and replica failover.
 //! * [`data_conn`]: a data connection's proof of the cluster secret.
 //! * [`stats`]: the engine's counters.
+//! * [`read`]: the rules of a read without I/O (replica order, shares of
+//!   the deadline, unreachable nodes), shared with the cluster simulation.
 //! * [`pool`], [`shm`]: client TCP connection pools; the shared-memory
 //!   transport (memfd passed over a unix socket).
 //! * [`nic`]: RDMA as traits, implemented by `kvpool-rdma` (the verbs
@@ -20,5 +22,6 @@ pub mod data_conn;
 pub mod engine;
 pub mod nic;
 pub mod pool;
+pub mod read;
 pub mod shm;
 pub mod stats;

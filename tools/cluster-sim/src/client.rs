@@ -7,14 +7,17 @@
 //!   the end and its resends, the read-back after a lost answer, the revoke
 //!   at the deadline. This model only does its I/O: the writes to the
 //!   nodes (by the placement's time, as the transfer engine; a segment
-//!   whose write failed unreachable or timed out is noted, as the engine
-//!   notes it, and reported when the protocol asks), pauses as timers, the
-//!   read-back as a get. Values are tags (put number n).
-//! * get: a MODEL of `Client::get`: `GetReplicaList`, then each replica in
-//!   order until one answers with bytes that match the object's checksum
-//!   (a mismatch is `Corrupt`, the next replica is tried). The bytes a get
-//!   returns are checked: a value put under this key, never another key's
-//!   or bytes of no value.
+//!   whose write failed unreachable or timed out is noted in the engine's
+//!   [`Suspects`] and reported when the protocol asks), pauses as timers,
+//!   the read-back as a get. Values are tags (put number n).
+//! * get: `GetReplicaList`, then the REAL read rules of the transfer
+//!   engine, [`kvpool_transport::read`]: the replicas in its order (suspect
+//!   nodes last, DRAM first, this client's host first), each with its share
+//!   of the time left, the next one after a failure or bytes that do not
+//!   match the object's checksum (`Corrupt`), the last one's error. The
+//!   nodes a read or write could not reach are noted by the engine's own
+//!   [`Suspects`]. The bytes a get returns are checked: a value put under
+//!   this key, never another key's or bytes of no value.
 //! * remove (sometimes forced); a liveness ping every [`PING_MS`].
 //!
 //! Not modelled: batches, the location cache, shared-memory and RDMA paths.
@@ -22,13 +25,23 @@
 use std::time::Duration;
 
 use kvpool_client::put::{Action, PutIds, PutProtocol};
+use kvpool_transport::read;
+use kvpool_transport::read::{Prefer, ReplicaRead, Step, Suspects};
 use kvpool_wire::proto::{MasterRequest, MasterResponse, PutOptions, ReplicaDesc};
 use kvpool_wire::{ErrorCode, KvError};
 use rand::Rng;
 
-use crate::{key, sum_of, Addr, Body, Content, Ctx, Msg, Timer, CLIENT_TIMEOUT_MS, KEYS, PING_MS};
+use crate::{
+    key, sum_of, Addr, Body, Content, Ctx, Msg, Timer, CLIENT_TIMEOUT_MS, KEYS, LEASE_TTL_MS,
+    PING_MS,
+};
 
 const LENS: [u64; 5] = [1, 700, 2048, 4096, 9000];
+
+/// What a read leaves of its lease (the real client's `VIEW_MARGIN`): more
+/// than the network's longest delay, so a read sent in time reaches its
+/// node before the lease ends.
+const READ_MARGIN_MS: u64 = 50;
 
 #[derive(Debug)]
 enum Stage {
@@ -42,9 +55,10 @@ enum Stage {
     /// A put reports unreachable segments, one request at a time: those
     /// left, and how many in all.
     Reporting(Vec<u64>, usize),
-    /// Waiting for `GetReplicaList`, then for the read of replica `i`.
+    /// Waiting for `GetReplicaList`, then for the read of replica `i`
+    /// (the read's id, its share of the time left).
     Listing,
-    Reading(usize, u64),
+    Reading(usize, u64, Duration),
     Removing,
 }
 
@@ -64,8 +78,10 @@ struct Op {
     /// A get that reads back this put's key for its protocol.
     reading_back: bool,
     // get
+    /// When `GetReplicaList` was sent (its read lease runs from then).
+    asked: u64,
     replicas: Vec<ReplicaDesc>,
-    corrupt: bool,
+    read: Option<ReplicaRead>,
 }
 
 pub struct ClientModel {
@@ -75,9 +91,16 @@ pub struct ClientModel {
     op: Option<Op>,
     /// Names each placement (the real client's counter).
     put_ids: PutIds,
-    /// Segments a write could not reach, until a put reports them (the
-    /// transfer engine's list).
-    unreachable: Vec<u64>,
+    /// Segments a read or write could not reach: reported by the next put
+    /// that asks, tried last by reads for a while (the engine's own list).
+    suspects: Suspects,
+    /// This client's host (node i's), which its reads prefer.
+    host: String,
+}
+
+/// The simulated clock as the read rules take it.
+fn at(ctx: &Ctx) -> Duration {
+    Duration::from_millis(ctx.now)
 }
 
 fn ms(d: Duration) -> u64 {
@@ -94,7 +117,8 @@ impl ClientModel {
             checksums,
             op: None,
             put_ids: PutIds::default(),
-            unreachable: Vec::new(),
+            suspects: Suspects::default(),
+            host: format!("host-{idx}"),
         };
         let me = Addr::Client(idx);
         let first = ctx.rng.random_range(1..200);
@@ -149,12 +173,23 @@ impl ClientModel {
                 }
                 // As the engine: the write that did not finish in time
                 // names its node (noted unreachable).
-                if let Some(&(_, seg)) = ids.first() {
-                    self.note_unreachable(seg);
-                }
                 let e = KvError::new(ErrorCode::Timeout, "a write did not finish by its time");
+                if let Some(&(_, seg)) = ids.first() {
+                    self.suspects.note(seg, &e, at(ctx));
+                }
                 let a = self.protocol().0.written(Err(e));
                 self.drive(a, ctx);
+            }
+            Timer::ClientReadShare(id) => {
+                let Stage::Reading(i, want, share) = o.stage else {
+                    return;
+                };
+                if want != id {
+                    return;
+                }
+                ctx.stats.read_shares_passed += 1;
+                let e = ReplicaRead::share_passed(&o.replicas[i], share);
+                self.replica_failed(i, e, ctx);
             }
             _ => {}
         }
@@ -167,12 +202,6 @@ impl ClientModel {
             segments: Vec::new(),
         };
         ctx.ask(self.me(), req);
-    }
-
-    fn note_unreachable(&mut self, seg: u64) {
-        if !self.unreachable.contains(&seg) {
-            self.unreachable.push(seg);
-        }
     }
 
     /// The put under way's protocol, and the placement names it takes.
@@ -194,8 +223,9 @@ impl ClientModel {
             put: None,
             tag: 0,
             reading_back: false,
+            asked: ctx.now,
             replicas: Vec::new(),
-            corrupt: false,
+            read: None,
         };
         ctx.timer(self.me(), CLIENT_TIMEOUT_MS, Timer::ClientDeadline(id));
         match ctx.rng.random_range(0..100) {
@@ -274,7 +304,7 @@ impl ClientModel {
             }
             Action::ReportUnreachable => {
                 ctx.stats.put_reports += 1;
-                let left = std::mem::take(&mut self.unreachable);
+                let left = self.suspects.take_unreachable();
                 let n = left.len();
                 self.report_next(left, n, ctx);
             }
@@ -283,6 +313,7 @@ impl ClientModel {
                 o.reading_back = true;
                 o.stage = Stage::Listing;
                 let req = MasterRequest::GetReplicaList { key: o.key.clone() };
+                o.asked = ctx.now;
                 o.awaiting = ctx.ask(me, req);
             }
             Action::Done(r) => {
@@ -377,8 +408,15 @@ impl ClientModel {
             }
             (Stage::Reporting(left, n), _) => self.report_next(left, n, ctx),
             (Stage::Listing, Ok(MasterResponse::Replicas(rs))) if !rs.is_empty() => {
+                // As `Client::get`: a buffer of the first replica's length.
+                let prefer = Prefer {
+                    shm: true,
+                    host_id: &self.host,
+                };
+                let read = ReplicaRead::new(&rs, rs[0].len, prefer, &self.suspects, at(ctx));
+                o.read = Some(read.expect("a replica"));
                 o.replicas = rs;
-                self.read(0, ctx);
+                self.read_next(ctx);
             }
             (Stage::Listing, r) => {
                 let code = match r {
@@ -391,33 +429,55 @@ impl ClientModel {
         }
     }
 
-    fn read(&mut self, i: usize, ctx: &mut Ctx) {
+    /// Reads the replica the read rules name next, or ends the get.
+    fn read_next(&mut self, ctx: &mut Ctx) {
         let me = self.me();
         let o = self.op.as_mut().expect("a get");
-        let Some(r) = o.replicas.get(i) else {
-            let code = if o.corrupt {
-                ErrorCode::Corrupt
-            } else {
-                ErrorCode::Unavailable
-            };
-            self.got(ctx, Err(code));
-            return;
+        let read = o.read.as_mut().expect("a read under way");
+        // As `Client::get`: no read past the read lease (less a margin over
+        // the network's longest delay), nor past the call's deadline.
+        let d = Duration::from_millis;
+        let lease_end = read::lease_read_end(d(o.asked), d(LEASE_TTL_MS), d(READ_MARGIN_MS));
+        let left = lease_end.min(d(o.deadline)).saturating_sub(at(ctx));
+        let (i, share, timed) = match read.next(left) {
+            Step::Try {
+                index,
+                share,
+                timed,
+                failover,
+            } => {
+                ctx.stats.read_failovers += u64::from(failover);
+                (index, share, timed)
+            }
+            Step::Failed(e) => return self.got(ctx, Err(e.code)),
+        };
+        let r = &o.replicas[i];
+        let Some(&n) = ctx.seg_node.get(&r.segment_id) else {
+            let e = KvError::new(ErrorCode::Unavailable, "no node serves this segment");
+            return self.replica_failed(i, e, ctx);
         };
         let id = ctx.id();
-        o.stage = Stage::Reading(i, id);
-        match ctx.seg_node.get(&r.segment_id) {
-            Some(&n) => {
-                let body = Body::Read {
-                    id,
-                    seg: r.segment_id,
-                    tier: r.tier,
-                    offset: r.offset,
-                    len: r.len,
-                };
-                ctx.send(me, Addr::Node(n), body);
-            }
-            None => self.read(i + 1, ctx),
+        o.stage = Stage::Reading(i, id, share);
+        let body = Body::Read {
+            id,
+            seg: r.segment_id,
+            tier: r.tier,
+            offset: r.offset,
+            len: r.len,
+        };
+        ctx.send(me, Addr::Node(n), body);
+        if timed {
+            ctx.timer(me, ms(share).max(1), Timer::ClientReadShare(id));
         }
+    }
+
+    /// Replica `i` failed with `e` (as the engine: its node is noted when it
+    /// could not be reached); the next one is tried.
+    fn replica_failed(&mut self, i: usize, e: KvError, ctx: &mut Ctx) {
+        let o = self.op.as_mut().expect("a get");
+        self.suspects.note(o.replicas[i].segment_id, &e, at(ctx));
+        o.read.as_mut().expect("a read under way").failed(e);
+        self.read_next(ctx);
     }
 
     fn on_data(&mut self, id: u64, res: Result<Content, ErrorCode>, ctx: &mut Ctx) {
@@ -429,10 +489,8 @@ impl ClientModel {
                 if let Err(code) = res {
                     // The first error ends the writes (as the engine's
                     // `try_join_all`); a node it could not reach is noted.
-                    if matches!(code, ErrorCode::Unavailable | ErrorCode::Timeout) {
-                        self.note_unreachable(seg);
-                    }
                     let e = KvError::new(code, format!("a write to segment {seg:016x} failed"));
+                    self.suspects.note(seg, &e, at(ctx));
                     let a = self.protocol().0.written(Err(e));
                     return self.drive(a, ctx);
                 }
@@ -442,21 +500,20 @@ impl ClientModel {
                     self.drive(a, ctx);
                 }
             }
-            Stage::Reading(i, want) if *want == id => {
+            Stage::Reading(i, want, _) if *want == id => {
                 let i = *i;
                 let r = &o.replicas[i];
                 let content = match res {
                     Ok(c) => c,
-                    Err(_) => {
-                        self.read(i + 1, ctx);
-                        return;
+                    Err(code) => {
+                        let e = KvError::new(code, "the replica's node refused the read");
+                        return self.replica_failed(i, e, ctx);
                     }
                 };
                 if self.checksums && r.checksum.is_some_and(|s| s != sum_of(content)) {
                     ctx.stats.corrupt_reads += 1;
-                    o.corrupt = true;
-                    self.read(i + 1, ctx);
-                    return;
+                    let e = KvError::new(ErrorCode::Corrupt, "the bytes fail the checksum");
+                    return self.replica_failed(i, e, ctx);
                 }
                 if !ctx.is_value_of(content, &o.key) {
                     let whose = content

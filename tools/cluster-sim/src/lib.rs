@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!   clients: the REAL put protocol --\                  /-- storage nodes: models with
-//!   (gets and removals: models)       >-- simulated --<    the REAL round rules; DRAM,
+//!   and read rules (removals: model)  >-- simulated --<    the REAL round rules; DRAM,
 //!   MasterCore (REAL) ---------------/    network       \   an NVMe tier on a simulated disk
 //!                          (drop, delay, reorder, duplicate, partition)
 //!   one clock (sim ms), one event queue, one PRNG from the seed
@@ -18,7 +18,9 @@
 //! * Clients ([`client`]) put with the real protocol,
 //!   [`kvpool_client::put::PutProtocol`] (waits, re-placements, the end's
 //!   resends, read-backs, the revoke at the deadline); the model does its
-//!   I/O. Their gets and removals are models of `Client::get` and
+//!   I/O. Their gets run the transfer engine's real read rules
+//!   ([`kvpool_transport::read`]: replica order, shares of the time left,
+//!   failover, unreachable nodes); removals are a model of
 //!   `Client::remove_with`.
 //! * Storage nodes ([`node`]) are state machines that follow the real
 //!   protocol (`kvpool_wire::proto` requests and answers, the node's tasks
@@ -168,6 +170,9 @@ pub enum Timer {
     ClientWake(u64),
     /// A client's put's writes reach their time (the round's id).
     ClientWriteBy(u64),
+    /// A client's read of one replica reaches the end of its share of the
+    /// time left (the read's id).
+    ClientReadShare(u64),
     /// A client's liveness ping.
     ClientPing,
 }
@@ -313,6 +318,10 @@ pub struct Stats {
     pub put_pauses: u64,
     pub put_reports: u64,
     pub put_readbacks: u64,
+    /// What the real read rules did: a replica after another failed, a
+    /// replica that did not answer within its share of the time left.
+    pub read_failovers: u64,
+    pub read_shares_passed: u64,
 }
 
 impl Stats {
@@ -336,6 +345,8 @@ impl Stats {
         self.put_pauses += o.put_pauses;
         self.put_reports += o.put_reports;
         self.put_readbacks += o.put_readbacks;
+        self.read_failovers += o.read_failovers;
+        self.read_shares_passed += o.read_shares_passed;
     }
 }
 

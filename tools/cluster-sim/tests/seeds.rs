@@ -38,8 +38,12 @@ const REGRESSIONS: &[u64] = &[3, 18, 32, 63, 248, 618, 622, 1462, 2069];
 /// 671: a demotion queued before its object was removed ran after the key
 /// came back from the tier, and a recovered copy was taken for an object
 /// without a checksum; 422: a copy the key's object listed was refused
-/// because a Drop of its place (an earlier object's) was still queued.
-const UNSUMMED_REGRESSIONS: &[u64] = &[422, 442, 671, 798];
+/// because a Drop of its place (an earlier object's) was still queued;
+/// 134: with the engine's read rules, a client read its second replica once
+/// the first's share of the time had passed, after its read lease had
+/// ended, and found the space freed (bytes of no value): a read now stops
+/// at the lease's end (`read::lease_read_end`).
+const UNSUMMED_REGRESSIONS: &[u64] = &[134, 422, 442, 671, 798];
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name)
@@ -145,6 +149,11 @@ fn every_invariant_holds_on_every_seed() {
         // The real put protocol met its waits, reports and read-backs.
         assert!(
             total.put_pauses > 0 && total.put_reports > 0 && total.put_readbacks > 0,
+            "{total:?}"
+        );
+        // The real read rules moved on from failed and silent replicas.
+        assert!(
+            total.read_failovers > 0 && total.read_shares_passed > 0,
             "{total:?}"
         );
     }
