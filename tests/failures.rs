@@ -93,3 +93,46 @@ fn a_get_times_out_within_its_deadline_when_its_storage_process_hangs() {
         assert_eq!(client.get(b"k").await.unwrap().len(), 100_000);
     });
 }
+
+/// A read stops at its read lease's end, not only at the call's deadline:
+/// past the lease the master may free the object's space and a put reuse
+/// it, and a read there would hand that put's bytes to a client that checks
+/// no checksum. With a 1 s lease and a 10 s call, a get and a batch get of
+/// a value on a node that stays silent end with `Timeout` within the lease
+/// (before, they read on until the call's deadline).
+#[test]
+fn a_get_from_a_silent_node_stops_at_its_read_lease_not_at_the_calls_deadline() {
+    let lease = common::config_file("lease-1s", "[master]\nlease_ttl_ms = 1000\n");
+    let mut args: Vec<&str> = common::ephemeral(&[]);
+    args.extend(["--config", lease.as_str()]);
+    let master = common::start("master", &args);
+    let storage = common::start_storage(&master.addr, "64MiB", &[]);
+    common::rt().block_on(async {
+        let cfg = ClientConfig {
+            timeout_ms: 10_000,
+            checksums: false,
+            ..client_cfg()
+        };
+        let client = Client::connect(&master.addr, cfg).await.unwrap();
+        let value = vec![3u8; 100_000];
+        client.put(b"k", &value).await.unwrap();
+        storage.freeze();
+        for batch in [false, true] {
+            let started = Instant::now();
+            let res = if batch {
+                client.batch_get(&[b"k"]).await.unwrap().remove(0)
+            } else {
+                client.get(b"k").await
+            };
+            let took = started.elapsed();
+            let err = res.expect_err("nothing can be read from a silent node");
+            assert_eq!(err.code, ErrorCode::Timeout, "batch {batch}: {err}");
+            assert!(
+                took < Duration::from_millis(1000),
+                "batch {batch}: took {took:?}, past the 1 s read lease"
+            );
+        }
+        storage.signal(Signal::CONT);
+        assert_eq!(client.get(b"k").await.unwrap(), value);
+    });
+}

@@ -30,16 +30,17 @@ pub const SUSPECT_FOR: Duration = Duration::from_secs(2);
 
 /// Until when the replicas a `GetReplicaList` answered may be read: the
 /// read lease's end (`ttl` from before the request, as the reader measures
-/// it) less `margin` (clock skew, the node's copy). Past the lease the
-/// master may free the space and a put reuse it: a read there finds other
-/// bytes, which only a checksum would catch. A read runs until this or the
-/// call's deadline, whichever is sooner.
+/// it) less `margin` (the request's way to the node and the node's copy),
+/// at most a quarter of the lease (a short lease still leaves time to
+/// read). Past the lease the master may free the space and a put reuse it:
+/// a read there finds other bytes, which only a checksum would catch. A
+/// read runs until this or the call's deadline, whichever is sooner.
 pub fn lease_read_end<T: Add<Duration, Output = T>>(
     asked: T,
     ttl: Duration,
     margin: Duration,
 ) -> T {
-    asked + ttl.saturating_sub(margin)
+    asked + ttl.saturating_sub(margin.min(ttl / 4))
 }
 
 /// Whether a failure of a transfer with a segment's node names the node as
@@ -373,6 +374,8 @@ mod tests {
         // Asked at 100 ms, a 400 ms lease, 50 ms of margin; a call until 1,600.
         let until = lease_read_end(ms(100), ms(400), ms(50)).min(ms(1_600));
         assert_eq!(until, ms(450));
+        // A margin over a quarter of the lease is cut to a quarter.
+        assert_eq!(lease_read_end(ms(100), ms(400), ms(500)), ms(400));
         let mut r = ReplicaRead::new(&rs, 10, prefer, &s, ms(200)).unwrap();
         assert!(matches!(r.next(until - ms(200)), Step::Try { share, .. } if share == ms(125)));
         r.failed(KvError::new(ErrorCode::Timeout, "silent"));

@@ -33,6 +33,7 @@ use futures_util::FutureExt;
 use kvpool_runtime::hash::{vshard_of, ShardMap};
 use kvpool_transport::engine::{EngineConfig, Transfer, TransferEngine, TransportChoice};
 use kvpool_transport::pool::{ConnPool, Stream};
+use kvpool_transport::read::lease_read_end;
 use kvpool_transport::shm::ShmMap;
 use kvpool_wire::auth::{self, ClusterKey};
 use kvpool_wire::frame::{self, FrameKind};
@@ -116,7 +117,8 @@ fn host_of(addr: &str) -> String {
 }
 
 /// How long before the lease's end a view stops handing out bytes (clock
-/// skew between this process and the master, and time to use the slice).
+/// skew between this process and the master, and time to use the slice),
+/// and a read stops (at most a quarter of the lease there).
 const VIEW_MARGIN: Duration = Duration::from_millis(500);
 /// Keys per master request of a batch call, at most: a larger batch (an
 /// engine's chunks times layer groups of a long prompt; a client's own) goes
@@ -865,7 +867,7 @@ impl Client {
     /// under `deadline`, its checksum checked as any read's); false on any
     /// error. For a put that cannot tell whether its own end took effect.
     async fn holds(&self, key: &[u8], value: &[u8], deadline: Instant) -> bool {
-        let Ok(replicas) = self.replicas(key).await else {
+        let Ok((replicas, until)) = self.replicas(key).await else {
             return false;
         };
         if replicas.first().map(|r| r.len) != Some(value.len() as u64) {
@@ -874,7 +876,7 @@ impl Client {
         let mut buf = vec![0u8; value.len()];
         self.inner
             .engine
-            .read(&replicas, &mut buf, deadline)
+            .read(&replicas, &mut buf, deadline.min(until))
             .await
             .is_ok()
             && buf == value
@@ -887,17 +889,18 @@ impl Client {
         let deadline = self.call_deadline();
         let r = self
             .deadline("get", async {
-                if let Some(replicas) = self.inner.locations.get(key) {
+                if let Some((until, replicas)) = self.inner.locations.get(key) {
                     let mut buf = vec![0u8; replicas[0].len as usize];
-                    if self.read_known(key, &replicas, &mut buf, deadline).await {
+                    let until = deadline.min(until);
+                    if self.read_known(key, &replicas, &mut buf, until).await {
                         return Ok(buf);
                     }
                 }
-                let replicas = self.replicas(key).await?;
+                let (replicas, until) = self.replicas(key).await?;
                 let mut buf = vec![0u8; replicas[0].len as usize];
                 self.inner
                     .engine
-                    .read(&replicas, &mut buf, deadline)
+                    .read(&replicas, &mut buf, deadline.min(until))
                     .await?;
                 Ok(buf)
             })
@@ -912,24 +915,25 @@ impl Client {
         let deadline = self.call_deadline();
         let r = self
             .deadline("get", async {
-                if let Some(replicas) = self.inner.locations.get(key) {
+                if let Some((until, replicas)) = self.inner.locations.get(key) {
                     let len = replicas[0].len as usize;
+                    let until = deadline.min(until);
                     if len <= buf.len()
                         && self
-                            .read_known(key, &replicas, &mut buf[..len], deadline)
+                            .read_known(key, &replicas, &mut buf[..len], until)
                             .await
                     {
                         return Ok(len);
                     }
                 }
-                let replicas = self.replicas(key).await?;
+                let (replicas, until) = self.replicas(key).await?;
                 let len = replicas[0].len as usize;
                 if len > buf.len() {
                     return Err(too_small(len, buf.len()));
                 }
                 self.inner
                     .engine
-                    .read(&replicas, &mut buf[..len], deadline)
+                    .read(&replicas, &mut buf[..len], deadline.min(until))
                     .await?;
                 Ok(len)
             })
@@ -947,7 +951,7 @@ impl Client {
     pub async fn get_view(&self, key: &[u8]) -> Result<ReadView, KvError> {
         self.deadline("get_view", async {
             let granted = Instant::now();
-            let replicas = self.replicas(key).await?;
+            let (replicas, _) = self.replicas(key).await?;
             self.view_of(&replicas, granted).await
         })
         .await
@@ -1008,9 +1012,10 @@ impl Client {
         }
     }
 
-    /// The replica list of `key` from the master (a new read lease), which
-    /// is then remembered until the lease's end as this process measures it.
-    async fn replicas(&self, key: &[u8]) -> Result<Vec<ReplicaDesc>, KvError> {
+    /// The replica list of `key` from the master (a new read lease), and
+    /// until when it may be read ([`Client::lease_until`]); remembered that
+    /// long.
+    async fn replicas(&self, key: &[u8]) -> Result<(Vec<ReplicaDesc>, Instant), KvError> {
         let asked = Instant::now();
         let generation = self.inner.locations.generation(key);
         let r = self.ask(call::GetReplicaList { key: key.to_vec() }).await?;
@@ -1025,21 +1030,26 @@ impl Client {
         // evicts on its own and reuses locations) of an object with a
         // checksum this client checks (a master restarted meanwhile knows no
         // leases, and its new puts may land where the object was).
+        let until = self.lease_until(asked);
         if self.inner.cfg.checksums {
             let known: Vec<ReplicaDesc> = r
                 .iter()
                 .filter(|d| d.tier == Tier::Dram && d.checksum.is_some())
                 .cloned()
                 .collect();
-            let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
-            self.inner.locations.put(
-                key,
-                &known,
-                asked + lease.saturating_sub(VIEW_MARGIN),
-                generation,
-            );
+            self.inner.locations.put(key, &known, until, generation);
         }
-        Ok(r)
+        Ok((r, until))
+    }
+
+    /// Until when replicas listed by a `GetReplicaList` sent at `asked` may
+    /// be read: the read lease's end less [`VIEW_MARGIN`] (at most a quarter
+    /// of the lease, [`lease_read_end`]). Past it the
+    /// master may free the space and a put reuse it, and a read would find
+    /// other bytes (caught only by a checksum): reads stop there.
+    pub(crate) fn lease_until(&self, asked: Instant) -> Instant {
+        let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
+        lease_read_end(asked, lease, VIEW_MARGIN)
     }
 
     /// True if a complete object is stored under `key`. Does not extend leases.

@@ -86,14 +86,15 @@ impl Locations {
         self.parts[i].lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The replicas of `key`, if a lease on them is known to last past now.
-    pub(crate) fn get(&self, key: &[u8]) -> Option<Arc<[ReplicaDesc]>> {
+    /// The replicas of `key` and until when they may be read, if a lease on
+    /// them is known to last past now.
+    pub(crate) fn get(&self, key: &[u8]) -> Option<(Instant, Arc<[ReplicaDesc]>)> {
         if self.per_part == 0 {
             return None;
         }
         let mut part = self.part(key);
         match part.get(key) {
-            Some((until, reps)) if Instant::now() < *until => Some(reps.clone()),
+            Some((until, reps)) if Instant::now() < *until => Some((*until, reps.clone())),
             Some(_) => {
                 part.remove(key);
                 None
@@ -196,7 +197,7 @@ mod tests {
             Instant::now() + Duration::from_millis(50),
             g(b"a"),
         );
-        assert_eq!(l.get(b"a").unwrap()[0].offset, 64);
+        assert_eq!(l.get(b"a").unwrap().1[0].offset, 64);
         std::thread::sleep(Duration::from_millis(60));
         assert!(l.get(b"a").is_none(), "the lease has ended");
         l.put(
@@ -227,7 +228,7 @@ mod tests {
         assert!(l.get(b"k").is_none(), "the old answer came back");
         // An answer asked for after the change is kept.
         l.put(b"k", &[rep(2)], until, l.generation(b"k"));
-        assert_eq!(l.get(b"k").unwrap()[0].offset, 2);
+        assert_eq!(l.get(b"k").unwrap().1[0].offset, 2);
         // remove_all: every answer asked for before it is stale.
         let asked = l.generation(b"other");
         l.clear();

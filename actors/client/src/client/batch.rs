@@ -294,6 +294,7 @@ impl Client {
             let req = call::BatchGet {
                 keys: items.iter().map(|(k, _)| k.to_vec()).collect(),
             };
+            let until = self.lease_until(Instant::now());
             let lists: Vec<Result<Vec<ReplicaDesc>, KvError>> =
                 self.ask(req).await?.into_iter().map(Result::from).collect();
             let mut out: Vec<Result<usize, KvError>> = Vec::with_capacity(items.len());
@@ -318,7 +319,9 @@ impl Client {
                     Err(e) => out.push(Err(e.clone())),
                 }
             }
-            self.inner.engine.run(&mut transfers, deadline, None).await;
+            // No read past the lease (see `Client::lease_until`).
+            let until = deadline.min(until);
+            self.inner.engine.run(&mut transfers, until, None).await;
             for (t, &i) in transfers.into_iter().zip(&which) {
                 if let Some(Err(e)) = t.status {
                     out[i] = Err(e);
@@ -339,6 +342,7 @@ impl Client {
             let req = call::BatchGet {
                 keys: keys.iter().map(|k| k.to_vec()).collect(),
             };
+            let until = self.lease_until(Instant::now());
             let lists: Vec<Result<Vec<ReplicaDesc>, KvError>> =
                 self.ask(req).await?.into_iter().map(Result::from).collect();
             let mut bufs: Vec<Vec<u8>> = lists
@@ -358,7 +362,9 @@ impl Client {
                     }
                 }
             }
-            self.inner.engine.run(&mut transfers, deadline, None).await;
+            // No read past the lease (see `Client::lease_until`).
+            let until = deadline.min(until);
+            self.inner.engine.run(&mut transfers, until, None).await;
             let mut status: Vec<Option<KvError>> = vec![None; keys.len()];
             for (t, &i) in transfers.into_iter().zip(&which) {
                 if let Some(Err(e)) = t.status {
