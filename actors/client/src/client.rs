@@ -39,8 +39,8 @@ use kvpool_wire::auth::{self, ClusterKey};
 use kvpool_wire::frame::{self, FrameKind};
 use kvpool_wire::proto::call::{self, Call};
 use kvpool_wire::proto::{
-    ClientId, ClusterMap, Endpoint, MasterRequest, MasterResponse, ObjectInfo, PoolStat, PutDone,
-    PutItem, PutOptions, ReplicaDesc, SegmentId, SegmentSpec, Tier,
+    ClientId, ClusterMap, Endpoint, MasterRequest, MasterResponse, ObjectInfo, PoolStat,
+    PutOptions, ReplicaDesc, SegmentId, SegmentSpec, Tier,
 };
 use kvpool_wire::{ErrorCode, KvError};
 

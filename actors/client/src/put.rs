@@ -20,11 +20,12 @@
 //!              └ past [`MAX_PLACEMENTS`]: the error
 //! ```
 //!
-//! A batch put drives one protocol per item, in rounds: the items' asks of
-//! a round go out grouped by kind and placement id (`BatchPutStart`,
-//! `BatchPutEnd`, `BatchPutRevoke`), their writes in one engine batch, and
-//! each item is fed its own part of the answers ([`PutProtocol::feed`]), so
-//! a batch item is retried, placed again and read back by the same rules.
+//! A batch put drives one protocol per item, in rounds ([`batch`]): the
+//! items' asks of a round go out grouped by kind and placement id
+//! (`BatchPutStart`, `BatchPutEnd`, `BatchPutRevoke`), their writes in one
+//! engine batch, and each item is fed its own part of the answers
+//! ([`PutProtocol::feed`]), so a batch item is retried, placed again and
+//! read back by the same rules.
 //!
 //! Inputs are the answers (`answered`, `written`, `reported`, `held`), the
 //! end of a pause (`woke`) and the time since the put began; the output is
@@ -40,6 +41,8 @@ use kvpool_wire::proto::{ClientId, MasterRequest, MasterResponse, PutOptions, Re
 use kvpool_wire::{ErrorCode, KvError};
 
 use crate::leader::leader_may_have_moved;
+
+pub mod batch;
 
 /// Times one put may be placed again after its node proved unreachable,
 /// the master discarded it, or an earlier placement's answer was lost.

@@ -3,8 +3,7 @@
 
 use super::*;
 
-use std::collections::BTreeMap;
-
+use crate::put::batch::{BatchPut, Round};
 use crate::put::{Input, OneId};
 
 impl Client {
@@ -32,192 +31,50 @@ impl Client {
         let start = Instant::now();
         let deadline = start + self.timeout();
         let opts = self.with_host(opts);
-        let mut puts: Vec<PutProtocol> = items
-            .iter()
-            .map(|(k, v)| {
-                let len = v.len() as u64;
-                PutProtocol::new(self.inner.id, k.to_vec(), len, opts.clone(), self.timeout())
-            })
-            .collect();
-        let mut out: Vec<Option<Result<(), KvError>>> = vec![None; items.len()];
-        // A key given again in the batch is refused, as the master refuses
-        // a second put of a key by the writer putting it; it is not placed
-        // (its placements would share the first one's id, and a revoke of
-        // its own could reach the first's).
-        let mut seen = std::collections::HashSet::with_capacity(items.len());
-        for (i, (k, _)) in items.iter().enumerate() {
-            if !seen.insert(*k) {
-                out[i] = Some(Err(KvError::new(
-                    ErrorCode::ObjectAlreadyExists,
-                    "the key is given earlier in this batch (being put)",
-                )));
-            }
-        }
+        let lens: Vec<(&[u8], u64)> = items.iter().map(|(k, v)| (*k, v.len() as u64)).collect();
+        let mut batch = BatchPut::new(self.inner.id, &lens, &opts, self.timeout());
         let res = self
             .deadline("batch_put", async {
-                let ids = OneId(self.next_put_id());
-                let mut next: Vec<(usize, Action)> = puts
-                    .iter_mut()
-                    .enumerate()
-                    .filter(|(i, _)| out[*i].is_none())
-                    .map(|(i, p)| (i, p.begin(&ids)))
-                    .collect();
-                loop {
-                    let mut pending = Vec::with_capacity(next.len());
-                    for (i, a) in next {
-                        match a {
-                            Action::Done(r) => out[i] = Some(r),
-                            a => pending.push((i, a)),
-                        }
-                    }
-                    if pending.is_empty() {
-                        return Ok(());
-                    }
-                    let inputs = self.put_round(items, pending, start, deadline).await;
-                    let now = start.elapsed();
+                let mut round = batch.begin(&OneId(self.next_put_id()));
+                while let Some(r) = round {
+                    let inputs = self.put_round(items, r, start, deadline).await;
                     let ids = OneId(self.next_put_id());
-                    next = inputs
-                        .into_iter()
-                        .map(|(i, input)| (i, puts[i].feed(now, &ids, input)))
-                        .collect();
+                    round = batch.feed(start.elapsed(), &ids, inputs);
                 }
+                Ok(())
             })
             .await;
         // Half-done placements give their space back, best effort, under a
         // deadline of their own: those the deadline cut short and those
         // whose last placement timed out (as a single put's).
-        let mut revokes: BTreeMap<u16, Vec<Vec<u8>>> = BTreeMap::new();
-        for (p, o) in puts.iter_mut().zip(&out) {
-            let e = match (o, &res) {
-                (Some(Err(e)), _) | (None, Err(e)) => e,
-                _ => continue,
-            };
-            if let Some(MasterRequest::PutRevoke { key, put_id, .. }) = p.revoke_after(e) {
-                revokes.entry(put_id).or_default().push(key);
-            }
-        }
+        let revokes = batch.revokes(res.as_ref().err());
         if !revokes.is_empty() {
             let me = self.clone();
-            let client_id = self.inner.id;
             tokio::spawn(async move {
-                for (put_id, keys) in revokes {
-                    let revoke = call::BatchPutRevoke {
-                        client_id,
-                        put_id,
-                        keys,
-                    };
-                    let _ = me.deadline("batch put revoke", me.ask(revoke)).await;
+                for revoke in revokes {
+                    let _ = me.deadline("batch put revoke", me.send(revoke)).await;
                 }
             });
         }
         res?;
-        Ok(out
-            .into_iter()
-            .map(|o| o.expect("every item has its result"))
-            .collect())
+        Ok(batch.results())
     }
 
-    /// One round of a batch put: the items' actions (none `Done`), grouped
-    /// and carried out side by side; each item's input, in no set order.
+    /// Carries out one round of a batch put ([`Round`]) side by side; each
+    /// item's input, in no set order.
     async fn put_round(
         &self,
         items: &[(&[u8], &[u8])],
-        pending: Vec<(usize, Action)>,
+        round: Round,
         start: Instant,
         deadline: Instant,
     ) -> Vec<(usize, Input)> {
-        type Group<T> = BTreeMap<u16, (Vec<usize>, Vec<T>)>;
-        let mut starts: Group<PutItem> = BTreeMap::new();
-        let mut start_opts: BTreeMap<u16, PutOptions> = BTreeMap::new();
-        let mut ends: Group<PutDone> = BTreeMap::new();
-        let mut revokes: Group<Vec<u8>> = BTreeMap::new();
-        let mut alone: Vec<(usize, MasterRequest)> = Vec::new();
-        let mut writes: BTreeMap<Duration, Vec<(usize, Vec<ReplicaDesc>)>> = BTreeMap::new();
-        let (mut sleep, mut sleepers) = (Duration::ZERO, Vec::new());
-        let (mut reporters, mut readers) = (Vec::new(), Vec::new());
-        let mut out = Vec::with_capacity(pending.len());
-        for (i, a) in pending {
-            match a {
-                Action::Ask(MasterRequest::PutStart { key, len, opts, .. }) => {
-                    let g = starts.entry(opts.put_id).or_default();
-                    g.0.push(i);
-                    g.1.push(PutItem { key, len });
-                    start_opts.entry(opts.put_id).or_insert(opts);
-                }
-                Action::Ask(MasterRequest::PutEnd {
-                    key,
-                    put_id,
-                    checksum,
-                    ..
-                }) => {
-                    let g = ends.entry(put_id).or_default();
-                    g.0.push(i);
-                    g.1.push(PutDone { key, checksum });
-                }
-                Action::Ask(MasterRequest::PutRevoke { key, put_id, .. }) => {
-                    let g = revokes.entry(put_id).or_default();
-                    g.0.push(i);
-                    g.1.push(key);
-                }
-                Action::Ask(req) => alone.push((i, req)),
-                Action::Write { replicas, by } => writes.entry(by).or_default().push((i, replicas)),
-                Action::Sleep(d) => {
-                    sleep = sleep.max(d);
-                    sleepers.push(i);
-                }
-                Action::ReportUnreachable => reporters.push(i),
-                Action::ReadBack => readers.push(i),
-                Action::Done(r) => out.push((
-                    i,
-                    Input::Answer(Err(KvError::new(
-                        ErrorCode::Internal,
-                        format!("a batch put's round got a finished item ({r:?})"),
-                    ))),
-                )),
-            }
-        }
-        let client_id = self.inner.id;
-        // Every request of the round, one future each, side by side: the
-        // grouped ones answer per item, another (none today) as it is.
-        let mut requests: Vec<(Vec<usize>, MasterRequest, bool)> = Vec::new();
-        for (put_id, (at, items)) in starts {
-            let opts = start_opts.remove(&put_id).unwrap_or_default();
-            let req = call::BatchPutStart {
-                client_id,
-                items,
-                opts,
-            };
-            requests.push((at, req.into(), true));
-        }
-        for (put_id, (at, items)) in ends {
-            let req = call::BatchPutEnd {
-                client_id,
-                put_id,
-                items,
-            };
-            requests.push((at, req.into(), true));
-        }
-        for (put_id, (at, keys)) in revokes {
-            let req = call::BatchPutRevoke {
-                client_id,
-                put_id,
-                keys,
-            };
-            requests.push((at, req.into(), true));
-        }
-        requests.extend(alone.into_iter().map(|(i, req)| (vec![i], req, false)));
-        let asks = requests.into_iter().map(|(at, req, grouped)| async move {
-            let res = self.send(req).await;
-            if grouped {
-                per_item(at, res)
-            } else {
-                at.into_iter()
-                    .map(|i| (i, Input::Answer(res.clone())))
-                    .collect()
-            }
+        let asks = round.asks.into_iter().map(|ask| async move {
+            let res = self.send(ask.req.clone()).await;
+            ask.inputs(res)
         });
         let summing = self.inner.cfg.checksums;
-        let writes = writes.into_iter().map(|(by, group)| async move {
+        let writes = round.writes.into_iter().map(|(by, group)| async move {
             let mut transfers: Vec<Transfer<'_>> = group
                 .iter()
                 .map(|(i, reps)| {
@@ -246,25 +103,27 @@ impl Client {
                 .collect::<Vec<_>>()
         });
         let sleeping = async {
-            if !sleepers.is_empty() {
-                tokio::time::sleep(sleep).await;
-            }
+            let Some((pause, sleepers)) = round.sleep else {
+                return Vec::new();
+            };
+            tokio::time::sleep(pause).await;
             sleepers
                 .into_iter()
                 .map(|i| (i, Input::Woke))
                 .collect::<Vec<_>>()
         };
         let reporting = async {
-            if reporters.is_empty() {
+            if round.reporters.is_empty() {
                 return Vec::new();
             }
             let n = self.report_unreachable().await;
-            reporters
+            round
+                .reporters
                 .into_iter()
                 .map(|i| (i, Input::Reported(n)))
                 .collect()
         };
-        let reading = readers.into_iter().map(|i| async move {
+        let reading = round.readers.into_iter().map(|i| async move {
             let (k, v) = items[i];
             (i, Input::Held(self.holds(k, v, deadline).await))
         });
@@ -275,7 +134,7 @@ impl Client {
             reporting,
             futures_util::future::join_all(reading),
         );
-        out.extend(asked.into_iter().flatten());
+        let mut out: Vec<(usize, Input)> = asked.into_iter().flatten().collect();
         out.extend(written.into_iter().flatten());
         out.extend(slept);
         out.extend(reported);
@@ -449,26 +308,4 @@ impl Client {
         })
         .await
     }
-}
-
-/// A batch answer (`BatchDone` or `BatchReplicas`) handed to the items at
-/// `at` as the answers of their single calls; a whole failure is each
-/// item's.
-fn per_item(at: Vec<usize>, res: Result<MasterResponse, KvError>) -> Vec<(usize, Input)> {
-    let answers: Vec<Result<MasterResponse, KvError>> = match res {
-        Ok(MasterResponse::BatchDone(v)) if v.len() == at.len() => v
-            .into_iter()
-            .map(|r| Result::from(r).map(|()| MasterResponse::Done))
-            .collect(),
-        Ok(MasterResponse::BatchReplicas(v)) if v.len() == at.len() => v
-            .into_iter()
-            .map(|r| Result::from(r).map(MasterResponse::Replicas))
-            .collect(),
-        Ok(other) => vec![Err(call::unexpected("a batch put", &other)); at.len()],
-        Err(e) => vec![Err(e); at.len()],
-    };
-    at.into_iter()
-        .zip(answers)
-        .map(|(i, a)| (i, Input::Answer(a)))
-        .collect()
 }
