@@ -15,6 +15,18 @@ pub(crate) struct TaskQueue {
     pub(super) drops: Map<(Vec<u8>, u64), u32>,
 }
 
+/// The answer to a tier report of a copy no object lists while a copy of
+/// the key's object is on its way to that tier (it may be that copy, its
+/// `Stored` not yet in): not now; the node keeps it, and its `Stored`
+/// lists it (or the tier's next report refuses it once nothing is under
+/// way).
+fn under_way() -> KvError {
+    err(
+        ErrorCode::TryAgain,
+        "a copy of this object is on its way to this tier: its Stored report lists it",
+    )
+}
+
 impl TaskQueue {
     pub fn len(&self) -> usize {
         self.q.len()
@@ -751,7 +763,20 @@ impl ShardState {
                     // is owed is in its state directory): taking it would
                     // bring back a removed or replaced object. (A copy the
                     // key's object lists is that object's: a later put's
-                    // copy took the slot, and the Drop is stale.)
+                    // copy took the slot, and the Drop is stale.) Unless it
+                    // has the checksum of the key's object, a copy of which
+                    // is on its way to this tier: the node ran the Drop and
+                    // wrote that copy in the freed slot before this report.
+                    // Refused, the node would delete it and its `Stored`
+                    // list an empty slot. (Without a checksum an old copy
+                    // of the same size cannot be told from it: refused.)
+                    let summed = self
+                        .objs
+                        .complete_id(key)
+                        .is_some_and(|id| self.objs.get(id).checksum().is_some());
+                    if summed && self.copy_under_way(key, *nvme, *len, *sum) {
+                        return Err(under_way());
+                    }
                     return Err(err(
                         ErrorCode::ObjectAlreadyExists,
                         "this copy's object was removed or replaced: its Drop is owed",
@@ -769,10 +794,7 @@ impl ShardState {
                     // it): its `Stored` lists it, and a copy that never
                     // reports (its persist failed) is refused as old at the
                     // tier's next report, when nothing is under way.
-                    return Err(err(
-                        ErrorCode::TryAgain,
-                        "a copy of this object is on its way to this tier: its Stored report lists it",
-                    ));
+                    return Err(under_way());
                 }
                 if unlisted == Unlisted::Old {
                     // Every live copy of this tier is listed: this one is

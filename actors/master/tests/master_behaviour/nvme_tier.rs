@@ -588,6 +588,68 @@ fn a_replace_drops_the_old_objects_nvme_copy_before_the_new_object_is_copied() {
     m.check();
 }
 
+/// Found by the cluster simulation with batch puts (unsummed seed 2380):
+/// the node ran a replace's Drop of the old copy and wrote the new
+/// object's copy in the freed slot; its whole-tier report (after a remount)
+/// named that copy before its `Stored`. Refused as the old copy (its Drop
+/// still owed), the node deleted it, and the `Stored` that followed listed
+/// an empty slot. A copy with the new object's checksum is now left to its
+/// `Stored` (refused as not now: the node keeps it), which lists it; the
+/// old object's copy is still refused.
+#[test]
+fn a_new_copy_in_the_slot_a_drop_freed_reported_before_its_stored_is_kept() {
+    const OLD: u64 = 0x01d;
+    const NEW: u64 = 0x2e2;
+    let (mut m, dram) = tiered(true);
+    let stored_as = |task: &NodeTask, sum: u64| {
+        let mut s = stored(task, 3);
+        if let NvmeUpdate::Stored { sum: s, .. } = &mut s {
+            *s = sum;
+        }
+        s
+    };
+    m.start("k", 100).unwrap();
+    super::trust::end_with_sum(&mut m, "k", OLD);
+    let first = tasks(&mut m, dram).remove(0);
+    update(&mut m, stored_as(&first, OLD)).unwrap();
+    m.replace_as(WRITER, "k", 100).unwrap();
+    super::trust::end_with_sum(&mut m, "k", NEW);
+    let t = tasks(&mut m, dram);
+    assert!(
+        matches!(t.first(), Some(NodeTask::Drop { loc: 3, .. })),
+        "{t:?}"
+    );
+    let persist = t[1].clone();
+    assert!(
+        matches!(persist, NodeTask::Persist { demote: false, .. }),
+        "{t:?}"
+    );
+    let at3 = |sum| NvmeUpdate::Recovered {
+        key: b"k".to_vec(),
+        nvme: nvme_id(),
+        loc: 3,
+        len: 100,
+        sum,
+    };
+    // The old copy, its Drop not run yet: refused, the node deletes it.
+    let e = update(&mut m, at3(OLD)).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
+    // The Drop ran and the new copy took the slot; the report comes first.
+    let e = update(&mut m, at3(NEW)).unwrap_err();
+    assert_eq!(
+        e.code,
+        ErrorCode::TryAgain,
+        "refused as stale, the node would delete the new copy: {e}"
+    );
+    update(&mut m, stored_as(&persist, NEW)).unwrap();
+    let r = m.get("k").unwrap();
+    assert!(
+        r.iter().any(|r| r.tier == Tier::Nvme && r.offset == 3),
+        "{r:?}"
+    );
+    m.check();
+}
+
 #[test]
 fn a_copy_made_from_the_replaced_objects_range_is_never_listed_for_the_new_one() {
     // Same size, no checksums: only the DRAM range tells the two apart.
