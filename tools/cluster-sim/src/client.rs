@@ -10,6 +10,11 @@
 //!   whose write failed unreachable or timed out is noted in the engine's
 //!   [`Suspects`] and reported when the protocol asks), pauses as timers,
 //!   the read-back as a get. Values are tags (put number n).
+//! * batch put (2-4 keys): the REAL [`BatchPut`] (the code
+//!   `Client::batch_put` drives): its rounds of grouped `BatchPutStart` /
+//!   `BatchPutEnd` / `BatchPutRevoke`, writes by their time, pauses, reports
+//!   and read-backs, each item fed its part; this model carries a round out
+//!   as the single put's I/O.
 //! * get: `GetReplicaList`, then the REAL read rules of the transfer
 //!   engine, [`kvpool_transport::read`]: the replicas in its order (suspect
 //!   nodes last, DRAM first, this client's host first), each with its share
@@ -20,11 +25,13 @@
 //!   this key, never another key's or bytes of no value.
 //! * remove (sometimes forced); a liveness ping every [`PING_MS`].
 //!
-//! Not modelled: batches, the location cache, shared-memory and RDMA paths.
+//! Not modelled: batch gets, the location cache, shared-memory and RDMA
+//! paths.
 
 use std::time::Duration;
 
-use kvpool_client::put::{Action, PutIds, PutProtocol};
+use kvpool_client::put::batch::{Ask, BatchPut, Round};
+use kvpool_client::put::{Action, Input, OneId, PlaceIds, PutIds, PutProtocol};
 use kvpool_transport::read;
 use kvpool_transport::read::{Prefer, ReplicaRead, Step, Suspects};
 use kvpool_wire::proto::{MasterRequest, MasterResponse, PutOptions, ReplicaDesc};
@@ -55,10 +62,10 @@ enum Stage {
     /// A put reports unreachable segments, one request at a time: those
     /// left, and how many in all.
     Reporting(Vec<u64>, usize),
-    /// Waiting for `GetReplicaList`, then for the read of replica `i`
-    /// (the read's id, its share of the time left).
-    Listing,
-    Reading(usize, u64, Duration),
+    /// A get, or a put's read-back ([`Op::reader`]).
+    Reading,
+    /// A batch put's round ([`Op::batch`]).
+    Batch,
     Removing,
 }
 
@@ -77,11 +84,219 @@ struct Op {
     tag: u64,
     /// A get that reads back this put's key for its protocol.
     reading_back: bool,
-    // get
-    /// When `GetReplicaList` was sent (its read lease runs from then).
+    /// The read of a get or read-back.
+    reader: Option<Reader>,
+    batch: Option<Box<BatchRun>>,
+}
+
+/// What a read needs of its client.
+struct Env<'a> {
+    me: Addr,
+    idx: usize,
+    checksums: bool,
+    host: &'a str,
+    /// The call's deadline (sim ms).
+    deadline: u64,
+    suspects: &'a mut Suspects,
+}
+
+/// One read of one key (a get, or a put's read-back): `GetReplicaList`,
+/// then the transfer engine's read rules ([`ReplicaRead`]) until the lease
+/// or the call ends. The bytes it returns are checked: a value put under
+/// this key, never another key's or bytes of no value.
+#[derive(Debug)]
+struct Reader {
+    key: Vec<u8>,
+    /// When `GetReplicaList` was sent (its read lease runs from then), and
+    /// its id (0: answered).
     asked: u64,
+    awaiting: u64,
     replicas: Vec<ReplicaDesc>,
     read: Option<ReplicaRead>,
+    /// The replica read under way: its index, the read's id, its share.
+    reading: Option<(usize, u64, Duration)>,
+}
+
+type ReadResult = Result<Content, ErrorCode>;
+
+impl Reader {
+    fn start(key: Vec<u8>, me: Addr, ctx: &mut Ctx) -> Self {
+        let req = MasterRequest::GetReplicaList { key: key.clone() };
+        Self {
+            key,
+            asked: ctx.now,
+            awaiting: ctx.ask(me, req),
+            replicas: Vec::new(),
+            read: None,
+            reading: None,
+        }
+    }
+
+    /// The master's answer; `Some` when the read is over.
+    fn on_answer(
+        &mut self,
+        res: Result<MasterResponse, KvError>,
+        env: &mut Env<'_>,
+        ctx: &mut Ctx,
+    ) -> Option<ReadResult> {
+        self.awaiting = 0;
+        match res {
+            Ok(MasterResponse::Replicas(rs)) if !rs.is_empty() => {
+                // As `Client::get`: a buffer of the first replica's length.
+                let prefer = Prefer {
+                    shm: true,
+                    host_id: env.host,
+                };
+                let read = ReplicaRead::new(&rs, rs[0].len, prefer, env.suspects, at(ctx));
+                self.read = Some(read.expect("a replica"));
+                self.replicas = rs;
+                self.next(env, ctx)
+            }
+            Ok(_) => Some(Err(ErrorCode::ObjectNotFound)),
+            Err(e) => Some(Err(e.code)),
+        }
+    }
+
+    /// Reads the replica the read rules name next; `Some` when the read
+    /// is over.
+    fn next(&mut self, env: &mut Env<'_>, ctx: &mut Ctx) -> Option<ReadResult> {
+        let read = self.read.as_mut().expect("a read under way");
+        // As `Client::get`: no read past the read lease (less a margin over
+        // the network's longest delay), nor past the call's deadline.
+        let d = Duration::from_millis;
+        let lease_end = read::lease_read_end(d(self.asked), d(LEASE_TTL_MS), d(READ_MARGIN_MS));
+        let left = lease_end.min(d(env.deadline)).saturating_sub(at(ctx));
+        let (i, share, timed) = match read.next(left) {
+            Step::Try {
+                index,
+                share,
+                timed,
+                failover,
+            } => {
+                ctx.stats.read_failovers += u64::from(failover);
+                (index, share, timed)
+            }
+            Step::Failed(e) => return Some(Err(e.code)),
+        };
+        let r = &self.replicas[i];
+        let Some(&n) = ctx.seg_node.get(&r.segment_id) else {
+            let e = KvError::new(ErrorCode::Unavailable, "no node serves this segment");
+            return self.failed(i, e, env, ctx);
+        };
+        let id = ctx.id();
+        self.reading = Some((i, id, share));
+        let body = Body::Read {
+            id,
+            seg: r.segment_id,
+            tier: r.tier,
+            offset: r.offset,
+            len: r.len,
+        };
+        ctx.send(env.me, Addr::Node(n), body);
+        if timed {
+            ctx.timer(env.me, ms(share).max(1), Timer::ClientReadShare(id));
+        }
+        None
+    }
+
+    /// Replica `i` failed with `e` (as the engine: its node is noted when
+    /// it could not be reached); the next one is tried.
+    fn failed(
+        &mut self,
+        i: usize,
+        e: KvError,
+        env: &mut Env<'_>,
+        ctx: &mut Ctx,
+    ) -> Option<ReadResult> {
+        self.reading = None;
+        env.suspects.note(self.replicas[i].segment_id, &e, at(ctx));
+        self.read.as_mut().expect("a read under way").failed(e);
+        self.next(env, ctx)
+    }
+
+    /// Whether `id` is the replica read under way.
+    fn reads(&self, id: u64) -> bool {
+        self.reading.is_some_and(|r| r.1 == id)
+    }
+
+    /// The share of the read `id` passed.
+    fn on_share(&mut self, id: u64, env: &mut Env<'_>, ctx: &mut Ctx) -> Option<ReadResult> {
+        let (i, _, share) = self.reading.filter(|r| r.1 == id)?;
+        ctx.stats.read_shares_passed += 1;
+        let e = ReplicaRead::share_passed(&self.replicas[i], share);
+        self.failed(i, e, env, ctx)
+    }
+
+    /// The node's answer to the read under way ([`Reader::reads`]).
+    fn on_data(&mut self, res: ReadResult, env: &mut Env<'_>, ctx: &mut Ctx) -> Option<ReadResult> {
+        let (i, _, _) = self.reading.take()?;
+        let r = &self.replicas[i];
+        let content = match res {
+            Ok(c) => c,
+            Err(code) => {
+                let e = KvError::new(code, "the replica's node refused the read");
+                return self.failed(i, e, env, ctx);
+            }
+        };
+        if env.checksums && r.checksum.is_some_and(|s| s != sum_of(content)) {
+            ctx.stats.corrupt_reads += 1;
+            let e = KvError::new(ErrorCode::Corrupt, "the bytes fail the checksum");
+            return self.failed(i, e, env, ctx);
+        }
+        if !ctx.is_value_of(content, &self.key) {
+            let whose = content
+                .and_then(|t| ctx.tag_key.get(t as usize))
+                .map(|k| String::from_utf8_lossy(k).into_owned());
+            let what = format!(
+                "client {} got {:?} for key {} from a {:?} replica (segment {:016x}, \
+                 offset {}): a value of {whose:?}, not of this key",
+                env.idx,
+                content,
+                String::from_utf8_lossy(&self.key),
+                r.tier,
+                r.segment_id,
+                r.offset
+            );
+            ctx.fail(what);
+        }
+        Some(Ok(content))
+    }
+}
+
+/// An item of a batch and its writes still out (id, segment).
+type ItemWrites = (usize, Vec<(u64, u64)>);
+
+/// A batch put under way: the real [`BatchPut`] and what its round still
+/// waits for. Each item's value is its own tag.
+#[derive(Debug)]
+struct BatchRun {
+    batch: BatchPut,
+    keys: Vec<Vec<u8>>,
+    tags: Vec<u64>,
+    /// Requests out (their ids) and whose answers they are.
+    asks: Vec<(u64, Ask)>,
+    /// Write groups out: the timer's id, and per item the writes still out.
+    writes: Vec<(u64, Vec<ItemWrites>)>,
+    /// The pause's timer and its items.
+    sleep: Option<(u64, Vec<usize>)>,
+    /// Segments left to report, how many in all, the request out, and the
+    /// items that wait for the reports.
+    report: Option<(Vec<u64>, usize, u64, Vec<usize>)>,
+    /// Read-backs under way.
+    readers: Vec<(usize, Reader)>,
+    /// The round's inputs so far.
+    inputs: Vec<(usize, Input)>,
+}
+
+impl BatchRun {
+    /// Whether the round has every input.
+    fn round_over(&self) -> bool {
+        self.asks.is_empty()
+            && self.writes.is_empty()
+            && self.sleep.is_none()
+            && self.report.is_none()
+            && self.readers.is_empty()
+    }
 }
 
 pub struct ClientModel {
@@ -136,6 +351,26 @@ impl ClientModel {
         self.op.as_ref().map(|o| o.deadline)
     }
 
+    /// The call under way and what a read needs of this client.
+    fn op_env(&mut self) -> (&mut Op, Env<'_>) {
+        let o = self.op.as_mut().expect("a call");
+        let env = Env {
+            me: Addr::Client(self.idx),
+            idx: self.idx,
+            checksums: self.checksums,
+            host: &self.host,
+            deadline: o.deadline,
+            suspects: &mut self.suspects,
+        };
+        (o, env)
+    }
+
+    /// The call under way's reader and what a read needs of this client.
+    fn reading(&mut self) -> (&mut Reader, Env<'_>) {
+        let (o, env) = self.op_env();
+        (o.reader.as_mut().expect("a read under way"), env)
+    }
+
     pub fn on_timer(&mut self, t: Timer, ctx: &mut Ctx) {
         let me = self.me();
         let Some(o) = self.op.as_mut() else {
@@ -146,6 +381,9 @@ impl ClientModel {
             }
             return;
         };
+        if matches!(o.stage, Stage::Batch) && !matches!(t, Timer::ClientDeadline(_)) {
+            return self.batch_timer(t, ctx);
+        }
         match t {
             Timer::ClientPing => self.ping(ctx),
             Timer::ClientDeadline(op) if o.id == op => {
@@ -153,6 +391,11 @@ impl ClientModel {
                 let deadline = KvError::new(ErrorCode::Timeout, "the call's deadline");
                 if let Some(revoke) = o.put.as_mut().and_then(|p| p.revoke_after(&deadline)) {
                     ctx.ask(me, revoke);
+                }
+                if let Some(b) = o.batch.as_mut() {
+                    for revoke in b.batch.revokes(Some(&deadline)) {
+                        ctx.ask(me, revoke);
+                    }
                 }
                 ctx.stats.timeouts += 1;
                 self.end(ctx, Err(ErrorCode::Timeout));
@@ -180,16 +423,11 @@ impl ClientModel {
                 let a = self.protocol().0.written(Err(e));
                 self.drive(a, ctx);
             }
-            Timer::ClientReadShare(id) => {
-                let Stage::Reading(i, want, share) = o.stage else {
-                    return;
-                };
-                if want != id {
-                    return;
+            Timer::ClientReadShare(id) if matches!(o.stage, Stage::Reading) => {
+                let (reader, mut env) = self.reading();
+                if let Some(res) = reader.on_share(id, &mut env, ctx) {
+                    self.got(ctx, res);
                 }
-                ctx.stats.read_shares_passed += 1;
-                let e = ReplicaRead::share_passed(&o.replicas[i], share);
-                self.replica_failed(i, e, ctx);
             }
             _ => {}
         }
@@ -210,6 +448,17 @@ impl ClientModel {
         (p.expect("a put under way"), &self.put_ids)
     }
 
+    fn put_options(ctx: &mut Ctx) -> PutOptions {
+        PutOptions {
+            replicas: ctx.rng.random_range(1..=2),
+            replace: ctx.rng.random_ratio(2, 3),
+            soft_pin_ttl_ms: if ctx.rng.random_ratio(1, 5) { 300 } else { 0 },
+            hard_pin: ctx.rng.random_ratio(1, 30),
+            preferred_host: format!("host-{}", ctx.rng.random_range(0..3)),
+            put_id: 0,
+        }
+    }
+
     fn start(&mut self, ctx: &mut Ctx) {
         let k = key(ctx.rng.random_range(0..KEYS));
         let id = ctx.id();
@@ -219,36 +468,57 @@ impl ClientModel {
             deadline: ctx.now + CLIENT_TIMEOUT_MS,
             key: k.clone(),
             awaiting: 0,
-            stage: Stage::Listing,
+            stage: Stage::Reading,
             put: None,
             tag: 0,
             reading_back: false,
-            asked: ctx.now,
-            replicas: Vec::new(),
-            read: None,
+            reader: None,
+            batch: None,
         };
         ctx.timer(self.me(), CLIENT_TIMEOUT_MS, Timer::ClientDeadline(id));
+        let budget = Duration::from_millis(CLIENT_TIMEOUT_MS);
         match ctx.rng.random_range(0..100) {
-            0..=39 => {
+            0..=29 => {
                 op.tag = ctx.new_tag(&k);
                 let len = LENS[ctx.rng.random_range(0..LENS.len())];
-                let opts = PutOptions {
-                    replicas: ctx.rng.random_range(1..=2),
-                    replace: ctx.rng.random_ratio(2, 3),
-                    soft_pin_ttl_ms: if ctx.rng.random_ratio(1, 5) { 300 } else { 0 },
-                    hard_pin: ctx.rng.random_ratio(1, 30),
-                    preferred_host: format!("host-{}", ctx.rng.random_range(0..3)),
-                    put_id: 0,
-                };
-                let budget = Duration::from_millis(CLIENT_TIMEOUT_MS);
+                let opts = Self::put_options(ctx);
                 let mut put = PutProtocol::new(self.id, k, len, opts, budget);
                 let a = put.begin(&self.put_ids);
                 op.put = Some(put);
                 self.op = Some(op);
                 self.drive(a, ctx);
             }
+            30..=39 => {
+                // A batch put of 2-4 keys (now and then one twice).
+                let n = ctx.rng.random_range(2..=4);
+                let keys: Vec<Vec<u8>> =
+                    (0..n).map(|_| key(ctx.rng.random_range(0..KEYS))).collect();
+                let tags = keys.iter().map(|k| ctx.new_tag(k)).collect();
+                let lens: Vec<(&[u8], u64)> = keys
+                    .iter()
+                    .map(|k| (k.as_slice(), LENS[ctx.rng.random_range(0..LENS.len())]))
+                    .collect();
+                let opts = Self::put_options(ctx);
+                let mut batch = BatchPut::new(self.id, &lens, &opts, budget);
+                let round = batch.begin(&OneId(self.put_ids.next()));
+                ctx.stats.batch_puts += 1;
+                op.stage = Stage::Batch;
+                op.batch = Some(Box::new(BatchRun {
+                    batch,
+                    keys,
+                    tags,
+                    asks: Vec::new(),
+                    writes: Vec::new(),
+                    sleep: None,
+                    report: None,
+                    readers: Vec::new(),
+                    inputs: Vec::new(),
+                }));
+                self.op = Some(op);
+                self.batch_round(round, ctx);
+            }
             40..=89 => {
-                op.awaiting = ctx.ask(self.me(), MasterRequest::GetReplicaList { key: k });
+                op.reader = Some(Reader::start(k, self.me(), ctx));
                 self.op = Some(op);
             }
             _ => {
@@ -271,22 +541,7 @@ impl ClientModel {
             }
             Action::Write { replicas, by } => {
                 let round = ctx.id();
-                let mut ids = Vec::new();
-                for r in &replicas {
-                    let Some(&n) = ctx.seg_node.get(&r.segment_id) else {
-                        continue;
-                    };
-                    let id = ctx.id();
-                    ids.push((id, r.segment_id));
-                    let body = Body::Write {
-                        id,
-                        seg: r.segment_id,
-                        offset: r.offset,
-                        len: r.len,
-                        content: Some(o.tag),
-                    };
-                    ctx.send(me, Addr::Node(n), body);
-                }
+                let ids = send_writes(me, &replicas, o.tag, ctx);
                 if ids.is_empty() {
                     let checksum = self.checksums.then_some(sum_of(Some(o.tag)));
                     let a = self.protocol().0.written(Ok(checksum));
@@ -311,10 +566,8 @@ impl ClientModel {
             Action::ReadBack => {
                 ctx.stats.put_readbacks += 1;
                 o.reading_back = true;
-                o.stage = Stage::Listing;
-                let req = MasterRequest::GetReplicaList { key: o.key.clone() };
-                o.asked = ctx.now;
-                o.awaiting = ctx.ask(me, req);
+                o.stage = Stage::Reading;
+                o.reader = Some(Reader::start(o.key.clone(), me, ctx));
             }
             Action::Done(r) => {
                 match &r {
@@ -367,8 +620,9 @@ impl ClientModel {
     }
 
     /// A get is over: the call's end, or the read-back's answer.
-    fn got(&mut self, ctx: &mut Ctx, res: Result<Content, ErrorCode>) {
+    fn got(&mut self, ctx: &mut Ctx, res: ReadResult) {
         let o = self.op.as_mut().expect("a get");
+        o.reader = None;
         if o.reading_back {
             o.reading_back = false;
             let holds = res == Ok(Some(o.tag));
@@ -385,11 +639,26 @@ impl ClientModel {
     }
 
     pub fn on_msg(&mut self, m: Msg, ctx: &mut Ctx) {
+        let Some(o) = self.op.as_ref() else { return };
+        if matches!(o.stage, Stage::Batch) {
+            return self.batch_msg(m.body, ctx);
+        }
+        let reader = o.reader.as_ref();
         match m.body {
-            Body::Resp { id, res } if self.op.as_ref().is_some_and(|o| o.awaiting == id) => {
-                self.on_answer(res, ctx);
+            Body::Resp { id, res } if reader.is_some_and(|r| r.awaiting == id) => {
+                let (reader, mut env) = self.reading();
+                if let Some(res) = reader.on_answer(res, &mut env, ctx) {
+                    self.got(ctx, res);
+                }
             }
-            Body::Data { id, res } => self.on_data(id, res, ctx),
+            Body::Resp { id, res } if o.awaiting == id => self.on_answer(res, ctx),
+            Body::Data { id, res } if reader.is_some_and(|r| r.reads(id)) => {
+                let (reader, mut env) = self.reading();
+                if let Some(res) = reader.on_data(res, &mut env, ctx) {
+                    self.got(ctx, res);
+                }
+            }
+            Body::Data { id, res } => self.on_written(id, res, ctx),
             _ => {}
         }
     }
@@ -407,133 +676,282 @@ impl ClientModel {
                 self.drive(a, ctx);
             }
             (Stage::Reporting(left, n), _) => self.report_next(left, n, ctx),
-            (Stage::Listing, Ok(MasterResponse::Replicas(rs))) if !rs.is_empty() => {
-                // As `Client::get`: a buffer of the first replica's length.
-                let prefer = Prefer {
-                    shm: true,
-                    host_id: &self.host,
-                };
-                let read = ReplicaRead::new(&rs, rs[0].len, prefer, &self.suspects, at(ctx));
-                o.read = Some(read.expect("a replica"));
-                o.replicas = rs;
-                self.read_next(ctx);
-            }
-            (Stage::Listing, r) => {
-                let code = match r {
-                    Ok(_) => ErrorCode::ObjectNotFound,
-                    Err(e) => e.code,
-                };
-                self.got(ctx, Err(code));
-            }
             (_, r) => self.end(ctx, r.map(|_| ()).map_err(|e| e.code)),
         }
     }
 
-    /// Reads the replica the read rules name next, or ends the get.
-    fn read_next(&mut self, ctx: &mut Ctx) {
-        let me = self.me();
-        let o = self.op.as_mut().expect("a get");
-        let read = o.read.as_mut().expect("a read under way");
-        // As `Client::get`: no read past the read lease (less a margin over
-        // the network's longest delay), nor past the call's deadline.
-        let d = Duration::from_millis;
-        let lease_end = read::lease_read_end(d(o.asked), d(LEASE_TTL_MS), d(READ_MARGIN_MS));
-        let left = lease_end.min(d(o.deadline)).saturating_sub(at(ctx));
-        let (i, share, timed) = match read.next(left) {
-            Step::Try {
-                index,
-                share,
-                timed,
-                failover,
-            } => {
-                ctx.stats.read_failovers += u64::from(failover);
-                (index, share, timed)
-            }
-            Step::Failed(e) => return self.got(ctx, Err(e.code)),
+    /// A node's answer to one of a single put's writes.
+    fn on_written(&mut self, id: u64, res: ReadResult, ctx: &mut Ctx) {
+        let Some(o) = self.op.as_mut() else { return };
+        let Stage::Writing(_, ids) = &mut o.stage else {
+            return;
         };
-        let r = &o.replicas[i];
-        let Some(&n) = ctx.seg_node.get(&r.segment_id) else {
-            let e = KvError::new(ErrorCode::Unavailable, "no node serves this segment");
-            return self.replica_failed(i, e, ctx);
+        let Some(seg) = ids.iter().find(|w| w.0 == id).map(|w| w.1) else {
+            return;
         };
-        let id = ctx.id();
-        o.stage = Stage::Reading(i, id, share);
-        let body = Body::Read {
-            id,
-            seg: r.segment_id,
-            tier: r.tier,
-            offset: r.offset,
-            len: r.len,
-        };
-        ctx.send(me, Addr::Node(n), body);
-        if timed {
-            ctx.timer(me, ms(share).max(1), Timer::ClientReadShare(id));
+        ids.retain(|w| w.0 != id);
+        if let Err(code) = res {
+            // The first error ends the writes (as the engine's
+            // `try_join_all`); a node it could not reach is noted.
+            let e = KvError::new(code, format!("a write to segment {seg:016x} failed"));
+            self.suspects.note(seg, &e, at(ctx));
+            let a = self.protocol().0.written(Err(e));
+            return self.drive(a, ctx);
+        }
+        if ids.is_empty() {
+            let checksum = self.checksums.then_some(sum_of(Some(o.tag)));
+            let a = self.protocol().0.written(Ok(checksum));
+            self.drive(a, ctx);
         }
     }
 
-    /// Replica `i` failed with `e` (as the engine: its node is noted when it
-    /// could not be reached); the next one is tried.
-    fn replica_failed(&mut self, i: usize, e: KvError, ctx: &mut Ctx) {
-        let o = self.op.as_mut().expect("a get");
-        self.suspects.note(o.replicas[i].segment_id, &e, at(ctx));
-        o.read.as_mut().expect("a read under way").failed(e);
-        self.read_next(ctx);
+    // A batch put: the real `BatchPut`'s rounds, carried out here.
+
+    fn batch_run(&mut self) -> &mut BatchRun {
+        let o = self.op.as_mut().expect("a batch put under way");
+        o.batch.as_mut().expect("a batch put under way")
     }
 
-    fn on_data(&mut self, id: u64, res: Result<Content, ErrorCode>, ctx: &mut Ctx) {
-        let Some(o) = self.op.as_mut() else { return };
-        match &mut o.stage {
-            Stage::Writing(_, ids) if ids.iter().any(|w| w.0 == id) => {
-                let seg = ids.iter().find(|w| w.0 == id).map_or(0, |w| w.1);
-                ids.retain(|w| w.0 != id);
-                if let Err(code) = res {
-                    // The first error ends the writes (as the engine's
-                    // `try_join_all`); a node it could not reach is noted.
-                    let e = KvError::new(code, format!("a write to segment {seg:016x} failed"));
-                    self.suspects.note(seg, &e, at(ctx));
-                    let a = self.protocol().0.written(Err(e));
-                    return self.drive(a, ctx);
-                }
+    /// Carries out `round`, or ends the call when there is none.
+    fn batch_round(&mut self, round: Option<Round>, ctx: &mut Ctx) {
+        let me = self.me();
+        let Some(round) = round else {
+            let o = self.op.as_mut().expect("a batch put under way");
+            let b = o.batch.take().expect("a batch put under way");
+            ctx.stats.puts_ok += b.batch.results().iter().filter(|r| r.is_ok()).count() as u64;
+            return self.end(ctx, Ok(()));
+        };
+        let o = self.op.as_mut().expect("a batch put under way");
+        let start = o.start;
+        let b = o.batch.as_mut().expect("a batch put under way");
+        for ask in round.asks {
+            let id = ctx.ask(me, ask.req.clone());
+            b.asks.push((id, ask));
+        }
+        for (by, group) in round.writes {
+            let timer = ctx.id();
+            let mut items = Vec::new();
+            for (i, replicas) in group {
+                let ids = send_writes(me, &replicas, b.tags[i], ctx);
                 if ids.is_empty() {
-                    let checksum = self.checksums.then_some(sum_of(Some(o.tag)));
-                    let a = self.protocol().0.written(Ok(checksum));
-                    self.drive(a, ctx);
+                    let checksum = self.checksums.then_some(sum_of(Some(b.tags[i])));
+                    b.inputs.push((i, Input::Written(Ok(checksum))));
+                } else {
+                    items.push((i, ids));
                 }
             }
-            Stage::Reading(i, want, _) if *want == id => {
-                let i = *i;
-                let r = &o.replicas[i];
-                let content = match res {
-                    Ok(c) => c,
-                    Err(code) => {
-                        let e = KvError::new(code, "the replica's node refused the read");
-                        return self.replica_failed(i, e, ctx);
-                    }
+            if !items.is_empty() {
+                let until = (start + ms(by)).saturating_sub(ctx.now);
+                ctx.timer(me, until, Timer::ClientWriteBy(timer));
+                b.writes.push((timer, items));
+            }
+        }
+        if let Some((pause, who)) = round.sleep {
+            ctx.stats.put_pauses += 1;
+            let t = ctx.id();
+            ctx.timer(me, ms(pause).max(1), Timer::ClientWake(t));
+            b.sleep = Some((t, who));
+        }
+        if !round.reporters.is_empty() {
+            ctx.stats.put_reports += 1;
+            let left = self.suspects.take_unreachable();
+            let n = left.len();
+            b.report = Some((left, n, 0, round.reporters));
+        }
+        for i in round.readers {
+            ctx.stats.put_readbacks += 1;
+            let r = Reader::start(b.keys[i].clone(), me, ctx);
+            b.readers.push((i, r));
+        }
+        self.batch_report_next(ctx);
+        self.batch_check(ctx);
+    }
+
+    /// Sends the batch's next report, or hands its items how many went.
+    fn batch_report_next(&mut self, ctx: &mut Ctx) {
+        let me = self.me();
+        let client_id = self.id;
+        let b = self.batch_run();
+        let Some((left, n, awaiting, who)) = b.report.as_mut() else {
+            return;
+        };
+        match left.pop() {
+            Some(segment_id) => {
+                let req = MasterRequest::ReportUnreachable {
+                    client_id,
+                    segment_id,
                 };
-                if self.checksums && r.checksum.is_some_and(|s| s != sum_of(content)) {
-                    ctx.stats.corrupt_reads += 1;
-                    let e = KvError::new(ErrorCode::Corrupt, "the bytes fail the checksum");
-                    return self.replica_failed(i, e, ctx);
+                *awaiting = ctx.ask(me, req);
+            }
+            None => {
+                let n = *n;
+                let who = std::mem::take(who);
+                b.report = None;
+                b.inputs
+                    .extend(who.into_iter().map(|i| (i, Input::Reported(n))));
+            }
+        }
+    }
+
+    /// Feeds the round's inputs once it has them all; the next round.
+    fn batch_check(&mut self, ctx: &mut Ctx) {
+        let o = self.op.as_mut().expect("a batch put under way");
+        let now = Duration::from_millis(ctx.now - o.start);
+        let b = o.batch.as_mut().expect("a batch put under way");
+        if !b.round_over() {
+            return;
+        }
+        let inputs = std::mem::take(&mut b.inputs);
+        let ids = OneId(self.put_ids.next());
+        let round = b.batch.feed(now, &ids, inputs);
+        self.batch_round(round, ctx);
+    }
+
+    /// A read-back's answer or end.
+    fn batch_read(&mut self, at_i: usize, res: Option<ReadResult>, ctx: &mut Ctx) {
+        let Some(res) = res else { return };
+        let b = self.batch_run();
+        let (i, _) = b.readers.remove(at_i);
+        let holds = res == Ok(Some(b.tags[i]));
+        b.inputs.push((i, Input::Held(holds)));
+        self.batch_check(ctx);
+    }
+
+    fn batch_env(&mut self) -> (&mut BatchRun, Env<'_>) {
+        let (o, env) = self.op_env();
+        (o.batch.as_mut().expect("a batch put under way"), env)
+    }
+
+    fn batch_msg(&mut self, body: Body, ctx: &mut Ctx) {
+        match body {
+            Body::Resp { id, res } => {
+                let b = self.batch_run();
+                if let Some(at) = b.asks.iter().position(|a| a.0 == id) {
+                    let (_, ask) = b.asks.remove(at);
+                    b.inputs.extend(ask.inputs(res));
+                    return self.batch_check(ctx);
                 }
-                if !ctx.is_value_of(content, &o.key) {
-                    let whose = content
-                        .and_then(|t| ctx.tag_key.get(t as usize))
-                        .map(|k| String::from_utf8_lossy(k).into_owned());
-                    let what = format!(
-                        "client {} got {:?} for key {} from a {:?} replica (segment {:016x}, \
-                         offset {}): a value of {whose:?}, not of this key",
-                        self.idx,
-                        content,
-                        String::from_utf8_lossy(&o.key),
-                        r.tier,
-                        r.segment_id,
-                        r.offset
-                    );
-                    ctx.fail(what);
+                if b.report.as_ref().is_some_and(|r| r.2 == id) {
+                    self.batch_report_next(ctx);
+                    return self.batch_check(ctx);
                 }
-                self.got(ctx, Ok(content));
+                if let Some(at) = b.readers.iter().position(|r| r.1.awaiting == id) {
+                    let (b, mut env) = self.batch_env();
+                    let res = b.readers[at].1.on_answer(res, &mut env, ctx);
+                    self.batch_read(at, res, ctx);
+                }
+            }
+            Body::Data { id, res } => {
+                let b = self.batch_run();
+                if let Some(at) = b.readers.iter().position(|r| r.1.reads(id)) {
+                    let (b, mut env) = self.batch_env();
+                    let res = b.readers[at].1.on_data(res, &mut env, ctx);
+                    return self.batch_read(at, res, ctx);
+                }
+                self.batch_written(id, res, ctx);
             }
             _ => {}
         }
     }
+
+    /// A node's answer to one of the round's writes: an item is written
+    /// once all its writes are; its first error ends its writes.
+    fn batch_written(&mut self, id: u64, res: ReadResult, ctx: &mut Ctx) {
+        let checksums = self.checksums;
+        let b = self.batch_run();
+        let found = b.writes.iter().enumerate().find_map(|(g, (_, items))| {
+            items
+                .iter()
+                .enumerate()
+                .find_map(|(n, (_, ids))| ids.iter().position(|w| w.0 == id).map(|w| (g, n, w)))
+        });
+        let Some((g, n, w)) = found else { return };
+        let (i, ids) = &mut b.writes[g].1[n];
+        let (i, (_, seg)) = (*i, ids.remove(w));
+        let input = match res {
+            Err(code) => {
+                let e = KvError::new(code, format!("a write to segment {seg:016x} failed"));
+                Some(Err(e))
+            }
+            Ok(_) if ids.is_empty() => Some(Ok(checksums.then_some(sum_of(Some(b.tags[i]))))),
+            Ok(_) => None,
+        };
+        let Some(written) = input else { return };
+        b.writes[g].1.remove(n);
+        if b.writes[g].1.is_empty() {
+            b.writes.remove(g);
+        }
+        if let Err(e) = &written {
+            let now = at(ctx);
+            self.suspects.note(seg, e, now);
+        }
+        let b = self.batch_run();
+        b.inputs.push((i, Input::Written(written)));
+        self.batch_check(ctx);
+    }
+
+    fn batch_timer(&mut self, t: Timer, ctx: &mut Ctx) {
+        match t {
+            Timer::ClientPing => self.ping(ctx),
+            Timer::ClientWake(id) => {
+                let b = self.batch_run();
+                if b.sleep.as_ref().is_some_and(|s| s.0 == id) {
+                    let (_, who) = b.sleep.take().expect("checked");
+                    b.inputs.extend(who.into_iter().map(|i| (i, Input::Woke)));
+                    self.batch_check(ctx);
+                }
+            }
+            Timer::ClientWriteBy(timer) => {
+                let b = self.batch_run();
+                let Some(g) = b.writes.iter().position(|w| w.0 == timer) else {
+                    return;
+                };
+                // As the engine: every write of the group not done by its
+                // time fails; the first one out names its node.
+                let (_, items) = b.writes.remove(g);
+                let e = KvError::new(ErrorCode::Timeout, "a write did not finish by its time");
+                let first = items.first().and_then(|(_, ids)| ids.first()).map(|w| w.1);
+                b.inputs.extend(
+                    items
+                        .into_iter()
+                        .map(|(i, _)| (i, Input::Written(Err(e.clone())))),
+                );
+                if let Some(seg) = first {
+                    self.suspects.note(seg, &e, at(ctx));
+                }
+                self.batch_check(ctx);
+            }
+            Timer::ClientReadShare(id) => {
+                let b = self.batch_run();
+                if let Some(at) = b.readers.iter().position(|r| r.1.reads(id)) {
+                    let (b, mut env) = self.batch_env();
+                    let res = b.readers[at].1.on_share(id, &mut env, ctx);
+                    self.batch_read(at, res, ctx);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Sends a value's writes to its replicas' nodes: (id, segment) of each
+/// sent (a replica whose segment no node serves is skipped).
+fn send_writes(me: Addr, replicas: &[ReplicaDesc], tag: u64, ctx: &mut Ctx) -> Vec<(u64, u64)> {
+    let mut ids = Vec::new();
+    for r in replicas {
+        let Some(&n) = ctx.seg_node.get(&r.segment_id) else {
+            continue;
+        };
+        let id = ctx.id();
+        ids.push((id, r.segment_id));
+        let body = Body::Write {
+            id,
+            seg: r.segment_id,
+            offset: r.offset,
+            len: r.len,
+            content: Some(tag),
+        };
+        ctx.send(me, Addr::Node(n), body);
+    }
+    ids
 }

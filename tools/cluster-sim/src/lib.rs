@@ -1,7 +1,7 @@
 //! A seeded simulation of a kvpool cluster, in one thread (issue 18).
 //!
 //! ```text
-//!   clients: the REAL put protocol --\                  /-- storage nodes: models with
+//!   clients: the REAL (batch) puts --\                  /-- storage nodes: models with
 //!   and read rules (removals: model)  >-- simulated --<    the REAL round rules; DRAM,
 //!   MasterCore (REAL) ---------------/    network       \   an NVMe tier on a simulated disk
 //!                          (drop, delay, reorder, duplicate, partition)
@@ -17,7 +17,8 @@
 //!   run it between requests.
 //! * Clients ([`client`]) put with the real protocol,
 //!   [`kvpool_client::put::PutProtocol`] (waits, re-placements, the end's
-//!   resends, read-backs, the revoke at the deadline); the model does its
+//!   resends, read-backs, the revoke at the deadline), singly and in
+//!   batches ([`kvpool_client::put::batch::BatchPut`]); the model does its
 //!   I/O. Their gets run the transfer engine's real read rules
 //!   ([`kvpool_transport::read`]: replica order, shares of the time left,
 //!   failover, unreachable nodes); removals are a model of
@@ -322,6 +323,8 @@ pub struct Stats {
     /// replica that did not answer within its share of the time left.
     pub read_failovers: u64,
     pub read_shares_passed: u64,
+    /// Batch puts begun (each runs the real `BatchPut`).
+    pub batch_puts: u64,
 }
 
 impl Stats {
@@ -347,6 +350,7 @@ impl Stats {
         self.put_readbacks += o.put_readbacks;
         self.read_failovers += o.read_failovers;
         self.read_shares_passed += o.read_shares_passed;
+        self.batch_puts += o.batch_puts;
     }
 }
 
@@ -839,6 +843,13 @@ impl World {
         if matches!(req, MasterRequest::RemoveAll { .. }) {
             self.touched.extend(self.keys.iter().cloned());
         }
+        if matches!(
+            req,
+            MasterRequest::BatchPutStart { .. } | MasterRequest::BatchRemove { .. }
+        ) {
+            let keys = req.batch_keys().unwrap_or_default();
+            self.touched.extend(keys.into_iter().map(<[u8]>::to_vec));
+        }
         let res = master.call(req, now);
         self.ctx.note(format!(
             "{:?} -> master: {what} => {}",
@@ -919,7 +930,8 @@ impl World {
             let dram_may_go = what == "evict step"
                 || what == "tick"
                 || what.starts_with("nvme")
-                || what.starts_with("put_start");
+                || what.starts_with("put_start")
+                || what.starts_with("batch_put_start");
             for r in &old.replicas {
                 let live = match r.tier {
                     Tier::Dram => !dram_may_go && self.segment_alive(r.segment_id),
@@ -1205,9 +1217,13 @@ fn describe_req(req: &MasterRequest) -> String {
             let parts: Vec<String> = updates.iter().map(short_update).collect();
             format!("nvme_updates [{}]", parts.join(", "))
         }
-        r => match r.key() {
-            Some(k) => format!("{} {}", r.op_name(), String::from_utf8_lossy(k)),
-            None => r.op_name().to_string(),
+        r => match (r.key(), r.batch_keys()) {
+            (Some(k), _) => format!("{} {}", r.op_name(), String::from_utf8_lossy(k)),
+            (None, Some(keys)) => {
+                let keys: Vec<_> = keys.iter().map(|k| String::from_utf8_lossy(k)).collect();
+                format!("{} [{}]", r.op_name(), keys.join(" "))
+            }
+            (None, None) => r.op_name().to_string(),
         },
     }
 }
