@@ -23,14 +23,10 @@ fn value(seed: u64, i: usize, len: usize) -> Vec<u8> {
 fn thousand_objects_of_random_sizes_round_trip_across_a_master_and_two_storage_processes() {
     // Short leases, so the space of the objects read and then removed comes
     // back within the test.
-    let cfg = std::env::temp_dir().join(format!("kvpool-cluster-{}.toml", std::process::id()));
-    std::fs::write(&cfg, "[master]\nlease_ttl_ms = 500\n").unwrap();
-    let cfg_s = cfg.to_str().unwrap().to_string();
-    let mut margs = common::ephemeral(&[]);
-    margs.splice(0..0, ["--config", cfg_s.as_str()]);
-    let master = common::start("master", &margs);
-    let s1 = common::start_storage(&master.addr, "1536MiB", &[]);
-    let s2 = common::start_storage(&master.addr, "1536MiB", &[]);
+    let pool = common::Cluster::spec("thousand-objects")
+        .master_config("[master]\nlease_ttl_ms = 500\n")
+        .nodes(2, "1536MiB")
+        .start();
 
     let seed: u64 = rand::random();
     println!("seed {seed}");
@@ -50,7 +46,7 @@ fn thousand_objects_of_random_sizes_round_trip_across_a_master_and_two_storage_p
             transport: Transport::Tcp,
             ..Default::default()
         };
-        let client = Client::connect(&master.addr, cfg).await.expect("connect");
+        let client = Client::connect(pool.addr(), cfg).await.expect("connect");
         let stat = client.stat().await.unwrap();
         assert_eq!(stat.segments.len(), 2, "both storage nodes mounted");
 
@@ -116,7 +112,7 @@ fn thousand_objects_of_random_sizes_round_trip_across_a_master_and_two_storage_p
         "the space freed",
         std::time::Duration::from_secs(10),
         || {
-            let (code, out, err) = common::cli(&master.addr, &["stat", "--json"], None);
+            let (code, out, err) = common::cli(pool.addr(), &["stat", "--json"], None);
             assert_eq!(code, 0, "{err}");
             let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
             assert_eq!(v["keys"], 0, "{v}");
@@ -128,6 +124,5 @@ fn thousand_objects_of_random_sizes_round_trip_across_a_master_and_two_storage_p
             }
         },
     );
-    drop((s1, s2));
-    let _ = std::fs::remove_file(&cfg);
+    drop(pool);
 }

@@ -12,10 +12,9 @@ use kvpool_wire::ErrorCode;
 
 const DEADLINE_MS: u64 = 3000;
 
-fn cluster() -> (common::Proc, common::Proc) {
-    let master = common::start("master", &common::ephemeral(&[]));
-    let storage = common::start_storage(&master.addr, "256MiB", &[]);
-    (master, storage)
+/// A master and one node of 256 MiB; `name` names its scratch directory.
+fn cluster(name: &str) -> common::Cluster {
+    common::Cluster::spec(name).node("256MiB").start()
 }
 
 /// Over TCP: a same-host client would otherwise read the node's memory
@@ -30,10 +29,11 @@ fn client_cfg() -> ClientConfig {
 
 #[test]
 fn a_get_fails_within_its_deadline_when_its_storage_process_is_killed_mid_request() {
-    let (master, storage) = cluster();
+    let pool = cluster("killed-mid-get");
+    let storage = &pool.nodes[0];
     let rt = common::rt();
     rt.block_on(async {
-        let client = Client::connect(&master.addr, client_cfg()).await.unwrap();
+        let client = Client::connect(pool.addr(), client_cfg()).await.unwrap();
         let value = vec![7u8; 64 << 20];
         client.put(b"big", &value).await.unwrap();
         assert_eq!(client.get(b"big").await.unwrap().len(), value.len());
@@ -71,10 +71,11 @@ fn a_get_fails_within_its_deadline_when_its_storage_process_is_killed_mid_reques
 
 #[test]
 fn a_get_times_out_within_its_deadline_when_its_storage_process_hangs() {
-    let (master, storage) = cluster();
+    let pool = cluster("hung-node");
+    let storage = &pool.nodes[0];
     let rt = common::rt();
     rt.block_on(async {
-        let client = Client::connect(&master.addr, client_cfg()).await.unwrap();
+        let client = Client::connect(pool.addr(), client_cfg()).await.unwrap();
         client.put(b"k", &[1u8; 100_000]).await.unwrap();
         storage.freeze();
         let started = Instant::now();
@@ -102,18 +103,18 @@ fn a_get_times_out_within_its_deadline_when_its_storage_process_hangs() {
 /// (before, they read on until the call's deadline).
 #[test]
 fn a_get_from_a_silent_node_stops_at_its_read_lease_not_at_the_calls_deadline() {
-    let lease = common::config_file("lease-1s", "[master]\nlease_ttl_ms = 1000\n");
-    let mut args: Vec<&str> = common::ephemeral(&[]);
-    args.extend(["--config", lease.as_str()]);
-    let master = common::start("master", &args);
-    let storage = common::start_storage(&master.addr, "64MiB", &[]);
+    let pool = common::Cluster::spec("silent-node-lease")
+        .master_config("[master]\nlease_ttl_ms = 1000\n")
+        .node("64MiB")
+        .start();
+    let storage = &pool.nodes[0];
     common::rt().block_on(async {
         let cfg = ClientConfig {
             timeout_ms: 10_000,
             checksums: false,
             ..client_cfg()
         };
-        let client = Client::connect(&master.addr, cfg).await.unwrap();
+        let client = Client::connect(pool.addr(), cfg).await.unwrap();
         let value = vec![3u8; 100_000];
         client.put(b"k", &value).await.unwrap();
         storage.freeze();

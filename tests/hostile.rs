@@ -299,33 +299,22 @@ fn a_storage_node_restarted_on_the_same_ports_and_nvme_path_keeps_its_tier() {
 
 #[test]
 fn puts_succeed_right_after_the_emptiest_node_is_killed() {
-    let d = dir("hostile-dead-node");
     // A long client_ttl: the master must not need it to stop placing there.
-    let mcfg = write_config(&d, "master.toml", "[master]\nclient_ttl_ms = 30000\n");
-    let master = start(
-        "master",
-        &args(&[
-            "--config",
-            &mcfg,
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--shards",
-            "2",
-        ]),
-    );
-    let survivor = start_storage(&master.addr, "64MiB", &[]);
-    let mut victim = start_storage(&master.addr, "512MiB", &[]);
+    let mut pool = common::Cluster::spec("hostile-dead-node")
+        .master_config("[master]\nclient_ttl_ms = 30000\n")
+        .node("64MiB")
+        .node("512MiB")
+        .start();
     let rt = common::rt();
     rt.block_on(async {
-        let c = Client::connect(&master.addr, ClientConfig::default())
+        let c = Client::connect(pool.addr(), ClientConfig::default())
             .await
             .unwrap();
         common::eventually("both nodes mounted", Duration::from_secs(10), || async {
             c.stat().await.unwrap().segments.len() == 2
         })
         .await;
+        let victim = &mut pool.nodes[1];
         victim.signal(common::Signal::KILL);
         victim.wait_exit(Duration::from_secs(10)).expect("killed");
         let started = Instant::now();
@@ -346,9 +335,7 @@ fn puts_succeed_right_after_the_emptiest_node_is_killed() {
             );
         }
     });
-    drop(survivor);
-    drop(master);
-    let _ = std::fs::remove_dir_all(&d);
+    drop(pool);
 }
 
 // ---- 5. a forged report must not kill a shard -----------------------------

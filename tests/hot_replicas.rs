@@ -24,19 +24,13 @@ fn metric(http: &str, name: &str) -> u64 {
 
 /// A master with `hot_replicas = 2` (hot after `hot_reads` reads in a minute)
 /// and two storage nodes of `size` without NVMe tiers.
-fn hot_pool(tag: &str, hot_reads: u16, size: &str) -> (common::Proc, common::Proc, common::Proc) {
-    let dir = common::scratch_dir(tag);
-    let cfg = common::write_config(
-        &dir,
-        "master.toml",
-        &format!("[master]\nhot_replicas = 2\nhot_reads = {hot_reads}\nhot_window_ms = 60000\n"),
-    );
-    let mut margs = common::ephemeral(&[]);
-    margs.splice(0..0, ["--config", cfg.as_str()]);
-    let master = common::start("master", &margs);
-    let s1 = common::start_storage(&master.addr, size, &[]);
-    let s2 = common::start_storage(&master.addr, size, &[]);
-    (master, s1, s2)
+fn hot_pool(tag: &str, hot_reads: u16, size: &str) -> common::Cluster {
+    common::Cluster::spec(tag)
+        .master_config(&format!(
+            "[master]\nhot_replicas = 2\nhot_reads = {hot_reads}\nhot_window_ms = 60000\n"
+        ))
+        .nodes(2, size)
+        .start()
 }
 
 /// A client over TCP without the location cache (every get asks the
@@ -60,8 +54,9 @@ async fn uncached_client(master: &str, what: &str, segments: usize) -> Client {
 
 #[test]
 fn a_hot_object_is_copied_to_a_second_node_and_its_reads_spread_over_both() {
-    let (master, s1, s2) = hot_pool("hot-replicas", 4, "64MiB");
-    let nodes = [&s1, &s2];
+    let pool = hot_pool("hot-replicas", 4, "64MiB");
+    let (s1, s2) = (&pool.nodes[0], &pool.nodes[1]);
+    let nodes = [s1, s2];
 
     let value = common::value(7, 256 << 10);
     let other = common::value(8, 256 << 10);
@@ -69,7 +64,7 @@ fn a_hot_object_is_copied_to_a_second_node_and_its_reads_spread_over_both() {
     rt.block_on(async {
         // Over TCP, and without the location cache: every get asks the
         // master (which counts it) and reads from a storage node.
-        let client = uncached_client(&master.addr, "both nodes mounted", 2).await;
+        let client = uncached_client(pool.addr(), "both nodes mounted", 2).await;
         client.put(b"hot", &value).await.expect("put hot");
         client.put(b"cold", &other).await.expect("put cold");
         let served = |i: usize| metric(&nodes[i].http, "kvpool_storage_read_bytes");
@@ -111,16 +106,17 @@ fn a_hot_object_is_copied_to_a_second_node_and_its_reads_spread_over_both() {
         assert_eq!(client.get(b"cold").await.expect("get cold"), other);
         assert_eq!(client.stat().await.unwrap().hot_copies, 1);
     });
-    drop((s1, s2, master));
+    drop(pool);
 }
 
 #[test]
 fn a_fetch_that_reads_bytes_other_than_the_objects_adds_no_replica() {
-    let (master, s1, s2) = hot_pool("hot-replicas-bad", 4, "64MiB");
+    let pool = hot_pool("hot-replicas-bad", 4, "64MiB");
+    let (s1, s2) = (&pool.nodes[0], &pool.nodes[1]);
     let value = common::value(9, 100_000);
     let rt = common::rt();
     rt.block_on(async {
-        let client = uncached_client(&master.addr, "both nodes mounted", 2).await;
+        let client = uncached_client(pool.addr(), "both nodes mounted", 2).await;
         client.put(b"hot", &value).await.expect("put");
         let r = client.describe(b"hot").await.expect("describe").replicas;
         assert_eq!(r.len(), 1);
@@ -141,9 +137,9 @@ fn a_fetch_that_reads_bytes_other_than_the_objects_adds_no_replica() {
         // The other node fetches, finds the bytes fail the checksum, and
         // says so: the master frees the range, no replica is added.
         let fetcher = if r[0].endpoint.port == port_of(&s1.addr) {
-            &s2
+            s2
         } else {
-            &s1
+            s1
         };
         common::eventually("the refused fetch", Duration::from_secs(10), || async {
             metric(&fetcher.http, "kvpool_storage_checksum_mismatches") == 1
@@ -168,30 +164,16 @@ fn a_fetch_that_reads_bytes_other_than_the_objects_adds_no_replica() {
             1
         );
     });
-    drop((s1, s2, master));
+    drop(pool);
 }
 
 #[test]
 fn a_node_with_an_nvme_tier_fetches_in_its_tier_loop() {
-    let dir = common::scratch_dir("hot-replicas-tier");
-    let mcfg = common::write_config(
-        &dir,
-        "master.toml",
-        "[master]\nhot_replicas = 2\nhot_reads = 4\nhot_window_ms = 60000\n",
-    );
-    let ncfg = common::write_config(
-        &dir,
-        "node.toml",
-        &format!(
-            "[storage.nvme]\npath = \"{}\"\ncapacity = \"64 MiB\"\n\
-             avg_object_bytes = \"64 KiB\"\nsync_writes = false\ntask_poll_ms = 20\n",
-            dir.join("tier.kvnv").display()
-        ),
-    );
-    let mut margs = common::ephemeral(&[]);
-    margs.splice(0..0, ["--config", mcfg.as_str()]);
-    let master = common::start("master", &margs);
-    let plain = common::start_storage(&master.addr, "64MiB", &[]);
+    let pool = common::Cluster::spec("hot-replicas-tier")
+        .master_config("[master]\nhot_replicas = 2\nhot_reads = 4\nhot_window_ms = 60000\n")
+        .node("64MiB")
+        .start();
+    let plain = &pool.nodes[0];
     let value = common::value(5, 200_000);
     let rt = common::rt();
     rt.block_on(async {
@@ -200,7 +182,7 @@ fn a_node_with_an_nvme_tier_fetches_in_its_tier_loop() {
             location_cache_entries: 0,
             ..Default::default()
         };
-        let client = Client::connect(&master.addr, cfg).await.expect("connect");
+        let client = Client::connect(pool.addr(), cfg).await.expect("connect");
         common::eventually(
             "the plain node mounted",
             Duration::from_secs(10),
@@ -209,7 +191,10 @@ fn a_node_with_an_nvme_tier_fetches_in_its_tier_loop() {
         .await;
         // On the plain node (the only one yet); then the tiered node joins.
         client.put(b"hot", &value).await.expect("put");
-        let tiered = common::start_storage(&master.addr, "64MiB", &["--config", ncfg.as_str()]);
+        let tiered = pool.start_node(common::Node::new("64MiB").config(
+            "[storage.nvme]\npath = \"{dir}/tier.kvnv\"\ncapacity = \"64 MiB\"\n\
+             avg_object_bytes = \"64 KiB\"\nsync_writes = false\ntask_poll_ms = 20\n",
+        ));
         common::eventually(
             "the tiered node mounted",
             Duration::from_secs(10),
@@ -234,7 +219,7 @@ fn a_node_with_an_nvme_tier_fetches_in_its_tier_loop() {
         }
         drop(tiered);
     });
-    drop((plain, master));
+    drop(pool);
 }
 
 fn port_of(addr: &str) -> u16 {
@@ -269,20 +254,21 @@ fn complete(engine: &common::Proc, prompt: &[u32], max_tokens: usize) -> serde_j
 
 #[test]
 fn a_prefix_many_requests_share_gets_a_second_replica_and_both_nodes_serve_it() {
-    let (master, s1, s2) = hot_pool("hot-replicas-engine", 3, "256MiB");
+    let pool = hot_pool("hot-replicas-engine", 3, "256MiB");
+    let (s1, s2) = (&pool.nodes[0], &pool.nodes[1]);
     // Without the location cache every load asks the master, as loads by
     // many engines would.
     let ecfg = common::config_file(
         "hot-engine",
         "[client]\ntransport = \"tcp\"\nlocation_cache_entries = 0\n",
     );
-    let e = common::tiny_engine(Some(&master.addr), &ecfg);
+    let e = common::tiny_engine(Some(pool.addr()), &ecfg);
     let system = common::byte_prompt(3 * 256, 11);
     let first = complete(&e, &system, 4);
     assert_eq!(first["kvpool"]["prompt_tokens_computed"], 768);
     let rt = common::rt();
     let client = rt
-        .block_on(Client::connect(&master.addr, ClientConfig::default()))
+        .block_on(Client::connect(pool.addr(), ClientConfig::default()))
         .expect("connect");
     common::eventually_blocking("the prefix stored", Duration::from_secs(30), || {
         rt.block_on(client.stat()).is_ok_and(|s| s.keys >= 3)
@@ -302,7 +288,7 @@ fn a_prefix_many_requests_share_gets_a_second_replica_and_both_nodes_serve_it() 
         Duration::from_secs(10),
         || rt.block_on(client.stat()).is_ok_and(|s| s.hot_copies >= 2),
     );
-    let served = || [&s1, &s2].map(|n| metric(&n.http, "kvpool_storage_read_bytes"));
+    let served = || [s1, s2].map(|n| metric(&n.http, "kvpool_storage_read_bytes"));
     let before = served();
     for _ in 0..6 {
         let out = complete(&e, &system, 4);
@@ -319,30 +305,25 @@ fn a_prefix_many_requests_share_gets_a_second_replica_and_both_nodes_serve_it() 
             "node {i} served none of the loads: {before:?} -> {after:?}"
         );
     }
-    drop((e, s1, s2, master));
+    drop((e, pool));
 }
 
 #[test]
 fn under_pressure_an_extra_replica_is_evicted_before_an_older_object() {
     // One master shard (one range per segment), 1 s leases, extra replicas
     // may take half the DRAM; two 8 MiB nodes.
-    let dir = common::scratch_dir("hot-evict");
-    let cfg = common::write_config(
-        &dir,
-        "master.toml",
-        "[master]\nshards = 1\nlease_ttl_ms = 1000\nhot_replicas = 2\nhot_reads = 4\n\
-         hot_window_ms = 60000\nhot_budget = 0.5\n",
-    );
-    let mut margs = common::ephemeral(&[]);
-    margs.splice(0..0, ["--config", cfg.as_str()]);
-    let master = common::start("master", &margs);
-    let s1 = common::start_storage(&master.addr, "8MiB", &[]);
-    let s2 = common::start_storage(&master.addr, "8MiB", &[]);
+    let pool = common::Cluster::spec("hot-evict")
+        .master_config(
+            "[master]\nshards = 1\nlease_ttl_ms = 1000\nhot_replicas = 2\nhot_reads = 4\n\
+             hot_window_ms = 60000\nhot_budget = 0.5\n",
+        )
+        .nodes(2, "8MiB")
+        .start();
     let hot = common::value(11, 2 << 20);
     let old = common::value(12, 5_600_000);
     let rt = common::rt();
     rt.block_on(async {
-        let client = uncached_client(&master.addr, "both nodes mounted", 2).await;
+        let client = uncached_client(pool.addr(), "both nodes mounted", 2).await;
         client.put(b"hot", &hot).await.expect("put hot");
         // The emptier node takes "old" (never read again): 70 % full.
         client.put(b"old", &old).await.expect("put old");
@@ -385,5 +366,5 @@ fn under_pressure_an_extra_replica_is_evicted_before_an_older_object() {
         assert_eq!(client.get(b"old").await.expect("old is still there"), old);
         assert_eq!(client.get(b"hot").await.expect("get hot"), hot);
     });
-    drop((s1, s2, master));
+    drop(pool);
 }

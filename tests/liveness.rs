@@ -16,22 +16,16 @@ const CLIENT_TTL_MS: u64 = 2_000;
 
 #[test]
 fn a_killed_storage_node_is_unmounted_within_client_ttl_and_replicas_elsewhere_survive() {
-    let dir = std::env::temp_dir().join(format!("kvpool-liveness-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("master.toml");
-    std::fs::write(&cfg, format!("[master]\nclient_ttl_ms = {CLIENT_TTL_MS}\n")).unwrap();
-    let cfg = cfg.to_str().unwrap().to_string();
-    let mut margs = common::ephemeral(&[]);
-    margs.splice(0..0, ["--config", cfg.as_str()]);
-    let master = common::start("master", &margs);
-    let storage = |_: usize| common::start_storage(&master.addr, "64MiB", &[]);
-    let victim = storage(0);
-    let survivor = storage(1);
+    let pool = common::Cluster::spec("liveness")
+        .master_config(&format!("[master]\nclient_ttl_ms = {CLIENT_TTL_MS}\n"))
+        .nodes(2, "64MiB")
+        .start();
+    let victim = &pool.nodes[0];
     let victim_port: u16 = victim.addr.rsplit(':').next().unwrap().parse().unwrap();
 
     let rt = common::rt();
     rt.block_on(async {
-        let client = Client::connect(&master.addr, ClientConfig::default())
+        let client = Client::connect(pool.addr(), ClientConfig::default())
             .await
             .unwrap();
         let two = PutOptions {
@@ -115,6 +109,5 @@ fn a_killed_storage_node_is_unmounted_within_client_ttl_and_replicas_elsewhere_s
             );
         }
     });
-    drop(survivor);
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(pool);
 }

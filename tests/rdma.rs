@@ -321,15 +321,17 @@ fn with_a_cluster_secret_rdma_moves_the_bytes_of_clients_that_prove_it() {
     }
     const SECRET: &str = "rdma test secret of more than sixteen bytes";
     let env = [("KVPOOL_SECRET", SECRET)];
-    let master = common::start_env("master", &common::ephemeral(&[]), &env);
-    let _node = common::start_storage_env(&master.addr, "64MiB", &[], &env);
+    let pool = common::Cluster::spec("rdma-secret")
+        .env(&env)
+        .node("64MiB")
+        .start();
     let secured = |secret: &str| ClientConfig {
         secret: kvpool_config::Secret::new(secret),
         ..cfg(Transport::Rdma, 60_000)
     };
     let rt = common::rt();
     rt.block_on(async {
-        let c = Client::connect(&master.addr, secured(SECRET))
+        let c = Client::connect(pool.addr(), secured(SECRET))
             .await
             .expect("a client with the secret");
         // The node mounts shortly after the master starts.
@@ -360,7 +362,7 @@ fn with_a_cluster_secret_rdma_moves_the_bytes_of_clients_that_prove_it() {
         assert_eq!(st.tcp_bytes.load(Ordering::Relaxed), 0);
 
         let e = Client::connect(
-            &master.addr,
+            pool.addr(),
             secured("another secret of more than sixteen bytes"),
         )
         .await

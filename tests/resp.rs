@@ -830,10 +830,11 @@ fn replica_node(master: &str, key: &[u8]) -> Option<String> {
 
 #[test]
 fn a_gateway_serves_the_pool_of_its_master_and_its_metrics() {
-    let master = common::start("master", &common::ephemeral(&[]));
     // A storage node serves RESP too.
-    let mut node = common::start_storage(&master.addr, "128MiB", &["--resp", "127.0.0.1:0"]);
-    let gw = gateway(&master.addr, None);
+    let mut pool = common::Cluster::spec("resp-gateway")
+        .node_with(common::Node::new("128MiB").args(&["--resp", "127.0.0.1:0"]))
+        .start();
+    let gw = gateway(pool.addr(), None);
     let mut raw = Raw::connect(&gw.resp);
     let v = common::value(3, 300_000);
     assert_eq!(raw.cmd(&[b"SET", b"gk", &v]), ok());
@@ -844,7 +845,7 @@ fn a_gateway_serves_the_pool_of_its_master_and_its_metrics() {
     );
     assert_eq!(raw.cmd(&[b"DBSIZE"]), Reply::Int(1));
     // The value is in the pool: the CLI (another client) reads it.
-    let (code, out, err) = common::cli(&master.addr, &["get", "gk"], None);
+    let (code, out, err) = common::cli(pool.addr(), &["get", "gk"], None);
     assert_eq!(code, 0, "{err}");
     assert!(out == v, "the pool holds other bytes");
     let (status, metrics) = common::http(&gw.http, "GET", "/metrics");
@@ -860,6 +861,7 @@ fn a_gateway_serves_the_pool_of_its_master_and_its_metrics() {
     let (status, _) = common::http(&gw.http, "GET", "/healthz");
     assert_eq!(status, 200);
     // The storage node's RESP port sees the same pool.
+    let node = &mut pool.nodes[0];
     let mut on_node = Raw::connect(&node.resp);
     assert_eq!(on_node.cmd(&[b"GET", b"gk"]), bulk(&v));
     // SIGTERM with RESP connections open: a clean exit, the connections
@@ -1128,29 +1130,30 @@ fn multi_exec_queues_runs_in_order_and_discards_on_a_refused_command() {
 
 #[test]
 fn a_storage_node_killed_mid_read_gives_resp_clients_an_error_not_a_hang_or_other_bytes() {
-    let master = common::start("master", &common::ephemeral(&[]));
-    let mut a = common::start_storage(&master.addr, "128MiB", &[]);
+    let mut pool = common::Cluster::spec("resp-node-killed")
+        .node("128MiB")
+        .start();
     // TCP to the nodes, so the kill breaks the read (over shared memory the
     // gateway's mapping would outlive the node and still hold the bytes).
     let gw = gateway(
-        &master.addr,
+        pool.addr(),
         Some("[client]\ntransport = \"tcp\"\ntimeout_ms = 3000\n"),
     );
     let big = common::value(11, 32 << 20);
     let mut reader = Raw::connect(&gw.resp);
     assert_eq!(reader.cmd(&[b"SET", b"big", &big]), ok());
     assert_eq!(
-        replica_node(&master.addr, b"big").as_deref(),
-        Some(a.addr.as_str())
+        replica_node(pool.addr(), b"big").as_deref(),
+        Some(pool.nodes[0].addr.as_str())
     );
     // A second node, and a key on it (the emptier node takes new puts).
-    let b = common::start_storage(&master.addr, "128MiB", &[]);
+    let b = pool.start_node(common::Node::new("128MiB"));
     let mut other = Raw::connect(&gw.resp);
     let mut on_b = None;
     for i in 0..50 {
         let k = format!("small{i}");
         assert_eq!(other.cmd(&[b"SET", k.as_bytes(), b"on b?"]), ok());
-        if replica_node(&master.addr, k.as_bytes()).as_deref() == Some(b.addr.as_str()) {
+        if replica_node(pool.addr(), k.as_bytes()).as_deref() == Some(b.addr.as_str()) {
             on_b = Some(k);
             break;
         }
@@ -1186,8 +1189,8 @@ fn a_storage_node_killed_mid_read_gives_resp_clients_an_error_not_a_hang_or_othe
         r.expect("a read before the kill");
     }
     let killed = Instant::now();
-    a.signal(common::Signal::KILL);
-    let _ = a.wait_exit(Duration::from_secs(10));
+    pool.nodes[0].signal(common::Signal::KILL);
+    let _ = pool.nodes[0].wait_exit(Duration::from_secs(10));
     let error = loop {
         let (at, r) = rx
             .recv_timeout(Duration::from_secs(20))

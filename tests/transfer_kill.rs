@@ -39,14 +39,16 @@ fn open_fds() -> usize {
 
 #[test]
 fn a_peer_killed_mid_batch_fails_every_pending_request_within_the_deadline_and_leaks_nothing() {
-    let master = common::start("master", &common::ephemeral(&[]));
-    let storage = common::start_storage(&master.addr, "512MiB", &[]);
+    let pool = common::Cluster::spec("transfer-kill")
+        .node("512MiB")
+        .start();
+    let storage = &pool.nodes[0];
     let rt = common::rt();
     rt.block_on(async {
         let fds_before = open_fds();
         let conns_before = kvpool_transport::pool::open_connections();
         {
-            let c = Client::connect(&master.addr, cfg(Transport::Tcp))
+            let c = Client::connect(pool.addr(), cfg(Transport::Tcp))
                 .await
                 .unwrap();
             let value = data(7, 8 << 20);

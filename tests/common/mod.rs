@@ -8,6 +8,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+mod cluster;
+#[allow(unused_imports)] // not every test binary starts a cluster
+pub use cluster::{Cluster, Node};
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_kvpool");
 
 /// A running `kvpool run` process; killed when dropped.
