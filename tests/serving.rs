@@ -301,6 +301,74 @@ fn a_text_prompt_through_the_front_is_tokenized_once_and_answers_as_one_engine()
     }
 }
 
+/// A counter from `addr`'s /metrics that must be there.
+fn counter(addr: &str, name: &str) -> f64 {
+    let (status, text) = common::http(addr, "GET", "/metrics");
+    assert_eq!(status, 200);
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no counter {name} at {addr}"))
+}
+
+/// A prompt through the front is looked up in the pool once: the front's
+/// lookup (the one it routes by) goes to the prefill engine as
+/// `kvpool_pool_prefix`, which reads that many chunks without a lookup of
+/// its own. Asked directly, the engine looks up itself; a count that is
+/// wrong either way costs reads or recomputation, never other KV: the
+/// answers stay one engine's.
+#[test]
+fn a_prompt_through_the_front_is_looked_up_in_the_pool_once() {
+    let c = pd("lookup-once");
+    let (mono, pe, front) = (&c.mono, &c.pe, &c.front);
+    let lookups = || counter(&pe.addr, "kvpool_engine_pool_lookups_total");
+    let loaded = || counter(&pe.addr, "kvpool_engine_prompt_tokens_loaded_total");
+    let answer = |addr: &str, body: &Value| {
+        ids(&post_ok(addr, "/v1/completions", body)["choices"][0]["token_ids"])
+    };
+    let p = prompt(700, 21);
+    let want = answer(&mono.addr, &greedy(&p, 8));
+    // Through the front, twice: the second finds the first's two chunks.
+    for round in 0..2 {
+        let (l0, k0) = (lookups(), loaded());
+        assert_eq!(answer(&front.addr, &greedy(&p, 8)), want, "round {round}");
+        assert_eq!(
+            lookups() - l0,
+            0.0,
+            "round {round}: the prefill engine looked up again"
+        );
+        assert_eq!(
+            loaded() - k0,
+            [0.0, 512.0][round],
+            "round {round}: tokens loaded"
+        );
+    }
+    // Directly, without the count: the engine's own lookup finds them.
+    let (l0, k0) = (lookups(), loaded());
+    assert_eq!(answer(&pe.addr, &greedy(&p, 8)), want, "direct");
+    assert_eq!(
+        lookups() - l0,
+        1.0,
+        "the engine looks up a prompt sent without the count"
+    );
+    assert_eq!(loaded() - k0, 512.0);
+    // A count of 0: nothing read, nothing looked up, the same answer.
+    let mut zero = greedy(&p, 8);
+    zero["kvpool_pool_prefix"] = json!(0);
+    let (l0, k0) = (lookups(), loaded());
+    assert_eq!(answer(&pe.addr, &zero), want, "count 0");
+    assert_eq!((lookups() - l0, loaded() - k0), (0.0, 0.0));
+    // A count for chunks the pool does not hold (a new prompt): the first
+    // read misses and ends the run; the prompt is computed.
+    let q = prompt(700, 22);
+    let want_q = answer(&mono.addr, &greedy(&q, 8));
+    let mut over = greedy(&q, 8);
+    over["kvpool_pool_prefix"] = json!(1_000_000);
+    let (l0, k0) = (lookups(), loaded());
+    assert_eq!(answer(&pe.addr, &over), want_q, "a count too high");
+    assert_eq!((lookups() - l0, loaded() - k0), (0.0, 0.0));
+}
+
 #[test]
 fn disaggregated_greedy_output_equals_one_engine_and_a_shared_prefix_is_loaded() {
     let c = pd("pd");

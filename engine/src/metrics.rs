@@ -16,6 +16,10 @@ pub struct EngineMetrics {
     /// messages, or `/tokenize`); a prompt whose token ids came with the
     /// request (`kvpool_prompt_token_ids`, or a token-id prompt) is not.
     pub prompts_tokenized: Counter,
+    /// Lookups of a prompt's chunks in the pool this engine made itself
+    /// (one batch exists each); none for a request that came with the
+    /// front's count (`kvpool_pool_prefix`) or with `kv_transfer_params`.
+    pub pool_lookups: Counter,
     pub prompt_tokens_computed: Counter,
     pub prompt_tokens_loaded: Counter,
     pub generated_tokens: Counter,
@@ -52,6 +56,7 @@ impl EngineMetrics {
         let m = Self {
             requests: Counter::default(),
             prompts_tokenized: Counter::default(),
+            pool_lookups: Counter::default(),
             prompt_tokens_computed: Counter::default(),
             prompt_tokens_loaded: Counter::default(),
             generated_tokens: Counter::default(),
@@ -102,6 +107,11 @@ impl EngineMetrics {
             "engine_prompts_tokenized",
             "Prompts run through the tokenizer (text or messages, and /tokenize)",
             m.prompts_tokenized.clone(),
+        );
+        reg.register(
+            "engine_pool_lookups",
+            "Lookups of a prompt's chunks in the pool made by this engine (one batch exists each)",
+            m.pool_lookups.clone(),
         );
         reg.register(
             "engine_prompt_tokens_computed",

@@ -147,6 +147,7 @@ impl KvPool {
             .flat_map(|h| (0..groups).map(|g| layout.group_key(*h, g)))
             .collect();
         let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        self.metrics.pool_lookups.inc();
         match self.client.batch_exists(&refs).await {
             Ok(found) => found.iter().take_while(|r| matches!(r, Ok(true))).count() / groups,
             Err(e) => {

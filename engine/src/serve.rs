@@ -370,7 +370,14 @@ impl Engine {
                 ),
             }
         } else if pool.is_some() && e.cfg.load_from_pool {
-            load = Some((loadable, true));
+            load = Some(match g.pool_prefix {
+                // The sender looked the prompt up (the front, which routed
+                // by it): read that many chunks, no lookup of our own. The
+                // reads are checked and a missing chunk ends the run, so a
+                // wrong hint costs reads or recomputation, never other KV.
+                Some(n) => (n.min(loadable), false),
+                None => (loadable, true),
+            });
         }
         let (kv, pending, refused) = match (&pool, load) {
             (Some(p), Some((n, probe))) if e.cfg.kv_stream => {
@@ -520,6 +527,10 @@ pub struct GenRequest {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     pub kv_transfer: Option<KvTransferParams>,
+    /// Leading chunks of the prompt the sender found in the pool
+    /// (`kvpool_pool_prefix`, the front's lookup): read without a lookup of
+    /// the engine's own. `None`: the engine looks them up.
+    pub pool_prefix: Option<usize>,
 }
 
 /// A request handed to the model thread.
@@ -783,6 +794,9 @@ struct CommonFields {
     /// request's own prompt, checked as a token-id prompt is (vocabulary,
     /// context); a vLLM engine ignores the field.
     kvpool_prompt_token_ids: Option<Vec<u32>>,
+    /// Leading chunks of the prompt in the pool, as the sender's lookup
+    /// found them (the conductor's front): see [`GenRequest::pool_prefix`].
+    kvpool_pool_prefix: Option<usize>,
     /// Sequences to generate (1 to [`MAX_N`]), each its own choice.
     n: Option<usize>,
     /// A completion's count of alternatives, a chat's true or false
@@ -951,6 +965,7 @@ impl AppState {
                 logprobs,
             },
             kv_transfer: c.kv_transfer_params.clone(),
+            pool_prefix: c.kvpool_pool_prefix,
         })
     }
 }

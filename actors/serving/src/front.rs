@@ -66,7 +66,7 @@ use crate::http::{self, Answer, HttpError};
 use crate::proxy::{KvNaming, ProxyReport};
 use crate::sse;
 use crate::ServeError;
-use kvpool_http::openai::{PrefillAnswer, PROMPT_TOKEN_IDS, RESUME};
+use kvpool_http::openai::{PrefillAnswer, POOL_PREFIX, PROMPT_TOKEN_IDS, RESUME};
 
 mod routes;
 use routes::*;
@@ -1017,6 +1017,7 @@ impl Front {
         if let Some(fields) = req.body.as_object_mut() {
             fields.remove(PROMPT_TOKEN_IDS);
             fields.remove(RESUME);
+            fields.remove(POOL_PREFIX);
             if !token_prompt {
                 fields.insert(PROMPT_TOKEN_IDS.into(), json!(prompt));
             }
@@ -1048,9 +1049,18 @@ impl Front {
             engine_ids: (None, None),
             model: None,
         };
-        let kv = self
-            .prefill(&req, &chunks, pool_prefix, &mut served)
-            .await?;
+        // The prefill engine reads the chunks this lookup found instead of
+        // looking them up again; the decode engine is told its chunks by
+        // `kv_transfer_params`, so its body goes without the count.
+        let fields = req.body.as_object_mut();
+        if let (Some(n), Some(fields)) = (pool_prefix, fields) {
+            fields.insert(POOL_PREFIX.into(), json!(n));
+        }
+        let kv = self.prefill(&req, &chunks, pool_prefix, &mut served).await;
+        if let Some(fields) = req.body.as_object_mut() {
+            fields.remove(POOL_PREFIX);
+        }
+        let kv = kv?;
         // One decode per sequence, from the one prefill's KV; sequence i
         // samples with seed + i when a seed is given.
         let mut runs = Vec::with_capacity(req.n);

@@ -23,6 +23,14 @@ pub const PROMPT_TOKEN_IDS: &str = "kvpool_prompt_token_ids";
 /// client's field of that name is not passed on.
 pub const RESUME: &str = "kvpool_resume";
 
+/// The request field with which the front tells the prefill engine how
+/// many leading chunks of the prompt it found in the pool (its one lookup,
+/// the one it routed by): the engine reads that many chunks without a
+/// lookup of its own. A hint, not a promise: every chunk read is checked,
+/// and the run ends at the first one missing. The front's own; a client's
+/// field of that name is not passed on. vLLM ignores it.
+pub const POOL_PREFIX: &str = "kvpool_pool_prefix";
+
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct KvTransferParams {
