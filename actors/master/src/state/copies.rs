@@ -12,7 +12,7 @@ use crate::objects::{Map, Set};
 
 use kvpool_wire::proto::SegmentId;
 
-use super::tier::MAX_TASKS_PER_SEGMENT;
+use super::limits::{MAX_DETACHED_COPIES, MAX_TASKS_PER_SEGMENT};
 
 /// A copy on an NVMe tier: (key, packed location).
 pub(super) type CopyAt = (Box<[u8]>, u64);
@@ -29,11 +29,6 @@ pub(super) enum Unlisted {
     /// An old copy: refused.
     Old,
 }
-
-/// Copies one shard remembers of NVMe tiers unmounted as dead, at most:
-/// beyond that, such a tier's copies are refused when it comes back (lost
-/// from the cache, never stale).
-pub const MAX_DETACHED_COPIES: usize = 262_144;
 
 /// How long a Drop handed out to a node is remembered: the node runs it in
 /// the round it fetched it in, but may report the copy (`Recovered`, from a

@@ -27,14 +27,6 @@ use kvpool_wire::proto::{NodeTask, ReplicaDesc, Tier};
 
 use super::*;
 
-/// Objects whose reads one window counts; reads of others are not counted
-/// until the window turns.
-pub const MAX_COUNTED_READS: usize = 65_536;
-
-/// Fills (promotions and fetches) whose report is awaited; more are not
-/// watched (their replica waits for its report, as before the watch).
-pub const MAX_FILLS_WATCHED: usize = 65_536;
-
 /// Fills whose report is awaited, by when it is due (in order: every fill
 /// is due `put_timeout_ms` after it was asked for).
 #[derive(Debug, Default)]

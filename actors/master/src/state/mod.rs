@@ -75,6 +75,7 @@ use kvpool_config::{MasterConfig, Placement};
 mod copies;
 mod durable;
 mod hot;
+mod limits;
 mod puts;
 mod segments;
 mod space;
@@ -82,10 +83,9 @@ mod tier;
 
 use segments::SegmentSlot;
 
-pub use copies::MAX_DETACHED_COPIES;
 pub use durable::SnapshotCursor;
 use durable::*;
-pub use tier::MAX_TASKS_PER_SEGMENT;
+pub use limits::*;
 use tier::*;
 
 /// What one shard enforces, sized from the config at start.
@@ -175,11 +175,6 @@ impl ShardConfig {
 /// with at most this many objects (the check is O(objects)).
 #[cfg(debug_assertions)]
 const DEBUG_CHECK_MAX_KEYS: u64 = 100_000;
-
-/// Replicas one eviction step takes at most (`ShardState::evict_step`): the
-/// longest the shard's off-path eviction holds it before serving requests
-/// again.
-pub const EVICT_STEP_VICTIMS: usize = 64;
 
 /// Space to free once `at_ms` has passed (lease or quarantine).
 #[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]

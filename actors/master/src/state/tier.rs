@@ -70,9 +70,6 @@ impl TaskQueue {
     }
 }
 
-/// Tasks queued for one segment's node, at most.
-pub const MAX_TASKS_PER_SEGMENT: usize = 16_384;
-
 /// Recovered replicas not back yet: (segment, offset).
 pub(super) type Waiting = SmallVec<[(SegmentId, u64); 2]>;
 
