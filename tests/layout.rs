@@ -244,3 +244,97 @@ fn only_the_binary_and_the_python_module_link_the_verbs_code() {
          them again: {changed:?}"
     );
 }
+
+/// Every `.rs` file under `dir`, recursively.
+fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// `actors/` holds what is an actor (issue 32; docs/ARCHITECTURE.md
+/// "Crates"): each crate directly under it defines a ractor actor or is the
+/// process that spawns them. The client, the configuration and the RESP
+/// front live elsewhere.
+#[test]
+fn every_crate_under_actors_defines_or_spawns_an_actor() {
+    let actors = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("actors");
+    let mut crates = 0;
+    for e in std::fs::read_dir(&actors).unwrap().flatten() {
+        let dir = e.path();
+        if !dir.join("Cargo.toml").is_file() {
+            continue;
+        }
+        crates += 1;
+        let mut files = Vec::new();
+        rust_files(&dir.join("src"), &mut files);
+        let actor = files.iter().any(|f| {
+            let text = std::fs::read_to_string(f).unwrap();
+            text.contains("impl Actor for") || text.contains("Actor::spawn(")
+        });
+        assert!(
+            actor,
+            "{} is under actors/ but defines no actor and spawns none",
+            dir.display()
+        );
+    }
+    assert!(crates >= 5, "actors/ lost its crates ({crates})");
+}
+
+/// The crate table of docs/ARCHITECTURE.md ("Crates") names each workspace
+/// crate with the folder it is in, as `cargo metadata` finds it: the map, the
+/// build and the folders agree.
+#[test]
+fn the_crate_table_names_every_crate_in_its_folder() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let out = Command::new(env!("CARGO"))
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .current_dir(root)
+        .output()
+        .expect("cargo metadata runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut built: Vec<(String, String)> = meta["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let manifest = p["manifest_path"].as_str().unwrap();
+            let dir = std::path::Path::new(manifest).parent().unwrap();
+            let rel = dir.strip_prefix(root).unwrap().display().to_string();
+            let folder = if rel.is_empty() {
+                "src/".into()
+            } else {
+                format!("{rel}/")
+            };
+            (p["name"].as_str().unwrap().to_string(), folder)
+        })
+        .collect();
+    built.sort();
+    let doc = std::fs::read_to_string(format!("{root}/docs/ARCHITECTURE.md")).unwrap();
+    // Rows of the form | `kvpool-x` | `folder/` | what it does |
+    let mut mapped: Vec<(String, String)> = doc
+        .lines()
+        .filter_map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            let name = cells.get(1)?.strip_prefix('`')?.strip_suffix('`')?;
+            let folder = cells.get(2)?.strip_prefix('`')?.strip_suffix('`')?;
+            (name.starts_with("kvpool") && !name.contains("::"))
+                .then(|| (name.to_string(), folder.to_string()))
+        })
+        .collect();
+    mapped.sort();
+    assert_eq!(
+        mapped, built,
+        "docs/ARCHITECTURE.md's crate table (left) against the workspace (right)"
+    );
+}
