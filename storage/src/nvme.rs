@@ -11,14 +11,22 @@
 //!              pad u32 | data_offset u64 | capacity u64 | xxh3(previous 48 bytes) u64
 //!  slot record (512 B, one sector):
 //!              "KVRC" | live u32 | seq u64 | offset u64 | extent u64 | value_len u64 |
-//!              value_sum u64 | key_hash u64 | zeros .. | xxh3(bytes 0..504) u64
+//!              value_sum u64 | key_hash u64 | copy_version u64 | zeros .. |
+//!              xxh3(bytes 0..504) u64
 //!  object extent (at `offset` in the region):
 //!              header: "KVOB" | version u16 | key_len u16 | seq u64 | value_len u64 |
-//!                      value_sum u64 | header_sum u64 | zeros to 64 | key
+//!                      value_sum u64 | header_sum u64 | copy_version u64 |
+//!                      zeros to 64 | key
 //!              value: right after the key when 64 + key + value fit one block
 //!                     (a small object is one 4 KiB I/O); otherwise from the next
 //!                     block boundary; the extent is padded to 4 KiB
 //! ```
+//!
+//! `copy_version` is the caller's name for the copy (the master's version of
+//! the object incarnation it holds), 0 for none: files written before it was
+//! kept hold zeros there and read as version 0. The header's copy is not under
+//! `header_sum` (whose span predates it); it must equal the record's, which
+//! is under the record's checksum.
 //!
 //! # Crash consistency
 //!
@@ -147,6 +155,8 @@ pub struct Recovered {
     pub sum: u64,
     /// The copy's write sequence number (see [`NvmeShard::copy_seq`]).
     pub seq: u64,
+    /// The version it was written with (see [`NvmeShard::write_versioned`]).
+    pub version: u64,
 }
 
 /// Errors of the tier.
@@ -203,6 +213,19 @@ impl Geometry {
     }
 }
 
+/// A live slot record as recovery reads it from the table.
+#[derive(Clone, Copy)]
+struct LiveRecord {
+    slot: u32,
+    seq: u64,
+    offset: u64,
+    extent: u64,
+    len: u64,
+    sum: u64,
+    key_hash: u64,
+    version: u64,
+}
+
 struct Entry {
     key: Box<[u8]>,
     offset: u64,
@@ -210,6 +233,7 @@ struct Entry {
     len: u64,
     sum: u64,
     seq: u64,
+    version: u64,
     last_read: u64,
     evicting: bool,
 }
@@ -633,7 +657,7 @@ impl NvmeShard {
             b += n;
         }
         // Live records, newest first per key.
-        let mut live: Vec<(u32, u64, u64, u64, u64, u64, u64)> = Vec::new();
+        let mut live: Vec<LiveRecord> = Vec::new();
         for slot in 0..self.geo.slots {
             let r = &table[slot as usize * RECORD..(slot as usize + 1) * RECORD];
             if r[0..4] != REC_MAGIC {
@@ -650,20 +674,31 @@ impl NvmeShard {
             if u32_at(r, 4) != 1 {
                 continue;
             }
-            live.push((
+            live.push(LiveRecord {
                 slot,
-                u64_at(r, 8),
-                u64_at(r, 16),
-                u64_at(r, 24),
-                u64_at(r, 32),
-                u64_at(r, 40),
-                u64_at(r, 48),
-            ));
+                seq: u64_at(r, 8),
+                offset: u64_at(r, 16),
+                extent: u64_at(r, 24),
+                len: u64_at(r, 32),
+                sum: u64_at(r, 40),
+                key_hash: u64_at(r, 48),
+                version: u64_at(r, 56),
+            });
         }
-        live.sort_by_key(|l| std::cmp::Reverse(l.1));
+        live.sort_by_key(|l| std::cmp::Reverse(l.seq));
         let mut out = Vec::new();
         let mut drop_slots = Vec::new();
-        for (slot, seq, offset, extent, len, sum, key_hash) in live {
+        for l in live {
+            let LiveRecord {
+                slot,
+                seq,
+                offset,
+                extent,
+                len,
+                sum,
+                version,
+                ..
+            } = l;
             let loc = NvmeLoc {
                 region: self.region,
                 slot,
@@ -676,8 +711,7 @@ impl NvmeShard {
                 && extent >= BLOCK
                 && extent.is_multiple_of(BLOCK);
             let key = if ok_geometry {
-                self.read_header(offset, extent, seq, len, sum, key_hash)
-                    .await
+                self.read_header(&l).await
             } else {
                 None
             };
@@ -713,6 +747,7 @@ impl NvmeShard {
                 len,
                 sum,
                 seq,
+                version,
                 last_read: 0,
                 evicting: false,
             });
@@ -723,6 +758,7 @@ impl NvmeShard {
                 len,
                 sum,
                 seq,
+                version,
             });
         }
         {
@@ -747,16 +783,19 @@ impl NvmeShard {
         Ok(out)
     }
 
-    /// Reads and checks an extent's header; returns its key.
-    async fn read_header(
-        &self,
-        offset: u64,
-        extent: u64,
-        seq: u64,
-        len: u64,
-        sum: u64,
-        key_hash: u64,
-    ) -> Option<Vec<u8>> {
+    /// Reads and checks the header of a live record's extent against the
+    /// record; returns its key.
+    async fn read_header(&self, l: &LiveRecord) -> Option<Vec<u8>> {
+        let LiveRecord {
+            offset,
+            extent,
+            seq,
+            len,
+            sum,
+            key_hash,
+            version,
+            ..
+        } = *l;
         let h = self
             .file
             .read_at_aligned(self.base + offset, BLOCK as usize)
@@ -787,6 +826,7 @@ impl NvmeShard {
             && u64_at(hb, 16) == len
             && u64_at(hb, 24) == sum
             && u64_at(hb, 32) == header_sum(hb, key)
+            && u64_at(hb, 40) == version
             && xxh3_64(key) == key_hash;
         ok.then(|| key.to_vec())
     }
@@ -801,6 +841,7 @@ impl NvmeShard {
         r[32..40].copy_from_slice(&e.len.to_le_bytes());
         r[40..48].copy_from_slice(&e.sum.to_le_bytes());
         r[48..56].copy_from_slice(&xxh3_64(&e.key).to_le_bytes());
+        r[56..64].copy_from_slice(&e.version.to_le_bytes());
         let s = xxh3_64(&r[0..504]);
         r[504..512].copy_from_slice(&s.to_le_bytes());
         r
@@ -839,6 +880,17 @@ impl NvmeShard {
     /// index record follows in the background, and a restart finds the
     /// object once it is there: [`NvmeShard::flush`] waits for that.
     pub async fn write(&self, key: &[u8], value: &[u8]) -> Result<NvmeLoc, NvmeError> {
+        self.write_versioned(key, value, 0).await
+    }
+
+    /// [`NvmeShard::write`] of a copy named `version` (the caller's name for
+    /// it, kept in its record and header; see [`NvmeShard::copy_version`]).
+    pub async fn write_versioned(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        version: u64,
+    ) -> Result<NvmeLoc, NvmeError> {
         if key.is_empty() || key.len() > MAX_KEY_BYTES {
             return Err(NvmeError::Invalid(format!("key of {} bytes", key.len())));
         }
@@ -878,6 +930,7 @@ impl NvmeShard {
             b[HEADER_FIXED..HEADER_FIXED + key.len()].copy_from_slice(key);
             let hs = header_sum(b, key);
             b[32..40].copy_from_slice(&hs.to_le_bytes());
+            b[40..48].copy_from_slice(&version.to_le_bytes());
             let v0 = vstart as usize;
             b[v0..v0 + value.len()].copy_from_slice(value);
             b[v0 + value.len()..].fill(0);
@@ -898,6 +951,7 @@ impl NvmeShard {
                 len: value.len() as u64,
                 sum,
                 seq,
+                version,
                 last_read: 0,
                 evicting: false,
             };
@@ -954,7 +1008,7 @@ impl NvmeShard {
     pub async fn read(&self, loc: NvmeLoc) -> Result<NvmeValue, NvmeError> {
         self.check_loc(loc)?;
         let started = Instant::now();
-        let (offset, extent, len, sum, seq) = {
+        let (offset, extent, len, sum, seq, version) = {
             let mut st = self.state.borrow_mut();
             st.clock += 1;
             let clock = st.clock;
@@ -963,7 +1017,7 @@ impl NvmeShard {
                 .filter(|e| !e.evicting)
                 .ok_or(NvmeError::NotFound(loc))?;
             e.last_read = clock;
-            (e.offset, e.extent, e.len, e.sum, e.seq)
+            (e.offset, e.extent, e.len, e.sum, e.seq, e.version)
         };
         let buf = match self.fast_reader(extent) {
             Some(f) => ReadBuf::Owned(
@@ -1001,6 +1055,7 @@ impl NvmeShard {
         if !key_matches
             || want_extent != extent
             || u64_at(&buf, 8) != seq
+            || u64_at(&buf, 40) != version
             || u64_at(&buf, 32) != header_sum(&buf, &buf[HEADER_FIXED..HEADER_FIXED + key_len])
         {
             return Err(corrupt("header does not match the index"));
@@ -1068,6 +1123,34 @@ impl NvmeShard {
         st.slots[loc.slot as usize].as_ref().map(|e| e.seq)
     }
 
+    /// The version the copy at `loc` was written with, if one is there.
+    pub fn copy_version(&self, loc: NvmeLoc) -> Option<u64> {
+        self.check_loc(loc).ok()?;
+        let st = self.state.borrow();
+        st.slots[loc.slot as usize].as_ref().map(|e| e.version)
+    }
+
+    /// Removes the copy at `loc` if it holds `key` at `version`; whether it
+    /// did. Another copy of the key in the slot (a later incarnation) stays.
+    pub async fn remove_version(
+        &self,
+        loc: NvmeLoc,
+        key: &[u8],
+        version: u64,
+    ) -> Result<bool, NvmeError> {
+        self.check_loc(loc)?;
+        let ours = {
+            let st = self.state.borrow();
+            st.slots[loc.slot as usize]
+                .as_ref()
+                .is_some_and(|e| &e.key[..] == key && e.version == version)
+        };
+        if ours {
+            self.remove(loc).await?;
+        }
+        Ok(ours)
+    }
+
     /// Removes the copy at `loc` if it is still the one written with
     /// sequence number `seq` (see [`NvmeShard::copy_seq`]); whether it was.
     pub async fn remove_copy(&self, loc: NvmeLoc, seq: u64) -> Result<bool, NvmeError> {
@@ -1111,6 +1194,7 @@ impl NvmeShard {
                 len: e.len,
                 sum: e.sum,
                 seq,
+                version: e.version,
                 last_read: 0,
                 evicting: true,
             };
@@ -1155,6 +1239,7 @@ impl NvmeShard {
                     len: e.len,
                     sum: e.sum,
                     seq: e.seq,
+                    version: e.version,
                 })
             })
             .collect()

@@ -567,3 +567,59 @@ fn flipped_bytes_in_a_value_are_a_checksum_error_for_that_object_only() {
         let _ = std::fs::remove_file(&path);
     });
 }
+
+/// A copy written with a version keeps it in its record and header: it is
+/// reported at open after a restart, a removal naming another version leaves
+/// the copy, and a header whose version disagrees with its record is dropped
+/// at open as a torn header is. A plain write is version 0, as every copy of
+/// a file written before versions were kept reads.
+#[test]
+fn a_copy_keeps_its_version_across_a_restart_and_a_header_that_disagrees_is_dropped() {
+    let path = file("versions");
+    let p2 = path.clone();
+    on_shard(move || async move {
+        let (t, _) = NvmeShard::open(&p2, cfg(64 << 20), 0).await.unwrap();
+        let plain = t.write(b"v0", &value(0, 9_000)).await.unwrap();
+        let seven = t.write_versioned(b"v7", &value(7, 9_000), 7).await.unwrap();
+        let nine = t
+            .write_versioned(b"v9", &value(9, 70_000), 9 << 32 | 3)
+            .await
+            .unwrap();
+        assert_eq!(t.copy_version(plain), Some(0));
+        assert_eq!(t.copy_version(seven), Some(7));
+        assert_eq!(t.copy_version(nine), Some(9 << 32 | 3));
+        assert!(!t.remove_version(nine, b"v9", 9 << 32 | 2).await.unwrap());
+        assert!(!t.remove_version(nine, b"v7", 9 << 32 | 3).await.unwrap());
+        assert!(*t.read(nine).await.unwrap() == *value(9, 70_000));
+        assert!(t.remove_version(nine, b"v9", 9 << 32 | 3).await.unwrap());
+        assert_eq!(t.copy_version(nine), None);
+        t.flush().await.unwrap();
+    });
+    let p3 = path.clone();
+    on_shard(move || async move {
+        let (t, rec) = NvmeShard::open(&p3, cfg(64 << 20), 0).await.unwrap();
+        let mut got: Vec<(Vec<u8>, u64)> = rec.iter().map(|r| (r.key.clone(), r.version)).collect();
+        got.sort();
+        assert_eq!(got, vec![(b"v0".to_vec(), 0), (b"v7".to_vec(), 7)]);
+        let seven = rec.iter().find(|r| r.key == b"v7").unwrap();
+        assert!(*t.read(seven.loc).await.unwrap() == *value(7, 9_000));
+        assert_eq!(t.entries().len(), 2);
+        assert!(t.entries().iter().any(|e| e.key == b"v7" && e.version == 7));
+    });
+    // The header's copy of v7's version no longer matches its record.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let hdr = bytes
+        .windows(64 + 2)
+        .position(|w| w[0..4] == *b"KVOB" && &w[64..66] == b"v7")
+        .expect("v7's header");
+    assert_eq!(bytes[hdr + 40], 7, "the header holds the version at 40..48");
+    bytes[hdr + 40] = 8;
+    std::fs::write(&path, &bytes).unwrap();
+    on_shard(move || async move {
+        let (t, rec) = NvmeShard::open(&path, cfg(64 << 20), 0).await.unwrap();
+        let keys: Vec<&[u8]> = rec.iter().map(|r| &r.key[..]).collect();
+        assert_eq!(keys, vec![&b"v0"[..]], "v7's copy is dropped, v0 stays");
+        assert!(*t.read(rec[0].loc).await.unwrap() == *value(0, 9_000));
+        let _ = std::fs::remove_file(&path);
+    });
+}
