@@ -789,6 +789,7 @@ fn shipped_seed() -> kvpool_wire::proto::Shipped {
             size: 4096,
             sum: Some(7),
             hard_pin: false,
+            version: 0,
             replicas: vec![(1, 0)],
         },
     }

@@ -96,6 +96,13 @@ const TAG_HOLD: u8 = 3;
 const TAG_DROP_OWED: u8 = 4;
 const TAG_DROP_DONE: u8 = 5;
 const TAG_TIER_LISTED: u8 = 6;
+const TAG_EPOCH: u8 = 7;
+
+/// Object record flags: a checksum follows; hard-pinned; a version follows
+/// the checksum (absent: version 0, how records before versions read).
+const FLAG_SUM: u8 = 1;
+const FLAG_HARD_PIN: u8 = 2;
+const FLAG_VERSION: u8 = 4;
 
 /// What the state directory records of one complete object.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,6 +110,10 @@ pub struct ObjectRec {
     pub size: u64,
     pub sum: Option<u64>,
     pub hard_pin: bool,
+    /// The object incarnation's version, which its copies carry (0: none
+    /// recorded; the record's bytes are then those of a record written
+    /// before versions were).
+    pub version: u64,
     /// (segment, offset in it; an NVMe tier's packed location).
     pub replicas: Vec<(SegmentId, u64)>,
 }
@@ -152,6 +163,12 @@ pub enum Record {
     TierListed {
         nvme: SegmentId,
     },
+    /// A master began an epoch: the versions it hands out are
+    /// `epoch << 32 | n`, and a master restarted on this directory begins a
+    /// later one, so no version is handed out twice.
+    Epoch {
+        epoch: u64,
+    },
 }
 
 fn put_u32(out: &mut Vec<u8>, v: u32) {
@@ -185,6 +202,7 @@ pub fn encode_object(
     size: u64,
     sum: Option<u64>,
     hard_pin: bool,
+    version: u64,
     replicas: impl Iterator<Item = (SegmentId, u64)>,
 ) {
     let at = begin_frame(out);
@@ -192,8 +210,16 @@ pub fn encode_object(
     put_u32(out, key.len() as u32);
     out.extend_from_slice(key);
     put_u64(out, size);
-    out.push(u8::from(sum.is_some()) | (u8::from(hard_pin) << 1));
+    let flag = |on: bool, f: u8| if on { f } else { 0 };
+    out.push(
+        flag(sum.is_some(), FLAG_SUM)
+            | flag(hard_pin, FLAG_HARD_PIN)
+            | flag(version != 0, FLAG_VERSION),
+    );
     put_u64(out, sum.unwrap_or(0));
+    if version != 0 {
+        put_u64(out, version);
+    }
     let n_at = out.len();
     out.push(0);
     let mut n = 0u8;
@@ -226,6 +252,14 @@ pub fn encode_hold(out: &mut Vec<u8>, h: &Hold) {
     end_frame(out, at);
 }
 
+/// Appends the frame of an `Epoch` record.
+pub fn encode_epoch(out: &mut Vec<u8>, epoch: u64) {
+    let at = begin_frame(out);
+    out.push(TAG_EPOCH);
+    put_u64(out, epoch);
+    end_frame(out, at);
+}
+
 /// Appends the frame of a `TierListed` record.
 pub fn encode_tier_listed(out: &mut Vec<u8>, nvme: SegmentId) {
     let at = begin_frame(out);
@@ -255,6 +289,7 @@ impl Record {
                 obj.size,
                 obj.sum,
                 obj.hard_pin,
+                obj.version,
                 obj.replicas.iter().copied(),
             ),
             Record::Gone { key } => encode_gone(out, key),
@@ -262,6 +297,7 @@ impl Record {
             Record::DropOwed { nvme, key, loc } => encode_drop(out, true, *nvme, key, *loc),
             Record::DropDone { nvme, key, loc } => encode_drop(out, false, *nvme, key, *loc),
             Record::TierListed { nvme } => encode_tier_listed(out, *nvme),
+            Record::Epoch { epoch } => encode_epoch(out, *epoch),
         }
     }
 
@@ -273,10 +309,18 @@ impl Record {
                 let key = c.key()?;
                 let size = c.u64()?;
                 let flags = c.u8()?;
-                if flags & !3 != 0 {
+                if flags & !(FLAG_SUM | FLAG_HARD_PIN | FLAG_VERSION) != 0 {
                     return Err(format!("unknown object flags {flags:#x}"));
                 }
                 let sum = c.u64()?;
+                let version = if flags & FLAG_VERSION != 0 {
+                    match c.u64()? {
+                        0 => return Err("an object record with version 0 written out".into()),
+                        v => v,
+                    }
+                } else {
+                    0
+                };
                 let n = c.u8()? as usize;
                 if n == 0 || n > MAX_RECORD_REPLICAS {
                     return Err(format!("an object record with {n} replicas"));
@@ -292,8 +336,9 @@ impl Record {
                     key,
                     obj: ObjectRec {
                         size,
-                        sum: (flags & 1 != 0).then_some(sum),
-                        hard_pin: flags & 2 != 0,
+                        sum: (flags & FLAG_SUM != 0).then_some(sum),
+                        hard_pin: flags & FLAG_HARD_PIN != 0,
+                        version,
                         replicas,
                     },
                 }
@@ -314,6 +359,7 @@ impl Record {
                 }
             }
             TAG_TIER_LISTED => Record::TierListed { nvme: c.u64()? },
+            TAG_EPOCH => Record::Epoch { epoch: c.u64()? },
             t => return Err(format!("unknown record tag {t}")),
         };
         if c.at != p.len() {
@@ -395,6 +441,8 @@ pub struct Image {
     pub drops: BTreeSet<(SegmentId, Vec<u8>, u64)>,
     /// NVMe tiers whose every live copy the image lists.
     pub listed_tiers: BTreeSet<SegmentId>,
+    /// The latest epoch a master began on this directory (0: none).
+    pub epoch: u64,
 }
 
 impl Image {
@@ -417,6 +465,7 @@ impl Image {
             Record::TierListed { nvme } => {
                 self.listed_tiers.insert(nvme);
             }
+            Record::Epoch { epoch } => self.epoch = self.epoch.max(epoch),
         }
     }
 
@@ -756,6 +805,7 @@ mod tests {
                 size: n,
                 sum: Some(n * 7),
                 hard_pin: n.is_multiple_of(2),
+                version: 0,
                 replicas: vec![(1, n * 4096), (2, n)],
             },
         }
@@ -783,6 +833,17 @@ mod tests {
                 loc: 12,
             },
             Record::TierListed { nvme: 0xfeed },
+            Record::Epoch { epoch: 3 },
+            Record::Object {
+                key: b"v".to_vec(),
+                obj: ObjectRec {
+                    size: 10,
+                    sum: None,
+                    hard_pin: false,
+                    version: 3 << 32 | 17,
+                    replicas: vec![(4, 8192)],
+                },
+            },
         ];
         let mut buf = Vec::new();
         for r in &recs {
@@ -796,6 +857,45 @@ mod tests {
             at += 8 + len;
         }
         assert_eq!(back, recs);
+    }
+
+    /// An object record without a version is byte for byte the record of
+    /// a master before versions (so either reads the other's directory); a
+    /// version adds a flag and eight bytes; a flagged version 0 is refused.
+    #[test]
+    fn a_record_without_a_version_keeps_its_old_bytes() {
+        let frame = |version: u64| {
+            let mut b = Vec::new();
+            encode_object(
+                &mut b,
+                b"key",
+                5,
+                Some(9),
+                true,
+                version,
+                [(1, 2)].into_iter(),
+            );
+            b
+        };
+        let (old, new) = (frame(0), frame(7 << 32 | 1));
+        // header 8 | tag 1 | key len 4 + 3 | size 8 | flags 1 | sum 8 | n 1 | replica 16
+        assert_eq!(old.len(), 8 + 1 + 4 + 3 + 8 + 1 + 8 + 1 + 16);
+        let flags_at = 8 + 1 + 4 + 3 + 8;
+        assert_eq!(old[flags_at], FLAG_SUM | FLAG_HARD_PIN);
+        assert_eq!(new.len(), old.len() + 8);
+        assert_eq!(new[flags_at], FLAG_SUM | FLAG_HARD_PIN | FLAG_VERSION);
+        let Record::Object { obj, .. } = Record::decode(&new[8..]).unwrap() else {
+            panic!("not an object record");
+        };
+        assert_eq!(obj.version, 7 << 32 | 1);
+        let mut zero = new[8..].to_vec();
+        let v_at = flags_at - 8 + 1 + 8;
+        zero[v_at..v_at + 8].fill(0);
+        assert!(Record::decode(&zero).unwrap_err().contains("version 0"));
+        let mut img = Image::default();
+        img.apply(Record::Epoch { epoch: 3 });
+        img.apply(Record::Epoch { epoch: 2 });
+        assert_eq!(img.epoch, 3, "an image keeps the latest epoch");
     }
 
     #[test]

@@ -365,7 +365,7 @@ pub fn decode_records(
             | Record::Gone { key }
             | Record::DropOwed { key, .. }
             | Record::DropDone { key, .. } => Some(key),
-            Record::Hold(_) | Record::TierListed { .. } => None,
+            Record::Hold(_) | Record::TierListed { .. } | Record::Epoch { .. } => None,
         };
         if let Some(k) = key {
             let owner = shard_of(k);
@@ -488,6 +488,7 @@ mod tests {
                 size: n,
                 sum: None,
                 hard_pin: false,
+                version: 0,
                 replicas: vec![(1, 0)],
             },
         }

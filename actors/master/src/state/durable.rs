@@ -90,6 +90,7 @@ pub(super) fn encode_parked(key: &[u8], p: &Parked, out: &mut Vec<u8>) {
         p.size,
         p.sum,
         p.hard_pin,
+        0,
         p.waiting.iter().copied(),
     );
 }
@@ -257,6 +258,7 @@ impl ShardState {
             o.size,
             o.checksum(),
             o.hard_pinned(),
+            0,
             replicas.into_iter(),
         );
         true
@@ -580,6 +582,7 @@ impl ShardState {
                     size: o.size,
                     sum: o.checksum(),
                     hard_pin: o.hard_pinned(),
+                    version: 0,
                     replicas,
                 },
             );
@@ -594,6 +597,7 @@ impl ShardState {
                         size: p.size,
                         sum: p.sum,
                         hard_pin: p.hard_pin,
+                        version: 0,
                         replicas,
                     },
                 );
