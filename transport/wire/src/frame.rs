@@ -32,7 +32,10 @@ use crate::proto::WireError;
 pub const MAGIC: [u8; 4] = *b"KVPL";
 /// 2: checksums, grants, the auth handshake, Ping's segments (issue 12).
 /// 3: `PutOptions::replace` (the atomic replace), `RemoveAll`'s `force` (issue 16).
-pub const VERSION: u8 = 3;
+/// 4: what changed after 3 without a bump: a put's `put_id`, log shipping
+/// (`Follow`, `Shipped`), data connections' proof of the secret, hot
+/// replicas' fetch tasks, `ClusterMap::max_batch`.
+pub const VERSION: u8 = 4;
 pub const HEADER_LEN: usize = 24;
 
 /// What a frame's payload is.
