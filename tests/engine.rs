@@ -49,6 +49,25 @@ fn metric(engine: &Proc, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("metric kvpool_engine_{name} missing:\n{text}"))
 }
 
+/// Waits (30 s at most) until `engine` counts at least `n` chunks stored;
+/// a wait that runs out names the stores that failed and shows the engine's
+/// log.
+fn wait_stored(engine: &Proc, what: &str, n: f64) {
+    common::eventually_blocking(what, Duration::from_secs(30), || -> Result<(), String> {
+        let stored = metric(engine, "chunks_stored_total");
+        if stored >= n {
+            return Ok(());
+        }
+        let log = engine.stderr();
+        let tail: Vec<&str> = log.lines().rev().take(20).collect();
+        Err(format!(
+            "{stored} stored, {} failed; the engine's log, last line first:\n{}",
+            metric(engine, "chunks_store_failed_total"),
+            tail.join("\n")
+        ))
+    });
+}
+
 /// Engine processes share this config: the pool client over TCP only.
 const TCP_CONFIG: &str = "[client]\ntransport = \"tcp\"\n";
 
@@ -143,11 +162,7 @@ fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed()
     // The refused chunk was replaced by the recomputed one: a plain request
     // (lookup by batch exists) now loads both again, and the bytes are the
     // original ones.
-    common::eventually_blocking(
-        "the recomputed chunk to be stored",
-        Duration::from_secs(30),
-        || metric(&decode, "chunks_stored_total") >= 1.0,
-    );
+    wait_stored(&decode, "the recomputed chunk to be stored", 1.0);
     let (code, again, _) = cli(&pool.addr, &["get", &keys[1]], None);
     assert_eq!(code, 0);
     assert_eq!(
@@ -172,10 +187,10 @@ fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed()
     assert_eq!(out["kvpool"]["chunks_refused"], 1);
     assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 256);
     assert_eq!(metric(&decode, "chunks_refused_total"), 2.0);
-    common::eventually_blocking(
+    wait_stored(
+        &decode,
         "the recomputed chunk to be stored again",
-        Duration::from_secs(30),
-        || metric(&decode, "chunks_stored_total") > stored_before,
+        stored_before + 1.0,
     );
     let (code, again, _) = cli(&pool.addr, &["get", &keys[1]], None);
     assert_eq!(code, 0);
@@ -271,9 +286,7 @@ fn a_second_request_sharing_k_chunks_computes_only_the_rest() {
     let first = prompt(3 * 256 + 50, 7);
     let out = greedy(&e, &first, 4, None);
     assert_eq!(out["kvpool"]["prompt_tokens_computed"], 818);
-    common::eventually_blocking("three chunks stored", Duration::from_secs(30), || {
-        metric(&e, "chunks_stored_total") >= 3.0
-    });
+    wait_stored(&e, "three chunks stored", 3.0);
 
     // Shares k = 2 full chunks, then 100 different tokens.
     let mut second = first[..512].to_vec();

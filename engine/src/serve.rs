@@ -222,14 +222,24 @@ impl Engine {
                     }
                 };
                 let (tx, rx) = flume::bounded(cfg.store_queue_depth);
-                tokio::spawn(connect_and_store(
-                    first,
-                    m.to_string(),
-                    node.client_config(),
-                    pool.clone(),
-                    metrics.clone(),
-                    rx,
-                ));
+                match first {
+                    // Published before the engine serves: its first request
+                    // sees the pool (a spawned task might not have run yet).
+                    Some(c) => {
+                        let p = Arc::new(KvPool::new(c, m.to_string(), metrics.clone()));
+                        let _ = pool.set(p.clone());
+                        tokio::spawn(p.run_store(rx));
+                    }
+                    None => {
+                        tokio::spawn(connect_and_store(
+                            m.to_string(),
+                            node.client_config(),
+                            pool.clone(),
+                            metrics.clone(),
+                            rx,
+                        ));
+                    }
+                }
                 Some(tx)
             }
             None => {
@@ -483,37 +493,31 @@ impl Engine {
 /// Longest wait between two attempts to reach a pool that is down.
 const POOL_RETRY_MAX: Duration = Duration::from_secs(30);
 
-/// Connects to the pool (unless `first` already did), retrying with backoff
-/// until it answers, publishes it in `slot`, then runs the store task.
-/// Until then, store jobs are not queued (requests see no pool).
+/// Connects to a pool that was down at start, retrying with backoff until
+/// it answers, publishes it in `slot`, then runs the store task. Until then,
+/// store jobs are not queued (requests see no pool).
 async fn connect_and_store(
-    first: Option<Client>,
     master: String,
     cfg: kvpool_config::ClientConfig,
     slot: Arc<OnceLock<Arc<KvPool>>>,
     metrics: EngineMetrics,
     rx: flume::Receiver<scheduler::StoreJob>,
 ) {
-    let client = match first {
-        Some(c) => c,
-        None => {
-            let mut wait = Duration::from_millis(500);
-            loop {
-                tokio::time::sleep(wait).await;
-                match Client::connect(&master, cfg.clone()).await {
-                    Ok(c) => {
-                        tracing::info!("reached the pool at {master}: loading and storing KV");
-                        break c;
-                    }
-                    Err(e) => {
-                        tracing::warn!("pool at {master} still unreachable: {e}");
-                        wait = (wait * 2).min(POOL_RETRY_MAX);
-                    }
-                }
-                if rx.is_disconnected() {
-                    return;
-                }
+    let mut wait = Duration::from_millis(500);
+    let client = loop {
+        tokio::time::sleep(wait).await;
+        match Client::connect(&master, cfg.clone()).await {
+            Ok(c) => {
+                tracing::info!("reached the pool at {master}: loading and storing KV");
+                break c;
             }
+            Err(e) => {
+                tracing::warn!("pool at {master} still unreachable: {e}");
+                wait = (wait * 2).min(POOL_RETRY_MAX);
+            }
+        }
+        if rx.is_disconnected() {
+            return;
         }
     };
     let pool = Arc::new(KvPool::new(client, master, metrics));
