@@ -396,7 +396,9 @@ impl Cursor<'_> {
     }
     fn key(&mut self) -> Result<Vec<u8>, String> {
         let n = self.u32()? as usize;
-        if n == 0 || n > MAX_RECORD_BYTES {
+        // Keys were checked against the wire's limit before any was
+        // recorded; a longer one is a damaged (or forged) record.
+        if n == 0 || n > kvpool_wire::limits::MAX_KEY_BYTES {
             return Err(format!("a key of {n} bytes"));
         }
         Ok(self.take(n)?.to_vec())

@@ -33,6 +33,9 @@ use kvpool_wire::proto::ClientId;
 use smallvec::SmallVec;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+mod key;
+pub(crate) use key::Key;
+
 /// Hashes keys with one-shot xxh3 (a key is hashed by a single `write`),
 /// seeded per shard at random so clients cannot aim at collisions.
 #[derive(Debug, Clone, Copy)]
@@ -180,6 +183,10 @@ pub(crate) struct Complete {
     pub hard_pin: bool,
     /// Reads served from NVMe only since the last promotion decision.
     pub nvme_reads: u16,
+    /// This incarnation's version (`epoch << 32 | n`, handed out at PutEnd;
+    /// 0: unknown, an object recovered from records or copies before
+    /// versions were), which its copies carry.
+    pub version: u64,
 }
 
 /// An object's state; it names the table the object is found in.
@@ -243,9 +250,10 @@ impl Object {
         self.complete().filter(|c| c.has_sum).map(|c| c.sum)
     }
 
-    /// Processing -> Complete at `now_ms` with the writer's checksum: no
-    /// lease yet (unread), the soft pin asked for at PutStart starts now.
-    pub fn complete_at(&mut self, now_ms: u64, checksum: Option<u64>) {
+    /// Processing -> Complete at `now_ms` with the writer's checksum and
+    /// the incarnation's `version`: no lease yet (unread), the soft pin
+    /// asked for at PutStart starts now.
+    pub fn complete_at(&mut self, now_ms: u64, checksum: Option<u64>, version: u64) {
         let p = self.put();
         let pin_end_ms = if p.soft_pin_ttl_ms > 0 {
             now_ms + p.soft_pin_ttl_ms as u64
@@ -260,6 +268,7 @@ impl Object {
             has_sum: checksum.is_some(),
             hard_pin: p.hard_pin,
             nvme_reads: 0,
+            version,
         });
     }
 
@@ -274,8 +283,14 @@ impl Object {
 
 #[derive(Debug)]
 struct Entry {
-    key: Box<[u8]>,
+    key: Key,
     obj: Object,
+}
+
+/// Bytes of one slab slot (a key's pointer and its object).
+#[cfg(test)]
+pub(crate) fn slab_slot_bytes() -> usize {
+    std::mem::size_of::<Option<Entry>>()
 }
 
 /// The evictable replicas of one DRAM range, by (rank, id).
@@ -522,7 +537,7 @@ impl Objects {
         };
         self.extra_bytes += extra_bytes(&obj);
         self.slab[id as usize] = Some(Entry {
-            key: key.into(),
+            key: Key::new(key),
             obj,
         });
         self.link(id);
@@ -535,7 +550,7 @@ impl Objects {
     }
 
     /// Takes an object out: out of the index, its table and the slab.
-    pub fn remove(&mut self, id: Id) -> (Box<[u8]>, Object) {
+    pub fn remove(&mut self, id: Id) -> (Key, Object) {
         let e = self.entries(id);
         self.drop_entries(id, &e);
         let complete = self.get(id).complete().is_some();
@@ -561,7 +576,7 @@ impl Objects {
         let r = f(&mut self.slab[id as usize].as_mut().expect("a live slot").obj);
         self.extra_bytes = self.extra_bytes - extra_before + extra_bytes(self.get(id));
         if sig.is_some_and(|s| s != durable_sig(self.get(id))) {
-            let key = entry(&self.slab, id).key.clone();
+            let key = Box::from(&*entry(&self.slab, id).key);
             if let Some(d) = &mut self.dirty {
                 d.push(key);
             }

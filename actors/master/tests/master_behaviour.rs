@@ -24,6 +24,8 @@ use nvme_tier::*;
 mod eviction;
 #[path = "master_behaviour/hot.rs"]
 mod hot;
+#[path = "master_behaviour/versions.rs"]
+mod versions;
 use eviction::*;
 
 const KIB: u64 = 1024;

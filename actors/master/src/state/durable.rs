@@ -33,6 +33,8 @@ pub(super) struct Durable {
     pub(super) expected: Set<SegmentId>,
     /// Tiers listed since the last records, to record.
     pub(super) listed: Vec<SegmentId>,
+    /// An epoch begun since the last records, to record.
+    pub(super) epoch: Option<u64>,
 }
 
 impl Durable {
@@ -75,6 +77,8 @@ pub(super) struct Parked {
     pub(super) size: u64,
     pub(super) sum: Option<u64>,
     pub(super) hard_pin: bool,
+    /// The incarnation's version (0: recorded before versions).
+    pub(super) version: u64,
     /// (segment, offset) of the replicas not back yet.
     pub(super) waiting: SmallVec<[(SegmentId, u64); 2]>,
     /// Some replica came back: the object is in the store (and if it is
@@ -90,7 +94,7 @@ pub(super) fn encode_parked(key: &[u8], p: &Parked, out: &mut Vec<u8>) {
         p.size,
         p.sum,
         p.hard_pin,
-        0,
+        p.version,
         p.waiting.iter().copied(),
     );
 }
@@ -110,6 +114,14 @@ impl ShardState {
     /// the crash (a put's grant, a leased removal) stays held until its
     /// time when its segment mounts.
     pub fn recover(&mut self, image: Image, now_ms: u64, wait_ms: u64) {
+        // A later epoch than any the directory names: no version handed out
+        // before is handed out again.
+        let epoch = match image.epoch {
+            // None yet (a directory begun before epochs, or empty): the
+            // shard's random one.
+            0 => self.epoch,
+            e => following_epoch(e),
+        };
         let d = self
             .durable
             .as_mut()
@@ -124,6 +136,7 @@ impl ShardState {
                     size: o.size,
                     sum: o.sum,
                     hard_pin: o.hard_pin,
+                    version: o.version,
                     waiting: o.replicas.into_iter().collect(),
                     attached: false,
                 },
@@ -136,6 +149,7 @@ impl ShardState {
             }
         }
         self.copies.restore(image.listed_tiers, image.drops);
+        self.begin_epoch(epoch);
     }
 
     /// Recovered objects still waiting for a segment (all their replicas,
@@ -179,6 +193,9 @@ impl ShardState {
         let Some(mut d) = self.durable.take() else {
             return;
         };
+        if let Some(epoch) = d.epoch.take() {
+            journal::encode_epoch(out, epoch);
+        }
         // Drops first: a write the crash tore keeps a removal's DropOwed
         // rather than its Gone (an owed Drop of a copy the object still
         // lists is stale, and skipped), never the Gone without the DropOwed
@@ -258,7 +275,7 @@ impl ShardState {
             o.size,
             o.checksum(),
             o.hard_pinned(),
-            0,
+            o.stored().version,
             replicas.into_iter(),
         );
         true
@@ -282,7 +299,7 @@ impl ShardState {
             let p = d.parked.get_mut(&key).expect("listed");
             let pos = p.waiting.iter().position(|w| w.0 == id).expect("listed");
             let (_, offset) = p.waiting.remove(pos);
-            let (size, sum, hard_pin) = (p.size, p.sum, p.hard_pin);
+            let (size, sum, hard_pin, version) = (p.size, p.sum, p.hard_pin, p.version);
             let taken = match self.slot(idx).tier() {
                 Tier::Dram => {
                     let (lo, len) = (self.slot(idx).alloc.base(), self.slot(idx).alloc.capacity());
@@ -292,8 +309,8 @@ impl ShardState {
                 }
                 Tier::Nvme => self.check_loc(idx, offset).is_ok(),
             };
-            let attached =
-                taken && self.attach_replica(&key, idx, offset, size, sum, hard_pin, now_ms);
+            let attached = taken
+                && self.attach_replica(&key, idx, offset, size, sum, hard_pin, version, now_ms);
             if taken && !attached && self.slot(idx).tier() == Tier::Dram {
                 self.slot_mut(idx).alloc.dealloc(offset, size);
             }
@@ -373,11 +390,16 @@ impl ShardState {
         size: u64,
         sum: Option<u64>,
         hard_pin: bool,
+        version: u64,
         now_ms: u64,
     ) -> bool {
         if let Some(cid) = self.objs.complete_id(key) {
             let o = self.objs.get(cid);
-            if o.size != size || o.checksum() != sum || o.replicas.iter().any(|r| r.slot == idx) {
+            if o.size != size
+                || o.checksum() != sum
+                || o.stored().version != version
+                || o.replicas.iter().any(|r| r.slot == idx)
+            {
                 return false;
             }
             self.objs
@@ -401,6 +423,7 @@ impl ShardState {
                     has_sum: sum.is_some(),
                     hard_pin,
                     nvme_reads: 0,
+                    version,
                 }),
                 replicas: smallvec::smallvec![Replica::ready(idx, offset)],
             },
@@ -518,6 +541,7 @@ impl ShardState {
         for nvme in self.copies.listed() {
             journal::encode_tier_listed(out, nvme);
         }
+        journal::encode_epoch(out, self.epoch);
         for Reverse(p) in &self.pending {
             if let Some(Some(s)) = self.slots.get(p.slot as usize) {
                 if s.id == p.segment {
@@ -582,7 +606,7 @@ impl ShardState {
                     size: o.size,
                     sum: o.checksum(),
                     hard_pin: o.hard_pinned(),
-                    version: 0,
+                    version: o.stored().version,
                     replicas,
                 },
             );
@@ -597,7 +621,7 @@ impl ShardState {
                         size: p.size,
                         sum: p.sum,
                         hard_pin: p.hard_pin,
-                        version: 0,
+                        version: p.version,
                         replicas,
                     },
                 );

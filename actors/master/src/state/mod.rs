@@ -253,6 +253,23 @@ pub struct ShardState {
     /// What the state directory needs (`None`: the master keeps no state
     /// directory).
     durable: Option<Box<Durable>>,
+    /// The epoch of the versions this shard hands out (below 2^32, never
+    /// 0): drawn at random, or the one after the state directory's.
+    epoch: u64,
+    /// Versions handed out in this epoch.
+    versions: u32,
+}
+
+/// The highest epoch drawn at random (by a shard without a state directory
+/// or on an empty one): half the range is left for the epochs after it.
+const FIRST_EPOCH_MAX: u64 = 1 << 31;
+
+/// Mixed into the shard's seed for its first epoch.
+const EPOCH_SEED: u64 = 0x6570_6f63_6873_6565;
+
+/// The epoch after `e`, in `1..2^32` (wrapping after 2^32 - 1 epochs).
+fn following_epoch(e: u64) -> u64 {
+    e % u64::from(u32::MAX) + 1
 }
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> KvError {
@@ -364,7 +381,33 @@ impl ShardState {
             signer: None,
             term: Arc::new(AtomicU64::new(0)),
             durable: None,
+            // Its own generator: placement's draws stay as they were.
+            epoch: ChaCha8Rng::seed_from_u64(seed ^ EPOCH_SEED ^ shard as u64)
+                .random_range(1..=FIRST_EPOCH_MAX),
+            versions: 0,
         }
+    }
+
+    /// Begins `epoch`: versions count from 1 again, and a durable shard
+    /// records it.
+    fn begin_epoch(&mut self, epoch: u64) {
+        debug_assert!((1..=u64::from(u32::MAX)).contains(&epoch));
+        self.epoch = epoch;
+        self.versions = 0;
+        if let Some(d) = self.durable.as_mut() {
+            d.epoch = Some(epoch);
+        }
+    }
+
+    /// The version of a new object incarnation: `epoch << 32 | n`, never 0,
+    /// never handed out before by this shard (a restart on the state
+    /// directory begins a later epoch; without one, a random epoch).
+    fn next_version(&mut self) -> u64 {
+        if self.versions == u32::MAX {
+            self.begin_epoch(following_epoch(self.epoch));
+        }
+        self.versions += 1;
+        self.epoch << 32 | u64::from(self.versions)
     }
 
     /// Records durable changes from now on, for [`Self::take_records`];

@@ -257,7 +257,9 @@ impl ShardState {
             let (k, old) = self.objs.remove(old);
             self.retire(&k, &old, now_ms);
         }
-        self.objs.update(id, |o| o.complete_at(now_ms, checksum));
+        let version = self.next_version();
+        self.objs
+            .update(id, |o| o.complete_at(now_ms, checksum, version));
         // Write-through: the first replica on a node with an NVMe tier is
         // copied there now (the node does it when it next asks for work).
         let obj = self.objs.get(id);

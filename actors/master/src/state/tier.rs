@@ -852,6 +852,8 @@ impl ShardState {
                                     has_sum: true,
                                     hard_pin: false,
                                     nvme_reads: 0,
+                                    // Copies do not report theirs yet.
+                                    version: 0,
                                 }),
                                 replicas: smallvec::smallvec![Replica::ready(nslot, *loc)],
                             },
