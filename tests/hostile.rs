@@ -391,6 +391,7 @@ fn a_forged_nvme_report_is_refused_and_every_shard_keeps_answering() {
             loc: 1 << 40,
             len: 4096,
             sum: 0,
+            version: 0,
         }],
     };
     let shard0 = node.addr.clone();

@@ -243,6 +243,7 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
                 loc: 0,
                 len: 8,
                 sum: 0,
+                version: 0,
             }],
         },
         MasterRequest::Stat,

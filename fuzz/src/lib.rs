@@ -526,6 +526,7 @@ pub fn master_request_seeds() -> Vec<MasterRequest> {
                     offset: 0,
                     demote: true,
                     sum: 1,
+                    version: 7 << 32 | 1,
                 },
                 NvmeUpdate::Promoted {
                     key: key(),
@@ -543,6 +544,7 @@ pub fn master_request_seeds() -> Vec<MasterRequest> {
                     key: key(),
                     nvme: 5,
                     loc: 3,
+                    version: 7 << 32 | 2,
                 },
                 NvmeUpdate::Recovered {
                     key: b"old".to_vec(),
@@ -550,6 +552,7 @@ pub fn master_request_seeds() -> Vec<MasterRequest> {
                     loc: 4,
                     len: 10,
                     sum: 2,
+                    version: 0,
                 },
             ],
         },
@@ -768,10 +771,22 @@ fn master_response_seeds() -> Vec<(&'static str, MasterResponse)> {
         ),
         (
             "tasks",
-            MasterResponse::Tasks(vec![NodeTask::Drop {
-                key: b"k".to_vec(),
-                loc: 1,
-            }]),
+            MasterResponse::Tasks(vec![
+                NodeTask::Drop {
+                    key: b"k".to_vec(),
+                    loc: 1,
+                    version: Some(7 << 32 | 1),
+                },
+                NodeTask::Persist {
+                    key: b"k".to_vec(),
+                    dram: 1,
+                    offset: 0,
+                    len: 4096,
+                    demote: true,
+                    checksum: Some(3),
+                    version: 7 << 32 | 1,
+                },
+            ]),
         ),
         ("shipped", MasterResponse::Shipped(shipped_seed())),
     ]

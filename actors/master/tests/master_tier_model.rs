@@ -338,6 +338,7 @@ impl Run {
                 len,
                 demote,
                 checksum,
+                version,
             } => {
                 let content = self.in_dram.get(&offset).copied().flatten();
                 let matches = checksum.is_none_or(|c| c == sum_of(content));
@@ -364,6 +365,7 @@ impl Run {
                     offset,
                     demote,
                     sum: sum_of(content),
+                    version,
                 };
                 // The tier holds the copy whether or not the master takes it
                 // (a refused report: the node drops it, as the real one does).
@@ -406,7 +408,7 @@ impl Run {
                     }
                 }
             }
-            NodeTask::Drop { key, loc } => {
+            NodeTask::Drop { key, loc, .. } => {
                 if self.on_disk.get(&loc).is_some_and(|(k, _)| *k == key) {
                     self.on_disk.remove(&loc);
                 }
@@ -429,6 +431,7 @@ impl Run {
             key,
             nvme: self.nvme,
             loc,
+            version: 0,
         };
         if self.update(u).is_ok() {
             self.seen.tier_evicted += 1;

@@ -194,6 +194,7 @@ impl NodeNvme {
                 loc: r.loc.pack(),
                 len: r.len,
                 sum: r.sum,
+                version: r.version,
             })
             .collect();
         let results = self.report(client, updates).await?;
@@ -308,11 +309,11 @@ impl NodeNvme {
         }
     }
 
-    /// Copies DRAM bytes to the tier (a demotion or write-through): which
-    /// copy, their checksum, and whether this call wrote it (false: a copy
-    /// was there already). Bytes that do not match the object's `checksum`
-    /// are not copied (`Corrupt`). With the region full, evicts there and
-    /// tries once more.
+    /// Copies DRAM bytes to the tier (a demotion or write-through) as the
+    /// copy of incarnation `version`: which copy, their checksum, and
+    /// whether this call wrote it (false: that copy was there already).
+    /// Bytes that do not match the object's `checksum` are not copied
+    /// (`Corrupt`). With the region full, evicts there and tries once more.
     async fn persist(
         &self,
         client: &Client,
@@ -320,10 +321,14 @@ impl NodeNvme {
         offset: u64,
         len: u64,
         checksum: Option<u64>,
+        version: u64,
     ) -> Result<(CopyRef, u64, bool), KvError> {
         let region = region_of(&key, self.regions);
         for attempt in 0..2 {
-            match self.persist_once(key.clone(), offset, len, checksum).await {
+            match self
+                .persist_once(key.clone(), offset, len, checksum, version)
+                .await
+            {
                 Err(e) if e.code == ErrorCode::NoSpace && attempt == 0 => {
                     // Make room in that region, then try once more.
                     self.evict_region(client, region, len + 8192).await;
@@ -341,6 +346,7 @@ impl NodeNvme {
         offset: u64,
         len: u64,
         checksum: Option<u64>,
+        version: u64,
     ) -> Result<(CopyRef, u64, bool), KvError> {
         let region = region_of(&key, self.regions);
         {
@@ -376,17 +382,19 @@ impl NodeNvme {
                             })
                     };
                     if let Some(loc) = t.lookup(&k) {
-                        if t.value_sum(loc) == Some((len, sum)) {
+                        if t.value_sum(loc) == Some((len, sum))
+                            && t.copy_version(loc) == Some(version)
+                        {
                             // Already there (write-through, then demotion).
                             return Ok((copy(loc)?, sum, false));
                         }
                         // A copy of an earlier object under this key (removed
                         // at the master, its Drop not yet seen): never report
-                        // its bytes as this object's.
+                        // it as this object's.
                         t.remove(loc).await.map_err(kv)?;
                     }
                     let started = Instant::now();
-                    let loc = t.write(&k, bytes).await.map_err(kv)?;
+                    let loc = t.write_versioned(&k, bytes, version).await.map_err(kv)?;
                     m.nvme_write_seconds
                         .observe(started.elapsed().as_secs_f64());
                     Ok((copy(loc)?, sum, true))
@@ -458,7 +466,18 @@ impl NodeNvme {
         let cands = self
             .shards
             .run_on(region, move |_| async move {
-                tier().map(|t| t.evict_candidates(need)).unwrap_or_default()
+                tier()
+                    .map(|t| {
+                        let cands = t.evict_candidates(need);
+                        cands
+                            .into_iter()
+                            .map(|(k, loc)| {
+                                let v = t.copy_version(loc).unwrap_or(0);
+                                (k, loc, v)
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                    .unwrap_or_default()
             })
             .await
             .unwrap_or_default();
@@ -467,10 +486,11 @@ impl NodeNvme {
         }
         let updates = cands
             .iter()
-            .map(|(k, loc)| NvmeUpdate::Evicted {
+            .map(|(k, loc, version)| NvmeUpdate::Evicted {
                 key: k.clone(),
                 nvme: self.segment_id,
                 loc: loc.pack(),
+                version: *version,
             })
             .collect();
         // Reported first: the master stops handing out these replicas; only
@@ -480,8 +500,41 @@ impl NodeNvme {
             return;
         }
         self.metrics.nvme_evictions.inc_by(cands.len() as u64);
-        for (_, loc) in cands {
+        for (_, loc, _) in cands {
             self.remove(loc).await;
+        }
+    }
+
+    /// Drops the copy of `key` at packed `loc` (at `version`, when given;
+    /// any version otherwise); a slot that holds another key, or another
+    /// incarnation of the key, keeps it.
+    async fn drop_copy(&self, key: Vec<u8>, loc: u64, version: Option<u64>) {
+        let loc = NvmeLoc::unpack(loc);
+        if loc.region as usize >= self.regions {
+            tracing::warn!("NVMe: Drop for {loc:?}, which is no region of this tier");
+            return;
+        }
+        let r = self
+            .shards
+            .run_on(loc.region as usize, move |_| async move {
+                let t = tier()?;
+                match version {
+                    Some(v) => t.remove_version(loc, &key, v).await,
+                    None => t.remove_key(loc, &key).await,
+                }
+                .map_err(kv)
+            })
+            .await
+            .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))
+            .and_then(|r| r);
+        match r {
+            Ok(true) => {
+                self.metrics.nvme_drops.inc();
+            }
+            // Gone already, or the slot holds another key (or incarnation)
+            // now.
+            Ok(false) => {}
+            Err(e) => tracing::warn!("NVMe: could not drop {loc:?}: {e}"),
         }
     }
 
@@ -499,12 +552,13 @@ impl NodeNvme {
                 len,
                 demote,
                 checksum,
+                version,
             } => {
                 if dram != self.dram_id {
                     return None;
                 }
                 match self
-                    .persist(client, key.clone(), offset, len, checksum)
+                    .persist(client, key.clone(), offset, len, checksum, version)
                     .await
                 {
                     Ok((copy, sum, fresh)) => {
@@ -521,6 +575,7 @@ impl NodeNvme {
                                 offset,
                                 demote,
                                 sum,
+                                version,
                             },
                             Some(copy),
                             fresh,
@@ -541,28 +596,8 @@ impl NodeNvme {
                     }
                 }
             }
-            NodeTask::Drop { key, loc } => {
-                let loc = NvmeLoc::unpack(loc);
-                if loc.region as usize >= self.regions {
-                    tracing::warn!("NVMe: Drop for {loc:?}, which is no region of this tier");
-                    return None;
-                }
-                let r = self
-                    .shards
-                    .run_on(loc.region as usize, move |_| async move {
-                        tier()?.remove_key(loc, &key).await.map_err(kv)
-                    })
-                    .await
-                    .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))
-                    .and_then(|r| r);
-                match r {
-                    Ok(true) => {
-                        self.metrics.nvme_drops.inc();
-                    }
-                    // Gone already, or the slot holds another key now.
-                    Ok(false) => {}
-                    Err(e) => tracing::warn!("NVMe: could not drop {loc:?}: {e}"),
-                }
+            NodeTask::Drop { key, loc, version } => {
+                self.drop_copy(key, loc, version).await;
                 None
             }
             t @ NodeTask::Fetch { .. } => {
@@ -849,9 +884,17 @@ mod tests {
         /// Runs a Persist task (no eviction needed: the tier has room) and
         /// returns its update, copy and freshness as `run_task` does.
         fn persist(&self, key: &[u8], offset: u64) -> Ran {
+            self.persist_version(key, offset, 0)
+        }
+
+        /// [`Rig::persist`] of incarnation `version`.
+        fn persist_version(&self, key: &[u8], offset: u64, version: u64) -> Ran {
             let (copy, sum, fresh) = self
                 .rt
-                .block_on(self.nvme.persist_once(key.to_vec(), offset, LEN, None))
+                .block_on(
+                    self.nvme
+                        .persist_once(key.to_vec(), offset, LEN, None, version),
+                )
                 .expect("persisted");
             let u = NvmeUpdate::Stored {
                 key: key.to_vec(),
@@ -862,6 +905,7 @@ mod tests {
                 offset,
                 demote: false,
                 sum,
+                version,
             };
             (u, Some(copy), fresh)
         }
@@ -1000,5 +1044,47 @@ mod tests {
         let stale = KvError::new(ErrorCode::ObjectAlreadyExists, "another object");
         r.rt.block_on(r.nvme.drop_stale(&held, vec![Err(stale)]));
         assert_eq!(r.holds(b"k"), None);
+    }
+
+    /// Issue 32, copy identity on the node: a copy carries the version of
+    /// the Persist that wrote it, in its report and on the device (a
+    /// restart reports it); a Drop at another version leaves it, one at its
+    /// version, or of any version, takes it; a Persist of a new incarnation
+    /// with the same bytes writes a copy of its own.
+    #[test]
+    fn a_copy_carries_its_persists_version_and_a_drop_takes_only_that_version() {
+        let r = rig("version");
+        r.dram_put(0, 1);
+        let (v1, v2) = (9 << 32 | 1, 9 << 32 | 2);
+        let first = r.persist_version(b"k", 0, v1);
+        assert!(matches!(first.0, NvmeUpdate::Stored { version, .. } if version == v1));
+        r.settle(vec![first], |_| Ok(()));
+        let held = r.rt.block_on(r.nvme.held()).unwrap();
+        assert_eq!(held.len(), 1);
+        assert_eq!(held[0].version, v1, "what a restart would report");
+
+        // The same bytes again, as a new incarnation: not the old copy.
+        let second = r.persist_version(b"k", 0, v2);
+        assert!(second.2, "written again, not found there");
+        assert!(matches!(second.0, NvmeUpdate::Stored { version, .. } if version == v2));
+        let loc = second.1.unwrap().loc;
+        r.settle(vec![second], |_| Ok(()));
+
+        let drop = |version: Option<u64>| {
+            r.rt.block_on(r.nvme.drop_copy(b"k".to_vec(), loc.pack(), version))
+        };
+        drop(Some(v1));
+        assert!(
+            r.holds(b"k").is_some(),
+            "a Drop of the old incarnation leaves the new copy"
+        );
+        drop(Some(v2));
+        assert_eq!(r.holds(b"k"), None, "a Drop at its version takes it");
+
+        let third = r.persist_version(b"k", 0, v1);
+        let loc = third.1.unwrap().loc;
+        r.settle(vec![third], |_| Ok(()));
+        r.rt.block_on(r.nvme.drop_copy(b"k".to_vec(), loc.pack(), None));
+        assert_eq!(r.holds(b"k"), None, "a Drop of any version takes it");
     }
 }

@@ -178,6 +178,7 @@ mod tests {
             offset: 0,
             demote: true,
             sum: 9,
+            version: 0,
         }
     }
 

@@ -57,6 +57,8 @@ struct Copy {
     /// Which write made it (the real tier's write sequence number): a
     /// location reused later holds a copy with another.
     gen: u64,
+    /// The incarnation it is a copy of (the Persist task's version).
+    version: u64,
 }
 
 /// The NVMe tier on the simulated disk.
@@ -381,6 +383,7 @@ impl NodeModel {
                 loc,
                 len: c.len,
                 sum: c.sum,
+                version: c.version,
             })
             .collect();
         if updates.is_empty() {
@@ -622,29 +625,30 @@ impl NodeModel {
             return;
         }
         let n = t.copies.len() - TIER_LOW;
-        let pick: Vec<(u64, Vec<u8>)> = t
+        let pick: Vec<(u64, Vec<u8>, u64)> = t
             .copies
             .iter()
             .filter(|(_, c)| c.durable)
             .take(n)
-            .map(|(&l, c)| (l, c.key.clone()))
+            .map(|(&l, c)| (l, c.key.clone(), c.version))
             .collect();
         if pick.is_empty() {
             return;
         }
         let updates = pick
             .iter()
-            .map(|(loc, key)| NvmeUpdate::Evicted {
+            .map(|(loc, key, version)| NvmeUpdate::Evicted {
                 key: key.clone(),
                 nvme: t.seg,
                 loc: *loc,
+                version: *version,
             })
             .collect();
         let req = MasterRequest::NvmeUpdates {
             client_id: self.client_id,
             updates,
         };
-        let locs = pick.into_iter().map(|(l, _)| l).collect();
+        let locs = pick.into_iter().map(|(l, _, _)| l).collect();
         self.call_round(ctx, req, RoundStep::Evicted(locs));
     }
 
@@ -694,6 +698,7 @@ impl NodeModel {
                 len,
                 demote,
                 checksum,
+                version,
             } => {
                 if dram != self.dram_seg {
                     return None;
@@ -711,7 +716,11 @@ impl NodeModel {
                 }
                 let t = self.tier.as_mut().expect("tasks come to a tier");
                 let (loc, fresh) = match t.lookup(&key) {
-                    Some(l) if t.copies[&l].len == len && t.copies[&l].sum == sum => {
+                    Some(l)
+                        if t.copies[&l].len == len
+                            && t.copies[&l].sum == sum
+                            && t.copies[&l].version == version =>
+                    {
                         ((l, t.copies[&l].gen), false)
                     }
                     old => {
@@ -735,6 +744,7 @@ impl NodeModel {
                                 content,
                                 durable: false,
                                 gen: t.gen,
+                                version,
                             },
                         );
                         ((l, t.gen), true)
@@ -751,6 +761,7 @@ impl NodeModel {
                         offset,
                         demote,
                         sum,
+                        version,
                     },
                     Some(loc),
                     fresh,
@@ -799,9 +810,12 @@ impl NodeModel {
                     false,
                 ))
             }
-            NodeTask::Drop { key, loc } => {
+            NodeTask::Drop { key, loc, version } => {
                 let t = self.tier.as_mut().expect("tasks come to a tier");
-                if t.copies.get(&loc).is_some_and(|c| c.key == key) {
+                if t.copies
+                    .get(&loc)
+                    .is_some_and(|c| c.key == key && version.is_none_or(|v| v == c.version))
+                {
                     t.copies.remove(&loc);
                 }
                 None
@@ -842,7 +856,9 @@ fn short_task(t: &NodeTask) -> String {
             "Promote {} loc {loc} to {offset}",
             String::from_utf8_lossy(key)
         ),
-        NodeTask::Drop { key, loc } => format!("Drop {} loc {loc}", String::from_utf8_lossy(key)),
+        NodeTask::Drop { key, loc, .. } => {
+            format!("Drop {} loc {loc}", String::from_utf8_lossy(key))
+        }
         NodeTask::Fetch { key, offset, .. } => {
             format!("Fetch {} to {offset}", String::from_utf8_lossy(key))
         }

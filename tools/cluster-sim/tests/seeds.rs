@@ -42,15 +42,13 @@ const REGRESSIONS: &[u64] = &[3, 18, 32, 63, 248, 618, 622, 1462, 2069];
 /// 134: with the engine's read rules, a client read its second replica once
 /// the first's share of the time had passed, after its read lease had
 /// ended, and found the space freed (bytes of no value): a read now stops
-/// at the lease's end (`read::lease_read_end`).
-///
-/// Known to fail (docs/RELIABILITY.md, "Seeded cluster simulation"): 2380,
-/// once the clients ran batch puts: a replace's new copy of an object
-/// without a checksum, written in the slot its old copy's Drop freed and
-/// named by a whole-tier report before its `Stored`, cannot be told from
-/// the old copy; refused, the node deletes it and the `Stored` that
-/// follows lists an empty slot. (With a checksum it is kept: fixed.)
-const UNSUMMED_REGRESSIONS: &[u64] = &[134, 422, 442, 671, 798];
+/// at the lease's end (`read::lease_read_end`); 2380, once the clients ran
+/// batch puts: a replace's new copy of an object without a checksum,
+/// written in the slot its old copy's Drop freed and named by a whole-tier
+/// report before its `Stored`, could not be told from the old copy; refused,
+/// the node deleted it and the `Stored` that followed listed an empty slot.
+/// The copy now carries its object's version, which tells them apart.
+const UNSUMMED_REGRESSIONS: &[u64] = &[134, 422, 442, 671, 798, 2380];
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name)

@@ -35,7 +35,8 @@ pub const MAGIC: [u8; 4] = *b"KVPL";
 /// 4: what changed after 3 without a bump: a put's `put_id`, log shipping
 /// (`Follow`, `Shipped`), data connections' proof of the secret, hot
 /// replicas' fetch tasks, `ClusterMap::max_batch`.
-pub const VERSION: u8 = 4;
+/// 5: copy versions in `Persist`, `Drop`, `Stored`, `Evicted`, `Recovered`.
+pub const VERSION: u8 = 5;
 pub const HEADER_LEN: usize = 24;
 
 /// What a frame's payload is.

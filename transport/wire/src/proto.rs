@@ -151,6 +151,8 @@ pub enum NodeTask {
         demote: bool,
         /// The object's checksum: the node copies only bytes that match it.
         checksum: Option<u64>,
+        /// The object incarnation's version: the copy carries it.
+        version: u64,
     },
     /// Copy the NVMe object at `loc` into DRAM segment `dram` at `offset`.
     Promote {
@@ -163,8 +165,14 @@ pub enum NodeTask {
         checksum: Option<u64>,
     },
     /// The object `key` was removed: drop its NVMe copy at `loc` (if that
-    /// copy is still `key`'s). Queued with the node's other tasks, in order.
-    Drop { key: Vec<u8>, loc: u64 },
+    /// copy is still `key`'s, at `version` when given; `None`: whatever its
+    /// version, a Drop owed from before versions). Queued with the node's
+    /// other tasks, in order.
+    Drop {
+        key: Vec<u8>,
+        loc: u64,
+        version: Option<u64>,
+    },
     /// Copy the object from one of `from` (DRAM replicas on other nodes,
     /// with read grants) into DRAM segment `dram` at `offset`: an extra
     /// replica of a hot object. Answered like a promotion (`Promoted`).
@@ -193,6 +201,8 @@ pub enum NvmeUpdate {
         demote: bool,
         /// xxh3-64 of the bytes the copy holds.
         sum: u64,
+        /// The version the copy carries (the Persist task's).
+        version: u64,
     },
     /// A Promote task is done (or failed: `ok` false).
     Promoted {
@@ -214,6 +224,8 @@ pub enum NvmeUpdate {
         key: Vec<u8>,
         nvme: SegmentId,
         loc: u64,
+        /// The version the copy carried.
+        version: u64,
     },
     /// Found on the device at start (after a restart).
     Recovered {
@@ -223,6 +235,8 @@ pub enum NvmeUpdate {
         len: u64,
         /// xxh3-64 of the value, as the tier's index records it.
         sum: u64,
+        /// The version the copy carries (0: written before versions).
+        version: u64,
     },
 }
 

@@ -375,7 +375,7 @@ impl ShardState {
         // First: the removals came before any task the node has waiting
         // (a put of the key since, whose copy the Drop must not take).
         for (key, loc) in drops {
-            self.owe_and_queue_drop(id, &key, loc, true);
+            self.owe_and_queue_drop(id, &key, loc, None, true);
         }
     }
 

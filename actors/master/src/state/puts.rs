@@ -272,6 +272,7 @@ impl ShardState {
         });
         if let Some((seg, offset)) = through {
             let (len, checksum) = (obj.size, obj.checksum());
+            let version = obj.stored().version;
             let q = self.tasks.entry(seg).or_default();
             if q.len() < MAX_TASKS_PER_SEGMENT {
                 q.push_back(NodeTask::Persist {
@@ -281,6 +282,7 @@ impl ShardState {
                     len,
                     demote: false,
                     checksum,
+                    version,
                 });
             }
         }

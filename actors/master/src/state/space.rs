@@ -213,6 +213,7 @@ impl ShardState {
                 len: size,
                 demote: true,
                 checksum: obj.checksum(),
+                version: obj.stored().version,
             };
             self.objs
                 .update(id, |o| o.replicas[pos].state = ReplicaState::Demoting);

@@ -5,6 +5,7 @@ fn a_task_queue_knows_which_drops_wait_in_it() {
     let drop = |k: &[u8], loc| NodeTask::Drop {
         key: k.to_vec(),
         loc,
+        version: None,
     };
     let mut q = TaskQueue::default();
     q.push_back(drop(b"a", 7));
@@ -15,6 +16,7 @@ fn a_task_queue_knows_which_drops_wait_in_it() {
         len: 1,
         demote: false,
         checksum: None,
+        version: 0,
     });
     q.push_back(drop(b"a", 7));
     q.push_back(drop(b"b", 7));

@@ -45,14 +45,14 @@ impl TaskQueue {
 
     /// Counts `t` in the index of Drops, if it is one.
     fn index(&mut self, t: &NodeTask) {
-        if let NodeTask::Drop { key, loc } = t {
+        if let NodeTask::Drop { key, loc, .. } = t {
             *self.drops.entry((key.clone(), *loc)).or_default() += 1;
         }
     }
 
     pub fn pop_front(&mut self) -> Option<NodeTask> {
         let t = self.q.pop_front()?;
-        if let NodeTask::Drop { key, loc } = &t {
+        if let NodeTask::Drop { key, loc, .. } = &t {
             let k = (key.clone(), *loc);
             match self.drops.get_mut(&k) {
                 Some(n) if *n > 1 => *n -= 1,
@@ -94,9 +94,11 @@ impl ShardState {
                 break; // the rest go out at the node's next mount
             }
             if !q.has_drop(key, *loc) {
+                // Owed from the ledger, which keeps no version.
                 q.push_front(NodeTask::Drop {
                     key: key.to_vec(),
                     loc: *loc,
+                    version: None,
                 });
             }
         }
@@ -160,20 +162,23 @@ impl ShardState {
         for r in &obj.replicas {
             let s = self.slot(r.slot);
             if s.tier() == Tier::Nvme {
-                self.owe_and_queue_drop(s.id, key, r.offset, false);
+                let version = obj.complete().map(|c| c.version);
+                self.owe_and_queue_drop(s.id, key, r.offset, version, false);
             }
         }
     }
 
-    /// Owes tier `nvme`'s node a Drop of `key`'s copy at `loc` and queues it
-    /// for the node's DRAM segment, if one is mounted (else it goes out at
-    /// the node's next mount); `first`: before every task waiting (the
-    /// removal it stands for came before them).
+    /// Owes tier `nvme`'s node a Drop of `key`'s copy at `loc` (at
+    /// `version`, when known) and queues it for the node's DRAM segment, if
+    /// one is mounted (else it goes out at the node's next mount, of any
+    /// version); `first`: before every task waiting (the removal it stands
+    /// for came before them).
     pub(super) fn owe_and_queue_drop(
         &mut self,
         nvme: SegmentId,
         key: &[u8],
         loc: u64,
+        version: Option<u64>,
         first: bool,
     ) {
         if !self.owe_drop(nvme, key, loc) {
@@ -192,6 +197,7 @@ impl ShardState {
             let t = NodeTask::Drop {
                 key: key.to_vec(),
                 loc,
+                version,
             };
             if first {
                 q.push_front(t);
@@ -282,7 +288,7 @@ impl ShardState {
     /// as dead are owed a Drop (refused if their tier reports them).
     pub(super) fn retire_detached(&mut self, key: &[u8]) {
         for (nvme, loc) in self.copies.retire(key) {
-            self.owe_and_queue_drop(nvme, key, loc, true);
+            self.owe_and_queue_drop(nvme, key, loc, None, true);
         }
     }
 
@@ -445,7 +451,7 @@ impl ShardState {
                     break;
                 };
                 let stale = self.task_is_stale(*seg, &t);
-                if let (NodeTask::Drop { key, loc }, Some(nvme)) = (&t, tier) {
+                if let (NodeTask::Drop { key, loc, .. }, Some(nvme)) = (&t, tier) {
                     // Out to the node (or stale: the copy is an object's
                     // again): owed no more, unless the same Drop waits again.
                     if !q.has_drop(key, *loc) {
@@ -481,7 +487,7 @@ impl ShardState {
                 demote,
                 ..
             } => (key, dram, offset, demote),
-            NodeTask::Drop { key, loc } => {
+            NodeTask::Drop { key, loc, .. } => {
                 let tier = self
                     .by_id
                     .get(&seg)
@@ -548,6 +554,7 @@ impl ShardState {
                 offset,
                 demote,
                 sum,
+                version,
             } => {
                 let nslot = self.owned_slot(client, *nvme, Tier::Nvme)?;
                 self.check_loc(nslot, *loc)?;
@@ -572,6 +579,19 @@ impl ShardState {
                         format!(
                             "the NVMe copy of {} does not match the object's checksum",
                             show_key(key)
+                        ),
+                    ));
+                }
+                // A copy of another incarnation of the key (asked for before
+                // a replace or a removal and put since): never this one's.
+                if obj.stored().version != *version {
+                    return Err(err(
+                        ErrorCode::ObjectNotFound,
+                        format!(
+                            "the NVMe copy of {} is of another incarnation (version {version:#x}, \
+                             the object's {:#x})",
+                            show_key(key),
+                            obj.stored().version
                         ),
                     ));
                 }
@@ -712,7 +732,7 @@ impl ShardState {
                 }
                 Ok(())
             }
-            NvmeUpdate::Evicted { key, nvme, loc } => {
+            NvmeUpdate::Evicted { key, nvme, loc, .. } => {
                 let nslot = match self.owned_slot(client, *nvme, Tier::Nvme) {
                     Ok(n) => n,
                     // Unmounted meanwhile: nothing lists the copy any more.
@@ -737,6 +757,7 @@ impl ShardState {
                 loc,
                 len,
                 sum,
+                version,
             } => {
                 let nslot = self.owned_slot(client, *nvme, Tier::Nvme)?;
                 self.check_loc(nslot, *loc)?;
@@ -753,7 +774,16 @@ impl ShardState {
                         .iter()
                         .any(|r| r.slot == nslot && r.offset == *loc)
                 });
-                if !listed && self.drop_owed(*nvme, key, *loc, now_ms) {
+                // The copy carries the version of the key's object: it is
+                // that object's (a Persist wrote it, maybe in a slot a Drop
+                // of an earlier incarnation freed, its `Stored` not in yet),
+                // whatever the Drop ledger remembers of the place.
+                let versioned = *version != 0
+                    && self.objs.complete_id(key).is_some_and(|id| {
+                        let o = self.objs.get(id);
+                        o.stored().version == *version && o.size == *len
+                    });
+                if !listed && !versioned && self.drop_owed(*nvme, key, *loc, now_ms) {
                     // Reported before the node ran the Drop it is owed or
                     // was just handed (the node restarted, or reported its
                     // tier again; the master may have restarted too: what
@@ -779,7 +809,7 @@ impl ShardState {
                         "this copy's object was removed or replaced: its Drop is owed",
                     ));
                 }
-                let unlisted = if listed {
+                let unlisted = if listed || versioned {
                     Unlisted::Listed
                 } else {
                     self.unlisted_copy(*nvme, key, *loc, now_ms)
@@ -852,8 +882,8 @@ impl ShardState {
                                     has_sum: true,
                                     hard_pin: false,
                                     nvme_reads: 0,
-                                    // Copies do not report theirs yet.
-                                    version: 0,
+                                    // The copy's: its incarnation's.
+                                    version: *version,
                                 }),
                                 replicas: smallvec::smallvec![Replica::ready(nslot, *loc)],
                             },

@@ -43,6 +43,7 @@ pub(super) fn mount_tier(m: &mut M) {
 /// The tier's report of a copy of `key` at `loc` (no checksum).
 pub(super) fn recovered(key: &str, loc: u64) -> NvmeUpdate {
     NvmeUpdate::Recovered {
+        version: 0,
         key: key.as_bytes().to_vec(),
         nvme: nvme_id(),
         loc,
@@ -104,7 +105,7 @@ pub(super) fn update(m: &mut M, u: NvmeUpdate) -> Result<(), KvError> {
 }
 
 /// The node's report of a copy at `loc` made for a Persist task (as the
-/// task named it), without a checksum of its own to offer.
+/// task named it, its version too), without a checksum of its own to offer.
 pub(super) fn stored(task: &NodeTask, loc: u64) -> NvmeUpdate {
     let NodeTask::Persist {
         key,
@@ -112,12 +113,14 @@ pub(super) fn stored(task: &NodeTask, loc: u64) -> NvmeUpdate {
         offset,
         len,
         demote,
+        version,
         ..
     } = task.clone()
     else {
         panic!("not a Persist task: {task:?}")
     };
     NvmeUpdate::Stored {
+        version,
         key,
         nvme: nvme_id(),
         loc,
@@ -140,6 +143,7 @@ fn eviction_demotes_to_the_nodes_nvme_tier_instead_of_dropping() {
         offset,
         len,
         demote,
+        version,
         ..
     } = t[0].clone()
     else {
@@ -152,6 +156,7 @@ fn eviction_demotes_to_the_nodes_nvme_tier_instead_of_dropping() {
     update(
         &mut m,
         NvmeUpdate::Stored {
+            version,
             key: key.clone(),
             nvme: nvme_id(),
             loc: 7,
@@ -180,6 +185,7 @@ pub(super) fn write_through_copy(m: &mut M, dram: SegmentId, loc: u64) {
         offset,
         len,
         demote,
+        version,
         ..
     }) = t.first().cloned()
     else {
@@ -189,6 +195,7 @@ pub(super) fn write_through_copy(m: &mut M, dram: SegmentId, loc: u64) {
     update(
         m,
         NvmeUpdate::Stored {
+            version,
             key,
             nvme: nvme_id(),
             loc,
@@ -300,6 +307,7 @@ fn a_recovered_copy_is_not_taken_for_an_object_without_a_checksum_it_cannot_be_m
     let (mut m, dram) = tiered(true);
     m.put("k", 100); // no checksum
     let rec = |loc| NvmeUpdate::Recovered {
+        version: 0,
         key: b"k".to_vec(),
         nvme: nvme_id(),
         loc,
@@ -352,6 +360,7 @@ fn a_demotion_of_a_removed_object_is_not_handed_out() {
 fn a_copy_reported_again_after_its_removal_is_refused_and_its_drop_goes_out() {
     let (mut m, dram) = tiered(false);
     let rec = NvmeUpdate::Recovered {
+        version: 0,
         key: b"k".to_vec(),
         nvme: nvme_id(),
         loc: 9,
@@ -397,6 +406,7 @@ fn an_nvme_eviction_report_drops_that_replica_and_an_object_left_without_one() {
     update(
         &mut m,
         NvmeUpdate::Recovered {
+            version: 0,
             key: b"only-nvme".to_vec(),
             nvme: nvme_id(),
             loc: 9,
@@ -409,6 +419,7 @@ fn an_nvme_eviction_report_drops_that_replica_and_an_object_left_without_one() {
     update(
         &mut m,
         NvmeUpdate::Evicted {
+            version: 0,
             key: b"only-nvme".to_vec(),
             nvme: nvme_id(),
             loc: 9,
@@ -424,6 +435,7 @@ fn recovered_objects_come_back_and_stale_copies_are_refused() {
     update(
         &mut m,
         NvmeUpdate::Recovered {
+            version: 0,
             key: b"back".to_vec(),
             nvme: nvme_id(),
             loc: 1,
@@ -439,6 +451,7 @@ fn recovered_objects_come_back_and_stale_copies_are_refused() {
     let e = update(
         &mut m,
         NvmeUpdate::Recovered {
+            version: 0,
             key: b"newer".to_vec(),
             nvme: nvme_id(),
             loc: 2,
@@ -456,6 +469,7 @@ fn reads_of_an_nvme_only_object_promote_it_back_to_dram() {
     update(
         &mut m,
         NvmeUpdate::Recovered {
+            version: 0,
             key: b"hot".to_vec(),
             nvme: nvme_id(),
             loc: 5,
@@ -523,6 +537,7 @@ fn an_nvme_tier_mounted_again_after_a_restart_keeps_its_replicas() {
     update(
         &mut m,
         NvmeUpdate::Recovered {
+            version: 0,
             key: b"kept".to_vec(),
             nvme: nvme_id(),
             loc: 4,
@@ -548,26 +563,32 @@ fn removing_an_object_asks_its_node_to_drop_the_nvme_copy_before_a_new_put_of_th
     let (mut m, dram) = tiered(true);
     m.put("k", 100);
     write_through_copy(&mut m, dram, 3);
+    let old = super::versions::version(&m, "k");
     m.remove("k", true).unwrap();
     // The same key, put again: its copy must not be confused with the old one.
     m.put("k", 100);
-    drop_then_copy(&mut m, dram, "k", 3);
+    drop_then_copy(&mut m, dram, "k", 3, old);
 }
 
 /// The node's next tasks: drop the old object's NVMe copy of `key` at
-/// `loc`, then copy the new object of `key`, in that order, and no others.
-pub(super) fn drop_then_copy(m: &mut M, dram: SegmentId, key: &str, loc: u64) {
+/// `loc` (that incarnation's, `old`), then copy the new object of `key`
+/// (named by its own version), in that order, and no others.
+pub(super) fn drop_then_copy(m: &mut M, dram: SegmentId, key: &str, loc: u64, old: u64) {
     let t = tasks(m, dram);
     assert_eq!(
         t.first(),
         Some(&NodeTask::Drop {
             key: key.as_bytes().to_vec(),
-            loc
+            loc,
+            version: Some(old),
         }),
         "the old object's NVMe copy is dropped first: {t:?}"
     );
+    let new = super::versions::version(m, key);
+    assert_ne!(new, old);
     assert!(
-        matches!(t.get(1), Some(NodeTask::Persist { key: k, demote: false, .. }) if k == key.as_bytes()),
+        matches!(t.get(1), Some(NodeTask::Persist { key: k, demote: false, version, .. })
+            if k == key.as_bytes() && *version == new),
         "then the new object's copy is made: {t:?}"
     );
     assert_eq!(t.len(), 2, "{t:?}");
@@ -578,11 +599,12 @@ fn a_replace_drops_the_old_objects_nvme_copy_before_the_new_object_is_copied() {
     let (mut m, dram) = tiered(true);
     m.put("k", 100);
     write_through_copy(&mut m, dram, 3);
+    let old = super::versions::version(&m, "k");
     m.replace_as(WRITER, "k", 100).unwrap();
     assert_eq!(m.get("k").unwrap().len(), 2, "the old object, both copies");
     assert!(tasks(&mut m, dram).is_empty(), "nothing until the put ends");
     m.end("k").unwrap();
-    drop_then_copy(&mut m, dram, "k", 3);
+    drop_then_copy(&mut m, dram, "k", 3, old);
     let r = m.get("k").unwrap();
     assert_eq!((r.len(), r[0].tier), (1, Tier::Dram), "no copy listed yet");
     m.check();
@@ -625,6 +647,7 @@ fn a_new_copy_in_the_slot_a_drop_freed_reported_before_its_stored_is_kept() {
         "{t:?}"
     );
     let at3 = |sum| NvmeUpdate::Recovered {
+        version: 0,
         key: b"k".to_vec(),
         nvme: nvme_id(),
         loc: 3,
@@ -647,6 +670,55 @@ fn a_new_copy_in_the_slot_a_drop_freed_reported_before_its_stored_is_kept() {
         r.iter().any(|r| r.tier == Tier::Nvme && r.offset == 3),
         "{r:?}"
     );
+    m.check();
+}
+
+/// The unsummed case of seed 2380, closed by copy versions (issue 32):
+/// without checksums the new object's copy in the slot the old copy's Drop
+/// freed is told from the old copy by the version it carries. Reported
+/// before its `Stored`, it is the object's; the old copy is still refused.
+#[test]
+fn an_unsummed_new_copy_in_a_freed_slot_is_told_from_the_old_one_by_its_version() {
+    let (mut m, dram) = tiered(true);
+    m.put("k", 100); // no checksum
+    let first = tasks(&mut m, dram).remove(0);
+    update(&mut m, stored(&first, 3)).unwrap();
+    let old = super::versions::version(&m, "k");
+    m.replace_as(WRITER, "k", 100).unwrap();
+    m.end("k").unwrap();
+    let new = super::versions::version(&m, "k");
+    let t = tasks(&mut m, dram);
+    assert!(
+        matches!(t.first(), Some(NodeTask::Drop { loc: 3, version: Some(v), .. }) if *v == old),
+        "{t:?}"
+    );
+    let persist = t[1].clone();
+    let at3 = |version| NvmeUpdate::Recovered {
+        key: b"k".to_vec(),
+        nvme: nvme_id(),
+        loc: 3,
+        len: 100,
+        sum: 0,
+        version,
+    };
+    // The old copy, its Drop not run yet: refused, the node deletes it.
+    let e = update(&mut m, at3(old)).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
+    // The Drop ran and the new copy took the slot; the report comes first.
+    update(&mut m, at3(new)).expect("the new object's copy is kept");
+    update(&mut m, stored(&persist, 3)).unwrap();
+    let r = m.get("k").unwrap();
+    assert!(
+        r.iter().any(|r| r.tier == Tier::Nvme && r.offset == 3),
+        "{r:?}"
+    );
+    // A Stored of the old incarnation's copy is refused.
+    let mut late = stored(&persist, 3);
+    if let NvmeUpdate::Stored { version, .. } = &mut late {
+        *version = old;
+    }
+    let e = update(&mut m, late).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectNotFound, "{e}");
     m.check();
 }
 
@@ -687,6 +759,7 @@ fn a_restarted_node_reporting_the_copy_of_an_object_being_replaced_keeps_it() {
     update(
         &mut m,
         NvmeUpdate::Recovered {
+            version: 0,
             key: b"k".to_vec(),
             nvme: nvme_id(),
             loc: 3,
@@ -702,6 +775,7 @@ fn a_restarted_node_reporting_the_copy_of_an_object_being_replaced_keeps_it() {
     let e = update(
         &mut m,
         NvmeUpdate::Recovered {
+            version: 0,
             key: b"fresh".to_vec(),
             nvme: nvme_id(),
             loc: 4,
@@ -726,6 +800,7 @@ fn a_recovered_copy_whose_drop_is_queued_is_refused() {
     write_through_copy(&mut m, dram, 3);
     m.remove("k", true).unwrap();
     let rec = NvmeUpdate::Recovered {
+        version: 0,
         key: b"k".to_vec(),
         nvme: nvme_id(),
         loc: 3,
@@ -809,7 +884,7 @@ fn a_removed_key_does_not_come_back_from_a_copy_whose_drop_was_handed_out_before
     let t = tasks(&mut m, dram);
     assert!(
         t.iter()
-            .any(|t| matches!(t, NodeTask::Drop { key, loc: 3 } if key == b"k")),
+            .any(|t| matches!(t, NodeTask::Drop { version: _, key, loc: 3 } if key == b"k")),
         "{t:?}"
     );
     drop(m); // the master goes; the node dies before it runs the Drop
@@ -877,8 +952,9 @@ fn a_tier_that_comes_back_takes_back_its_copies_but_not_those_of_keys_removed_me
     let t = tasks(&mut m, dram);
     for (k, loc) in [(&b"removed"[..], 6), (b"replaced", 7)] {
         assert!(
-            t.iter()
-                .any(|t| matches!(t, NodeTask::Drop { key, loc: l } if key == k && *l == loc)),
+            t.iter().any(
+                |t| matches!(t, NodeTask::Drop { version: _, key, loc: l } if key == k && *l == loc)
+            ),
             "{t:?}"
         );
     }
@@ -903,6 +979,7 @@ fn a_drop_owed_to_a_node_that_came_back_with_a_new_segment_still_goes_out() {
     .unwrap();
     let dram2 = mount_tiered_dram(&mut m, "dram-after-restart", true);
     let recovered = NvmeUpdate::Recovered {
+        version: 0,
         key: b"k".to_vec(),
         nvme: nvme_id(),
         loc: 3,
@@ -915,7 +992,7 @@ fn a_drop_owed_to_a_node_that_came_back_with_a_new_segment_still_goes_out() {
     let t = tasks(&mut m, dram2);
     assert!(
         t.iter()
-            .any(|t| matches!(t, NodeTask::Drop { key, loc: 3 } if key == b"k")),
+            .any(|t| matches!(t, NodeTask::Drop { version: _, key, loc: 3 } if key == b"k")),
         "the new segment's node is asked to drop the copy: {t:?}"
     );
     // Gone out, and the node may report the copy before it runs it: still
@@ -936,8 +1013,10 @@ fn a_recovered_copy_the_object_lists_is_kept_though_a_drop_of_its_place_waits() 
     write_through_copy(&mut m, dram, 3);
     m.remove("k", true).unwrap(); // Drop k at 3 queued
     let b = m.put("k", 100);
+    let v = super::versions::version(&m, "k");
     // The node copied the new object into the freed slot and reported it.
     let persist = NodeTask::Persist {
+        version: v,
         key: b"k".to_vec(),
         dram,
         offset: b[0].offset,
@@ -947,6 +1026,7 @@ fn a_recovered_copy_the_object_lists_is_kept_though_a_drop_of_its_place_waits() 
     };
     update(&mut m, stored(&persist, 3)).unwrap();
     let rec = NvmeUpdate::Recovered {
+        version: v,
         key: b"k".to_vec(),
         nvme: nvme_id(),
         loc: 3,
@@ -1014,6 +1094,7 @@ fn the_tier_report_of_a_copy_whose_demotion_has_not_reported_does_not_delete_it(
     // A copy of another object under the key (another size) is no copy
     // of this demotion: refused as old, so the node deletes it.
     let other = NvmeUpdate::Recovered {
+        version: 0,
         key: b"k0".to_vec(),
         nvme: nvme_id(),
         loc: 9,
@@ -1024,6 +1105,7 @@ fn the_tier_report_of_a_copy_whose_demotion_has_not_reported_does_not_delete_it(
     assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
     // The copy is written at 7; the tier's report comes first.
     let early = NvmeUpdate::Recovered {
+        version: 0,
         key: b"k0".to_vec(),
         nvme: nvme_id(),
         loc: 7,

@@ -31,6 +31,7 @@ pub(super) fn end_with_sum(m: &mut M, key: &str, sum: u64) {
 fn nvme_reports_from_a_client_that_does_not_own_the_tier_change_nothing() {
     let (mut m, dram) = tiered(false);
     let forged = NvmeUpdate::Recovered {
+        version: 0,
         key: b"forged".to_vec(),
         nvme: nvme_id(),
         loc: 1,
@@ -45,6 +46,7 @@ fn nvme_reports_from_a_client_that_does_not_own_the_tier_change_nothing() {
     // The owner may not name its DRAM segment as a tier (the report that
     // once reached an allocator assert), nor a region the tier lacks.
     let as_tier = NvmeUpdate::Recovered {
+        version: 0,
         key: b"forged".to_vec(),
         nvme: dram,
         loc: 1 << 40,
@@ -53,6 +55,7 @@ fn nvme_reports_from_a_client_that_does_not_own_the_tier_change_nothing() {
     };
     assert_eq!(code(update(&mut m, as_tier)), ErrorCode::InvalidParams);
     let far = NvmeUpdate::Recovered {
+        version: 0,
         key: b"forged".to_vec(),
         nvme: nvme_id(),
         loc: 5 << 32,
@@ -98,6 +101,7 @@ fn a_promotion_lands_in_the_dram_segment_of_the_node_that_holds_the_copy() {
     update(
         &mut m,
         NvmeUpdate::Recovered {
+            version: 0,
             key: b"cold".to_vec(),
             nvme: nvme_id(),
             loc: 4,
@@ -136,6 +140,7 @@ fn the_writers_checksum_reaches_readers_and_every_copy_must_match_it() {
         offset,
         len,
         checksum,
+        version,
         ..
     }) = tasks(&mut m, dram).first().cloned()
     else {
@@ -143,6 +148,7 @@ fn the_writers_checksum_reaches_readers_and_every_copy_must_match_it() {
     };
     assert_eq!(checksum, Some(0xfeed));
     let stored = |sum| NvmeUpdate::Stored {
+        version,
         key: key.clone(),
         nvme: nvme_id(),
         loc: 3,
@@ -158,6 +164,7 @@ fn the_writers_checksum_reaches_readers_and_every_copy_must_match_it() {
     assert_eq!(m.get("k").unwrap().len(), 2);
     // A recovered copy of another object under the key is stale.
     let rec = |sum| NvmeUpdate::Recovered {
+        version: 0,
         key: b"k".to_vec(),
         nvme: nvme_id(),
         loc: 3,

@@ -4,7 +4,7 @@
 use super::*;
 
 /// The version the state directory would record for `key`.
-fn version(m: &M, key: &str) -> u64 {
+pub(super) fn version(m: &M, key: &str) -> u64 {
     m.m.shards
         .iter()
         .find_map(|s| s.durable_image().get(key.as_bytes()).map(|r| r.version))
@@ -78,4 +78,18 @@ fn a_master_without_a_state_directory_draws_its_epoch_from_its_seed() {
     assert_eq!(one & 0xffff_ffff, 1, "the first version of an epoch");
     assert_ne!(epoch(one), epoch(two), "two seeds, two epochs");
     assert_eq!(first_version(1), one, "a seed replays");
+}
+
+/// A tier new to the master (adopted) brings its copies back as objects of
+/// the version each copy carries (wire version 5: `Recovered` names it).
+#[test]
+fn an_adopted_copy_keeps_the_version_it_carries() {
+    let (mut m, _) = tiered(false);
+    let mut rec = recovered("old", 3);
+    if let NvmeUpdate::Recovered { version, sum, .. } = &mut rec {
+        *version = 5 << 32 | 9;
+        *sum = 0x1234;
+    }
+    update(&mut m, rec).unwrap();
+    assert_eq!(version(&m, "old"), 5 << 32 | 9);
 }
