@@ -467,6 +467,37 @@ impl ShardState {
             .is_some_and(|d| d.parked.get(key).is_some_and(|p| !p.attached))
     }
 
+    /// The record of recovered object `key` while none of its replicas is
+    /// back: (size, checksum, hard pin, version).
+    pub(super) fn parked_record(&self, key: &[u8]) -> Option<(u64, Option<u64>, bool, u64)> {
+        let d = self.durable.as_ref()?;
+        let p = d.parked.get(key).filter(|p| !p.attached)?;
+        Some((p.size, p.sum, p.hard_pin, p.version))
+    }
+
+    /// Takes tier slot `idx`'s copy at `loc` as recovered object `key`'s
+    /// (none of its replicas was back): the object is in the store from now
+    /// on, and its replicas still waiting join it when they mount. False
+    /// when there is no room for it.
+    pub(super) fn attach_parked_copy(
+        &mut self,
+        key: &[u8],
+        idx: u32,
+        loc: u64,
+        now_ms: u64,
+    ) -> bool {
+        let Some((size, sum, hard_pin, version)) = self.parked_record(key) else {
+            return false;
+        };
+        if !self.attach_replica(key, idx, loc, size, sum, hard_pin, version, now_ms) {
+            return false;
+        }
+        if let Some(p) = self.durable.as_mut().and_then(|d| d.parked.get_mut(key)) {
+            p.attached = true;
+        }
+        true
+    }
+
     pub(super) fn recovering(key: &[u8]) -> KvError {
         err(
             ErrorCode::ReplicaNotReady,

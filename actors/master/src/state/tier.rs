@@ -774,15 +774,17 @@ impl ShardState {
                         .iter()
                         .any(|r| r.slot == nslot && r.offset == *loc)
                 });
-                // The copy carries the version of the key's object: it is
+                // The copy carries the version of the key's object (or of
+                // the recovered one none of whose replicas is back): it is
                 // that object's (a Persist wrote it, maybe in a slot a Drop
                 // of an earlier incarnation freed, its `Stored` not in yet),
                 // whatever the Drop ledger remembers of the place.
+                let parked = self.parked_record(key);
                 let versioned = *version != 0
-                    && self.objs.complete_id(key).is_some_and(|id| {
+                    && (self.objs.complete_id(key).is_some_and(|id| {
                         let o = self.objs.get(id);
                         o.stored().version == *version && o.size == *len
-                    });
+                    }) || parked.is_some_and(|(size, _, _, v)| v == *version && size == *len));
                 if !listed && !versioned && self.drop_owed(*nvme, key, *loc, now_ms) {
                     // Reported before the node ran the Drop it is owed or
                     // was just handed (the node restarted, or reported its
@@ -862,6 +864,32 @@ impl ShardState {
                     // key is the arm above: its copy is the complete one's).
                     None if self.objs.processing_id(key).is_some() => {
                         Err(err(ErrorCode::ObjectAlreadyExists, "the key is being put"))
+                    }
+                    // A recovered object holds the key, none of its replicas
+                    // back yet: the copy is taken for it only if it is its
+                    // own (its checksum, or without one its version). An
+                    // earlier object's (replaced before the restart, on a
+                    // tier not listed, so taken on its word) would stand in
+                    // for it, and its record would name the recovered
+                    // object's waiting replicas, other bytes, beside it.
+                    None if parked.is_some() => {
+                        let same = parked.is_some_and(|(size, psum, ..)| {
+                            size == *len && psum.map_or(versioned, |s| s == *sum)
+                        });
+                        if !same {
+                            return Err(err(
+                                ErrorCode::ObjectAlreadyExists,
+                                "a different object is stored under this key now",
+                            ));
+                        }
+                        if !self.attach_parked_copy(key, nslot, *loc, now_ms) {
+                            return Err(err(
+                                ErrorCode::ResourceExhausted,
+                                "the pool holds its maximum of keys",
+                            ));
+                        }
+                        self.settle_drop(*nvme, key, *loc, None);
+                        Ok(())
                     }
                     None => {
                         if self.key_count() >= self.cfg.max_keys || !self.objs.has_room() {

@@ -909,6 +909,67 @@ fn a_key_removed_while_its_node_was_away_stays_removed_across_a_second_restart()
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Found by the cluster simulation (seed 4317 with `KVPOOL_SIM_UNSUMMED=1`,
+/// on a state directory): an object recovered after a restart came back
+/// through its DRAM replica, its NVMe copy still waiting for its tier, and
+/// was replaced (no checksum). After a second restart (the new object
+/// recovered, its DRAM segment not back) the node's tier, never listed,
+/// mounted and reported the replaced object's copy: it was taken as the
+/// key's object, and its record named the new object's waiting DRAM replica
+/// beside it, under the old version. Once that segment mounted (after a
+/// third restart) the master listed the new bytes for the old object. A
+/// recovered object not back yet takes a copy only if it is its own.
+#[test]
+fn an_adopted_tier_does_not_bring_back_a_replaced_copy_under_the_recovered_object() {
+    let dir = state_dir("adopted-replaced-copy");
+    let mut m = on_state_dir(&dir, 1_000);
+    let dram = mount_node(&mut m, true);
+    m.put("k", 100); // no checksum
+    write_through_copy(&mut m, dram, 3);
+    let old = super::versions::version(&m, "k");
+    drop(m); // before the tier is listed
+    let mut m = on_state_dir(&dir, 2_000);
+    mount_tiered_dram(&mut m, "dram", true); // the tier stays away
+    let new = m.put_with(
+        "k",
+        100,
+        PutOptions {
+            replace: true,
+            ..opts(1)
+        },
+    );
+    let v = super::versions::version(&m, "k");
+    drop(m);
+    let mut m = on_state_dir(&dir, 3_000);
+    mount_tier(&mut m); // adopted: never listed
+    let report = update(
+        &mut m,
+        NvmeUpdate::Recovered {
+            version: old,
+            key: b"k".to_vec(),
+            nvme: nvme_id(),
+            loc: 3,
+            len: 100,
+            sum: 0,
+        },
+    );
+    drop(m); // a third restart: the record of "k" comes back
+    let mut m = on_state_dir(&dir, 4_000);
+    mount_tier(&mut m);
+    mount_tiered_dram(&mut m, "dram", true);
+    let r = m.get("k").unwrap();
+    assert_eq!(r.len(), 1, "only the new object's replica: {r:?}");
+    assert_eq!((r[0].tier, r[0].offset), (Tier::Dram, new[0].offset));
+    assert_eq!(super::versions::version(&m, "k"), v);
+    assert_eq!(
+        report.map_err(|e| e.code),
+        Err(ErrorCode::ObjectAlreadyExists),
+        "the node removes the old copy"
+    );
+    m.check();
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Issue 32, copy identity: a tier unmounted as dead (its node was cut off)
 /// takes back, when it mounts again, the copies of objects nobody removed
 /// or replaced meanwhile, with or without other replicas, checksum or not;
