@@ -359,7 +359,13 @@ impl Record {
                 }
             }
             TAG_TIER_LISTED => Record::TierListed { nvme: c.u64()? },
-            TAG_EPOCH => Record::Epoch { epoch: c.u64()? },
+            // Epochs are written in 1..2^32 (versions are `epoch << 32 | n`):
+            // another is a damaged or forged record, which would otherwise
+            // make the next epoch wrap onto one handed out before.
+            TAG_EPOCH => match c.u64()? {
+                e @ 1..=0xffff_ffff => Record::Epoch { epoch: e },
+                e => return Err(format!("an epoch record of {e:#x}")),
+            },
             t => return Err(format!("unknown record tag {t}")),
         };
         if c.at != p.len() {
@@ -898,6 +904,12 @@ mod tests {
         img.apply(Record::Epoch { epoch: 3 });
         img.apply(Record::Epoch { epoch: 2 });
         assert_eq!(img.epoch, 3, "an image keeps the latest epoch");
+        for bad in [0, 1 << 32, u64::MAX] {
+            let mut frame = Vec::new();
+            encode_epoch(&mut frame, bad);
+            let e = Record::decode(&frame[8..]).unwrap_err();
+            assert!(e.contains("epoch record"), "{bad:#x}: {e}");
+        }
     }
 
     #[test]
