@@ -58,12 +58,10 @@ fn wait_stored(engine: &Proc, what: &str, n: f64) {
         if stored >= n {
             return Ok(());
         }
-        let log = engine.stderr();
-        let tail: Vec<&str> = log.lines().rev().take(20).collect();
         Err(format!(
             "{stored} stored, {} failed; the engine's log, last line first:\n{}",
             metric(engine, "chunks_store_failed_total"),
-            tail.join("\n")
+            engine.stderr_tail(20)
         ))
     });
 }

@@ -288,10 +288,9 @@ fn a_prefix_many_requests_share_gets_a_second_replica_and_both_nodes_serve_it() 
                 if failed() > failed_before {
                     return Ok(false);
                 }
-                let log = e.stderr();
-                let tail: String = log.lines().rev().take(20).collect::<Vec<_>>().join("\n");
                 Err(format!(
-                    "keys {keys:?}; the engine's log, last line first:\n{tail}"
+                    "keys {keys:?}; the engine's log, last line first:\n{}",
+                    e.stderr_tail(20)
                 ))
             },
         );

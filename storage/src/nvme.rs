@@ -1255,8 +1255,9 @@ impl NvmeShard {
     /// Past the high watermark (or when `need` bytes are wanted and not
     /// free): picks victims until use would be under the low watermark (and
     /// `need` would fit), marks them evicting and returns them. The caller
-    /// reports them, then calls [`NvmeShard::release`] for each.
-    pub fn evict_candidates(&self, need: u64) -> Vec<(Vec<u8>, NvmeLoc)> {
+    /// reports them (key, place and the copy's version), then calls
+    /// [`NvmeShard::release`] for each.
+    pub fn evict_candidates(&self, need: u64) -> Vec<(Vec<u8>, NvmeLoc, u64)> {
         let mut st = self.state.borrow_mut();
         let (used, cap) = (st.alloc.used(), st.alloc.capacity());
         let evicting: u64 = st
@@ -1310,6 +1311,7 @@ impl NvmeShard {
                     region: self.region,
                     slot,
                 },
+                e.version,
             ));
         }
         self.stats

@@ -127,7 +127,7 @@ fn eviction_marks_victims_unreadable_and_release_frees_their_space() {
         assert!(!victims.is_empty(), "past the high watermark");
         // FIFO: the oldest writes go first.
         assert_eq!(victims[0].0, b"obj-000");
-        for (k, loc) in &victims {
+        for (k, loc, _) in &victims {
             assert!(
                 matches!(t.read(*loc).await, Err(NvmeError::NotFound(_))),
                 "{k:?} unreadable"
@@ -135,7 +135,7 @@ fn eviction_marks_victims_unreadable_and_release_frees_their_space() {
             assert_eq!(t.lookup(k), None);
         }
         let (used_before, _) = t.usage();
-        for (_, loc) in &victims {
+        for (_, loc, _) in &victims {
             t.release(*loc).await.unwrap();
         }
         let (used_after, cap) = t.usage();

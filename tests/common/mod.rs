@@ -77,6 +77,13 @@ impl Proc {
     pub fn stderr(&self) -> String {
         std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
     }
+
+    /// The last `n` lines of its log, last line first (for a failure's
+    /// message).
+    pub fn stderr_tail(&self, n: usize) -> String {
+        let log = self.stderr();
+        log.lines().rev().take(n).collect::<Vec<_>>().join("\n")
+    }
 }
 
 impl Drop for Proc {

@@ -466,18 +466,7 @@ impl NodeNvme {
         let cands = self
             .shards
             .run_on(region, move |_| async move {
-                tier()
-                    .map(|t| {
-                        let cands = t.evict_candidates(need);
-                        cands
-                            .into_iter()
-                            .map(|(k, loc)| {
-                                let v = t.copy_version(loc).unwrap_or(0);
-                                (k, loc, v)
-                            })
-                            .collect::<Vec<_>>()
-                    })
-                    .unwrap_or_default()
+                tier().map(|t| t.evict_candidates(need)).unwrap_or_default()
             })
             .await
             .unwrap_or_default();

@@ -462,9 +462,7 @@ impl ShardState {
 
     /// Whether `key` is a recovered object none of whose replicas is back.
     pub(super) fn parked_only(&self, key: &[u8]) -> bool {
-        self.durable
-            .as_ref()
-            .is_some_and(|d| d.parked.get(key).is_some_and(|p| !p.attached))
+        self.parked_record(key).is_some()
     }
 
     /// The record of recovered object `key` while none of its replicas is
