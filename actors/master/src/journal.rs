@@ -451,6 +451,9 @@ pub struct Image {
     pub listed_tiers: BTreeSet<SegmentId>,
     /// The latest epoch a master began on this directory (0: none).
     pub epoch: u64,
+    /// The earliest epoch the directory names (0: none): the versions of
+    /// epochs `first_epoch..=epoch` were handed out by its masters.
+    pub first_epoch: u64,
 }
 
 impl Image {
@@ -473,7 +476,12 @@ impl Image {
             Record::TierListed { nvme } => {
                 self.listed_tiers.insert(nvme);
             }
-            Record::Epoch { epoch } => self.epoch = self.epoch.max(epoch),
+            Record::Epoch { epoch } => {
+                self.epoch = self.epoch.max(epoch);
+                if self.first_epoch == 0 || epoch < self.first_epoch {
+                    self.first_epoch = epoch;
+                }
+            }
         }
     }
 
@@ -904,6 +912,7 @@ mod tests {
         img.apply(Record::Epoch { epoch: 3 });
         img.apply(Record::Epoch { epoch: 2 });
         assert_eq!(img.epoch, 3, "an image keeps the latest epoch");
+        assert_eq!(img.first_epoch, 2, "and the earliest");
         for bad in [0, 1 << 32, u64::MAX] {
             let mut frame = Vec::new();
             encode_epoch(&mut frame, bad);

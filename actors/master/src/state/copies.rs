@@ -215,12 +215,10 @@ impl Copies {
     // ---- detached copies ----
 
     /// Remembers `key`'s copy at `loc` of tier `nvme`, which the shard no
-    /// longer counts as a replica (the tier is unmounted), if the tier is
-    /// listed; false when the book is full.
+    /// longer counts as a replica (the tier is unmounted, or a recovered
+    /// replica's segment, maybe a DRAM one, did not mount again in time);
+    /// false when the book is full.
     pub fn detach(&mut self, nvme: SegmentId, key: &[u8], loc: u64) -> bool {
-        if !self.listed.contains(&nvme) {
-            return true; // not a listed tier: it adopts on return
-        }
         if self.detached_len >= MAX_DETACHED_COPIES {
             return false;
         }
@@ -258,20 +256,35 @@ impl Copies {
     }
 
     /// `key`'s object was removed or replaced: its detached copies, forgotten
-    /// here, as (tier, location) (each to be owed a Drop).
+    /// here; those on listed tiers as (tier, location), each to be owed a
+    /// Drop. (A segment not listed may be a DRAM one, never owed a Drop; a
+    /// tier not listed refuses the copy by its version.)
     pub fn retire(&mut self, key: &[u8]) -> Vec<(SegmentId, u64)> {
         let mut out = Vec::new();
         if self.detached.is_empty() {
             return out;
         }
+        let mut gone = 0;
         self.detached.retain(|&nvme, t| {
             if let Some(loc) = t.remove(key) {
-                out.push((nvme, loc));
+                gone += 1;
+                if self.listed.contains(&nvme) {
+                    out.push((nvme, loc));
+                }
             }
             !t.is_empty()
         });
-        self.detached_len -= out.len();
+        self.detached_len -= gone;
         out
+    }
+
+    /// DRAM segment `id` mounted: what was detached under its id (recovered
+    /// replicas given up before it came back) is forgotten; a DRAM copy
+    /// never comes back as a tier's.
+    pub fn forget_segment(&mut self, id: SegmentId) {
+        if let Some(t) = self.detached.remove(&id) {
+            self.detached_len -= t.len();
+        }
     }
 
     /// The keys of every detached copy.

@@ -122,6 +122,13 @@ impl ShardState {
             0 => self.epoch,
             e => following_epoch(e),
         };
+        // The lineage whose versions this shard knows as its own: from the
+        // directory's first epoch (a directory whose epochs wrapped, after
+        // 2^32 - 1 of them, knows only the new one).
+        self.first_epoch = match image.first_epoch {
+            f if f == 0 || f > epoch => epoch,
+            f => f,
+        };
         let d = self
             .durable
             .as_mut()
@@ -289,6 +296,9 @@ impl ShardState {
             return;
         };
         d.expected.remove(&id);
+        if self.slot(idx).tier() == Tier::Dram {
+            self.copies.forget_segment(id);
+        }
         let keys: Vec<Box<[u8]>> = d
             .parked
             .iter()
@@ -452,8 +462,10 @@ impl ShardState {
         let parked: Vec<(Box<[u8]>, Parked)> = d.parked.drain().collect();
         for (k, p) in parked {
             self.objs.mark_dirty(&k);
-            // A listed tier that comes back later still has these copies:
-            // taken then, unless their object was removed or replaced.
+            // A tier that comes back later still has these copies: taken
+            // then, unless their object was removed or replaced (a tier not
+            // listed adopts the others, but not a copy of a version this
+            // shard's lineage handed out that is not detached).
             for (seg, loc) in p.waiting {
                 self.detach(seg, &k, loc);
             }
@@ -569,6 +581,11 @@ impl ShardState {
         }
         for nvme in self.copies.listed() {
             journal::encode_tier_listed(out, nvme);
+        }
+        // The lineage's first epoch, then the current one: the image keeps
+        // the earliest and the latest.
+        if self.first_epoch != self.epoch {
+            journal::encode_epoch(out, self.first_epoch);
         }
         journal::encode_epoch(out, self.epoch);
         for Reverse(p) in &self.pending {

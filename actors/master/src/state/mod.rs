@@ -258,6 +258,11 @@ pub struct ShardState {
     epoch: u64,
     /// Versions handed out in this epoch.
     versions: u32,
+    /// The earliest epoch of this shard's lineage (its state directory's
+    /// first, or its own without one): versions of epochs
+    /// `first_epoch..=epoch` were handed out by this shard or a master
+    /// before it on its directory.
+    first_epoch: u64,
 }
 
 /// The highest epoch drawn at random (by a shard without a state directory
@@ -358,6 +363,9 @@ impl ShardState {
         assert!(shard < nr_shards);
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (shard as u64).wrapping_mul(0x9e37_79b9));
         let hash = KeyHashBuilder::with_seed(rng.random());
+        // Its own generator: placement's draws stay as they were.
+        let epoch = ChaCha8Rng::seed_from_u64(seed ^ EPOCH_SEED ^ shard as u64)
+            .random_range(1..=FIRST_EPOCH_MAX);
         Self {
             shard,
             nr_shards,
@@ -381,10 +389,9 @@ impl ShardState {
             signer: None,
             term: Arc::new(AtomicU64::new(0)),
             durable: None,
-            // Its own generator: placement's draws stay as they were.
-            epoch: ChaCha8Rng::seed_from_u64(seed ^ EPOCH_SEED ^ shard as u64)
-                .random_range(1..=FIRST_EPOCH_MAX),
+            epoch,
             versions: 0,
+            first_epoch: epoch,
         }
     }
 
@@ -397,6 +404,17 @@ impl ShardState {
         if let Some(d) = self.durable.as_mut() {
             d.epoch = Some(epoch);
         }
+    }
+
+    /// Whether `version` was handed out by this shard's lineage (this
+    /// master, or one before it on its state directory): a copy carrying it
+    /// that no object holds is an old one (its object was removed or
+    /// replaced), not one to adopt.
+    pub(super) fn issued(&self, version: u64) -> bool {
+        let (e, n) = (version >> 32, version & u64::from(u32::MAX));
+        n != 0
+            && (self.first_epoch..=self.epoch).contains(&e)
+            && (e < self.epoch || n <= u64::from(self.versions))
     }
 
     /// The version of a new object incarnation: `epoch << 32 | n`, never 0,

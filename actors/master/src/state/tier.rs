@@ -213,9 +213,10 @@ impl ShardState {
         }
     }
 
-    /// What a copy of `key` at `loc` that tier `nvme` reports and that no
-    /// object lists is: `Adopted` while the tier is not listed yet (its
-    /// report keeps it so for `tier_quiet_ms` more), `Detached` when it was
+    /// What a copy of `key` at `loc` at `version` that tier `nvme` reports
+    /// and that no object lists is: `Adopted` while the tier is not listed
+    /// yet (its report keeps it so for `tier_quiet_ms` more) unless this
+    /// shard's lineage handed out its version, `Detached` when it was
     /// detached with its tier and its object has been neither removed nor
     /// replaced since, else `Old`.
     pub(super) fn unlisted_copy(
@@ -223,16 +224,20 @@ impl ShardState {
         nvme: SegmentId,
         key: &[u8],
         loc: u64,
+        version: u64,
         now_ms: u64,
     ) -> Unlisted {
         if !self.copies.is_listed(nvme) {
             let next = now_ms.saturating_add(self.cfg.tier_quiet_ms);
-            if self.copies.adopts(nvme, now_ms, next) {
-                return Unlisted::Adopted;
+            if !self.copies.adopts(nvme, now_ms, next) {
+                self.list_tier(nvme);
             }
-            self.list_tier(nvme);
         }
-        self.copies.take_detached(nvme, key, loc)
+        let found = self.copies.take_detached(nvme, key, loc);
+        if found == Unlisted::Old && !self.copies.is_listed(nvme) && !self.issued(version) {
+            return Unlisted::Adopted;
+        }
+        found
     }
 
     /// Whether a reported copy of `len` bytes summing to `sum` may be the
@@ -272,8 +277,9 @@ impl ShardState {
         }
     }
 
-    /// Remembers `key`'s copy at `loc` of listed tier `nvme`, which the
-    /// shard no longer counts as a replica (the tier is unmounted).
+    /// Remembers `key`'s copy at `loc` of tier `nvme`, which the shard no
+    /// longer counts as a replica (the tier is unmounted, or its recovered
+    /// replicas were given up).
     pub(super) fn detach(&mut self, nvme: SegmentId, key: &[u8], loc: u64) {
         if !self.copies.detach(nvme, key, loc) {
             tracing::warn!(
@@ -792,10 +798,12 @@ impl ShardState {
                     // is owed is in its state directory): taking it would
                     // bring back a removed or replaced object. (A copy the
                     // key's object lists is that object's: a later put's
-                    // copy took the slot, and the Drop is stale.) Unless it
-                    // has the checksum of the key's object, a copy of which
-                    // is on its way to this tier: the node ran the Drop and
-                    // wrote that copy in the freed slot before this report.
+                    // copy took the slot, and the Drop is stale.) Unless,
+                    // written before versions (one with a version is its
+                    // object's, above, or old), it has the checksum of the
+                    // key's object, a copy of which is on its way to this
+                    // tier: the node ran the Drop and wrote that copy in the
+                    // freed slot before this report.
                     // Refused, the node would delete it and its `Stored`
                     // list an empty slot. (Without a checksum an old copy
                     // of the same size cannot be told from it: refused.)
@@ -803,7 +811,7 @@ impl ShardState {
                         .objs
                         .complete_id(key)
                         .is_some_and(|id| self.objs.get(id).checksum().is_some());
-                    if summed && self.copy_under_way(key, *nvme, *len, *sum) {
+                    if *version == 0 && summed && self.copy_under_way(key, *nvme, *len, *sum) {
                         return Err(under_way());
                     }
                     return Err(err(
@@ -814,9 +822,14 @@ impl ShardState {
                 let unlisted = if listed || versioned {
                     Unlisted::Listed
                 } else {
-                    self.unlisted_copy(*nvme, key, *loc, now_ms)
+                    self.unlisted_copy(*nvme, key, *loc, *version, now_ms)
                 };
-                if unlisted == Unlisted::Old && self.copy_under_way(key, *nvme, *len, *sum) {
+                // A copy with a version is its object's (above) or old: only
+                // one written before versions may be one under way.
+                if unlisted == Unlisted::Old
+                    && *version == 0
+                    && self.copy_under_way(key, *nvme, *len, *sum)
+                {
                     // The node reports its whole tier beside its rounds: a
                     // copy a Persist of this object has just written may be
                     // reported before its `Stored`. Not now (the node keeps
