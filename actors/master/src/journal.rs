@@ -145,11 +145,14 @@ pub enum Record {
     Hold(Hold),
     /// The copy of `key` at `loc` of NVMe tier `nvme` belongs to an object
     /// removed or replaced: its node is owed a Drop of it, and a report of
-    /// that copy (`Recovered`) is refused until then.
+    /// that copy (`Recovered`) is refused until then. `version`: the copy's
+    /// (the Drop takes only that incarnation); `None` in a record written
+    /// before Drops named one (the Drop takes the key's copy in that slot).
     DropOwed {
         nvme: SegmentId,
         key: Vec<u8>,
         loc: u64,
+        version: Option<u64>,
     },
     /// That Drop went out to the node (or the copy is an object's again).
     DropDone {
@@ -268,14 +271,28 @@ pub fn encode_tier_listed(out: &mut Vec<u8>, nvme: SegmentId) {
     end_frame(out, at);
 }
 
-/// Appends the frame of a `DropOwed` (`owed`) or `DropDone` record.
-pub fn encode_drop(out: &mut Vec<u8>, owed: bool, nvme: SegmentId, key: &[u8], loc: u64) {
+/// Appends the frame of a `DropOwed` record (`owed`: the copy's version,
+/// if known, follows the key) or, with `owed` `None`, a `DropDone` one.
+pub fn encode_drop(
+    out: &mut Vec<u8>,
+    owed: Option<Option<u64>>,
+    nvme: SegmentId,
+    key: &[u8],
+    loc: u64,
+) {
     let at = begin_frame(out);
-    out.push(if owed { TAG_DROP_OWED } else { TAG_DROP_DONE });
+    out.push(if owed.is_some() {
+        TAG_DROP_OWED
+    } else {
+        TAG_DROP_DONE
+    });
     put_u64(out, nvme);
     put_u64(out, loc);
     put_u32(out, key.len() as u32);
     out.extend_from_slice(key);
+    if let Some(Some(version)) = owed {
+        put_u64(out, version);
+    }
     end_frame(out, at);
 }
 
@@ -294,8 +311,13 @@ impl Record {
             ),
             Record::Gone { key } => encode_gone(out, key),
             Record::Hold(h) => encode_hold(out, h),
-            Record::DropOwed { nvme, key, loc } => encode_drop(out, true, *nvme, key, *loc),
-            Record::DropDone { nvme, key, loc } => encode_drop(out, false, *nvme, key, *loc),
+            Record::DropOwed {
+                nvme,
+                key,
+                loc,
+                version,
+            } => encode_drop(out, Some(*version), *nvme, key, *loc),
+            Record::DropDone { nvme, key, loc } => encode_drop(out, None, *nvme, key, *loc),
             Record::TierListed { nvme } => encode_tier_listed(out, *nvme),
             Record::Epoch { epoch } => encode_epoch(out, *epoch),
         }
@@ -353,7 +375,15 @@ impl Record {
             tag @ (TAG_DROP_OWED | TAG_DROP_DONE) => {
                 let (nvme, loc, key) = (c.u64()?, c.u64()?, c.key()?);
                 if tag == TAG_DROP_OWED {
-                    Record::DropOwed { nvme, key, loc }
+                    // A record written before Drops named a version ends
+                    // with the key.
+                    let version = if c.at < p.len() { Some(c.u64()?) } else { None };
+                    Record::DropOwed {
+                        nvme,
+                        key,
+                        loc,
+                        version,
+                    }
                 } else {
                     Record::DropDone { nvme, key, loc }
                 }
@@ -445,8 +475,9 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> JournalError + '_ {
 pub struct Image {
     pub objects: BTreeMap<Vec<u8>, ObjectRec>,
     pub holds: Vec<Hold>,
-    /// (NVMe tier, key, location) of each copy owed a Drop.
-    pub drops: BTreeSet<(SegmentId, Vec<u8>, u64)>,
+    /// (NVMe tier, key, location) of each copy owed a Drop, and the copy's
+    /// version where its record names one.
+    pub drops: BTreeMap<(SegmentId, Vec<u8>, u64), Option<u64>>,
     /// NVMe tiers whose every live copy the image lists.
     pub listed_tiers: BTreeSet<SegmentId>,
     /// The latest epoch a master began on this directory (0: none).
@@ -467,8 +498,13 @@ impl Image {
                 self.objects.remove(&key);
             }
             Record::Hold(h) => self.holds.push(h),
-            Record::DropOwed { nvme, key, loc } => {
-                self.drops.insert((nvme, key, loc));
+            Record::DropOwed {
+                nvme,
+                key,
+                loc,
+                version,
+            } => {
+                self.drops.insert((nvme, key, loc), version);
             }
             Record::DropDone { nvme, key, loc } => {
                 self.drops.remove(&(nvme, key, loc));
@@ -842,6 +878,19 @@ mod tests {
                 nvme: 5,
                 key: b"d".to_vec(),
                 loc: 12,
+                version: Some(3 << 32 | 4),
+            },
+            Record::DropOwed {
+                nvme: 5,
+                key: b"e".to_vec(),
+                loc: 13,
+                version: Some(0),
+            },
+            Record::DropOwed {
+                nvme: 5,
+                key: b"f".to_vec(),
+                loc: 14,
+                version: None,
             },
             Record::DropDone {
                 nvme: 5,
@@ -873,6 +922,45 @@ mod tests {
             at += 8 + len;
         }
         assert_eq!(back, recs);
+    }
+
+    /// A `DropOwed` record of a master before Drops named a version (it
+    /// ended with the key) reads as owed at no version; one that names a
+    /// version is that record and eight bytes more; a `DropDone` with
+    /// bytes after its key is refused.
+    #[test]
+    fn a_drop_record_without_a_version_reads_as_before() {
+        let old = |tag: u8| {
+            let mut b = vec![tag];
+            b.extend_from_slice(&5u64.to_le_bytes());
+            b.extend_from_slice(&12u64.to_le_bytes());
+            b.extend_from_slice(&1u32.to_le_bytes());
+            b.push(b'd');
+            b
+        };
+        assert_eq!(
+            Record::decode(&old(TAG_DROP_OWED)).unwrap(),
+            Record::DropOwed {
+                nvme: 5,
+                key: b"d".to_vec(),
+                loc: 12,
+                version: None,
+            }
+        );
+        let mut framed = Vec::new();
+        encode_drop(&mut framed, Some(None), 5, b"d", 12);
+        assert_eq!(&framed[FRAME_HEADER..], &old(TAG_DROP_OWED)[..]);
+        let mut framed = Vec::new();
+        encode_drop(&mut framed, Some(Some(7)), 5, b"d", 12);
+        let mut with = old(TAG_DROP_OWED);
+        with.extend_from_slice(&7u64.to_le_bytes());
+        assert_eq!(&framed[FRAME_HEADER..], &with[..]);
+        let mut done = old(TAG_DROP_DONE);
+        done.extend_from_slice(&7u64.to_le_bytes());
+        assert!(Record::decode(&done).is_err());
+        let mut torn = old(TAG_DROP_OWED);
+        torn.extend_from_slice(&[7, 0, 0]);
+        assert!(Record::decode(&torn).is_err());
     }
 
     /// An object record without a version is byte for byte the record of

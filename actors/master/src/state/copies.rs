@@ -17,6 +17,10 @@ use super::limits::{MAX_DETACHED_COPIES, MAX_TASKS_PER_SEGMENT};
 /// A copy on an NVMe tier: (key, packed location).
 pub(super) type CopyAt = (Box<[u8]>, u64);
 
+/// Where a detached copy is and its object's version: (packed location,
+/// version; `None`: the object was not complete).
+type DetachedAt = (u64, Option<u64>);
+
 /// What a copy an NVMe tier reports is to the shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Unlisted {
@@ -40,7 +44,9 @@ pub(super) const SENT_DROP_MS: u64 = 10_000;
 /// (`Recovered`) after it was handed the Drop and before it ran it.
 #[derive(Debug, Default)]
 struct TierDrops {
-    owed: Set<CopyAt>,
+    /// With the copy's version (`None`: owed from a record that named
+    /// none).
+    owed: Map<CopyAt, Option<u64>>,
     /// Handed out, until when remembered ([`SENT_DROP_MS`]); at most
     /// [`MAX_TASKS_PER_SEGMENT`], oldest first in `sent_order`.
     sent: Map<CopyAt, u64>,
@@ -49,13 +55,13 @@ struct TierDrops {
 
 impl TierDrops {
     fn is_dropped(&self, c: &CopyAt, now_ms: u64) -> bool {
-        self.owed.contains(c) || self.sent.get(c).is_some_and(|&until| until > now_ms)
+        self.owed.contains_key(c) || self.sent.get(c).is_some_and(|&until| until > now_ms)
     }
 
     /// The Drop of `c` went out at `now_ms`: remembered a while. Whether it
     /// was owed.
     fn sent(&mut self, c: CopyAt, now_ms: u64) -> bool {
-        let owed = self.owed.remove(&c);
+        let owed = self.owed.remove(&c).is_some();
         let until = now_ms.saturating_add(SENT_DROP_MS);
         self.sent.insert(c.clone(), until);
         self.sent_order.push_back((c, until));
@@ -75,7 +81,7 @@ impl TierDrops {
     /// `c` is an object's copy again: forgotten. Whether it was owed.
     fn forget(&mut self, c: &CopyAt) -> bool {
         self.sent.remove(c);
-        self.owed.remove(c)
+        self.owed.remove(c).is_some()
     }
 
     fn is_empty(&self) -> bool {
@@ -105,8 +111,9 @@ pub(super) struct Copies {
     /// Copies on listed tiers unmounted as dead (their node was cut off):
     /// the shard forgot them as replicas, but a tier that comes back may
     /// report them and they are taken, unless their object was removed or
-    /// replaced since (then they are owed a Drop). By tier, then key.
-    detached: Map<SegmentId, Map<Box<[u8]>, u64>>,
+    /// replaced since (then they are owed a Drop). By tier, then key: the
+    /// location and the object's version (`None`: not complete).
+    detached: Map<SegmentId, Map<Box<[u8]>, DetachedAt>>,
     /// Copies in `detached`.
     detached_len: usize,
 }
@@ -114,14 +121,29 @@ pub(super) struct Copies {
 impl Copies {
     // ---- owed Drops ----
 
-    /// Owes tier `nvme` a Drop of `key`'s copy at `loc`: `None` when the
-    /// tier is owed its maximum already, else whether it is new (to record).
-    pub fn owe(&mut self, nvme: SegmentId, key: &[u8], loc: u64) -> Option<bool> {
+    /// Owes tier `nvme` a Drop of `key`'s copy at `loc` at `version`:
+    /// `None` when the tier is owed its maximum already, else whether it is
+    /// new (to record). A Drop owed in that slot before is of a copy a later
+    /// one overwrote: this one, of the later copy, replaces it.
+    pub fn owe(
+        &mut self,
+        nvme: SegmentId,
+        key: &[u8],
+        loc: u64,
+        version: Option<u64>,
+    ) -> Option<bool> {
         let t = self.drops.entry(nvme).or_default();
+        let c: CopyAt = (key.into(), loc);
+        if let Some(v) = t.owed.get_mut(&c) {
+            let new = *v != version;
+            *v = version;
+            return Some(new);
+        }
         if t.owed.len() >= MAX_TASKS_PER_SEGMENT {
             return None;
         }
-        Some(t.owed.insert((key.into(), loc)))
+        t.owed.insert(c, version);
+        Some(true)
     }
 
     /// `nvme`'s copy of `key` at `loc` is owed no Drop any more: it went out
@@ -150,19 +172,19 @@ impl Copies {
             .is_some_and(|t| t.is_dropped(&(Box::<[u8]>::from(key), loc), now_ms))
     }
 
-    /// The copies tier `nvme` is owed a Drop of.
-    pub fn owed(&self, nvme: SegmentId) -> impl Iterator<Item = &CopyAt> {
+    /// The copies tier `nvme` is owed a Drop of, with their versions.
+    pub fn owed(&self, nvme: SegmentId) -> impl Iterator<Item = (&CopyAt, Option<u64>)> {
         self.drops
             .get(&nvme)
             .into_iter()
-            .flat_map(|t| t.owed.iter())
+            .flat_map(|t| t.owed.iter().map(|(c, &v)| (c, v)))
     }
 
-    /// Every owed Drop: (tier, key, location), for a snapshot.
-    pub fn all_owed(&self) -> impl Iterator<Item = (SegmentId, &[u8], u64)> {
+    /// Every owed Drop: (tier, key, location, version), for a snapshot.
+    pub fn all_owed(&self) -> impl Iterator<Item = (SegmentId, &[u8], u64, Option<u64>)> {
         self.drops
             .iter()
-            .flat_map(|(&n, t)| t.owed.iter().map(move |(k, l)| (n, &k[..], *l)))
+            .flat_map(|(&n, t)| t.owed.iter().map(move |((k, l), &v)| (n, &k[..], *l, v)))
     }
 
     // ---- listed and adopted tiers ----
@@ -216,9 +238,9 @@ impl Copies {
 
     /// Remembers `key`'s copy at `loc` of tier `nvme`, which the shard no
     /// longer counts as a replica (the tier is unmounted, or a recovered
-    /// replica's segment, maybe a DRAM one, did not mount again in time);
-    /// false when the book is full.
-    pub fn detach(&mut self, nvme: SegmentId, key: &[u8], loc: u64) -> bool {
+    /// replica's segment, maybe a DRAM one, did not mount again in time),
+    /// a copy of its object at `version`; false when the book is full.
+    pub fn detach(&mut self, nvme: SegmentId, key: &[u8], loc: u64, version: Option<u64>) -> bool {
         if self.detached_len >= MAX_DETACHED_COPIES {
             return false;
         }
@@ -226,7 +248,7 @@ impl Copies {
             .detached
             .entry(nvme)
             .or_default()
-            .insert(key.into(), loc)
+            .insert(key.into(), (loc, version))
             .is_none()
         {
             self.detached_len += 1;
@@ -234,42 +256,47 @@ impl Copies {
         true
     }
 
-    /// A reported copy of `key` at `loc` on tier `nvme` that no object
-    /// lists: `Detached` (and forgotten as detached) if it was detached
-    /// there, else `Old`.
-    pub fn take_detached(&mut self, nvme: SegmentId, key: &[u8], loc: u64) -> Unlisted {
+    /// A reported copy of `key` at `loc` at `version` on tier `nvme` that
+    /// no object lists: `Detached` (and forgotten as detached) if it is the
+    /// copy detached there (that location, and that version where its
+    /// object had one), else `Old` (and the detached copy still awaited).
+    pub fn take_detached(
+        &mut self,
+        nvme: SegmentId,
+        key: &[u8],
+        loc: u64,
+        version: u64,
+    ) -> Unlisted {
         let Some(t) = self.detached.get_mut(&nvme) else {
             return Unlisted::Old;
         };
-        let Some(at) = t.remove(key) else {
-            return Unlisted::Old;
-        };
+        match t.get(key) {
+            Some(&(at, v)) if at == loc && v.is_none_or(|v| v == version) => {}
+            _ => return Unlisted::Old,
+        }
+        t.remove(key);
         self.detached_len -= 1;
         if t.is_empty() {
             self.detached.remove(&nvme);
         }
-        if at == loc {
-            Unlisted::Detached
-        } else {
-            Unlisted::Old
-        }
+        Unlisted::Detached
     }
 
     /// `key`'s object was removed or replaced: its detached copies, forgotten
-    /// here; those on listed tiers as (tier, location), each to be owed a
-    /// Drop. (A segment not listed may be a DRAM one, never owed a Drop; a
-    /// tier not listed refuses the copy by its version.)
-    pub fn retire(&mut self, key: &[u8]) -> Vec<(SegmentId, u64)> {
+    /// here; those on listed tiers as (tier, location, version), each to be
+    /// owed a Drop. (A segment not listed may be a DRAM one, never owed a
+    /// Drop; a tier not listed refuses the copy by its version.)
+    pub fn retire(&mut self, key: &[u8]) -> Vec<(SegmentId, u64, Option<u64>)> {
         let mut out = Vec::new();
         if self.detached.is_empty() {
             return out;
         }
         let mut gone = 0;
         self.detached.retain(|&nvme, t| {
-            if let Some(loc) = t.remove(key) {
+            if let Some((loc, version)) = t.remove(key) {
                 gone += 1;
                 if self.listed.contains(&nvme) {
-                    out.push((nvme, loc));
+                    out.push((nvme, loc, version));
                 }
             }
             !t.is_empty()
@@ -301,15 +328,15 @@ impl Copies {
     pub fn restore(
         &mut self,
         listed: impl IntoIterator<Item = SegmentId>,
-        owed: impl IntoIterator<Item = (SegmentId, Vec<u8>, u64)>,
+        owed: impl IntoIterator<Item = ((SegmentId, Vec<u8>, u64), Option<u64>)>,
     ) {
         self.listed.extend(listed);
-        for (nvme, key, loc) in owed {
+        for ((nvme, key, loc), version) in owed {
             self.drops
                 .entry(nvme)
                 .or_default()
                 .owed
-                .insert((key.into_boxed_slice(), loc));
+                .insert((key.into_boxed_slice(), loc), version);
         }
     }
 

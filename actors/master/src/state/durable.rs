@@ -20,13 +20,12 @@ pub(super) struct Durable {
     /// When replicas still parked are given up (`now_ms` clock), as an
     /// unmount would drop them.
     pub(super) parked_until_ms: u64,
-    /// Drops owed (true) or settled (false) since the last records, to
-    /// record: (tier, key, location).
+    /// Drops owed or settled since the last records, to record.
     pub(super) drops: Vec<DropRecord>,
     /// Recovered replicas, still waiting for their segments, of objects
-    /// removed or replaced since: a tier among those segments is owed a
-    /// Drop of them when it mounts.
-    pub(super) removed_parked: Map<Box<[u8]>, Waiting>,
+    /// removed or replaced since, with the objects' versions: a tier among
+    /// those segments is owed a Drop of them when it mounts.
+    pub(super) removed_parked: Map<Box<[u8]>, (u64, Waiting)>,
     /// Segments the recovered state names (replicas, holds) that have not
     /// mounted since: until `parked_until_ms`, a put that finds no room
     /// waits for them (`TryAgain`) instead of hearing `NoSpace`.
@@ -61,7 +60,7 @@ impl Durable {
                 }
             }
         }
-        if let Some(k) = self.removed_parked.iter().find(|(_, w)| w.is_empty()) {
+        if let Some(k) = self.removed_parked.iter().find(|(_, (_, w))| w.is_empty()) {
             return Err(format!(
                 "removed {} is listed with no copy waiting",
                 show_key(k.0)
@@ -344,10 +343,10 @@ impl ShardState {
         // waited: owed a Drop now (recorded with the next records).
         let mut drops = Vec::new();
         if self.slot(idx).tier() == Tier::Nvme && !d.removed_parked.is_empty() {
-            d.removed_parked.retain(|key, waiting| {
+            d.removed_parked.retain(|key, (version, waiting)| {
                 waiting.retain(|&mut (seg, loc)| {
                     if seg == id {
-                        drops.push((key.clone(), loc));
+                        drops.push((key.clone(), loc, *version));
                     }
                     seg != id
                 });
@@ -384,8 +383,8 @@ impl ShardState {
         self.durable = Some(d);
         // First: the removals came before any task the node has waiting
         // (a put of the key since, whose copy the Drop must not take).
-        for (key, loc) in drops {
-            self.owe_and_queue_drop(id, &key, loc, None, true);
+        for (key, loc, version) in drops {
+            self.owe_and_queue_drop(id, &key, loc, Some(version), true);
         }
     }
 
@@ -467,7 +466,7 @@ impl ShardState {
             // listed adopts the others, but not a copy of a version this
             // shard's lineage handed out that is not detached).
             for (seg, loc) in p.waiting {
-                self.detach(seg, &k, loc);
+                self.detach(seg, &k, loc, Some(p.version));
             }
         }
     }
@@ -576,8 +575,8 @@ impl ShardState {
         for h in d.parked_holds.values().flatten() {
             journal::encode_hold(out, h);
         }
-        for (nvme, key, loc) in self.copies.all_owed() {
-            journal::encode_drop(out, true, nvme, key, loc);
+        for (nvme, key, loc, version) in self.copies.all_owed() {
+            journal::encode_drop(out, Some(version), nvme, key, loc);
         }
         for nvme in self.copies.listed() {
             journal::encode_tier_listed(out, nvme);
@@ -687,7 +686,7 @@ impl ShardState {
         };
         if let Some(p) = d.parked.remove(key) {
             if !p.waiting.is_empty() {
-                d.removed_parked.insert(key.into(), p.waiting);
+                d.removed_parked.insert(key.into(), (p.version, p.waiting));
             }
         }
     }

@@ -129,16 +129,16 @@ impl ShardState {
         for oid in self.objs.ids_with_replica_in(idx) {
             if detach {
                 let key: Box<[u8]> = self.objs.key(oid).into();
-                let locs: SmallVec<[u64; 2]> = self
-                    .objs
-                    .get(oid)
+                let o = self.objs.get(oid);
+                let version = o.complete().map(|c| c.version);
+                let locs: SmallVec<[u64; 2]> = o
                     .replicas
                     .iter()
                     .filter(|r| r.slot == idx)
                     .map(|r| r.offset)
                     .collect();
                 for loc in locs {
-                    self.detach(id, &key, loc);
+                    self.detach(id, &key, loc, version);
                 }
             }
             let left = self.objs.update(oid, |o| {

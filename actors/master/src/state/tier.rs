@@ -73,8 +73,9 @@ impl TaskQueue {
 /// Recovered replicas not back yet: (segment, offset).
 pub(super) type Waiting = SmallVec<[(SegmentId, u64); 2]>;
 
-/// A Drop owed (true) or settled (false): (owed, tier, key, location).
-pub(super) type DropRecord = (bool, SegmentId, Box<[u8]>, u64);
+/// A Drop owed (`Some`: of the copy at that version, if known) or settled
+/// (`None`): (owed, tier, key, location).
+pub(super) type DropRecord = (Option<Option<u64>>, SegmentId, Box<[u8]>, u64);
 
 impl ShardState {
     /// Queues for the node of DRAM segment `dram` the Drops its NVMe tier is
@@ -89,30 +90,35 @@ impl ShardState {
             return;
         };
         let q = self.tasks.entry(dram).or_default();
-        for (key, loc) in self.copies.owed(nvme) {
+        for ((key, loc), version) in self.copies.owed(nvme) {
             if q.len() >= MAX_TASKS_PER_SEGMENT {
                 break; // the rest go out at the node's next mount
             }
             if !q.has_drop(key, *loc) {
-                // Owed from the ledger, which keeps no version.
                 q.push_front(NodeTask::Drop {
                     key: key.to_vec(),
                     loc: *loc,
-                    version: None,
+                    version,
                 });
             }
         }
     }
 
-    /// Records that `nvme`'s copy of `key` at `loc` is owed a Drop; false
-    /// when the tier is owed its maximum already.
-    pub(super) fn owe_drop(&mut self, nvme: SegmentId, key: &[u8], loc: u64) -> bool {
-        let Some(new) = self.copies.owe(nvme, key, loc) else {
+    /// Records that `nvme`'s copy of `key` at `loc` (at `version`) is owed
+    /// a Drop; false when the tier is owed its maximum already.
+    pub(super) fn owe_drop(
+        &mut self,
+        nvme: SegmentId,
+        key: &[u8],
+        loc: u64,
+        version: Option<u64>,
+    ) -> bool {
+        let Some(new) = self.copies.owe(nvme, key, loc, version) else {
             return false;
         };
         if new {
             if let Some(d) = self.durable.as_mut() {
-                d.drops.push((true, nvme, key.into(), loc));
+                d.drops.push((Some(version), nvme, key.into(), loc));
             }
         }
         true
@@ -125,7 +131,7 @@ impl ShardState {
     pub(super) fn settle_drop(&mut self, nvme: SegmentId, key: &[u8], loc: u64, sent: Option<u64>) {
         if self.copies.settle(nvme, key, loc, sent) {
             if let Some(d) = self.durable.as_mut() {
-                d.drops.push((false, nvme, key.into(), loc));
+                d.drops.push((None, nvme, key.into(), loc));
             }
         }
     }
@@ -169,10 +175,10 @@ impl ShardState {
     }
 
     /// Owes tier `nvme`'s node a Drop of `key`'s copy at `loc` (at
-    /// `version`, when known) and queues it for the node's DRAM segment, if
-    /// one is mounted (else it goes out at the node's next mount, of any
-    /// version); `first`: before every task waiting (the removal it stands
-    /// for came before them).
+    /// `version`, when known: the Drop takes only that incarnation) and
+    /// queues it for the node's DRAM segment, if one is mounted (else it
+    /// goes out at the node's next mount); `first`: before every task
+    /// waiting (the removal it stands for came before them).
     pub(super) fn owe_and_queue_drop(
         &mut self,
         nvme: SegmentId,
@@ -181,7 +187,7 @@ impl ShardState {
         version: Option<u64>,
         first: bool,
     ) {
-        if !self.owe_drop(nvme, key, loc) {
+        if !self.owe_drop(nvme, key, loc, version) {
             tracing::warn!(
                 key = %show_key(key),
                 "NVMe tier owed its maximum of Drops: the removed object's NVMe copy stays \
@@ -233,7 +239,7 @@ impl ShardState {
                 self.list_tier(nvme);
             }
         }
-        let found = self.copies.take_detached(nvme, key, loc);
+        let found = self.copies.take_detached(nvme, key, loc, version);
         if found == Unlisted::Old && !self.copies.is_listed(nvme) && !self.issued(version) {
             return Unlisted::Adopted;
         }
@@ -279,9 +285,9 @@ impl ShardState {
 
     /// Remembers `key`'s copy at `loc` of tier `nvme`, which the shard no
     /// longer counts as a replica (the tier is unmounted, or its recovered
-    /// replicas were given up).
-    pub(super) fn detach(&mut self, nvme: SegmentId, key: &[u8], loc: u64) {
-        if !self.copies.detach(nvme, key, loc) {
+    /// replicas were given up), a copy of its object at `version`.
+    pub(super) fn detach(&mut self, nvme: SegmentId, key: &[u8], loc: u64, version: Option<u64>) {
+        if !self.copies.detach(nvme, key, loc, version) {
             tracing::warn!(
                 key = %show_key(key),
                 "too many copies on tiers unmounted as dead: this one is refused if its tier \
@@ -293,8 +299,8 @@ impl ShardState {
     /// `key`'s object was removed or replaced: its copies on tiers unmounted
     /// as dead are owed a Drop (refused if their tier reports them).
     pub(super) fn retire_detached(&mut self, key: &[u8]) {
-        for (nvme, loc) in self.copies.retire(key) {
-            self.owe_and_queue_drop(nvme, key, loc, None, true);
+        for (nvme, loc, version) in self.copies.retire(key) {
+            self.owe_and_queue_drop(nvme, key, loc, version, true);
         }
     }
 

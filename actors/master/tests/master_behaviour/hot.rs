@@ -35,7 +35,8 @@ fn put_summed(m: &mut M, key: &str, len: u64) -> Vec<ReplicaDesc> {
     r
 }
 
-fn node_tasks(m: &mut M, node: u64, seg: SegmentId) -> Vec<NodeTask> {
+/// The tasks `node` is handed for segment `seg` alone.
+pub(super) fn node_tasks(m: &mut M, node: u64, seg: SegmentId) -> Vec<NodeTask> {
     match m
         .call(Q::NodeTasks {
             client_id: node,

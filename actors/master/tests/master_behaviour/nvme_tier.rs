@@ -981,6 +981,7 @@ fn a_tier_that_comes_back_takes_back_its_copies_but_not_those_of_keys_removed_me
     let (mut m, dram) = tiered(true);
     m.put("both", 100); // a DRAM and an NVMe replica
     write_through_copy(&mut m, dram, 3);
+    let both = super::versions::version(&m, "both");
     // NVMe-only objects (reported by the tier while it is adopted).
     for (k, loc) in [("only", 5), ("removed", 6), ("replaced", 7)] {
         update(&mut m, recovered(k, loc)).unwrap();
@@ -1007,7 +1008,20 @@ fn a_tier_that_comes_back_takes_back_its_copies_but_not_those_of_keys_removed_me
         "only the new DRAM replica"
     );
     update(&mut m, recovered("only", 5)).unwrap();
-    update(&mut m, recovered("both", 3)).unwrap();
+    // A copy detached at one version is not another's (the node's copy
+    // carries its object's).
+    let mut at = |version| {
+        let mut r = recovered("both", 3);
+        if let NvmeUpdate::Recovered { version: v, .. } = &mut r {
+            *v = version;
+        }
+        update(&mut m, r)
+    };
+    assert_eq!(
+        at(both + 1).map_err(|e| e.code),
+        Err(ErrorCode::ObjectAlreadyExists)
+    );
+    at(both).unwrap();
     assert_eq!(m.get("both").unwrap().len(), 2);
     assert_eq!(m.get("only").unwrap()[0].offset, 5);
     let t = tasks(&mut m, dram);

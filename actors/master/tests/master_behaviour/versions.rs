@@ -156,3 +156,67 @@ fn a_removed_key_does_not_come_back_from_a_tier_the_master_never_listed() {
         std::fs::remove_dir_all(&dir).ok();
     }
 }
+
+/// The version the Drop of `key`'s copy among `t` names, if one is there.
+fn drop_of(t: &[NodeTask], key: &str) -> Option<Option<u64>> {
+    t.iter().find_map(|t| match t {
+        NodeTask::Drop {
+            key: k, version, ..
+        } if k == key.as_bytes() => Some(*version),
+        _ => None,
+    })
+}
+
+/// Issue 32, copy identity: every Drop a node is handed names the version
+/// of the copy it is to take: one owed while the node's DRAM segment was
+/// gone and handed out at its next mount ("a"), one read back from the
+/// state directory after a restart ("b"), one owed for a recovered copy
+/// whose object was removed before its tier came back ("d"), one owed for
+/// a copy detached with its tier ("c"). Before, only a Drop queued at once
+/// named one: the others took whatever copy of the key sat in the slot on
+/// the node, a later incarnation's included.
+#[test]
+fn every_drop_names_the_version_of_the_copy_it_takes() {
+    let dir = state_dir("drop-versions");
+    let mut m = on_state_dir(&dir, 1_000);
+    let dram = mount_node(&mut m, true);
+    let mut v = std::collections::HashMap::new();
+    for (k, loc) in [("a", 3), ("b", 4), ("c", 5), ("d", 6)] {
+        m.put(k, 100);
+        write_through_copy(&mut m, dram, loc);
+        v.insert(k, version(&m, k));
+    }
+    // "a": removed while the node's DRAM segment is gone.
+    m.call(Q::UnmountSegment {
+        client_id: NODE,
+        segment_id: dram,
+    })
+    .unwrap();
+    m.remove("a", true).unwrap();
+    let dram2 = mount_tiered_dram(&mut m, "dram2", true);
+    let t = tasks(&mut m, dram2);
+    assert_eq!(drop_of(&t, "a"), Some(Some(v["a"])), "{t:?}");
+    // "b": removed, its Drop not fetched before the master goes.
+    m.remove("b", true).unwrap();
+    drop(m);
+    let mut m = on_state_dir(&dir, 2_000); // the node is away
+                                           // "d": removed while its recovered replicas wait for their segments.
+    m.remove("d", true).unwrap();
+    let dram = mount_node(&mut m, true);
+    let t = tasks(&mut m, dram);
+    assert_eq!(drop_of(&t, "b"), Some(Some(v["b"])), "{t:?}");
+    assert_eq!(drop_of(&t, "d"), Some(Some(v["d"])), "{t:?}");
+    // "c": its copy detached with its tier, then removed.
+    m.call(Q::UnmountSegment {
+        client_id: NODE,
+        segment_id: nvme_id(),
+    })
+    .unwrap();
+    // (Its only replica went with the tier: no object, but the copy is
+    // its last object's.)
+    assert_eq!(code(m.remove("c", true)), ErrorCode::ObjectNotFound);
+    let t = super::hot::node_tasks(&mut m, NODE, dram);
+    assert_eq!(drop_of(&t, "c"), Some(Some(v["c"])), "{t:?}");
+    m.check();
+    std::fs::remove_dir_all(&dir).ok();
+}
