@@ -271,26 +271,34 @@ pub fn encode_tier_listed(out: &mut Vec<u8>, nvme: SegmentId) {
     end_frame(out, at);
 }
 
-/// Appends the frame of a `DropOwed` record (`owed`: the copy's version,
-/// if known, follows the key) or, with `owed` `None`, a `DropDone` one.
-pub fn encode_drop(
+/// Appends the frame of a `DropOwed` record; the copy's version, if known,
+/// follows the key.
+pub fn encode_drop_owed(
     out: &mut Vec<u8>,
-    owed: Option<Option<u64>>,
     nvme: SegmentId,
     key: &[u8],
     loc: u64,
+    version: Option<u64>,
+) {
+    encode_drop(out, TAG_DROP_OWED, nvme, key, loc, version);
+}
+
+/// The frame of a `DropOwed` or `DropDone` record (`tag`).
+fn encode_drop(
+    out: &mut Vec<u8>,
+    tag: u8,
+    nvme: SegmentId,
+    key: &[u8],
+    loc: u64,
+    version: Option<u64>,
 ) {
     let at = begin_frame(out);
-    out.push(if owed.is_some() {
-        TAG_DROP_OWED
-    } else {
-        TAG_DROP_DONE
-    });
+    out.push(tag);
     put_u64(out, nvme);
     put_u64(out, loc);
     put_u32(out, key.len() as u32);
     out.extend_from_slice(key);
-    if let Some(Some(version)) = owed {
+    if let Some(version) = version {
         put_u64(out, version);
     }
     end_frame(out, at);
@@ -316,8 +324,10 @@ impl Record {
                 key,
                 loc,
                 version,
-            } => encode_drop(out, Some(*version), *nvme, key, *loc),
-            Record::DropDone { nvme, key, loc } => encode_drop(out, None, *nvme, key, *loc),
+            } => encode_drop_owed(out, *nvme, key, *loc, *version),
+            Record::DropDone { nvme, key, loc } => {
+                encode_drop(out, TAG_DROP_DONE, *nvme, key, *loc, None)
+            }
             Record::TierListed { nvme } => encode_tier_listed(out, *nvme),
             Record::Epoch { epoch } => encode_epoch(out, *epoch),
         }
@@ -948,10 +958,10 @@ mod tests {
             }
         );
         let mut framed = Vec::new();
-        encode_drop(&mut framed, Some(None), 5, b"d", 12);
+        encode_drop_owed(&mut framed, 5, b"d", 12, None);
         assert_eq!(&framed[FRAME_HEADER..], &old(TAG_DROP_OWED)[..]);
         let mut framed = Vec::new();
-        encode_drop(&mut framed, Some(Some(7)), 5, b"d", 12);
+        encode_drop_owed(&mut framed, 5, b"d", 12, Some(7));
         let mut with = old(TAG_DROP_OWED);
         with.extend_from_slice(&7u64.to_le_bytes());
         assert_eq!(&framed[FRAME_HEADER..], &with[..]);

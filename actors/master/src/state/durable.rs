@@ -21,7 +21,8 @@ pub(super) struct Durable {
     /// unmount would drop them.
     pub(super) parked_until_ms: u64,
     /// Drops owed or settled since the last records, to record.
-    pub(super) drops: Vec<DropRecord>,
+    /// (`DropOwed` / `DropDone` records.)
+    pub(super) drops: Vec<Record>,
     /// Recovered replicas, still waiting for their segments, of objects
     /// removed or replaced since, with the objects' versions: a tier among
     /// those segments is owed a Drop of them when it mounts.
@@ -206,8 +207,8 @@ impl ShardState {
         // rather than its Gone (an owed Drop of a copy the object still
         // lists is stale, and skipped), never the Gone without the DropOwed
         // (the copy would come back).
-        for (owed, nvme, key, loc) in d.drops.drain(..) {
-            journal::encode_drop(out, owed, nvme, &key, loc);
+        for rec in d.drops.drain(..) {
+            rec.encode(out);
         }
         for nvme in d.listed.drain(..) {
             journal::encode_tier_listed(out, nvme);
@@ -576,7 +577,7 @@ impl ShardState {
             journal::encode_hold(out, h);
         }
         for (nvme, key, loc, version) in self.copies.all_owed() {
-            journal::encode_drop(out, Some(version), nvme, key, loc);
+            journal::encode_drop_owed(out, nvme, key, loc, version);
         }
         for nvme in self.copies.listed() {
             journal::encode_tier_listed(out, nvme);

@@ -64,7 +64,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use smallvec::SmallVec;
 
-use super::journal::{self, Hold, Image, ObjectRec};
+use super::journal::{self, Hold, Image, ObjectRec, Record};
 use super::objects::{
     Complete, Id, KeyHashBuilder, Map, Object, Objects, Phase, Processing, Replica, ReplicaState,
     Set,

@@ -73,10 +73,6 @@ impl TaskQueue {
 /// Recovered replicas not back yet: (segment, offset).
 pub(super) type Waiting = SmallVec<[(SegmentId, u64); 2]>;
 
-/// A Drop owed (`Some`: of the copy at that version, if known) or settled
-/// (`None`): (owed, tier, key, location).
-pub(super) type DropRecord = (Option<Option<u64>>, SegmentId, Box<[u8]>, u64);
-
 impl ShardState {
     /// Queues for the node of DRAM segment `dram` the Drops its NVMe tier is
     /// owed and that are not in its queue (its node came back with a new
@@ -118,7 +114,12 @@ impl ShardState {
         };
         if new {
             if let Some(d) = self.durable.as_mut() {
-                d.drops.push((Some(version), nvme, key.into(), loc));
+                d.drops.push(Record::DropOwed {
+                    nvme,
+                    key: key.into(),
+                    loc,
+                    version,
+                });
             }
         }
         true
@@ -131,7 +132,11 @@ impl ShardState {
     pub(super) fn settle_drop(&mut self, nvme: SegmentId, key: &[u8], loc: u64, sent: Option<u64>) {
         if self.copies.settle(nvme, key, loc, sent) {
             if let Some(d) = self.durable.as_mut() {
-                d.drops.push((None, nvme, key.into(), loc));
+                d.drops.push(Record::DropDone {
+                    nvme,
+                    key: key.into(),
+                    loc,
+                });
             }
         }
     }
