@@ -1130,20 +1130,20 @@ impl NvmeShard {
         st.slots[loc.slot as usize].as_ref().map(|e| e.version)
     }
 
-    /// Removes the copy at `loc` if it holds `key` at `version`; whether it
-    /// did. Another copy of the key in the slot (a later incarnation) stays.
-    pub async fn remove_version(
+    /// Removes the copy at `loc` if `takes` says so of its key and version
+    /// (a Drop's rule: a slot reused by another key, or holding a later
+    /// incarnation of the key, keeps its copy); whether it did.
+    pub async fn remove_if(
         &self,
         loc: NvmeLoc,
-        key: &[u8],
-        version: u64,
+        takes: impl FnOnce(&[u8], u64) -> bool,
     ) -> Result<bool, NvmeError> {
         self.check_loc(loc)?;
         let ours = {
             let st = self.state.borrow();
             st.slots[loc.slot as usize]
                 .as_ref()
-                .is_some_and(|e| &e.key[..] == key && e.version == version)
+                .is_some_and(|e| takes(&e.key, e.version))
         };
         if ours {
             self.remove(loc).await?;
@@ -1159,22 +1159,6 @@ impl NvmeShard {
         }
         self.remove(loc).await?;
         Ok(true)
-    }
-
-    /// Removes the object at `loc` if it is stored under `key` (a slot can
-    /// hold another key's object once its own was removed); whether it was.
-    pub async fn remove_key(&self, loc: NvmeLoc, key: &[u8]) -> Result<bool, NvmeError> {
-        self.check_loc(loc)?;
-        let ours = {
-            let st = self.state.borrow();
-            st.slots[loc.slot as usize]
-                .as_ref()
-                .is_some_and(|e| &e.key[..] == key)
-        };
-        if ours {
-            self.remove(loc).await?;
-        }
-        Ok(ours)
     }
 
     /// Removes the object at `loc` durably and frees its space.

@@ -588,10 +588,14 @@ fn a_copy_keeps_its_version_across_a_restart_and_a_header_that_disagrees_is_drop
         assert_eq!(t.copy_version(plain), Some(0));
         assert_eq!(t.copy_version(seven), Some(7));
         assert_eq!(t.copy_version(nine), Some(9 << 32 | 3));
-        assert!(!t.remove_version(nine, b"v9", 9 << 32 | 2).await.unwrap());
-        assert!(!t.remove_version(nine, b"v7", 9 << 32 | 3).await.unwrap());
+        // `remove_if` sees the slot's key and version (the node's Drop rule
+        // decides on them).
+        let at =
+            |key: &'static [u8], version: u64| move |k: &[u8], v: u64| k == key && v == version;
+        assert!(!t.remove_if(nine, at(b"v9", 9 << 32 | 2)).await.unwrap());
+        assert!(!t.remove_if(nine, at(b"v7", 9 << 32 | 3)).await.unwrap());
         assert!(*t.read(nine).await.unwrap() == *value(9, 70_000));
-        assert!(t.remove_version(nine, b"v9", 9 << 32 | 3).await.unwrap());
+        assert!(t.remove_if(nine, at(b"v9", 9 << 32 | 3)).await.unwrap());
         assert_eq!(t.copy_version(nine), None);
         t.flush().await.unwrap();
     });

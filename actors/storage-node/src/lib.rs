@@ -7,6 +7,9 @@
 //!   recovery reports).
 //! * [`round`]: one NVMe round's reports without I/O (which copies the
 //!   master hears of, which the node removes), shared with the simulation.
+//! * [`task`]: one tier task's decisions without I/O (what a Persist does
+//!   with the copy it finds, which Promote is refused, which copy a Drop
+//!   takes), shared with the simulation.
 //! * [`fetch`]: extra replicas of hot objects, copied from other nodes.
 //! * [`gate`]: the checks on a data request before the shard acts on it
 //!   (segment, range, grant, NVMe region).
@@ -22,6 +25,7 @@ pub mod node;
 pub mod nvme_tier;
 pub mod rdma;
 pub mod round;
+pub mod task;
 
 // The storage crate's own bounds (its segment and the tier's on-disk index)
 // against the protocol's (`kvpool_wire::limits`): every key the protocol

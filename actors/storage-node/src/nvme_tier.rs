@@ -30,6 +30,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::metrics::StorageMetrics;
 use crate::round::Round;
+use crate::task;
 use kvpool_client::Client;
 use kvpool_config::NodeError;
 use kvpool_config::{NvmeEvictionPolicy, NvmeTierConfig};
@@ -310,28 +311,22 @@ impl NodeNvme {
     }
 
     /// Copies DRAM bytes to the tier (a demotion or write-through) as the
-    /// copy of incarnation `version`: which copy, their checksum, and
+    /// copy of incarnation `p.version`: which copy, their checksum, and
     /// whether this call wrote it (false: that copy was there already).
-    /// Bytes that do not match the object's `checksum` are not copied
-    /// (`Corrupt`). With the region full, evicts there and tries once more.
+    /// What it does with the copy of the key it finds is the task's rule
+    /// ([`task::Persist::decide`]). With the region full, evicts there and
+    /// tries once more.
     async fn persist(
         &self,
         client: &Client,
-        key: Vec<u8>,
-        offset: u64,
-        len: u64,
-        checksum: Option<u64>,
-        version: u64,
+        p: &task::Persist,
     ) -> Result<(CopyRef, u64, bool), KvError> {
-        let region = region_of(&key, self.regions);
+        let region = region_of(&p.key, self.regions);
         for attempt in 0..2 {
-            match self
-                .persist_once(key.clone(), offset, len, checksum, version)
-                .await
-            {
+            match self.persist_once(p.clone()).await {
                 Err(e) if e.code == ErrorCode::NoSpace && attempt == 0 => {
                     // Make room in that region, then try once more.
-                    self.evict_region(client, region, len + 8192).await;
+                    self.evict_region(client, region, p.len + 8192).await;
                 }
                 other => return other,
             }
@@ -340,121 +335,91 @@ impl NodeNvme {
     }
 
     /// One try of [`NodeNvme::persist`], without the eviction.
-    async fn persist_once(
-        &self,
-        key: Vec<u8>,
-        offset: u64,
-        len: u64,
-        checksum: Option<u64>,
-        version: u64,
-    ) -> Result<(CopyRef, u64, bool), KvError> {
-        let region = region_of(&key, self.regions);
-        {
-            let (k, seg, m) = (key, self.dram.clone(), self.metrics.clone());
-            self.shards
-                .run_on(region, move |_| async move {
-                    let t = tier()?;
-                    seg.check_range(offset, len)
-                        .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))?;
-                    // SAFETY: in bounds (checked). The master keeps this range
-                    // allocated to the object until it has the Stored report
-                    // (a removal meanwhile quarantines it), so no writer is
-                    // sent to it while we copy.
-                    let bytes = unsafe { seg.slice(offset, len) };
-                    let sum = value_sum(bytes);
-                    if checksum.is_some_and(|c| c != sum) {
+    async fn persist_once(&self, p: task::Persist) -> Result<(CopyRef, u64, bool), KvError> {
+        let region = region_of(&p.key, self.regions);
+        let (seg, m) = (self.dram.clone(), self.metrics.clone());
+        self.shards
+            .run_on(region, move |_| async move {
+                let t = tier()?;
+                seg.check_range(p.offset, p.len)
+                    .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))?;
+                // SAFETY: in bounds (checked). The master keeps this range
+                // allocated to the object until it has the Stored report
+                // (a removal meanwhile quarantines it), so no writer is
+                // sent to it while we copy.
+                let bytes = unsafe { seg.slice(p.offset, p.len) };
+                let sum = value_sum(bytes);
+                // The copy at `loc`, named by its write's number (taken
+                // with no await since the write or lookup).
+                let copy = |loc: NvmeLoc| {
+                    t.copy_seq(loc)
+                        .map(|seq| CopyRef { loc, seq })
+                        .ok_or_else(|| {
+                            KvError::new(ErrorCode::Internal, format!("no copy at {loc:?}"))
+                        })
+                };
+                let found = t.lookup(&p.key);
+                let held = found.and_then(|loc| {
+                    let (len, sum) = t.value_sum(loc)?;
+                    let version = t.copy_version(loc)?;
+                    Some(task::Held { len, sum, version })
+                });
+                match p.decide(sum, held) {
+                    Err(e) => {
                         m.checksum_mismatches.inc();
-                        return Err(KvError::new(
-                            ErrorCode::Corrupt,
-                            format!(
-                                "the DRAM bytes of {} do not match the object's checksum",
-                                kvpool_wire::proto::show_key(&k)
-                            ),
-                        ));
+                        Err(e)
                     }
-                    // The copy at `loc`, named by its write's number (taken
-                    // with no await since the write or lookup).
-                    let copy = |loc: NvmeLoc| {
-                        t.copy_seq(loc)
-                            .map(|seq| CopyRef { loc, seq })
-                            .ok_or_else(|| {
-                                KvError::new(ErrorCode::Internal, format!("no copy at {loc:?}"))
-                            })
-                    };
-                    if let Some(loc) = t.lookup(&k) {
-                        if t.value_sum(loc) == Some((len, sum))
-                            && t.copy_version(loc) == Some(version)
-                        {
-                            // Already there (write-through, then demotion).
-                            return Ok((copy(loc)?, sum, false));
+                    Ok(task::Write::Found) => {
+                        let loc = found.expect("a copy was found");
+                        Ok((copy(loc)?, sum, false))
+                    }
+                    Ok(task::Write::Write { replace }) => {
+                        if let (true, Some(loc)) = (replace, found) {
+                            t.remove(loc).await.map_err(kv)?;
                         }
-                        // A copy of an earlier object under this key (removed
-                        // at the master, its Drop not yet seen): never report
-                        // it as this object's.
-                        t.remove(loc).await.map_err(kv)?;
+                        let started = Instant::now();
+                        let loc = t
+                            .write_versioned(&p.key, bytes, p.version)
+                            .await
+                            .map_err(kv)?;
+                        m.nvme_write_seconds
+                            .observe(started.elapsed().as_secs_f64());
+                        Ok((copy(loc)?, sum, true))
                     }
-                    let started = Instant::now();
-                    let loc = t.write_versioned(&k, bytes, version).await.map_err(kv)?;
-                    m.nvme_write_seconds
-                        .observe(started.elapsed().as_secs_f64());
-                    Ok((copy(loc)?, sum, true))
-                })
-                .await
-                .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))?
-        }
+                }
+            })
+            .await
+            .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))?
     }
 
     /// Copies an NVMe object into the DRAM range the master allocated in
-    /// this node's own segment `dram`; only bytes that match the object's
-    /// `checksum` are copied.
-    async fn promote(
-        &self,
-        loc: NvmeLoc,
-        dram: SegmentId,
-        offset: u64,
-        len: u64,
-        checksum: Option<u64>,
-    ) -> Result<(), KvError> {
-        if dram != self.dram_id {
-            // The range is in another node's memory: writing our segment at
-            // that offset would overwrite unrelated objects.
-            return Err(KvError::new(
-                ErrorCode::InvalidParams,
-                format!(
-                    "a promotion into segment {dram:016x}, which is not this node's ({:016x})",
-                    self.dram_id
-                ),
-            ));
-        }
+    /// this node's own segment; what it refuses is the task's rule
+    /// ([`task::Promote`]).
+    async fn promote(&self, p: &task::Promote) -> Result<(), KvError> {
+        p.target(self.dram_id)?;
+        let loc = NvmeLoc::unpack(p.loc);
         if loc.region as usize >= self.regions {
             return Err(KvError::new(
                 ErrorCode::InvalidParams,
                 format!("{loc:?} is no region of this tier"),
             ));
         }
-        let (seg, m) = (self.dram.clone(), self.metrics.clone());
+        let (seg, m, p) = (self.dram.clone(), self.metrics.clone(), p.clone());
         self.shards
             .run_on(loc.region as usize, move |_| async move {
                 let v = read_local(loc, &m).await?;
-                if v.len() as u64 != len {
-                    return Err(KvError::new(
-                        ErrorCode::Corrupt,
-                        "promoted object has another size",
-                    ));
+                if let Err(e) = p.check(v.len() as u64, seg.len(), || value_sum(&v)) {
+                    if e.code == ErrorCode::Corrupt {
+                        m.checksum_mismatches.inc();
+                    }
+                    return Err(e);
                 }
-                if checksum.is_some_and(|c| c != value_sum(&v)) {
-                    m.checksum_mismatches.inc();
-                    return Err(KvError::new(
-                        ErrorCode::Corrupt,
-                        "the NVMe copy does not match the object's checksum",
-                    ));
-                }
-                seg.check_range(offset, len)
+                seg.check_range(p.offset, p.len)
                     .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))?;
-                // SAFETY: in bounds; the master allocated this range for the
-                // promotion and sends no reader or writer to it until it gets
-                // the Promoted report.
-                unsafe { seg.slice_mut(offset, len) }.copy_from_slice(&v);
+                // SAFETY: in bounds (checked); the master allocated this range
+                // for the promotion and sends no reader or writer to it until
+                // it gets the Promoted report.
+                unsafe { seg.slice_mut(p.offset, p.len) }.copy_from_slice(&v);
                 Ok(())
             })
             .await
@@ -494,11 +459,10 @@ impl NodeNvme {
         }
     }
 
-    /// Drops the copy of `key` at packed `loc` (at `version`, when given;
-    /// any version otherwise); a slot that holds another key, or another
-    /// incarnation of the key, keeps it.
-    async fn drop_copy(&self, key: Vec<u8>, loc: u64, version: Option<u64>) {
-        let loc = NvmeLoc::unpack(loc);
+    /// Drops the copy a removal names, if its slot still holds it (the
+    /// task's rule: [`task::DropCopy::takes`]).
+    async fn drop_copy(&self, d: task::DropCopy) {
+        let loc = NvmeLoc::unpack(d.loc);
         if loc.region as usize >= self.regions {
             tracing::warn!("NVMe: Drop for {loc:?}, which is no region of this tier");
             return;
@@ -506,12 +470,10 @@ impl NodeNvme {
         let r = self
             .shards
             .run_on(loc.region as usize, move |_| async move {
-                let t = tier()?;
-                match version {
-                    Some(v) => t.remove_version(loc, &key, v).await,
-                    None => t.remove_key(loc, &key).await,
-                }
-                .map_err(kv)
+                tier()?
+                    .remove_if(loc, |key, version| d.takes(key, version))
+                    .await
+                    .map_err(kv)
             })
             .await
             .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))
@@ -533,63 +495,25 @@ impl NodeNvme {
         client: &Client,
         task: NodeTask,
     ) -> Option<(NvmeUpdate, Option<CopyRef>, bool)> {
-        match task {
-            NodeTask::Persist {
-                key,
-                dram,
-                offset,
-                len,
-                demote,
-                checksum,
-                version,
-            } => {
-                if dram != self.dram_id {
-                    return None;
-                }
-                match self
-                    .persist(client, key.clone(), offset, len, checksum, version)
-                    .await
-                {
-                    Ok((copy, sum, fresh)) => {
-                        if demote {
-                            self.metrics.nvme_demotions.inc();
-                        }
-                        Some((
-                            NvmeUpdate::Stored {
-                                key,
-                                nvme: self.segment_id,
-                                loc: copy.loc.pack(),
-                                len,
-                                dram,
-                                offset,
-                                demote,
-                                sum,
-                                version,
-                            },
-                            Some(copy),
-                            fresh,
-                        ))
+        match task::job(task, self.dram_id)? {
+            task::Job::Persist(p) => match self.persist(client, &p).await {
+                Ok((copy, sum, fresh)) => {
+                    if p.demote {
+                        self.metrics.nvme_demotions.inc();
                     }
-                    Err(e) => {
-                        tracing::warn!("NVMe persist failed: {e}");
-                        Some((
-                            NvmeUpdate::PersistFailed {
-                                key,
-                                dram,
-                                offset,
-                                demote,
-                            },
-                            None,
-                            false,
-                        ))
-                    }
+                    let loc = copy.loc.pack();
+                    Some((p.stored(self.segment_id, loc, sum), Some(copy), fresh))
                 }
-            }
-            NodeTask::Drop { key, loc, version } => {
-                self.drop_copy(key, loc, version).await;
+                Err(e) => {
+                    tracing::warn!("NVMe persist failed: {e}");
+                    Some((p.failed(), None, false))
+                }
+            },
+            task::Job::Drop(d) => {
+                self.drop_copy(d).await;
                 None
             }
-            t @ NodeTask::Fetch { .. } => {
+            task::Job::Fetch(t) => {
                 let target = crate::fetch::FetchTarget {
                     dram: self.dram.clone(),
                     dram_id: self.dram_id,
@@ -597,18 +521,8 @@ impl NodeNvme {
                 };
                 target.run(client, t).await.map(|u| (u, None, false))
             }
-            NodeTask::Promote {
-                key,
-                loc,
-                dram,
-                offset,
-                len,
-                checksum,
-            } => {
-                let ok = match self
-                    .promote(NvmeLoc::unpack(loc), dram, offset, len, checksum)
-                    .await
-                {
+            task::Job::Promote(p) => {
+                let ok = match self.promote(&p).await {
                     Ok(()) => {
                         self.metrics.nvme_promotions.inc();
                         true
@@ -618,16 +532,7 @@ impl NodeNvme {
                         false
                     }
                 };
-                Some((
-                    NvmeUpdate::Promoted {
-                        key,
-                        dram,
-                        offset,
-                        ok,
-                    },
-                    None,
-                    false,
-                ))
+                Some((p.report(ok), None, false))
             }
         }
     }
@@ -880,10 +785,15 @@ mod tests {
         fn persist_version(&self, key: &[u8], offset: u64, version: u64) -> Ran {
             let (copy, sum, fresh) = self
                 .rt
-                .block_on(
-                    self.nvme
-                        .persist_once(key.to_vec(), offset, LEN, None, version),
-                )
+                .block_on(self.nvme.persist_once(task::Persist {
+                    key: key.to_vec(),
+                    dram: self.nvme.dram_id,
+                    offset,
+                    len: LEN,
+                    demote: false,
+                    checksum: None,
+                    version,
+                }))
                 .expect("persisted");
             let u = NvmeUpdate::Stored {
                 key: key.to_vec(),
@@ -1060,7 +970,11 @@ mod tests {
         r.settle(vec![second], |_| Ok(()));
 
         let drop = |version: Option<u64>| {
-            r.rt.block_on(r.nvme.drop_copy(b"k".to_vec(), loc.pack(), version))
+            r.rt.block_on(r.nvme.drop_copy(task::DropCopy {
+                key: b"k".to_vec(),
+                loc: loc.pack(),
+                version,
+            }))
         };
         drop(Some(v1));
         assert!(
@@ -1073,7 +987,11 @@ mod tests {
         let third = r.persist_version(b"k", 0, v1);
         let loc = third.1.unwrap().loc;
         r.settle(vec![third], |_| Ok(()));
-        r.rt.block_on(r.nvme.drop_copy(b"k".to_vec(), loc.pack(), None));
+        r.rt.block_on(r.nvme.drop_copy(task::DropCopy {
+            key: b"k".to_vec(),
+            loc: loc.pack(),
+            version: None,
+        }));
         assert_eq!(r.holds(b"k"), None, "a Drop of any version takes it");
     }
 }

@@ -1,10 +1,11 @@
 //! A seeded simulation of a kvpool cluster, in one thread (issue 18).
 //!
 //! ```text
-//!   clients: the REAL (batch) puts --\                  /-- storage nodes: models with
-//!   and read rules (removals: model)  >-- simulated --<    the REAL round rules; DRAM,
-//!   MasterCore (REAL) ---------------/    network       \   an NVMe tier on a simulated disk
-//!                          (drop, delay, reorder, duplicate, partition)
+//!   clients: the REAL (batch) puts --\                  /-- storage nodes: the REAL
+//!   and read rules (removals: model)  >-- simulated --<    round and task rules over
+//!   MasterCore (REAL) ---------------/    network       \   a model's I/O: DRAM, an
+//!                          (drop, delay, reorder,          NVMe tier on a simulated disk
+//!                           duplicate, partition)
 //!   one clock (sim ms), one event queue, one PRNG from the seed
 //! ```
 //!
@@ -23,13 +24,16 @@
 //!   ([`kvpool_transport::read`]: replica order, shares of the time left,
 //!   failover, unreachable nodes); removals are a model of
 //!   `Client::remove_with`.
-//! * Storage nodes ([`node`]) are state machines that follow the real
-//!   protocol (`kvpool_wire::proto` requests and answers, the node's tasks
-//!   and NVMe reports, pings, mounts and remounts); what a round reports,
-//!   and which copies it then removes, is the node's own code
-//!   ([`kvpool_storage_node::round`]), as is which refused `Recovered`
-//!   copies are stale. The rest is a model of `actors/storage-node`: values
-//!   are tags (put number n) and a checksum is a function of the tag.
+//! * Storage nodes ([`node`]) follow the real protocol (`kvpool_wire::proto`
+//!   requests and answers, the node's tasks and NVMe reports, pings, mounts
+//!   and remounts). What a tier task does with the copies it finds (a
+//!   Persist's found or replaced copy, a refused Promote, the copy a Drop
+//!   takes) is the node's own code ([`kvpool_storage_node::task`]), as is
+//!   what a round reports and which copies it then removes
+//!   ([`kvpool_storage_node::round`]) and which refused `Recovered` copies
+//!   are stale. The lanes, mounts and the I/O are a model of
+//!   `actors/storage-node`: values are tags (put number n), a checksum is a
+//!   function of the tag, and the tier evicts in location order.
 //! * The network, clock and disk are simulated. Node crashes lose DRAM and
 //!   the tier's index records not yet flushed (the write is torn: its copy
 //!   is gone after restart); tier writes and flushes fail at random. The
@@ -236,47 +240,11 @@ impl Faults {
     }
 }
 
-/// How the node models behave where the real node changed (issue 12).
-#[derive(Debug, Clone, Copy)]
-pub struct NodeRules {
-    /// Refuse a promotion into a DRAM segment that is not this node's (the
-    /// real node does since 2367aef; the node before it did not).
-    pub refuse_foreign_promotions: bool,
-    /// Copy a promotion only when the NVMe bytes match the object's
-    /// checksum (as the real node does since 2367aef).
-    pub check_promotion_checksum: bool,
-    /// A copy is named by its location and the write that made it (the
-    /// real tier's write sequence number), not by its location alone, as
-    /// the real node does since this simulation found seeds 3 and 442: a
-    /// Stored copy counts as still in its place after a round's flush only
-    /// when its slot holds that very copy; a refused update's copy is
-    /// removed only while its slot still holds it and no update of the
-    /// same batch that the master took names it; a stale `Recovered` copy
-    /// likewise. Off: the node before the fix (by key and slot), where
-    /// seed 3 (two Persist tasks of one key in one round, the first's copy
-    /// replaced by the second's in the same reused slot; the first is
-    /// refused and the node removes the slot the master now lists for the
-    /// second) and seed 442 with `KVPOOL_SIM_UNSUMMED=1` (a report of
-    /// every copy racing a round that replaced one in the same slot) fail.
-    pub exact_copies: bool,
-}
-
-impl Default for NodeRules {
-    fn default() -> Self {
-        Self {
-            refuse_foreign_promotions: true,
-            check_promotion_checksum: true,
-            exact_copies: true,
-        }
-    }
-}
-
 /// A run's options.
 #[derive(Debug, Clone)]
 pub struct Options {
     /// Events to run.
     pub events: usize,
-    pub nodes: NodeRules,
     /// A quarter of the clients run with `client.checksums = false` (off by
     /// default; with it the simulation found the master's demotion race
     /// and the node's report race of docs/RELIABILITY.md, seeds 798 and
@@ -288,7 +256,6 @@ impl Default for Options {
     fn default() -> Self {
         Self {
             events: 3_000,
-            nodes: NodeRules::default(),
             some_clients_without_checksums: false,
         }
     }
@@ -580,9 +547,7 @@ impl World {
             violation: None,
             trace: VecDeque::new(),
         };
-        let nodes = (0..nr_nodes)
-            .map(|i| NodeModel::new(i, opts.nodes, &mut ctx))
-            .collect();
+        let nodes = (0..nr_nodes).map(|i| NodeModel::new(i, &mut ctx)).collect();
         let clients = (0..nr_clients)
             .map(|i| {
                 let sums = !opts.some_clients_without_checksums || ctx.rng.random_ratio(3, 4);

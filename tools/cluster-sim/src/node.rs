@@ -1,6 +1,9 @@
-//! A storage node as a state machine: a MODEL of `actors/storage-node`
-//! (`node.rs` for the DRAM segment, mounts and pings; `nvme_tier.rs` for the
-//! tier's rounds), following the same protocol.
+//! A storage node as a state machine: the lanes and I/O of
+//! `actors/storage-node` as a MODEL (`node.rs` for the DRAM segment, mounts
+//! and pings; `nvme_tier.rs` for the tier's rounds), following the same
+//! protocol, around the node's REAL rules: what a tier task does with the
+//! copies it finds ([`task`]) and what a round reports and removes
+//! ([`round`]).
 //!
 //! * DRAM: the segment's ranges as written (offset -> length and value); a
 //!   write over part of a range leaves bytes of no value there. A restart
@@ -11,13 +14,15 @@
 //!   ping every [`PING_MS`] naming both segments; what the answer says the
 //!   master does not know is mounted (and the tier reported) again.
 //! * The round lane, every [`ROUND_MS`]: `NodeTasks` from every master
-//!   shard; Persist (demotion or write-through: DRAM bytes checked against
-//!   the object's checksum, then written to the tier unless the same copy
-//!   is there), Promote (the tier's bytes into the DRAM range), Drop; the
-//!   index flushed before the master hears of a copy (a failed flush turns
-//!   the round's fresh copies into `PersistFailed` and removes them); copies
-//!   the master refuses are removed; then the tier evicts past its
-//!   watermark: `Evicted` reported first, the copies removed after.
+//!   shard, each task decided by [`task`] (Persist: the DRAM bytes checked
+//!   against the object's checksum, then written unless that very copy is
+//!   there; Promote: refused into another node's segment or with other
+//!   bytes; Drop: only its key's copy at its version); the index flushed
+//!   before the master hears of a copy (a failed flush turns the round's
+//!   fresh copies into `PersistFailed` and removes them); copies the master
+//!   refuses are removed; then the tier evicts past its watermark:
+//!   `Evicted` reported first, the copies removed after. A copy is named by
+//!   its location and the write that made it, as the real tier names it.
 //! * The simulated disk: a tier write or flush fails at random; a crash
 //!   loses DRAM and every index record not flushed (that write is torn:
 //!   after the restart the copy is not there).
@@ -28,6 +33,7 @@
 use std::collections::BTreeMap;
 
 use kvpool_storage_node::round::{self, Round};
+use kvpool_storage_node::task;
 use kvpool_wire::proto::{
     segment_id_for, Endpoint, ItemResult, MasterRequest, MasterResponse, NodeTask, NvmeAttach,
     NvmeUpdate, SegmentId, SegmentSpec, Tier,
@@ -36,8 +42,8 @@ use kvpool_wire::{ErrorCode, KvError};
 use rand::Rng;
 
 use crate::{
-    sum_of, Addr, Body, Content, Ctx, Msg, NodeRules, Timer, CLIENT_TIMEOUT_MS, DRAM_BYTES,
-    PING_MS, ROUND_MS, SHARDS,
+    sum_of, Addr, Body, Content, Ctx, Msg, Timer, CLIENT_TIMEOUT_MS, DRAM_BYTES, PING_MS, ROUND_MS,
+    SHARDS,
 };
 
 /// Copies the tier holds before it evicts, and down to which it evicts.
@@ -87,19 +93,31 @@ impl TierModel {
         (1..=TIER_CAP as u64 + 1).find(|l| !self.copies.contains_key(l))
     }
 
-    /// Whether location `loc` holds copy `c` (with `exact`, the very copy;
-    /// without, any: the node before the fix of seed 3 went by location).
-    fn holds(&self, c: CopyRef, exact: bool) -> bool {
-        self.copies
-            .get(&c.0)
-            .is_some_and(|x| !exact || x.gen == c.1)
+    /// Whether location `loc` holds copy `c` (the very copy: a location
+    /// reused since holds one of a later write).
+    fn holds(&self, c: CopyRef) -> bool {
+        self.copies.get(&c.0).is_some_and(|x| x.gen == c.1)
     }
 
-    /// Removes copy `c` if its location still holds it (see `holds`).
-    fn remove_copy(&mut self, c: CopyRef, exact: bool) {
-        if self.holds(c, exact) {
+    /// Removes copy `c` if its location still holds it.
+    fn remove_copy(&mut self, c: CopyRef) {
+        if self.holds(c) {
             self.copies.remove(&c.0);
         }
+    }
+
+    /// The copy of `key` the tier holds, as a task sees it.
+    fn held(&self, key: &[u8]) -> Option<(u64, task::Held)> {
+        let l = self.lookup(key)?;
+        let c = &self.copies[&l];
+        Some((
+            l,
+            task::Held {
+                len: c.len,
+                sum: c.sum,
+                version: c.version,
+            },
+        ))
     }
 }
 
@@ -130,7 +148,6 @@ enum RoundStep {
 pub struct NodeModel {
     pub idx: usize,
     pub up: bool,
-    rules: NodeRules,
     incarnation: u64,
     client_id: u64,
     host: String,
@@ -155,7 +172,7 @@ fn endpoint(i: usize) -> Endpoint {
 }
 
 impl NodeModel {
-    pub fn new(idx: usize, rules: NodeRules, ctx: &mut Ctx) -> Self {
+    pub fn new(idx: usize, ctx: &mut Ctx) -> Self {
         let host = format!("host-{idx}");
         let has_tier = idx == 0 || ctx.rng.random_ratio(3, 4);
         let tier = has_tier.then(|| {
@@ -180,7 +197,6 @@ impl NodeModel {
         let mut n = Self {
             idx,
             up: false,
-            rules,
             incarnation: 0,
             client_id: 0,
             host,
@@ -536,13 +552,12 @@ impl NodeModel {
                 // Copies the master refuses as stale go (if still there: a
                 // round may have put another copy in the location); others
                 // stay.
-                let exact = self.rules.exact_copies;
                 let t = self.tier.as_mut().expect("reported a tier");
                 for (&c, r) in locs.iter().zip(results) {
                     match r {
                         ItemResult::Ok(()) => ctx.stats.recovered += 1,
                         ItemResult::Err(e) if round::stale(&KvError::from(e.clone())) => {
-                            t.remove_copy(c, exact);
+                            t.remove_copy(c);
                         }
                         ItemResult::Err(_) => {}
                     }
@@ -592,14 +607,12 @@ impl NodeModel {
             }
             (RoundStep::Updates { shard, round }, Ok(MasterResponse::BatchDone(results))) => {
                 // The copies the master no longer wants (the node's rule),
-                // each while its location still holds it (by location
-                // alone without `exact_copies`).
-                let exact = self.rules.exact_copies;
+                // each while its location still holds it.
                 let t = self.tier.as_mut().expect("a tier runs rounds");
                 let results: Vec<Result<(), KvError>> =
                     results.into_iter().map(Result::from).collect();
                 for c in round.refused(&results) {
-                    t.remove_copy(c, exact);
+                    t.remove_copy(c);
                 }
                 self.next_shard(shard, ctx);
             }
@@ -656,12 +669,11 @@ impl NodeModel {
     /// the master hears of them; what a failed flush or a copy gone from
     /// its place means for the reports is the node's rule ([`Round`]).
     fn flush(&mut self, round: &mut Round<CopyRef>, ctx: &mut Ctx) {
-        let exact = self.rules.exact_copies;
         let t = self.tier.as_mut().expect("a tier runs rounds");
         if ctx.rng.random_bool(ctx.faults.disk_fail) {
             ctx.stats.disk_failures += 1;
             for c in round.flush_failed(|_| true) {
-                t.remove_copy(c, exact);
+                t.remove_copy(c);
             }
             return;
         }
@@ -670,11 +682,8 @@ impl NodeModel {
         }
         // A copy no longer in its place after the flush is not reported
         // (`flush_written` looks the key up: same location, same copy).
-        // Checked by key and location alone, a later task of the round
-        // that replaced the key's copy in the same (reused) slot passes
-        // for the earlier copy; see `NodeRules::exact_copies`.
         for (i, key, c) in round.stored(|_| true) {
-            let here = t.lookup(&key) == Some(c.0) && t.holds(c, exact);
+            let here = t.lookup(&key) == Some(c.0) && t.holds(c);
             if !here {
                 round.gone(i);
             }
@@ -682,150 +691,95 @@ impl NodeModel {
     }
 
     /// Runs one task; the update to report, the copy's location and
-    /// whether this task wrote it.
+    /// whether this task wrote it. What a task does with the copies it
+    /// finds is the node's own rule ([`task`]); the I/O is the simulated
+    /// disk's.
     fn run_task(
         &mut self,
         task: NodeTask,
         ctx: &mut Ctx,
     ) -> Option<(NvmeUpdate, Option<CopyRef>, bool)> {
-        let rules = self.rules;
         ctx.note(format!("node {} runs {}", self.idx, short_task(&task)));
-        match task {
-            NodeTask::Persist {
-                key,
-                dram,
-                offset,
-                len,
-                demote,
-                checksum,
-                version,
-            } => {
-                if dram != self.dram_seg {
-                    return None;
-                }
-                let content = self.dram_read(dram, offset, len).flatten();
+        match task::job(task, self.dram_seg)? {
+            task::Job::Persist(p) => {
+                let content = self.dram_read(p.dram, p.offset, p.len).flatten();
                 let sum = sum_of(content);
-                let failed = NvmeUpdate::PersistFailed {
-                    key: key.clone(),
-                    dram,
-                    offset,
-                    demote,
-                };
-                if checksum.is_some_and(|c| c != sum) {
-                    return Some((failed, None, false));
-                }
                 let t = self.tier.as_mut().expect("tasks come to a tier");
-                let (loc, fresh) = match t.lookup(&key) {
-                    Some(l)
-                        if t.copies[&l].len == len
-                            && t.copies[&l].sum == sum
-                            && t.copies[&l].version == version =>
-                    {
+                let found = t.held(&p.key);
+                let (loc, fresh) = match p.decide(sum, found.map(|f| f.1)) {
+                    Err(_) => return Some((p.failed(), None, false)),
+                    Ok(task::Write::Found) => {
+                        let l = found.expect("a copy was found").0;
                         ((l, t.copies[&l].gen), false)
                     }
-                    old => {
-                        if let Some(l) = old {
+                    Ok(task::Write::Write { replace }) => {
+                        if let (true, Some((l, _))) = (replace, found) {
                             t.copies.remove(&l);
                         }
                         let Some(l) = t.free_loc().filter(|_| t.copies.len() < TIER_CAP) else {
-                            return Some((failed, None, false));
+                            return Some((p.failed(), None, false));
                         };
                         if ctx.rng.random_bool(ctx.faults.disk_fail) {
                             ctx.stats.disk_failures += 1;
-                            return Some((failed, None, false));
+                            return Some((p.failed(), None, false));
                         }
                         t.gen += 1;
                         t.copies.insert(
                             l,
                             Copy {
-                                key: key.clone(),
-                                len,
+                                key: p.key.clone(),
+                                len: p.len,
                                 sum,
                                 content,
                                 durable: false,
                                 gen: t.gen,
-                                version,
+                                version: p.version,
                             },
                         );
                         ((l, t.gen), true)
                     }
                 };
                 ctx.stats.stored += 1;
-                Some((
-                    NvmeUpdate::Stored {
-                        key,
-                        nvme: t.seg,
-                        loc: loc.0,
-                        len,
-                        dram,
-                        offset,
-                        demote,
-                        sum,
-                        version,
-                    },
-                    Some(loc),
-                    fresh,
-                ))
+                let seg = t.seg;
+                Some((p.stored(seg, loc.0, sum), Some(loc), fresh))
             }
-            NodeTask::Promote {
-                key,
-                loc,
-                dram,
-                offset,
-                len,
-                checksum,
-            } => {
+            task::Job::Promote(p) => {
                 let t = self.tier.as_ref().expect("tasks come to a tier");
-                let copy = t
-                    .copies
-                    .get(&loc)
-                    .filter(|c| c.len == len)
-                    .map(|c| c.content);
+                let copy = t.copies.get(&p.loc).map(|c| (c.len, c.content));
                 let ok = match copy {
-                    _ if rules.refuse_foreign_promotions && dram != self.dram_seg => false,
                     None => false,
-                    Some(c) => {
-                        let bad_sum = rules.check_promotion_checksum
-                            && checksum.is_some_and(|s| s != sum_of(c));
-                        if bad_sum || offset + len > DRAM_BYTES {
+                    Some((len, c)) => {
+                        let refused = p
+                            .target(self.dram_seg)
+                            .and_then(|()| p.check(len, DRAM_BYTES, || sum_of(c)));
+                        if refused.is_err() {
                             false
                         } else {
-                            // Into this node's own memory at that offset
-                            // (what the node before 2367aef did whatever
-                            // segment the task named).
-                            self.dram_write(offset, len, c);
+                            // Into this node's own memory at that offset.
+                            self.dram_write(p.offset, p.len, c);
                             ctx.stats.promoted += 1;
                             true
                         }
                     }
                 };
-                Some((
-                    NvmeUpdate::Promoted {
-                        key,
-                        dram,
-                        offset,
-                        ok,
-                    },
-                    None,
-                    false,
-                ))
+                Some((p.report(ok), None, false))
             }
-            NodeTask::Drop { key, loc, version } => {
+            task::Job::Drop(d) => {
                 let t = self.tier.as_mut().expect("tasks come to a tier");
                 if t.copies
-                    .get(&loc)
-                    .is_some_and(|c| c.key == key && version.is_none_or(|v| v == c.version))
+                    .get(&d.loc)
+                    .is_some_and(|c| d.takes(&c.key, c.version))
                 {
-                    t.copies.remove(&loc);
+                    t.copies.remove(&d.loc);
                 }
                 None
             }
             // The simulated master does not replicate hot objects (its
             // `hot_replicas` is 0); a node that could not reach the replica
             // it names answers this way.
-            NodeTask::Fetch {
+            task::Job::Fetch(NodeTask::Fetch {
                 key, dram, offset, ..
-            } => Some((
+            }) => Some((
                 NvmeUpdate::Promoted {
                     key,
                     dram,
@@ -835,6 +789,8 @@ impl NodeModel {
                 None,
                 false,
             )),
+            // (`task::job` wraps only Fetch tasks as `Job::Fetch`.)
+            task::Job::Fetch(_) => None,
         }
     }
 }

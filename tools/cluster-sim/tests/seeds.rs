@@ -6,16 +6,12 @@
 //! * `KVPOOL_SIM_SEEDS=<n>`: runs seeds 1..=n instead of the default 1,000.
 //! * `KVPOOL_SIM_EVENTS=<n>`: events per seed (default 3,000).
 //! * `KVPOOL_SIM_UNSUMMED=1`: a quarter of the clients without checksums.
-//! * `KVPOOL_SIM_NODE=pre-2367aef`: node models as the node was before
-//!   2367aef (no refusal of promotions into another node's segment).
-//! * `KVPOOL_SIM_NODE=by-slot`: node models that name a tier copy by its
-//!   slot alone, as the node did before the fix of seeds 3 and 442.
 
 use kvpool_cluster_sim::{run_seed, Options, Stats};
 
 /// Seeds that once failed: each runs on every test run (with more events
 /// than it failed at). 3: a node's Stored copy checked by key and slot only
-/// (`NodeRules::exact_copies`); 18, 32: the checker took an
+/// (a copy is now named by its slot and write number); 18, 32: the checker took an
 /// `Evicted` report and a put's eviction for losses; 248: the master freed
 /// a dead mount's deferred extents into the same segment mounted again;
 /// 63: a Drop queued by a removal ran after the copy was reported again and
@@ -32,7 +28,8 @@ const REGRESSIONS: &[u64] = &[3, 18, 32, 63, 248, 618, 622, 1462, 2069];
 /// Seeds that once failed with a quarter of the clients without checksums
 /// (`KVPOOL_SIM_UNSUMMED=1`). 442: a node's report of every copy after a
 /// remount raced a round that replaced a copy in the same slot, and the
-/// refusal of the old copy removed the new one (`NodeRules::exact_copies`);
+/// refusal of the old copy removed the new one (named by slot and write
+/// number now, as for seed 3);
 /// 798: the master set a replica Ready while its demotion was queued, an
 /// eviction freed the range, and the demotion copied another put's bytes;
 /// 671: a demotion queued before its object was removed ran after the key
@@ -115,17 +112,6 @@ fn options() -> Options {
     if std::env::var("KVPOOL_SIM_UNSUMMED").as_deref() == Ok("1") {
         o.some_clients_without_checksums = true;
     }
-    // The node as it was before 2367aef (for the promotion experiment of
-    // docs/RELIABILITY.md): no refusal of foreign promotions, no checksum
-    // check of promoted bytes.
-    if std::env::var("KVPOOL_SIM_NODE").as_deref() == Ok("pre-2367aef") {
-        o.nodes.refuse_foreign_promotions = false;
-        o.nodes.check_promotion_checksum = false;
-    }
-    // The node before the fix of seeds 3 and 442: copies named by slot.
-    if std::env::var("KVPOOL_SIM_NODE").as_deref() == Ok("by-slot") {
-        o.nodes.exact_copies = false;
-    }
     o
 }
 
@@ -185,7 +171,6 @@ fn past_failing_unsummed_seeds_hold() {
     let opts = Options {
         events: 10_000,
         some_clients_without_checksums: true,
-        ..options()
     };
     run_all(UNSUMMED_REGRESSIONS.iter().copied(), &opts);
 }

@@ -1,0 +1,373 @@
+//! One tier task's decisions, without I/O (issue 32): what a Persist does
+//! with the copy of its key the tier holds, which Promote the node refuses,
+//! which copy a Drop takes, and the report each task ends in. The node
+//! ([`crate::nvme_tier`]) acts on them over its tier's regions; the cluster
+//! simulation (`tools/cluster-sim`) over its simulated disk, so these rules
+//! exist once. The I/O around them (reading the DRAM bytes and their
+//! checksum, writing and removing copies, eviction when the tier is full)
+//! stays with the driver.
+//!
+//! ```text
+//!  NodeTask ──job(mine)──▶ Persist: decide(sum of the DRAM bytes, held copy)
+//!                                     ─▶ Found | Write { replace }
+//!                                   then stored(nvme, loc, sum) | failed()
+//!                          Promote: target(mine), check(copy's len, segment, sum)
+//!                                   then report(ok)
+//!                          Drop:    takes(the slot's key and version)
+//!                          Fetch:   not a tier task (crate::fetch)
+//!                          None:    a Persist of another node's segment, ignored
+//! ```
+
+use kvpool_wire::proto::{show_key, NodeTask, NvmeUpdate, SegmentId};
+use kvpool_wire::{ErrorCode, KvError};
+
+/// A copy the tier holds, as a task sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    pub len: u64,
+    pub sum: u64,
+    /// The object incarnation it is a copy of.
+    pub version: u64,
+}
+
+/// A master's task, as the node's tier runs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Job {
+    Persist(Persist),
+    Promote(Promote),
+    Drop(DropCopy),
+    /// An extra DRAM replica of a hot object: not the tier's (the node runs
+    /// it with [`crate::fetch`]).
+    Fetch(NodeTask),
+}
+
+/// The job `task` is for the node whose DRAM segment is `mine`; `None`: a
+/// Persist of another node's segment (its bytes are not here to copy; the
+/// master hands it to that node), ignored.
+pub fn job(task: NodeTask, mine: SegmentId) -> Option<Job> {
+    Some(match task {
+        NodeTask::Persist {
+            key,
+            dram,
+            offset,
+            len,
+            demote,
+            checksum,
+            version,
+        } => {
+            if dram != mine {
+                return None;
+            }
+            Job::Persist(Persist {
+                key,
+                dram,
+                offset,
+                len,
+                demote,
+                checksum,
+                version,
+            })
+        }
+        NodeTask::Promote {
+            key,
+            loc,
+            dram,
+            offset,
+            len,
+            checksum,
+        } => Job::Promote(Promote {
+            key,
+            loc,
+            dram,
+            offset,
+            len,
+            checksum,
+        }),
+        NodeTask::Drop { key, loc, version } => Job::Drop(DropCopy { key, loc, version }),
+        t @ NodeTask::Fetch { .. } => Job::Fetch(t),
+    })
+}
+
+/// Copy a DRAM range to the tier (a demotion or a write-through) as the
+/// copy of incarnation `version`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Persist {
+    pub key: Vec<u8>,
+    pub dram: SegmentId,
+    pub offset: u64,
+    pub len: u64,
+    pub demote: bool,
+    pub checksum: Option<u64>,
+    pub version: u64,
+}
+
+/// What a Persist does, given the copy of its key the tier holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Write {
+    /// That very copy is there (a write-through, then the demotion): it is
+    /// reported, not written again.
+    Found,
+    /// The bytes are written; `replace`: the key's copy there now is of an
+    /// earlier object (removed at the master, its Drop not seen yet), or of
+    /// other bytes, and goes first. It is never reported as this object's.
+    Write { replace: bool },
+}
+
+impl Persist {
+    /// What to do with the DRAM bytes read, whose checksum is `sum`, when
+    /// the tier holds `held` under the key. Bytes that do not match the
+    /// object's checksum are not copied (`Corrupt`: the range holds
+    /// something else now).
+    pub fn decide(&self, sum: u64, held: Option<Held>) -> Result<Write, KvError> {
+        if self.checksum.is_some_and(|c| c != sum) {
+            return Err(KvError::new(
+                ErrorCode::Corrupt,
+                format!(
+                    "the DRAM bytes of {} do not match the object's checksum",
+                    show_key(&self.key)
+                ),
+            ));
+        }
+        Ok(match held {
+            Some(h) if h.len == self.len && h.sum == sum && h.version == self.version => {
+                Write::Found
+            }
+            Some(_) => Write::Write { replace: true },
+            None => Write::Write { replace: false },
+        })
+    }
+
+    /// The report of the copy at packed `loc` of tier `nvme` (bytes of
+    /// checksum `sum`).
+    pub fn stored(self, nvme: SegmentId, loc: u64, sum: u64) -> NvmeUpdate {
+        NvmeUpdate::Stored {
+            key: self.key,
+            nvme,
+            loc,
+            len: self.len,
+            dram: self.dram,
+            offset: self.offset,
+            demote: self.demote,
+            sum,
+            version: self.version,
+        }
+    }
+
+    /// The report of a Persist that copied nothing.
+    pub fn failed(self) -> NvmeUpdate {
+        NvmeUpdate::PersistFailed {
+            key: self.key,
+            dram: self.dram,
+            offset: self.offset,
+            demote: self.demote,
+        }
+    }
+}
+
+/// Copy the tier's copy at packed `loc` into DRAM segment `dram` at
+/// `offset` (a range the master allocated for it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Promote {
+    pub key: Vec<u8>,
+    pub loc: u64,
+    pub dram: SegmentId,
+    pub offset: u64,
+    pub len: u64,
+    pub checksum: Option<u64>,
+}
+
+impl Promote {
+    /// Refuses a range in another node's segment (`mine` is this node's):
+    /// writing this node's memory at that offset would overwrite unrelated
+    /// objects.
+    pub fn target(&self, mine: SegmentId) -> Result<(), KvError> {
+        if self.dram != mine {
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!(
+                    "a promotion into segment {:016x}, which is not this node's ({mine:016x})",
+                    self.dram
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the copy read (`copy_len` bytes, checksum `sum`, computed
+    /// only when the object has one) may go into the range, in a segment of
+    /// `segment_len` bytes: only the object's size and bytes, and only
+    /// inside the segment.
+    pub fn check(
+        &self,
+        copy_len: u64,
+        segment_len: u64,
+        sum: impl FnOnce() -> u64,
+    ) -> Result<(), KvError> {
+        if copy_len != self.len {
+            return Err(KvError::new(
+                ErrorCode::Corrupt,
+                "promoted object has another size",
+            ));
+        }
+        if self.checksum.is_some_and(|c| c != sum()) {
+            return Err(KvError::new(
+                ErrorCode::Corrupt,
+                "the NVMe copy does not match the object's checksum",
+            ));
+        }
+        if self
+            .offset
+            .checked_add(self.len)
+            .is_none_or(|end| end > segment_len)
+        {
+            return Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!(
+                    "a promotion to {}+{} past the segment's {segment_len} bytes",
+                    self.offset, self.len
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The report: whether the bytes are in the range.
+    pub fn report(self, ok: bool) -> NvmeUpdate {
+        NvmeUpdate::Promoted {
+            key: self.key,
+            dram: self.dram,
+            offset: self.offset,
+            ok,
+        }
+    }
+}
+
+/// The object `key` was removed: drop its copy at packed `loc`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DropCopy {
+    pub key: Vec<u8>,
+    pub loc: u64,
+    /// The incarnation whose copy goes; `None` (a Drop owed from before
+    /// versions): whatever the copy's version.
+    pub version: Option<u64>,
+}
+
+impl DropCopy {
+    /// Whether the copy in the slot (of `key`, at `version`) is the one
+    /// this Drop takes. A slot that holds another key (its own copy went,
+    /// the slot was reused), or a later incarnation of the key, keeps it.
+    pub fn takes(&self, key: &[u8], version: u64) -> bool {
+        key == self.key.as_slice() && self.version.is_none_or(|v| v == version)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn persist(checksum: Option<u64>) -> Persist {
+        Persist {
+            key: b"k".to_vec(),
+            dram: 2,
+            offset: 64,
+            len: 4,
+            demote: true,
+            checksum,
+            version: 7,
+        }
+    }
+
+    fn held(len: u64, sum: u64, version: u64) -> Option<Held> {
+        Some(Held { len, sum, version })
+    }
+
+    #[test]
+    fn a_persist_reports_the_copy_it_finds_only_if_it_is_that_incarnations() {
+        let p = persist(None);
+        assert_eq!(p.decide(9, held(4, 9, 7)).unwrap(), Write::Found);
+        // The same bytes of an earlier incarnation (removed, its Drop not
+        // seen): written again, never reported as this object's.
+        assert_eq!(
+            p.decide(9, held(4, 9, 6)).unwrap(),
+            Write::Write { replace: true }
+        );
+        assert_eq!(
+            p.decide(9, held(4, 8, 7)).unwrap(),
+            Write::Write { replace: true }
+        );
+        assert_eq!(p.decide(9, None).unwrap(), Write::Write { replace: false });
+    }
+
+    #[test]
+    fn a_persist_copies_only_bytes_that_match_the_objects_checksum() {
+        let e = persist(Some(5)).decide(9, None).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Corrupt);
+        assert_eq!(
+            persist(Some(9)).decide(9, None).unwrap(),
+            Write::Write { replace: false }
+        );
+        // A persist of another node's segment is not this node's job.
+        let t = NodeTask::Persist {
+            key: b"k".to_vec(),
+            dram: 3,
+            offset: 0,
+            len: 4,
+            demote: false,
+            checksum: None,
+            version: 1,
+        };
+        assert_eq!(job(t.clone(), 2), None);
+        assert!(matches!(job(t, 3), Some(Job::Persist(_))));
+    }
+
+    #[test]
+    fn a_promotion_goes_only_into_this_nodes_segment_with_the_objects_bytes() {
+        let p = Promote {
+            key: b"k".to_vec(),
+            loc: 1,
+            dram: 2,
+            offset: 60,
+            len: 4,
+            checksum: Some(9),
+        };
+        assert_eq!(p.target(3).unwrap_err().code, ErrorCode::InvalidParams);
+        p.target(2).unwrap();
+        p.check(4, 64, || 9).unwrap();
+        assert_eq!(p.check(5, 64, || 9).unwrap_err().code, ErrorCode::Corrupt);
+        assert_eq!(p.check(4, 64, || 8).unwrap_err().code, ErrorCode::Corrupt);
+        assert_eq!(
+            p.check(4, 63, || 9).unwrap_err().code,
+            ErrorCode::InvalidParams
+        );
+        let far = Promote {
+            offset: u64::MAX,
+            ..p.clone()
+        };
+        assert_eq!(
+            far.check(4, 64, || 9).unwrap_err().code,
+            ErrorCode::InvalidParams
+        );
+        // Without a checksum the sum is not computed.
+        let unsummed = Promote {
+            checksum: None,
+            ..p
+        };
+        unsummed
+            .check(4, 64, || unreachable!("no checksum to compare"))
+            .unwrap();
+    }
+
+    #[test]
+    fn a_drop_takes_only_its_keys_copy_at_its_version() {
+        let d = DropCopy {
+            key: b"k".to_vec(),
+            loc: 1,
+            version: Some(7),
+        };
+        assert!(d.takes(b"k", 7));
+        assert!(!d.takes(b"k", 8), "a later incarnation stays");
+        assert!(!d.takes(b"j", 7), "another key in the reused slot stays");
+        let old = DropCopy { version: None, ..d };
+        assert!(old.takes(b"k", 8) && !old.takes(b"j", 8));
+    }
+}
