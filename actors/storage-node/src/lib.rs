@@ -3,6 +3,8 @@
 //!
 //! * [`node`]: the data plane on every shard (TCP, shm, RDMA set-up) and the
 //!   `StorageNode` actor that mounts, pings and mounts again.
+//! * [`control`]: when the node mounts, reports its tier, pings and mounts
+//!   again, without I/O (the actor and the simulation drive it).
 //! * [`nvme_tier`]: the NVMe tier at work (demotions, promotions, eviction,
 //!   recovery reports).
 //! * [`round`]: one NVMe round's reports without I/O (which copies the
@@ -17,6 +19,7 @@
 //! * [`mounted`]: a node started and mounted at a master as one value (the
 //!   storage role, and a process that embeds a node).
 
+pub mod control;
 pub mod fetch;
 pub mod gate;
 pub mod metrics;

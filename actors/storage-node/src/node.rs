@@ -5,7 +5,8 @@
 //!  shard i (port base+i): Write{seg,off,len} + len bytes -> read_exact straight into segment
 //!                         Read{seg,off,len} -> Data{len} + write_all straight from segment
 //!                                              (up to 16 KiB: copied behind the frame, one write)
-//!  StorageNode actor (tokio): mount at start, Ping every ping_interval, Unmount on request
+//!  StorageNode actor (tokio): mount at start, Ping every ping_interval (crate::control's
+//!                             rules), Unmount on request
 //! ```
 //!
 //! The segment is cut into per-shard slices (`slice_bytes` each); clients send
@@ -30,6 +31,7 @@ use kvpool_wire::proto::{
 use kvpool_wire::{ErrorCode, KvError, RdmaCaps, RdmaRequest, RdmaResponse};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
+use crate::control::{Ask, Lane, Outcome};
 use crate::gate::{DataGate, Handshake};
 use crate::metrics::StorageMetrics;
 use kvpool_client::Client;
@@ -682,10 +684,8 @@ pub struct StorageNodeState {
     spec: SegmentSpec,
     segment_id: SegmentId,
     nvme: Option<Arc<crate::nvme_tier::NodeNvme>>,
-    mounted: bool,
-    /// The tier is mounted but the master has not heard all it holds yet
-    /// (a report failed): the next tick reports again.
-    unreported: bool,
+    /// When to mount, report and ping (the rules, without I/O).
+    lane: Lane,
     ping_interval: Duration,
 }
 
@@ -696,50 +696,67 @@ impl StorageNodeState {
         v
     }
 
-    /// Mounts the NVMe tier and reports everything on it.
-    async fn mount_tier(&self) -> Result<(), KvError> {
-        let Some(tier) = &self.nvme else {
-            return Ok(());
-        };
-        self.client.mount_segment(tier.spec.clone()).await?;
-        tier.report_all(&self.client).await
-    }
-
-    /// Mounts again what the master does not know.
-    async fn remount(&mut self, unknown: &[SegmentId]) {
-        tracing::warn!(
-            segments = ?unknown.iter().map(|s| format!("{s:016x}")).collect::<Vec<_>>(),
-            "the master does not know this node's segments (it restarted, or declared the node dead): mounting again"
-        );
-        if unknown.contains(&self.segment_id) {
-            if let Err(e) = self.client.mount_segment(self.spec.clone()).await {
-                tracing::warn!("mounting the DRAM segment again failed: {e}");
-                return;
+    /// Makes the call the lane asks for.
+    async fn call(&self, ask: Ask) -> Result<Outcome, KvError> {
+        match (ask, &self.nvme) {
+            (Ask::MountDram, _) => {
+                self.client.mount_segment(self.spec.clone()).await?;
             }
-        }
-        if self
-            .nvme
-            .as_ref()
-            .is_some_and(|t| unknown.contains(&t.segment_id))
-        {
-            self.unreported = true;
-            self.mount_tier_and_report().await;
-        }
-    }
-
-    /// Mounts the tier and reports it; on failure, the next tick tries again.
-    async fn mount_tier_and_report(&mut self) {
-        match self.mount_tier().await {
-            Ok(()) => {
-                if self.unreported {
-                    tracing::info!("NVMe tier mounted again and its objects reported");
+            (Ask::MountTier, Some(tier)) => {
+                self.client.mount_segment(tier.spec.clone()).await?;
+            }
+            (Ask::ReportTier, Some(tier)) => tier.report_all(&self.client).await?,
+            (Ask::MountTier | Ask::ReportTier, None) => {
+                return Err(KvError::new(
+                    ErrorCode::Internal,
+                    "the lane asked for the tier of a node without one",
+                ))
+            }
+            (Ask::Ping, _) => {
+                let unknown = self.client.ping_segments(&self.owned()).await?;
+                if !unknown.is_empty() {
+                    tracing::warn!(
+                        segments = ?unknown.iter().map(|s| format!("{s:016x}")).collect::<Vec<_>>(),
+                        "the master does not know this node's segments (it restarted, or declared the node dead): mounting again"
+                    );
                 }
-                self.unreported = false;
+                return Ok(Outcome::Pong {
+                    dram_unknown: unknown.contains(&self.segment_id),
+                    tier_unknown: self
+                        .nvme
+                        .as_ref()
+                        .is_some_and(|t| unknown.contains(&t.segment_id)),
+                });
             }
-            Err(e) => {
-                self.unreported = true;
-                tracing::warn!("NVMe tier not mounted and reported yet (retrying): {e}");
-            }
+        }
+        Ok(Outcome::Done)
+    }
+
+    /// One tick of the lane: its calls, until it asks for none.
+    async fn tick(&mut self) {
+        let mut next = self.lane.tick();
+        while let Some(ask) = next {
+            let outcome = match self.call(ask).await {
+                Ok(o) => {
+                    if ask == Ask::ReportTier {
+                        tracing::info!("NVMe tier mounted again and its objects reported");
+                    }
+                    o
+                }
+                Err(e) => {
+                    match ask {
+                        Ask::Ping => tracing::warn!("ping to the master failed: {e}"),
+                        Ask::MountDram => {
+                            tracing::warn!("mounting the DRAM segment again failed: {e}")
+                        }
+                        Ask::MountTier | Ask::ReportTier => {
+                            tracing::warn!("NVMe tier not mounted and reported yet (retrying): {e}")
+                        }
+                    }
+                    Outcome::Failed
+                }
+            };
+            next = self.lane.answered(outcome);
         }
     }
 }
@@ -754,6 +771,10 @@ impl Actor for StorageNode {
         myself: ActorRef<Self::Msg>,
         args: StorageNodeArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
+        let mut lane = Lane::new(args.nvme.is_some());
+        let first = lane.tick();
+        debug_assert_eq!(first, Some(Ask::MountDram));
+        // The first mount is retried while the master is not up yet.
         let deadline = Instant::now() + args.mount_deadline;
         let segment_id = loop {
             match args.client.mount_segment(args.spec.clone()).await {
@@ -765,21 +786,25 @@ impl Actor for StorageNode {
                 Err(e) => return Err(format!("cannot mount segment: {e}").into()),
             }
         };
-        let state = StorageNodeState {
+        let mut state = StorageNodeState {
             client: args.client,
             spec: args.spec,
             segment_id,
             nvme: args.nvme,
-            mounted: true,
-            unreported: false,
+            lane,
             ping_interval: args.ping_interval,
         };
         // The tier is mounted (or mounted again, after a restart) and what
         // it holds is reported back before the node counts as started.
-        state
-            .mount_tier()
-            .await
-            .map_err(|e| format!("NVMe tier: {e}"))?;
+        let mut next = state.lane.answered(Outcome::Done);
+        while let Some(ask) = next {
+            let outcome = state
+                .call(ask)
+                .await
+                .map_err(|e| format!("NVMe tier: {e}"))?;
+            next = state.lane.answered(outcome);
+        }
+        debug_assert!(state.lane.started());
         // One tick at a time: each handled tick schedules the next, so a
         // tick slower than the interval (the master down, a long remount)
         // cannot pile ticks up in the mailbox, as `send_interval` would.
@@ -796,14 +821,7 @@ impl Actor for StorageNode {
         match msg {
             StorageNodeMsg::Tick => {
                 myself.send_after(state.ping_interval, || StorageNodeMsg::Tick);
-                if state.mounted {
-                    match state.client.ping_segments(&state.owned()).await {
-                        Ok(unknown) if !unknown.is_empty() => state.remount(&unknown).await,
-                        Ok(_) if state.unreported => state.mount_tier_and_report().await,
-                        Ok(_) => {}
-                        Err(e) => tracing::warn!("ping to the master failed: {e}"),
-                    }
-                }
+                state.tick().await;
             }
             StorageNodeMsg::Info(reply) => {
                 let _ = reply.send((state.segment_id, state.spec.clone()));
@@ -811,7 +829,7 @@ impl Actor for StorageNode {
             StorageNodeMsg::Unmount(reply) => {
                 let r = state.client.unmount_segment(state.segment_id).await;
                 if r.is_ok() {
-                    state.mounted = false;
+                    state.lane.unmounted();
                 }
                 let _ = reply.send(r);
             }

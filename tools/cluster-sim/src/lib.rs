@@ -2,8 +2,8 @@
 //!
 //! ```text
 //!   clients: the REAL (batch) puts --\                  /-- storage nodes: the REAL
-//!   and read rules (removals: model)  >-- simulated --<    round and task rules over
-//!   MasterCore (REAL) ---------------/    network       \   a model's I/O: DRAM, an
+//!   and read rules (removals: model)  >-- simulated --<    round, task and control rules
+//!   MasterCore (REAL) ---------------/    network       \   over a model's I/O: DRAM, an
 //!                          (drop, delay, reorder,          NVMe tier on a simulated disk
 //!                           duplicate, partition)
 //!   one clock (sim ms), one event queue, one PRNG from the seed
@@ -26,12 +26,13 @@
 //!   `Client::remove_with`.
 //! * Storage nodes ([`node`]) follow the real protocol (`kvpool_wire::proto`
 //!   requests and answers, the node's tasks and NVMe reports, pings, mounts
-//!   and remounts). What a tier task does with the copies it finds (a
+//!   and remounts). When a node mounts, reports its tier and pings is the
+//!   node's own code ([`kvpool_storage_node::control`]); what a tier task does with the copies it finds (a
 //!   Persist's found or replaced copy, a refused Promote, the copy a Drop
 //!   takes) is the node's own code ([`kvpool_storage_node::task`]), as is
 //!   what a round reports and which copies it then removes
 //!   ([`kvpool_storage_node::round`]) and which refused `Recovered` copies
-//!   are stale. The lanes, mounts and the I/O are a model of
+//!   are stale. The calls and the I/O are a model of
 //!   `actors/storage-node`: values are tags (put number n), a checksum is a
 //!   function of the tag, and the tier evicts in location order.
 //! * The network, clock and disk are simulated. Node crashes lose DRAM and

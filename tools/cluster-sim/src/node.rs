@@ -1,18 +1,19 @@
-//! A storage node as a state machine: the lanes and I/O of
+//! A storage node as a state machine: the calls and I/O of
 //! `actors/storage-node` as a MODEL (`node.rs` for the DRAM segment, mounts
 //! and pings; `nvme_tier.rs` for the tier's rounds), following the same
-//! protocol, around the node's REAL rules: what a tier task does with the
-//! copies it finds ([`task`]) and what a round reports and removes
-//! ([`round`]).
+//! protocol, around the node's REAL rules: when it mounts, reports and
+//! pings ([`Lane`]), what a tier task does with the copies it finds
+//! ([`task`]) and what a round reports and removes ([`round`]).
 //!
 //! * DRAM: the segment's ranges as written (offset -> length and value); a
 //!   write over part of a range leaves bytes of no value there. A restart
 //!   makes a new segment (the real name carries a random part), so the
 //!   master never takes the new memory for the old.
-//! * The ping lane: mount the DRAM segment (retried), mount the tier and
-//!   report every copy it holds (`Recovered`, index flushed first), then a
-//!   ping every [`PING_MS`] naming both segments; what the answer says the
-//!   master does not know is mounted (and the tier reported) again.
+//! * The control lane, every [`PING_MS`]: the calls [`Lane`] asks for
+//!   (mount the DRAM segment, mount the tier and report every copy it holds,
+//!   `Recovered`, index flushed first; then a ping naming both segments, and
+//!   what its answer says the master does not know mounted again); a call
+//!   without an answer by its deadline counts as failed.
 //! * The round lane, every [`ROUND_MS`]: `NodeTasks` from every master
 //!   shard, each task decided by [`task`] (Persist: the DRAM bytes checked
 //!   against the object's checksum, then written unless that very copy is
@@ -32,6 +33,7 @@
 
 use std::collections::BTreeMap;
 
+use kvpool_storage_node::control::{Ask, Lane, Outcome};
 use kvpool_storage_node::round::{self, Round};
 use kvpool_storage_node::task;
 use kvpool_wire::proto::{
@@ -131,14 +133,6 @@ pub enum Back {
 }
 
 #[derive(Debug, Clone)]
-enum PingStep {
-    MountDram { then_tier: bool },
-    MountTier,
-    Report(Vec<CopyRef>),
-    Ping,
-}
-
-#[derive(Debug, Clone)]
 enum RoundStep {
     Tasks { shard: u32 },
     Updates { shard: u32, round: Round<CopyRef> },
@@ -157,9 +151,11 @@ pub struct NodeModel {
     tier: Option<TierModel>,
     write_through: bool,
     /// Mounted and reported since the last start.
-    started: bool,
-    unreported: bool,
-    ping: Option<(u64, u64, PingStep)>,
+    /// When to mount, report and ping: the node's own rules.
+    lane: Lane,
+    /// The control lane's call out: (request id, deadline, the copies a
+    /// tier report names).
+    ping: Option<(u64, u64, Vec<CopyRef>)>,
     round: Option<(u64, u64, RoundStep)>,
 }
 
@@ -213,8 +209,7 @@ impl NodeModel {
             dram: BTreeMap::new(),
             tier,
             write_through: ctx.rng.random_ratio(1, 3),
-            started: false,
-            unreported: false,
+            lane: Lane::new(has_tier),
             ping: None,
             round: None,
         };
@@ -236,7 +231,6 @@ impl NodeModel {
         }
         self.ping = None;
         self.round = None;
-        self.started = false;
     }
 
     /// A new process: a new client id and DRAM segment; the tier as the
@@ -261,11 +255,11 @@ impl NodeModel {
             }),
         };
         self.dram.clear();
-        self.started = false;
-        self.unreported = false;
+        self.lane = Lane::new(self.tier.is_some());
         self.ping = None;
         self.round = None;
-        self.mount_dram(ctx, true);
+        let first = self.lane.tick();
+        self.drive(first, ctx);
         let inc = self.incarnation;
         ctx.timer(self.me(), PING_MS, Timer::NodePing(inc));
         ctx.timer(self.me(), ROUND_MS, Timer::NodeRound(inc));
@@ -344,9 +338,9 @@ impl NodeModel {
         .min()
     }
 
-    fn call_ping(&mut self, ctx: &mut Ctx, req: MasterRequest, step: PingStep) {
+    fn call_ping(&mut self, ctx: &mut Ctx, req: MasterRequest, copies: Vec<CopyRef>) {
         let id = ctx.ask(self.me(), req);
-        self.ping = Some((id, ctx.now + CLIENT_TIMEOUT_MS, step));
+        self.ping = Some((id, ctx.now + CLIENT_TIMEOUT_MS, copies));
         ctx.timer(self.me(), CLIENT_TIMEOUT_MS, Timer::NodeDeadline(id));
     }
 
@@ -356,40 +350,66 @@ impl NodeModel {
         ctx.timer(self.me(), CLIENT_TIMEOUT_MS, Timer::NodeDeadline(id));
     }
 
-    fn mount_dram(&mut self, ctx: &mut Ctx, then_tier: bool) {
-        let req = MasterRequest::MountSegment {
-            client_id: self.client_id,
-            spec: self.dram_spec.clone(),
-        };
-        self.call_ping(ctx, req, PingStep::MountDram { then_tier });
-    }
-
-    fn mount_tier(&mut self, ctx: &mut Ctx) {
-        let Some(t) = self.tier.as_ref() else {
-            self.started = true;
-            self.ping = None;
+    /// Makes the calls the control lane asks for, until one is out or it
+    /// asks for none.
+    fn drive(&mut self, mut next: Option<Ask>, ctx: &mut Ctx) {
+        while let Some(ask) = next {
+            let client_id = self.client_id;
+            let req = match ask {
+                Ask::MountDram => MasterRequest::MountSegment {
+                    client_id,
+                    spec: self.dram_spec.clone(),
+                },
+                Ask::MountTier => MasterRequest::MountSegment {
+                    client_id,
+                    spec: self
+                        .tier
+                        .as_ref()
+                        .expect("the lane mounts a tier")
+                        .spec
+                        .clone(),
+                },
+                Ask::ReportTier => match self.report_all(ctx) {
+                    Ok(Some((req, copies))) => {
+                        self.call_ping(ctx, req, copies);
+                        return;
+                    }
+                    // Nothing to report, or the flush failed.
+                    Ok(None) => {
+                        next = self.lane.answered(Outcome::Done);
+                        continue;
+                    }
+                    Err(()) => {
+                        next = self.lane.answered(Outcome::Failed);
+                        continue;
+                    }
+                },
+                Ask::Ping => {
+                    let mut segments = vec![self.dram_seg];
+                    segments.extend(self.tier.as_ref().map(|t| t.seg));
+                    MasterRequest::Ping {
+                        client_id,
+                        segments,
+                    }
+                }
+            };
+            self.call_ping(ctx, req, Vec::new());
             return;
-        };
-        let req = MasterRequest::MountSegment {
-            client_id: self.client_id,
-            spec: t.spec.clone(),
-        };
-        self.call_ping(ctx, req, PingStep::MountTier);
+        }
     }
 
-    /// Reports every copy (its index flushed first).
-    fn report_all(&mut self, ctx: &mut Ctx) {
-        let Some(t) = self.tier.as_mut() else { return };
+    /// The report of every copy (its index flushed first) and the copies it
+    /// names; `None` when the tier holds none; `Err` when the flush failed.
+    fn report_all(&mut self, ctx: &mut Ctx) -> Result<Option<(MasterRequest, Vec<CopyRef>)>, ()> {
+        let t = self.tier.as_mut().expect("the lane reports a tier");
         if ctx.rng.random_bool(ctx.faults.disk_fail) {
             ctx.stats.disk_failures += 1;
-            self.unreported = true;
-            self.ping = None;
-            return;
+            return Err(());
         }
         for c in t.copies.values_mut() {
             c.durable = true;
         }
-        let locs: Vec<CopyRef> = t.copies.iter().map(|(&l, c)| (l, c.gen)).collect();
+        let copies: Vec<CopyRef> = t.copies.iter().map(|(&l, c)| (l, c.gen)).collect();
         let updates: Vec<NvmeUpdate> = t
             .copies
             .iter()
@@ -403,20 +423,13 @@ impl NodeModel {
             })
             .collect();
         if updates.is_empty() {
-            self.reported(ctx);
-            return;
+            return Ok(None);
         }
         let req = MasterRequest::NvmeUpdates {
             client_id: self.client_id,
             updates,
         };
-        self.call_ping(ctx, req, PingStep::Report(locs));
-    }
-
-    fn reported(&mut self, _ctx: &mut Ctx) {
-        self.started = true;
-        self.unreported = false;
-        self.ping = None;
+        Ok(Some((req, copies)))
     }
 
     pub fn on_timer(&mut self, t: Timer, ctx: &mut Ctx) {
@@ -424,12 +437,10 @@ impl NodeModel {
             // The call timed out: its lane starts over on its next timer.
             Timer::NodeDeadline(id) => {
                 if self.ping.as_ref().is_some_and(|p| p.0 == id) {
-                    let (_, _, step) = self.ping.take().expect("checked");
-                    // A tier mount or report that may not have landed is
-                    // done again.
-                    if matches!(step, PingStep::MountTier | PingStep::Report(_)) {
-                        self.unreported = true;
-                    }
+                    // It may or may not have landed: asked again (a tier
+                    // mount or report stays owed).
+                    self.ping = None;
+                    self.lane.answered(Outcome::Failed);
                 }
                 if self.round.as_ref().is_some_and(|r| r.0 == id) {
                     self.round = None;
@@ -437,26 +448,12 @@ impl NodeModel {
             }
             Timer::NodePing(inc) if inc == self.incarnation && self.up => {
                 ctx.timer(self.me(), PING_MS, Timer::NodePing(inc));
-                if self.ping.is_some() {
-                    return;
-                }
-                if !self.started && !self.unreported {
-                    self.mount_dram(ctx, true);
-                } else if self.unreported {
-                    self.mount_tier(ctx);
-                } else {
-                    let mut segments = vec![self.dram_seg];
-                    segments.extend(self.tier.as_ref().map(|t| t.seg));
-                    let req = MasterRequest::Ping {
-                        client_id: self.client_id,
-                        segments,
-                    };
-                    self.call_ping(ctx, req, PingStep::Ping);
-                }
+                let next = self.lane.tick();
+                self.drive(next, ctx);
             }
             Timer::NodeRound(inc) if inc == self.incarnation && self.up => {
                 ctx.timer(self.me(), ROUND_MS, Timer::NodeRound(inc));
-                if self.round.is_some() || !self.started || self.tier.is_none() {
+                if self.round.is_some() || !self.lane.started() || self.tier.is_none() {
                     return;
                 }
                 self.ask_tasks(ctx, 0);
@@ -520,8 +517,8 @@ impl NodeModel {
             }
             Body::Resp { id, res } => {
                 if self.ping.as_ref().is_some_and(|p| p.0 == id) {
-                    let (_, _, step) = self.ping.take().expect("checked");
-                    return self.on_ping_answer(step, res, ctx);
+                    let (_, _, copies) = self.ping.take().expect("checked");
+                    return self.on_ping_answer(copies, res, ctx);
                 }
                 if self.round.as_ref().is_some_and(|r| r.0 == id) {
                     let (_, _, step) = self.round.take().expect("checked");
@@ -533,27 +530,24 @@ impl NodeModel {
         }
     }
 
+    /// The answer to the control lane's call: what the lane does next is
+    /// the node's rule ([`Lane`]).
     fn on_ping_answer(
         &mut self,
-        step: PingStep,
+        copies: Vec<CopyRef>,
         res: Result<MasterResponse, KvError>,
         ctx: &mut Ctx,
     ) -> Back {
-        match (step, res) {
-            (PingStep::MountDram { then_tier }, Ok(MasterResponse::Mounted { .. })) => {
-                if then_tier || !self.started {
-                    self.mount_tier(ctx);
-                }
-                return Back::Dram;
-            }
-            (PingStep::MountTier, Ok(MasterResponse::Mounted { .. })) => self.report_all(ctx),
-            (PingStep::MountTier, _) => self.unreported = self.tier.is_some(),
-            (PingStep::Report(locs), Ok(MasterResponse::BatchDone(results))) => {
+        let asked = self.lane.out().expect("a control call is out");
+        let (outcome, back) = match (asked, res) {
+            (Ask::MountDram, Ok(MasterResponse::Mounted { .. })) => (Outcome::Done, Back::Dram),
+            (Ask::MountTier, Ok(MasterResponse::Mounted { .. })) => (Outcome::Done, Back::Nothing),
+            (Ask::ReportTier, Ok(MasterResponse::BatchDone(results))) => {
                 // Copies the master refuses as stale go (if still there: a
                 // round may have put another copy in the location); others
                 // stay.
                 let t = self.tier.as_mut().expect("reported a tier");
-                for (&c, r) in locs.iter().zip(results) {
+                for (&c, r) in copies.iter().zip(results) {
                     match r {
                         ItemResult::Ok(()) => ctx.stats.recovered += 1,
                         ItemResult::Err(e) if round::stale(&KvError::from(e.clone())) => {
@@ -562,22 +556,20 @@ impl NodeModel {
                         ItemResult::Err(_) => {}
                     }
                 }
-                self.reported(ctx);
-                return Back::Tier;
+                (Outcome::Done, Back::Tier)
             }
-            (PingStep::Report(_), _) => self.unreported = true,
-            (PingStep::Ping, Ok(MasterResponse::Pong { unknown })) => {
-                let tier_unknown = self.tier.as_ref().is_some_and(|t| unknown.contains(&t.seg));
-                if unknown.contains(&self.dram_seg) {
-                    self.mount_dram(ctx, tier_unknown);
-                } else if tier_unknown {
-                    self.unreported = true;
-                    self.mount_tier(ctx);
-                }
-            }
-            _ => {}
-        }
-        Back::Nothing
+            (Ask::Ping, Ok(MasterResponse::Pong { unknown })) => (
+                Outcome::Pong {
+                    dram_unknown: unknown.contains(&self.dram_seg),
+                    tier_unknown: self.tier.as_ref().is_some_and(|t| unknown.contains(&t.seg)),
+                },
+                Back::Nothing,
+            ),
+            _ => (Outcome::Failed, Back::Nothing),
+        };
+        let next = self.lane.answered(outcome);
+        self.drive(next, ctx);
+        back
     }
 
     fn on_round_answer(
