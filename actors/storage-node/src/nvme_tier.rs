@@ -29,7 +29,7 @@ use kvpool_wire::{ErrorCode, KvError};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::metrics::StorageMetrics;
-use crate::round::Round;
+use crate::round::{Round, Step, Steps};
 use crate::task;
 use kvpool_client::Client;
 use kvpool_config::NodeError;
@@ -598,38 +598,49 @@ impl NodeNvme {
         }
     }
 
-    /// One round: tasks from every master shard, then eviction, then gauges.
-    /// Returns how many tasks ran.
+    /// One round: tasks from every master shard, then eviction, then gauges
+    /// (in the order of [`Steps`]). Returns how many tasks ran.
     pub async fn round(&self, client: &Client) -> Result<usize, KvError> {
         let mut ran = 0;
-        for shard in 0..client.cluster_map().shards.len() as u32 {
-            let req = call::NodeTasks {
-                client_id: client.id(),
-                shard,
-                segments: vec![self.dram_id, self.segment_id],
-                max: 256,
-            };
-            let tasks = client.call(req).await?;
-            let mut round = Round::default();
-            for t in tasks {
-                ran += 1;
-                if let Some((u, loc, new)) = self.run_task(client, t).await {
-                    round.ran(u, loc, new);
+        let mut steps = Steps::default();
+        let mut round = Round::default();
+        let mut step = steps.tick(client.cluster_map().shards.len() as u32);
+        while let Some(s) = step {
+            step = match s {
+                Step::Tasks(shard) => {
+                    let req = call::NodeTasks {
+                        client_id: client.id(),
+                        shard,
+                        segments: vec![self.dram_id, self.segment_id],
+                        max: 256,
+                    };
+                    let tasks = client.call(req).await?;
+                    round = Round::default();
+                    for t in tasks {
+                        ran += 1;
+                        if let Some((u, loc, new)) = self.run_task(client, t).await {
+                            round.ran(u, loc, new);
+                        }
+                    }
+                    steps.done(!round.is_empty())
                 }
-            }
-            if round.is_empty() {
-                continue;
-            }
-            self.flush_written(&mut round).await;
-            let results = self.report(client, round.take_updates()).await?;
-            // The copies the master no longer wants (object gone), each
-            // removed only while its slot still holds it.
-            for c in round.refused(&results) {
-                self.remove_copy(c).await;
-            }
-        }
-        for region in 0..self.regions {
-            self.evict_region(client, region, 0).await;
+                Step::Report(_) => {
+                    self.flush_written(&mut round).await;
+                    let results = self.report(client, round.take_updates()).await?;
+                    // The copies the master no longer wants (object gone),
+                    // each removed only while its slot still holds it.
+                    for c in round.refused(&results) {
+                        self.remove_copy(c).await;
+                    }
+                    steps.done(false)
+                }
+                Step::Evict => {
+                    for region in 0..self.regions {
+                        self.evict_region(client, region, 0).await;
+                    }
+                    steps.done(false)
+                }
+            };
         }
         let mut used = 0u64;
         let mut objects = 0u64;

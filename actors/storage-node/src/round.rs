@@ -1,16 +1,21 @@
-//! One NVMe round's reports, without I/O (issue 32): which copies the
-//! master hears of, which become `PersistFailed` after the index flush,
-//! and which the node removes once the master answered. The node
-//! ([`crate::nvme_tier`]) drives it over its tier's regions; the cluster
-//! simulation (`tools/cluster-sim`) drives the same code over its simulated
-//! disk, so these rules exist once.
+//! One NVMe round without I/O (issue 32): its order (which master shard's
+//! tasks the node asks for next, when it reports, that it evicts at the
+//! end: [`Steps`]) and its reports (which copies the master hears of, which
+//! become `PersistFailed` after the index flush, and which the node removes
+//! once the master answered: [`Round`]). The node ([`crate::nvme_tier`])
+//! drives both over its tier's regions; the cluster simulation
+//! (`tools/cluster-sim`) drives the same code over its simulated disk, so
+//! these rules exist once.
 //!
 //! ```text
-//!  tasks ran ──▶ ran(update, copy, wrote)      (Persist: Stored or PersistFailed,
-//!                                               Promote: Promoted)
-//!  index flush ─▶ ok: stored() checked, gone(i) for a copy not in its place
-//!                 failed: flush_failed(pick): the fresh copies are lost
-//!  report ──────▶ updates(); the answers ──▶ refused(results): copies to remove
+//!  Steps:  Tasks(0) ─reports?─▶ Report(0) ─▶ Tasks(1) ... Tasks(n-1) ─▶ Evict ─▶ end
+//!                   └─none────────────────▶┘           a failed call ends the round
+//!
+//!  Round:  tasks ran ──▶ ran(update, copy, wrote)      (Persist: Stored or PersistFailed,
+//!                                                       Promote: Promoted)
+//!          index flush ─▶ ok: stored() checked, gone(i) for a copy not in its place
+//!                         failed: flush_failed(pick): the fresh copies are lost
+//!          report ──────▶ updates(); the answers ──▶ refused(results): copies to remove
 //! ```
 //!
 //! A copy is named by the driver's `C` (the node's slot and write sequence
@@ -19,6 +24,71 @@
 
 use kvpool_wire::proto::NvmeUpdate;
 use kvpool_wire::KvError;
+
+/// A step of a round: a call (and, for `Report`, the index flush before it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Ask master shard `n` for this node's tasks (`NodeTasks`) and run them.
+    Tasks(u32),
+    /// Flush the index of the copies shard `n`'s tasks wrote, then report
+    /// them (`NvmeUpdates`) and remove the copies the master refused.
+    Report(u32),
+    /// Evict past the tier's watermark: `Evicted` reported first, the
+    /// copies removed after.
+    Evict,
+}
+
+/// Where a round is: the order of its steps.
+#[derive(Debug, Clone, Default)]
+pub struct Steps {
+    shards: u32,
+    out: Option<Step>,
+}
+
+impl Steps {
+    /// The step under way, if any.
+    pub fn out(&self) -> Option<Step> {
+        self.out
+    }
+
+    /// The round timer fired, with `shards` master shards: the first step
+    /// of a new round, or `None` while one is under way.
+    pub fn tick(&mut self, shards: u32) -> Option<Step> {
+        if self.out.is_some() {
+            return None;
+        }
+        self.shards = shards;
+        self.out = Some(if shards == 0 {
+            Step::Evict
+        } else {
+            Step::Tasks(0)
+        });
+        self.out
+    }
+
+    /// The step under way ended; `reports`: its tasks have something to
+    /// report (only a `Tasks` step reads it). The next step, or `None`: the
+    /// round is over.
+    pub fn done(&mut self, reports: bool) -> Option<Step> {
+        let next = match self.out.take()? {
+            Step::Tasks(n) if reports => Some(Step::Report(n)),
+            Step::Tasks(n) | Step::Report(n) => Some(if n + 1 < self.shards {
+                Step::Tasks(n + 1)
+            } else {
+                Step::Evict
+            }),
+            Step::Evict => None,
+        };
+        self.out = next;
+        next
+    }
+
+    /// The step under way failed (its call erred or got no answer): the
+    /// round ends; the next tick starts another from the first shard.
+    pub fn failed(&mut self) {
+        self.out = None;
+    }
+}
 
 /// The reports of one round's tasks and the copies they name.
 #[derive(Debug, Clone)]
@@ -188,6 +258,27 @@ mod tests {
 
     fn no() -> Result<(), KvError> {
         Err(KvError::new(ErrorCode::ObjectNotFound, "gone"))
+    }
+
+    #[test]
+    fn a_round_asks_every_shard_in_turn_reports_only_what_ran_and_evicts_last() {
+        let mut s = Steps::default();
+        assert_eq!(s.tick(2), Some(Step::Tasks(0)));
+        assert_eq!(s.tick(2), None, "one round at a time");
+        assert_eq!(s.done(true), Some(Step::Report(0)));
+        assert_eq!(s.done(false), Some(Step::Tasks(1)));
+        assert_eq!(s.done(false), Some(Step::Evict), "nothing to report");
+        assert_eq!(s.done(false), None);
+        assert_eq!(s.out(), None);
+        // A failed step ends the round; the next starts from shard 0.
+        s.tick(3);
+        s.done(false);
+        s.failed();
+        assert_eq!(s.out(), None);
+        assert_eq!(s.tick(3), Some(Step::Tasks(0)));
+        // No shard known: eviction only.
+        let mut none = Steps::default();
+        assert_eq!(none.tick(0), Some(Step::Evict));
     }
 
     #[test]

@@ -30,9 +30,9 @@
 //!   node's own code ([`kvpool_storage_node::control`]); what a tier task does with the copies it finds (a
 //!   Persist's found or replaced copy, a refused Promote, the copy a Drop
 //!   takes) is the node's own code ([`kvpool_storage_node::task`]), as is
-//!   what a round reports and which copies it then removes
-//!   ([`kvpool_storage_node::round`]) and which refused `Recovered` copies
-//!   are stale. The calls and the I/O are a model of
+//!   a round's order of steps, what it reports and which copies it then
+//!   removes ([`kvpool_storage_node::round`]) and which refused `Recovered`
+//!   copies are stale. The calls and the I/O are a model of
 //!   `actors/storage-node`: values are tags (put number n), a checksum is a
 //!   function of the tag, and the tier evicts in location order.
 //! * The network, clock and disk are simulated. Node crashes lose DRAM and

@@ -14,16 +14,17 @@
 //!   `Recovered`, index flushed first; then a ping naming both segments, and
 //!   what its answer says the master does not know mounted again); a call
 //!   without an answer by its deadline counts as failed.
-//! * The round lane, every [`ROUND_MS`]: `NodeTasks` from every master
-//!   shard, each task decided by [`task`] (Persist: the DRAM bytes checked
-//!   against the object's checksum, then written unless that very copy is
-//!   there; Promote: refused into another node's segment or with other
-//!   bytes; Drop: only its key's copy at its version); the index flushed
-//!   before the master hears of a copy (a failed flush turns the round's
-//!   fresh copies into `PersistFailed` and removes them); copies the master
-//!   refuses are removed; then the tier evicts past its watermark:
-//!   `Evicted` reported first, the copies removed after. A copy is named by
-//!   its location and the write that made it, as the real tier names it.
+//! * The round lane, every [`ROUND_MS`], in the node's own order of steps
+//!   ([`Steps`]): `NodeTasks` from every master shard, each task decided
+//!   by [`task`] (Persist: the DRAM bytes checked against the object's
+//!   checksum, then written unless that very copy is there; Promote:
+//!   refused into another node's segment or with other bytes; Drop: only
+//!   its key's copy at its version); the index flushed before the master
+//!   hears of a copy (a failed flush turns the round's fresh copies into
+//!   `PersistFailed` and removes them); copies the master refuses are
+//!   removed; then the tier evicts past its watermark: `Evicted` reported
+//!   first, the copies removed after. A copy is named by its location and
+//!   the write that made it, as the real tier names it.
 //! * The simulated disk: a tier write or flush fails at random; a crash
 //!   loses DRAM and every index record not flushed (that write is torn:
 //!   after the restart the copy is not there).
@@ -34,7 +35,7 @@
 use std::collections::BTreeMap;
 
 use kvpool_storage_node::control::{Ask, Lane, Outcome};
-use kvpool_storage_node::round::{self, Round};
+use kvpool_storage_node::round::{self, Round, Step, Steps};
 use kvpool_storage_node::task;
 use kvpool_wire::proto::{
     segment_id_for, Endpoint, ItemResult, MasterRequest, MasterResponse, NodeTask, NvmeAttach,
@@ -132,13 +133,6 @@ pub enum Back {
     Tier,
 }
 
-#[derive(Debug, Clone)]
-enum RoundStep {
-    Tasks { shard: u32 },
-    Updates { shard: u32, round: Round<CopyRef> },
-    Evicted(Vec<u64>),
-}
-
 pub struct NodeModel {
     pub idx: usize,
     pub up: bool,
@@ -150,13 +144,19 @@ pub struct NodeModel {
     dram: BTreeMap<u64, (u64, Content)>,
     tier: Option<TierModel>,
     write_through: bool,
-    /// Mounted and reported since the last start.
     /// When to mount, report and ping: the node's own rules.
     lane: Lane,
     /// The control lane's call out: (request id, deadline, the copies a
     /// tier report names).
     ping: Option<(u64, u64, Vec<CopyRef>)>,
-    round: Option<(u64, u64, RoundStep)>,
+    /// Where the tier's round is (the node's own order of steps).
+    steps: Steps,
+    /// The round's call out: (request id, deadline).
+    round: Option<(u64, u64)>,
+    /// The reports of the round's tasks, until the master answered them.
+    ran: Round<CopyRef>,
+    /// The copies an `Evicted` report out names, removed once it is answered.
+    evicting: Vec<u64>,
 }
 
 fn endpoint(i: usize) -> Endpoint {
@@ -211,7 +211,10 @@ impl NodeModel {
             write_through: ctx.rng.random_ratio(1, 3),
             lane: Lane::new(has_tier),
             ping: None,
+            steps: Steps::default(),
             round: None,
+            ran: Round::default(),
+            evicting: Vec::new(),
         };
         n.restart(ctx);
         n
@@ -231,6 +234,7 @@ impl NodeModel {
         }
         self.ping = None;
         self.round = None;
+        self.steps = Steps::default();
     }
 
     /// A new process: a new client id and DRAM segment; the tier as the
@@ -258,6 +262,7 @@ impl NodeModel {
         self.lane = Lane::new(self.tier.is_some());
         self.ping = None;
         self.round = None;
+        self.steps = Steps::default();
         let first = self.lane.tick();
         self.drive(first, ctx);
         let inc = self.incarnation;
@@ -344,9 +349,9 @@ impl NodeModel {
         ctx.timer(self.me(), CLIENT_TIMEOUT_MS, Timer::NodeDeadline(id));
     }
 
-    fn call_round(&mut self, ctx: &mut Ctx, req: MasterRequest, step: RoundStep) {
+    fn call_round(&mut self, ctx: &mut Ctx, req: MasterRequest) {
         let id = ctx.ask(self.me(), req);
-        self.round = Some((id, ctx.now + CLIENT_TIMEOUT_MS, step));
+        self.round = Some((id, ctx.now + CLIENT_TIMEOUT_MS));
         ctx.timer(self.me(), CLIENT_TIMEOUT_MS, Timer::NodeDeadline(id));
     }
 
@@ -444,6 +449,7 @@ impl NodeModel {
                 }
                 if self.round.as_ref().is_some_and(|r| r.0 == id) {
                     self.round = None;
+                    self.steps.failed();
                 }
             }
             Timer::NodePing(inc) if inc == self.incarnation && self.up => {
@@ -453,10 +459,11 @@ impl NodeModel {
             }
             Timer::NodeRound(inc) if inc == self.incarnation && self.up => {
                 ctx.timer(self.me(), ROUND_MS, Timer::NodeRound(inc));
-                if self.round.is_some() || !self.lane.started() || self.tier.is_none() {
+                if !self.lane.started() || self.tier.is_none() {
                     return;
                 }
-                self.ask_tasks(ctx, 0);
+                let first = self.steps.tick(SHARDS);
+                self.drive_round(first, ctx);
             }
             _ => {}
         }
@@ -471,7 +478,7 @@ impl NodeModel {
             segments,
             max: 16,
         };
-        self.call_round(ctx, req, RoundStep::Tasks { shard });
+        self.call_round(ctx, req);
     }
 
     /// Handles a message; what the master has of this node again by it.
@@ -521,8 +528,8 @@ impl NodeModel {
                     return self.on_ping_answer(copies, res, ctx);
                 }
                 if self.round.as_ref().is_some_and(|r| r.0 == id) {
-                    let (_, _, step) = self.round.take().expect("checked");
-                    self.on_round_answer(step, res, ctx);
+                    self.round = None;
+                    self.on_round_answer(res, ctx);
                 }
                 Back::Nothing
             }
@@ -572,62 +579,80 @@ impl NodeModel {
         back
     }
 
-    fn on_round_answer(
-        &mut self,
-        step: RoundStep,
-        res: Result<MasterResponse, KvError>,
-        ctx: &mut Ctx,
-    ) {
-        match (step, res) {
-            (RoundStep::Tasks { shard }, Ok(MasterResponse::Tasks(tasks))) => {
-                let mut round = Round::default();
+    /// Makes the calls the round's steps ask for, until one is out or the
+    /// round is over.
+    fn drive_round(&mut self, mut next: Option<Step>, ctx: &mut Ctx) {
+        while let Some(step) = next {
+            match step {
+                Step::Tasks(shard) => return self.ask_tasks(ctx, shard),
+                Step::Report(_) => {
+                    let mut ran = std::mem::take(&mut self.ran);
+                    self.flush(&mut ran, ctx);
+                    let req = MasterRequest::NvmeUpdates {
+                        client_id: self.client_id,
+                        updates: ran.take_updates(),
+                    };
+                    self.ran = ran;
+                    return self.call_round(ctx, req);
+                }
+                Step::Evict => match self.evict_pick() {
+                    Some((req, locs)) => {
+                        self.evicting = locs;
+                        return self.call_round(ctx, req);
+                    }
+                    None => next = self.steps.done(false),
+                },
+            }
+        }
+    }
+
+    /// The answer to the round's call out.
+    fn on_round_answer(&mut self, res: Result<MasterResponse, KvError>, ctx: &mut Ctx) {
+        let next = match (self.steps.out(), res) {
+            (Some(Step::Tasks(_)), Ok(MasterResponse::Tasks(tasks))) => {
+                let mut ran = Round::default();
                 for t in tasks {
                     if let Some((u, loc, new)) = self.run_task(t, ctx) {
-                        round.ran(u, loc, new);
+                        ran.ran(u, loc, new);
                     }
                 }
-                if round.is_empty() {
-                    self.next_shard(shard, ctx);
-                    return;
-                }
-                self.flush(&mut round, ctx);
-                let req = MasterRequest::NvmeUpdates {
-                    client_id: self.client_id,
-                    updates: round.take_updates(),
-                };
-                self.call_round(ctx, req, RoundStep::Updates { shard, round });
+                let reports = !ran.is_empty();
+                self.ran = ran;
+                self.steps.done(reports)
             }
-            (RoundStep::Updates { shard, round }, Ok(MasterResponse::BatchDone(results))) => {
+            (Some(Step::Report(_)), Ok(MasterResponse::BatchDone(results))) => {
                 // The copies the master no longer wants (the node's rule),
                 // each while its location still holds it.
                 let t = self.tier.as_mut().expect("a tier runs rounds");
                 let results: Vec<Result<(), KvError>> =
                     results.into_iter().map(Result::from).collect();
-                for c in round.refused(&results) {
+                for c in self.ran.refused(&results) {
                     t.remove_copy(c);
                 }
-                self.next_shard(shard, ctx);
+                self.steps.done(false)
             }
-            (RoundStep::Evicted(locs), Ok(MasterResponse::BatchDone(_))) => {
+            (Some(Step::Evict), Ok(MasterResponse::BatchDone(_))) => {
                 let t = self.tier.as_mut().expect("a tier evicts");
-                for l in locs {
+                for l in std::mem::take(&mut self.evicting) {
                     t.copies.remove(&l);
                 }
+                self.steps.done(false)
             }
             // A failed call: the round starts over on the next timer.
-            _ => {}
-        }
+            _ => {
+                self.steps.failed();
+                None
+            }
+        };
+        self.drive_round(next, ctx);
     }
 
-    fn next_shard(&mut self, shard: u32, ctx: &mut Ctx) {
-        if shard + 1 < SHARDS {
-            self.ask_tasks(ctx, shard + 1);
-            return;
-        }
-        // The round's end: evict past the watermark, reported first.
+    /// The tier's eviction past its watermark (in location order, durable
+    /// copies only): the `Evicted` report, and the copies it names.
+    fn evict_pick(&self) -> Option<(MasterRequest, Vec<u64>)> {
         let t = self.tier.as_ref().expect("a tier runs rounds");
         if t.copies.len() <= TIER_HIGH {
-            return;
+            return None;
         }
         let n = t.copies.len() - TIER_LOW;
         let pick: Vec<(u64, Vec<u8>, u64)> = t
@@ -638,7 +663,7 @@ impl NodeModel {
             .map(|(&l, c)| (l, c.key.clone(), c.version))
             .collect();
         if pick.is_empty() {
-            return;
+            return None;
         }
         let updates = pick
             .iter()
@@ -653,8 +678,7 @@ impl NodeModel {
             client_id: self.client_id,
             updates,
         };
-        let locs = pick.into_iter().map(|(l, _, _)| l).collect();
-        self.call_round(ctx, req, RoundStep::Evicted(locs));
+        Some((req, pick.into_iter().map(|(l, _, _)| l).collect()))
     }
 
     /// The index records of this round's copies go to the device before
