@@ -1132,7 +1132,9 @@ impl NvmeShard {
 
     /// Removes the copy at `loc` if `takes` says so of its key and version
     /// (a Drop's rule: a slot reused by another key, or holding a later
-    /// incarnation of the key, keeps its copy); whether it did.
+    /// incarnation of the key, keeps its copy); whether it did. `takes`
+    /// runs while the region's state is borrowed: it must not call the
+    /// shard.
     pub async fn remove_if(
         &self,
         loc: NvmeLoc,

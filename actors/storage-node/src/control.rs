@@ -8,7 +8,8 @@
 //!
 //! ```text
 //!  tick ──▶ MountDram (until the master has it) ─ok─▶ MountTier ─ok─▶ ReportTier ─ok─▶ started
-//!       └─▶ Ping (started) ─▶ Pong: DRAM unknown ─▶ MountDram ─ok─▶ (tier unknown too) MountTier ...
+//!       └─▶ Ping (started; first, even while a mount or report is owed)
+//!             ─▶ Pong: DRAM unknown ─▶ MountDram ─ok─▶ (tier unknown too) MountTier ...
 //!                                 tier unknown ─▶ MountTier ─ok─▶ ReportTier
 //!                                 nothing, a report still owed ─▶ MountTier ─ok─▶ ReportTier
 //!  a failed or unanswered call: nothing now; the next tick asks again
@@ -110,14 +111,15 @@ impl Lane {
         if self.out.is_some() || self.unmounted {
             return None;
         }
-        let ask = if self.need_dram {
-            Ask::MountDram
-        } else if self.need_tier && !self.started {
-            Ask::MountTier
-        } else {
-            // Once started, a ping goes first: it keeps the node alive at
-            // the master while a tier report is still owed.
+        let ask = if self.started {
+            // Once started, a ping goes first, even while a mount or report
+            // is owed: it keeps the node alive at the master (and clears
+            // what it marked suspect), and its answer says what to mount.
             Ask::Ping
+        } else if self.need_dram {
+            Ask::MountDram
+        } else {
+            Ask::MountTier
         };
         self.out = Some(ask);
         Some(ask)
@@ -241,8 +243,16 @@ mod tests {
         };
         assert_eq!(l.answered(both), Some(Ask::MountDram));
         assert_eq!(l.answered(Outcome::Failed), None);
-        // Still owed: the next tick mounts DRAM again, then the tier.
-        assert_eq!(l.tick(), Some(Ask::MountDram));
+        // Still owed: the next tick pings first (the node stays alive at
+        // the master), then mounts DRAM again, then the tier.
+        assert_eq!(l.tick(), Some(Ask::Ping));
+        assert_eq!(l.answered(Outcome::Failed), None, "the master away");
+        assert_eq!(l.tick(), Some(Ask::Ping));
+        let dram_gone = Outcome::Pong {
+            dram_unknown: true,
+            tier_unknown: false,
+        };
+        assert_eq!(l.answered(dram_gone), Some(Ask::MountDram));
         assert_eq!(l.answered(Outcome::Done), Some(Ask::MountTier));
         assert_eq!(l.answered(Outcome::Done), Some(Ask::ReportTier));
         assert_eq!(l.answered(Outcome::Done), None);

@@ -408,11 +408,11 @@ impl NodeNvme {
         self.shards
             .run_on(loc.region as usize, move |_| async move {
                 let v = read_local(loc, &m).await?;
-                if let Err(e) = p.check(v.len() as u64, seg.len(), || value_sum(&v)) {
-                    if e.code == ErrorCode::Corrupt {
+                if let Err(r) = p.check(v.len() as u64, seg.len(), || value_sum(&v)) {
+                    if r == task::Refusal::Checksum {
                         m.checksum_mismatches.inc();
                     }
-                    return Err(e);
+                    return Err(p.error(r));
                 }
                 seg.check_range(p.offset, p.len)
                     .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))?;

@@ -12,7 +12,7 @@
 //!                                     ─▶ Found | Write { replace }
 //!                                   then stored(nvme, loc, sum) | failed()
 //!                          Promote: target(mine), check(copy's len, segment, sum)
-//!                                   then report(ok)
+//!                                   ─▶ ok | Refusal (Size, Checksum, Range); report(ok)
 //!                          Drop:    takes(the slot's key and version)
 //!                          Fetch:   not a tier task (crate::fetch)
 //!                          None:    a Persist of another node's segment, ignored
@@ -194,41 +194,47 @@ impl Promote {
     }
 
     /// Whether the copy read (`copy_len` bytes, checksum `sum`, computed
-    /// only when the object has one) may go into the range, in a segment of
-    /// `segment_len` bytes: only the object's size and bytes, and only
-    /// inside the segment.
+    /// only when the object has one and the size is right) may go into the
+    /// range, in a segment of `segment_len` bytes: only the object's size
+    /// and bytes, and only inside the segment.
     pub fn check(
         &self,
         copy_len: u64,
         segment_len: u64,
         sum: impl FnOnce() -> u64,
-    ) -> Result<(), KvError> {
+    ) -> Result<(), Refusal> {
         if copy_len != self.len {
-            return Err(KvError::new(
-                ErrorCode::Corrupt,
-                "promoted object has another size",
-            ));
+            return Err(Refusal::Size);
         }
         if self.checksum.is_some_and(|c| c != sum()) {
-            return Err(KvError::new(
-                ErrorCode::Corrupt,
-                "the NVMe copy does not match the object's checksum",
-            ));
+            return Err(Refusal::Checksum);
         }
         if self
             .offset
             .checked_add(self.len)
             .is_none_or(|end| end > segment_len)
         {
-            return Err(KvError::new(
+            return Err(Refusal::Range { segment_len });
+        }
+        Ok(())
+    }
+
+    /// The error of a refused promotion.
+    pub fn error(&self, r: Refusal) -> KvError {
+        match r {
+            Refusal::Size => KvError::new(ErrorCode::Corrupt, "promoted object has another size"),
+            Refusal::Checksum => KvError::new(
+                ErrorCode::Corrupt,
+                "the NVMe copy does not match the object's checksum",
+            ),
+            Refusal::Range { segment_len } => KvError::new(
                 ErrorCode::InvalidParams,
                 format!(
                     "a promotion to {}+{} past the segment's {segment_len} bytes",
                     self.offset, self.len
                 ),
-            ));
+            ),
         }
-        Ok(())
     }
 
     /// The report: whether the bytes are in the range.
@@ -240,6 +246,17 @@ impl Promote {
             ok,
         }
     }
+}
+
+/// Why a promotion's bytes do not go into its range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The copy has another size than the object.
+    Size,
+    /// The copy's bytes do not match the object's checksum.
+    Checksum,
+    /// The range does not lie inside the segment.
+    Range { segment_len: u64 },
 }
 
 /// The object `key` was removed: drop its copy at packed `loc`.
@@ -295,12 +312,20 @@ mod tests {
             p.decide(9, held(4, 8, 7)).unwrap(),
             Write::Write { replace: true }
         );
+        assert_eq!(
+            p.decide(9, held(5, 9, 7)).unwrap(),
+            Write::Write { replace: true },
+            "another size"
+        );
         assert_eq!(p.decide(9, None).unwrap(), Write::Write { replace: false });
     }
 
     #[test]
     fn a_persist_copies_only_bytes_that_match_the_objects_checksum() {
         let e = persist(Some(5)).decide(9, None).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Corrupt);
+        // Even when the tier holds a copy that matches what was read.
+        let e = persist(Some(5)).decide(9, held(4, 9, 7)).unwrap_err();
         assert_eq!(e.code, ErrorCode::Corrupt);
         assert_eq!(
             persist(Some(9)).decide(9, None).unwrap(),
@@ -333,18 +358,28 @@ mod tests {
         assert_eq!(p.target(3).unwrap_err().code, ErrorCode::InvalidParams);
         p.target(2).unwrap();
         p.check(4, 64, || 9).unwrap();
-        assert_eq!(p.check(5, 64, || 9).unwrap_err().code, ErrorCode::Corrupt);
-        assert_eq!(p.check(4, 64, || 8).unwrap_err().code, ErrorCode::Corrupt);
+        // Another size is refused before the sum is computed.
         assert_eq!(
-            p.check(4, 63, || 9).unwrap_err().code,
-            ErrorCode::InvalidParams
+            p.check(5, 64, || unreachable!("the size is checked first")),
+            Err(Refusal::Size)
         );
+        assert_eq!(p.check(4, 64, || 8), Err(Refusal::Checksum));
+        assert_eq!(
+            p.check(4, 63, || 9),
+            Err(Refusal::Range { segment_len: 63 })
+        );
+        assert_eq!(p.error(Refusal::Size).code, ErrorCode::Corrupt);
+        assert_eq!(p.error(Refusal::Checksum).code, ErrorCode::Corrupt);
         let far = Promote {
             offset: u64::MAX,
             ..p.clone()
         };
         assert_eq!(
-            far.check(4, 64, || 9).unwrap_err().code,
+            far.check(4, 64, || 9),
+            Err(Refusal::Range { segment_len: 64 })
+        );
+        assert_eq!(
+            far.error(Refusal::Range { segment_len: 64 }).code,
             ErrorCode::InvalidParams
         );
         // Without a checksum the sum is not computed.

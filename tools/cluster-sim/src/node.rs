@@ -13,7 +13,9 @@
 //!   (mount the DRAM segment, mount the tier and report every copy it holds,
 //!   `Recovered`, index flushed first; then a ping naming both segments, and
 //!   what its answer says the master does not know mounted again); a call
-//!   without an answer by its deadline counts as failed.
+//!   without an answer by its deadline counts as failed. Where the real
+//!   node's start fails (its tier's first mount or report), this one goes
+//!   on retrying at each tick, as a supervisor's restart would.
 //! * The round lane, every [`ROUND_MS`], in the node's own order of steps
 //!   ([`Steps`]): `NodeTasks` from every master shard, each task decided
 //!   by [`task`] (Persist: the DRAM bytes checked against the object's
@@ -765,9 +767,10 @@ impl NodeModel {
                 let ok = match copy {
                     None => false,
                     Some((len, c)) => {
-                        let refused = p
-                            .target(self.dram_seg)
-                            .and_then(|()| p.check(len, DRAM_BYTES, || sum_of(c)));
+                        let refused = p.target(self.dram_seg).and_then(|()| {
+                            p.check(len, DRAM_BYTES, || sum_of(c))
+                                .map_err(|r| p.error(r))
+                        });
                         if refused.is_err() {
                             false
                         } else {
