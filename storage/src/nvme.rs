@@ -1311,6 +1311,24 @@ impl NvmeShard {
         self.remove(loc).await
     }
 
+    /// Takes back the eviction of the copy at `loc` (the master was not
+    /// told: it still lists the copy): readable again, its key found again,
+    /// and a candidate of a later [`NvmeShard::evict_candidates`]. Whether a
+    /// copy marked evicting was there.
+    pub fn keep(&self, loc: NvmeLoc) -> bool {
+        if self.check_loc(loc).is_err() {
+            return false;
+        }
+        let mut st = self.state.borrow_mut();
+        match st.slots[loc.slot as usize].as_mut() {
+            Some(e) if e.evicting => {
+                e.evicting = false;
+                true
+            }
+            _ => false,
+        }
+    }
+
     pub fn region(&self) -> u32 {
         self.region
     }

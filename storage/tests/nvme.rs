@@ -134,6 +134,18 @@ fn eviction_marks_victims_unreadable_and_release_frees_their_space() {
             );
             assert_eq!(t.lookup(k), None);
         }
+        // An eviction the master was not told of is taken back: the
+        // copies read again and are the next eviction's candidates again.
+        for (_, loc, _) in &victims {
+            assert!(t.keep(*loc));
+            assert!(!t.keep(*loc), "marked once");
+        }
+        for (k, loc, _) in &victims {
+            assert_eq!(t.lookup(k), Some(*loc));
+            assert!(t.read(*loc).await.is_ok(), "{k:?} readable again");
+        }
+        let again = t.evict_candidates(0);
+        assert_eq!(again, victims, "the same victims, marked again");
         let (used_before, _) = t.usage();
         for (_, loc, _) in &victims {
             t.release(*loc).await.unwrap();

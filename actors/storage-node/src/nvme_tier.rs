@@ -450,7 +450,21 @@ impl NodeNvme {
         // Reported first: the master stops handing out these replicas; only
         // then is their space released.
         if let Err(e) = self.report(client, updates).await {
-            tracing::warn!("NVMe eviction not reported ({e}); space kept until it is");
+            // The master still lists them: they stay readable and are
+            // candidates again at the next round (marked evicting, they
+            // would be neither, until a restart).
+            tracing::warn!("NVMe eviction not reported ({e}); the copies are kept");
+            let locs: Vec<NvmeLoc> = cands.iter().map(|c| c.1).collect();
+            let _ = self
+                .shards
+                .run_on(region, move |_| async move {
+                    if let Ok(t) = tier() {
+                        for loc in locs {
+                            t.keep(loc);
+                        }
+                    }
+                })
+                .await;
             return;
         }
         self.metrics.nvme_evictions.inc_by(cands.len() as u64);
