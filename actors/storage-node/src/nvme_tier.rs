@@ -358,24 +358,20 @@ impl NodeNvme {
                             KvError::new(ErrorCode::Internal, format!("no copy at {loc:?}"))
                         })
                 };
-                let found = t.lookup(&p.key);
-                let held = found.and_then(|loc| {
+                let held = t.lookup(&p.key).and_then(|loc| {
                     let (len, sum) = t.value_sum(loc)?;
                     let version = t.copy_version(loc)?;
-                    Some(task::Held { len, sum, version })
+                    Some((loc, task::Held { len, sum, version }))
                 });
                 match p.decide(sum, held) {
                     Err(e) => {
                         m.checksum_mismatches.inc();
                         Err(e)
                     }
-                    Ok(task::Write::Found) => {
-                        let loc = found.expect("a copy was found");
-                        Ok((copy(loc)?, sum, false))
-                    }
+                    Ok(task::Write::Found(loc)) => Ok((copy(loc)?, sum, false)),
                     Ok(task::Write::Write { replace }) => {
-                        if let (true, Some(loc)) = (replace, found) {
-                            t.remove(loc).await.map_err(kv)?;
+                        if let Some(old) = replace {
+                            t.remove(old).await.map_err(kv)?;
                         }
                         let started = Instant::now();
                         let loc = t

@@ -9,7 +9,7 @@
 //!
 //! ```text
 //!  NodeTask ──job(mine)──▶ Persist: decide(sum of the DRAM bytes, held copy)
-//!                                     ─▶ Found | Write { replace }
+//!                                     ─▶ Found(at) | Write { replace: Option<at> }
 //!                                   then stored(nvme, loc, sum) | failed()
 //!                          Promote: target(mine), check(copy's len, segment, sum)
 //!                                   ─▶ ok | Refusal (Size, Checksum, Range); report(ok)
@@ -101,24 +101,25 @@ pub struct Persist {
     pub version: u64,
 }
 
-/// What a Persist does, given the copy of its key the tier holds.
+/// What a Persist does, given the copy of its key the tier holds (at the
+/// driver's location `L`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Write {
+pub enum Write<L> {
     /// That very copy is there (a write-through, then the demotion): it is
     /// reported, not written again.
-    Found,
+    Found(L),
     /// The bytes are written; `replace`: the key's copy there now is of an
     /// earlier object (removed at the master, its Drop not seen yet), or of
     /// other bytes, and goes first. It is never reported as this object's.
-    Write { replace: bool },
+    Write { replace: Option<L> },
 }
 
 impl Persist {
     /// What to do with the DRAM bytes read, whose checksum is `sum`, when
-    /// the tier holds `held` under the key. Bytes that do not match the
-    /// object's checksum are not copied (`Corrupt`: the range holds
-    /// something else now).
-    pub fn decide(&self, sum: u64, held: Option<Held>) -> Result<Write, KvError> {
+    /// the tier holds `held` under the key (its location and what it is).
+    /// Bytes that do not match the object's checksum are not copied
+    /// (`Corrupt`: the range holds something else now).
+    pub fn decide<L>(&self, sum: u64, held: Option<(L, Held)>) -> Result<Write<L>, KvError> {
         if self.checksum.is_some_and(|c| c != sum) {
             return Err(KvError::new(
                 ErrorCode::Corrupt,
@@ -129,11 +130,11 @@ impl Persist {
             ));
         }
         Ok(match held {
-            Some(h) if h.len == self.len && h.sum == sum && h.version == self.version => {
-                Write::Found
+            Some((at, h)) if h.len == self.len && h.sum == sum && h.version == self.version => {
+                Write::Found(at)
             }
-            Some(_) => Write::Write { replace: true },
-            None => Write::Write { replace: false },
+            Some((at, _)) => Write::Write { replace: Some(at) },
+            None => Write::Write { replace: None },
         })
     }
 
@@ -294,42 +295,46 @@ mod tests {
         }
     }
 
-    fn held(len: u64, sum: u64, version: u64) -> Option<Held> {
-        Some(Held { len, sum, version })
+    /// A copy held at location 1.
+    fn held(len: u64, sum: u64, version: u64) -> Option<(u32, Held)> {
+        Some((1, Held { len, sum, version }))
     }
 
     #[test]
     fn a_persist_reports_the_copy_it_finds_only_if_it_is_that_incarnations() {
         let p = persist(None);
-        assert_eq!(p.decide(9, held(4, 9, 7)).unwrap(), Write::Found);
+        assert_eq!(p.decide(9, held(4, 9, 7)).unwrap(), Write::Found(1));
         // The same bytes of an earlier incarnation (removed, its Drop not
         // seen): written again, never reported as this object's.
         assert_eq!(
             p.decide(9, held(4, 9, 6)).unwrap(),
-            Write::Write { replace: true }
+            Write::Write { replace: Some(1) }
         );
         assert_eq!(
             p.decide(9, held(4, 8, 7)).unwrap(),
-            Write::Write { replace: true }
+            Write::Write { replace: Some(1) }
         );
         assert_eq!(
             p.decide(9, held(5, 9, 7)).unwrap(),
-            Write::Write { replace: true },
+            Write::Write { replace: Some(1) },
             "another size"
         );
-        assert_eq!(p.decide(9, None).unwrap(), Write::Write { replace: false });
+        assert_eq!(
+            p.decide::<u32>(9, None).unwrap(),
+            Write::Write { replace: None }
+        );
     }
 
     #[test]
     fn a_persist_copies_only_bytes_that_match_the_objects_checksum() {
-        let e = persist(Some(5)).decide(9, None).unwrap_err();
+        let e = persist(Some(5)).decide::<u32>(9, None).unwrap_err();
         assert_eq!(e.code, ErrorCode::Corrupt);
         // Even when the tier holds a copy that matches what was read.
         let e = persist(Some(5)).decide(9, held(4, 9, 7)).unwrap_err();
         assert_eq!(e.code, ErrorCode::Corrupt);
         assert_eq!(
-            persist(Some(9)).decide(9, None).unwrap(),
-            Write::Write { replace: false }
+            persist(Some(9)).decide::<u32>(9, None).unwrap(),
+            Write::Write { replace: None }
         );
         // A persist of another node's segment is not this node's job.
         let t = NodeTask::Persist {

@@ -723,16 +723,12 @@ impl NodeModel {
                 let content = self.dram_read(p.dram, p.offset, p.len).flatten();
                 let sum = sum_of(content);
                 let t = self.tier.as_mut().expect("tasks come to a tier");
-                let found = t.held(&p.key);
-                let (loc, fresh) = match p.decide(sum, found.map(|f| f.1)) {
+                let (loc, fresh) = match p.decide(sum, t.held(&p.key)) {
                     Err(_) => return Some((p.failed(), None, false)),
-                    Ok(task::Write::Found) => {
-                        let l = found.expect("a copy was found").0;
-                        ((l, t.copies[&l].gen), false)
-                    }
+                    Ok(task::Write::Found(l)) => ((l, t.copies[&l].gen), false),
                     Ok(task::Write::Write { replace }) => {
-                        if let (true, Some((l, _))) = (replace, found) {
-                            t.copies.remove(&l);
+                        if let Some(old) = replace {
+                            t.copies.remove(&old);
                         }
                         let Some(l) = t.free_loc().filter(|_| t.copies.len() < TIER_CAP) else {
                             return Some((p.failed(), None, false));
