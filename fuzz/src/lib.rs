@@ -27,9 +27,9 @@ use kvpool_wire::frame::check_answer;
 use kvpool_wire::frame::{self, AlignedVec, FrameBudget, FrameHeader, FrameKind, HEADER_LEN};
 use kvpool_wire::proto::call::{self, Call};
 use kvpool_wire::proto::{
-    ClusterMap, DataRequest, DataResponse, Endpoint, ItemResult, MasterRequest, MasterResponse,
-    MasterShardAddr, NodeTask, NvmeUpdate, ObjectInfo, PoolStat, PutDone, PutItem, PutOptions,
-    ReplicaDesc, SegmentSpec, Tier, WireError,
+    ClusterMap, DataRequest, DataResponse, DropTask, Endpoint, ItemResult, MasterRequest,
+    MasterResponse, MasterShardAddr, NodeTask, NvmeUpdate, ObjectInfo, PersistTask, PoolStat,
+    PutDone, PutItem, PutOptions, ReplicaDesc, SegmentSpec, Tier, WireError,
 };
 use kvpool_wire::route::merge_batch;
 use kvpool_wire::{ErrorCode, KvError, RdmaConnectRequest, RdmaRequest, RdmaResponse};
@@ -772,12 +772,12 @@ fn master_response_seeds() -> Vec<(&'static str, MasterResponse)> {
         (
             "tasks",
             MasterResponse::Tasks(vec![
-                NodeTask::Drop {
+                NodeTask::Drop(DropTask {
                     key: b"k".to_vec(),
                     loc: 1,
                     version: Some(7 << 32 | 1),
-                },
-                NodeTask::Persist {
+                }),
+                NodeTask::Persist(PersistTask {
                     key: b"k".to_vec(),
                     dram: 1,
                     offset: 0,
@@ -785,7 +785,7 @@ fn master_response_seeds() -> Vec<(&'static str, MasterResponse)> {
                     demote: true,
                     checksum: Some(3),
                     version: 7 << 32 | 1,
-                },
+                }),
             ]),
         ),
         ("shipped", MasterResponse::Shipped(shipped_seed())),

@@ -7,10 +7,12 @@ use std::sync::Arc;
 use kvpool_config::{MasterConfig, Placement};
 use kvpool_master::core::MasterCore;
 use kvpool_wire::proto::{
+    DropTask, FetchTask, NodeTask, NvmeAttach, NvmeUpdate, PersistTask, PromoteTask, Tier,
+};
+use kvpool_wire::proto::{
     Endpoint, ItemResult, MasterRequest as Q, MasterResponse as A, ObjectInfo, PoolStat, PutItem,
     PutOptions, ReplicaDesc, SegmentId, SegmentSpec,
 };
-use kvpool_wire::proto::{NodeTask, NvmeAttach, NvmeUpdate, Tier};
 use kvpool_wire::{ErrorCode, KvError};
 
 #[path = "master_behaviour/trust.rs"]

@@ -331,45 +331,24 @@ impl Run {
     /// holds now, refusing bytes that do not match the task's checksum.
     fn answer(&mut self, t: NodeTask) {
         match t {
-            NodeTask::Persist {
-                key,
-                dram,
-                offset,
-                len,
-                demote,
-                checksum,
-                version,
-            } => {
-                let content = self.in_dram.get(&offset).copied().flatten();
-                let matches = checksum.is_none_or(|c| c == sum_of(content));
+            NodeTask::Persist(p) => {
+                let content = self.in_dram.get(&p.offset).copied().flatten();
+                let matches = p.checksum.is_none_or(|c| c == sum_of(content));
                 if !matches || self.rng.random_ratio(1, 5) {
-                    let u = NvmeUpdate::PersistFailed {
-                        key,
-                        dram,
-                        offset,
-                        demote,
-                    };
-                    if self.update(u).is_ok() {
+                    if self.update(p.failed()).is_ok() {
                         self.seen.persist_failed += 1;
                     }
                     return;
                 }
                 let loc = self.next_loc;
                 self.next_loc += 1;
-                let u = NvmeUpdate::Stored {
-                    key: key.clone(),
-                    nvme: self.nvme,
-                    loc,
-                    len,
-                    dram,
-                    offset,
-                    demote,
-                    sum: sum_of(content),
-                    version,
-                };
+                let (key, demote) = (p.key.clone(), p.demote);
                 // The tier holds the copy whether or not the master takes it
                 // (a refused report: the node drops it, as the real one does).
-                if self.update(u).is_ok() {
+                if self
+                    .update(p.stored(self.nvme, loc, sum_of(content)))
+                    .is_ok()
+                {
                     self.on_disk.insert(loc, (key, content));
                     self.seen.stored += 1;
                     if demote {
@@ -377,30 +356,17 @@ impl Run {
                     }
                 }
             }
-            NodeTask::Promote {
-                key,
-                loc,
-                dram,
-                offset,
-                checksum,
-                ..
-            } => {
+            NodeTask::Promote(p) => {
                 // The node reads the copy and writes it into the range.
-                let copy = match self.on_disk.get(&loc) {
-                    Some((k, c)) if *k == key && checksum.is_none_or(|s| s == sum_of(*c)) => {
+                let copy = match self.on_disk.get(&p.loc) {
+                    Some((k, c)) if *k == p.key && p.checksum.is_none_or(|s| s == sum_of(*c)) => {
                         Some(*c)
                     }
                     _ => None,
                 };
                 let ok = copy.is_some() && !self.rng.random_ratio(1, 5);
-                self.in_dram.insert(offset, copy.flatten().filter(|_| ok));
-                let u = NvmeUpdate::Promoted {
-                    key,
-                    dram,
-                    offset,
-                    ok,
-                };
-                if self.update(u).is_ok() {
+                self.in_dram.insert(p.offset, copy.flatten().filter(|_| ok));
+                if self.update(p.promoted(ok)).is_ok() {
                     if ok {
                         self.seen.promoted += 1;
                     } else {
@@ -408,12 +374,12 @@ impl Run {
                     }
                 }
             }
-            NodeTask::Drop { key, loc, .. } => {
-                if self.on_disk.get(&loc).is_some_and(|(k, _)| *k == key) {
-                    self.on_disk.remove(&loc);
+            NodeTask::Drop(d) => {
+                if self.on_disk.get(&d.loc).is_some_and(|(k, _)| *k == d.key) {
+                    self.on_disk.remove(&d.loc);
                 }
             }
-            NodeTask::Fetch { .. } => panic!("hot replication is off in this model"),
+            NodeTask::Fetch(_) => panic!("hot replication is off in this model"),
         }
     }
 

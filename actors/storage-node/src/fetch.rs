@@ -21,7 +21,7 @@ use kvpool_client::Client;
 use kvpool_runtime::hash::value_sum;
 use kvpool_runtime::Shutdown;
 use kvpool_storage::Segment;
-use kvpool_wire::proto::{call, NodeTask, NvmeUpdate, ReplicaDesc, SegmentId, Tier};
+use kvpool_wire::proto::{call, FetchTask, NodeTask, NvmeUpdate, ReplicaDesc, SegmentId, Tier};
 use kvpool_wire::{ErrorCode, KvError};
 
 use crate::metrics::StorageMetrics;
@@ -39,19 +39,18 @@ pub struct FetchTarget {
 
 impl FetchTarget {
     /// Runs one `Fetch` task; returns the report the master waits for.
-    pub async fn run(&self, client: &Client, task: NodeTask) -> Option<NvmeUpdate> {
-        let NodeTask::Fetch {
-            key,
-            from,
-            dram,
-            offset,
-            len,
-            checksum,
-        } = task
-        else {
-            return None;
-        };
-        let ok = match self.fetch(client, &from, dram, offset, len, checksum).await {
+    pub async fn run(&self, client: &Client, task: FetchTask) -> NvmeUpdate {
+        let ok = match self
+            .fetch(
+                client,
+                &task.from,
+                task.dram,
+                task.offset,
+                task.len,
+                task.checksum,
+            )
+            .await
+        {
             Ok(()) => {
                 self.metrics.hot_fetches.inc();
                 true
@@ -61,12 +60,7 @@ impl FetchTarget {
                 false
             }
         };
-        Some(NvmeUpdate::Promoted {
-            key,
-            dram,
-            offset,
-            ok,
-        })
+        task.promoted(ok)
     }
 
     async fn fetch(
@@ -139,7 +133,10 @@ impl FetchTarget {
             let mut updates = Vec::new();
             for t in tasks {
                 ran += 1;
-                updates.extend(self.run(client, t).await);
+                // A node without a tier is handed only Fetch tasks.
+                if let NodeTask::Fetch(f) = t {
+                    updates.push(self.run(client, f).await);
+                }
             }
             if !updates.is_empty() {
                 let results = client

@@ -23,14 +23,15 @@ use kvpool_runtime::{ShardHandle, Shutdown};
 use kvpool_storage::nvme::{Eviction, NvmeConfig, NvmeError, NvmeLoc, NvmeShard, NvmeValue};
 use kvpool_storage::Segment;
 use kvpool_wire::proto::{
-    call, segment_id_for, Endpoint, NodeTask, NvmeUpdate, SegmentId, SegmentSpec, Tier,
+    call, segment_id_for, DropTask, Endpoint, NodeTask, NvmeUpdate, PersistTask, PromoteTask,
+    SegmentId, SegmentSpec, Tier,
 };
 use kvpool_wire::{ErrorCode, KvError};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::metrics::StorageMetrics;
 use crate::round::{Round, Step, Steps};
-use crate::task;
+use crate::task::{self, DropRule, PersistRule, PromoteRule};
 use kvpool_client::Client;
 use kvpool_config::NodeError;
 use kvpool_config::{NvmeEvictionPolicy, NvmeTierConfig};
@@ -314,12 +315,12 @@ impl NodeNvme {
     /// copy of incarnation `p.version`: which copy, their checksum, and
     /// whether this call wrote it (false: that copy was there already).
     /// What it does with the copy of the key it finds is the task's rule
-    /// ([`task::Persist::decide`]). With the region full, evicts there and
+    /// ([`task::PersistRule::decide`]). With the region full, evicts there and
     /// tries once more.
     async fn persist(
         &self,
         client: &Client,
-        p: &task::Persist,
+        p: &PersistTask,
     ) -> Result<(CopyRef, u64, bool), KvError> {
         let region = region_of(&p.key, self.regions);
         for attempt in 0..2 {
@@ -335,7 +336,7 @@ impl NodeNvme {
     }
 
     /// One try of [`NodeNvme::persist`], without the eviction.
-    async fn persist_once(&self, p: task::Persist) -> Result<(CopyRef, u64, bool), KvError> {
+    async fn persist_once(&self, p: PersistTask) -> Result<(CopyRef, u64, bool), KvError> {
         let region = region_of(&p.key, self.regions);
         let (seg, m) = (self.dram.clone(), self.metrics.clone());
         self.shards
@@ -390,8 +391,8 @@ impl NodeNvme {
 
     /// Copies an NVMe object into the DRAM range the master allocated in
     /// this node's own segment; what it refuses is the task's rule
-    /// ([`task::Promote`]).
-    async fn promote(&self, p: &task::Promote) -> Result<(), KvError> {
+    /// ([`task::PromoteRule`]).
+    async fn promote(&self, p: &PromoteTask) -> Result<(), KvError> {
         p.target(self.dram_id)?;
         let loc = NvmeLoc::unpack(p.loc);
         if loc.region as usize >= self.regions {
@@ -470,8 +471,8 @@ impl NodeNvme {
     }
 
     /// Drops the copy a removal names, if its slot still holds it (the
-    /// task's rule: [`task::DropCopy::takes`]).
-    async fn drop_copy(&self, d: task::DropCopy) {
+    /// task's rule: [`task::DropRule::takes`]).
+    async fn drop_copy(&self, d: DropTask) {
         let loc = NvmeLoc::unpack(d.loc);
         if loc.region as usize >= self.regions {
             tracing::warn!("NVMe: Drop for {loc:?}, which is no region of this tier");
@@ -529,7 +530,7 @@ impl NodeNvme {
                     dram_id: self.dram_id,
                     metrics: self.metrics.clone(),
                 };
-                target.run(client, t).await.map(|u| (u, None, false))
+                Some((target.run(client, t).await, None, false))
             }
             task::Job::Promote(p) => {
                 let ok = match self.promote(&p).await {
@@ -542,7 +543,7 @@ impl NodeNvme {
                         false
                     }
                 };
-                Some((p.report(ok), None, false))
+                Some((p.promoted(ok), None, false))
             }
         }
     }
@@ -806,7 +807,7 @@ mod tests {
         fn persist_version(&self, key: &[u8], offset: u64, version: u64) -> Ran {
             let (copy, sum, fresh) = self
                 .rt
-                .block_on(self.nvme.persist_once(task::Persist {
+                .block_on(self.nvme.persist_once(PersistTask {
                     key: key.to_vec(),
                     dram: self.nvme.dram_id,
                     offset,
@@ -991,7 +992,7 @@ mod tests {
         r.settle(vec![second], |_| Ok(()));
 
         let drop = |version: Option<u64>| {
-            r.rt.block_on(r.nvme.drop_copy(task::DropCopy {
+            r.rt.block_on(r.nvme.drop_copy(DropTask {
                 key: b"k".to_vec(),
                 loc: loc.pack(),
                 version,
@@ -1008,7 +1009,7 @@ mod tests {
         let third = r.persist_version(b"k", 0, v1);
         let loc = third.1.unwrap().loc;
         r.settle(vec![third], |_| Ok(()));
-        r.rt.block_on(r.nvme.drop_copy(task::DropCopy {
+        r.rt.block_on(r.nvme.drop_copy(DropTask {
             key: b"k".to_vec(),
             loc: loc.pack(),
             version: None,

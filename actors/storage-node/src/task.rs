@@ -1,6 +1,8 @@
 //! One tier task's decisions, without I/O (issue 32): what a Persist does
 //! with the copy of its key the tier holds, which Promote the node refuses,
-//! which copy a Drop takes, and the report each task ends in. The node
+//! which copy a Drop takes. The tasks are the wire's structs
+//! (`kvpool_wire::proto::{PersistTask, ...}`, which also build the report
+//! each task ends in); the rules are traits on them here. The node
 //! ([`crate::nvme_tier`]) acts on them over its tier's regions; the cluster
 //! simulation (`tools/cluster-sim`) over its simulated disk, so these rules
 //! exist once. The I/O around them (reading the DRAM bytes and their
@@ -12,13 +14,15 @@
 //!                                     ─▶ Found(at) | Write { replace: Option<at> }
 //!                                   then stored(nvme, loc, sum) | failed()
 //!                          Promote: target(mine), check(copy's len, segment, sum)
-//!                                   ─▶ ok | Refusal (Size, Checksum, Range); report(ok)
+//!                                   ─▶ ok | Refusal (Size, Checksum, Range); promoted(ok)
 //!                          Drop:    takes(the slot's key and version)
 //!                          Fetch:   not a tier task (crate::fetch)
 //!                          None:    a Persist of another node's segment, ignored
 //! ```
 
-use kvpool_wire::proto::{show_key, NodeTask, NvmeUpdate, SegmentId};
+use kvpool_wire::proto::{
+    show_key, DropTask, FetchTask, NodeTask, PersistTask, PromoteTask, SegmentId,
+};
 use kvpool_wire::{ErrorCode, KvError};
 
 /// A copy the tier holds, as a task sees it.
@@ -33,12 +37,12 @@ pub struct Held {
 /// A master's task, as the node's tier runs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Job {
-    Persist(Persist),
-    Promote(Promote),
-    Drop(DropCopy),
+    Persist(PersistTask),
+    Promote(PromoteTask),
+    Drop(DropTask),
     /// An extra DRAM replica of a hot object: not the tier's (the node runs
     /// it with [`crate::fetch`]).
-    Fetch(NodeTask),
+    Fetch(FetchTask),
 }
 
 /// The job `task` is for the node whose DRAM segment is `mine`; `None`: a
@@ -46,59 +50,12 @@ pub enum Job {
 /// master hands it to that node), ignored.
 pub fn job(task: NodeTask, mine: SegmentId) -> Option<Job> {
     Some(match task {
-        NodeTask::Persist {
-            key,
-            dram,
-            offset,
-            len,
-            demote,
-            checksum,
-            version,
-        } => {
-            if dram != mine {
-                return None;
-            }
-            Job::Persist(Persist {
-                key,
-                dram,
-                offset,
-                len,
-                demote,
-                checksum,
-                version,
-            })
-        }
-        NodeTask::Promote {
-            key,
-            loc,
-            dram,
-            offset,
-            len,
-            checksum,
-        } => Job::Promote(Promote {
-            key,
-            loc,
-            dram,
-            offset,
-            len,
-            checksum,
-        }),
-        NodeTask::Drop { key, loc, version } => Job::Drop(DropCopy { key, loc, version }),
-        t @ NodeTask::Fetch { .. } => Job::Fetch(t),
+        NodeTask::Persist(p) if p.dram != mine => return None,
+        NodeTask::Persist(p) => Job::Persist(p),
+        NodeTask::Promote(p) => Job::Promote(p),
+        NodeTask::Drop(d) => Job::Drop(d),
+        NodeTask::Fetch(f) => Job::Fetch(f),
     })
-}
-
-/// Copy a DRAM range to the tier (a demotion or a write-through) as the
-/// copy of incarnation `version`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Persist {
-    pub key: Vec<u8>,
-    pub dram: SegmentId,
-    pub offset: u64,
-    pub len: u64,
-    pub demote: bool,
-    pub checksum: Option<u64>,
-    pub version: u64,
 }
 
 /// What a Persist does, given the copy of its key the tier holds (at the
@@ -114,12 +71,18 @@ pub enum Write<L> {
     Write { replace: Option<L> },
 }
 
-impl Persist {
+/// A Persist's decision (a DRAM range copied to the tier, a demotion or
+/// a write-through, as the copy of incarnation `version`).
+pub trait PersistRule {
     /// What to do with the DRAM bytes read, whose checksum is `sum`, when
     /// the tier holds `held` under the key (its location and what it is).
     /// Bytes that do not match the object's checksum are not copied
     /// (`Corrupt`: the range holds something else now).
-    pub fn decide<L>(&self, sum: u64, held: Option<(L, Held)>) -> Result<Write<L>, KvError> {
+    fn decide<L>(&self, sum: u64, held: Option<(L, Held)>) -> Result<Write<L>, KvError>;
+}
+
+impl PersistRule for PersistTask {
+    fn decide<L>(&self, sum: u64, held: Option<(L, Held)>) -> Result<Write<L>, KvError> {
         if self.checksum.is_some_and(|c| c != sum) {
             return Err(KvError::new(
                 ErrorCode::Corrupt,
@@ -137,51 +100,33 @@ impl Persist {
             None => Write::Write { replace: None },
         })
     }
-
-    /// The report of the copy at packed `loc` of tier `nvme` (bytes of
-    /// checksum `sum`).
-    pub fn stored(self, nvme: SegmentId, loc: u64, sum: u64) -> NvmeUpdate {
-        NvmeUpdate::Stored {
-            key: self.key,
-            nvme,
-            loc,
-            len: self.len,
-            dram: self.dram,
-            offset: self.offset,
-            demote: self.demote,
-            sum,
-            version: self.version,
-        }
-    }
-
-    /// The report of a Persist that copied nothing.
-    pub fn failed(self) -> NvmeUpdate {
-        NvmeUpdate::PersistFailed {
-            key: self.key,
-            dram: self.dram,
-            offset: self.offset,
-            demote: self.demote,
-        }
-    }
 }
 
-/// Copy the tier's copy at packed `loc` into DRAM segment `dram` at
-/// `offset` (a range the master allocated for it).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Promote {
-    pub key: Vec<u8>,
-    pub loc: u64,
-    pub dram: SegmentId,
-    pub offset: u64,
-    pub len: u64,
-    pub checksum: Option<u64>,
-}
-
-impl Promote {
+/// A Promote's decisions (the tier's copy at packed `loc` into the range
+/// `offset..offset + len` of DRAM segment `dram` the master allocated).
+pub trait PromoteRule {
     /// Refuses a range in another node's segment (`mine` is this node's):
     /// writing this node's memory at that offset would overwrite unrelated
     /// objects.
-    pub fn target(&self, mine: SegmentId) -> Result<(), KvError> {
+    fn target(&self, mine: SegmentId) -> Result<(), KvError>;
+
+    /// Whether the copy read (`copy_len` bytes, checksum `sum`, computed
+    /// only when the object has one and the size is right) may go into the
+    /// range, in a segment of `segment_len` bytes: only the object's size
+    /// and bytes, and only inside the segment.
+    fn check(
+        &self,
+        copy_len: u64,
+        segment_len: u64,
+        sum: impl FnOnce() -> u64,
+    ) -> Result<(), Refusal>;
+
+    /// The error of a refused promotion.
+    fn error(&self, r: Refusal) -> KvError;
+}
+
+impl PromoteRule for PromoteTask {
+    fn target(&self, mine: SegmentId) -> Result<(), KvError> {
         if self.dram != mine {
             return Err(KvError::new(
                 ErrorCode::InvalidParams,
@@ -194,11 +139,7 @@ impl Promote {
         Ok(())
     }
 
-    /// Whether the copy read (`copy_len` bytes, checksum `sum`, computed
-    /// only when the object has one and the size is right) may go into the
-    /// range, in a segment of `segment_len` bytes: only the object's size
-    /// and bytes, and only inside the segment.
-    pub fn check(
+    fn check(
         &self,
         copy_len: u64,
         segment_len: u64,
@@ -220,8 +161,7 @@ impl Promote {
         Ok(())
     }
 
-    /// The error of a refused promotion.
-    pub fn error(&self, r: Refusal) -> KvError {
+    fn error(&self, r: Refusal) -> KvError {
         match r {
             Refusal::Size => KvError::new(ErrorCode::Corrupt, "promoted object has another size"),
             Refusal::Checksum => KvError::new(
@@ -237,16 +177,6 @@ impl Promote {
             ),
         }
     }
-
-    /// The report: whether the bytes are in the range.
-    pub fn report(self, ok: bool) -> NvmeUpdate {
-        NvmeUpdate::Promoted {
-            key: self.key,
-            dram: self.dram,
-            offset: self.offset,
-            ok,
-        }
-    }
 }
 
 /// Why a promotion's bytes do not go into its range.
@@ -260,21 +190,19 @@ pub enum Refusal {
     Range { segment_len: u64 },
 }
 
-/// The object `key` was removed: drop its copy at packed `loc`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DropCopy {
-    pub key: Vec<u8>,
-    pub loc: u64,
-    /// The incarnation whose copy goes; `None` (a Drop owed from before
-    /// versions): whatever the copy's version.
-    pub version: Option<u64>,
-}
-
-impl DropCopy {
+/// A Drop's decision (the object `key` was removed: its copy at packed
+/// `loc` goes).
+pub trait DropRule {
     /// Whether the copy in the slot (of `key`, at `version`) is the one
     /// this Drop takes. A slot that holds another key (its own copy went,
     /// the slot was reused), or a later incarnation of the key, keeps it.
-    pub fn takes(&self, key: &[u8], version: u64) -> bool {
+    /// A Drop without a version (owed from before versions) takes the
+    /// key's copy whatever its version.
+    fn takes(&self, key: &[u8], version: u64) -> bool;
+}
+
+impl DropRule for DropTask {
+    fn takes(&self, key: &[u8], version: u64) -> bool {
         key == self.key.as_slice() && self.version.is_none_or(|v| v == version)
     }
 }
@@ -283,8 +211,8 @@ impl DropCopy {
 mod tests {
     use super::*;
 
-    fn persist(checksum: Option<u64>) -> Persist {
-        Persist {
+    fn persist(checksum: Option<u64>) -> PersistTask {
+        PersistTask {
             key: b"k".to_vec(),
             dram: 2,
             offset: 64,
@@ -337,7 +265,7 @@ mod tests {
             Write::Write { replace: None }
         );
         // A persist of another node's segment is not this node's job.
-        let t = NodeTask::Persist {
+        let t = NodeTask::Persist(PersistTask {
             key: b"k".to_vec(),
             dram: 3,
             offset: 0,
@@ -345,14 +273,14 @@ mod tests {
             demote: false,
             checksum: None,
             version: 1,
-        };
+        });
         assert_eq!(job(t.clone(), 2), None);
         assert!(matches!(job(t, 3), Some(Job::Persist(_))));
     }
 
     #[test]
     fn a_promotion_goes_only_into_this_nodes_segment_with_the_objects_bytes() {
-        let p = Promote {
+        let p = PromoteTask {
             key: b"k".to_vec(),
             loc: 1,
             dram: 2,
@@ -375,7 +303,7 @@ mod tests {
         );
         assert_eq!(p.error(Refusal::Size).code, ErrorCode::Corrupt);
         assert_eq!(p.error(Refusal::Checksum).code, ErrorCode::Corrupt);
-        let far = Promote {
+        let far = PromoteTask {
             offset: u64::MAX,
             ..p.clone()
         };
@@ -388,7 +316,7 @@ mod tests {
             ErrorCode::InvalidParams
         );
         // Without a checksum the sum is not computed.
-        let unsummed = Promote {
+        let unsummed = PromoteTask {
             checksum: None,
             ..p
         };
@@ -399,7 +327,7 @@ mod tests {
 
     #[test]
     fn a_drop_takes_only_its_keys_copy_at_its_version() {
-        let d = DropCopy {
+        let d = DropTask {
             key: b"k".to_vec(),
             loc: 1,
             version: Some(7),
@@ -407,7 +335,7 @@ mod tests {
         assert!(d.takes(b"k", 7));
         assert!(!d.takes(b"k", 8), "a later incarnation stays");
         assert!(!d.takes(b"j", 7), "another key in the reused slot stays");
-        let old = DropCopy { version: None, ..d };
+        let old = DropTask { version: None, ..d };
         assert!(old.takes(b"k", 8) && !old.takes(b"j", 8));
     }
 }

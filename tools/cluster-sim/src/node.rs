@@ -38,7 +38,7 @@ use std::collections::BTreeMap;
 
 use kvpool_storage_node::control::{Ask, Lane, Outcome};
 use kvpool_storage_node::round::{self, Round, Step, Steps};
-use kvpool_storage_node::task;
+use kvpool_storage_node::task::{self, DropRule, PersistRule, PromoteRule};
 use kvpool_wire::proto::{
     segment_id_for, Endpoint, ItemResult, MasterRequest, MasterResponse, NodeTask, NvmeAttach,
     NvmeUpdate, SegmentId, SegmentSpec, Tier,
@@ -777,7 +777,7 @@ impl NodeModel {
                         }
                     }
                 };
-                Some((p.report(ok), None, false))
+                Some((p.promoted(ok), None, false))
             }
             task::Job::Drop(d) => {
                 let t = self.tier.as_mut().expect("tasks come to a tier");
@@ -792,46 +792,22 @@ impl NodeModel {
             // The simulated master does not replicate hot objects (its
             // `hot_replicas` is 0); a node that could not reach the replica
             // it names answers this way.
-            task::Job::Fetch(NodeTask::Fetch {
-                key, dram, offset, ..
-            }) => Some((
-                NvmeUpdate::Promoted {
-                    key,
-                    dram,
-                    offset,
-                    ok: false,
-                },
-                None,
-                false,
-            )),
-            // (`task::job` wraps only Fetch tasks as `Job::Fetch`.)
-            task::Job::Fetch(_) => None,
+            task::Job::Fetch(f) => Some((f.promoted(false), None, false)),
         }
     }
 }
 
 fn short_task(t: &NodeTask) -> String {
+    let key = |k: &[u8]| String::from_utf8_lossy(k).into_owned();
     match t {
-        NodeTask::Persist {
-            key,
-            offset,
-            demote,
-            ..
-        } => format!(
-            "Persist {} from {offset} demote {demote}",
-            String::from_utf8_lossy(key)
+        NodeTask::Persist(p) => format!(
+            "Persist {} from {} demote {}",
+            key(&p.key),
+            p.offset,
+            p.demote
         ),
-        NodeTask::Promote {
-            key, loc, offset, ..
-        } => format!(
-            "Promote {} loc {loc} to {offset}",
-            String::from_utf8_lossy(key)
-        ),
-        NodeTask::Drop { key, loc, .. } => {
-            format!("Drop {} loc {loc}", String::from_utf8_lossy(key))
-        }
-        NodeTask::Fetch { key, offset, .. } => {
-            format!("Fetch {} to {offset}", String::from_utf8_lossy(key))
-        }
+        NodeTask::Promote(p) => format!("Promote {} loc {} to {}", key(&p.key), p.loc, p.offset),
+        NodeTask::Drop(d) => format!("Drop {} loc {}", key(&d.key), d.loc),
+        NodeTask::Fetch(f) => format!("Fetch {} to {}", key(&f.key), f.offset),
     }
 }

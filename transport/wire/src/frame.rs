@@ -36,7 +36,9 @@ pub const MAGIC: [u8; 4] = *b"KVPL";
 /// (`Follow`, `Shipped`), data connections' proof of the secret, hot
 /// replicas' fetch tasks, `ClusterMap::max_batch`.
 /// 5: copy versions in `Persist`, `Drop`, `Stored`, `Evicted`, `Recovered`.
-pub const VERSION: u8 = 5;
+/// 6: each `NodeTask` variant holds a struct (`PersistTask`, `PromoteTask`,
+/// `DropTask`, `FetchTask`): the archived layout changed.
+pub const VERSION: u8 = 6;
 pub const HEADER_LEN: usize = 24;
 
 /// What a frame's payload is.

@@ -141,50 +141,116 @@ pub struct NvmeAttach {
 /// Work the master asks a storage node to do (it polls for it).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 pub enum NodeTask {
-    /// Copy the object at `offset` of DRAM segment `dram` to the NVMe tier.
-    /// `demote`: the DRAM copy goes once the NVMe copy is in (eviction).
-    Persist {
-        key: Vec<u8>,
-        dram: SegmentId,
-        offset: u64,
-        len: u64,
-        demote: bool,
-        /// The object's checksum: the node copies only bytes that match it.
-        checksum: Option<u64>,
-        /// The object incarnation's version: the copy carries it.
-        version: u64,
-    },
-    /// Copy the NVMe object at `loc` into DRAM segment `dram` at `offset`.
-    Promote {
-        key: Vec<u8>,
-        loc: u64,
-        dram: SegmentId,
-        offset: u64,
-        len: u64,
-        /// The object's checksum: the node copies only bytes that match it.
-        checksum: Option<u64>,
-    },
-    /// The object `key` was removed: drop its NVMe copy at `loc` (if that
-    /// copy is still `key`'s, at `version` when given; `None`: whatever its
-    /// version, a Drop owed from before versions). Queued with the node's
-    /// other tasks, in order.
-    Drop {
-        key: Vec<u8>,
-        loc: u64,
-        version: Option<u64>,
-    },
-    /// Copy the object from one of `from` (DRAM replicas on other nodes,
-    /// with read grants) into DRAM segment `dram` at `offset`: an extra
-    /// replica of a hot object. Answered like a promotion (`Promoted`).
-    Fetch {
-        key: Vec<u8>,
-        from: Vec<ReplicaDesc>,
-        dram: SegmentId,
-        offset: u64,
-        len: u64,
-        /// The object's checksum: the node copies only bytes that match it.
-        checksum: u64,
-    },
+    Persist(PersistTask),
+    Promote(PromoteTask),
+    Drop(DropTask),
+    Fetch(FetchTask),
+}
+
+/// Copy the object at `offset` of DRAM segment `dram` to the NVMe tier.
+/// `demote`: the DRAM copy goes once the NVMe copy is in (eviction).
+/// Answered by `Stored` or `PersistFailed`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct PersistTask {
+    pub key: Vec<u8>,
+    pub dram: SegmentId,
+    pub offset: u64,
+    pub len: u64,
+    pub demote: bool,
+    /// The object's checksum: the node copies only bytes that match it.
+    pub checksum: Option<u64>,
+    /// The object incarnation's version: the copy carries it.
+    pub version: u64,
+}
+
+impl PersistTask {
+    /// The answer: the copy is at packed `loc` of tier `nvme`, its bytes of
+    /// checksum `sum`.
+    pub fn stored(self, nvme: SegmentId, loc: u64, sum: u64) -> NvmeUpdate {
+        NvmeUpdate::Stored {
+            key: self.key,
+            nvme,
+            loc,
+            len: self.len,
+            dram: self.dram,
+            offset: self.offset,
+            demote: self.demote,
+            sum,
+            version: self.version,
+        }
+    }
+
+    /// The answer when nothing was copied.
+    pub fn failed(self) -> NvmeUpdate {
+        NvmeUpdate::PersistFailed {
+            key: self.key,
+            dram: self.dram,
+            offset: self.offset,
+            demote: self.demote,
+        }
+    }
+}
+
+/// Copy the NVMe object at `loc` into DRAM segment `dram` at `offset`.
+/// Answered by `Promoted`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct PromoteTask {
+    pub key: Vec<u8>,
+    pub loc: u64,
+    pub dram: SegmentId,
+    pub offset: u64,
+    pub len: u64,
+    /// The object's checksum: the node copies only bytes that match it.
+    pub checksum: Option<u64>,
+}
+
+impl PromoteTask {
+    /// The answer: whether the bytes are in the range.
+    pub fn promoted(self, ok: bool) -> NvmeUpdate {
+        promoted(self.key, self.dram, self.offset, ok)
+    }
+}
+
+/// The object `key` was removed: drop its NVMe copy at `loc` (if that copy
+/// is still `key`'s, at `version` when given; `None`: whatever its version,
+/// a Drop owed from before versions). Queued with the node's other tasks,
+/// in order; not answered.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct DropTask {
+    pub key: Vec<u8>,
+    pub loc: u64,
+    pub version: Option<u64>,
+}
+
+/// Copy the object from one of `from` (DRAM replicas on other nodes, with
+/// read grants) into DRAM segment `dram` at `offset`: an extra replica of
+/// a hot object. Answered like a promotion (`Promoted`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct FetchTask {
+    pub key: Vec<u8>,
+    pub from: Vec<ReplicaDesc>,
+    pub dram: SegmentId,
+    pub offset: u64,
+    pub len: u64,
+    /// The object's checksum: the node copies only bytes that match it.
+    pub checksum: u64,
+}
+
+impl FetchTask {
+    /// The answer: whether the bytes are in the range.
+    pub fn promoted(self, ok: bool) -> NvmeUpdate {
+        promoted(self.key, self.dram, self.offset, ok)
+    }
+}
+
+/// The answer of a promotion or a fetch into `dram` at `offset`.
+fn promoted(key: Vec<u8>, dram: SegmentId, offset: u64, ok: bool) -> NvmeUpdate {
+    NvmeUpdate::Promoted {
+        key,
+        dram,
+        offset,
+        ok,
+    }
 }
 
 /// What a storage node reports about its NVMe tier (batched, by key).

@@ -23,7 +23,7 @@
 //!   once its lease ends, and dropped (never demoted). It is memory only:
 //!   the state directory records it as a plain replica.
 
-use kvpool_wire::proto::{NodeTask, ReplicaDesc, Tier};
+use kvpool_wire::proto::{FetchTask, NodeTask, ReplicaDesc, Tier};
 
 use super::*;
 
@@ -163,14 +163,14 @@ impl ShardState {
         .into_iter()
         .filter(|d| d.tier == Tier::Dram)
         .collect();
-        let task = NodeTask::Fetch {
+        let task = NodeTask::Fetch(FetchTask {
             key: self.objs.key(id).to_vec(),
             from,
             dram: self.slot(idx).id,
             offset,
             len: size,
             checksum,
-        };
+        });
         let seg = self.slot(idx).id;
         self.tasks.entry(seg).or_default().push_back(task);
         self.objs

@@ -56,8 +56,9 @@ use kvpool_storage::alloc::RangeAllocator;
 use kvpool_storage::segment::SEGMENT_ALIGN;
 use kvpool_wire::auth::{ClusterKey, Grant, GrantOp};
 use kvpool_wire::proto::{
-    ClientId, ItemResult, MasterRequest, MasterResponse, NodeTask, NvmeUpdate, ObjectInfo, PutItem,
-    PutOptions, ReplicaDesc, SegmentId, SegmentSpec, Tier,
+    ClientId, DropTask, ItemResult, MasterRequest, MasterResponse, NodeTask, NvmeUpdate,
+    ObjectInfo, PersistTask, PromoteTask, PutItem, PutOptions, ReplicaDesc, SegmentId, SegmentSpec,
+    Tier,
 };
 use kvpool_wire::{ErrorCode, KvError};
 use rand::{Rng, SeedableRng};

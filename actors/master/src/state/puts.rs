@@ -275,7 +275,7 @@ impl ShardState {
             let version = obj.stored().version;
             let q = self.tasks.entry(seg).or_default();
             if q.len() < MAX_TASKS_PER_SEGMENT {
-                q.push_back(NodeTask::Persist {
+                q.push_back(NodeTask::Persist(PersistTask {
                     key: key.to_vec(),
                     dram: seg,
                     offset,
@@ -283,7 +283,7 @@ impl ShardState {
                     demote: false,
                     checksum,
                     version,
-                });
+                }));
             }
         }
         Ok(())

@@ -206,7 +206,7 @@ impl ShardState {
         let extra = obj.replicas[pos].extra;
         if tiered && queue_room && !extra && !has_nvme(&self.slots, obj) {
             // Demote: the node copies it to NVMe, then the DRAM replica goes.
-            let task = NodeTask::Persist {
+            let task = NodeTask::Persist(PersistTask {
                 key: self.objs.key(id).to_vec(),
                 dram: seg_id,
                 offset: obj.replicas[pos].offset,
@@ -214,7 +214,7 @@ impl ShardState {
                 demote: true,
                 checksum: obj.checksum(),
                 version: obj.stored().version,
-            };
+            });
             self.objs
                 .update(id, |o| o.replicas[pos].state = ReplicaState::Demoting);
             self.slot_mut(idx).demoting += demoting_extent(size);

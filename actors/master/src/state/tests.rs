@@ -2,14 +2,16 @@ use super::*;
 
 #[test]
 fn a_task_queue_knows_which_drops_wait_in_it() {
-    let drop = |k: &[u8], loc| NodeTask::Drop {
-        key: k.to_vec(),
-        loc,
-        version: None,
+    let drop = |k: &[u8], loc| {
+        NodeTask::Drop(DropTask {
+            key: k.to_vec(),
+            loc,
+            version: None,
+        })
     };
     let mut q = TaskQueue::default();
     q.push_back(drop(b"a", 7));
-    q.push_back(NodeTask::Persist {
+    q.push_back(NodeTask::Persist(PersistTask {
         key: b"a".to_vec(),
         dram: 1,
         offset: 0,
@@ -17,7 +19,7 @@ fn a_task_queue_knows_which_drops_wait_in_it() {
         demote: false,
         checksum: None,
         version: 0,
-    });
+    }));
     q.push_back(drop(b"a", 7));
     q.push_back(drop(b"b", 7));
     assert!(q.has_drop(b"a", 7) && q.has_drop(b"b", 7));

@@ -45,15 +45,15 @@ impl TaskQueue {
 
     /// Counts `t` in the index of Drops, if it is one.
     fn index(&mut self, t: &NodeTask) {
-        if let NodeTask::Drop { key, loc, .. } = t {
-            *self.drops.entry((key.clone(), *loc)).or_default() += 1;
+        if let NodeTask::Drop(d) = t {
+            *self.drops.entry((d.key.clone(), d.loc)).or_default() += 1;
         }
     }
 
     pub fn pop_front(&mut self) -> Option<NodeTask> {
         let t = self.q.pop_front()?;
-        if let NodeTask::Drop { key, loc, .. } = &t {
-            let k = (key.clone(), *loc);
+        if let NodeTask::Drop(d) = &t {
+            let k = (d.key.clone(), d.loc);
             match self.drops.get_mut(&k) {
                 Some(n) if *n > 1 => *n -= 1,
                 _ => {
@@ -91,11 +91,11 @@ impl ShardState {
                 break; // the rest go out at the node's next mount
             }
             if !q.has_drop(key, *loc) {
-                q.push_front(NodeTask::Drop {
+                q.push_front(NodeTask::Drop(DropTask {
                     key: key.to_vec(),
                     loc: *loc,
                     version,
-                });
+                }));
             }
         }
     }
@@ -205,11 +205,11 @@ impl ShardState {
         };
         let q = self.tasks.entry(dram).or_default();
         if q.len() < MAX_TASKS_PER_SEGMENT {
-            let t = NodeTask::Drop {
+            let t = NodeTask::Drop(DropTask {
                 key: key.to_vec(),
                 loc,
                 version,
-            };
+            });
             if first {
                 q.push_front(t);
             } else {
@@ -374,14 +374,14 @@ impl ShardState {
         let until = self.write_hold_until(self.objs.get(id).stored().lease_end_ms);
         self.hold(idx, offset, size, until);
         let q = self.tasks.entry(nvme_seg).or_default();
-        q.push_back(NodeTask::Promote {
+        q.push_back(NodeTask::Promote(PromoteTask {
             key: self.objs.key(id).to_vec(),
             loc: nvme.offset,
             dram,
             offset,
             len: size,
             checksum,
-        });
+        }));
         self.objs.update(id, |o| {
             o.replicas.push(Replica::filling(idx, offset, false))
         });
@@ -468,7 +468,7 @@ impl ShardState {
                     break;
                 };
                 let stale = self.task_is_stale(*seg, &t);
-                if let (NodeTask::Drop { key, loc, .. }, Some(nvme)) = (&t, tier) {
+                if let (NodeTask::Drop(DropTask { key, loc, .. }), Some(nvme)) = (&t, tier) {
                     // Out to the node (or stale: the copy is an object's
                     // again): owed no more, unless the same Drop waits again.
                     if !q.has_drop(key, *loc) {
@@ -497,14 +497,8 @@ impl ShardState {
     ///   refused, so the master should never list such a copy).
     pub(super) fn task_is_stale(&self, seg: SegmentId, t: &NodeTask) -> bool {
         let (key, dram, offset, demote) = match t {
-            NodeTask::Persist {
-                key,
-                dram,
-                offset,
-                demote,
-                ..
-            } => (key, dram, offset, demote),
-            NodeTask::Drop { key, loc, .. } => {
+            NodeTask::Persist(p) => (&p.key, &p.dram, &p.offset, &p.demote),
+            NodeTask::Drop(DropTask { key, loc, .. }) => {
                 let tier = self
                     .by_id
                     .get(&seg)
@@ -520,18 +514,17 @@ impl ShardState {
                     _ => false,
                 };
             }
-            NodeTask::Promote { .. } => return false,
+            NodeTask::Promote(_) => return false,
             // Stale once the replica it fills is gone (the object removed,
             // replaced, or the replica dropped).
-            NodeTask::Fetch {
-                key, dram, offset, ..
-            } => {
-                let (Some(&dslot), Some(id)) = (self.by_id.get(dram), self.objs.complete_id(key))
+            NodeTask::Fetch(f) => {
+                let (Some(&dslot), Some(id)) =
+                    (self.by_id.get(&f.dram), self.objs.complete_id(&f.key))
                 else {
                     return true;
                 };
                 return !self.objs.get(id).replicas.iter().any(|r| {
-                    r.slot == dslot && r.offset == *offset && r.state == ReplicaState::Promoting
+                    r.slot == dslot && r.offset == f.offset && r.state == ReplicaState::Promoting
                 });
             }
         };

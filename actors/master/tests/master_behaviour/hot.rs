@@ -75,12 +75,12 @@ fn replicate(m: &mut M, key: &str, b: SegmentId, ok: bool) -> NodeTask {
     let mut t = node_tasks(m, NODE_B, b);
     assert_eq!(t.len(), 1, "one fetch for the hot object: {t:?}");
     let task = t.remove(0);
-    let NodeTask::Fetch {
+    let NodeTask::Fetch(FetchTask {
         key: k,
         dram,
         offset,
         ..
-    } = task.clone()
+    }) = task.clone()
     else {
         panic!("not a Fetch: {task:?}")
     };
@@ -109,14 +109,14 @@ fn a_hot_object_gets_a_replica_on_another_node_readable_once_that_node_fetched_i
     // The fourth makes it hot: node b is asked to fetch it from a.
     m.get("k").unwrap();
     let t = node_tasks(&mut m, NODE_B, b);
-    let [NodeTask::Fetch {
+    let [NodeTask::Fetch(FetchTask {
         key,
         from,
         dram,
         offset,
         len,
         checksum,
-    }] = &t[..]
+    })] = &t[..]
     else {
         panic!("one Fetch: {t:?}")
     };
@@ -245,7 +245,7 @@ fn a_fetch_whose_report_never_comes_is_given_up_and_asked_for_again() {
         node_tasks(&mut m, NODE_B, b)
     };
     assert_eq!(t.len(), 1, "asked again: {t:?}");
-    let NodeTask::Fetch { dram, offset, .. } = t[0].clone() else {
+    let NodeTask::Fetch(FetchTask { dram, offset, .. }) = t[0].clone() else {
         panic!("{t:?}")
     };
     report(

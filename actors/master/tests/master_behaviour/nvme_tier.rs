@@ -107,7 +107,7 @@ pub(super) fn update(m: &mut M, u: NvmeUpdate) -> Result<(), KvError> {
 /// The node's report of a copy at `loc` made for a Persist task (as the
 /// task named it, its version too), without a checksum of its own to offer.
 pub(super) fn stored(task: &NodeTask, loc: u64) -> NvmeUpdate {
-    let NodeTask::Persist {
+    let NodeTask::Persist(PersistTask {
         key,
         dram,
         offset,
@@ -115,7 +115,7 @@ pub(super) fn stored(task: &NodeTask, loc: u64) -> NvmeUpdate {
         demote,
         version,
         ..
-    } = task.clone()
+    }) = task.clone()
     else {
         panic!("not a Persist task: {task:?}")
     };
@@ -138,14 +138,14 @@ fn eviction_demotes_to_the_nodes_nvme_tier_instead_of_dropping() {
     fill(&mut m, "k", 10, opts(1)); // 100%: the last put schedules demotions
     let t = tasks(&mut m, dram);
     assert!(!t.is_empty(), "demotions were asked for");
-    let NodeTask::Persist {
+    let NodeTask::Persist(PersistTask {
         key,
         offset,
         len,
         demote,
         version,
         ..
-    } = t[0].clone()
+    }) = t[0].clone()
     else {
         panic!("{t:?}")
     };
@@ -180,14 +180,14 @@ fn eviction_demotes_to_the_nodes_nvme_tier_instead_of_dropping() {
 /// be one, not a demotion) as a node would: reports the copy `Stored` at `loc`.
 pub(super) fn write_through_copy(m: &mut M, dram: SegmentId, loc: u64) {
     let t = tasks(m, dram);
-    let Some(NodeTask::Persist {
+    let Some(NodeTask::Persist(PersistTask {
         key,
         offset,
         len,
         demote,
         version,
         ..
-    }) = t.first().cloned()
+    })) = t.first().cloned()
     else {
         panic!("{t:?}")
     };
@@ -219,7 +219,7 @@ pub(super) fn write_through_and_demotion_of_k0() -> (M, NodeTask, NodeTask) {
     let persist_of = |demote: bool| {
         t.iter()
             .find(|t| {
-                matches!(t, NodeTask::Persist { key, demote: d, .. } if key == b"k0" && *d == demote)
+                matches!(t, NodeTask::Persist(PersistTask { key, demote: d, .. }) if key == b"k0" && *d == demote)
             })
             .cloned()
             .unwrap_or_else(|| panic!("a Persist of k0 with demote {demote}: {t:?}"))
@@ -251,7 +251,7 @@ pub(super) fn puts_that_evict(m: &mut M, each: impl Fn(&str, &[ReplicaDesc])) {
 #[test]
 fn a_range_a_queued_demotion_reads_is_not_given_to_a_put_before_the_demotion_reports() {
     let (mut m, through, demotion) = write_through_and_demotion_of_k0();
-    let NodeTask::Persist { offset, .. } = demotion else {
+    let NodeTask::Persist(PersistTask { offset, .. }) = demotion else {
         unreachable!()
     };
     // The write-through copy lands; the demotion is still with the node.
@@ -273,7 +273,7 @@ fn a_range_a_queued_demotion_reads_is_not_given_to_a_put_before_the_demotion_rep
 #[test]
 fn a_failed_write_through_copy_does_not_end_a_demotion_under_way() {
     let (mut m, _, demotion) = write_through_and_demotion_of_k0();
-    let NodeTask::Persist { dram, offset, .. } = demotion.clone() else {
+    let NodeTask::Persist(PersistTask { dram, offset, .. }) = demotion.clone() else {
         unreachable!()
     };
     update(
@@ -289,7 +289,7 @@ fn a_failed_write_through_copy_does_not_end_a_demotion_under_way() {
     puts_that_evict(&mut m, |_, _| {});
     let again: Vec<NodeTask> = tasks(&mut m, dram)
         .into_iter()
-        .filter(|t| matches!(t, NodeTask::Persist { key, .. } if key == b"k0"))
+        .filter(|t| matches!(t, NodeTask::Persist(PersistTask { key, .. }) if key == b"k0"))
         .collect();
     assert!(again.is_empty(), "k0 demoted a second time: {again:?}");
     update(&mut m, stored(&demotion, 3)).unwrap();
@@ -343,7 +343,7 @@ fn a_demotion_of_a_removed_object_is_not_handed_out() {
     let t = tasks(&mut m, dram);
     assert!(
         !t.iter()
-            .any(|t| matches!(t, NodeTask::Persist { key, .. } if key == b"k0")),
+            .any(|t| matches!(t, NodeTask::Persist(PersistTask { key, .. }) if key == b"k0")),
         "{t:?}"
     );
 }
@@ -374,7 +374,8 @@ fn a_copy_reported_again_after_its_removal_is_refused_and_its_drop_goes_out() {
     assert_eq!(code(m.get("k")), ErrorCode::ObjectNotFound);
     let t = tasks(&mut m, dram);
     assert!(
-        t.iter().any(|t| matches!(t, NodeTask::Drop { loc: 9, .. })),
+        t.iter()
+            .any(|t| matches!(t, NodeTask::Drop(DropTask { loc: 9, .. }))),
         "{t:?}"
     );
 }
@@ -482,13 +483,13 @@ fn reads_of_an_nvme_only_object_promote_it_back_to_dram() {
     assert!(tasks(&mut m, dram).is_empty(), "one read is not enough");
     m.get("hot").unwrap();
     let t = tasks(&mut m, dram);
-    let Some(NodeTask::Promote {
+    let Some(NodeTask::Promote(PromoteTask {
         key,
         loc,
         dram: d,
         offset,
         ..
-    }) = t.first().cloned()
+    })) = t.first().cloned()
     else {
         panic!("{t:?}")
     };
@@ -515,7 +516,9 @@ fn reads_of_an_nvme_only_object_promote_it_back_to_dram() {
 fn a_failed_persist_of_a_demotion_evicts_the_dram_copy_anyway() {
     let (mut m, dram) = tiered(false);
     fill(&mut m, "k", 10, opts(1));
-    let Some(NodeTask::Persist { key, offset, .. }) = tasks(&mut m, dram).first().cloned() else {
+    let Some(NodeTask::Persist(PersistTask { key, offset, .. })) =
+        tasks(&mut m, dram).first().cloned()
+    else {
         panic!()
     };
     update(
@@ -577,17 +580,17 @@ pub(super) fn drop_then_copy(m: &mut M, dram: SegmentId, key: &str, loc: u64, ol
     let t = tasks(m, dram);
     assert_eq!(
         t.first(),
-        Some(&NodeTask::Drop {
+        Some(&NodeTask::Drop(DropTask {
             key: key.as_bytes().to_vec(),
             loc,
             version: Some(old),
-        }),
+        })),
         "the old object's NVMe copy is dropped first: {t:?}"
     );
     let new = super::versions::version(m, key);
     assert_ne!(new, old);
     assert!(
-        matches!(t.get(1), Some(NodeTask::Persist { key: k, demote: false, version, .. })
+        matches!(t.get(1), Some(NodeTask::Persist(PersistTask { key: k, demote: false, version, .. }))
             if k == key.as_bytes() && *version == new),
         "then the new object's copy is made: {t:?}"
     );
@@ -638,12 +641,15 @@ fn a_new_copy_in_the_slot_a_drop_freed_reported_before_its_stored_is_kept() {
     super::trust::end_with_sum(&mut m, "k", NEW);
     let t = tasks(&mut m, dram);
     assert!(
-        matches!(t.first(), Some(NodeTask::Drop { loc: 3, .. })),
+        matches!(t.first(), Some(NodeTask::Drop(DropTask { loc: 3, .. }))),
         "{t:?}"
     );
     let persist = t[1].clone();
     assert!(
-        matches!(persist, NodeTask::Persist { demote: false, .. }),
+        matches!(
+            persist,
+            NodeTask::Persist(PersistTask { demote: false, .. })
+        ),
         "{t:?}"
     );
     let at3 = |sum| NvmeUpdate::Recovered {
@@ -689,7 +695,7 @@ fn an_unsummed_new_copy_in_a_freed_slot_is_told_from_the_old_one_by_its_version(
     let new = super::versions::version(&m, "k");
     let t = tasks(&mut m, dram);
     assert!(
-        matches!(t.first(), Some(NodeTask::Drop { loc: 3, version: Some(v), .. }) if *v == old),
+        matches!(t.first(), Some(NodeTask::Drop(DropTask { loc: 3, version: Some(v), .. })) if *v == old),
         "{t:?}"
     );
     let persist = t[1].clone();
@@ -815,7 +821,8 @@ fn a_recovered_copy_whose_drop_is_queued_is_refused() {
     // once its Stored is taken, and a listed copy is never refused).
     let t = tasks(&mut m, dram);
     assert!(
-        t.iter().any(|t| matches!(t, NodeTask::Drop { loc: 3, .. })),
+        t.iter()
+            .any(|t| matches!(t, NodeTask::Drop(DropTask { loc: 3, .. }))),
         "{t:?}"
     );
     let e = update(&mut m, rec.clone()).unwrap_err();
@@ -883,8 +890,9 @@ fn a_removed_key_does_not_come_back_from_a_copy_whose_drop_was_handed_out_before
     m.remove("k", true).unwrap();
     let t = tasks(&mut m, dram);
     assert!(
-        t.iter()
-            .any(|t| matches!(t, NodeTask::Drop { version: _, key, loc: 3 } if key == b"k")),
+        t.iter().any(
+            |t| matches!(t, NodeTask::Drop(DropTask { version: _, key, loc: 3 }) if key == b"k")
+        ),
         "{t:?}"
     );
     drop(m); // the master goes; the node dies before it runs the Drop
@@ -1028,7 +1036,7 @@ fn a_tier_that_comes_back_takes_back_its_copies_but_not_those_of_keys_removed_me
     for (k, loc) in [(&b"removed"[..], 6), (b"replaced", 7)] {
         assert!(
             t.iter().any(
-                |t| matches!(t, NodeTask::Drop { version: _, key, loc: l } if key == k && *l == loc)
+                |t| matches!(t, NodeTask::Drop(DropTask { version: _, key, loc: l }) if key == k && *l == loc)
             ),
             "{t:?}"
         );
@@ -1066,8 +1074,9 @@ fn a_drop_owed_to_a_node_that_came_back_with_a_new_segment_still_goes_out() {
     assert_eq!(code(m.get("k")), ErrorCode::ObjectNotFound);
     let t = tasks(&mut m, dram2);
     assert!(
-        t.iter()
-            .any(|t| matches!(t, NodeTask::Drop { version: _, key, loc: 3 } if key == b"k")),
+        t.iter().any(
+            |t| matches!(t, NodeTask::Drop(DropTask { version: _, key, loc: 3 }) if key == b"k")
+        ),
         "the new segment's node is asked to drop the copy: {t:?}"
     );
     // Gone out, and the node may report the copy before it runs it: still
@@ -1090,7 +1099,7 @@ fn a_recovered_copy_the_object_lists_is_kept_though_a_drop_of_its_place_waits() 
     let b = m.put("k", 100);
     let v = super::versions::version(&m, "k");
     // The node copied the new object into the freed slot and reported it.
-    let persist = NodeTask::Persist {
+    let persist = NodeTask::Persist(PersistTask {
         version: v,
         key: b"k".to_vec(),
         dram,
@@ -1098,7 +1107,7 @@ fn a_recovered_copy_the_object_lists_is_kept_though_a_drop_of_its_place_waits() 
         len: 100,
         demote: false,
         checksum: None,
-    };
+    });
     update(&mut m, stored(&persist, 3)).unwrap();
     let rec = NvmeUpdate::Recovered {
         version: v,
@@ -1122,9 +1131,9 @@ fn replacing_an_object_under_demotion_keeps_the_demotion_accounting() {
     let (mut m, dram) = tiered(false);
     fill(&mut m, "k", 10, opts(1)); // full: the oldest are being demoted
     let demotion = tasks(&mut m, dram).remove(0);
-    let NodeTask::Persist {
+    let NodeTask::Persist(PersistTask {
         key, demote: true, ..
-    } = &demotion
+    }) = &demotion
     else {
         panic!("{demotion:?}")
     };
@@ -1160,10 +1169,10 @@ fn the_tier_report_of_a_copy_whose_demotion_has_not_reported_does_not_delete_it(
     let t = tasks(&mut m, dram);
     let persist = t
         .iter()
-        .find(|t| matches!(t, NodeTask::Persist { key, demote: true, .. } if key == b"k0"))
+        .find(|t| matches!(t, NodeTask::Persist(PersistTask { key, demote: true, .. }) if key == b"k0"))
         .unwrap_or_else(|| panic!("k0's demotion: {t:?}"))
         .clone();
-    let NodeTask::Persist { len, .. } = persist else {
+    let NodeTask::Persist(PersistTask { len, .. }) = persist else {
         unreachable!()
     };
     // A copy of another object under the key (another size) is no copy

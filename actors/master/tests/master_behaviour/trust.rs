@@ -113,11 +113,11 @@ fn a_promotion_lands_in_the_dram_segment_of_the_node_that_holds_the_copy() {
     m.get("cold").unwrap();
     m.get("cold").unwrap();
     let t = tasks(&mut m, dram);
-    let Some(NodeTask::Promote {
+    let Some(NodeTask::Promote(PromoteTask {
         dram: target,
         checksum,
         ..
-    }) = t.iter().find(|t| matches!(t, NodeTask::Promote { .. }))
+    })) = t.iter().find(|t| matches!(t, NodeTask::Promote(_)))
     else {
         panic!("no promotion: {t:?}")
     };
@@ -135,14 +135,14 @@ fn the_writers_checksum_reaches_readers_and_every_copy_must_match_it() {
         .unwrap()
         .iter()
         .all(|r| r.checksum == Some(0xfeed)));
-    let Some(NodeTask::Persist {
+    let Some(NodeTask::Persist(PersistTask {
         key,
         offset,
         len,
         checksum,
         version,
         ..
-    }) = tasks(&mut m, dram).first().cloned()
+    })) = tasks(&mut m, dram).first().cloned()
     else {
         panic!()
     };

@@ -160,9 +160,9 @@ fn a_removed_key_does_not_come_back_from_a_tier_the_master_never_listed() {
 /// The version the Drop of `key`'s copy among `t` names, if one is there.
 fn drop_of(t: &[NodeTask], key: &str) -> Option<Option<u64>> {
     t.iter().find_map(|t| match t {
-        NodeTask::Drop {
+        NodeTask::Drop(DropTask {
             key: k, version, ..
-        } if k == key.as_bytes() => Some(*version),
+        }) if k == key.as_bytes() => Some(*version),
         _ => None,
     })
 }
