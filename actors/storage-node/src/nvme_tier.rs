@@ -805,29 +805,20 @@ mod tests {
 
         /// [`Rig::persist`] of incarnation `version`.
         fn persist_version(&self, key: &[u8], offset: u64, version: u64) -> Ran {
-            let (copy, sum, fresh) = self
-                .rt
-                .block_on(self.nvme.persist_once(PersistTask {
-                    key: key.to_vec(),
-                    dram: self.nvme.dram_id,
-                    offset,
-                    len: LEN,
-                    demote: false,
-                    checksum: None,
-                    version,
-                }))
-                .expect("persisted");
-            let u = NvmeUpdate::Stored {
+            let task = PersistTask {
                 key: key.to_vec(),
-                nvme: self.nvme.segment_id,
-                loc: copy.loc.pack(),
-                len: LEN,
                 dram: self.nvme.dram_id,
                 offset,
+                len: LEN,
                 demote: false,
-                sum,
+                checksum: None,
                 version,
             };
+            let (copy, sum, fresh) = self
+                .rt
+                .block_on(self.nvme.persist_once(task.clone()))
+                .expect("persisted");
+            let u = task.stored(self.nvme.segment_id, copy.loc.pack(), sum);
             (u, Some(copy), fresh)
         }
 
@@ -1015,5 +1006,45 @@ mod tests {
             version: None,
         }));
         assert_eq!(r.holds(b"k"), None, "a Drop of any version takes it");
+    }
+
+    /// A promotion copies the tier's copy into its range only with the
+    /// object's size and bytes, and only other bytes count as a checksum
+    /// mismatch (`storage_checksum_mismatches`, which operators alert on):
+    /// a copy of another size is refused before its sum is taken.
+    #[test]
+    fn a_promotion_refuses_another_size_or_other_bytes_and_counts_only_other_bytes() {
+        let r = rig("promote");
+        r.dram_put(0, 7);
+        let stored = r.persist(b"k", 0);
+        let loc = stored.1.as_ref().unwrap().loc.pack();
+        let sum = sum_of(&stored.0).unwrap();
+        r.settle(vec![stored], |_| Ok(()));
+        let to = 2 * LEN;
+        let promote = |len: u64, checksum: u64| {
+            r.rt.block_on(r.nvme.promote(&PromoteTask {
+                key: b"k".to_vec(),
+                loc,
+                dram: r.nvme.dram_id,
+                offset: to,
+                len,
+                checksum: Some(checksum),
+            }))
+        };
+        let mismatches = || r.nvme.metrics.checksum_mismatches.get();
+        // SAFETY: in bounds of the 1 MiB segment; nothing writes it now.
+        let range = || unsafe { r.nvme.dram.slice(to, LEN) }.to_vec();
+
+        let e = promote(LEN - 1, sum).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Corrupt, "{e}");
+        assert_eq!(mismatches(), 0, "another size is no checksum mismatch");
+        let e = promote(LEN, sum ^ 1).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Corrupt, "{e}");
+        assert_eq!(mismatches(), 1, "other bytes are one");
+        assert!(range().iter().all(|&b| b == 0), "the range is untouched");
+
+        promote(LEN, sum).unwrap();
+        assert!(range().iter().all(|&b| b == 7), "the copy is in the range");
+        assert_eq!(mismatches(), 1);
     }
 }
