@@ -1,12 +1,10 @@
 //! What one shard knows of the copies on NVMe tiers that no object lists
-//! (issue 32): the Drops each tier is owed and those handed out lately,
-//! which tiers are listed (every live copy known) or still adopted, and
-//! the copies detached with a tier unmounted as dead. Data and its own
+//! (issue 32): the Drops each tier is owed (those handed out to a tier not
+//! listed yet among them), which tiers are listed (every live copy known)
+//! or still adopted, and the copies detached with a tier unmounted as dead. Data and its own
 //! invariant check; the rules that use it (what a `Recovered` copy is, when
 //! a Drop is queued) are `tier.rs`'s, and the state directory's records of
 //! it are the caller's (each change that is recorded says so).
-
-use std::collections::VecDeque;
 
 use crate::objects::{Map, Set};
 
@@ -34,58 +32,34 @@ pub(super) enum Unlisted {
     Old,
 }
 
-/// How long a Drop handed out to a node is remembered: the node runs it in
-/// the round it fetched it in, but may report the copy (`Recovered`, from a
-/// report of its whole tier running beside its task rounds) meanwhile.
-pub(super) const SENT_DROP_MS: u64 = 10_000;
-
 /// The Drops one NVMe tier's node is owed (removed or replaced objects'
-/// copies), and those handed out lately: the node may report such a copy
-/// (`Recovered`) after it was handed the Drop and before it ran it.
+/// copies). A Drop handed out to a tier not listed yet stays owed until the
+/// tier is listed: the node may report such a copy (`Recovered`, from a
+/// report of its whole tier running beside its task rounds, or after a
+/// restart of either side) before it runs the Drop, and only the owed set
+/// tells that copy from one an adopted tier may bring back. On a listed
+/// tier an unnamed copy is old anyway, so a Drop is owed no more once it
+/// went out there.
 #[derive(Debug, Default)]
 struct TierDrops {
     /// With the copy's version (`None`: owed from a record that named
     /// none).
     owed: Map<CopyAt, Option<u64>>,
-    /// Handed out, until when remembered ([`SENT_DROP_MS`]); at most
-    /// [`MAX_TASKS_PER_SEGMENT`], oldest first in `sent_order`.
-    sent: Map<CopyAt, u64>,
-    sent_order: VecDeque<(CopyAt, u64)>,
+    /// The owed copies whose Drop went out already (to a tier not listed
+    /// yet): settled when the tier is listed. In memory only: after a
+    /// restart they go out again.
+    handed: Set<CopyAt>,
 }
 
 impl TierDrops {
-    fn is_dropped(&self, c: &CopyAt, now_ms: u64) -> bool {
-        self.owed.contains_key(c) || self.sent.get(c).is_some_and(|&until| until > now_ms)
-    }
-
-    /// The Drop of `c` went out at `now_ms`: remembered a while. Whether it
-    /// was owed.
-    fn sent(&mut self, c: CopyAt, now_ms: u64) -> bool {
-        let owed = self.owed.remove(&c).is_some();
-        let until = now_ms.saturating_add(SENT_DROP_MS);
-        self.sent.insert(c.clone(), until);
-        self.sent_order.push_back((c, until));
-        while let Some((old, at)) = self.sent_order.front() {
-            if self.sent_order.len() <= MAX_TASKS_PER_SEGMENT && *at > now_ms {
-                break;
-            }
-            // Only the newest sending of a copy forgets it.
-            if self.sent.get(old) == Some(at) {
-                self.sent.remove(old);
-            }
-            self.sent_order.pop_front();
-        }
-        owed
-    }
-
-    /// `c` is an object's copy again: forgotten. Whether it was owed.
+    /// `c` is owed no Drop any more. Whether it was owed.
     fn forget(&mut self, c: &CopyAt) -> bool {
-        self.sent.remove(c);
+        self.handed.remove(c);
         self.owed.remove(c).is_some()
     }
 
     fn is_empty(&self) -> bool {
-        self.owed.is_empty() && self.sent.is_empty()
+        self.owed.is_empty()
     }
 }
 
@@ -93,7 +67,8 @@ impl TierDrops {
 #[derive(Debug, Default)]
 pub(super) struct Copies {
     /// The copies (key, location) of removed or replaced objects whose Drop
-    /// has not gone out to their node yet, by tier. Kept apart from the
+    /// has not gone out to their node yet (or went out to a tier not listed
+    /// yet: [`TierDrops`]), by tier. Kept apart from the
     /// task queues, which go with their DRAM segment: a node that comes back
     /// (or a restarted master, from its state directory) is owed them
     /// still, and a `Recovered` report of such a copy is refused.
@@ -137,6 +112,9 @@ impl Copies {
         if let Some(v) = t.owed.get_mut(&c) {
             let new = *v != version;
             *v = version;
+            // Queued again: it has not gone out (to a tier still adopted)
+            // until it goes out again.
+            t.handed.remove(&c);
             return Some(new);
         }
         if t.owed.len() >= MAX_TASKS_PER_SEGMENT {
@@ -146,30 +124,35 @@ impl Copies {
         Some(true)
     }
 
-    /// `nvme`'s copy of `key` at `loc` is owed no Drop any more: it went out
-    /// (`sent` at that time: remembered a while), or the copy is an
-    /// object's again. Whether it was owed (to record).
-    pub fn settle(&mut self, nvme: SegmentId, key: &[u8], loc: u64, sent: Option<u64>) -> bool {
+    /// The Drop of `nvme`'s copy of `key` at `loc` went out to the node
+    /// (`sent`), or the copy is an object's again: it is owed no more, but
+    /// one that went out to a tier not listed yet stays owed until the tier
+    /// is listed. Whether it was owed and is no more (to record).
+    pub fn settle(&mut self, nvme: SegmentId, key: &[u8], loc: u64, sent: bool) -> bool {
+        let listed = self.listed.contains(&nvme);
         let Some(t) = self.drops.get_mut(&nvme) else {
             return false;
         };
         let c: CopyAt = (key.into(), loc);
-        let was_owed = match sent {
-            Some(now_ms) => t.sent(c, now_ms),
-            None => t.forget(&c),
-        };
+        if sent && !listed {
+            if t.owed.contains_key(&c) {
+                t.handed.insert(c);
+            }
+            return false;
+        }
+        let was_owed = t.forget(&c);
         if t.is_empty() {
             self.drops.remove(&nvme);
         }
         was_owed
     }
 
-    /// Whether `key`'s copy at `loc` of tier `nvme` is owed a Drop, or was
-    /// handed one lately.
-    pub fn is_dropped(&self, nvme: SegmentId, key: &[u8], loc: u64, now_ms: u64) -> bool {
+    /// Whether `key`'s copy at `loc` of tier `nvme` is owed a Drop (maybe
+    /// handed out already, to a tier not listed yet).
+    pub fn is_dropped(&self, nvme: SegmentId, key: &[u8], loc: u64) -> bool {
         self.drops
             .get(&nvme)
-            .is_some_and(|t| t.is_dropped(&(Box::<[u8]>::from(key), loc), now_ms))
+            .is_some_and(|t| t.owed.contains_key(&(Box::<[u8]>::from(key), loc)))
     }
 
     /// The copies tier `nvme` is owed a Drop of, with their versions.
@@ -219,10 +202,22 @@ impl Copies {
         false
     }
 
-    /// Lists tier `nvme`; whether it is new (to record).
-    pub fn list(&mut self, nvme: SegmentId) -> bool {
+    /// Lists tier `nvme`: whether it is new (to record), and the copies
+    /// whose Drops went out while it was adopted, owed no more (to record).
+    pub fn list(&mut self, nvme: SegmentId) -> (bool, Vec<CopyAt>) {
         self.adopting.remove(&nvme);
-        self.listed.insert(nvme)
+        let new = self.listed.insert(nvme);
+        let mut settled = Vec::new();
+        if let Some(t) = self.drops.get_mut(&nvme) {
+            for c in std::mem::take(&mut t.handed) {
+                t.owed.remove(&c);
+                settled.push(c);
+            }
+            if t.is_empty() {
+                self.drops.remove(&nvme);
+            }
+        }
+        (new, settled)
     }
 
     /// Tiers adopted with no report since `now_ms`: to be listed.
@@ -341,7 +336,8 @@ impl Copies {
     }
 
     /// The book's own invariants: the detached count, no empty entry, no
-    /// tier both listed and adopted, the bounds.
+    /// tier both listed and adopted, a Drop that went out and is still owed
+    /// only on a tier not listed, the bounds.
     pub fn check(&self) -> Result<(), String> {
         let detached: usize = self.detached.values().map(Map::len).sum();
         if detached != self.detached_len || self.detached.values().any(Map::is_empty) {
@@ -359,6 +355,17 @@ impl Copies {
         for (nvme, t) in &self.drops {
             if t.is_empty() {
                 return Err(format!("tier {nvme:016x} has an empty entry of Drops"));
+            }
+            if let Some((k, _)) = t.handed.iter().find(|c| !t.owed.contains_key(*c)) {
+                return Err(format!(
+                    "tier {nvme:016x}: the Drop of {}'s copy went out but is not owed",
+                    kvpool_wire::proto::show_key(k)
+                ));
+            }
+            if !t.handed.is_empty() && self.listed.contains(nvme) {
+                return Err(format!(
+                    "tier {nvme:016x} is listed and still holds Drops that went out"
+                ));
             }
             if t.owed.len() > MAX_TASKS_PER_SEGMENT {
                 return Err(format!(

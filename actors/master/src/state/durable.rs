@@ -203,15 +203,18 @@ impl ShardState {
         if let Some(epoch) = d.epoch.take() {
             journal::encode_epoch(out, epoch);
         }
-        // Drops first: a write the crash tore keeps a removal's DropOwed
-        // rather than its Gone (an owed Drop of a copy the object still
-        // lists is stale, and skipped), never the Gone without the DropOwed
-        // (the copy would come back).
-        for rec in d.drops.drain(..) {
-            rec.encode(out);
-        }
+        // Listed tiers first: the Drops that went out to a tier while it
+        // was adopted are done with its listing, never before it (a tier
+        // not listed would take the copy back). Then the Drops: a write the
+        // crash tore keeps a removal's DropOwed rather than its Gone (an
+        // owed Drop of a copy the object still lists is stale, and
+        // skipped), never the Gone without the DropOwed (the copy would
+        // come back).
         for nvme in d.listed.drain(..) {
             journal::encode_tier_listed(out, nvme);
+        }
+        for rec in d.drops.drain(..) {
+            rec.encode(out);
         }
         self.objs.take_dirty(&mut d.keys);
         let mut keys = std::mem::take(&mut d.keys);

@@ -843,12 +843,7 @@ impl ShardState {
                 segments,
                 max,
                 ..
-            } => MasterResponse::Tasks(self.node_tasks(
-                client_id,
-                &segments,
-                max as usize,
-                now_ms,
-            )?),
+            } => MasterResponse::Tasks(self.node_tasks(client_id, &segments, max as usize)?),
             R::NvmeUpdates { client_id, updates } => MasterResponse::BatchDone(
                 updates
                     .iter()

@@ -126,10 +126,10 @@ impl ShardState {
     }
 
     /// `nvme`'s copy of `key` at `loc` is owed no Drop any more: it went out
-    /// to the node (`sent` at that time: remembered a while, the node may
-    /// report the copy before it runs the Drop), or the copy is an object's
-    /// again.
-    pub(super) fn settle_drop(&mut self, nvme: SegmentId, key: &[u8], loc: u64, sent: Option<u64>) {
+    /// to the node (`sent`; to a tier not listed yet it stays owed until the
+    /// tier is listed: the node may report the copy before it runs the
+    /// Drop), or the copy is an object's again.
+    pub(super) fn settle_drop(&mut self, nvme: SegmentId, key: &[u8], loc: u64, sent: bool) {
         if self.copies.settle(nvme, key, loc, sent) {
             if let Some(d) = self.durable.as_mut() {
                 d.drops.push(Record::DropDone {
@@ -153,10 +153,10 @@ impl ShardState {
         })
     }
 
-    /// Whether `key`'s copy at `loc` of tier `nvme` is owed a Drop, or was
-    /// handed one lately: that copy's object was removed or replaced.
-    pub(super) fn drop_owed(&self, nvme: SegmentId, key: &[u8], loc: u64, now_ms: u64) -> bool {
-        self.copies.is_dropped(nvme, key, loc, now_ms)
+    /// Whether `key`'s copy at `loc` of tier `nvme` is owed a Drop (maybe
+    /// handed out already): that copy's object was removed or replaced.
+    pub(super) fn drop_owed(&self, nvme: SegmentId, key: &[u8], loc: u64) -> bool {
+        self.copies.is_dropped(nvme, key, loc)
     }
 
     /// Tells the nodes holding NVMe copies of a removed object to drop them.
@@ -275,11 +275,22 @@ impl ShardState {
     }
 
     /// From now on every live copy of tier `nvme` is one this shard lists.
+    /// The Drops that went out to it while it was adopted are owed no more:
+    /// a copy they take that the node reports is old now.
     pub(super) fn list_tier(&mut self, nvme: SegmentId) {
-        if self.copies.list(nvme) {
-            if let Some(d) = self.durable.as_mut() {
+        let (new, settled) = self.copies.list(nvme);
+        if let Some(d) = self.durable.as_mut() {
+            if new {
                 d.listed.push(nvme);
             }
+            d.drops
+                .extend(settled.into_iter().map(|(key, loc)| Record::DropDone {
+                    nvme,
+                    key: key.into(),
+                    loc,
+                }));
+        }
+        if new {
             tracing::info!(
                 shard = self.shard,
                 tier = format!("{nvme:016x}"),
@@ -437,7 +448,6 @@ impl ShardState {
         client: ClientId,
         segments: &[SegmentId],
         max: usize,
-        now_ms: u64,
     ) -> Result<Vec<NodeTask>, KvError> {
         for seg in segments {
             let idx = *self.by_id.get(seg).ok_or_else(|| {
@@ -472,7 +482,7 @@ impl ShardState {
                     // Out to the node (or stale: the copy is an object's
                     // again): owed no more, unless the same Drop waits again.
                     if !q.has_drop(key, *loc) {
-                        self.settle_drop(nvme, key, *loc, (!stale).then_some(now_ms));
+                        self.settle_drop(nvme, key, *loc, !stale);
                     }
                 }
                 if !stale {
@@ -671,7 +681,7 @@ impl ShardState {
                 }
                 // The copy is this object's: a Drop owed to an earlier
                 // object's copy in the same place is stale.
-                self.settle_drop(*nvme, key, *loc, None);
+                self.settle_drop(*nvme, key, *loc, false);
                 Ok(())
             }
             NvmeUpdate::PersistFailed {
@@ -795,7 +805,7 @@ impl ShardState {
                         let o = self.objs.get(id);
                         o.stored().version == *version && o.size == *len
                     }) || parked.is_some_and(|(size, _, _, v)| v == *version && size == *len));
-                if !listed && !versioned && self.drop_owed(*nvme, key, *loc, now_ms) {
+                if !listed && !versioned && self.drop_owed(*nvme, key, *loc) {
                     // Reported before the node ran the Drop it is owed or
                     // was just handed (the node restarted, or reported its
                     // tier again; the master may have restarted too: what
@@ -874,7 +884,7 @@ impl ShardState {
                             o.replicas.retain(|r| r.slot != nslot);
                             o.replicas.push(Replica::ready(nslot, *loc));
                         });
-                        self.settle_drop(*nvme, key, *loc, None);
+                        self.settle_drop(*nvme, key, *loc, false);
                         Ok(())
                     }
                     // A put of the key under way (a replace of a complete
@@ -905,7 +915,7 @@ impl ShardState {
                                 "the pool holds its maximum of keys",
                             ));
                         }
-                        self.settle_drop(*nvme, key, *loc, None);
+                        self.settle_drop(*nvme, key, *loc, false);
                         Ok(())
                     }
                     None => {
