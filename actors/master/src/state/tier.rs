@@ -165,10 +165,11 @@ impl ShardState {
     /// node restarts. The task goes on the queue of the DRAM segment the
     /// tier is attached to, behind that node's Persist tasks, so the node
     /// sees the removal and a later put of the same key in the order they
-    /// happened. The copy is owed its Drop until it goes out (`owed_drops`,
-    /// recorded in the state directory): a node whose DRAM segment is gone
-    /// meanwhile gets it when it mounts one again. With the tier owed its
-    /// maximum, or that queue full, the copy stays (logged).
+    /// happened. The copy is owed its Drop until it goes out to a listed
+    /// tier (to an adopted one: until the tier is listed; recorded in the
+    /// state directory): a node whose DRAM segment is gone meanwhile gets it
+    /// when it mounts one again. With the tier owed its maximum, or that
+    /// queue full, the copy stays (logged).
     pub(super) fn drop_nvme_copies(&mut self, key: &[u8], obj: &Object) {
         for r in &obj.replicas {
             let s = self.slot(r.slot);
