@@ -29,7 +29,7 @@ use kvpool_wire::proto::call::{self, Call};
 use kvpool_wire::proto::{
     ClusterMap, DataRequest, DataResponse, DropTask, Endpoint, ItemResult, MasterRequest,
     MasterResponse, MasterShardAddr, NodeTask, NvmeUpdate, ObjectInfo, PersistTask, PoolStat,
-    PutDone, PutItem, PutOptions, ReplicaDesc, SegmentSpec, Tier, WireError,
+    PromoteTask, PutDone, PutItem, PutOptions, ReplicaDesc, SegmentSpec, Tier, WireError,
 };
 use kvpool_wire::route::merge_batch;
 use kvpool_wire::{ErrorCode, KvError, RdmaConnectRequest, RdmaRequest, RdmaResponse};
@@ -784,6 +784,15 @@ fn master_response_seeds() -> Vec<(&'static str, MasterResponse)> {
                     len: 4096,
                     demote: true,
                     checksum: Some(3),
+                    version: 7 << 32 | 1,
+                }),
+                NodeTask::Promote(PromoteTask {
+                    key: b"k".to_vec(),
+                    loc: 1,
+                    dram: 1,
+                    offset: 4096,
+                    len: 4096,
+                    checksum: None,
                     version: 7 << 32 | 1,
                 }),
             ]),

@@ -1006,6 +1006,18 @@ impl NvmeShard {
 
     /// Reads the object at `loc`; its checksum is verified.
     pub async fn read(&self, loc: NvmeLoc) -> Result<NvmeValue, NvmeError> {
+        self.read_if(loc, |_, _| true).await
+    }
+
+    /// Reads the object at `loc` if `wanted` says so of its key and version
+    /// (else `NotFound`: the slot holds another copy); its checksum is
+    /// verified, and the bytes are those of the copy `wanted` saw (a slot
+    /// reused while the read is in flight fails it).
+    pub async fn read_if(
+        &self,
+        loc: NvmeLoc,
+        wanted: impl FnOnce(&[u8], u64) -> bool,
+    ) -> Result<NvmeValue, NvmeError> {
         self.check_loc(loc)?;
         let started = Instant::now();
         let (offset, extent, len, sum, seq, version) = {
@@ -1014,7 +1026,7 @@ impl NvmeShard {
             let clock = st.clock;
             let e = st.slots[loc.slot as usize]
                 .as_mut()
-                .filter(|e| !e.evicting)
+                .filter(|e| !e.evicting && wanted(&e.key[..], e.version))
                 .ok_or(NvmeError::NotFound(loc))?;
             e.last_read = clock;
             (e.offset, e.extent, e.len, e.sum, e.seq, e.version)

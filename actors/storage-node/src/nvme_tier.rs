@@ -162,9 +162,19 @@ fn canonical(p: &str) -> Result<PathBuf, NodeError> {
 
 /// Reads an object of this shard's region (for the data plane).
 pub async fn read_local(loc: NvmeLoc, metrics: &StorageMetrics) -> Result<NvmeValue, KvError> {
+    read_local_if(loc, metrics, |_, _| true).await
+}
+
+/// [`read_local`] of the copy at `loc` only if `wanted` says so of its key
+/// and version (else `NotFound`).
+async fn read_local_if(
+    loc: NvmeLoc,
+    metrics: &StorageMetrics,
+    wanted: impl FnOnce(&[u8], u64) -> bool,
+) -> Result<NvmeValue, KvError> {
     let t = tier()?;
     let started = Instant::now();
-    let v = t.read(loc).await.map_err(kv)?;
+    let v = t.read_if(loc, wanted).await.map_err(kv)?;
     metrics
         .nvme_read_seconds
         .observe(started.elapsed().as_secs_f64());
@@ -404,7 +414,10 @@ impl NodeNvme {
         let (seg, m, p) = (self.dram.clone(), self.metrics.clone(), p.clone());
         self.shards
             .run_on(loc.region as usize, move |_| async move {
-                let v = read_local(loc, &m).await?;
+                // Only the copy the task names: its slot may hold another
+                // since (evicted and reused), whose bytes an object without
+                // a checksum could not tell from its own.
+                let v = read_local_if(loc, &m, |key, version| p.reads(key, version)).await?;
                 if let Err(r) = p.check(v.len() as u64, seg.len(), || value_sum(&v)) {
                     if r == task::Refusal::Checksum {
                         m.checksum_mismatches.inc();
@@ -1029,6 +1042,7 @@ mod tests {
                 offset: to,
                 len,
                 checksum: Some(checksum),
+                version: 0,
             }))
         };
         let mismatches = || r.nvme.metrics.checksum_mismatches.get();
@@ -1046,5 +1060,63 @@ mod tests {
         promote(LEN, sum).unwrap();
         assert!(range().iter().all(|&b| b == 7), "the copy is in the range");
         assert_eq!(mismatches(), 1);
+    }
+
+    /// A Promote task queued before its copy was evicted, run after the
+    /// slot was reused by a copy of another key (or of another incarnation
+    /// of the key) of the same size: for an object without a checksum,
+    /// nothing in the bytes tells them apart, so the node copies only the
+    /// copy the task names (its key and version). Before, it copied
+    /// whatever the slot held, and the master made the range a readable
+    /// replica of the object: other bytes under the key.
+    #[test]
+    fn an_unsummed_promotion_copies_nothing_from_a_slot_reused_by_another_copy() {
+        let r = rig("promote-reused");
+        let (v1, v2) = (9 << 32 | 1, 9 << 32 | 2);
+        r.dram_put(0, 1);
+        let k = r.persist_version(b"k", 0, v1);
+        let loc = k.1.as_ref().unwrap().loc;
+        r.settle(vec![k], |_| Ok(()));
+        let to = 2 * LEN;
+        let promote = |key: &[u8], version: u64| {
+            r.rt.block_on(r.nvme.promote(&PromoteTask {
+                key: key.to_vec(),
+                loc: loc.pack(),
+                dram: r.nvme.dram_id,
+                offset: to,
+                len: LEN,
+                checksum: None,
+                version,
+            }))
+        };
+        // SAFETY: in bounds of the 1 MiB segment; nothing writes it now.
+        let range = || unsafe { r.nvme.dram.slice(to, LEN) }.to_vec();
+
+        // k's copy goes (evicted, or dropped); "j" takes its slot.
+        r.rt.block_on(r.nvme.drop_copy(DropTask {
+            key: b"k".to_vec(),
+            loc: loc.pack(),
+            version: Some(v1),
+        }));
+        r.dram_put(LEN, 2);
+        let j = r.persist_version(b"j", LEN, v1);
+        assert_eq!(j.1.as_ref().unwrap().loc, loc, "the slot is reused");
+        r.settle(vec![j], |_| Ok(()));
+        let e = promote(b"k", v1).unwrap_err();
+        assert!(range().iter().all(|&b| b == 0), "{e}: nothing copied");
+
+        // A later incarnation of "k" in the slot: not the task's copy.
+        r.rt.block_on(r.nvme.drop_copy(DropTask {
+            key: b"j".to_vec(),
+            loc: loc.pack(),
+            version: Some(v1),
+        }));
+        let k2 = r.persist_version(b"k", LEN, v2);
+        assert_eq!(k2.1.as_ref().unwrap().loc, loc, "the slot is reused");
+        r.settle(vec![k2], |_| Ok(()));
+        let e = promote(b"k", v1).unwrap_err();
+        assert!(range().iter().all(|&b| b == 0), "{e}: nothing copied");
+        promote(b"k", v2).unwrap();
+        assert!(range().iter().all(|&b| b == 2), "the task's own copy is");
     }
 }

@@ -13,7 +13,8 @@
 //!  NodeTask ──job(mine)──▶ Persist: decide(sum of the DRAM bytes, held copy)
 //!                                     ─▶ Found(at) | Write { replace: Option<at> }
 //!                                   then stored(nvme, loc, sum) | failed()
-//!                          Promote: target(mine), check(copy's len, segment, sum)
+//!                          Promote: target(mine), reads(the slot's key and version),
+//!                                   check(copy's len, segment, sum)
 //!                                   ─▶ ok | Refusal (Size, Checksum, Range); promoted(ok)
 //!                          Drop:    takes(the slot's key and version)
 //!                          Fetch:   not a tier task (crate::fetch)
@@ -121,6 +122,13 @@ pub trait PromoteRule {
         sum: impl FnOnce() -> u64,
     ) -> Result<(), Refusal>;
 
+    /// Whether the tier's copy in the slot (of `key`, at `version`) is the
+    /// one to copy: the key's, and, for an object without a checksum, of
+    /// its incarnation (a slot evicted and reused since may hold another
+    /// copy of the same size, whose bytes nothing else would tell apart; a
+    /// checksum tells them by itself, whatever version the copy carries).
+    fn reads(&self, key: &[u8], version: u64) -> bool;
+
     /// The error of a refused promotion.
     fn error(&self, r: Refusal) -> KvError;
 }
@@ -159,6 +167,10 @@ impl PromoteRule for PromoteTask {
             return Err(Refusal::Range { segment_len });
         }
         Ok(())
+    }
+
+    fn reads(&self, key: &[u8], version: u64) -> bool {
+        key == self.key.as_slice() && (self.checksum.is_some() || version == self.version)
     }
 
     fn error(&self, r: Refusal) -> KvError {
@@ -287,6 +299,7 @@ mod tests {
             offset: 60,
             len: 4,
             checksum: Some(9),
+            version: 7,
         };
         assert_eq!(p.target(3).unwrap_err().code, ErrorCode::InvalidParams);
         p.target(2).unwrap();
@@ -323,6 +336,29 @@ mod tests {
         unsummed
             .check(4, 64, || unreachable!("no checksum to compare"))
             .unwrap();
+    }
+
+    #[test]
+    fn a_promotion_reads_only_its_keys_copy_and_without_a_checksum_only_its_incarnations() {
+        let summed = PromoteTask {
+            key: b"k".to_vec(),
+            loc: 1,
+            dram: 2,
+            offset: 0,
+            len: 4,
+            checksum: Some(9),
+            version: 7,
+        };
+        assert!(summed.reads(b"k", 7));
+        assert!(!summed.reads(b"j", 7), "another key in the reused slot");
+        assert!(summed.reads(b"k", 6), "the checksum tells the bytes");
+        let unsummed = PromoteTask {
+            checksum: None,
+            ..summed
+        };
+        assert!(unsummed.reads(b"k", 7));
+        assert!(!unsummed.reads(b"k", 6), "an earlier incarnation's copy");
+        assert!(!unsummed.reads(b"j", 7));
     }
 
     #[test]

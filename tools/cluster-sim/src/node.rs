@@ -759,7 +759,11 @@ impl NodeModel {
             }
             task::Job::Promote(p) => {
                 let t = self.tier.as_ref().expect("tasks come to a tier");
-                let copy = t.copies.get(&p.loc).map(|c| (c.len, c.content));
+                let copy = t
+                    .copies
+                    .get(&p.loc)
+                    .filter(|c| p.reads(&c.key, c.version))
+                    .map(|c| (c.len, c.content));
                 let ok = match copy {
                     None => false,
                     Some((len, c)) => {

@@ -38,7 +38,8 @@ pub const MAGIC: [u8; 4] = *b"KVPL";
 /// 5: copy versions in `Persist`, `Drop`, `Stored`, `Evicted`, `Recovered`.
 /// 6: each `NodeTask` variant holds a struct (`PersistTask`, `PromoteTask`,
 /// `DropTask`, `FetchTask`): the archived layout changed.
-pub const VERSION: u8 = 6;
+/// 7: `PromoteTask::version`.
+pub const VERSION: u8 = 7;
 pub const HEADER_LEN: usize = 24;
 
 /// What a frame's payload is.

@@ -202,6 +202,9 @@ pub struct PromoteTask {
     pub len: u64,
     /// The object's checksum: the node copies only bytes that match it.
     pub checksum: Option<u64>,
+    /// The object incarnation's version: without a checksum, the node
+    /// copies only the copy that carries it.
+    pub version: u64,
 }
 
 impl PromoteTask {

@@ -375,6 +375,7 @@ impl ShardState {
             return;
         };
         let checksum = self.objs.get(id).checksum();
+        let version = self.objs.get(id).stored().version;
         let dram = self.slot(idx).id;
         let q = self.tasks.entry(nvme_seg).or_default();
         if q.len() >= MAX_TASKS_PER_SEGMENT {
@@ -393,6 +394,7 @@ impl ShardState {
             offset,
             len: size,
             checksum,
+            version,
         }));
         self.objs.update(id, |o| {
             o.replicas.push(Replica::filling(idx, offset, false))
