@@ -253,3 +253,77 @@ fn a_storage_node_killed_and_restarted_on_the_same_nvme_path_serves_its_objects_
     drop(second);
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A reader's NVMe location may be stale: the tier evicts on its own, and
+/// reuses the freed slot for the next copy, maybe another key's of the same
+/// size, which a value without a checksum could not tell apart. So a
+/// `ReadNvme` names its key and the node reads the slot only while it holds
+/// that key's copy: a read of "a"'s location (with its own grant) under the
+/// name "b" is `ObjectNotFound`, under "a" the bytes of "a".
+#[test]
+fn an_nvme_read_is_served_only_for_the_key_whose_copy_the_slot_holds() {
+    use kvpool_wire::frame::FrameKind;
+    use kvpool_wire::proto::{DataRequest, DataResponse};
+    use std::io::Read;
+    use std::net::TcpStream;
+
+    let d = dir("nvme-read-key");
+    let nvme = d.join("tier.kvnv");
+    let cfg = write_config(
+        &d,
+        "node.toml",
+        &format!(
+            "[storage.nvme]\npath = \"{}\"\ncapacity = \"64 MiB\"\npolicy = \"write_through\"\n\
+             sync_writes = false\ntask_poll_ms = 20\n",
+            nvme.display()
+        ),
+    );
+    let mut args = common::ephemeral(&["--segment-size", "64MiB"]);
+    args.splice(0..0, ["--config", cfg.as_str()]);
+    let node = common::start("all", &args);
+    let rt = common::rt();
+    let (a, b) = (value(1, 8192), value(2, 8192));
+    let rep = rt.block_on(async {
+        let c = Client::connect(&node.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        c.put(b"a", &a).await.unwrap();
+        c.put(b"b", &b).await.unwrap();
+        // The write-through copy's report comes within a few task polls.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let reps = c.describe(b"a").await.unwrap().replicas;
+            if let Some(r) = reps.into_iter().find(|r| r.tier == Tier::Nvme) {
+                break r;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no NVMe copy of a within 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    let read_as = |key: &[u8]| -> Result<Vec<u8>, ErrorCode> {
+        let mut s = TcpStream::connect(rep.endpoint.shard_addr(rep.data_shard())).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let req = DataRequest::ReadNvme {
+            segment_id: rep.segment_id,
+            loc: rep.offset,
+            len: rep.len,
+            grant: rep.grant,
+            key: key.to_vec(),
+        };
+        let DataResponse::Data { len } =
+            common::exchange(&mut s, FrameKind::DataRequest, 7, &req, &[])?
+        else {
+            panic!("an answer other than Data");
+        };
+        let mut v = vec![0u8; len as usize];
+        s.read_exact(&mut v).unwrap();
+        Ok(v)
+    };
+    assert_eq!(read_as(b"b"), Err(ErrorCode::ObjectNotFound));
+    assert_eq!(read_as(b"a").expect("a's own read"), a);
+    drop(node);
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -14,10 +14,10 @@ use std::time::Duration;
 use kvpool_client::Client;
 use kvpool_config::{ClientConfig, Secret, Transport};
 use kvpool_wire::auth::{self, ClusterKey, Grant};
-use kvpool_wire::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
+use kvpool_wire::frame::FrameKind;
 use kvpool_wire::proto::{
     DataRequest, DataResponse, Endpoint, MasterRequest, MasterResponse, NvmeUpdate, ReplicaDesc,
-    SegmentSpec, Tier, WireError,
+    SegmentSpec, Tier,
 };
 use kvpool_wire::ErrorCode;
 
@@ -56,34 +56,6 @@ fn secured_cluster() -> (common::Proc, common::Proc) {
     (master, storage)
 }
 
-/// Writes one frame on `s`; reads the answer: the response, or the error
-/// code of an error frame, or `Unavailable` when the peer closed instead.
-fn exchange<Q: frame::Payload, A: frame::Payload>(
-    s: &mut TcpStream,
-    kind: FrameKind,
-    id: u64,
-    req: &Q,
-    payload: &[u8],
-) -> Result<A, ErrorCode> {
-    let mut bytes = frame::encode(kind, id, req);
-    bytes.extend_from_slice(payload);
-    if s.write_all(&bytes).is_err() {
-        return Err(ErrorCode::Unavailable);
-    }
-    let mut head = [0u8; HEADER_LEN];
-    s.read_exact(&mut head)
-        .map_err(|_| ErrorCode::Unavailable)?;
-    let hdr = FrameHeader::decode(&head, u32::MAX).unwrap();
-    let mut p = frame::AlignedVec::<16>::new();
-    p.resize(hdr.len as usize, 0);
-    s.read_exact(&mut p).unwrap();
-    if hdr.kind == FrameKind::Error {
-        let e: WireError = frame::decode(&p).unwrap();
-        return Err(ErrorCode::from_code(e.code));
-    }
-    Ok(frame::decode(&p).unwrap())
-}
-
 fn connect(addr: &str) -> TcpStream {
     let s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -92,7 +64,7 @@ fn connect(addr: &str) -> TcpStream {
 
 /// One master request on a fresh, unauthenticated connection.
 fn raw_master(addr: &str, req: &MasterRequest) -> Result<MasterResponse, ErrorCode> {
-    exchange(&mut connect(addr), FrameKind::MasterRequest, 9, req, &[])
+    common::exchange(&mut connect(addr), FrameKind::MasterRequest, 9, req, &[])
 }
 
 /// A connection that proved it holds `secret` (as client `id`).
@@ -100,7 +72,7 @@ fn authenticated(addr: &str, secret: &str, id: u64) -> TcpStream {
     let key = ClusterKey::new(secret.as_bytes()).unwrap();
     let mut s = connect(addr);
     let nc = auth::nonce();
-    let ns = match exchange(
+    let ns = match common::exchange(
         &mut s,
         FrameKind::MasterRequest,
         1,
@@ -114,7 +86,7 @@ fn authenticated(addr: &str, secret: &str, id: u64) -> TcpStream {
         other => panic!("AuthBegin: {other:?}"),
     };
     let proof = key.client_proof(id, &nc, &ns);
-    match exchange(
+    match common::exchange(
         &mut s,
         FrameKind::MasterRequest,
         2,
@@ -134,7 +106,7 @@ fn data_authenticated(addr: &str, secret: &str) -> TcpStream {
     let key = ClusterKey::new(secret.as_bytes()).unwrap();
     let mut s = connect(addr);
     let nc = auth::nonce();
-    let ns = match exchange(
+    let ns = match common::exchange(
         &mut s,
         FrameKind::DataRequest,
         1,
@@ -148,7 +120,7 @@ fn data_authenticated(addr: &str, secret: &str) -> TcpStream {
         other => panic!("data AuthBegin: {other:?}"),
     };
     let proof = key.data_client_proof(0, &nc, &ns);
-    match exchange(
+    match common::exchange(
         &mut s,
         FrameKind::DataRequest,
         2,
@@ -259,7 +231,7 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
     }
     // A wrong proof is refused too.
     let mut s = connect(&master.addr);
-    let r: Result<MasterResponse, _> = exchange(
+    let r: Result<MasterResponse, _> = common::exchange(
         &mut s,
         FrameKind::MasterRequest,
         1,
@@ -270,7 +242,7 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
         &[],
     );
     assert!(matches!(r, Ok(MasterResponse::AuthChallenge { .. })));
-    let r: Result<MasterResponse, _> = exchange(
+    let r: Result<MasterResponse, _> = common::exchange(
         &mut s,
         FrameKind::MasterRequest,
         2,
@@ -281,7 +253,7 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
 
     // An authenticated connection speaks for its own client id only.
     let mut s = authenticated(&master.addr, SECRET, 42);
-    let r: Result<MasterResponse, _> = exchange(
+    let r: Result<MasterResponse, _> = common::exchange(
         &mut s,
         FrameKind::MasterRequest,
         3,
@@ -293,7 +265,7 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
     );
     assert_eq!(r.map(|_| ()), Err(ErrorCode::IllegalClient));
     // ...and may not unmount a node's segment.
-    let r: Result<MasterResponse, _> = exchange(
+    let r: Result<MasterResponse, _> = common::exchange(
         &mut s,
         FrameKind::MasterRequest,
         4,
@@ -309,7 +281,7 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
     // nothing (below, with a real grant too); one that has needs a grant
     // for each range: no grant, no bytes in or out.
     let data = |req: &DataRequest, payload: &[u8]| -> Result<DataResponse, ErrorCode> {
-        exchange(
+        common::exchange(
             &mut data_authenticated(&data_addr, SECRET),
             FrameKind::DataRequest,
             5,
@@ -345,7 +317,7 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
         Err(ErrorCode::Unauthenticated)
     );
     // A real grant works only for its own range and operation.
-    let r: Result<MasterResponse, _> = exchange(
+    let r: Result<MasterResponse, _> = common::exchange(
         &mut s,
         FrameKind::MasterRequest,
         6,
@@ -373,7 +345,7 @@ fn a_cluster_with_a_secret_works_for_its_roles_and_refuses_everyone_else() {
         )
     };
     assert_eq!(write(rep.offset), Ok(DataResponse::Written));
-    let unproved = exchange::<_, DataResponse>(
+    let unproved = common::exchange::<_, DataResponse>(
         &mut connect(&data_addr),
         FrameKind::DataRequest,
         5,
@@ -535,7 +507,7 @@ fn a_write_grant_seen_on_the_wire_cannot_be_replayed_without_the_secret() {
     let _storage = storage;
     let mut m = authenticated(&master.addr, SECRET, 77);
     let value = vec![0x5au8; 4096];
-    let r: Result<MasterResponse, _> = exchange(
+    let r: Result<MasterResponse, _> = common::exchange(
         &mut m,
         FrameKind::MasterRequest,
         3,
@@ -561,10 +533,10 @@ fn a_write_grant_seen_on_the_wire_cannot_be_replayed_without_the_secret() {
     };
     let mut w = data_authenticated(&data_addr, SECRET);
     assert_eq!(
-        exchange(&mut w, FrameKind::DataRequest, 3, &write, &value),
+        common::exchange(&mut w, FrameKind::DataRequest, 3, &write, &value),
         Ok(DataResponse::Written)
     );
-    let r: Result<MasterResponse, _> = exchange(
+    let r: Result<MasterResponse, _> = common::exchange(
         &mut m,
         FrameKind::MasterRequest,
         4,
@@ -580,7 +552,7 @@ fn a_write_grant_seen_on_the_wire_cannot_be_replayed_without_the_secret() {
     // The grant, seen on the wire, replayed from a process without the
     // secret, on every shard port of the node: refused.
     for shard in 0..rep.endpoint.nr_shards {
-        let r = exchange::<_, DataResponse>(
+        let r = common::exchange::<_, DataResponse>(
             &mut connect(&rep.endpoint.shard_addr(shard)),
             FrameKind::DataRequest,
             1,
@@ -595,7 +567,7 @@ fn a_write_grant_seen_on_the_wire_cannot_be_replayed_without_the_secret() {
     }
     // A handshake with a made-up proof does not open the door either.
     let mut s = connect(&data_addr);
-    let r: Result<DataResponse, _> = exchange(
+    let r: Result<DataResponse, _> = common::exchange(
         &mut s,
         FrameKind::DataRequest,
         1,
@@ -606,7 +578,7 @@ fn a_write_grant_seen_on_the_wire_cannot_be_replayed_without_the_secret() {
         &[],
     );
     assert!(matches!(r, Ok(DataResponse::AuthChallenge { .. })), "{r:?}");
-    let r: Result<DataResponse, _> = exchange(
+    let r: Result<DataResponse, _> = common::exchange(
         &mut s,
         FrameKind::DataRequest,
         2,

@@ -72,7 +72,8 @@ fn a_peer_killed_mid_batch_fails_every_pending_request_within_the_deadline_and_l
             let mut batch: Vec<Transfer<'_>> = bufs
                 .iter_mut()
                 .zip(&lists)
-                .map(|(b, l)| Transfer::read(b, l))
+                .zip(&keys)
+                .map(|((b, l), k)| Transfer::read(k.as_bytes(), b, l))
                 .collect();
             let deadline = Instant::now() + Duration::from_secs(3);
             let started = Instant::now();

@@ -876,7 +876,7 @@ impl Client {
         let mut buf = vec![0u8; value.len()];
         self.inner
             .engine
-            .read(&replicas, &mut buf, deadline.min(until))
+            .read(key, &replicas, &mut buf, deadline.min(until))
             .await
             .is_ok()
             && buf == value
@@ -900,7 +900,7 @@ impl Client {
                 let mut buf = vec![0u8; replicas[0].len as usize];
                 self.inner
                     .engine
-                    .read(&replicas, &mut buf, deadline.min(until))
+                    .read(key, &replicas, &mut buf, deadline.min(until))
                     .await?;
                 Ok(buf)
             })
@@ -933,7 +933,7 @@ impl Client {
                 }
                 self.inner
                     .engine
-                    .read(&replicas, &mut buf[..len], deadline.min(until))
+                    .read(key, &replicas, &mut buf[..len], deadline.min(until))
                     .await?;
                 Ok(len)
             })
@@ -999,7 +999,7 @@ impl Client {
         buf: &mut [u8],
         deadline: Instant,
     ) -> bool {
-        match self.inner.engine.read(replicas, buf, deadline).await {
+        match self.inner.engine.read(key, replicas, buf, deadline).await {
             Ok(()) => {
                 self.inner.location_hits.fetch_add(1, Ordering::Relaxed);
                 true

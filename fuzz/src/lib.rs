@@ -643,6 +643,7 @@ pub fn data_request_seeds() -> Vec<(&'static str, DataRequest)> {
                 loc: (1 << 32) | 5,
                 len: 4096,
                 grant: g,
+                key: b"k".to_vec(),
             },
         ),
         (

@@ -591,3 +591,35 @@ pub fn python_with_redis() -> Option<String> {
         missing(&format!("python with the redis package ({py})"))
     }
 }
+
+/// Writes one frame on `s`; reads the answer: the response, or the error
+/// code of an error frame, or `Unavailable` when the peer closed instead.
+/// (A data read's bytes follow its `Data` answer on `s`.)
+pub fn exchange<Q: kvpool_wire::frame::Payload, A: kvpool_wire::frame::Payload>(
+    s: &mut std::net::TcpStream,
+    kind: kvpool_wire::frame::FrameKind,
+    id: u64,
+    req: &Q,
+    payload: &[u8],
+) -> Result<A, kvpool_wire::ErrorCode> {
+    use kvpool_wire::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
+    use kvpool_wire::ErrorCode;
+    use std::io::{Read, Write};
+    let mut bytes = frame::encode(kind, id, req);
+    bytes.extend_from_slice(payload);
+    if s.write_all(&bytes).is_err() {
+        return Err(ErrorCode::Unavailable);
+    }
+    let mut head = [0u8; HEADER_LEN];
+    s.read_exact(&mut head)
+        .map_err(|_| ErrorCode::Unavailable)?;
+    let hdr = FrameHeader::decode(&head, u32::MAX).unwrap();
+    let mut p = frame::AlignedVec::<16>::new();
+    p.resize(hdr.len as usize, 0);
+    s.read_exact(&mut p).unwrap();
+    if hdr.kind == FrameKind::Error {
+        let e: kvpool_wire::proto::WireError = frame::decode(&p).unwrap();
+        return Err(ErrorCode::from_code(e.code));
+    }
+    Ok(frame::decode(&p).unwrap())
+}

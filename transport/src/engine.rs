@@ -139,6 +139,9 @@ impl Buf<'_> {
 pub struct Transfer<'a> {
     pub buf: Buf<'a>,
     pub replicas: &'a [ReplicaDesc],
+    /// A read's key: a node reads an NVMe replica only while its slot holds
+    /// this key's copy (empty for a write).
+    pub key: &'a [u8],
     /// Set when the batch returns.
     pub status: Option<Result<(), KvError>>,
     /// A write made with [`Transfer::write_summed`]: the checksum of the
@@ -148,10 +151,12 @@ pub struct Transfer<'a> {
 }
 
 impl<'a> Transfer<'a> {
-    pub fn read(dst: &'a mut [u8], replicas: &'a [ReplicaDesc]) -> Self {
+    /// A read of `key`'s object into `dst`.
+    pub fn read(key: &'a [u8], dst: &'a mut [u8], replicas: &'a [ReplicaDesc]) -> Self {
         Self {
             buf: Buf::Read(dst),
             replicas,
+            key,
             status: None,
             sum: None,
             want_sum: false,
@@ -162,6 +167,7 @@ impl<'a> Transfer<'a> {
         Self {
             buf: Buf::Write(src),
             replicas,
+            key: &[],
             status: None,
             sum: None,
             want_sum: false,
@@ -376,7 +382,7 @@ impl TransferEngine {
     ) {
         let work = futures_util::future::join_all(batch.iter_mut().map(|t| async move {
             let r = match &mut t.buf {
-                Buf::Read(dst) => self.read_any(t.replicas, dst, deadline).await,
+                Buf::Read(dst) => self.read_any(t.key, t.replicas, dst, deadline).await,
                 Buf::Write(src) => self
                     .write_all(t.replicas, src, deadline, t.want_sum)
                     .await
@@ -407,14 +413,15 @@ impl TransferEngine {
         }
     }
 
-    /// Reads one object into `dst` from the first replica that answers.
+    /// Reads `key`'s object into `dst` from the first replica that answers.
     pub async fn read(
         &self,
+        key: &[u8],
         replicas: &[ReplicaDesc],
         dst: &mut [u8],
         deadline: Instant,
     ) -> Result<(), KvError> {
-        let mut t = [Transfer::read(dst, replicas)];
+        let mut t = [Transfer::read(key, dst, replicas)];
         self.run(&mut t, deadline, None).await;
         let [t] = t;
         t.status.expect("set by run")
@@ -463,9 +470,10 @@ impl TransferEngine {
         Ok(conn)
     }
 
-    /// Reads an NVMe replica: the node reads it from its device (checksum
-    /// verified) and sends it like a DRAM read; one request, no slicing.
-    async fn nvme_read(&self, r: &ReplicaDesc, dst: &mut [u8]) -> Result<(), KvError> {
+    /// Reads an NVMe replica of `key`'s object: the node reads it from its
+    /// device (checksum verified, only while the slot holds `key`'s copy)
+    /// and sends it like a DRAM read; one request, no slicing.
+    async fn nvme_read(&self, r: &ReplicaDesc, key: &[u8], dst: &mut [u8]) -> Result<(), KvError> {
         let _p = self.permit().await?;
         let pool = self.pools_for(&r.endpoint, r.data_shard(), 1).remove(0);
         let addr = pool.addr();
@@ -479,6 +487,7 @@ impl TransferEngine {
                 loc: r.offset,
                 len: dst.len() as u64,
                 grant: r.grant,
+                key: key.to_vec(),
             },
         );
         let s: &mut Stream = conn.stream();
@@ -519,6 +528,7 @@ impl TransferEngine {
     /// (order, shares of the time left, failover).
     async fn read_any(
         &self,
+        key: &[u8],
         replicas: &[ReplicaDesc],
         dst: &mut [u8],
         deadline: Instant,
@@ -559,7 +569,7 @@ impl TransferEngine {
             let summing = self.checks(r);
             let attempt = async {
                 if r.tier == Tier::Nvme {
-                    self.nvme_read(r, dst).await.map(|()| None)
+                    self.nvme_read(r, key, dst).await.map(|()| None)
                 } else {
                     match self.shm_for(r).await {
                         Some(Ok(map)) => {

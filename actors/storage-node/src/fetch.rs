@@ -21,7 +21,7 @@ use kvpool_client::Client;
 use kvpool_runtime::hash::value_sum;
 use kvpool_runtime::Shutdown;
 use kvpool_storage::Segment;
-use kvpool_wire::proto::{call, FetchTask, NodeTask, NvmeUpdate, ReplicaDesc, SegmentId, Tier};
+use kvpool_wire::proto::{call, FetchTask, NodeTask, NvmeUpdate, SegmentId, Tier};
 use kvpool_wire::{ErrorCode, KvError};
 
 use crate::metrics::StorageMetrics;
@@ -40,17 +40,7 @@ pub struct FetchTarget {
 impl FetchTarget {
     /// Runs one `Fetch` task; returns the report the master waits for.
     pub async fn run(&self, client: &Client, task: FetchTask) -> NvmeUpdate {
-        let ok = match self
-            .fetch(
-                client,
-                &task.from,
-                task.dram,
-                task.offset,
-                task.len,
-                task.checksum,
-            )
-            .await
-        {
+        let ok = match self.fetch(client, &task).await {
             Ok(()) => {
                 self.metrics.hot_fetches.inc();
                 true
@@ -63,15 +53,9 @@ impl FetchTarget {
         task.promoted(ok)
     }
 
-    async fn fetch(
-        &self,
-        client: &Client,
-        from: &[ReplicaDesc],
-        dram: SegmentId,
-        offset: u64,
-        len: u64,
-        checksum: u64,
-    ) -> Result<(), KvError> {
+    async fn fetch(&self, client: &Client, task: &FetchTask) -> Result<(), KvError> {
+        let (key, from) = (&task.key[..], &task.from[..]);
+        let (dram, offset, len, checksum) = (task.dram, task.offset, task.len, task.checksum);
         let invalid = |why: String| KvError::new(ErrorCode::InvalidParams, why);
         if dram != self.dram_id {
             return Err(invalid(format!(
@@ -94,7 +78,7 @@ impl FetchTarget {
         let mut buf = vec![0u8; len as usize];
         let read = client
             .engine()
-            .read(from, &mut buf, Instant::now() + FETCH_DEADLINE)
+            .read(key, from, &mut buf, Instant::now() + FETCH_DEADLINE)
             .await;
         // The engine checks the bytes against the replica's checksum when
         // the client checks checksums; this node checks them itself too.

@@ -219,6 +219,7 @@ impl DataGate<'_> {
                 loc,
                 len,
                 grant,
+                ..
             } => {
                 if Some(*segment_id) != self.nvme_id {
                     return Err(invalid(KvError::new(

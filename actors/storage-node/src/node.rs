@@ -538,20 +538,25 @@ impl Handler for DataConn {
                 self.metrics.observe("read", ok, started.elapsed());
                 next
             }
-            DataRequest::ReadNvme { loc, len, .. } => {
+            DataRequest::ReadNvme { loc, len, key, .. } => {
                 let loc = kvpool_storage::nvme::NvmeLoc::unpack(loc);
-                let value = crate::nvme_tier::read_local(loc, &self.metrics)
-                    .await
-                    .and_then(|v| {
-                        if v.len() as u64 == len {
-                            Ok(v)
-                        } else {
-                            Err(KvError::new(
-                                ErrorCode::InvalidParams,
-                                "length differs from the object's",
-                            ))
-                        }
-                    });
+                // The key's copy only: a slot evicted and reused since the
+                // reader got its location may hold another key's copy of
+                // the same size (a later copy of the same key is the key's
+                // bytes, put after the reader asked).
+                let value =
+                    crate::nvme_tier::read_local(loc, &self.metrics, |k, _| k == key.as_slice())
+                        .await
+                        .and_then(|v| {
+                            if v.len() as u64 == len {
+                                Ok(v)
+                            } else {
+                                Err(KvError::new(
+                                    ErrorCode::InvalidParams,
+                                    "length differs from the object's",
+                                ))
+                            }
+                        });
                 let v = match value {
                     Ok(v) => v,
                     Err(e) => {

@@ -160,14 +160,10 @@ fn canonical(p: &str) -> Result<PathBuf, NodeError> {
     Ok(dir.join(path.file_name().unwrap_or_default()))
 }
 
-/// Reads an object of this shard's region (for the data plane).
-pub async fn read_local(loc: NvmeLoc, metrics: &StorageMetrics) -> Result<NvmeValue, KvError> {
-    read_local_if(loc, metrics, |_, _| true).await
-}
-
-/// [`read_local`] of the copy at `loc` only if `wanted` says so of its key
-/// and version (else `NotFound`).
-async fn read_local_if(
+/// Reads an object of this shard's region (for the data plane and
+/// promotions). Only the copy `wanted` names by its key and version is read (else
+/// `NotFound`): the slot may hold another copy since the reader learnt of it.
+pub async fn read_local(
     loc: NvmeLoc,
     metrics: &StorageMetrics,
     wanted: impl FnOnce(&[u8], u64) -> bool,
@@ -417,7 +413,7 @@ impl NodeNvme {
                 // Only the copy the task names: its slot may hold another
                 // since (evicted and reused), whose bytes an object without
                 // a checksum could not tell from its own.
-                let v = read_local_if(loc, &m, |key, version| p.reads(key, version)).await?;
+                let v = read_local(loc, &m, |key, version| p.reads(key, version)).await?;
                 if let Err(r) = p.check(v.len() as u64, seg.len(), || value_sum(&v)) {
                     if r == task::Refusal::Checksum {
                         m.checksum_mismatches.inc();

@@ -159,7 +159,7 @@ impl Client {
             let mut out: Vec<Result<usize, KvError>> = Vec::with_capacity(items.len());
             let mut transfers: Vec<Transfer<'_>> = Vec::new();
             let mut which: Vec<usize> = Vec::new();
-            for (i, (list, (_, buf))) in lists.iter().zip(items.iter_mut()).enumerate() {
+            for (i, (list, (key, buf))) in lists.iter().zip(items.iter_mut()).enumerate() {
                 match list {
                     Ok(reps) if reps.is_empty() => out.push(Err(KvError::new(
                         ErrorCode::ObjectNotFound,
@@ -171,7 +171,7 @@ impl Client {
                             out.push(Err(too_small(len, buf.len())));
                         } else {
                             out.push(Ok(len));
-                            transfers.push(Transfer::read(&mut buf[..len], reps));
+                            transfers.push(Transfer::read(key, &mut buf[..len], reps));
                             which.push(i);
                         }
                     }
@@ -216,7 +216,7 @@ impl Client {
             for (i, (list, buf)) in lists.iter().zip(bufs.iter_mut()).enumerate() {
                 if let Ok(reps) = list {
                     if !reps.is_empty() {
-                        transfers.push(Transfer::read(buf, reps));
+                        transfers.push(Transfer::read(keys[i], buf, reps));
                         which.push(i);
                     }
                 }

@@ -39,7 +39,8 @@ pub const MAGIC: [u8; 4] = *b"KVPL";
 /// 6: each `NodeTask` variant holds a struct (`PersistTask`, `PromoteTask`,
 /// `DropTask`, `FetchTask`): the archived layout changed.
 /// 7: `PromoteTask::version`.
-pub const VERSION: u8 = 7;
+/// 8: `DataRequest::ReadNvme::key`.
+pub const VERSION: u8 = 8;
 pub const HEADER_LEN: usize = 24;
 
 /// What a frame's payload is.

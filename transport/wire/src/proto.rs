@@ -859,13 +859,16 @@ pub enum DataRequest {
         len: u64,
         grant: Grant,
     },
-    /// Read an object of the node's NVMe tier (at packed location `loc`);
-    /// must reach the shard that owns the location's region.
+    /// Read the object `key` of the node's NVMe tier (at packed location
+    /// `loc`); must reach the shard that owns the location's region. The
+    /// node reads the copy only while that slot holds `key`'s: one evicted
+    /// since may hold another key's copy of the same size.
     ReadNvme {
         segment_id: SegmentId,
         loc: u64,
         len: u64,
         grant: Grant,
+        key: Vec<u8>,
     },
     /// RDMA set-up: the node's capabilities, or queue pairs to its segment.
     /// The queue pairs live as long as the TCP connection that set them up.
