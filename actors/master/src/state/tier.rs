@@ -809,11 +809,13 @@ impl ShardState {
                         o.stored().version == *version && o.size == *len
                     }) || parked.is_some_and(|(size, _, _, v)| v == *version && size == *len));
                 if !listed && !versioned && self.drop_owed(*nvme, key, *loc) {
-                    // Reported before the node ran the Drop it is owed or
-                    // was just handed (the node restarted, or reported its
-                    // tier again; the master may have restarted too: what
-                    // is owed is in its state directory): taking it would
-                    // bring back a removed or replaced object. (A copy the
+                    // Reported before the node ran the Drop it is owed,
+                    // maybe handed out already (to a tier still adopted a
+                    // Drop stays owed until the tier is listed; on a listed
+                    // one such a copy is old, below). The node restarted,
+                    // or its tier mounted again; the master may have
+                    // restarted too (what is owed is in its state
+                    // directory). Taking it would bring back a removed or replaced object. (A copy the
                     // key's object lists is that object's: a later put's
                     // copy took the slot, and the Drop is stale.) Unless,
                     // written before versions (one with a version is its
