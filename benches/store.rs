@@ -62,8 +62,16 @@ pub fn main() {
         .block_on(Client::connect(&node.addr, ClientConfig::default()))
         .expect("connect");
 
-    // KVPOOL_BENCH_ONLY=repeated runs the repeated small gets alone.
-    let only_repeated = std::env::var("KVPOOL_BENCH_ONLY").is_ok_and(|v| v == "repeated");
+    // KVPOOL_BENCH_ONLY=repeated runs the repeated small gets alone,
+    // KVPOOL_BENCH_ONLY=nvme the gets served from the NVMe tier alone.
+    let only = std::env::var("KVPOOL_BENCH_ONLY").unwrap_or_default();
+    if only == "nvme" {
+        drop(node);
+        let _ = std::fs::remove_file(&cfg);
+        nvme_gets(&rt, full);
+        return;
+    }
+    let only_repeated = only == "repeated";
     header();
     for (size, n) in sizes.into_iter().filter(|_| !only_repeated) {
         let value: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
@@ -111,6 +119,7 @@ pub fn main() {
     }
     drop(node);
     let _ = std::fs::remove_file(&cfg);
+    nvme_gets(&rt, full);
 }
 
 /// Repeated 4 KiB gets of 16 hot keys: over TCP with the client's location
@@ -211,4 +220,274 @@ fn repeated_gets(rt: &tokio::runtime::Runtime, master: &str, full: bool) {
             let _ = tcp_cached.remove_with(k.as_bytes(), true).await;
         }
     });
+}
+
+/// Gets served from the NVMe tier, beside gets of DRAM replicas of the same
+/// size from the same pool and client, and fio's random reads of that size
+/// at queue depth 1 on the same file system, in alternating rounds (ours,
+/// then fio). The pool is `kvpool run` with a 64 MiB DRAM segment and a
+/// write-through tier (its file under the target directory); each value is
+/// put, waits for its NVMe copy, and then loses its DRAM replica to 1 MiB
+/// fillers (oldest first), so its gets read the tier. The client's location
+/// cache is off and the transport TCP (no shared memory): every get is the
+/// master's lookup, then a request to the node, on both sides, so the
+/// difference is the node's read of the tier. No promotion
+/// (`promote_after_reads = 0`).
+fn nvme_gets(rt: &tokio::runtime::Runtime, full: bool) {
+    use kvpool_wire::proto::Tier;
+    const DRAM: u64 = 64 << 20;
+    const FILLER: usize = 1 << 20;
+    let cases: [(usize, usize); 3] = if full {
+        [(4 << 10, 2000), (64 << 10, 500), (1 << 20, 150)]
+    } else {
+        [(4 << 10, 20), (64 << 10, 10), (1 << 20, 4)]
+    };
+    let rounds = if full { 3 } else { 1 };
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("store-nvme-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("bench dir");
+    let cfg = dir.join("pool.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[master]\npromote_after_reads = 0\nlease_ttl_ms = 1000\n\
+             [storage]\nprefault = true\n\
+             [storage.nvme]\npath = \"{}\"\ncapacity = \"2 GiB\"\npolicy = \"write_through\"\n\
+             avg_object_bytes = \"64 KiB\"\nsync_writes = false\ntask_poll_ms = 20\n",
+            dir.join("tier.kvnv").display()
+        ),
+    )
+    .expect("bench config");
+    let node = support::start(
+        "all",
+        &[
+            "--config",
+            cfg.to_str().expect("utf-8 path"),
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--segment-size",
+            "64MiB",
+        ],
+    );
+    let c = rt
+        .block_on(Client::connect(
+            &node.addr,
+            ClientConfig {
+                location_cache_entries: 0,
+                transport: kvpool_config::Transport::Tcp,
+                ..Default::default()
+            },
+        ))
+        .expect("connect");
+    let on = |key: &str, tier: Tier| {
+        let info = rt.block_on(c.describe(key.as_bytes())).expect("describe");
+        info.replicas.iter().any(|r| r.tier == tier)
+    };
+    println!();
+    println!(
+        "gets from the NVMe tier (write-through, DRAM replica evicted; location cache off), \
+         {rounds} round(s), beside DRAM gets and fio randread at queue depth 1 (io_uring, \
+         direct), us:"
+    );
+    println!(
+        "{:<6} {:>6} {:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}",
+        "size",
+        "round",
+        "keys",
+        "nvme_p50",
+        "nvme_p99",
+        "dram_p50",
+        "fio_p50",
+        "fio_p99",
+        "fio_mean",
+        "tier_p50",
+        "node_read",
+        "tier/fio"
+    );
+    for (size, n) in cases {
+        let value =
+            |i: usize| -> Vec<u8> { (0..size).map(|j| ((i * 7 + j) % 251) as u8).collect() };
+        let keys: Vec<String> = (0..n).map(|i| format!("nv-{size}-{i}")).collect();
+        rt.block_on(async {
+            for (i, k) in keys.iter().enumerate() {
+                c.put(k.as_bytes(), &value(i)).await.expect("put");
+            }
+        });
+        // Each value's write-through copy lands before the fillers push
+        // its DRAM replica out (else the eviction demotes it, the same end
+        // but later).
+        let deadline = Instant::now() + std::time::Duration::from_secs(120);
+        for k in &keys {
+            while !on(k, Tier::Nvme) {
+                assert!(
+                    Instant::now() < deadline,
+                    "{k} has no NVMe copy after 120 s"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
+        // Past the puts' leases, then twice the DRAM segment of fillers.
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        let fill: Vec<u8> = vec![0x5a; FILLER];
+        let fillers = (2 * DRAM as usize) / FILLER;
+        rt.block_on(async {
+            for j in 0..fillers {
+                c.put(format!("fill-{size}-{j}").as_bytes(), &fill)
+                    .await
+                    .expect("filler put");
+            }
+        });
+        let nvme_only: Vec<usize> = (0..n).filter(|&i| !on(&keys[i], Tier::Dram)).collect();
+        // DRAM replicas of the same size, put last: the newest, not evicted.
+        // A quarter of the segment at most, so they all stay.
+        let dram_n = n.min(DRAM as usize / 4 / size);
+        let dram_keys: Vec<String> = (0..dram_n).map(|i| format!("dr-{size}-{i}")).collect();
+        rt.block_on(async {
+            for (i, k) in dram_keys.iter().enumerate() {
+                c.put(k.as_bytes(), &value(i)).await.expect("put");
+            }
+        });
+        let fio_file = dir.join(format!("fio-{size}"));
+        let fio_bytes = (n * size).max(64 << 20);
+        std::fs::write(&fio_file, vec![0xa5u8; fio_bytes]).expect("fio file");
+        let mut order = nvme_only.clone();
+        let mut buf = vec![0u8; size];
+        for r in 0..rounds {
+            shuffle(&mut order, (r as u64 + 1) * size as u64);
+            let mut nv = Lat::new();
+            let read0 = nvme_read_seconds(&node.http);
+            rt.block_on(async {
+                for &i in &order {
+                    let t = Instant::now();
+                    let got = c.get_into(keys[i].as_bytes(), &mut buf).await.expect("get");
+                    nv.record(t.elapsed(), size as u64);
+                    assert_eq!(got, size);
+                    assert!(buf == value(i), "an NVMe get returned other bytes");
+                }
+            });
+            let read1 = nvme_read_seconds(&node.http);
+            // The node's own read of the tier (its histogram's mean over
+            // the round): the device read and the tier's checks.
+            let node_read = match (read0, read1) {
+                (Some(a), Some(b)) if b.1 > a.1 => (b.0 - a.0) / (b.1 - a.1) * 1e6,
+                _ => f64::NAN,
+            };
+            let mut dr = Lat::new();
+            rt.block_on(async {
+                for (i, k) in dram_keys.iter().enumerate() {
+                    let t = Instant::now();
+                    c.get_into(k.as_bytes(), &mut buf).await.expect("get");
+                    dr.record(t.elapsed(), size as u64);
+                    assert!(buf == value(i), "a DRAM get returned other bytes");
+                }
+            });
+            let fio = fio_read_lat(&fio_file, size, fio_bytes, order.len().max(100));
+            let (np, dp) = (nv.us(0.5), dr.us(0.5));
+            match fio {
+                Some((f50, f99, fmean)) => println!(
+                    "{:<6} {r:>6} {:>5} {np:>9.1} {:>9.1} {dp:>9.1} {f50:>9.1} {f99:>9.1} \
+                     {fmean:>9.1} {:>9.1} {node_read:>9.1} {:>11.2}",
+                    size_name(size),
+                    order.len(),
+                    nv.us(0.99),
+                    np - dp,
+                    (np - dp) / f50
+                ),
+                None => println!(
+                    "{:<6} {r:>6} {:>5} {np:>9.1} {:>9.1} {dp:>9.1} (skip: reference fio not \
+                     found or failed)",
+                    size_name(size),
+                    order.len(),
+                    nv.us(0.99)
+                ),
+            }
+        }
+        if order.len() < n {
+            println!(
+                "  ({} of {n} keys kept a DRAM replica and were not read)",
+                n - order.len()
+            );
+        }
+        rt.block_on(async {
+            for k in keys.iter().chain(&dram_keys) {
+                let _ = c.remove_with(k.as_bytes(), true).await;
+            }
+            for j in 0..fillers {
+                let _ = c
+                    .remove_with(format!("fill-{size}-{j}").as_bytes(), true)
+                    .await;
+            }
+        });
+        let _ = std::fs::remove_file(&fio_file);
+    }
+    println!(
+        "  tier_p50 = nvme_p50 - dram_p50 (the tier's part of a get); node_read = the node's \
+         mean read of the tier (device read and checks), beside fio's mean; tier/fio = tier_p50 over \
+         fio's p50 read"
+    );
+    drop(node);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The node's `storage_nvme_read_seconds` histogram: (sum, count).
+fn nvme_read_seconds(http: &str) -> Option<(f64, f64)> {
+    let text = support::metrics_text(http)?;
+    let find = |suffix: &str| {
+        text.lines().find_map(|l| {
+            let (name, v) = l.split_once(' ')?;
+            (name.ends_with(&format!("storage_nvme_read_seconds_{suffix}")))
+                .then(|| v.trim().parse::<f64>().ok())?
+        })
+    };
+    Some((find("sum")?, find("count")?))
+}
+
+/// A seeded Fisher-Yates shuffle (xorshift64*).
+fn shuffle(v: &mut [usize], seed: u64) {
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        let j = (x.wrapping_mul(0x2545_f491_4f6c_dd1d) % (i as u64 + 1)) as usize;
+        v.swap(i, j);
+    }
+}
+
+/// fio's random reads of `bs` bytes at queue depth 1 (io_uring, O_DIRECT)
+/// over `file`: (p50, p99, mean) of the whole read's latency, us.
+fn fio_read_lat(
+    file: &std::path::Path,
+    bs: usize,
+    bytes: usize,
+    ios: usize,
+) -> Option<(f64, f64, f64)> {
+    let out = std::process::Command::new("fio")
+        .args([
+            "--name=ref",
+            &format!("--filename={}", file.display()),
+            "--rw=randread",
+            &format!("--bs={bs}"),
+            &format!("--size={bytes}"),
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--iodepth=1",
+            "--numjobs=1",
+            &format!("--number_ios={ios}"),
+            "--lat_percentiles=1",
+            "--output-format=json",
+        ])
+        .output()
+        .ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    let lat = &v["jobs"][0]["read"]["lat_ns"];
+    let p = &lat["percentile"];
+    Some((
+        p["50.000000"].as_f64()? / 1000.0,
+        p["99.000000"].as_f64()? / 1000.0,
+        lat["mean"].as_f64()? / 1000.0,
+    ))
 }

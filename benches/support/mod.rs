@@ -222,6 +222,15 @@ pub fn start(role: &str, args: &[&str]) -> Node {
 /// A counter or gauge of a process's `/metrics` (a counter's `_total`), or
 /// `None` when it is not there.
 pub fn metric(http: &str, name: &str) -> Option<u64> {
+    metrics_text(http)?.lines().find_map(|l| {
+        l.strip_prefix(name)
+            .and_then(|r| r.strip_prefix("_total ").or_else(|| r.strip_prefix(' ')))
+            .and_then(|v| v.trim().parse().ok())
+    })
+}
+
+/// A process's `/metrics` page.
+pub fn metrics_text(http: &str) -> Option<String> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(http).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
@@ -232,11 +241,7 @@ pub fn metric(http: &str, name: &str) -> Option<u64> {
     .ok()?;
     let mut text = String::new();
     s.read_to_string(&mut text).ok()?;
-    text.lines().find_map(|l| {
-        l.strip_prefix(name)
-            .and_then(|r| r.strip_prefix("_total ").or_else(|| r.strip_prefix(' ')))
-            .and_then(|v| v.trim().parse().ok())
-    })
+    Some(text)
 }
 
 /// The machine, for the record.
