@@ -37,8 +37,8 @@ use kvpool_wire::KvError;
 )]
 struct Cli {
     /// The master's RPC address (host:port of its shard 0), or
-    /// etcd://host:port[,host:port...][/name] to follow the leader of
-    /// masters on etcd.
+    /// etcd://host:port[,host:port...] (optionally then /name) to follow
+    /// the leader of masters on etcd.
     #[arg(long, global = true, value_name = "HOST:PORT|etcd://...")]
     master: Option<String>,
     /// A TOML config file (see configs/); every key has a default.
@@ -363,7 +363,7 @@ struct RunArgs {
     #[command(flatten)]
     serving: ServingFlags,
     /// Role master: campaign with the other masters on etcd
-    /// (etcd://host:port[,host:port...][/name]); one leads, the others
+    /// (etcd://host:port[,host:port...], optionally then /name); one leads, the others
     /// stand by. Sets `[master] ha`.
     #[arg(long, value_name = "etcd://HOST:PORT,...")]
     ha: Option<String>,

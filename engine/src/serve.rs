@@ -289,7 +289,7 @@ impl Engine {
     }
 
     /// The HTTP routes, serving `registry` on `/metrics`. The POST routes
-    /// are admitted first ([`admit`]): at most `engine.max_num_seqs +
+    /// are admitted first (`admit`): at most `engine.max_num_seqs +
     /// engine.max_waiting` of them at once, the rest get 503.
     pub fn router(&self, registry: MetricsRegistry) -> Router {
         let body_limit = self.inner.cfg.max_body_bytes.get() as usize;

@@ -72,7 +72,7 @@ pub struct EngineConfig {
     /// Slices of one transfer in flight at once (over distinct connections).
     pub lanes: usize,
     /// A TCP transfer of a DRAM replica starts on this engine's own shard
-    /// of the node ([`TransferEngine::home_shard`]) instead of the shard
+    /// of the node (chosen at random when the engine starts) instead of the shard
     /// whose slice holds the offset.
     pub shard_affinity: bool,
     /// Slices in flight over the whole engine; more wait (back-pressure).

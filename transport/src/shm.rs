@@ -434,7 +434,7 @@ impl ShmMap {
     }
 
     /// [`ShmMap::read_into`], and the checksum of the bytes read, each
-    /// piece hashed right after it was copied ([`checksum::copy_and_sum`]).
+    /// piece hashed right after it was copied ([`kvpool_wire::checksum::copy_and_sum`]).
     pub fn read_into_summed(&self, offset: u64, dst: &mut [u8]) -> Result<u64, KvError> {
         self.check(offset, dst.len() as u64)?;
         self.populate(offset, dst.len() as u64);

@@ -23,7 +23,7 @@
 //!   scheduler skips those that are not.
 //!
 //! For every request the actor captures this view as a
-//! [`RecordedView`](crate::record::RecordedView) and schedules on the
+//! [`crate::record::RecordedView`] and schedules on the
 //! capture, so that a decision log (`ConductorArgs::decision_log`) holds
 //! exactly what each decision was made on (see [`crate::record`]).
 //!

@@ -3,7 +3,7 @@
 //!
 //! This module knows files and bytes, not shards: a shard hands it encoded
 //! records ([`Record::encode`]) to append, and gets back at start the
-//! [`Image`] its directory holds ([`replay`]). The same records are what a
+//! [`Image`] its directory holds ([`open_shard`], [`replay_file`]). The same records are what a
 //! standby would be shipped.
 //!
 //! On disk, per shard, in `<state_dir>/shard-<i>/`:

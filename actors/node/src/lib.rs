@@ -2,11 +2,11 @@
 //! serves HTTP (`/healthz`, `/metrics`, the master's admin routes), and
 //! measures a running pool (`kvpool bench transfer`).
 //!
-//! * [`launch`]: the one dispatch of every role (`kvpool run --role`).
+//! * [`launch`](mod@launch): the one dispatch of every role (`kvpool run --role`).
 //! * [`process`]: the pool's process: `run(role, config, shutdown)` for
 //!   master, storage node, gateway, and role all with its serving path.
 //! * [`http`]: the HTTP side of every role.
-//! * [`bench`]: the transfer bench behind `kvpool bench transfer`.
+//! * [`bench`](mod@bench): the transfer bench behind `kvpool bench transfer`.
 
 pub mod bench;
 pub mod http;

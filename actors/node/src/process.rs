@@ -19,7 +19,7 @@ use kvpool_storage_node as storage_node;
 const MOUNT_DEADLINE: Duration = Duration::from_secs(30);
 
 /// Role all's serving path, run inside the pool's process (see
-/// [`start_serving`]).
+/// `start_serving`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Serving {
     /// Every serving listener on a free port (role all on `--listen

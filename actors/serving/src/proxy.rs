@@ -27,7 +27,7 @@
 //!
 //! A decode stream whose engine fails under it (the connection breaks, or
 //! the body ends without `[DONE]`) ends with an error event of type
-//! [`api::ENGINE_FAILED`](crate::api::ENGINE_FAILED) and then `[DONE]`,
+//! [`api::ENGINE_FAILED`] and then `[DONE]`,
 //! never by being cut: the conductor continues such a stream on another
 //! engine or passes the error on.
 //!

@@ -231,7 +231,7 @@ pub async fn start(
 /// abstract unix socket (the shm transport), until `shutdown`: a challenge,
 /// the client's request with its proof of the secret (with one), then one
 /// small `sendmsg`. Each client is served by a task of its own within
-/// [`SHM_EXCHANGE`]; at most [`SHM_CLIENTS`] at once (more are closed), so a
+/// `SHM_EXCHANGE`; at most `SHM_CLIENTS` at once (more are closed), so a
 /// client that connects and says nothing delays nobody.
 pub fn spawn_shm_server(
     svc: &StorageService,

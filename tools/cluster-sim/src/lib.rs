@@ -40,7 +40,7 @@
 //!   is gone after restart); tier writes and flushes fail at random. The
 //!   master's state directory is a real one per run ([`StateDir`]).
 //!
-//! After every event the world checks the invariants in [`World::check`]; a
+//! After every event the world checks the invariants in `World::check`; a
 //! failure names the seed, and `KVPOOL_SIM_SEED=<seed> cargo test --release
 //! -p kvpool-cluster-sim` replays it exactly.
 
@@ -61,7 +61,7 @@ use node::{Back, NodeModel};
 
 /// What survives a master restart. The master keeps its state directory
 /// (`[master] state_dir`: the real journal, in a real directory of its
-/// own per run, see [`StateDir`]) and [`World::master_restart`] opens it
+/// own per run, see [`StateDir`]) and `World::master_restart` opens it
 /// (`MasterCore::open`), so an object with a DRAM replica comes back too:
 /// once the node of that replica mounts its segment again (before the
 /// recovered replicas expire, `client_ttl_ms` after the restart), the

@@ -8,7 +8,7 @@
 //! tiers: owed Drops, listed and adopted tiers, detached copies), `tier`
 //! (node tasks, NVMe tier reports), `hot` (extra replicas of hot objects),
 //! `durable` (the state directory's records, snapshots, recovery), and the
-//! object store itself ([`super::objects::Objects`]). One `ShardState`,
+//! object store itself (`objects::Objects`). One `ShardState`,
 //! impl blocks by subject; `tests`.
 //!
 //! No I/O and no clock: every call that depends on time takes `now_ms`, so
@@ -35,7 +35,7 @@
 //!  its place in the same step; a revoked or stale replace leaves the old.
 //! ```
 //!
-//! Objects are stored once, in [`super::objects::Objects`]: a slab with a
+//! Objects are stored once, in `objects::Objects`: a slab with a
 //! table of complete objects and one of puts in flight (so the housekeeping
 //! sweep for stale puts scans only puts in flight, not the whole pool; a key
 //! is in both only while a replace of it is Processing), and per DRAM range
