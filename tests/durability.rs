@@ -577,3 +577,52 @@ fn a_put_right_after_a_restart_waits_for_the_nodes_to_mount_instead_of_no_space(
     });
     let _ = std::fs::remove_dir_all(&p.d);
 }
+
+/// A segment drained before the master is killed is draining again once
+/// its node mounts it on the restarted master (the state directory records
+/// the drain): stat says so and no new put is placed on it. Before, the
+/// restart forgot the drain and placement used the segment again.
+#[test]
+fn a_drained_segment_stays_drained_across_a_master_restart() {
+    let mut p = Restartable::new("durability-drain");
+    let ncfg = write_config(&p.d, "node-b.toml", "[storage]\nping_interval_ms = 200\n");
+    let _b = common::start_storage(&p.master.addr, "32MiB", &["--config", &ncfg]);
+    let stat_of = |c: &Client, rt: &tokio::runtime::Runtime| rt.block_on(c.stat()).unwrap();
+    let c =
+        p.rt.block_on(Client::connect(&p.master.addr, p.cfg.clone()))
+            .unwrap();
+    common::eventually_blocking("both segments mounted", Duration::from_secs(20), || {
+        stat_of(&c, &p.rt).segments.len() == 2
+    });
+    let drained = stat_of(&c, &p.rt).segments[0].id;
+    p.rt.block_on(c.drain_segment(drained)).unwrap();
+    drop(c);
+    p.master.signal(Signal::KILL);
+    p.master.wait_exit(Duration::from_secs(10)).expect("killed");
+    p.master = start_master(&p.master.addr, &p.mcfg, &p.state);
+    let c =
+        p.rt.block_on(Client::connect(&p.master.addr, p.cfg.clone()))
+            .unwrap();
+    common::eventually_blocking(
+        "both segments mounted again",
+        Duration::from_secs(20),
+        || stat_of(&c, &p.rt).segments.len() == 2,
+    );
+    let s = stat_of(&c, &p.rt);
+    assert!(
+        s.segments.iter().any(|g| g.id == drained && g.draining),
+        "the drain is remembered: {s:?}"
+    );
+    p.rt.block_on(async {
+        for i in 0..20 {
+            let key = format!("after-{i}");
+            c.put(key.as_bytes(), &value(i, 100_000)).await.unwrap();
+            let info = c.describe(key.as_bytes()).await.unwrap();
+            assert!(
+                info.replicas.iter().all(|r| r.segment_id != drained),
+                "{key} was placed on the drained segment: {info:?}"
+            );
+        }
+    });
+    let _ = std::fs::remove_dir_all(&p.d);
+}

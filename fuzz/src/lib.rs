@@ -802,10 +802,10 @@ fn master_response_seeds() -> Vec<(&'static str, MasterResponse)> {
     ]
 }
 
-/// A `Shipped` answer with an object, a removal and a hold of shard 0
-/// (keys of even length, in [`typed_replies`]).
+/// A `Shipped` answer with an object, a removal, a hold and a segment's
+/// drain of shard 0 (keys of even length, in [`typed_replies`]).
 fn shipped_seed() -> kvpool_wire::proto::Shipped {
-    use kvpool_master::journal::{Hold, ObjectRec, Record};
+    use kvpool_master::journal::{Hold, ObjectRec, Record, SegmentState};
     let key = b"k0".to_vec();
     let mut records = Vec::new();
     Record::Object {
@@ -826,6 +826,11 @@ fn shipped_seed() -> kvpool_wire::proto::Shipped {
         len: 4096,
         until_unix_ms: 1,
     })
+    .encode(&mut records);
+    Record::Segment {
+        id: 1,
+        state: SegmentState::Draining,
+    }
     .encode(&mut records);
     kvpool_wire::proto::Shipped {
         session: 3,

@@ -2,7 +2,7 @@
 //! and the in-process [`super::core::MasterCore`].
 //!
 //! The coordinator (one per master, on shard 0) owns what spans shards:
-//! mounted segments by name, client liveness, draining. It never touches a
+//! mounted segments by name, client liveness. It never touches a
 //! shard's state; it decides and returns [`ShardCommand`]s that every shard
 //! then applies (by message in the service, by a loop in `MasterCore`), one
 //! operation at a time, so every shard sees the same order.
@@ -92,7 +92,6 @@ impl ShardState {
 struct Mounted {
     spec: Arc<SegmentSpec>,
     owner: ClientId,
-    draining: bool,
     suspect: bool,
 }
 
@@ -337,7 +336,6 @@ impl CoordState {
                     Mounted {
                         spec: spec.clone(),
                         owner: client_id,
-                        draining: false,
                         suspect: false,
                     },
                 );
@@ -375,13 +373,14 @@ impl CoordState {
                 }
             }
             MasterRequest::DrainSegment { segment_id } => {
-                let m = self.segments.get_mut(&segment_id).ok_or_else(|| {
-                    KvError::new(
+                // The shards keep the mark (and their state directories
+                // record it): stat reads it from them.
+                if !self.segments.contains_key(&segment_id) {
+                    return Err(KvError::new(
                         ErrorCode::SegmentNotFound,
                         format!("segment {segment_id:016x} is not mounted"),
-                    )
-                })?;
-                m.draining = true;
+                    ));
+                }
                 Ok(Decision::Broadcast {
                     cmd: ShardCommand::DrainSegment { id: segment_id },
                     finish: Finish::Done,
@@ -446,7 +445,7 @@ impl CoordState {
         let mut demotions = 0;
         let mut promotions = 0;
         let mut hot_copies = 0;
-        let mut per_seg: HashMap<SegmentId, (u64, u64)> = HashMap::new();
+        let mut per_seg: HashMap<SegmentId, (u64, u64, bool)> = HashMap::new();
         for r in results {
             if let CommandResult::Stat(s) = r {
                 keys += s.keys;
@@ -455,10 +454,11 @@ impl CoordState {
                 demotions += s.demotions;
                 promotions += s.promotions;
                 hot_copies += s.hot_copies;
-                for (id, cap, used) in s.segments {
+                for (id, cap, used, draining) in s.segments {
                     let e = per_seg.entry(id).or_default();
                     e.0 += cap;
                     e.1 += used;
+                    e.2 |= draining;
                 }
             }
         }
@@ -466,7 +466,7 @@ impl CoordState {
             .segments
             .iter()
             .map(|(id, m)| {
-                let (capacity, used) = per_seg.get(id).copied().unwrap_or_default();
+                let (capacity, used, draining) = per_seg.get(id).copied().unwrap_or_default();
                 SegmentStat {
                     id: *id,
                     name: m.spec.name.clone(),
@@ -474,7 +474,7 @@ impl CoordState {
                     host_id: m.spec.host_id.clone(),
                     capacity,
                     used,
-                    draining: m.draining,
+                    draining,
                     suspect: m.suspect,
                 }
             })

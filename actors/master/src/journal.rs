@@ -97,6 +97,7 @@ const TAG_DROP_OWED: u8 = 4;
 const TAG_DROP_DONE: u8 = 5;
 const TAG_TIER_LISTED: u8 = 6;
 const TAG_EPOCH: u8 = 7;
+const TAG_SEGMENT: u8 = 8;
 
 /// Object record flags: a checksum follows; hard-pinned; a version follows
 /// the checksum (absent: version 0, how records before versions read).
@@ -166,12 +167,49 @@ pub enum Record {
     TierListed {
         nvme: SegmentId,
     },
+    /// Segment `id` is mounted (`Live`), mounted and draining (no new puts),
+    /// or unmounted (`Gone`). A master that restarts on this directory
+    /// waits for every segment recorded `Live` or `Draining` to mount
+    /// again, and one that was draining is draining when it does.
+    Segment {
+        id: SegmentId,
+        state: SegmentState,
+    },
     /// A master began an epoch: the versions it hands out are
     /// `epoch << 32 | n`, and a master restarted on this directory begins a
     /// later one, so no version is handed out twice.
     Epoch {
         epoch: u64,
     },
+}
+
+/// A segment's recorded state. (A segment recorded `Live` or `Draining`
+/// that has not mounted since a restart is awaiting its remount; that is
+/// the restarted shard's view, not a record.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SegmentState {
+    Live,
+    Draining,
+    Gone,
+}
+
+impl SegmentState {
+    fn byte(self) -> u8 {
+        match self {
+            SegmentState::Live => 1,
+            SegmentState::Draining => 2,
+            SegmentState::Gone => 3,
+        }
+    }
+
+    fn from_byte(b: u8) -> Result<Self, String> {
+        Ok(match b {
+            1 => SegmentState::Live,
+            2 => SegmentState::Draining,
+            3 => SegmentState::Gone,
+            b => return Err(format!("unknown segment state {b}")),
+        })
+    }
 }
 
 fn put_u32(out: &mut Vec<u8>, v: u32) {
@@ -263,6 +301,15 @@ pub fn encode_epoch(out: &mut Vec<u8>, epoch: u64) {
     end_frame(out, at);
 }
 
+/// Appends the frame of a `Segment` record.
+pub fn encode_segment(out: &mut Vec<u8>, id: SegmentId, state: SegmentState) {
+    let at = begin_frame(out);
+    out.push(TAG_SEGMENT);
+    put_u64(out, id);
+    out.push(state.byte());
+    end_frame(out, at);
+}
+
 /// Appends the frame of a `TierListed` record.
 pub fn encode_tier_listed(out: &mut Vec<u8>, nvme: SegmentId) {
     let at = begin_frame(out);
@@ -330,6 +377,7 @@ impl Record {
             }
             Record::TierListed { nvme } => encode_tier_listed(out, *nvme),
             Record::Epoch { epoch } => encode_epoch(out, *epoch),
+            Record::Segment { id, state } => encode_segment(out, *id, *state),
         }
     }
 
@@ -405,6 +453,10 @@ impl Record {
             TAG_EPOCH => match c.u64()? {
                 e @ 1..=0xffff_ffff => Record::Epoch { epoch: e },
                 e => return Err(format!("an epoch record of {e:#x}")),
+            },
+            TAG_SEGMENT => Record::Segment {
+                id: c.u64()?,
+                state: SegmentState::from_byte(c.u8()?)?,
             },
             t => return Err(format!("unknown record tag {t}")),
         };
@@ -490,6 +542,9 @@ pub struct Image {
     pub drops: BTreeMap<(SegmentId, Vec<u8>, u64), Option<u64>>,
     /// NVMe tiers whose every live copy the image lists.
     pub listed_tiers: BTreeSet<SegmentId>,
+    /// Segments recorded mounted (`Live` or `Draining`) and not unmounted
+    /// since.
+    pub segments: BTreeMap<SegmentId, SegmentState>,
     /// The latest epoch a master began on this directory (0: none).
     pub epoch: u64,
     /// The earliest epoch the directory names (0: none): the versions of
@@ -521,6 +576,13 @@ impl Image {
             }
             Record::TierListed { nvme } => {
                 self.listed_tiers.insert(nvme);
+            }
+            Record::Segment { id, state } => {
+                if state == SegmentState::Gone {
+                    self.segments.remove(&id);
+                } else {
+                    self.segments.insert(id, state);
+                }
             }
             Record::Epoch { epoch } => {
                 self.epoch = self.epoch.max(epoch);
@@ -909,6 +971,18 @@ mod tests {
             },
             Record::TierListed { nvme: 0xfeed },
             Record::Epoch { epoch: 3 },
+            Record::Segment {
+                id: 0xfeed,
+                state: SegmentState::Live,
+            },
+            Record::Segment {
+                id: 7,
+                state: SegmentState::Draining,
+            },
+            Record::Segment {
+                id: 7,
+                state: SegmentState::Gone,
+            },
             Record::Object {
                 key: b"v".to_vec(),
                 obj: ObjectRec {
@@ -932,6 +1006,32 @@ mod tests {
             at += 8 + len;
         }
         assert_eq!(back, recs);
+    }
+
+    /// The image holds a segment's latest state until it is recorded gone;
+    /// a segment record with a state no master writes is refused.
+    #[test]
+    fn segment_records_replay_to_the_latest_state() {
+        let mut img = Image::default();
+        for (id, state) in [
+            (1, SegmentState::Live),
+            (2, SegmentState::Live),
+            (1, SegmentState::Draining),
+            (2, SegmentState::Gone),
+            (3, SegmentState::Gone),
+        ] {
+            img.apply(Record::Segment { id, state });
+        }
+        assert_eq!(
+            img.segments.into_iter().collect::<Vec<_>>(),
+            vec![(1, SegmentState::Draining)]
+        );
+        let mut buf = Vec::new();
+        encode_segment(&mut buf, 4, SegmentState::Live);
+        let last = buf.len() - 1;
+        buf[last] = 9;
+        let err = Record::decode(&buf[FRAME_HEADER..]).unwrap_err();
+        assert!(err.contains("unknown segment state 9"), "{err}");
     }
 
     /// A `DropOwed` record of a master before Drops named a version (it

@@ -365,7 +365,10 @@ pub fn decode_records(
             | Record::Gone { key }
             | Record::DropOwed { key, .. }
             | Record::DropDone { key, .. } => Some(key),
-            Record::Hold(_) | Record::TierListed { .. } | Record::Epoch { .. } => None,
+            Record::Hold(_)
+            | Record::TierListed { .. }
+            | Record::Epoch { .. }
+            | Record::Segment { .. } => None,
         };
         if let Some(k) = key {
             let owner = shard_of(k);

@@ -1272,6 +1272,101 @@ fn a_draining_segment_keeps_serving_reads_and_takes_no_new_puts() {
     }
 }
 
+/// Issue 32, segment states in the state directory: a drain is recorded,
+/// so a master restarted on its directory (from the log, then from a
+/// snapshot) has the segment draining again when it mounts; the drain ends
+/// with the segment's unmount. Before, a restart (or a standby's takeover)
+/// forgot the drain and placed new puts on the segment again.
+#[test]
+fn a_drain_survives_a_master_restart_and_ends_with_the_unmount() {
+    let dir = state_dir("drain");
+    let draining = |m: &mut M, id: SegmentId| {
+        m.stat()
+            .segments
+            .iter()
+            .find(|s| s.id == id)
+            .expect("mounted")
+            .draining
+    };
+    let mut m = on_state_dir(&dir, 1_000);
+    let a = m.mount("a", 64 * KIB);
+    let b = m.mount("b", 64 * KIB);
+    m.call(Q::DrainSegment { segment_id: a }).unwrap();
+    drop(m);
+    for (restart, compact) in [(1, true), (2, false)] {
+        let mut m = on_state_dir(&dir, 120_000 * restart);
+        assert_eq!(m.mount("a", 64 * KIB), a);
+        assert_eq!(m.mount("b", 64 * KIB), b);
+        assert!(
+            draining(&mut m, a),
+            "restart {restart}: a is draining again"
+        );
+        assert!(!draining(&mut m, b));
+        for i in 0..8 {
+            let r = m.start(&format!("r{restart}-{i}"), 10).unwrap();
+            assert_eq!(r[0].segment_id, b, "restart {restart}: no new put on a");
+        }
+        if compact {
+            while m.m.compact_step(2).unwrap() {}
+        }
+    }
+    let mut m = on_state_dir(&dir, 360_000);
+    m.mount("a", 64 * KIB);
+    m.call(Q::UnmountSegment {
+        client_id: NODE,
+        segment_id: a,
+    })
+    .unwrap();
+    m.mount("a", 64 * KIB);
+    assert!(!draining(&mut m, a), "the unmount ended the drain");
+    drop(m);
+    let mut m = on_state_dir(&dir, 480_000);
+    m.mount("a", 64 * KIB);
+    assert!(!draining(&mut m, a), "and a restart does not bring it back");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 32: every segment a master had mounted is in its state directory,
+/// so after a restart a put with no room waits (`TryAgain`) for one that
+/// has not mounted again even if it held nothing; once the wait is over
+/// the segment is recorded gone and the next restart does not wait for it.
+/// Before, only segments some recovered object or hold named were waited
+/// for, and such a put heard `NoSpace` while the empty segment's node was
+/// about to mount it.
+#[test]
+fn a_restarted_master_waits_for_a_segment_it_had_mounted_even_an_empty_one() {
+    let dir = state_dir("awaiting");
+    let mut m = on_state_dir(&dir, 1_000);
+    m.mount("small", 64 * KIB);
+    m.mount("big", 512 * KIB);
+    m.put("k", KIB);
+    drop(m);
+    let mut m = on_state_dir(&dir, 120_000);
+    m.mount("small", 64 * KIB);
+    assert_eq!(code(m.start("large", 200 * KIB)), ErrorCode::TryAgain);
+    m.mount("big", 512 * KIB);
+    assert!(m.start("large", 200 * KIB).is_ok(), "fits once it mounted");
+    drop(m);
+    let mut m = on_state_dir(&dir, 240_000);
+    m.mount("small", 64 * KIB);
+    assert_eq!(code(m.start("larger", 200 * KIB)), ErrorCode::TryAgain);
+    m.advance(m.cfg.client_ttl_ms);
+    assert_eq!(
+        code(m.start("larger", 200 * KIB)),
+        ErrorCode::NoSpace,
+        "the wait is over"
+    );
+    drop(m);
+    let mut m = on_state_dir(&dir, 360_000);
+    m.mount("small", 64 * KIB);
+    assert_eq!(
+        code(m.start("larger", 200 * KIB)),
+        ErrorCode::NoSpace,
+        "given up, it is not waited for again"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn drain_of_an_unknown_segment_is_segment_not_found() {
     let mut m = M::new(1);

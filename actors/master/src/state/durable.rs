@@ -27,10 +27,15 @@ pub(super) struct Durable {
     /// removed or replaced since, with the objects' versions: a tier among
     /// those segments is owed a Drop of them when it mounts.
     pub(super) removed_parked: Map<Box<[u8]>, (u64, Waiting)>,
-    /// Segments the recovered state names (replicas, holds) that have not
-    /// mounted since: until `parked_until_ms`, a put that finds no room
-    /// waits for them (`TryAgain`) instead of hearing `NoSpace`.
-    pub(super) expected: Set<SegmentId>,
+    /// Segments awaiting their remount: recorded mounted (their state:
+    /// `Live` or `Draining`), or named by a recovered replica or hold
+    /// (`Live`), and not mounted since. Until `parked_until_ms` a put that
+    /// finds no room waits for them (`TryAgain`) instead of hearing
+    /// `NoSpace`; one recorded draining is draining when it mounts.
+    pub(super) awaiting: Map<SegmentId, SegmentState>,
+    /// Segments mounted, drained or unmounted since the last records, to
+    /// record.
+    pub(super) segments: Vec<(SegmentId, SegmentState)>,
     /// Tiers listed since the last records, to record.
     pub(super) listed: Vec<SegmentId>,
     /// An epoch begun since the last records, to record.
@@ -52,7 +57,7 @@ impl Durable {
                         show_key(key)
                     ));
                 }
-                if !self.expected.contains(&seg) {
+                if !self.awaiting.contains_key(&seg) {
                     return Err(format!(
                         "{}'s recovered replica waits for segment {seg:016x}, which recovery \
                          does not expect",
@@ -60,6 +65,11 @@ impl Durable {
                     ));
                 }
             }
+        }
+        if let Some(seg) = self.awaiting.keys().find(|&&s| mounted(s)) {
+            return Err(format!(
+                "segment {seg:016x} awaits its remount, and is mounted"
+            ));
         }
         if let Some(k) = self.removed_parked.iter().find(|(_, (_, w))| w.is_empty()) {
             return Err(format!(
@@ -135,8 +145,11 @@ impl ShardState {
             .expect("recover needs with_durability");
         let now_unix = d.unix_at_zero_ms.saturating_add(now_ms);
         d.parked_until_ms = now_ms.saturating_add(wait_ms);
+        d.awaiting.extend(image.segments);
         for (key, o) in image.objects {
-            d.expected.extend(o.replicas.iter().map(|r| r.0));
+            for r in &o.replicas {
+                d.awaiting.entry(r.0).or_insert(SegmentState::Live);
+            }
             d.parked.insert(
                 key.into_boxed_slice(),
                 Parked {
@@ -151,7 +164,7 @@ impl ShardState {
         }
         for h in image.holds {
             if h.until_unix_ms > now_unix {
-                d.expected.insert(h.segment);
+                d.awaiting.entry(h.segment).or_insert(SegmentState::Live);
                 d.parked_holds.entry(h.segment).or_default().push(h);
             }
         }
@@ -212,6 +225,9 @@ impl ShardState {
         // come back).
         for nvme in d.listed.drain(..) {
             journal::encode_tier_listed(out, nvme);
+        }
+        for (id, state) in d.segments.drain(..) {
+            journal::encode_segment(out, id, state);
         }
         for rec in d.drops.drain(..) {
             rec.encode(out);
@@ -298,7 +314,7 @@ impl ShardState {
         let Some(mut d) = self.durable.take() else {
             return;
         };
-        d.expected.remove(&id);
+        d.awaiting.remove(&id);
         if self.slot(idx).tier() == Tier::Dram {
             self.copies.forget_segment(id);
         }
@@ -445,16 +461,22 @@ impl ShardState {
     }
 
     /// Gives up the recovered replicas whose segments did not come back in
-    /// time, as an unmount would.
+    /// time, as an unmount would, and records those segments gone.
     pub(super) fn expire_parked(&mut self, now_ms: u64) {
         let Some(d) = self.durable.as_mut() else {
             return;
         };
-        if (d.parked.is_empty() && d.parked_holds.is_empty() && d.removed_parked.is_empty())
+        if (d.parked.is_empty()
+            && d.parked_holds.is_empty()
+            && d.removed_parked.is_empty()
+            && d.awaiting.is_empty())
             || now_ms < d.parked_until_ms
         {
             return;
         }
+        let gone: Vec<SegmentId> = d.awaiting.drain().map(|(id, _)| id).collect();
+        d.segments
+            .extend(gone.into_iter().map(|id| (id, SegmentState::Gone)));
         d.removed_parked.clear();
         tracing::warn!(
             shard = self.shard,
@@ -584,6 +606,13 @@ impl ShardState {
         }
         for nvme in self.copies.listed() {
             journal::encode_tier_listed(out, nvme);
+        }
+        // Segments mounted, then those still awaiting their remount.
+        for s in self.slots.iter().flatten() {
+            journal::encode_segment(out, s.id, s.recorded_state());
+        }
+        for (&id, &state) in &d.awaiting {
+            journal::encode_segment(out, id, state);
         }
         // The lineage's first epoch, then the current one: the image keeps
         // the earliest and the latest.

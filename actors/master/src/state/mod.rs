@@ -65,10 +65,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use smallvec::SmallVec;
 
-use super::journal::{self, Hold, Image, ObjectRec, Record};
+use super::journal::{self, Hold, Image, ObjectRec, Record, SegmentState};
 use super::objects::{
     Complete, Id, KeyHashBuilder, Map, Object, Objects, Phase, Processing, Replica, ReplicaState,
-    Set,
 };
 
 use kvpool_config::{MasterConfig, Placement};
@@ -191,8 +190,8 @@ struct PendingFree {
 #[derive(Debug, Clone, Default)]
 pub struct ShardStat {
     pub keys: u64,
-    /// (segment, capacity of this shard's range, used in it)
-    pub segments: Vec<(SegmentId, u64, u64)>,
+    /// (segment, capacity of this shard's range, used in it, draining)
+    pub segments: Vec<(SegmentId, u64, u64, bool)>,
     pub evictions: u64,
     pub evicted_bytes: u64,
     pub demotions: u64,
@@ -746,7 +745,7 @@ impl ShardState {
                 .slots
                 .iter()
                 .flatten()
-                .map(|s| (s.id, s.alloc.capacity(), s.alloc.used()))
+                .map(|s| (s.id, s.alloc.capacity(), s.alloc.used(), s.draining))
                 .collect(),
             evictions: self.evictions,
             evicted_bytes: self.evicted_bytes,

@@ -31,6 +31,15 @@ impl SegmentSlot {
         self.spec.tier
     }
 
+    /// Its state as the state directory records it.
+    pub(super) fn recorded_state(&self) -> SegmentState {
+        if self.draining {
+            SegmentState::Draining
+        } else {
+            SegmentState::Live
+        }
+    }
+
     /// A DRAM range placement may use for `size` bytes now: not draining,
     /// not suspect, a free extent that fits.
     pub(super) fn takes(&self, size: u64) -> bool {
@@ -72,11 +81,18 @@ impl ShardState {
             // The node manages NVMe space; the master only records replicas.
             Tier::Nvme => RangeAllocator::new(0, 0, SEGMENT_ALIGN),
         };
+        // A segment recorded draining before a restart is draining when it
+        // mounts again: a drain ends with the segment's unmount, not with
+        // the master's process.
+        let draining = self
+            .durable
+            .as_ref()
+            .is_some_and(|d| d.awaiting.get(&id) == Some(&SegmentState::Draining));
         let slot = SegmentSlot {
             id,
             alloc,
             spec,
-            draining: false,
+            draining,
             owner,
             suspect: false,
             demoting: 0,
@@ -109,6 +125,15 @@ impl ShardState {
         self.by_id.insert(id, idx as u32);
         self.attach_parked(idx as u32, id, now_ms);
         self.queue_owed_drops(id);
+        let state = self.slot(idx as u32).recorded_state();
+        self.record_segment(id, state);
+    }
+
+    /// A segment's new state, to record.
+    fn record_segment(&mut self, id: SegmentId, state: SegmentState) {
+        if let Some(d) = self.durable.as_mut() {
+            d.segments.push((id, state));
+        }
     }
 
     /// Removes a segment and every replica on it; objects left with no replica
@@ -117,6 +142,7 @@ impl ShardState {
         let Some(idx) = self.by_id.remove(&id) else {
             return 0;
         };
+        self.record_segment(id, SegmentState::Gone);
         let mut gone = 0;
         // A tier that may come back: what it holds is remembered, and from
         // then on only that (a tier still adopted is listed now: copies it
@@ -170,18 +196,19 @@ impl ShardState {
         }
     }
 
-    /// Marks a segment draining: its replicas stay readable, no new puts go
-    /// there. Returns false for an unknown segment.
+    /// Marks a segment draining until it is unmounted (a restart of the
+    /// master, or a standby's takeover, keeps the mark): its replicas stay
+    /// readable, no new puts go there. Returns false for an unknown segment.
     pub fn drain_segment(&mut self, id: SegmentId) -> bool {
-        match self.by_id.get(&id) {
-            Some(&idx) => {
-                if let Some(s) = self.slots[idx as usize].as_mut() {
-                    s.draining = true;
-                }
-                true
-            }
-            None => false,
+        let Some(&idx) = self.by_id.get(&id) else {
+            return false;
+        };
+        let s = self.slot_mut(idx);
+        if !s.draining {
+            s.draining = true;
+            self.record_segment(id, SegmentState::Draining);
         }
+        true
     }
 
     pub(super) fn slot(&self, idx: u32) -> &SegmentSlot {

@@ -152,12 +152,12 @@ impl ShardState {
     /// Whether segments may still mount again on a master that restarted
     /// on its state, or a standby that took over, before its recovered
     /// replicas are given up (`parked_until_ms`): none is mounted yet, or
-    /// this shard's recovered state names some that are not (their nodes
-    /// have not pinged it yet).
+    /// some await their remount (recorded mounted, or named by a recovered
+    /// replica or hold; their nodes have not pinged it yet).
     pub(super) fn awaiting_segments(&self, now_ms: u64) -> bool {
         self.durable.as_ref().is_some_and(|d| {
             now_ms < d.parked_until_ms
-                && (!d.expected.is_empty()
+                && (!d.awaiting.is_empty()
                     || self.slots.iter().flatten().all(|s| s.tier() != Tier::Dram))
         })
     }

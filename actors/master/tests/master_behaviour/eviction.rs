@@ -124,9 +124,7 @@ pub(super) fn on_state_dir(dir: &std::path::Path, now: u64) -> M {
 /// evicted before every recovered one.
 #[test]
 fn after_a_restart_recovered_objects_are_evicted_before_keys_put_since() {
-    let dir = std::env::temp_dir().join(format!("kvpool-mb-recovered-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = state_dir("recovered");
     let mut m = on_state_dir(&dir, 1_000);
     m.mount("seg", 100 * KIB);
     fill(&mut m, "old", 45, opts(1));

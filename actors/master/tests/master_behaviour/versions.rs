@@ -22,9 +22,7 @@ fn epoch(v: u64) -> u64 {
 /// out twice.
 #[test]
 fn every_put_gets_a_version_of_its_own_and_a_restart_hands_out_later_ones() {
-    let dir = std::env::temp_dir().join(format!("kvpool-mb-versions-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = state_dir("versions");
     let mut m = on_state_dir(&dir, 1_000);
     m.mount("seg", 100 * KIB);
     m.put("a", KIB);
