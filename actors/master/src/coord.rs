@@ -454,11 +454,14 @@ impl CoordState {
                 demotions += s.demotions;
                 promotions += s.promotions;
                 hot_copies += s.hot_copies;
+                // Draining only where every shard says so: a drain that
+                // reached some shards' logs and not others' before a crash
+                // shows as not draining, and the operator drains again.
                 for (id, cap, used, draining) in s.segments {
-                    let e = per_seg.entry(id).or_default();
+                    let e = per_seg.entry(id).or_insert((0, 0, true));
                     e.0 += cap;
                     e.1 += used;
-                    e.2 |= draining;
+                    e.2 &= draining;
                 }
             }
         }
@@ -466,7 +469,7 @@ impl CoordState {
             .segments
             .iter()
             .map(|(id, m)| {
-                let (capacity, used, draining) = per_seg.get(id).copied().unwrap_or_default();
+                let (capacity, used, draining) = per_seg.get(id).copied().unwrap_or((0, 0, false));
                 SegmentStat {
                     id: *id,
                     name: m.spec.name.clone(),

@@ -475,14 +475,24 @@ impl ShardState {
             return;
         }
         let gone: Vec<SegmentId> = d.awaiting.drain().map(|(id, _)| id).collect();
+        if !gone.is_empty() {
+            tracing::info!(
+                shard = self.shard,
+                segments = gone.len(),
+                "segments the state directory had mounted did not mount again in time: \
+                 recorded gone"
+            );
+        }
         d.segments
             .extend(gone.into_iter().map(|id| (id, SegmentState::Gone)));
         d.removed_parked.clear();
-        tracing::warn!(
-            shard = self.shard,
-            objects = d.parked.len(),
-            "recovered replicas whose segments did not mount again in time: dropped"
-        );
+        if !d.parked.is_empty() {
+            tracing::warn!(
+                shard = self.shard,
+                objects = d.parked.len(),
+                "recovered replicas whose segments did not mount again in time: dropped"
+            );
+        }
         d.parked_holds.clear();
         let parked: Vec<(Box<[u8]>, Parked)> = d.parked.drain().collect();
         for (k, p) in parked {
