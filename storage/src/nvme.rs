@@ -93,6 +93,29 @@ pub enum Eviction {
     Lru,
 }
 
+impl Eviction {
+    /// Copies in the order this policy evicts them: each given as (its
+    /// place, its write's sequence number, the tier's read clock at its last
+    /// read, 0 for never), oldest write first (FIFO) or least recently read
+    /// first (LRU: a copy never read counts as read at the first tick, so
+    /// with the first read copy), ties by place. The tier's rule, which
+    /// the cluster simulation runs on its own copies.
+    pub fn order<T: Ord>(self, copies: impl IntoIterator<Item = (T, u64, u64)>) -> Vec<T> {
+        let mut ranked: Vec<(u64, T)> = copies
+            .into_iter()
+            .map(|(at, seq, last_read)| {
+                let rank = match self {
+                    Eviction::Fifo => seq,
+                    Eviction::Lru => last_read.max(seq.min(1)),
+                };
+                (rank, at)
+            })
+            .collect();
+        ranked.sort_unstable();
+        ranked.into_iter().map(|(_, at)| at).collect()
+    }
+}
+
 /// Settings of the tier.
 #[derive(Debug, Clone)]
 pub struct NvmeConfig {
@@ -1279,24 +1302,15 @@ impl NvmeShard {
         if want == 0 && short_of_slots {
             want = 1;
         }
-        let mut cands: Vec<(u64, u32)> = st
-            .slots
-            .iter()
-            .enumerate()
-            .filter_map(|(i, e)| {
+        let order = self
+            .cfg
+            .eviction
+            .order(st.slots.iter().enumerate().filter_map(|(i, e)| {
                 let e = e.as_ref()?;
-                (!e.evicting).then_some((
-                    match self.cfg.eviction {
-                        Eviction::Fifo => e.seq,
-                        Eviction::Lru => e.last_read.max(e.seq.min(1)),
-                    },
-                    i as u32,
-                ))
-            })
-            .collect();
-        cands.sort_unstable();
+                (!e.evicting).then_some((i as u32, e.seq, e.last_read))
+            }));
         let mut out = Vec::new();
-        for (_, slot) in cands {
+        for slot in order {
             if want == 0 {
                 break;
             }

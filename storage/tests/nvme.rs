@@ -99,6 +99,17 @@ fn a_tier_file_made_ahead_as_a_sparse_file_reads_back() {
     });
 }
 
+/// The tier's eviction order (which the cluster simulation runs on its
+/// own copies): FIFO by write; LRU by last read, a copy never read with the
+/// first read one; ties by place.
+#[test]
+fn eviction_orders_copies_by_their_write_or_their_last_read() {
+    // (place, write sequence number, read clock at the last read)
+    let copies = [(3u32, 5, 0), (1, 9, 4), (2, 7, 2), (0, 6, 0)];
+    assert_eq!(Eviction::Fifo.order(copies), vec![3, 0, 2, 1]);
+    assert_eq!(Eviction::Lru.order(copies), vec![0, 3, 2, 1]);
+}
+
 #[test]
 fn eviction_marks_victims_unreadable_and_release_frees_their_space() {
     let path = file("evict");

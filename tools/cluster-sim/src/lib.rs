@@ -32,9 +32,11 @@
 //!   takes) is the node's own code ([`kvpool_storage_node::task`]), as is
 //!   a round's order of steps, what it reports and which copies it then
 //!   removes ([`kvpool_storage_node::round`]) and which refused `Recovered`
-//!   copies are stale. The calls and the I/O are a model of
-//!   `actors/storage-node`: values are tags (put number n), a checksum is a
-//!   function of the tag, and the tier evicts in location order.
+//!   copies are stale, and which copies its tier evicts first (the tier's
+//!   own FIFO or LRU order, [`kvpool_storage::nvme::Eviction::order`]).
+//!   The calls and the I/O are a model of `actors/storage-node`: values are
+//!   tags (put number n), a checksum is a function of the tag, and when the
+//!   tier evicts is a count of copies, not its byte watermarks.
 //! * The network, clock and disk are simulated. Node crashes lose DRAM and
 //!   the tier's index records not yet flushed (the write is torn: its copy
 //!   is gone after restart); tier writes and flushes fail at random. The
@@ -293,6 +295,9 @@ pub struct Stats {
     pub read_shares_passed: u64,
     /// Batch puts begun (each runs the real `BatchPut`).
     pub batch_puts: u64,
+    /// Copies the tiers evicted, in the real tier's FIFO and LRU orders.
+    pub fifo_evictions: u64,
+    pub lru_evictions: u64,
 }
 
 impl Stats {
@@ -319,6 +324,8 @@ impl Stats {
         self.read_failovers += o.read_failovers;
         self.read_shares_passed += o.read_shares_passed;
         self.batch_puts += o.batch_puts;
+        self.fifo_evictions += o.fifo_evictions;
+        self.lru_evictions += o.lru_evictions;
     }
 }
 

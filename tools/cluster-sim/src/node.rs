@@ -24,8 +24,10 @@
 //!   its key's copy at its version); the index flushed before the master
 //!   hears of a copy (a failed flush turns the round's fresh copies into
 //!   `PersistFailed` and removes them); copies the master refuses are
-//!   removed; then the tier evicts past its watermark: `Evicted` reported
-//!   first, the copies removed after. A copy is named by its location and
+//!   removed; then the tier evicts past its watermark, in the real tier's
+//!   order (FIFO on even nodes, LRU on odd ones, reads of clients and
+//!   promotions counted): `Evicted` reported first, the copies removed
+//!   after. A copy is named by its location and
 //!   the write that made it, as the real tier names it.
 //! * The simulated disk: a tier write or flush fails at random; a crash
 //!   loses DRAM and every index record not flushed (that write is torn:
@@ -36,6 +38,7 @@
 
 use std::collections::BTreeMap;
 
+use kvpool_storage::nvme::Eviction;
 use kvpool_storage_node::control::{Ask, Lane, Outcome};
 use kvpool_storage_node::round::{self, Round, Step, Steps};
 use kvpool_storage_node::task::{self, DropRule, PersistRule, PromoteRule};
@@ -70,6 +73,8 @@ struct Copy {
     gen: u64,
     /// The incarnation it is a copy of (the Persist task's version).
     version: u64,
+    /// The tier's read clock at its last read (0: never read).
+    last_read: u64,
 }
 
 /// The NVMe tier on the simulated disk.
@@ -79,6 +84,11 @@ struct TierModel {
     copies: BTreeMap<u64, Copy>,
     /// The last write's number.
     gen: u64,
+    /// Reads so far (the real tier's read clock, for LRU).
+    clock: u64,
+    /// What it evicts first: the real tier's rule ([`Eviction::order`]);
+    /// even nodes FIFO (the default), odd ones LRU.
+    eviction: Eviction,
 }
 
 /// One copy: its location and the number of the write that made it.
@@ -102,6 +112,16 @@ impl TierModel {
     /// reused since holds one of a later write).
     fn holds(&self, c: CopyRef) -> bool {
         self.copies.get(&c.0).is_some_and(|x| x.gen == c.1)
+    }
+
+    /// A read of the copy at `loc` (a client's, or a promotion's): the
+    /// copy, which LRU now ranks last.
+    fn read(&mut self, loc: u64) -> Option<&Copy> {
+        self.clock += 1;
+        let clock = self.clock;
+        let c = self.copies.get_mut(&loc)?;
+        c.last_read = clock;
+        Some(c)
     }
 
     /// Removes copy `c` if its location still holds it.
@@ -190,6 +210,12 @@ impl NodeModel {
                 },
                 copies: BTreeMap::new(),
                 gen: 0,
+                clock: 0,
+                eviction: if idx.is_multiple_of(2) {
+                    Eviction::Fifo
+                } else {
+                    Eviction::Lru
+                },
             }
         });
         let mut n = Self {
@@ -513,8 +539,8 @@ impl NodeModel {
                     Tier::Dram => self
                         .dram_read(seg, offset, len)
                         .ok_or(ErrorCode::SegmentNotFound),
-                    Tier::Nvme => match self.tier.as_ref().filter(|t| t.seg == seg) {
-                        Some(t) => match t.copies.get(&offset) {
+                    Tier::Nvme => match self.tier.as_mut().filter(|t| t.seg == seg) {
+                        Some(t) => match t.read(offset) {
                             Some(c) if c.len == len => Ok(c.content),
                             _ => Err(ErrorCode::ObjectNotFound),
                         },
@@ -635,6 +661,11 @@ impl NodeModel {
             }
             (Some(Step::Evict), Ok(MasterResponse::BatchDone(_))) => {
                 let t = self.tier.as_mut().expect("a tier evicts");
+                let n = self.evicting.len() as u64;
+                match t.eviction {
+                    Eviction::Fifo => ctx.stats.fifo_evictions += n,
+                    Eviction::Lru => ctx.stats.lru_evictions += n,
+                }
                 for l in std::mem::take(&mut self.evicting) {
                     t.copies.remove(&l);
                 }
@@ -649,20 +680,25 @@ impl NodeModel {
         self.drive_round(next, ctx);
     }
 
-    /// The tier's eviction past its watermark (in location order, durable
-    /// copies only): the `Evicted` report, and the copies it names.
+    /// The tier's eviction past its watermark (durable copies only, in the
+    /// order the real tier's rule gives): the `Evicted` report, and the
+    /// copies it names.
     fn evict_pick(&self) -> Option<(MasterRequest, Vec<u64>)> {
         let t = self.tier.as_ref().expect("a tier runs rounds");
         if t.copies.len() <= TIER_HIGH {
             return None;
         }
         let n = t.copies.len() - TIER_LOW;
-        let pick: Vec<(u64, Vec<u8>, u64)> = t
-            .copies
-            .iter()
-            .filter(|(_, c)| c.durable)
+        let order = t.eviction.order(
+            t.copies
+                .iter()
+                .filter(|(_, c)| c.durable)
+                .map(|(&l, c)| (l, c.gen, c.last_read)),
+        );
+        let pick: Vec<(u64, Vec<u8>, u64)> = order
+            .into_iter()
             .take(n)
-            .map(|(&l, c)| (l, c.key.clone(), c.version))
+            .map(|l| (l, t.copies[&l].key.clone(), t.copies[&l].version))
             .collect();
         if pick.is_empty() {
             return None;
@@ -748,6 +784,7 @@ impl NodeModel {
                                 durable: false,
                                 gen: t.gen,
                                 version: p.version,
+                                last_read: 0,
                             },
                         );
                         ((l, t.gen), true)
@@ -758,10 +795,9 @@ impl NodeModel {
                 Some((p.stored(seg, loc.0, sum), Some(loc), fresh))
             }
             task::Job::Promote(p) => {
-                let t = self.tier.as_ref().expect("tasks come to a tier");
+                let t = self.tier.as_mut().expect("tasks come to a tier");
                 let copy = t
-                    .copies
-                    .get(&p.loc)
+                    .read(p.loc)
                     .filter(|c| p.reads(&c.key, c.version))
                     .map(|c| (c.len, c.content));
                 let ok = match copy {
