@@ -224,3 +224,57 @@ fn drain_of_an_unknown_segment_is_segment_not_found() {
         ErrorCode::SegmentNotFound
     );
 }
+
+/// A standby takes over from the records its leader shipped: the bytes a
+/// shard's `take_records` wrote, checked by `ship::decode_records`, applied
+/// to its image, then `recover` (what the service's take-over runs). A drain
+/// the leader recorded holds on the new leader once the segment mounts.
+#[test]
+fn a_drain_the_leader_shipped_holds_after_a_standby_takes_over() {
+    use kvpool_master::journal::Image;
+    use kvpool_master::state::{ShardConfig, ShardState};
+    use kvpool_wire::proto::{segment_id_for, MasterResponse};
+    let cfg = cfg();
+    let shard = |cfg: &MasterConfig| {
+        ShardState::new(0, 1, ShardConfig::from_master(cfg, 1), 42)
+            .with_durability(1_700_000_000_000)
+    };
+    let (a, b) = (segment_id_for("a"), segment_id_for("b"));
+    let mount = |s: &mut ShardState, id: SegmentId, name: &str, now: u64| {
+        s.add_segment(id, Arc::new(spec(name, 64 * KIB, "host-a")), NODE, now);
+    };
+    let mut leader = shard(&cfg);
+    mount(&mut leader, a, "a", 0);
+    mount(&mut leader, b, "b", 0);
+    assert!(leader.drain_segment(a));
+    let mut shipped = Vec::new();
+    leader.take_records(&mut shipped);
+    let map = kvpool_runtime::hash::ShardMap::new(1).unwrap();
+    let mut image = Image::default();
+    for r in kvpool_master::ship::decode_records(&shipped, 0, |k| map.shard_of(k)).unwrap() {
+        image.apply(r);
+    }
+    let mut standby = shard(&cfg);
+    standby.recover(image, 1_000, cfg.client_ttl_ms);
+    mount(&mut standby, a, "a", 1_000);
+    mount(&mut standby, b, "b", 1_000);
+    assert!(
+        standby.stat().segments.iter().any(|s| s.0 == a && s.3),
+        "a is draining on the new leader"
+    );
+    for i in 0..8 {
+        let put = standby.apply(
+            Q::PutStart {
+                client_id: WRITER,
+                key: format!("k{i}").into_bytes(),
+                len: 10,
+                opts: opts(1),
+            },
+            1_000,
+        );
+        match put {
+            Ok(MasterResponse::Replicas(r)) => assert_eq!(r[0].segment_id, b, "k{i} on a"),
+            other => panic!("k{i}: {other:?}"),
+        }
+    }
+}
