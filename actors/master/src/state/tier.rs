@@ -194,12 +194,26 @@ impl ShardState {
         first: bool,
     ) {
         if !self.owe_drop(nvme, key, loc, version) {
-            tracing::warn!(
-                key = %show_key(key),
-                "NVMe tier owed its maximum of Drops: the removed object's NVMe copy stays \
-                 until evicted"
-            );
-            return;
+            // A tier still adopted takes back copies nothing names, this
+            // one too: it is listed now (what it has not reported yet is
+            // refused as old, lost rather than a removed key come back),
+            // which also settles the Drops handed out to it.
+            let adopted = !self.copies.is_listed(nvme);
+            if adopted {
+                tracing::warn!(
+                    tier = format!("{nvme:016x}"),
+                    "NVMe tier still adopted is owed its maximum of Drops: listed now"
+                );
+                self.list_tier(nvme);
+            }
+            if !adopted || !self.owe_drop(nvme, key, loc, version) {
+                tracing::warn!(
+                    key = %show_key(key),
+                    "NVMe tier owed its maximum of Drops: the removed object's NVMe copy stays \
+                     until evicted (refused if the tier reports it)"
+                );
+                return;
+            }
         }
         let Some(dram) = self.dram_of_tier(nvme) else {
             return; // the node's DRAM segment is gone: it is asked at its next mount

@@ -211,6 +211,35 @@ fn a_drop_handed_to_a_tier_still_adopted_is_owed_until_the_tier_is_listed() {
     }
 }
 
+/// More removals of an adopted tier's copies than the tier may be owed
+/// Drops (16 k): the tier is listed at that removal, so the copy it cannot
+/// be owed a Drop of is refused when the tier reports it, and the key stays
+/// removed. Before, the copy was left un-owed on a tier that still took
+/// back any copy nothing named, and its next report brought the key back.
+#[test]
+fn a_removal_past_the_owed_bound_on_an_adopted_tier_lists_the_tier() {
+    let mut c = cfg();
+    c.max_keys = 20_000;
+    let mut m = M::with(1, c);
+    mount_node(&mut m, false);
+    let n = 16_385u64;
+    // Copies from before versions, on a tier new to the master: adopted.
+    for i in 0..n {
+        update(&mut m, recovered(&format!("k{i}"), i + 1)).unwrap();
+    }
+    for i in 0..n {
+        m.remove(&format!("k{i}"), true).unwrap();
+    }
+    let last = format!("k{}", n - 1);
+    let e = update(&mut m, recovered(&last, n)).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
+    assert_eq!(code(m.get(&last)), ErrorCode::ObjectNotFound);
+    // Copies of keys nothing removed, reported only now, are lost with it.
+    let e = update(&mut m, recovered("late", n + 1)).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ObjectAlreadyExists, "{e}");
+    m.check();
+}
+
 /// The version the Drop of `key`'s copy among `t` names, if one is there.
 fn drop_of(t: &[NodeTask], key: &str) -> Option<Option<u64>> {
     t.iter().find_map(|t| match t {
