@@ -41,19 +41,7 @@ pub fn main() {
         "[storage]\nprefault = true\n[master]\nlease_ttl_ms = 300\n",
     )
     .expect("bench config");
-    let node = support::start(
-        "all",
-        &[
-            "--config",
-            cfg.to_str().expect("utf-8 path"),
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--segment-size",
-            "1GiB",
-        ],
-    );
+    let node = support::start_pool(&cfg, "1GiB", &[]);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -258,21 +258,7 @@ pub fn main() {
     let cfg = std::env::temp_dir().join(format!("kvpool-bench-resp-{}.toml", std::process::id()));
     std::fs::write(&cfg, "[storage]\nprefault = true\n").expect("bench config");
     let resp = format!("127.0.0.1:{kv_port}");
-    let _node = support::start(
-        "all",
-        &[
-            "--config",
-            cfg.to_str().expect("utf-8 path"),
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--segment-size",
-            "2GiB",
-            "--resp",
-            &resp,
-        ],
-    );
+    let _node = support::start_pool(&cfg, "2GiB", &["--resp", &resp]);
     wait_ping(redis_port);
     wait_ping(kv_port);
     let version = Command::new("redis-server")

@@ -41,19 +41,7 @@ pub fn main() {
     // space for a lease; the next size's must fit beside them unevicted.
     let cfg = std::env::temp_dir().join(format!("kvpool-bench-store-{}.toml", std::process::id()));
     std::fs::write(&cfg, "[storage]\nprefault = true\n").expect("bench config");
-    let node = support::start(
-        "all",
-        &[
-            "--config",
-            cfg.to_str().expect("utf-8 path"),
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--segment-size",
-            "4GiB",
-        ],
-    );
+    let node = support::start_pool(&cfg, "4GiB", &[]);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -259,19 +247,7 @@ fn nvme_gets(rt: &tokio::runtime::Runtime, full: bool) {
         ),
     )
     .expect("bench config");
-    let node = support::start(
-        "all",
-        &[
-            "--config",
-            cfg.to_str().expect("utf-8 path"),
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--segment-size",
-            "64MiB",
-        ],
-    );
+    let node = support::start_pool(&cfg, "64MiB", &[]);
     let c = rt
         .block_on(Client::connect(
             &node.addr,
@@ -329,8 +305,8 @@ fn nvme_gets(rt: &tokio::runtime::Runtime, full: bool) {
                 std::thread::sleep(std::time::Duration::from_millis(20));
             }
         }
-        // Past the puts' leases, then twice the DRAM segment of fillers.
-        std::thread::sleep(std::time::Duration::from_millis(1100));
+        // Twice the DRAM segment of fillers (a put leases nothing: the
+        // oldest go first).
         let fill: Vec<u8> = vec![0x5a; FILLER];
         let fillers = (2 * DRAM as usize) / FILLER;
         rt.block_on(async {

@@ -38,19 +38,7 @@ pub fn main() {
         "[storage]\nprefault = true\n[master]\nlease_ttl_ms = 1000\n",
     )
     .expect("bench config");
-    let node = support::start(
-        "all",
-        &[
-            "--config",
-            cfg.to_str().expect("utf-8 path"),
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--segment-size",
-            if full { "4GiB" } else { "2GiB" },
-        ],
-    );
+    let node = support::start_pool(&cfg, if full { "4GiB" } else { "2GiB" }, &[]);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -219,6 +219,24 @@ pub fn start(role: &str, args: &[&str]) -> Node {
     node
 }
 
+/// Starts `kvpool run --role all` (the pool without its serving path) with
+/// `config`, a DRAM segment of `segment_size`, RPC and HTTP on free
+/// loopback ports, and `more` arguments.
+pub fn start_pool(config: &std::path::Path, segment_size: &str, more: &[&str]) -> Node {
+    let mut args = vec![
+        "--config",
+        config.to_str().expect("utf-8 path"),
+        "--listen",
+        "127.0.0.1:0",
+        "--http",
+        "127.0.0.1:0",
+        "--segment-size",
+        segment_size,
+    ];
+    args.extend_from_slice(more);
+    start("all", &args)
+}
+
 /// A counter or gauge of a process's `/metrics` (a counter's `_total`), or
 /// `None` when it is not there.
 pub fn metric(http: &str, name: &str) -> Option<u64> {
