@@ -114,6 +114,46 @@ impl Eviction {
         ranked.sort_unstable();
         ranked.into_iter().map(|(_, at)| at).collect()
     }
+
+    /// The copies to evict to free `want` bytes: [`Eviction::order`] over
+    /// copies given as (place, write sequence, last read, extent bytes),
+    /// taken until their extents reach `want`.
+    pub fn victims<T: Ord>(
+        self,
+        copies: impl IntoIterator<Item = (T, u64, u64, u64)>,
+        want: u64,
+    ) -> Vec<T> {
+        let mut left = want;
+        self.order(
+            copies
+                .into_iter()
+                .map(|(at, seq, last_read, extent)| ((at, extent), seq, last_read)),
+        )
+        .into_iter()
+        .map_while(|(at, extent)| {
+            (left > 0).then(|| {
+                left = left.saturating_sub(extent);
+                at
+            })
+        })
+        .collect()
+    }
+}
+
+/// A region's space as the tier's eviction rule sees it
+/// ([`NvmeConfig::bytes_to_evict`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Space {
+    /// Bytes of the region's extents in use.
+    pub used: u64,
+    /// The region's bytes.
+    pub capacity: u64,
+    /// Bytes of copies already marked evicting (their report is out).
+    pub evicting: u64,
+    /// The largest free extent.
+    pub largest_free: u64,
+    /// No slot of the region is free.
+    pub short_of_slots: bool,
 }
 
 /// Settings of the tier.
@@ -143,6 +183,30 @@ impl Default for NvmeConfig {
             low_watermark: 0.85,
             eviction: Eviction::Fifo,
             sync_writes: true,
+        }
+    }
+}
+
+impl NvmeConfig {
+    /// Bytes to evict now, the tier's rule: past the high watermark or with
+    /// no slot free, down to the low watermark (at least one copy when no
+    /// slot is free); else, with `need` bytes wanted and no free extent that
+    /// large, `need` of them; else none. Copies already evicting count as
+    /// gone. The node runs it on its regions and the cluster simulation on
+    /// its tiers.
+    pub fn bytes_to_evict(&self, s: Space, need: u64) -> u64 {
+        let high = (self.high_watermark * s.capacity as f64) as u64;
+        let low = (self.low_watermark * s.capacity as f64) as u64;
+        let target = if s.used > high || s.short_of_slots {
+            low
+        } else if need > 0 && s.largest_free < need {
+            s.used.saturating_sub(need)
+        } else {
+            return 0;
+        };
+        match s.used.saturating_sub(s.evicting).saturating_sub(target) {
+            0 if s.short_of_slots => 1,
+            want => want,
         }
     }
 }
@@ -497,6 +561,12 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 
 fn header_len(key_len: usize) -> u64 {
     ((HEADER_FIXED + key_len) as u64).next_multiple_of(BLOCK)
+}
+
+/// The bytes of the tier an object of `value_len` bytes under a key of
+/// `key_len` takes (its header, its value, rounded to blocks).
+pub fn extent(key_len: usize, value_len: u64) -> u64 {
+    layout(key_len, value_len).1
 }
 
 /// Where an object's value starts in its extent, and the extent's size.
@@ -1280,7 +1350,6 @@ impl NvmeShard {
     /// [`NvmeShard::release`] for each.
     pub fn evict_candidates(&self, need: u64) -> Vec<(Vec<u8>, NvmeLoc, u64)> {
         let mut st = self.state.borrow_mut();
-        let (used, cap) = (st.alloc.used(), st.alloc.capacity());
         let evicting: u64 = st
             .slots
             .iter()
@@ -1288,35 +1357,28 @@ impl NvmeShard {
             .filter(|e| e.evicting)
             .map(|e| e.extent)
             .sum();
-        let high = (self.cfg.high_watermark * cap as f64) as u64;
-        let low = (self.cfg.low_watermark * cap as f64) as u64;
-        let short_of_slots = st.free_slots.is_empty();
-        let target_used = if used > high || short_of_slots {
-            low
-        } else if need > 0 && st.alloc.largest_free() < need {
-            used.saturating_sub(need)
-        } else {
-            return Vec::new();
+        let space = Space {
+            used: st.alloc.used(),
+            capacity: st.alloc.capacity(),
+            evicting,
+            largest_free: st.alloc.largest_free(),
+            short_of_slots: st.free_slots.is_empty(),
         };
-        let mut want = (used - evicting).saturating_sub(target_used);
-        if want == 0 && short_of_slots {
-            want = 1;
+        let want = self.cfg.bytes_to_evict(space, need);
+        if want == 0 {
+            return Vec::new();
         }
-        let order = self
-            .cfg
-            .eviction
-            .order(st.slots.iter().enumerate().filter_map(|(i, e)| {
+        let victims = self.cfg.eviction.victims(
+            st.slots.iter().enumerate().filter_map(|(i, e)| {
                 let e = e.as_ref()?;
-                (!e.evicting).then_some((i as u32, e.seq, e.last_read))
-            }));
+                (!e.evicting).then_some((i as u32, e.seq, e.last_read, e.extent))
+            }),
+            want,
+        );
         let mut out = Vec::new();
-        for slot in order {
-            if want == 0 {
-                break;
-            }
+        for slot in victims {
             let e = st.slots[slot as usize].as_mut().expect("listed above");
             e.evicting = true;
-            want = want.saturating_sub(e.extent);
             out.push((
                 e.key.to_vec(),
                 NvmeLoc {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvpool_storage::nvme::{Eviction, NvmeConfig, NvmeError, NvmeLoc, NvmeShard, BLOCK};
+use kvpool_storage::nvme::{Eviction, NvmeConfig, NvmeError, NvmeLoc, NvmeShard, Space, BLOCK};
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Runs `f` on a fresh glommio executor (the tier lives on shards).
@@ -108,6 +108,49 @@ fn eviction_orders_copies_by_their_write_or_their_last_read() {
     let copies = [(3u32, 5, 0), (1, 9, 4), (2, 7, 2), (0, 6, 0)];
     assert_eq!(Eviction::Fifo.order(copies), vec![3, 0, 2, 1]);
     assert_eq!(Eviction::Lru.order(copies), vec![0, 3, 2, 1]);
+}
+
+/// How much the tier evicts (which the cluster simulation runs on its own
+/// tiers): past the high watermark down to the low one, evicting copies
+/// counted as gone; a wanted extent that does not fit; a full slot table;
+/// victims taken in order until their extents cover it.
+#[test]
+fn eviction_frees_down_to_the_low_watermark_or_what_a_write_needs() {
+    let c = NvmeConfig {
+        high_watermark: 0.8,
+        low_watermark: 0.5,
+        ..NvmeConfig::default()
+    };
+    let space = |used, evicting, largest_free, short_of_slots| Space {
+        used,
+        capacity: 1000,
+        evicting,
+        largest_free,
+        short_of_slots,
+    };
+    assert_eq!(c.bytes_to_evict(space(800, 0, 200, false), 0), 0, "at high");
+    assert_eq!(c.bytes_to_evict(space(900, 0, 100, false), 0), 400);
+    assert_eq!(c.bytes_to_evict(space(900, 300, 100, false), 0), 100);
+    assert_eq!(c.bytes_to_evict(space(900, 500, 100, false), 0), 0);
+    // Under the high watermark: only what a write of `need` bytes lacks.
+    assert_eq!(c.bytes_to_evict(space(600, 0, 100, false), 0), 0);
+    assert_eq!(c.bytes_to_evict(space(600, 0, 100, false), 300), 300);
+    assert_eq!(c.bytes_to_evict(space(600, 0, 400, false), 300), 0);
+    // No slot free: down to the low watermark, and one copy at least.
+    assert_eq!(c.bytes_to_evict(space(600, 0, 400, true), 0), 100);
+    assert_eq!(c.bytes_to_evict(space(300, 0, 700, true), 0), 1);
+    // (place, write sequence number, last read, extent)
+    let copies = [
+        (3u32, 5, 0, 100),
+        (1, 9, 4, 300),
+        (2, 7, 2, 200),
+        (0, 6, 0, 50),
+    ];
+    assert_eq!(Eviction::Fifo.victims(copies, 0), Vec::<u32>::new());
+    assert_eq!(Eviction::Fifo.victims(copies, 100), vec![3]);
+    assert_eq!(Eviction::Fifo.victims(copies, 101), vec![3, 0]);
+    assert_eq!(Eviction::Lru.victims(copies, 200), vec![0, 3, 2]);
+    assert_eq!(Eviction::Lru.victims(copies, 10_000), vec![0, 3, 2, 1]);
 }
 
 #[test]

@@ -32,11 +32,13 @@
 //!   takes) is the node's own code ([`kvpool_storage_node::task`]), as is
 //!   a round's order of steps, what it reports and which copies it then
 //!   removes ([`kvpool_storage_node::round`]) and which refused `Recovered`
-//!   copies are stale, and which copies its tier evicts first (the tier's
-//!   own FIFO or LRU order, [`kvpool_storage::nvme::Eviction::order`]).
-//!   The calls and the I/O are a model of `actors/storage-node`: values are
-//!   tags (put number n), a checksum is a function of the tag, and when the
-//!   tier evicts is a count of copies, not its byte watermarks.
+//!   copies are stale, and when its tier evicts, how much and which copies
+//!   first (the tier's byte watermarks and FIFO or LRU order,
+//!   [`kvpool_storage::nvme::NvmeConfig::bytes_to_evict`] and
+//!   [`kvpool_storage::nvme::Eviction::victims`], over extents from the
+//!   tier's own allocator and layout). The calls and the I/O are a model of
+//!   `actors/storage-node`: values are tags (put number n), and a checksum
+//!   is a function of the tag.
 //! * The network, clock and disk are simulated. Node crashes lose DRAM and
 //!   the tier's index records not yet flushed (the write is torn: its copy
 //!   is gone after restart); tier writes and flushes fail at random. The
@@ -298,6 +300,9 @@ pub struct Stats {
     /// Copies the tiers evicted, in the real tier's FIFO and LRU orders.
     pub fifo_evictions: u64,
     pub lru_evictions: u64,
+    /// Persists the tier had no room for (no slot, or no extent that large
+    /// from its allocator).
+    pub tier_full: u64,
 }
 
 impl Stats {
@@ -326,6 +331,7 @@ impl Stats {
         self.batch_puts += o.batch_puts;
         self.fifo_evictions += o.fifo_evictions;
         self.lru_evictions += o.lru_evictions;
+        self.tier_full += o.tier_full;
     }
 }
 

@@ -24,21 +24,27 @@
 //!   its key's copy at its version); the index flushed before the master
 //!   hears of a copy (a failed flush turns the round's fresh copies into
 //!   `PersistFailed` and removes them); copies the master refuses are
-//!   removed; then the tier evicts past its watermark, in the real tier's
-//!   order (FIFO on even nodes, LRU on odd ones, reads of clients and
-//!   promotions counted): `Evicted` reported first, the copies removed
-//!   after. A copy is named by its location and
-//!   the write that made it, as the real tier names it.
-//! * The simulated disk: a tier write or flush fails at random; a crash
-//!   loses DRAM and every index record not flushed (that write is torn:
-//!   after the restart the copy is not there).
+//!   removed; then the tier evicts past its high watermark down to its low
+//!   one, in its order (FIFO on even nodes, LRU on odd ones, reads of
+//!   clients and promotions counted), both the real tier's rules:
+//!   `Evicted` reported first, the copies removed after. A copy is named
+//!   by its location (a slot) and the write that made it, as the real tier
+//!   names it. A Persist that finds no room fails (the real node evicts in
+//!   the middle of that task and tries once more: not modelled).
+//! * The simulated disk: the real tier's allocator hands out each copy's
+//!   extent (header and value in blocks, as the tier lays them out), so a
+//!   write finds no slot or no extent large enough as the tier would; a
+//!   tier write or flush fails at random; a crash loses DRAM and every
+//!   index record not flushed (that write is torn: after the restart the
+//!   copy is not there).
 //!
 //! Every call the node makes has the client's deadline: a lane whose answer
 //! does not come by then gives up and starts over on its next timer.
 
 use std::collections::BTreeMap;
 
-use kvpool_storage::nvme::Eviction;
+use kvpool_storage::alloc::RangeAllocator;
+use kvpool_storage::nvme::{self, Eviction, NvmeConfig, Space, BLOCK};
 use kvpool_storage_node::control::{Ask, Lane, Outcome};
 use kvpool_storage_node::round::{self, Round, Step, Steps};
 use kvpool_storage_node::task::{self, DropRule, PersistRule, PromoteRule};
@@ -54,11 +60,16 @@ use crate::{
     SHARDS,
 };
 
-/// Copies the tier holds before it evicts, and down to which it evicts.
-const TIER_HIGH: usize = 10;
-const TIER_LOW: usize = 7;
-/// Copies it can hold at all (a write past this is `NoSpace`).
-const TIER_CAP: usize = 12;
+/// The tier's bytes (one region; the real allocator hands out its
+/// extents) and its slots (locations 1..=TIER_SLOTS): a write finds no
+/// slot or no extent large enough and is `NoSpace`, as on the real tier.
+const TIER_BYTES: u64 = 96 << 10;
+const TIER_SLOTS: u64 = 12;
+/// Its watermarks (fractions of its bytes), lower than the tier's defaults
+/// so that the values the clients put (1 byte to 9000: extents of 4 to
+/// 16 KiB) evict a few at a time.
+const TIER_HIGH: f64 = 0.8;
+const TIER_LOW: f64 = 0.6;
 
 #[derive(Debug, Clone)]
 struct Copy {
@@ -68,6 +79,10 @@ struct Copy {
     content: Content,
     /// Its index record is on the device (flushed).
     durable: bool,
+    /// Where its extent starts on the simulated disk, and its bytes there
+    /// (the real tier's layout: header and value, in blocks).
+    at: u64,
+    extent: u64,
     /// Which write made it (the real tier's write sequence number): a
     /// location reused later holds a copy with another.
     gen: u64,
@@ -82,13 +97,16 @@ struct TierModel {
     seg: SegmentId,
     spec: SegmentSpec,
     copies: BTreeMap<u64, Copy>,
+    /// The disk's extents: the real tier's allocator.
+    space: RangeAllocator,
     /// The last write's number.
     gen: u64,
     /// Reads so far (the real tier's read clock, for LRU).
     clock: u64,
-    /// What it evicts first: the real tier's rule ([`Eviction::order`]);
-    /// even nodes FIFO (the default), odd ones LRU.
-    eviction: Eviction,
+    /// Its watermarks and what it evicts first, run by the real tier's
+    /// rules ([`NvmeConfig::bytes_to_evict`], [`Eviction::victims`]); even
+    /// nodes FIFO (the default), odd ones LRU.
+    cfg: NvmeConfig,
 }
 
 /// One copy: its location and the number of the write that made it.
@@ -105,7 +123,36 @@ impl TierModel {
     /// The lowest free location (locations are reused, as the real tier
     /// reuses slots).
     fn free_loc(&self) -> Option<u64> {
-        (1..=TIER_CAP as u64 + 1).find(|l| !self.copies.contains_key(l))
+        (1..=TIER_SLOTS).find(|l| !self.copies.contains_key(l))
+    }
+
+    /// A write of `c`'s key and value: a free slot and an extent for it,
+    /// or `None` (the real tier's `NoSpace`).
+    fn store(&mut self, mut c: Copy) -> Option<u64> {
+        let l = self.free_loc()?;
+        c.extent = nvme::extent(c.key.len(), c.len);
+        c.at = self.space.alloc(c.extent)?;
+        self.copies.insert(l, c);
+        Some(l)
+    }
+
+    /// Removes the copy at `loc` and frees its extent.
+    fn take(&mut self, loc: u64) {
+        if let Some(c) = self.copies.remove(&loc) {
+            self.space.dealloc(c.at, c.extent);
+        }
+    }
+
+    /// The space as the real tier's eviction rule sees it (no copy is
+    /// marked evicting: the round's `Evicted` report is out at most once).
+    fn space(&self) -> Space {
+        Space {
+            used: self.space.used(),
+            capacity: self.space.capacity(),
+            evicting: 0,
+            largest_free: self.space.largest_free(),
+            short_of_slots: self.copies.len() as u64 >= TIER_SLOTS,
+        }
     }
 
     /// Whether location `loc` holds copy `c` (the very copy: a location
@@ -127,7 +174,7 @@ impl TierModel {
     /// Removes copy `c` if its location still holds it.
     fn remove_copy(&mut self, c: CopyRef) {
         if self.holds(c) {
-            self.copies.remove(&c.0);
+            self.take(c.0);
         }
     }
 
@@ -209,12 +256,18 @@ impl NodeModel {
                     nvme: None,
                 },
                 copies: BTreeMap::new(),
+                space: RangeAllocator::new(0, TIER_BYTES, BLOCK),
                 gen: 0,
                 clock: 0,
-                eviction: if idx.is_multiple_of(2) {
-                    Eviction::Fifo
-                } else {
-                    Eviction::Lru
+                cfg: NvmeConfig {
+                    high_watermark: TIER_HIGH,
+                    low_watermark: TIER_LOW,
+                    eviction: if idx.is_multiple_of(2) {
+                        Eviction::Fifo
+                    } else {
+                        Eviction::Lru
+                    },
+                    ..NvmeConfig::default()
                 },
             }
         });
@@ -258,7 +311,15 @@ impl NodeModel {
         self.up = false;
         self.dram.clear();
         if let Some(t) = self.tier.as_mut() {
-            t.copies.retain(|_, c| c.durable);
+            let torn: Vec<u64> = t
+                .copies
+                .iter()
+                .filter(|(_, c)| !c.durable)
+                .map(|(&l, _)| l)
+                .collect();
+            for l in torn {
+                t.take(l);
+            }
         }
         self.ping = None;
         self.round = None;
@@ -662,12 +723,12 @@ impl NodeModel {
             (Some(Step::Evict), Ok(MasterResponse::BatchDone(_))) => {
                 let t = self.tier.as_mut().expect("a tier evicts");
                 let n = self.evicting.len() as u64;
-                match t.eviction {
+                match t.cfg.eviction {
                     Eviction::Fifo => ctx.stats.fifo_evictions += n,
                     Eviction::Lru => ctx.stats.lru_evictions += n,
                 }
                 for l in std::mem::take(&mut self.evicting) {
-                    t.copies.remove(&l);
+                    t.take(l);
                 }
                 self.steps.done(false)
             }
@@ -680,24 +741,20 @@ impl NodeModel {
         self.drive_round(next, ctx);
     }
 
-    /// The tier's eviction past its watermark (durable copies only, in the
-    /// order the real tier's rule gives): the `Evicted` report, and the
-    /// copies it names.
+    /// The tier's eviction past its watermark, the real tier's rules: how
+    /// many bytes, and which copies in its order: the `Evicted` report, and
+    /// the copies it names.
     fn evict_pick(&self) -> Option<(MasterRequest, Vec<u64>)> {
         let t = self.tier.as_ref().expect("a tier runs rounds");
-        if t.copies.len() <= TIER_HIGH {
-            return None;
-        }
-        let n = t.copies.len() - TIER_LOW;
-        let order = t.eviction.order(
+        let want = t.cfg.bytes_to_evict(t.space(), 0);
+        let victims = t.cfg.eviction.victims(
             t.copies
                 .iter()
-                .filter(|(_, c)| c.durable)
-                .map(|(&l, c)| (l, c.gen, c.last_read)),
+                .map(|(&l, c)| (l, c.gen, c.last_read, c.extent)),
+            want,
         );
-        let pick: Vec<(u64, Vec<u8>, u64)> = order
+        let pick: Vec<(u64, Vec<u8>, u64)> = victims
             .into_iter()
-            .take(n)
             .map(|l| (l, t.copies[&l].key.clone(), t.copies[&l].version))
             .collect();
         if pick.is_empty() {
@@ -764,29 +821,31 @@ impl NodeModel {
                     Ok(task::Write::Found(l)) => ((l, t.copies[&l].gen), false),
                     Ok(task::Write::Write { replace }) => {
                         if let Some(old) = replace {
-                            t.copies.remove(&old);
+                            t.take(old);
                         }
-                        let Some(l) = t.free_loc().filter(|_| t.copies.len() < TIER_CAP) else {
+                        // The real tier's order: a slot and an extent
+                        // (or `NoSpace`), then the write, which may fail.
+                        let Some(l) = t.store(Copy {
+                            key: p.key.clone(),
+                            len: p.len,
+                            sum,
+                            content,
+                            durable: false,
+                            at: 0,
+                            extent: 0,
+                            gen: t.gen + 1,
+                            version: p.version,
+                            last_read: 0,
+                        }) else {
+                            ctx.stats.tier_full += 1;
                             return Some((p.failed(), None, false));
                         };
+                        t.gen += 1;
                         if ctx.rng.random_bool(ctx.faults.disk_fail) {
                             ctx.stats.disk_failures += 1;
+                            t.take(l);
                             return Some((p.failed(), None, false));
                         }
-                        t.gen += 1;
-                        t.copies.insert(
-                            l,
-                            Copy {
-                                key: p.key.clone(),
-                                len: p.len,
-                                sum,
-                                content,
-                                durable: false,
-                                gen: t.gen,
-                                version: p.version,
-                                last_read: 0,
-                            },
-                        );
                         ((l, t.gen), true)
                     }
                 };
@@ -825,7 +884,7 @@ impl NodeModel {
                     .get(&d.loc)
                     .is_some_and(|c| d.takes(&c.key, c.version))
                 {
-                    t.copies.remove(&d.loc);
+                    t.take(d.loc);
                 }
                 None
             }

@@ -142,9 +142,10 @@ fn every_invariant_holds_on_every_seed() {
         assert!(total.partitions > 0 && total.timeouts > 0, "{total:?}");
         assert!(total.dropped > 0 && total.duplicated > 0, "{total:?}");
         assert!(total.disk_failures > 0, "{total:?}");
-        // Tiers evicted in both of the real tier's orders.
+        // Tiers evicted in both of the real tier's orders, and ran out of
+        // room (slots or extents).
         assert!(
-            total.fifo_evictions > 0 && total.lru_evictions > 0,
+            total.fifo_evictions > 0 && total.lru_evictions > 0 && total.tier_full > 0,
             "{total:?}"
         );
         // The real put protocol met its waits, reports and read-backs.
