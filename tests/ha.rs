@@ -791,6 +791,64 @@ fn a_stalled_standby_is_dropped_catches_up_from_a_snapshot_and_then_loses_nothin
     });
 }
 
+/// A drain is a journal record the leader ships (issue 32): after a kill
+/// -9 of the leader, the standby that takes over (the service's take-over:
+/// the shipped records, its image, `recover`) still says the segment is
+/// draining once its node has mounted it again, and places no put there.
+#[test]
+fn a_drain_holds_after_the_leader_is_killed_and_the_standby_leads() {
+    let Some(etcd) = etcd() else { return };
+    let url = etcd.url();
+    let mcfg = master_config("ha-drain-master", "");
+    let (a, b) = leader_and_standby(&url, &mcfg);
+    let ncfg = common::config_file("ha-drain-node", "[storage]\nping_interval_ms = 200\n");
+    let _n1 = common::start_storage(&url, "32MiB", &["--config", &ncfg]);
+    let _n2 = common::start_storage(&url, "32MiB", &["--config", &ncfg]);
+    kvpool_ha::install();
+    let rt = common::rt();
+    let c = rt.block_on(async { Client::connect(&url, client_config("")).await.unwrap() });
+    let stat = || rt.block_on(c.stat()).unwrap();
+    common::eventually_blocking("both segments mounted", Duration::from_secs(20), || {
+        stat().segments.len() == 2
+    });
+    let drained = stat().segments[0].id;
+    rt.block_on(c.drain_segment(drained)).unwrap();
+    assert!(
+        stat()
+            .segments
+            .iter()
+            .any(|g| g.id == drained && g.draining),
+        "draining on the leader: {:?}",
+        stat()
+    );
+    common::eventually_blocking("the standby in sync", Duration::from_secs(20), || {
+        healthz_all(&b, "synced", "1")
+    });
+    kill_leader(a, &b, None);
+    common::eventually_blocking(
+        "both segments mounted on the new leader",
+        Duration::from_secs(20),
+        || stat().segments.len() == 2,
+    );
+    let s = stat();
+    assert_eq!(c.master_addr(), b.addr, "the client follows the new leader");
+    assert!(
+        s.segments.iter().any(|g| g.id == drained && g.draining),
+        "the drain holds on the new leader: {s:?}"
+    );
+    rt.block_on(async {
+        for i in 0..20 {
+            let key = format!("after-{i}");
+            c.put(key.as_bytes(), &value(i, 100_000)).await.unwrap();
+            let info = c.describe(key.as_bytes()).await.unwrap();
+            assert!(
+                info.replicas.iter().all(|r| r.segment_id != drained),
+                "{key} was placed on the drained segment: {info:?}"
+            );
+        }
+    });
+}
+
 /// Watches `b` for 6 s (three times the tests' 2 s lease, so a leader
 /// whose lease ran out has been replaced by then if anyone may replace it)
 /// and fails if it leads; `who` names it in the failure.
