@@ -613,16 +613,6 @@ fn a_drained_segment_stays_drained_across_a_master_restart() {
         s.segments.iter().any(|g| g.id == drained && g.draining),
         "the drain is remembered: {s:?}"
     );
-    p.rt.block_on(async {
-        for i in 0..20 {
-            let key = format!("after-{i}");
-            c.put(key.as_bytes(), &value(i, 100_000)).await.unwrap();
-            let info = c.describe(key.as_bytes()).await.unwrap();
-            assert!(
-                info.replicas.iter().all(|r| r.segment_id != drained),
-                "{key} was placed on the drained segment: {info:?}"
-            );
-        }
-    });
+    p.rt.block_on(common::puts_avoid(&c, drained));
     let _ = std::fs::remove_dir_all(&p.d);
 }

@@ -836,17 +836,7 @@ fn a_drain_holds_after_the_leader_is_killed_and_the_standby_leads() {
         s.segments.iter().any(|g| g.id == drained && g.draining),
         "the drain holds on the new leader: {s:?}"
     );
-    rt.block_on(async {
-        for i in 0..20 {
-            let key = format!("after-{i}");
-            c.put(key.as_bytes(), &value(i, 100_000)).await.unwrap();
-            let info = c.describe(key.as_bytes()).await.unwrap();
-            assert!(
-                info.replicas.iter().all(|r| r.segment_id != drained),
-                "{key} was placed on the drained segment: {info:?}"
-            );
-        }
-    });
+    rt.block_on(common::puts_avoid(&c, drained));
 }
 
 /// Watches `b` for 6 s (three times the tests' 2 s lease, so a leader

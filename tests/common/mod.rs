@@ -476,6 +476,20 @@ pub async fn put_patiently(c: &kvpool_client::Client, key: &str, v: &[u8]) {
     }
 }
 
+/// Puts `after-0..20` (100,000 bytes each) and fails if any of them got a
+/// replica on segment `drained` (a segment being drained takes no put).
+pub async fn puts_avoid(c: &kvpool_client::Client, drained: u64) {
+    for i in 0..20 {
+        let key = format!("after-{i}");
+        c.put(key.as_bytes(), &value(i, 100_000)).await.unwrap();
+        let info = c.describe(key.as_bytes()).await.unwrap();
+        assert!(
+            info.replicas.iter().all(|r| r.segment_id != drained),
+            "{key} was placed on the drained segment: {info:?}"
+        );
+    }
+}
+
 /// `127.0.0.1:PORT` with `n` free ports from PORT on, outside the kernel's
 /// ephemeral range (32768..), so that a process restarted on the same
 /// address does not find it taken by another test's outgoing connection.
