@@ -333,7 +333,7 @@ impl NodeNvme {
             match self.persist_once(p.clone()).await {
                 Err(e) if e.code == ErrorCode::NoSpace && attempt == 0 => {
                     // Make room in that region, then try once more.
-                    self.evict_region(client, region, p.len + 8192).await;
+                    self.evict_region(client, region, p.room()).await;
                 }
                 other => return other,
             }
@@ -564,7 +564,8 @@ impl NodeNvme {
     /// copies become `PersistFailed` and those copies are dropped, each
     /// once; copies found already there (written and reported in an earlier
     /// round) stay, the master lists them. A copy no longer in its place
-    /// after the flush is reported `PersistFailed` too: its key must still
+    /// after the flush, failed or not, is reported `PersistFailed` too
+    /// ([`Round::flushed`]): its key must still
     /// lead to its slot and the slot hold that very copy (a later task of
     /// the round that replaced the key's object can have removed it and
     /// written the new copy into the same, reused slot).
@@ -576,36 +577,41 @@ impl NodeNvme {
         regions.sort_unstable();
         regions.dedup();
         for region in regions {
-            // The Stored copies of this region, checked after the flush: a
-            // copy this round wrote can have been evicted again by a later
-            // task's NoSpace retry (LRU ranks unread copies first), and its
-            // slot reused; the master must not hear of it.
+            // The Stored copies of this region, checked after the flush,
+            // whether it succeeded or not: a copy this round wrote or found
+            // can have been evicted by a later task's NoSpace retry (LRU
+            // ranks unread copies first), and its slot reused; the master
+            // must not hear of it.
             let check = round.stored(|c| c.loc.region == region);
-            let at: Vec<usize> = check.iter().map(|c| c.0).collect();
+            let look: Vec<(Vec<u8>, CopyRef)> =
+                check.iter().map(|(_, k, c)| (k.clone(), *c)).collect();
             let r = self
                 .shards
                 .run_on(region as usize, move |_| async move {
                     let t = tier()?;
-                    t.flush().await.map_err(kv)?;
-                    Ok::<Vec<bool>, KvError>(
-                        check
-                            .iter()
-                            .map(|(_, k, c)| {
-                                t.lookup(k) == Some(c.loc) && t.copy_seq(c.loc) == Some(c.seq)
-                            })
-                            .collect(),
-                    )
+                    let flushed = t.flush().await.map_err(kv);
+                    let present: Vec<bool> = look
+                        .iter()
+                        .map(|(k, c)| {
+                            t.lookup(k) == Some(c.loc) && t.copy_seq(c.loc) == Some(c.seq)
+                        })
+                        .collect();
+                    Ok::<_, KvError>((flushed, present))
                 })
                 .await
                 .map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))
                 .and_then(|r| r);
             match r {
-                Ok(present) => {
-                    for (i, here) in at.into_iter().zip(present) {
-                        if !here {
-                            tracing::warn!("NVMe: a copy went before it was reported");
-                            round.gone(i);
-                        }
+                Ok((flushed, present)) => {
+                    if present.iter().any(|here| !here) {
+                        tracing::warn!("NVMe: a copy went before it was reported");
+                    }
+                    if let Err(e) = &flushed {
+                        tracing::warn!("NVMe: index records of region {region} not durable: {e}");
+                    }
+                    let pick = |c: &CopyRef| c.loc.region == region;
+                    for c in round.flushed(pick, flushed.is_ok(), &check, &present) {
+                        self.remove_copy(c).await;
                     }
                 }
                 Err(e) => {

@@ -13,8 +13,8 @@
 //!
 //!  Round:  tasks ran ──▶ ran(update, copy, wrote)      (Persist: Stored or PersistFailed,
 //!                                                       Promote: Promoted)
-//!          index flush ─▶ ok: stored() checked, gone(i) for a copy not in its place
-//!                         failed: flush_failed(pick): the fresh copies are lost
+//!          index flush ─▶ flushed(ok, stored() checked): gone for a copy not in its
+//!                         place, flush or not; failed: the fresh copies are lost too
 //!          report ──────▶ updates(); the answers ──▶ refused(results): copies to remove
 //! ```
 //!
@@ -175,6 +175,33 @@ impl<C: Copy + PartialEq> Round<C> {
         lost
     }
 
+    /// The index flush of the copies `pick` selects ended (`ok`: it
+    /// succeeded), and `present[j]` says whether the copy of `checked[j]`
+    /// (from [`Round::stored`], taken before) was still in its place after
+    /// it. A copy not in its place is not reported stored, whether the
+    /// flush succeeded or not: a found copy that a later task's eviction
+    /// took is gone all the same when the flush fails (it is not one of
+    /// the fresh copies a failed flush loses). Returns the copies the
+    /// driver removes: the fresh ones, when the flush failed.
+    pub fn flushed(
+        &mut self,
+        pick: impl Fn(&C) -> bool,
+        ok: bool,
+        checked: &[(usize, Vec<u8>, C)],
+        present: &[bool],
+    ) -> Vec<C> {
+        for ((i, _, _), here) in checked.iter().zip(present) {
+            if !here {
+                self.gone(*i);
+            }
+        }
+        if ok {
+            Vec::new()
+        } else {
+            self.flush_failed(pick)
+        }
+    }
+
     /// The reports to send (in task order).
     pub fn take_updates(&mut self) -> Vec<NvmeUpdate> {
         std::mem::take(&mut self.updates)
@@ -315,5 +342,29 @@ mod tests {
         r.gone(0);
         assert_eq!(r.refused(&[no(), no()]), vec![(2, 1)]);
         assert!(failed(&r.take_updates()[0]));
+    }
+
+    /// Cluster simulation seed 6757 (unsummed): a copy found there, which a
+    /// later task's eviction took, is not reported stored when the flush
+    /// fails either (it is not one of the fresh copies the failure loses).
+    #[test]
+    fn a_found_copy_gone_before_a_failed_flush_is_not_reported_stored() {
+        let mut r: Round<(u64, u64)> = Round::default();
+        r.ran(stored("found", 1), Some((1, 1)), false);
+        r.ran(stored("fresh", 2), Some((2, 1)), true);
+        r.ran(stored("kept", 3), Some((3, 1)), false);
+        let check = r.stored(|_| true);
+        let lost = r.flushed(|_| true, false, &check, &[false, true, true]);
+        assert_eq!(lost, vec![(2, 1)], "the fresh copy, lost with the flush");
+        let u = r.take_updates();
+        assert!(failed(&u[0]) && failed(&u[1]) && !failed(&u[2]), "{u:?}");
+        // A flush that succeeded: only the copy not in its place.
+        let mut r: Round<(u64, u64)> = Round::default();
+        r.ran(stored("found", 1), Some((1, 1)), false);
+        r.ran(stored("fresh", 2), Some((2, 1)), true);
+        let check = r.stored(|_| true);
+        assert_eq!(r.flushed(|_| true, true, &check, &[false, true]), vec![]);
+        let u = r.take_updates();
+        assert!(failed(&u[0]) && !failed(&u[1]), "{u:?}");
     }
 }

@@ -12,7 +12,8 @@
 //! ```text
 //!  NodeTask ──job(mine)──▶ Persist: decide(sum of the DRAM bytes, held copy)
 //!                                     ─▶ Found(at) | Write { replace: Option<at> }
-//!                                   then stored(nvme, loc, sum) | failed()
+//!                                   then stored(nvme, loc, sum) | failed();
+//!                                   no room: evict room(), try once more
 //!                          Promote: target(mine), reads(the slot's key and version),
 //!                                   check(copy's len, segment, sum)
 //!                                   ─▶ ok | Refusal (Size, Checksum, Range); promoted(ok)
@@ -80,6 +81,11 @@ pub trait PersistRule {
     /// Bytes that do not match the object's checksum are not copied
     /// (`Corrupt`: the range holds something else now).
     fn decide<L>(&self, sum: u64, held: Option<(L, Held)>) -> Result<Write<L>, KvError>;
+
+    /// The bytes the node asks its tier to free when this copy found no
+    /// room (its value and up to two blocks of header and rounding); the
+    /// node then tries the Persist once more.
+    fn room(&self) -> u64;
 }
 
 impl PersistRule for PersistTask {
@@ -100,6 +106,10 @@ impl PersistRule for PersistTask {
             Some((at, _)) => Write::Write { replace: Some(at) },
             None => Write::Write { replace: None },
         })
+    }
+
+    fn room(&self) -> u64 {
+        self.len + 8192
     }
 }
 

@@ -303,6 +303,9 @@ pub struct Stats {
     /// Persists the tier had no room for (no slot, or no extent that large
     /// from its allocator).
     pub tier_full: u64,
+    /// Persists that found no room and had the tier evict for them in the
+    /// middle of the round's tasks (then tried once more).
+    pub room_made: u64,
 }
 
 impl Stats {
@@ -332,6 +335,7 @@ impl Stats {
         self.fifo_evictions += o.fifo_evictions;
         self.lru_evictions += o.lru_evictions;
         self.tier_full += o.tier_full;
+        self.room_made += o.room_made;
     }
 }
 

@@ -29,8 +29,10 @@
 //!   clients and promotions counted), both the real tier's rules:
 //!   `Evicted` reported first, the copies removed after. A copy is named
 //!   by its location (a slot) and the write that made it, as the real tier
-//!   names it. A Persist that finds no room fails (the real node evicts in
-//!   the middle of that task and tries once more: not modelled).
+//!   names it. A Persist that finds no room has the tier evict what it
+//!   needs ([`PersistRule::room`]) in the middle of the round's tasks,
+//!   `Evicted` reported first, then tries once more (the real node's
+//!   `persist`; a report that fails keeps the copies).
 //! * The simulated disk: the real tier's allocator hands out each copy's
 //!   extent (header and value in blocks, as the tier lays them out), so a
 //!   write finds no slot or no extent large enough as the tier would; a
@@ -41,7 +43,7 @@
 //! Every call the node makes has the client's deadline: a lane whose answer
 //! does not come by then gives up and starts over on its next timer.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use kvpool_storage::alloc::RangeAllocator;
 use kvpool_storage::nvme::{self, Eviction, NvmeConfig, Space, BLOCK};
@@ -50,7 +52,7 @@ use kvpool_storage_node::round::{self, Round, Step, Steps};
 use kvpool_storage_node::task::{self, DropRule, PersistRule, PromoteRule};
 use kvpool_wire::proto::{
     segment_id_for, Endpoint, ItemResult, MasterRequest, MasterResponse, NodeTask, NvmeAttach,
-    NvmeUpdate, SegmentId, SegmentSpec, Tier,
+    NvmeUpdate, PersistTask, SegmentId, SegmentSpec, Tier,
 };
 use kvpool_wire::{ErrorCode, KvError};
 use rand::Rng;
@@ -226,6 +228,22 @@ pub struct NodeModel {
     ran: Round<CopyRef>,
     /// The copies an `Evicted` report out names, removed once it is answered.
     evicting: Vec<u64>,
+    /// The `Tasks` step's tasks not run yet.
+    todo: VecDeque<NodeTask>,
+    /// A Persist that found no room, while the `Evicted` report that makes
+    /// room for it is out (the copies it names are in `evicting`): tried
+    /// once more when it is answered or fails.
+    making_room: Option<PersistTask>,
+}
+
+/// What running a task came to.
+enum Ran {
+    /// The update to report (if any), the copy's location and whether this
+    /// task wrote it.
+    Done(Option<(NvmeUpdate, Option<CopyRef>, bool)>),
+    /// A Persist found no room: the node evicts [`PersistRule::room`]
+    /// bytes for it, then tries once more (the real node's `persist`).
+    NoRoom(PersistTask),
 }
 
 fn endpoint(i: usize) -> Endpoint {
@@ -296,6 +314,8 @@ impl NodeModel {
             round: None,
             ran: Round::default(),
             evicting: Vec::new(),
+            todo: VecDeque::new(),
+            making_room: None,
         };
         n.restart(ctx);
         n
@@ -324,6 +344,8 @@ impl NodeModel {
         self.ping = None;
         self.round = None;
         self.steps = Steps::default();
+        self.todo.clear();
+        self.making_room = None;
     }
 
     /// A new process: a new client id and DRAM segment; the tier as the
@@ -352,6 +374,8 @@ impl NodeModel {
         self.ping = None;
         self.round = None;
         self.steps = Steps::default();
+        self.todo.clear();
+        self.making_room = None;
         let first = self.lane.tick();
         self.drive(first, ctx);
         let inc = self.incarnation;
@@ -538,7 +562,13 @@ impl NodeModel {
                 }
                 if self.round.as_ref().is_some_and(|r| r.0 == id) {
                     self.round = None;
-                    self.steps.failed();
+                    if self.making_room.is_some() {
+                        // The eviction's report failed: the round goes on.
+                        let e = KvError::new(ErrorCode::Timeout, "no answer by the deadline");
+                        self.on_round_answer(Err(e), ctx);
+                    } else {
+                        self.steps.failed();
+                    }
                 }
             }
             Timer::NodePing(inc) if inc == self.incarnation && self.up => {
@@ -684,7 +714,7 @@ impl NodeModel {
                     self.ran = ran;
                     return self.call_round(ctx, req);
                 }
-                Step::Evict => match self.evict_pick() {
+                Step::Evict => match self.evict_pick(0) {
                     Some((req, locs)) => {
                         self.evicting = locs;
                         return self.call_round(ctx, req);
@@ -697,17 +727,22 @@ impl NodeModel {
 
     /// The answer to the round's call out.
     fn on_round_answer(&mut self, res: Result<MasterResponse, KvError>, ctx: &mut Ctx) {
+        if let Some(p) = self.making_room.take() {
+            // The copies go once the master has their `Evicted`; without
+            // an answer they stay (the real tier takes its marks back).
+            if let Ok(MasterResponse::BatchDone(_)) = res {
+                self.evicted(ctx);
+            }
+            self.evicting.clear();
+            let ran = self.persist(p, false, ctx);
+            self.ran_one(ran);
+            return self.run_todo(ctx);
+        }
         let next = match (self.steps.out(), res) {
             (Some(Step::Tasks(_)), Ok(MasterResponse::Tasks(tasks))) => {
-                let mut ran = Round::default();
-                for t in tasks {
-                    if let Some((u, loc, new)) = self.run_task(t, ctx) {
-                        ran.ran(u, loc, new);
-                    }
-                }
-                let reports = !ran.is_empty();
-                self.ran = ran;
-                self.steps.done(reports)
+                self.ran = Round::default();
+                self.todo = tasks.into();
+                return self.run_todo(ctx);
             }
             (Some(Step::Report(_)), Ok(MasterResponse::BatchDone(results))) => {
                 // The copies the master no longer wants (the node's rule),
@@ -721,15 +756,7 @@ impl NodeModel {
                 self.steps.done(false)
             }
             (Some(Step::Evict), Ok(MasterResponse::BatchDone(_))) => {
-                let t = self.tier.as_mut().expect("a tier evicts");
-                let n = self.evicting.len() as u64;
-                match t.cfg.eviction {
-                    Eviction::Fifo => ctx.stats.fifo_evictions += n,
-                    Eviction::Lru => ctx.stats.lru_evictions += n,
-                }
-                for l in std::mem::take(&mut self.evicting) {
-                    t.take(l);
-                }
+                self.evicted(ctx);
                 self.steps.done(false)
             }
             // A failed call: the round starts over on the next timer.
@@ -741,12 +768,56 @@ impl NodeModel {
         self.drive_round(next, ctx);
     }
 
-    /// The tier's eviction past its watermark, the real tier's rules: how
-    /// many bytes, and which copies in its order: the `Evicted` report, and
-    /// the copies it names.
-    fn evict_pick(&self) -> Option<(MasterRequest, Vec<u64>)> {
+    /// Runs the `Tasks` step's tasks in order until one needs room made
+    /// (its `Evicted` report goes out) or none is left (the step is done).
+    fn run_todo(&mut self, ctx: &mut Ctx) {
+        while let Some(task) = self.todo.pop_front() {
+            let ran = match self.run_task(task, ctx) {
+                Ran::NoRoom(p) => match self.evict_pick(p.room()) {
+                    Some((req, locs)) => {
+                        ctx.stats.room_made += 1;
+                        self.evicting = locs;
+                        self.making_room = Some(p);
+                        return self.call_round(ctx, req);
+                    }
+                    None => self.persist(p, false, ctx),
+                },
+                done => done,
+            };
+            self.ran_one(ran);
+        }
+        let next = self.steps.done(!self.ran.is_empty());
+        self.drive_round(next, ctx);
+    }
+
+    /// A task's report, into the round's.
+    fn ran_one(&mut self, ran: Ran) {
+        match ran {
+            Ran::Done(Some((u, loc, new))) => self.ran.ran(u, loc, new),
+            Ran::Done(None) => {}
+            Ran::NoRoom(_) => unreachable!("a second try does not evict"),
+        }
+    }
+
+    /// The master has the `Evicted` report out: its copies go.
+    fn evicted(&mut self, ctx: &mut Ctx) {
+        let t = self.tier.as_mut().expect("a tier evicts");
+        let n = self.evicting.len() as u64;
+        match t.cfg.eviction {
+            Eviction::Fifo => ctx.stats.fifo_evictions += n,
+            Eviction::Lru => ctx.stats.lru_evictions += n,
+        }
+        for l in std::mem::take(&mut self.evicting) {
+            t.take(l);
+        }
+    }
+
+    /// The tier's eviction past its watermark, or of `need` bytes a write
+    /// did not find free, the real tier's rules: how many bytes, and which
+    /// copies in its order: the `Evicted` report, and the copies it names.
+    fn evict_pick(&self, need: u64) -> Option<(MasterRequest, Vec<u64>)> {
         let t = self.tier.as_ref().expect("a tier runs rounds");
-        let want = t.cfg.bytes_to_evict(t.space(), 0);
+        let want = t.cfg.bytes_to_evict(t.space(), need);
         let victims = t.cfg.eviction.victims(
             t.copies
                 .iter()
@@ -781,23 +852,24 @@ impl NodeModel {
     /// its place means for the reports is the node's rule ([`Round`]).
     fn flush(&mut self, round: &mut Round<CopyRef>, ctx: &mut Ctx) {
         let t = self.tier.as_mut().expect("a tier runs rounds");
-        if ctx.rng.random_bool(ctx.faults.disk_fail) {
+        let ok = !ctx.rng.random_bool(ctx.faults.disk_fail);
+        if ok {
+            for c in t.copies.values_mut() {
+                c.durable = true;
+            }
+        } else {
             ctx.stats.disk_failures += 1;
-            for c in round.flush_failed(|_| true) {
-                t.remove_copy(c);
-            }
-            return;
         }
-        for c in t.copies.values_mut() {
-            c.durable = true;
-        }
-        // A copy no longer in its place after the flush is not reported
-        // (`flush_written` looks the key up: same location, same copy).
-        for (i, key, c) in round.stored(|_| true) {
-            let here = t.lookup(&key) == Some(c.0) && t.holds(c);
-            if !here {
-                round.gone(i);
-            }
+        // A copy no longer in its place after the flush, failed or not, is
+        // not reported (`flush_written` looks the key up: same location,
+        // same copy); a failed flush loses the round's fresh copies.
+        let check = round.stored(|_| true);
+        let present: Vec<bool> = check
+            .iter()
+            .map(|(_, key, c)| t.lookup(key) == Some(c.0) && t.holds(*c))
+            .collect();
+        for c in round.flushed(|_| true, ok, &check, &present) {
+            t.remove_copy(c);
         }
     }
 
@@ -805,54 +877,13 @@ impl NodeModel {
     /// whether this task wrote it. What a task does with the copies it
     /// finds is the node's own rule ([`task`]); the I/O is the simulated
     /// disk's.
-    fn run_task(
-        &mut self,
-        task: NodeTask,
-        ctx: &mut Ctx,
-    ) -> Option<(NvmeUpdate, Option<CopyRef>, bool)> {
+    fn run_task(&mut self, task: NodeTask, ctx: &mut Ctx) -> Ran {
         ctx.note(format!("node {} runs {}", self.idx, short_task(&task)));
-        match task::job(task, self.dram_seg)? {
-            task::Job::Persist(p) => {
-                let content = self.dram_read(p.dram, p.offset, p.len).flatten();
-                let sum = sum_of(content);
-                let t = self.tier.as_mut().expect("tasks come to a tier");
-                let (loc, fresh) = match p.decide(sum, t.held(&p.key)) {
-                    Err(_) => return Some((p.failed(), None, false)),
-                    Ok(task::Write::Found(l)) => ((l, t.copies[&l].gen), false),
-                    Ok(task::Write::Write { replace }) => {
-                        if let Some(old) = replace {
-                            t.take(old);
-                        }
-                        // The real tier's order: a slot and an extent
-                        // (or `NoSpace`), then the write, which may fail.
-                        let Some(l) = t.store(Copy {
-                            key: p.key.clone(),
-                            len: p.len,
-                            sum,
-                            content,
-                            durable: false,
-                            at: 0,
-                            extent: 0,
-                            gen: t.gen + 1,
-                            version: p.version,
-                            last_read: 0,
-                        }) else {
-                            ctx.stats.tier_full += 1;
-                            return Some((p.failed(), None, false));
-                        };
-                        t.gen += 1;
-                        if ctx.rng.random_bool(ctx.faults.disk_fail) {
-                            ctx.stats.disk_failures += 1;
-                            t.take(l);
-                            return Some((p.failed(), None, false));
-                        }
-                        ((l, t.gen), true)
-                    }
-                };
-                ctx.stats.stored += 1;
-                let seg = t.seg;
-                Some((p.stored(seg, loc.0, sum), Some(loc), fresh))
-            }
+        let Some(job) = task::job(task, self.dram_seg) else {
+            return Ran::Done(None);
+        };
+        Ran::Done(match job {
+            task::Job::Persist(p) => return self.persist(p, true, ctx),
             task::Job::Promote(p) => {
                 let t = self.tier.as_mut().expect("tasks come to a tier");
                 let copy = t
@@ -892,7 +923,56 @@ impl NodeModel {
             // `hot_replicas` is 0); a node that could not reach the replica
             // it names answers this way.
             task::Job::Fetch(f) => Some((f.promoted(false), None, false)),
-        }
+        })
+    }
+
+    /// A Persist on the simulated disk: the DRAM bytes checked and written
+    /// unless that very copy is there (the node's rule, [`PersistRule`]).
+    /// With no room and `may_evict`, [`Ran::NoRoom`] (the node evicts, then
+    /// calls this again without it).
+    fn persist(&mut self, p: PersistTask, may_evict: bool, ctx: &mut Ctx) -> Ran {
+        let content = self.dram_read(p.dram, p.offset, p.len).flatten();
+        let sum = sum_of(content);
+        let t = self.tier.as_mut().expect("tasks come to a tier");
+        let (loc, fresh) = match p.decide(sum, t.held(&p.key)) {
+            Err(_) => return Ran::Done(Some((p.failed(), None, false))),
+            Ok(task::Write::Found(l)) => ((l, t.copies[&l].gen), false),
+            Ok(task::Write::Write { replace }) => {
+                if let Some(old) = replace {
+                    t.take(old);
+                }
+                // The real tier's order: a slot and an extent
+                // (or `NoSpace`), then the write, which may fail.
+                let Some(l) = t.store(Copy {
+                    key: p.key.clone(),
+                    len: p.len,
+                    sum,
+                    content,
+                    durable: false,
+                    at: 0,
+                    extent: 0,
+                    gen: t.gen + 1,
+                    version: p.version,
+                    last_read: 0,
+                }) else {
+                    ctx.stats.tier_full += 1;
+                    if may_evict {
+                        return Ran::NoRoom(p);
+                    }
+                    return Ran::Done(Some((p.failed(), None, false)));
+                };
+                t.gen += 1;
+                if ctx.rng.random_bool(ctx.faults.disk_fail) {
+                    ctx.stats.disk_failures += 1;
+                    t.take(l);
+                    return Ran::Done(Some((p.failed(), None, false)));
+                }
+                ((l, t.gen), true)
+            }
+        };
+        ctx.stats.stored += 1;
+        let seg = t.seg;
+        Ran::Done(Some((p.stored(seg, loc.0, sum), Some(loc), fresh)))
     }
 }
 

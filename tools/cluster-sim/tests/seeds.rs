@@ -50,7 +50,13 @@ const REGRESSIONS: &[u64] = &[3, 18, 32, 63, 248, 618, 622, 1462, 2069];
 /// waiting for its DRAM segment; taken as the key's object, its record named
 /// the newer object's DRAM replica beside it. A recovered object not back
 /// yet now takes a copy only if it is its own.
-const UNSUMMED_REGRESSIONS: &[u64] = &[134, 422, 442, 671, 798, 2380, 4317];
+/// 6757, once a Persist with no room evicted in the middle of the round (as
+/// the real node does): it evicted a copy an earlier task of the round had
+/// found and was to report `Stored` as a demotion's; the index flush failed,
+/// and a failed flush skipped the check that a reported copy is still in
+/// its place, so the master listed an empty slot and dropped the DRAM copy.
+/// The check runs whether the flush succeeded or not (`Round::flushed`).
+const UNSUMMED_REGRESSIONS: &[u64] = &[134, 422, 442, 671, 798, 2380, 4317, 6757];
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name)
@@ -143,11 +149,12 @@ fn every_invariant_holds_on_every_seed() {
         assert!(total.dropped > 0 && total.duplicated > 0, "{total:?}");
         assert!(total.disk_failures > 0, "{total:?}");
         // Tiers evicted in both of the real tier's orders, and ran out of
-        // room (slots or extents).
+        // room (slots or extents), evicting in the middle of a round for it.
         assert!(
-            total.fifo_evictions > 0 && total.lru_evictions > 0 && total.tier_full > 0,
+            total.fifo_evictions > 0 && total.lru_evictions > 0,
             "{total:?}"
         );
+        assert!(total.tier_full > 0 && total.room_made > 0, "{total:?}");
         // The real put protocol met its waits, reports and read-backs.
         assert!(
             total.put_pauses > 0 && total.put_reports > 0 && total.put_readbacks > 0,
