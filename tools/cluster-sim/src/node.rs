@@ -22,14 +22,16 @@
 //!   checksum, then written unless that very copy is there; Promote:
 //!   refused into another node's segment or with other bytes; Drop: only
 //!   its key's copy at its version); the index flushed before the master
-//!   hears of a copy (a failed flush turns the round's fresh copies into
-//!   `PersistFailed` and removes them); copies the master refuses are
+//!   hears of a copy (a copy not in its place after it, and on a failed
+//!   flush the round's fresh copies, are `PersistFailed`); copies the master refuses are
 //!   removed; then the tier evicts past its high watermark down to its low
 //!   one, in its order (FIFO on even nodes, LRU on odd ones, reads of
 //!   clients and promotions counted), both the real tier's rules:
-//!   `Evicted` reported first, the copies removed after. A copy is named
-//!   by its location (a slot) and the write that made it, as the real tier
-//!   names it. A Persist that finds no room has the tier evict what it
+//!   `Evicted` reported first, the copies removed after (while the report
+//!   is out they read as gone and no whole-tier report names them, as the
+//!   real tier's marks do; a report that fails takes the marks back). A
+//!   copy is named by its location (a slot) and the write that made it, as
+//!   the real tier names it. A Persist that finds no room has the tier evict what it
 //!   needs ([`PersistRule::room`]) in the middle of the round's tasks,
 //!   `Evicted` reported first, then tries once more (the real node's
 //!   `persist`; a report that fails keeps the copies).
@@ -346,6 +348,7 @@ impl NodeModel {
         self.steps = Steps::default();
         self.todo.clear();
         self.making_room = None;
+        self.evicting.clear();
     }
 
     /// A new process: a new client id and DRAM segment; the tier as the
@@ -376,6 +379,7 @@ impl NodeModel {
         self.steps = Steps::default();
         self.todo.clear();
         self.making_room = None;
+        self.evicting.clear();
         let first = self.lane.tick();
         self.drive(first, ctx);
         let inc = self.incarnation;
@@ -527,10 +531,10 @@ impl NodeModel {
         for c in t.copies.values_mut() {
             c.durable = true;
         }
-        let copies: Vec<CopyRef> = t.copies.iter().map(|(&l, c)| (l, c.gen)).collect();
-        let updates: Vec<NvmeUpdate> = t
-            .copies
-            .iter()
+        // Not the copies being evicted (the real tier's `entries`).
+        let held = || t.copies.iter().filter(|(l, _)| !self.evicting.contains(l));
+        let copies: Vec<CopyRef> = held().map(|(&l, c)| (l, c.gen)).collect();
+        let updates: Vec<NvmeUpdate> = held()
             .map(|(&loc, c)| NvmeUpdate::Recovered {
                 key: c.key.clone(),
                 nvme: t.seg,
@@ -567,6 +571,8 @@ impl NodeModel {
                         let e = KvError::new(ErrorCode::Timeout, "no answer by the deadline");
                         self.on_round_answer(Err(e), ctx);
                     } else {
+                        // A failed `Evicted` report takes its marks back.
+                        self.evicting.clear();
                         self.steps.failed();
                     }
                 }
@@ -631,6 +637,11 @@ impl NodeModel {
                         .dram_read(seg, offset, len)
                         .ok_or(ErrorCode::SegmentNotFound),
                     Tier::Nvme => match self.tier.as_mut().filter(|t| t.seg == seg) {
+                        // A copy being evicted reads as gone (the real
+                        // tier's mark): no new read gets it.
+                        Some(_) if self.evicting.contains(&offset) => {
+                            Err(ErrorCode::ObjectNotFound)
+                        }
                         Some(t) => match t.read(offset) {
                             Some(c) if c.len == len => Ok(c.content),
                             _ => Err(ErrorCode::ObjectNotFound),
@@ -759,8 +770,10 @@ impl NodeModel {
                 self.evicted(ctx);
                 self.steps.done(false)
             }
-            // A failed call: the round starts over on the next timer.
+            // A failed call: the round starts over on the next timer (a
+            // failed `Evicted` report takes its marks back).
             _ => {
+                self.evicting.clear();
                 self.steps.failed();
                 None
             }
