@@ -30,7 +30,7 @@ use kvpool_wire::{ErrorCode, KvError};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::metrics::StorageMetrics;
-use crate::round::{Round, Step, Steps};
+use crate::round::{Round, Step, Steps, TASKS_PER_STEP};
 use crate::task::{self, DropRule, PersistRule, PromoteRule};
 use kvpool_client::Client;
 use kvpool_config::NodeError;
@@ -454,13 +454,26 @@ impl NodeNvme {
             })
             .collect();
         // Reported first: the master stops handing out these replicas; only
-        // then is their space released.
-        if let Err(e) = self.report(client, updates).await {
-            // The master still lists them: they stay readable and are
+        // then is their space released. A copy whose report failed or was
+        // refused (its tier not mounted at a master that restarted: it may
+        // still list the copy) is kept.
+        let results = match self.report(client, updates).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("NVMe eviction not reported ({e}); the copies are kept");
+                vec![Err(e); cands.len()]
+            }
+        };
+        let (gone, kept): (Vec<_>, Vec<_>) =
+            cands.iter().zip(&results).partition(|(_, r)| r.is_ok());
+        if !kept.is_empty() {
+            // The master may still list them: they stay readable and are
             // candidates again at the next round (marked evicting, they
             // would be neither, until a restart).
-            tracing::warn!("NVMe eviction not reported ({e}); the copies are kept");
-            let locs: Vec<NvmeLoc> = cands.iter().map(|c| c.1).collect();
+            if let Some((_, Err(e))) = kept.first() {
+                tracing::warn!("NVMe eviction of {} copies refused ({e}); kept", kept.len());
+            }
+            let locs: Vec<NvmeLoc> = kept.iter().map(|(c, _)| c.1).collect();
             let _ = self
                 .shards
                 .run_on(region, move |_| async move {
@@ -471,11 +484,10 @@ impl NodeNvme {
                     }
                 })
                 .await;
-            return;
         }
-        self.metrics.nvme_evictions.inc_by(cands.len() as u64);
-        for (_, loc, _) in cands {
-            self.remove(loc).await;
+        self.metrics.nvme_evictions.inc_by(gone.len() as u64);
+        for (c, _) in gone {
+            self.remove(c.1).await;
         }
     }
 
@@ -638,7 +650,7 @@ impl NodeNvme {
                         client_id: client.id(),
                         shard,
                         segments: vec![self.dram_id, self.segment_id],
-                        max: 256,
+                        max: TASKS_PER_STEP,
                     };
                     let tasks = client.call(req).await?;
                     round = Round::default();

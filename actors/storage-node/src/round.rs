@@ -25,6 +25,10 @@
 use kvpool_wire::proto::NvmeUpdate;
 use kvpool_wire::KvError;
 
+/// Tasks a `Tasks` step asks a master shard for at most (`NodeTasks`'s
+/// `max`).
+pub const TASKS_PER_STEP: u32 = 256;
+
 /// A step of a round: a call (and, for `Report`, the index flush before it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {

@@ -601,7 +601,7 @@ impl NodeModel {
             client_id: self.client_id,
             shard,
             segments,
-            max: 16,
+            max: round::TASKS_PER_STEP,
         };
         self.call_round(ctx, req);
     }
@@ -741,8 +741,8 @@ impl NodeModel {
         if let Some(p) = self.making_room.take() {
             // The copies go once the master has their `Evicted`; without
             // an answer they stay (the real tier takes its marks back).
-            if let Ok(MasterResponse::BatchDone(_)) = res {
-                self.evicted(ctx);
+            if let Ok(MasterResponse::BatchDone(results)) = res {
+                self.evicted(results, ctx);
             }
             self.evicting.clear();
             let ran = self.persist(p, false, ctx);
@@ -766,8 +766,8 @@ impl NodeModel {
                 }
                 self.steps.done(false)
             }
-            (Some(Step::Evict), Ok(MasterResponse::BatchDone(_))) => {
-                self.evicted(ctx);
+            (Some(Step::Evict), Ok(MasterResponse::BatchDone(results))) => {
+                self.evicted(results, ctx);
                 self.steps.done(false)
             }
             // A failed call: the round starts over on the next timer (a
@@ -812,16 +812,20 @@ impl NodeModel {
         }
     }
 
-    /// The master has the `Evicted` report out: its copies go.
-    fn evicted(&mut self, ctx: &mut Ctx) {
+    /// The master answered the `Evicted` report out: the copies it took
+    /// go, those it refused stay (as the real node's `evict_region`).
+    fn evicted(&mut self, results: Vec<ItemResult<()>>, ctx: &mut Ctx) {
         let t = self.tier.as_mut().expect("a tier evicts");
-        let n = self.evicting.len() as u64;
+        let mut n = 0;
+        for (l, r) in std::mem::take(&mut self.evicting).into_iter().zip(results) {
+            if Result::<(), KvError>::from(r).is_ok() {
+                t.take(l);
+                n += 1;
+            }
+        }
         match t.cfg.eviction {
             Eviction::Fifo => ctx.stats.fifo_evictions += n,
             Eviction::Lru => ctx.stats.lru_evictions += n,
-        }
-        for l in std::mem::take(&mut self.evicting) {
-            t.take(l);
         }
     }
 

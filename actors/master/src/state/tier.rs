@@ -770,12 +770,12 @@ impl ShardState {
                 Ok(())
             }
             NvmeUpdate::Evicted { key, nvme, loc, .. } => {
-                let nslot = match self.owned_slot(client, *nvme, Tier::Nvme) {
-                    Ok(n) => n,
-                    // Unmounted meanwhile: nothing lists the copy any more.
-                    Err(e) if e.code == ErrorCode::SegmentNotFound => return Ok(()),
-                    Err(e) => return Err(e),
-                };
+                // A tier not mounted is refused (`SegmentNotFound`), and
+                // the node keeps the copy: a restarted master may still
+                // list it (a recovered replica waiting for the tier's
+                // remount, which would then name a freed slot), and the
+                // tier's report after its mount settles it either way.
+                let nslot = self.owned_slot(client, *nvme, Tier::Nvme)?;
                 if let Some(id) = self.objs.complete_id(key) {
                     let left = self.objs.update(id, |o| {
                         o.replicas

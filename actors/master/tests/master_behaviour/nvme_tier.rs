@@ -1207,3 +1207,41 @@ fn the_tier_report_of_a_copy_whose_demotion_has_not_reported_does_not_delete_it(
     assert_eq!((r.len(), r[0].tier, r[0].offset), (1, Tier::Nvme, 7));
     m.check();
 }
+
+/// Found by the cluster simulation (seed 8407 with `KVPOOL_SIM_UNSUMMED=1`,
+/// on a state directory): a node evicted a copy in the middle of a round
+/// and reported it to a master that had just restarted, before its tier
+/// mounted again. The master answered Ok ("not mounted: nothing lists it")
+/// though the recovered object's replica waited for that tier; the node
+/// freed the copy, and once the tier mounted the master listed an empty
+/// slot. Refused now: the node keeps the copy, which stays the object's.
+#[test]
+fn an_eviction_reported_before_its_tier_mounts_again_is_refused() {
+    let dir = state_dir("evicted-before-remount");
+    let mut m = on_state_dir(&dir, 1_000);
+    let dram = mount_node(&mut m, true);
+    m.put("k", 100);
+    write_through_copy(&mut m, dram, 3);
+    drop(m);
+    let mut m = on_state_dir(&dir, 2_000); // no segment back yet
+    let e = update(
+        &mut m,
+        NvmeUpdate::Evicted {
+            version: 0,
+            key: b"k".to_vec(),
+            nvme: nvme_id(),
+            loc: 3,
+        },
+    )
+    .unwrap_err();
+    assert_eq!(e.code, ErrorCode::SegmentNotFound, "{e}");
+    // The node kept the copy; its tier mounts again and the copy is the
+    // object's replica, as recorded.
+    mount_node(&mut m, true);
+    let r = m.get("k").unwrap();
+    assert!(
+        r.iter().any(|d| d.tier == Tier::Nvme && d.offset == 3),
+        "{r:?}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
