@@ -889,7 +889,7 @@ impl Client {
         let deadline = self.call_deadline();
         let r = self
             .deadline("get", async {
-                if let Some((until, replicas)) = self.inner.locations.get(key) {
+                if let Some((until, replicas)) = self.inner.locations.get(key, Instant::now()) {
                     let mut buf = vec![0u8; replicas[0].len as usize];
                     let until = deadline.min(until);
                     if self.read_known(key, &replicas, &mut buf, until).await {
@@ -915,7 +915,7 @@ impl Client {
         let deadline = self.call_deadline();
         let r = self
             .deadline("get", async {
-                if let Some((until, replicas)) = self.inner.locations.get(key) {
+                if let Some((until, replicas)) = self.inner.locations.get(key, Instant::now()) {
                     let len = replicas[0].len as usize;
                     let until = deadline.min(until);
                     if len <= buf.len()
@@ -1025,20 +1025,13 @@ impl Client {
                 "the object has no readable replica",
             ));
         }
-        // Only what the lease protects and the checksum proves: DRAM
-        // replicas (the master frees no leased DRAM space; an NVMe tier
-        // evicts on its own and reuses locations) of an object with a
-        // checksum this client checks (a master restarted meanwhile knows no
-        // leases, and its new puts may land where the object was).
+        // Only what the lease protects and the checksum proves
+        // (`locations::cacheable`).
         let until = self.lease_until(asked);
-        if self.inner.cfg.checksums {
-            let known: Vec<ReplicaDesc> = r
-                .iter()
-                .filter(|d| d.tier == Tier::Dram && d.checksum.is_some())
-                .cloned()
-                .collect();
-            self.inner.locations.put(key, &known, until, generation);
-        }
+        let known = crate::locations::cacheable(&r, self.inner.cfg.checksums);
+        self.inner
+            .locations
+            .put(key, &known, until, generation, Instant::now());
         Ok((r, until))
     }
 

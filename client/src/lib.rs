@@ -6,13 +6,16 @@
 //!   views of same-host values; see the `client` module docs.
 //! * [`put`]: a put's protocol as a state machine without I/O, which
 //!   [`Client::put_with`] drives (and the cluster simulation too).
+//! * [`locations`]: the location cache's rules (a get that skips the master
+//!   while its read lease lasts), on a clock of the caller's (the cluster
+//!   simulation runs them too).
 //! * [`rdma`]: whether a role uses RDMA, and why not.
 //! * [`leader`]: where the master is: a fixed address, or a registered
 //!   source (`etcd://...`) that follows the leader of several masters.
 
 mod client;
 pub mod leader;
-mod locations;
+pub mod locations;
 pub mod put;
 pub mod rdma;
 

@@ -18,13 +18,17 @@
 //! value. So `forget` moves the key's generation on, a get notes the
 //! generation before it asks the master, and `put` keeps the answer only
 //! if the generation has not moved since.
+//!
+//! The table takes its clock as an argument (`Instant` in the client), so
+//! the cluster simulation (`tools/cluster-sim`) runs these rules, and
+//! [`cacheable`], on its simulated clock.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kvpool_wire::proto::ReplicaDesc;
+use kvpool_wire::proto::{ReplicaDesc, Tier};
 
 /// Independent locks, so concurrent gets of different keys rarely meet.
 const PARTS: usize = 16;
@@ -32,10 +36,12 @@ const PARTS: usize = 16;
 /// only rarely stops an answer about another from being kept.
 const GENERATIONS: usize = 1024;
 
-type Entry = (Instant, Arc<[ReplicaDesc]>);
+type Entry<T> = (T, Arc<[ReplicaDesc]>);
 
-pub(crate) struct Locations {
-    parts: Vec<Mutex<HashMap<Vec<u8>, Entry>>>,
+/// The table: key -> (until when it may be read, its replicas), in time
+/// `T` (an `Instant`, or a simulated clock).
+pub struct Locations<T = Instant> {
+    parts: Vec<Mutex<HashMap<Vec<u8>, Entry<T>>>>,
     per_part: usize,
     generations: Box<[AtomicU64]>,
 }
@@ -52,15 +58,32 @@ impl<F: FnMut()> Drop for OnDrop<F> {
 
 /// A key's generation when a get asked the master (see [`Locations::put`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Generation(u64);
+pub struct Generation(u64);
+
+/// The replicas of a `GetReplicaList` answer worth remembering: only what
+/// the read lease protects and the checksum proves, DRAM replicas (the
+/// master frees no leased DRAM space; an NVMe tier evicts on its own and
+/// reuses locations) of an object with a checksum this client checks
+/// (`checksums`: a master restarted meanwhile knows no leases, and its new
+/// puts may land where the object was).
+pub fn cacheable(replicas: &[ReplicaDesc], checksums: bool) -> Vec<ReplicaDesc> {
+    if !checksums {
+        return Vec::new();
+    }
+    replicas
+        .iter()
+        .filter(|d| d.tier == Tier::Dram && d.checksum.is_some())
+        .cloned()
+        .collect()
+}
 
 fn hash(key: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(key)
 }
 
-impl Locations {
+impl<T: Copy + Ord> Locations<T> {
     /// A table of at most `entries` keys (0: nothing is kept).
-    pub(crate) fn new(entries: usize) -> Self {
+    pub fn new(entries: usize) -> Self {
         Self {
             parts: (0..PARTS).map(|_| Mutex::new(HashMap::new())).collect(),
             per_part: entries.div_ceil(PARTS),
@@ -74,11 +97,11 @@ impl Locations {
     }
 
     /// The key's generation now: taken before asking the master.
-    pub(crate) fn generation(&self, key: &[u8]) -> Generation {
+    pub fn generation(&self, key: &[u8]) -> Generation {
         Generation(self.generation_of(key).load(Ordering::SeqCst))
     }
 
-    fn part(&self, key: &[u8]) -> std::sync::MutexGuard<'_, HashMap<Vec<u8>, Entry>> {
+    fn part(&self, key: &[u8]) -> std::sync::MutexGuard<'_, HashMap<Vec<u8>, Entry<T>>> {
         let i = (hash(key) % PARTS as u64) as usize;
         // Nothing under the lock can leave a part half-updated (a panic there
         // is an allocation failure inside one HashMap call), so a poisoned
@@ -87,14 +110,14 @@ impl Locations {
     }
 
     /// The replicas of `key` and until when they may be read, if a lease on
-    /// them is known to last past now.
-    pub(crate) fn get(&self, key: &[u8]) -> Option<(Instant, Arc<[ReplicaDesc]>)> {
+    /// them is known to last past `now`.
+    pub fn get(&self, key: &[u8], now: T) -> Option<(T, Arc<[ReplicaDesc]>)> {
         if self.per_part == 0 {
             return None;
         }
         let mut part = self.part(key);
         match part.get(key) {
-            Some((until, reps)) if Instant::now() < *until => Some((*until, reps.clone())),
+            Some((until, reps)) if now < *until => Some((*until, reps.clone())),
             Some(_) => {
                 part.remove(key);
                 None
@@ -103,17 +126,11 @@ impl Locations {
         }
     }
 
-    /// Remembers `replicas` of `key` until `until`, unless this client
-    /// changed the key since `seen` (then the answer may be of the object
-    /// before the change).
-    pub(crate) fn put(
-        &self,
-        key: &[u8],
-        replicas: &[ReplicaDesc],
-        until: Instant,
-        seen: Generation,
-    ) {
-        if self.per_part == 0 || replicas.is_empty() || until <= Instant::now() {
+    /// Remembers `replicas` of `key` until `until` (it is `now`), unless
+    /// this client changed the key since `seen` (then the answer may be of
+    /// the object before the change).
+    pub fn put(&self, key: &[u8], replicas: &[ReplicaDesc], until: T, seen: Generation, now: T) {
+        if self.per_part == 0 || replicas.is_empty() || until <= now {
             return;
         }
         let mut part = self.part(key);
@@ -123,7 +140,6 @@ impl Locations {
             return;
         }
         if part.len() >= self.per_part && !part.contains_key(key) {
-            let now = Instant::now();
             part.retain(|_, (u, _)| *u > now);
             if part.len() >= self.per_part {
                 if let Some(k) = part.keys().next().cloned() {
@@ -136,7 +152,7 @@ impl Locations {
 
     /// Forgets `key` (this client removed or rewrote it, or a read through
     /// the entry failed), and any answer about it asked for before now.
-    pub(crate) fn forget(&self, key: &[u8]) {
+    pub fn forget(&self, key: &[u8]) {
         if self.per_part > 0 {
             self.generation_of(key).fetch_add(1, Ordering::SeqCst);
             self.part(key).remove(key);
@@ -144,7 +160,7 @@ impl Locations {
     }
 
     /// Forgets every key, and every answer asked for before now.
-    pub(crate) fn clear(&self) {
+    pub fn clear(&self) {
         for g in self.generations.iter() {
             g.fetch_add(1, Ordering::SeqCst);
         }
@@ -166,7 +182,7 @@ impl Locations {
 mod tests {
     use super::*;
     use kvpool_wire::auth::Grant;
-    use kvpool_wire::proto::{Endpoint, Tier};
+    use kvpool_wire::proto::Endpoint;
     use std::time::Duration;
 
     fn rep(offset: u64) -> ReplicaDesc {
@@ -191,64 +207,68 @@ mod tests {
     fn an_entry_lasts_until_its_lease_and_no_longer() {
         let l = Locations::new(8);
         let g = |k: &[u8]| l.generation(k);
-        l.put(
-            b"a",
-            &[rep(64)],
-            Instant::now() + Duration::from_millis(50),
-            g(b"a"),
-        );
-        assert_eq!(l.get(b"a").unwrap().1[0].offset, 64);
-        std::thread::sleep(Duration::from_millis(60));
-        assert!(l.get(b"a").is_none(), "the lease has ended");
-        l.put(
-            b"b",
-            &[rep(1)],
-            Instant::now() - Duration::from_millis(1),
-            g(b"b"),
-        );
-        assert!(l.get(b"b").is_none(), "an ended lease is not kept");
-        l.put(
-            b"c",
-            &[rep(1)],
-            Instant::now() + Duration::from_secs(5),
-            g(b"c"),
-        );
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        l.put(b"a", &[rep(64)], ms(50), g(b"a"), t0);
+        assert_eq!(l.get(b"a", ms(49)).unwrap().1[0].offset, 64);
+        assert!(l.get(b"a", ms(50)).is_none(), "the lease has ended");
+        assert!(l.get(b"a", ms(1)).is_none(), "and the entry went");
+        l.put(b"b", &[rep(1)], ms(10), g(b"b"), ms(10));
+        assert!(l.get(b"b", ms(0)).is_none(), "an ended lease is not kept");
+        l.put(b"c", &[rep(1)], ms(5_000), g(b"c"), t0);
         l.forget(b"c");
-        assert!(l.get(b"c").is_none());
+        assert!(l.get(b"c", t0).is_none());
+    }
+
+    #[test]
+    fn only_checked_dram_replicas_are_remembered() {
+        let mut summed = rep(1);
+        summed.checksum = Some(7);
+        let mut nvme = summed.clone();
+        nvme.tier = Tier::Nvme;
+        let all = [rep(0), summed.clone(), nvme];
+        assert_eq!(cacheable(&all, true), vec![summed]);
+        assert_eq!(
+            cacheable(&all, false),
+            vec![],
+            "a client that checks nothing"
+        );
     }
 
     #[test]
     fn an_answer_asked_for_before_a_forget_is_not_kept() {
         let l = Locations::new(8);
-        let until = Instant::now() + Duration::from_secs(5);
+        let now = Instant::now();
+        let until = now + Duration::from_secs(5);
         // A get asks the master; meanwhile this client rewrites the key.
         let asked = l.generation(b"k");
         l.forget(b"k");
-        l.put(b"k", &[rep(1)], until, asked);
-        assert!(l.get(b"k").is_none(), "the old answer came back");
+        l.put(b"k", &[rep(1)], until, asked, now);
+        assert!(l.get(b"k", now).is_none(), "the old answer came back");
         // An answer asked for after the change is kept.
-        l.put(b"k", &[rep(2)], until, l.generation(b"k"));
-        assert_eq!(l.get(b"k").unwrap().1[0].offset, 2);
+        l.put(b"k", &[rep(2)], until, l.generation(b"k"), now);
+        assert_eq!(l.get(b"k", now).unwrap().1[0].offset, 2);
         // remove_all: every answer asked for before it is stale.
         let asked = l.generation(b"other");
         l.clear();
-        l.put(b"other", &[rep(3)], until, asked);
-        assert!(l.get(b"other").is_none());
+        l.put(b"other", &[rep(3)], until, asked, now);
+        assert!(l.get(b"other", now).is_none());
     }
 
     #[test]
     fn the_table_is_bounded_and_zero_keeps_nothing() {
         let l = Locations::new(32);
-        let until = Instant::now() + Duration::from_secs(5);
+        let now = Instant::now();
+        let until = now + Duration::from_secs(5);
         for i in 0..10_000u32 {
             let k = i.to_le_bytes();
-            l.put(&k, &[rep(i as u64)], until, l.generation(&k));
+            l.put(&k, &[rep(i as u64)], until, l.generation(&k), now);
         }
         assert!(l.len() <= 32, "{}", l.len());
         l.clear();
         assert_eq!(l.len(), 0);
         let off = Locations::new(0);
-        off.put(b"a", &[rep(1)], until, off.generation(b"a"));
-        assert!(off.get(b"a").is_none());
+        off.put(b"a", &[rep(1)], until, off.generation(b"a"), now);
+        assert!(off.get(b"a", now).is_none());
     }
 }

@@ -23,13 +23,20 @@
 //!   nodes a read or write could not reach are noted by the engine's own
 //!   [`Suspects`]. The bytes a get returns are checked: a value put under
 //!   this key, never another key's or bytes of no value.
+//! * the location cache: the REAL table ([`Locations`], on the simulated
+//!   clock) and what it keeps ([`locations::cacheable`]): every
+//!   `GetReplicaList` answer, a get's or a read-back's, leaves its checked
+//!   DRAM replicas there until the read lease's end less the margin; a get
+//!   reads through an entry first, without the master, and on any failure
+//!   forgets it and asks the master (as `Client::get`); a put, batch put or
+//!   remove forgets its keys when it is over.
 //! * remove (sometimes forced); a liveness ping every [`PING_MS`].
 //!
-//! Not modelled: batch gets, the location cache, shared-memory and RDMA
-//! paths.
+//! Not modelled: batch gets, shared-memory and RDMA paths.
 
 use std::time::Duration;
 
+use kvpool_client::locations::{self, Generation, Locations};
 use kvpool_client::put::batch::{Ask, BatchPut, Round};
 use kvpool_client::put::{Action, Input, OneId, PlaceIds, PutIds, PutProtocol};
 use kvpool_transport::read;
@@ -49,6 +56,9 @@ const LENS: [u64; 5] = [1, 700, 2048, 4096, 9000];
 /// than the network's longest delay, so a read sent in time reaches its
 /// node before the lease ends.
 const READ_MARGIN_MS: u64 = 50;
+
+/// Entries of a client's location cache (the client's default).
+const LOCATION_ENTRIES: usize = 65_536;
 
 #[derive(Debug)]
 enum Stage {
@@ -87,6 +97,9 @@ struct Op {
     /// The read of a get or read-back.
     reader: Option<Reader>,
     batch: Option<Box<BatchRun>>,
+    /// The keys this call changes (a put's, a batch's, a removal's): the
+    /// location cache forgets them when it is over.
+    changes: Vec<Vec<u8>>,
 }
 
 /// What a read needs of its client.
@@ -98,12 +111,14 @@ struct Env<'a> {
     /// The call's deadline (sim ms).
     deadline: u64,
     suspects: &'a mut Suspects,
+    locations: &'a Locations<Duration>,
 }
 
-/// One read of one key (a get, or a put's read-back): `GetReplicaList`,
-/// then the transfer engine's read rules ([`ReplicaRead`]) until the lease
-/// or the call ends. The bytes it returns are checked: a value put under
-/// this key, never another key's or bytes of no value.
+/// One read of one key (a get, or a put's read-back): `GetReplicaList`
+/// (a get first reads through the location cache's entry, if any), then
+/// the transfer engine's read rules ([`ReplicaRead`]) until the lease or
+/// the call ends. The bytes it returns are checked: a value put under this
+/// key, never another key's or bytes of no value.
 #[derive(Debug)]
 struct Reader {
     key: Vec<u8>,
@@ -111,6 +126,13 @@ struct Reader {
     /// its id (0: answered).
     asked: u64,
     awaiting: u64,
+    /// The key's generation in the location cache when it was sent.
+    generation: Generation,
+    /// Until when the replicas may be read (the lease's end less the
+    /// margin, or the cache entry's).
+    lease_end: Duration,
+    /// Reading through the location cache's entry (no master asked yet).
+    cached: bool,
     replicas: Vec<ReplicaDesc>,
     read: Option<ReplicaRead>,
     /// The replica read under way: its index, the read's id, its share.
@@ -120,16 +142,67 @@ struct Reader {
 type ReadResult = Result<Content, ErrorCode>;
 
 impl Reader {
-    fn start(key: Vec<u8>, me: Addr, ctx: &mut Ctx) -> Self {
-        let req = MasterRequest::GetReplicaList { key: key.clone() };
-        Self {
+    /// A read of `key`; `cache`: through the location cache's entry first
+    /// (a get; a put's read-back asks the master). `Some` when the read is
+    /// already over.
+    fn start(
+        key: Vec<u8>,
+        cache: bool,
+        env: &mut Env<'_>,
+        ctx: &mut Ctx,
+    ) -> (Self, Option<ReadResult>) {
+        let mut r = Self {
+            generation: env.locations.generation(&key),
             key,
             asked: ctx.now,
-            awaiting: ctx.ask(me, req),
+            awaiting: 0,
+            lease_end: Duration::ZERO,
+            cached: false,
             replicas: Vec::new(),
             read: None,
             reading: None,
+        };
+        if let Some((until, reps)) = cache.then(|| env.locations.get(&r.key, at(ctx))).flatten() {
+            ctx.stats.location_hits += 1;
+            r.cached = true;
+            r.lease_end = until;
+            let res = r.begin(reps.to_vec(), env, ctx);
+            return (r, res);
         }
+        r.ask(env, ctx);
+        (r, None)
+    }
+
+    /// `GetReplicaList`, noting the key's generation first (as
+    /// `Client::replicas`).
+    fn ask(&mut self, env: &mut Env<'_>, ctx: &mut Ctx) {
+        self.cached = false;
+        self.read = None;
+        self.reading = None;
+        self.generation = env.locations.generation(&self.key);
+        self.asked = ctx.now;
+        let req = MasterRequest::GetReplicaList {
+            key: self.key.clone(),
+        };
+        self.awaiting = ctx.ask(env.me, req);
+    }
+
+    /// Reads `rs` by the read rules; `Some` when the read is over.
+    fn begin(
+        &mut self,
+        rs: Vec<ReplicaDesc>,
+        env: &mut Env<'_>,
+        ctx: &mut Ctx,
+    ) -> Option<ReadResult> {
+        // As `Client::get`: a buffer of the first replica's length.
+        let prefer = Prefer {
+            shm: true,
+            host_id: env.host,
+        };
+        let read = ReplicaRead::new(&rs, rs[0].len, prefer, env.suspects, at(ctx));
+        self.read = Some(read.expect("a replica"));
+        self.replicas = rs;
+        self.next(env, ctx)
     }
 
     /// The master's answer; `Some` when the read is over.
@@ -142,15 +215,15 @@ impl Reader {
         self.awaiting = 0;
         match res {
             Ok(MasterResponse::Replicas(rs)) if !rs.is_empty() => {
-                // As `Client::get`: a buffer of the first replica's length.
-                let prefer = Prefer {
-                    shm: true,
-                    host_id: env.host,
-                };
-                let read = ReplicaRead::new(&rs, rs[0].len, prefer, env.suspects, at(ctx));
-                self.read = Some(read.expect("a replica"));
-                self.replicas = rs;
-                self.next(env, ctx)
+                // No read past the read lease (less a margin over the
+                // network's longest delay); remembered that long.
+                let d = Duration::from_millis;
+                self.lease_end =
+                    read::lease_read_end(d(self.asked), d(LEASE_TTL_MS), d(READ_MARGIN_MS));
+                let known = locations::cacheable(&rs, env.checksums);
+                env.locations
+                    .put(&self.key, &known, self.lease_end, self.generation, at(ctx));
+                self.begin(rs, env, ctx)
             }
             Ok(_) => Some(Err(ErrorCode::ObjectNotFound)),
             Err(e) => Some(Err(e.code)),
@@ -161,11 +234,10 @@ impl Reader {
     /// is over.
     fn next(&mut self, env: &mut Env<'_>, ctx: &mut Ctx) -> Option<ReadResult> {
         let read = self.read.as_mut().expect("a read under way");
-        // As `Client::get`: no read past the read lease (less a margin over
-        // the network's longest delay), nor past the call's deadline.
+        // As `Client::get`: no read past the lease's end, nor past the
+        // call's deadline.
         let d = Duration::from_millis;
-        let lease_end = read::lease_read_end(d(self.asked), d(LEASE_TTL_MS), d(READ_MARGIN_MS));
-        let left = lease_end.min(d(env.deadline)).saturating_sub(at(ctx));
+        let left = self.lease_end.min(d(env.deadline)).saturating_sub(at(ctx));
         let (i, share, timed) = match read.next(left) {
             Step::Try {
                 index,
@@ -175,6 +247,13 @@ impl Reader {
             } => {
                 ctx.stats.read_failovers += u64::from(failover);
                 (index, share, timed)
+            }
+            // A read through the cache's entry failed: forgotten, and the
+            // master asked (as `Client::read_known`).
+            Step::Failed(_) if self.cached => {
+                env.locations.forget(&self.key);
+                self.ask(env, ctx);
+                return None;
             }
             Step::Failed(e) => return Some(Err(e.code)),
         };
@@ -311,6 +390,8 @@ pub struct ClientModel {
     suspects: Suspects,
     /// This client's host (node i's), which its reads prefer.
     host: String,
+    /// Where the objects it read lie, while their leases last.
+    locations: Locations<Duration>,
 }
 
 /// The simulated clock as the read rules take it.
@@ -334,6 +415,7 @@ impl ClientModel {
             put_ids: PutIds::default(),
             suspects: Suspects::default(),
             host: format!("host-{idx}"),
+            locations: Locations::new(LOCATION_ENTRIES),
         };
         let me = Addr::Client(idx);
         let first = ctx.rng.random_range(1..200);
@@ -361,6 +443,7 @@ impl ClientModel {
             host: &self.host,
             deadline: o.deadline,
             suspects: &mut self.suspects,
+            locations: &self.locations,
         };
         (o, env)
     }
@@ -474,6 +557,7 @@ impl ClientModel {
             reading_back: false,
             reader: None,
             batch: None,
+            changes: Vec::new(),
         };
         ctx.timer(self.me(), CLIENT_TIMEOUT_MS, Timer::ClientDeadline(id));
         let budget = Duration::from_millis(CLIENT_TIMEOUT_MS);
@@ -485,6 +569,7 @@ impl ClientModel {
                 let mut put = PutProtocol::new(self.id, k, len, opts, budget);
                 let a = put.begin(&self.put_ids);
                 op.put = Some(put);
+                op.changes = vec![op.key.clone()];
                 self.op = Some(op);
                 self.drive(a, ctx);
             }
@@ -503,6 +588,7 @@ impl ClientModel {
                 let round = batch.begin(&OneId(self.put_ids.next()));
                 ctx.stats.batch_puts += 1;
                 op.stage = Stage::Batch;
+                op.changes = keys.clone();
                 op.batch = Some(Box::new(BatchRun {
                     batch,
                     keys,
@@ -518,11 +604,17 @@ impl ClientModel {
                 self.batch_round(round, ctx);
             }
             40..=89 => {
-                op.reader = Some(Reader::start(k, self.me(), ctx));
                 self.op = Some(op);
+                let (o, mut env) = self.op_env();
+                let (reader, res) = Reader::start(k, true, &mut env, ctx);
+                o.reader = Some(reader);
+                if let Some(res) = res {
+                    self.got(ctx, res);
+                }
             }
             _ => {
                 op.stage = Stage::Removing;
+                op.changes = vec![k.clone()];
                 let force = ctx.rng.random_ratio(1, 3);
                 op.awaiting = ctx.ask(self.me(), MasterRequest::Remove { key: k, force });
                 self.op = Some(op);
@@ -567,7 +659,10 @@ impl ClientModel {
                 ctx.stats.put_readbacks += 1;
                 o.reading_back = true;
                 o.stage = Stage::Reading;
-                o.reader = Some(Reader::start(o.key.clone(), me, ctx));
+                let key = o.key.clone();
+                let (o, mut env) = self.op_env();
+                let (reader, _) = Reader::start(key, false, &mut env, ctx);
+                o.reader = Some(reader);
             }
             Action::Done(r) => {
                 match &r {
@@ -608,6 +703,11 @@ impl ClientModel {
     fn end(&mut self, ctx: &mut Ctx, res: Result<(), ErrorCode>) {
         let o = self.op.take().expect("a call");
         ctx.stats.calls_ended += 1;
+        // As the client's `OnDrop`: a change's keys are forgotten when it
+        // is over, however it ended.
+        for k in &o.changes {
+            self.locations.forget(k);
+        }
         if ctx.now > o.deadline {
             ctx.fail(format!(
                 "client {} ended a call at {} ms, past its deadline {} ms",
@@ -760,7 +860,8 @@ impl ClientModel {
         }
         for i in round.readers {
             ctx.stats.put_readbacks += 1;
-            let r = Reader::start(b.keys[i].clone(), me, ctx);
+            let (b, mut env) = self.batch_env();
+            let (r, _) = Reader::start(b.keys[i].clone(), false, &mut env, ctx);
             b.readers.push((i, r));
         }
         self.batch_report_next(ctx);

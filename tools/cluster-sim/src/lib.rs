@@ -306,6 +306,8 @@ pub struct Stats {
     /// Persists that found no room and had the tier evict for them in the
     /// middle of the round's tasks (then tried once more).
     pub room_made: u64,
+    /// Gets that read through the location cache's entry first.
+    pub location_hits: u64,
 }
 
 impl Stats {
@@ -336,6 +338,7 @@ impl Stats {
         self.lru_evictions += o.lru_evictions;
         self.tier_full += o.tier_full;
         self.room_made += o.room_made;
+        self.location_hits += o.location_hits;
     }
 }
 

@@ -159,6 +159,8 @@ fn every_invariant_holds_on_every_seed() {
             "{total:?}"
         );
         assert!(total.tier_full > 0 && total.room_made > 0, "{total:?}");
+        // Gets read through the real location cache.
+        assert!(total.location_hits > 0, "{total:?}");
         // The real put protocol met its waits, reports and read-backs.
         assert!(
             total.put_pauses > 0 && total.put_reports > 0 && total.put_readbacks > 0,
