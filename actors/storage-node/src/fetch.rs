@@ -21,10 +21,11 @@ use kvpool_client::Client;
 use kvpool_runtime::hash::value_sum;
 use kvpool_runtime::Shutdown;
 use kvpool_storage::Segment;
-use kvpool_wire::proto::{call, FetchTask, NodeTask, NvmeUpdate, SegmentId, Tier};
+use kvpool_wire::proto::{call, FetchTask, NodeTask, NvmeUpdate, SegmentId};
 use kvpool_wire::{ErrorCode, KvError};
 
 use crate::metrics::StorageMetrics;
+use crate::task::FetchRule;
 
 /// How long one fetch may take (reading another node's replica).
 pub const FETCH_DEADLINE: Duration = Duration::from_secs(5);
@@ -55,26 +56,8 @@ impl FetchTarget {
 
     async fn fetch(&self, client: &Client, task: &FetchTask) -> Result<(), KvError> {
         let (key, from) = (&task.key[..], &task.from[..]);
-        let (dram, offset, len, checksum) = (task.dram, task.offset, task.len, task.checksum);
-        let invalid = |why: String| KvError::new(ErrorCode::InvalidParams, why);
-        if dram != self.dram_id {
-            return Err(invalid(format!(
-                "a fetch into segment {dram:016x}, which is not this node's ({:016x})",
-                self.dram_id
-            )));
-        }
-        self.dram
-            .check_range(offset, len)
-            .map_err(|e| invalid(e.to_string()))?;
-        if from.is_empty()
-            || from
-                .iter()
-                .any(|r| r.len != len || r.tier != Tier::Dram || r.segment_id == dram)
-        {
-            return Err(invalid(
-                "a fetch names no replica, or one of another length, tier, or on this node".into(),
-            ));
-        }
+        let (offset, len) = (task.offset, task.len);
+        task.target(self.dram_id, self.dram.len())?;
         let mut buf = vec![0u8; len as usize];
         let read = client
             .engine()
@@ -82,18 +65,11 @@ impl FetchTarget {
             .await;
         // The engine checks the bytes against the replica's checksum when
         // the client checks checksums; this node checks them itself too.
-        if let Err(e) = read {
+        if let Err(e) = read.and_then(|()| task.check(value_sum(&buf))) {
             if e.code == ErrorCode::Corrupt {
                 self.metrics.checksum_mismatches.inc();
             }
             return Err(e);
-        }
-        if value_sum(&buf) != checksum {
-            self.metrics.checksum_mismatches.inc();
-            return Err(KvError::new(
-                ErrorCode::Corrupt,
-                "the fetched bytes do not match the object's checksum",
-            ));
         }
         // SAFETY: in bounds (checked above); the master allocated this range
         // for the fetch and sends no reader or writer to it until it gets

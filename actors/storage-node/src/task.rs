@@ -18,12 +18,13 @@
 //!                                   check(copy's len, segment, sum)
 //!                                   ─▶ ok | Refusal (Size, Checksum, Range); promoted(ok)
 //!                          Drop:    takes(the slot's key and version)
-//!                          Fetch:   not a tier task (crate::fetch)
+//!                          Fetch:   target(mine, segment), check(sum of the bytes read)
+//!                                   (not a tier task: crate::fetch runs it); promoted(ok)
 //!                          None:    a Persist of another node's segment, ignored
 //! ```
 
 use kvpool_wire::proto::{
-    show_key, DropTask, FetchTask, NodeTask, PersistTask, PromoteTask, SegmentId,
+    show_key, DropTask, FetchTask, NodeTask, PersistTask, PromoteTask, SegmentId, Tier,
 };
 use kvpool_wire::{ErrorCode, KvError};
 
@@ -229,9 +230,126 @@ impl DropRule for DropTask {
     }
 }
 
+/// A Fetch's decisions (an extra DRAM replica of a hot object: the bytes
+/// of one of `from`'s replicas into the range `offset..offset + len` of
+/// this node's segment `dram`). The node reads the replica with the
+/// transfer engine ([`crate::fetch`]); the cluster simulation over its
+/// network.
+pub trait FetchRule {
+    /// Refuses a range in another node's segment (`mine` is this node's),
+    /// outside a segment of `segment_len` bytes, or a fetch that names no
+    /// replica, or one of another length, another tier, or on this node.
+    fn target(&self, mine: SegmentId, segment_len: u64) -> Result<(), KvError>;
+
+    /// Whether the bytes read (checksum `sum`) may go into the range: only
+    /// the object's (`Corrupt` else; the engine checks a replica's bytes
+    /// when its client checks checksums, the node checks them itself too).
+    fn check(&self, sum: u64) -> Result<(), KvError>;
+}
+
+impl FetchRule for FetchTask {
+    fn target(&self, mine: SegmentId, segment_len: u64) -> Result<(), KvError> {
+        let invalid = |why: String| KvError::new(ErrorCode::InvalidParams, why);
+        if self.dram != mine {
+            return Err(invalid(format!(
+                "a fetch into segment {:016x}, which is not this node's ({mine:016x})",
+                self.dram
+            )));
+        }
+        if self
+            .offset
+            .checked_add(self.len)
+            .is_none_or(|end| end > segment_len)
+        {
+            return Err(invalid(format!(
+                "a fetch of {}+{} outside the segment of {segment_len} bytes",
+                self.offset, self.len
+            )));
+        }
+        if self.from.is_empty()
+            || self
+                .from
+                .iter()
+                .any(|r| r.len != self.len || r.tier != Tier::Dram || r.segment_id == mine)
+        {
+            return Err(invalid(
+                "a fetch names no replica, or one of another length, tier, or on this node".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check(&self, sum: u64) -> Result<(), KvError> {
+        if sum != self.checksum {
+            return Err(KvError::new(
+                ErrorCode::Corrupt,
+                "the fetched bytes do not match the object's checksum",
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvpool_wire::auth::Grant;
+    use kvpool_wire::proto::{Endpoint, ReplicaDesc};
+
+    fn fetch(from: &[(SegmentId, u64, Tier)]) -> FetchTask {
+        FetchTask {
+            key: b"hot".to_vec(),
+            from: from
+                .iter()
+                .map(|&(segment_id, len, tier)| ReplicaDesc {
+                    segment_id,
+                    endpoint: Endpoint {
+                        host: "h".into(),
+                        port: 1,
+                        nr_shards: 1,
+                    },
+                    slice_bytes: 0,
+                    host_id: "h".into(),
+                    offset: 0,
+                    len,
+                    tier,
+                    checksum: Some(9),
+                    grant: Grant::default(),
+                })
+                .collect(),
+            dram: 2,
+            offset: 96,
+            len: 4,
+            checksum: 9,
+        }
+    }
+
+    #[test]
+    fn a_fetch_goes_only_into_this_nodes_segment_from_another_nodes_dram_replica_of_its_bytes() {
+        let ok = fetch(&[(5, 4, Tier::Dram)]);
+        assert!(ok.target(2, 100).is_ok());
+        assert!(ok.check(9).is_ok());
+        assert_eq!(ok.check(8).unwrap_err().code, ErrorCode::Corrupt);
+        let refused = |f: FetchTask, mine, len| f.target(mine, len).unwrap_err().code;
+        assert_eq!(
+            refused(ok.clone(), 3, 100),
+            ErrorCode::InvalidParams,
+            "another segment"
+        );
+        assert_eq!(
+            refused(ok.clone(), 2, 99),
+            ErrorCode::InvalidParams,
+            "past its end"
+        );
+        for bad in [
+            fetch(&[]),
+            fetch(&[(5, 4, Tier::Dram), (6, 5, Tier::Dram)]),
+            fetch(&[(5, 4, Tier::Nvme)]),
+            fetch(&[(2, 4, Tier::Dram)]),
+        ] {
+            assert_eq!(refused(bad, 2, 100), ErrorCode::InvalidParams);
+        }
+    }
 
     fn persist(checksum: Option<u64>) -> PersistTask {
         PersistTask {

@@ -257,21 +257,11 @@ impl Reader {
             }
             Step::Failed(e) => return Some(Err(e.code)),
         };
-        let r = &self.replicas[i];
-        let Some(&n) = ctx.seg_node.get(&r.segment_id) else {
-            let e = KvError::new(ErrorCode::Unavailable, "no node serves this segment");
-            return self.failed(i, e, env, ctx);
+        let id = match ctx.send_read(env.me, &self.replicas[i], &self.key) {
+            Ok(id) => id,
+            Err(e) => return self.failed(i, e, env, ctx),
         };
-        let id = ctx.id();
         self.reading = Some((i, id, share));
-        let body = Body::Read {
-            id,
-            seg: r.segment_id,
-            tier: r.tier,
-            offset: r.offset,
-            len: r.len,
-        };
-        ctx.send(env.me, Addr::Node(n), body);
         if timed {
             ctx.timer(env.me, ms(share).max(1), Timer::ClientReadShare(id));
         }

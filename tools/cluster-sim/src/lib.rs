@@ -22,8 +22,9 @@
 //!   batches ([`kvpool_client::put::batch::BatchPut`]); the model does its
 //!   I/O. Their gets run the transfer engine's real read rules
 //!   ([`kvpool_transport::read`]: replica order, shares of the time left,
-//!   failover, unreachable nodes); removals are a model of
-//!   `Client::remove_with`.
+//!   failover, unreachable nodes), through the client's location cache
+//!   first ([`kvpool_client::locations`], on the simulated clock);
+//!   removals are a model of `Client::remove_with` (one call).
 //! * Storage nodes ([`node`]) follow the real protocol (`kvpool_wire::proto`
 //!   requests and answers, the node's tasks and NVMe reports, pings, mounts
 //!   and remounts). When a node mounts, reports its tier and pings is the
@@ -38,7 +39,11 @@
 //!   [`kvpool_storage::nvme::Eviction::victims`], over extents from the
 //!   tier's own allocator and layout). The calls and the I/O are a model of
 //!   `actors/storage-node`: values are tags (put number n), and a checksum
-//!   is a function of the tag.
+//!   is a function of the tag. On even seeds the master replicates hot
+//!   objects; a node runs its Fetch tasks by the node's rules
+//!   ([`kvpool_storage_node::task::FetchRule`]), reading the source replica
+//!   by the engine's read rules over the network (nodes without a tier run
+//!   rounds for them, as the real node's fetch loop).
 //! * The network, clock and disk are simulated. Node crashes lose DRAM and
 //!   the tier's index records not yet flushed (the write is torn: its copy
 //!   is gone after restart); tier writes and flushes fail at random. The
@@ -148,6 +153,9 @@ pub enum Body {
         tier: Tier,
         offset: u64,
         len: u64,
+        /// The object's key (a tier read serves only that key's copy, as
+        /// the node's `ReadNvme` does).
+        key: Vec<u8>,
     },
     /// A data-plane answer (for a write, the content is `None`).
     Data {
@@ -185,6 +193,9 @@ pub enum Timer {
     ClientReadShare(u64),
     /// A client's liveness ping.
     ClientPing,
+    /// A node's read of a replica for a Fetch reaches the end of its share
+    /// of the time left (the read's id).
+    NodeReadShare(u64),
 }
 
 #[derive(Debug, Clone)]
@@ -308,6 +319,10 @@ pub struct Stats {
     pub room_made: u64,
     /// Gets that read through the location cache's entry first.
     pub location_hits: u64,
+    /// Extra replicas of hot objects the nodes fetched (and those that
+    /// failed).
+    pub hot_fetches: u64,
+    pub hot_fetches_failed: u64,
 }
 
 impl Stats {
@@ -339,6 +354,8 @@ impl Stats {
         self.tier_full += o.tier_full;
         self.room_made += o.room_made;
         self.location_hits += o.location_hits;
+        self.hot_fetches += o.hot_fetches;
+        self.hot_fetches_failed += o.hot_fetches_failed;
     }
 }
 
@@ -404,12 +421,42 @@ pub struct Ctx {
     pub tag_key: Vec<Vec<u8>>,
     /// DRAM and NVMe segment id -> the node that made it.
     pub seg_node: HashMap<SegmentId, usize>,
+    /// The master makes extra replicas of hot objects (`hot_replicas`):
+    /// nodes without a tier run task rounds too, for their Fetch tasks.
+    pub hot: bool,
     pub stats: Stats,
     pub violation: Option<String>,
     trace: VecDeque<String>,
 }
 
 impl Ctx {
+    /// Sends a read of replica `r` of `key` to the node that serves it;
+    /// the read's id, or `Unavailable` when no node serves its segment.
+    pub fn send_read(
+        &mut self,
+        from: Addr,
+        r: &kvpool_wire::proto::ReplicaDesc,
+        key: &[u8],
+    ) -> Result<u64, KvError> {
+        let Some(&n) = self.seg_node.get(&r.segment_id) else {
+            return Err(KvError::new(
+                ErrorCode::Unavailable,
+                "no node serves this segment",
+            ));
+        };
+        let id = self.id();
+        let body = Body::Read {
+            id,
+            seg: r.segment_id,
+            tier: r.tier,
+            offset: r.offset,
+            len: r.len,
+            key: key.to_vec(),
+        };
+        self.send(from, Addr::Node(n), body);
+        Ok(id)
+    }
+
     /// A fresh request or transfer id.
     pub fn id(&mut self) -> u64 {
         self.next_id += 1;
@@ -543,6 +590,9 @@ impl World {
         let faults = Faults::draw(&mut rng);
         let nr_nodes = rng.random_range(2..=3);
         let nr_clients = rng.random_range(2..=3);
+        // Even seeds replicate hot objects (no draw: the seeds' streams
+        // stay as they were).
+        let hot = seed.is_multiple_of(2);
         let cfg = MasterConfig {
             lease_ttl_ms: LEASE_TTL_MS,
             client_ttl_ms: CLIENT_TTL_MS,
@@ -551,6 +601,9 @@ impl World {
             high_watermark: 0.7,
             eviction_ratio: 0.3,
             promote_after_reads: 2,
+            hot_replicas: if hot { 2 } else { 0 },
+            hot_reads: 3,
+            hot_window_ms: 1_000,
             tick_ms: TICK_MS,
             ..Default::default()
         };
@@ -564,6 +617,7 @@ impl World {
             cut: HashSet::new(),
             tag_key: Vec::new(),
             seg_node: HashMap::new(),
+            hot,
             stats: Stats::default(),
             violation: None,
             trace: VecDeque::new(),

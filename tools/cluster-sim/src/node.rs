@@ -46,15 +46,18 @@
 //! does not come by then gives up and starts over on its next timer.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
 
 use kvpool_storage::alloc::RangeAllocator;
 use kvpool_storage::nvme::{self, Eviction, NvmeConfig, Space, BLOCK};
 use kvpool_storage_node::control::{Ask, Lane, Outcome};
+use kvpool_storage_node::fetch::FETCH_DEADLINE;
 use kvpool_storage_node::round::{self, Round, Step, Steps};
-use kvpool_storage_node::task::{self, DropRule, PersistRule, PromoteRule};
+use kvpool_storage_node::task::{self, DropRule, FetchRule, PersistRule, PromoteRule};
+use kvpool_transport::read::{self as read_rules, Prefer, ReplicaRead, Suspects};
 use kvpool_wire::proto::{
-    segment_id_for, Endpoint, ItemResult, MasterRequest, MasterResponse, NodeTask, NvmeAttach,
-    NvmeUpdate, PersistTask, SegmentId, SegmentSpec, Tier,
+    segment_id_for, Endpoint, FetchTask, ItemResult, MasterRequest, MasterResponse, NodeTask,
+    NvmeAttach, NvmeUpdate, PersistTask, SegmentId, SegmentSpec, Tier,
 };
 use kvpool_wire::{ErrorCode, KvError};
 use rand::Rng;
@@ -236,6 +239,21 @@ pub struct NodeModel {
     /// room for it is out (the copies it names are in `evicting`): tried
     /// once more when it is answered or fails.
     making_room: Option<PersistTask>,
+    /// A Fetch under way: its read of another node's replica.
+    fetching: Option<Fetching>,
+    /// Segments its reads could not reach (its client's engine's list).
+    suspects: Suspects,
+}
+
+/// A Fetch task's read (the transfer engine's read rules over the task's
+/// replicas, under the node's `FETCH_DEADLINE`).
+struct Fetching {
+    task: FetchTask,
+    read: ReplicaRead,
+    /// The replica read out: its index, the read's id, its share.
+    reading: Option<(usize, u64, Duration)>,
+    /// Its deadline (sim ms).
+    deadline: u64,
 }
 
 /// What running a task came to.
@@ -246,6 +264,8 @@ enum Ran {
     /// A Persist found no room: the node evicts [`PersistRule::room`]
     /// bytes for it, then tries once more (the real node's `persist`).
     NoRoom(PersistTask),
+    /// A Fetch: its bytes are read from another node first.
+    Fetch(FetchTask),
 }
 
 fn endpoint(i: usize) -> Endpoint {
@@ -318,6 +338,8 @@ impl NodeModel {
             evicting: Vec::new(),
             todo: VecDeque::new(),
             making_room: None,
+            fetching: None,
+            suspects: Suspects::default(),
         };
         n.restart(ctx);
         n
@@ -349,6 +371,7 @@ impl NodeModel {
         self.todo.clear();
         self.making_room = None;
         self.evicting.clear();
+        self.fetching = None;
     }
 
     /// A new process: a new client id and DRAM segment; the tier as the
@@ -380,6 +403,7 @@ impl NodeModel {
         self.todo.clear();
         self.making_room = None;
         self.evicting.clear();
+        self.fetching = None;
         let first = self.lane.tick();
         self.drive(first, ctx);
         let inc = self.incarnation;
@@ -584,11 +608,27 @@ impl NodeModel {
             }
             Timer::NodeRound(inc) if inc == self.incarnation && self.up => {
                 ctx.timer(self.me(), ROUND_MS, Timer::NodeRound(inc));
-                if !self.lane.started() || self.tier.is_none() {
+                // A node without a tier runs rounds for its Fetch tasks
+                // (the real node's fetch loop) when hot objects are
+                // replicated.
+                if !self.lane.started() || (self.tier.is_none() && !ctx.hot) {
                     return;
                 }
                 let first = self.steps.tick(SHARDS);
                 self.drive_round(first, ctx);
+            }
+            Timer::NodeReadShare(id) if self.up => {
+                let Some(f) = self.fetching.as_mut() else {
+                    return;
+                };
+                let Some((i, _, share)) = f.reading.filter(|r| r.1 == id) else {
+                    return;
+                };
+                let e = ReplicaRead::share_passed(&f.task.from[i], share);
+                if let Some(ran) = self.fetch_failed(i, e, ctx) {
+                    self.ran_one(ran);
+                    self.run_todo(ctx);
+                }
             }
             _ => {}
         }
@@ -631,6 +671,7 @@ impl NodeModel {
                 tier,
                 offset,
                 len,
+                key,
             } => {
                 let res = match tier {
                     Tier::Dram => self
@@ -642,14 +683,29 @@ impl NodeModel {
                         Some(_) if self.evicting.contains(&offset) => {
                             Err(ErrorCode::ObjectNotFound)
                         }
+                        // The key's copy only (a slot evicted and reused
+                        // since may hold another key's copy).
                         Some(t) => match t.read(offset) {
-                            Some(c) if c.len == len => Ok(c.content),
+                            Some(c) if c.len == len && c.key == key => Ok(c.content),
                             _ => Err(ErrorCode::ObjectNotFound),
                         },
                         None => Err(ErrorCode::SegmentNotFound),
                     },
                 };
                 ctx.send(self.me(), m.from, Body::Data { id, res });
+                Back::Nothing
+            }
+            Body::Data { id, res }
+                if self
+                    .fetching
+                    .as_ref()
+                    .and_then(|f| f.reading)
+                    .is_some_and(|r| r.1 == id) =>
+            {
+                if let Some(ran) = self.fetch_read(res, ctx) {
+                    self.ran_one(ran);
+                    self.run_todo(ctx);
+                }
                 Back::Nothing
             }
             Body::Resp { id, res } => {
@@ -758,11 +814,12 @@ impl NodeModel {
             (Some(Step::Report(_)), Ok(MasterResponse::BatchDone(results))) => {
                 // The copies the master no longer wants (the node's rule),
                 // each while its location still holds it.
-                let t = self.tier.as_mut().expect("a tier runs rounds");
                 let results: Vec<Result<(), KvError>> =
                     results.into_iter().map(Result::from).collect();
-                for c in self.ran.refused(&results) {
-                    t.remove_copy(c);
+                if let Some(t) = self.tier.as_mut() {
+                    for c in self.ran.refused(&results) {
+                        t.remove_copy(c);
+                    }
                 }
                 self.steps.done(false)
             }
@@ -795,6 +852,10 @@ impl NodeModel {
                     }
                     None => self.persist(p, false, ctx),
                 },
+                Ran::Fetch(f) => match self.fetch_start(f, ctx) {
+                    Some(ran) => ran,
+                    None => return,
+                },
                 done => done,
             };
             self.ran_one(ran);
@@ -809,6 +870,7 @@ impl NodeModel {
             Ran::Done(Some((u, loc, new))) => self.ran.ran(u, loc, new),
             Ran::Done(None) => {}
             Ran::NoRoom(_) => unreachable!("a second try does not evict"),
+            Ran::Fetch(_) => unreachable!("a fetch ends in its report"),
         }
     }
 
@@ -833,7 +895,7 @@ impl NodeModel {
     /// did not find free, the real tier's rules: how many bytes, and which
     /// copies in its order: the `Evicted` report, and the copies it names.
     fn evict_pick(&self, need: u64) -> Option<(MasterRequest, Vec<u64>)> {
-        let t = self.tier.as_ref().expect("a tier runs rounds");
+        let t = self.tier.as_ref()?;
         let want = t.cfg.bytes_to_evict(t.space(), need);
         let victims = t.cfg.eviction.victims(
             t.copies
@@ -868,7 +930,10 @@ impl NodeModel {
     /// the master hears of them; what a failed flush or a copy gone from
     /// its place means for the reports is the node's rule ([`Round`]).
     fn flush(&mut self, round: &mut Round<CopyRef>, ctx: &mut Ctx) {
-        let t = self.tier.as_mut().expect("a tier runs rounds");
+        // Without a tier (Fetch reports only) there is nothing to flush.
+        let Some(t) = self.tier.as_mut() else {
+            return;
+        };
         let ok = !ctx.rng.random_bool(ctx.faults.disk_fail);
         if ok {
             for c in t.copies.values_mut() {
@@ -936,10 +1001,7 @@ impl NodeModel {
                 }
                 None
             }
-            // The simulated master does not replicate hot objects (its
-            // `hot_replicas` is 0); a node that could not reach the replica
-            // it names answers this way.
-            task::Job::Fetch(f) => Some((f.promoted(false), None, false)),
+            task::Job::Fetch(f) => return Ran::Fetch(f),
         })
     }
 
@@ -991,6 +1053,89 @@ impl NodeModel {
         let seg = t.seg;
         Ran::Done(Some((p.stored(seg, loc.0, sum), Some(loc), fresh)))
     }
+
+    /// A Fetch task: refused (the node's rule, [`FetchRule::target`]) or
+    /// its first replica read sent; `Some` when it is over at once.
+    fn fetch_start(&mut self, f: FetchTask, ctx: &mut Ctx) -> Option<Ran> {
+        if f.target(self.dram_seg, DRAM_BYTES).is_err() {
+            ctx.stats.hot_fetches_failed += 1;
+            return Some(Ran::Done(Some((f.promoted(false), None, false))));
+        }
+        let prefer = Prefer {
+            shm: false,
+            host_id: &self.host,
+        };
+        let read = ReplicaRead::new(&f.from, f.len, prefer, &self.suspects, at(ctx))
+            .expect("target() checked the replicas");
+        self.fetching = Some(Fetching {
+            task: f,
+            read,
+            reading: None,
+            deadline: ctx.now + FETCH_DEADLINE.as_millis() as u64,
+        });
+        self.fetch_next(ctx)
+    }
+
+    /// Reads the replica the read rules name next; `Some` when the fetch
+    /// is over (failed: no replica left, or no time).
+    fn fetch_next(&mut self, ctx: &mut Ctx) -> Option<Ran> {
+        let f = self.fetching.as_mut().expect("a fetch under way");
+        let left = Duration::from_millis(f.deadline).saturating_sub(at(ctx));
+        let (i, share, timed) = match f.read.next(left) {
+            read_rules::Step::Try {
+                index,
+                share,
+                timed,
+                ..
+            } => (index, share, timed),
+            read_rules::Step::Failed(_) => {
+                let f = self.fetching.take().expect("checked");
+                ctx.stats.hot_fetches_failed += 1;
+                return Some(Ran::Done(Some((f.task.promoted(false), None, false))));
+            }
+        };
+        let id = match ctx.send_read(Addr::Node(self.idx), &f.task.from[i], &f.task.key) {
+            Ok(id) => id,
+            Err(e) => return self.fetch_failed(i, e, ctx),
+        };
+        f.reading = Some((i, id, share));
+        // The read's share, or what is left of the fetch's time: a read
+        // with no answer by then has failed.
+        let wait = if timed { share } else { left };
+        let ms = wait.as_millis().try_into().unwrap_or(u64::MAX).max(1);
+        ctx.timer(self.me(), ms, Timer::NodeReadShare(id));
+        None
+    }
+
+    /// Replica `i` failed with `e` (its node noted when it could not be
+    /// reached); the next one is tried.
+    fn fetch_failed(&mut self, i: usize, e: KvError, ctx: &mut Ctx) -> Option<Ran> {
+        let f = self.fetching.as_mut().expect("a fetch under way");
+        f.reading = None;
+        self.suspects.note(f.task.from[i].segment_id, &e, at(ctx));
+        f.read.failed(e);
+        self.fetch_next(ctx)
+    }
+
+    /// The answer to the fetch's read: the bytes go into this node's range
+    /// only if they are the object's ([`FetchRule::check`]; the engine's
+    /// check of the replica's checksum too: the next replica else).
+    fn fetch_read(&mut self, res: Result<Content, ErrorCode>, ctx: &mut Ctx) -> Option<Ran> {
+        let f = self.fetching.as_mut().expect("checked");
+        let (i, _, _) = f.reading.take().expect("checked");
+        let checked = res
+            .map_err(|code| KvError::new(code, "the replica's node refused the read"))
+            .and_then(|c| f.task.check(sum_of(c)).map(|()| c));
+        match checked {
+            Ok(content) => {
+                let f = self.fetching.take().expect("checked");
+                self.dram_write(f.task.offset, f.task.len, content);
+                ctx.stats.hot_fetches += 1;
+                Some(Ran::Done(Some((f.task.promoted(true), None, false))))
+            }
+            Err(e) => self.fetch_failed(i, e, ctx),
+        }
+    }
 }
 
 fn short_task(t: &NodeTask) -> String {
@@ -1006,4 +1151,9 @@ fn short_task(t: &NodeTask) -> String {
         NodeTask::Drop(d) => format!("Drop {} loc {}", key(&d.key), d.loc),
         NodeTask::Fetch(f) => format!("Fetch {} to {}", key(&f.key), f.offset),
     }
+}
+
+/// The simulated clock as the read rules take it.
+fn at(ctx: &Ctx) -> Duration {
+    Duration::from_millis(ctx.now)
 }

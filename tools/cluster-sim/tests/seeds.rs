@@ -159,8 +159,10 @@ fn every_invariant_holds_on_every_seed() {
             "{total:?}"
         );
         assert!(total.tier_full > 0 && total.room_made > 0, "{total:?}");
-        // Gets read through the real location cache.
+        // Gets read through the real location cache; nodes fetched extra
+        // replicas of hot objects (even seeds).
         assert!(total.location_hits > 0, "{total:?}");
+        assert!(total.hot_fetches > 0, "{total:?}");
         // The real put protocol met its waits, reports and read-backs.
         assert!(
             total.put_pauses > 0 && total.put_reports > 0 && total.put_readbacks > 0,
