@@ -461,19 +461,23 @@ impl NodeNvme {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!("NVMe eviction not reported ({e}); the copies are kept");
-                vec![Err(e); cands.len()]
+                Vec::new()
             }
         };
-        let (gone, kept): (Vec<_>, Vec<_>) =
-            cands.iter().zip(&results).partition(|(_, r)| r.is_ok());
+        if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
+            let n = results.iter().filter(|r| r.is_err()).count();
+            tracing::warn!("NVMe eviction of {n} copies refused ({e}); they are kept");
+        }
+        // Only a copy the master answered Ok for goes (none without an answer).
+        let (gone, kept): (Vec<_>, Vec<_>) = cands
+            .iter()
+            .enumerate()
+            .partition(|(i, _)| results.get(*i).is_some_and(|r| r.is_ok()));
         if !kept.is_empty() {
             // The master may still list them: they stay readable and are
             // candidates again at the next round (marked evicting, they
             // would be neither, until a restart).
-            if let Some((_, Err(e))) = kept.first() {
-                tracing::warn!("NVMe eviction of {} copies refused ({e}); kept", kept.len());
-            }
-            let locs: Vec<NvmeLoc> = kept.iter().map(|(c, _)| c.1).collect();
+            let locs: Vec<NvmeLoc> = kept.iter().map(|(_, c)| c.1).collect();
             let _ = self
                 .shards
                 .run_on(region, move |_| async move {
@@ -486,7 +490,7 @@ impl NodeNvme {
                 .await;
         }
         self.metrics.nvme_evictions.inc_by(gone.len() as u64);
-        for (c, _) in gone {
+        for (_, c) in gone {
             self.remove(c.1).await;
         }
     }
