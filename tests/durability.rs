@@ -332,6 +332,24 @@ impl Restartable {
     }
 }
 
+/// Waits (10 s at most) until the master at `http` has answered `n`
+/// `put_start` calls with an error (a put told to wait: `TryAgain`,
+/// `ReplicaNotReady`), retries included: several pauses long, so a put that
+/// ended on its first answer (a `NoSpace`, say) has finished by then.
+async fn puts_told_to_wait(http: &str, n: f64) {
+    let http = http.to_string();
+    common::eventually("puts told to wait", Duration::from_secs(10), || {
+        let http = http.clone();
+        async move {
+            tokio::task::spawn_blocking(move || common::series(&http, common::PUT_START_ERRORS))
+                .await
+                .unwrap()
+                >= n
+        }
+    })
+    .await;
+}
+
 /// A put of a key the restarted master holds only as a recovered object
 /// (its node has not pinged since) waits for the node, within its deadline,
 /// instead of failing: a replace then replaces it, a plain put finds it
@@ -371,7 +389,9 @@ fn a_put_of_a_key_still_being_recovered_waits_for_its_segment_to_mount_again() {
             let (c, v) = (c.clone(), old_b.clone());
             async move { c.put(b"kept", &v).await }
         });
-        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        // Both puts told to wait by the master, asking again, and still
+        // waiting.
+        puts_told_to_wait(&p.master.http, 6.0).await;
         assert!(
             !replace.is_finished() && !plain.is_finished(),
             "the puts wait while the keys are being recovered"
@@ -564,7 +584,7 @@ fn a_put_right_after_a_restart_waits_for_the_nodes_to_mount_instead_of_no_space(
             let (c, v) = (c.clone(), after.clone());
             async move { c.put(b"after", &v).await }
         });
-        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        puts_told_to_wait(&p.master.http, 3.0).await;
         if put.is_finished() {
             panic!("the put did not wait for the node: {:?}", put.await);
         }

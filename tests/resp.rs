@@ -1359,14 +1359,7 @@ fn set_replaces_atomically_readers_see_the_old_or_the_new_value_never_a_mix_or_a
 #[test]
 fn sets_of_one_key_from_both_resp_threads_take_turns_in_the_front_not_at_the_master() {
     let p = pool_with_resp(None, &[]);
-    let told_to_wait = || {
-        let (_, text) = common::http(&p.http, "GET", "/metrics");
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix("kvpool_master_calls_total{op=\"put_start\",result=\"error\"} ")
-            })
-            .map_or(0, |v| v.trim().parse::<u64>().expect("a count"))
-    };
+    let told_to_wait = || common::series(&p.http, common::PUT_START_ERRORS) as u64;
     let before = told_to_wait();
     // Eight connections: both RESP threads get some.
     let writers: Vec<_> = (0..8u64)

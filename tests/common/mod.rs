@@ -476,6 +476,21 @@ pub async fn put_patiently(c: &kvpool_client::Client, key: &str, v: &[u8]) {
     }
 }
 
+/// The value of one series of the `/metrics` of the process at `http`, as
+/// printed (its name and labels, e.g.
+/// `kvpool_master_calls_total{op="put_start",result="error"}`); 0 while it
+/// is not there (a labelled counter appears with its first count).
+pub fn series(http: &str, series: &str) -> f64 {
+    let (_, text) = self::http(http, "GET", "/metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .map_or(0.0, |v| v.trim().parse().expect("a number"))
+}
+
+/// The master's `put_start` calls answered with an error (a put told to
+/// wait: `TryAgain`, `ReplicaNotReady`) so far.
+pub const PUT_START_ERRORS: &str = "kvpool_master_calls_total{op=\"put_start\",result=\"error\"}";
+
 /// Puts `after-0..20` (100,000 bytes each) and fails if any of them got a
 /// replica on segment `drained` (a segment being drained takes no put).
 pub async fn puts_avoid(c: &kvpool_client::Client, drained: u64) {
