@@ -44,6 +44,7 @@ use kvpool_wire::proto::{
 };
 use kvpool_wire::{ErrorCode, KvError};
 
+use crate::get::{GetProtocol, Step, READ_MARGIN};
 use crate::leader::{leader_may_have_moved, MasterSource};
 use crate::locations::OnDrop;
 use crate::put::{Action, PlaceIds, PutIds, PutProtocol};
@@ -116,10 +117,6 @@ fn host_of(addr: &str) -> String {
     }
 }
 
-/// How long before the lease's end a view stops handing out bytes (clock
-/// skew between this process and the master, and time to use the slice),
-/// and a read stops (at most a quarter of the lease there).
-const VIEW_MARGIN: Duration = Duration::from_millis(500);
 /// Keys per master request of a batch call, at most: a larger batch (an
 /// engine's chunks times layer groups of a long prompt; a client's own) goes
 /// to its shard in pieces side by side, of this many keys or of the
@@ -867,7 +864,8 @@ impl Client {
     /// under `deadline`, its checksum checked as any read's); false on any
     /// error. For a put that cannot tell whether its own end took effect.
     async fn holds(&self, key: &[u8], value: &[u8], deadline: Instant) -> bool {
-        let Ok((replicas, until)) = self.replicas(key).await else {
+        let (mut get, step) = GetProtocol::start(key, &self.inner.locations, false, Instant::now());
+        let Ok((replicas, until)) = self.to_read(key, &mut get, step).await else {
             return false;
         };
         if replicas.first().map(|r| r.len) != Some(value.len() as u64) {
@@ -889,20 +887,20 @@ impl Client {
         let deadline = self.call_deadline();
         let r = self
             .deadline("get", async {
-                if let Some((until, replicas)) = self.inner.locations.get(key, Instant::now()) {
+                let locations = &self.inner.locations;
+                let (mut get, mut step) = GetProtocol::start(key, locations, true, Instant::now());
+                loop {
+                    let (replicas, until) = self.to_read(key, &mut get, step).await?;
                     let mut buf = vec![0u8; replicas[0].len as usize];
-                    let until = deadline.min(until);
-                    if self.read_known(key, &replicas, &mut buf, until).await {
-                        return Ok(buf);
+                    let read =
+                        self.inner
+                            .engine
+                            .read(key, &replicas, &mut buf, deadline.min(until));
+                    match read.await {
+                        Ok(()) => return Ok(self.served(&get, buf)),
+                        Err(e) => step = get.read_failed(key, locations, e, Instant::now())?,
                     }
                 }
-                let (replicas, until) = self.replicas(key).await?;
-                let mut buf = vec![0u8; replicas[0].len as usize];
-                self.inner
-                    .engine
-                    .read(key, &replicas, &mut buf, deadline.min(until))
-                    .await?;
-                Ok(buf)
             })
             .await;
         self.report_unreachable_later();
@@ -915,31 +913,55 @@ impl Client {
         let deadline = self.call_deadline();
         let r = self
             .deadline("get", async {
-                if let Some((until, replicas)) = self.inner.locations.get(key, Instant::now()) {
+                let locations = &self.inner.locations;
+                let (mut get, mut step) = GetProtocol::start(key, locations, true, Instant::now());
+                loop {
+                    let (replicas, until) = self.to_read(key, &mut get, step).await?;
                     let len = replicas[0].len as usize;
-                    let until = deadline.min(until);
-                    if len <= buf.len()
-                        && self
-                            .read_known(key, &replicas, &mut buf[..len], until)
-                            .await
-                    {
-                        return Ok(len);
+                    let read = match buf.get_mut(..len) {
+                        None => Err(too_small(len, buf.len())),
+                        Some(into) => {
+                            let until = deadline.min(until);
+                            self.inner.engine.read(key, &replicas, into, until).await
+                        }
+                    };
+                    match read {
+                        Ok(()) => return Ok(self.served(&get, len)),
+                        Err(e) => step = get.read_failed(key, locations, e, Instant::now())?,
                     }
                 }
-                let (replicas, until) = self.replicas(key).await?;
-                let len = replicas[0].len as usize;
-                if len > buf.len() {
-                    return Err(too_small(len, buf.len()));
-                }
-                self.inner
-                    .engine
-                    .read(key, &replicas, &mut buf[..len], deadline.min(until))
-                    .await?;
-                Ok(len)
             })
             .await;
         self.report_unreachable_later();
         r
+    }
+
+    /// What `step` says to read and until when: a remembered entry's
+    /// replicas, or the master's answer (asked now).
+    async fn to_read(
+        &self,
+        key: &[u8],
+        get: &mut GetProtocol<Instant>,
+        step: Step<Instant>,
+    ) -> Result<(Arc<[ReplicaDesc]>, Instant), KvError> {
+        match step {
+            Step::Read { replicas, until } => Ok((replicas, until)),
+            Step::Ask => {
+                let r = self.ask(call::GetReplicaList { key: key.to_vec() }).await?;
+                let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
+                let (locations, checks) = (&self.inner.locations, self.inner.cfg.checksums);
+                get.answered(key, locations, r, lease, checks, Instant::now())
+            }
+        }
+    }
+
+    /// A get's value, counted as served from the location cache when it
+    /// was.
+    fn served<V>(&self, get: &GetProtocol<Instant>, value: V) -> V {
+        if get.cached() {
+            self.inner.location_hits.fetch_add(1, Ordering::Relaxed);
+        }
+        value
     }
 
     /// A view of the value under `key` in the memory of a storage node on
@@ -951,7 +973,8 @@ impl Client {
     pub async fn get_view(&self, key: &[u8]) -> Result<ReadView, KvError> {
         self.deadline("get_view", async {
             let granted = Instant::now();
-            let (replicas, _) = self.replicas(key).await?;
+            let (mut get, step) = GetProtocol::start(key, &self.inner.locations, false, granted);
+            let (replicas, _) = self.to_read(key, &mut get, step).await?;
             self.view_of(&replicas, granted).await
         })
         .await
@@ -984,65 +1007,19 @@ impl Client {
         Ok(ReadView {
             replicas: mapped,
             len,
-            valid_until: granted + lease.saturating_sub(VIEW_MARGIN),
+            valid_until: granted + lease.saturating_sub(READ_MARGIN),
             client: self.inner.clone(),
         })
     }
 
-    /// Reads through a remembered replica list; on any failure the entry is
-    /// dropped and `false` says to ask the master (a node gone, a lease
-    /// that ended early by the master's clock, bytes that fail the checksum).
-    async fn read_known(
-        &self,
-        key: &[u8],
-        replicas: &[ReplicaDesc],
-        buf: &mut [u8],
-        deadline: Instant,
-    ) -> bool {
-        match self.inner.engine.read(key, replicas, buf, deadline).await {
-            Ok(()) => {
-                self.inner.location_hits.fetch_add(1, Ordering::Relaxed);
-                true
-            }
-            Err(e) => {
-                tracing::debug!("a read at a remembered location failed ({e}); asking the master");
-                self.inner.locations.forget(key);
-                false
-            }
-        }
-    }
-
-    /// The replica list of `key` from the master (a new read lease), and
-    /// until when it may be read ([`Client::lease_until`]); remembered that
-    /// long.
-    async fn replicas(&self, key: &[u8]) -> Result<(Vec<ReplicaDesc>, Instant), KvError> {
-        let asked = Instant::now();
-        let generation = self.inner.locations.generation(key);
-        let r = self.ask(call::GetReplicaList { key: key.to_vec() }).await?;
-        if r.is_empty() {
-            return Err(KvError::new(
-                ErrorCode::ObjectNotFound,
-                "the object has no readable replica",
-            ));
-        }
-        // Only what the lease protects and the checksum proves
-        // (`locations::cacheable`).
-        let until = self.lease_until(asked);
-        let known = crate::locations::cacheable(&r, self.inner.cfg.checksums);
-        self.inner
-            .locations
-            .put(key, &known, until, generation, Instant::now());
-        Ok((r, until))
-    }
-
     /// Until when replicas listed by a `GetReplicaList` sent at `asked` may
-    /// be read: the read lease's end less [`VIEW_MARGIN`] (at most a quarter
+    /// be read: the read lease's end less [`READ_MARGIN`] (at most a quarter
     /// of the lease, [`lease_read_end`]). Past it the
     /// master may free the space and a put reuse it, and a read would find
     /// other bytes (caught only by a checksum): reads stop there.
     pub(crate) fn lease_until(&self, asked: Instant) -> Instant {
         let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
-        lease_read_end(asked, lease, VIEW_MARGIN)
+        lease_read_end(asked, lease, READ_MARGIN)
     }
 
     /// True if a complete object is stored under `key`. Does not extend leases.

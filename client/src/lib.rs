@@ -6,6 +6,9 @@
 //!   views of same-host values; see the `client` module docs.
 //! * [`put`]: a put's protocol as a state machine without I/O, which
 //!   [`Client::put_with`] drives (and the cluster simulation too).
+//! * [`get`]: a get's protocol (the location cache first, then the
+//!   master; what an answer leaves there), which [`Client::get`] drives
+//!   (and the cluster simulation too).
 //! * [`locations`]: the location cache's rules (a get that skips the master
 //!   while its read lease lasts), on a clock of the caller's (the cluster
 //!   simulation runs them too).
@@ -14,6 +17,7 @@
 //!   source (`etcd://...`) that follows the leader of several masters.
 
 mod client;
+pub mod get;
 pub mod leader;
 pub mod locations;
 pub mod put;

@@ -179,13 +179,14 @@ impl<T: Copy + Ord> Locations<T> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use kvpool_wire::auth::Grant;
     use kvpool_wire::proto::Endpoint;
     use std::time::Duration;
 
-    fn rep(offset: u64) -> ReplicaDesc {
+    /// A DRAM replica at `offset` (10 bytes, no checksum).
+    pub(crate) fn rep(offset: u64) -> ReplicaDesc {
         ReplicaDesc {
             segment_id: 1,
             endpoint: Endpoint {

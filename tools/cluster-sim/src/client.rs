@@ -15,32 +15,35 @@
 //!   `BatchPutEnd` / `BatchPutRevoke`, writes by their time, pauses, reports
 //!   and read-backs, each item fed its part; this model carries a round out
 //!   as the single put's I/O.
-//! * get: `GetReplicaList`, then the REAL read rules of the transfer
-//!   engine, [`kvpool_transport::read`]: the replicas in its order (suspect
-//!   nodes last, DRAM first, this client's host first), each with its share
-//!   of the time left, the next one after a failure or bytes that do not
-//!   match the object's checksum (`Corrupt`), the last one's error. The
-//!   nodes a read or write could not reach are noted by the engine's own
-//!   [`Suspects`]. The bytes a get returns are checked: a value put under
-//!   this key, never another key's or bytes of no value.
-//! * the location cache: the REAL table ([`Locations`], on the simulated
-//!   clock) and what it keeps ([`locations::cacheable`]): every
-//!   `GetReplicaList` answer, a get's or a read-back's, leaves its checked
-//!   DRAM replicas there until the read lease's end less the margin; a get
-//!   reads through an entry first, without the master, and on any failure
-//!   forgets it and asks the master (as `Client::get`); a put, batch put or
-//!   remove forgets its keys when it is over.
+//! * get: the client's REAL get protocol, [`GetProtocol`] (the code
+//!   `Client::get` drives): the location cache's entry first ([`Locations`],
+//!   the real table on the simulated clock), else `GetReplicaList`; every
+//!   answer, a get's or a read-back's, leaves its checked DRAM replicas in
+//!   the cache until the read lease's end less the client's margin; a read
+//!   through an entry that fails forgets it and asks the master. Then the
+//!   REAL read rules of the transfer engine, [`kvpool_transport::read`]:
+//!   the replicas in its order (suspect nodes last, DRAM first, this
+//!   client's host first), each with its share of the time left, the next
+//!   one after a failure or bytes that do not match the object's checksum
+//!   (`Corrupt`), the last one's error. The nodes a read or write could not
+//!   reach are noted by the engine's own [`Suspects`]. The bytes a get
+//!   returns are checked: a value put under this key, never another key's
+//!   or bytes of no value. A put, batch put or remove forgets its keys in
+//!   the cache when it is over.
 //! * remove (sometimes forced); a liveness ping every [`PING_MS`].
 //!
 //! Not modelled: batch gets, shared-memory and RDMA paths.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use kvpool_client::locations::{self, Generation, Locations};
+use kvpool_client::get::{GetProtocol, Step};
+use kvpool_client::locations::Locations;
 use kvpool_client::put::batch::{Ask, BatchPut, Round};
 use kvpool_client::put::{Action, Input, OneId, PlaceIds, PutIds, PutProtocol};
 use kvpool_transport::read;
-use kvpool_transport::read::{Prefer, ReplicaRead, Step, Suspects};
+use kvpool_transport::read::{Prefer, ReplicaRead, Suspects};
+use kvpool_wire::proto::call::{self, Call};
 use kvpool_wire::proto::{MasterRequest, MasterResponse, PutOptions, ReplicaDesc};
 use kvpool_wire::{ErrorCode, KvError};
 use rand::Rng;
@@ -51,11 +54,6 @@ use crate::{
 };
 
 const LENS: [u64; 5] = [1, 700, 2048, 4096, 9000];
-
-/// What a read leaves of its lease (the real client's `VIEW_MARGIN`): more
-/// than the network's longest delay, so a read sent in time reaches its
-/// node before the lease ends.
-const READ_MARGIN_MS: u64 = 50;
 
 /// Entries of a client's location cache (the client's default).
 const LOCATION_ENTRIES: usize = 65_536;
@@ -114,26 +112,22 @@ struct Env<'a> {
     locations: &'a Locations<Duration>,
 }
 
-/// One read of one key (a get, or a put's read-back): `GetReplicaList`
-/// (a get first reads through the location cache's entry, if any), then
-/// the transfer engine's read rules ([`ReplicaRead`]) until the lease or
-/// the call ends. The bytes it returns are checked: a value put under this
-/// key, never another key's or bytes of no value.
+/// One read of one key (a get, or a put's read-back): the client's REAL
+/// get protocol ([`GetProtocol`]: the location cache's entry first for a
+/// get, else `GetReplicaList`; what an answer leaves in the cache and until
+/// when it may be read; a failed read through an entry forgets it and asks
+/// the master), then the transfer engine's read rules ([`ReplicaRead`])
+/// until the lease or the call ends. The bytes it returns are checked: a
+/// value put under this key, never another key's or bytes of no value.
 #[derive(Debug)]
 struct Reader {
     key: Vec<u8>,
-    /// When `GetReplicaList` was sent (its read lease runs from then), and
-    /// its id (0: answered).
-    asked: u64,
+    get: GetProtocol<Duration>,
+    /// The id of the `GetReplicaList` out (0: none).
     awaiting: u64,
-    /// The key's generation in the location cache when it was sent.
-    generation: Generation,
-    /// Until when the replicas may be read (the lease's end less the
-    /// margin, or the cache entry's).
+    /// Until when the replicas may be read (the protocol's step).
     lease_end: Duration,
-    /// Reading through the location cache's entry (no master asked yet).
-    cached: bool,
-    replicas: Vec<ReplicaDesc>,
+    replicas: Arc<[ReplicaDesc]>,
     read: Option<ReplicaRead>,
     /// The replica read under way: its index, the read's id, its share.
     reading: Option<(usize, u64, Duration)>,
@@ -151,46 +145,50 @@ impl Reader {
         env: &mut Env<'_>,
         ctx: &mut Ctx,
     ) -> (Self, Option<ReadResult>) {
+        let (get, step) = GetProtocol::start(&key, env.locations, cache, at(ctx));
         let mut r = Self {
-            generation: env.locations.generation(&key),
             key,
-            asked: ctx.now,
+            get,
             awaiting: 0,
             lease_end: Duration::ZERO,
-            cached: false,
-            replicas: Vec::new(),
+            replicas: Arc::new([]),
             read: None,
             reading: None,
         };
-        if let Some((until, reps)) = cache.then(|| env.locations.get(&r.key, at(ctx))).flatten() {
+        if r.get.cached() {
             ctx.stats.location_hits += 1;
-            r.cached = true;
-            r.lease_end = until;
-            let res = r.begin(reps.to_vec(), env, ctx);
-            return (r, res);
         }
-        r.ask(env, ctx);
-        (r, None)
+        let res = r.step(step, env, ctx);
+        (r, res)
     }
 
-    /// `GetReplicaList`, noting the key's generation first (as
-    /// `Client::replicas`).
-    fn ask(&mut self, env: &mut Env<'_>, ctx: &mut Ctx) {
-        self.cached = false;
+    /// Carries out the protocol's step; `Some` when the read is over.
+    fn step(
+        &mut self,
+        step: Step<Duration>,
+        env: &mut Env<'_>,
+        ctx: &mut Ctx,
+    ) -> Option<ReadResult> {
         self.read = None;
         self.reading = None;
-        self.generation = env.locations.generation(&self.key);
-        self.asked = ctx.now;
-        let req = MasterRequest::GetReplicaList {
-            key: self.key.clone(),
-        };
-        self.awaiting = ctx.ask(env.me, req);
+        match step {
+            Step::Ask => {
+                let req = MasterRequest::GetReplicaList {
+                    key: self.key.clone(),
+                };
+                self.awaiting = ctx.ask(env.me, req);
+                None
+            }
+            Step::Read { replicas, until } => self.begin(replicas, until, env, ctx),
+        }
     }
 
-    /// Reads `rs` by the read rules; `Some` when the read is over.
+    /// Reads `rs` by the read rules until `until`; `Some` when the read is
+    /// over.
     fn begin(
         &mut self,
-        rs: Vec<ReplicaDesc>,
+        rs: Arc<[ReplicaDesc]>,
+        until: Duration,
         env: &mut Env<'_>,
         ctx: &mut Ctx,
     ) -> Option<ReadResult> {
@@ -202,6 +200,7 @@ impl Reader {
         let read = ReplicaRead::new(&rs, rs[0].len, prefer, env.suspects, at(ctx));
         self.read = Some(read.expect("a replica"));
         self.replicas = rs;
+        self.lease_end = until;
         self.next(env, ctx)
     }
 
@@ -213,19 +212,18 @@ impl Reader {
         ctx: &mut Ctx,
     ) -> Option<ReadResult> {
         self.awaiting = 0;
-        match res {
-            Ok(MasterResponse::Replicas(rs)) if !rs.is_empty() => {
-                // No read past the read lease (less a margin over the
-                // network's longest delay); remembered that long.
-                let d = Duration::from_millis;
-                self.lease_end =
-                    read::lease_read_end(d(self.asked), d(LEASE_TTL_MS), d(READ_MARGIN_MS));
-                let known = locations::cacheable(&rs, env.checksums);
-                env.locations
-                    .put(&self.key, &known, self.lease_end, self.generation, at(ctx));
-                self.begin(rs, env, ctx)
-            }
-            Ok(_) => Some(Err(ErrorCode::ObjectNotFound)),
+        // As the client's typed call: an answer of another kind is an error.
+        let rs = match res.and_then(call::GetReplicaList::reply) {
+            Ok(rs) => rs,
+            Err(e) => return Some(Err(e.code)),
+        };
+        let lease = Duration::from_millis(LEASE_TTL_MS);
+        let (key, loc) = (&self.key, env.locations);
+        match self
+            .get
+            .answered(key, loc, rs, lease, env.checksums, at(ctx))
+        {
+            Ok((rs, until)) => self.begin(rs, until, env, ctx),
             Err(e) => Some(Err(e.code)),
         }
     }
@@ -239,7 +237,7 @@ impl Reader {
         let d = Duration::from_millis;
         let left = self.lease_end.min(d(env.deadline)).saturating_sub(at(ctx));
         let (i, share, timed) = match read.next(left) {
-            Step::Try {
+            read::Step::Try {
                 index,
                 share,
                 timed,
@@ -248,14 +246,15 @@ impl Reader {
                 ctx.stats.read_failovers += u64::from(failover);
                 (index, share, timed)
             }
-            // A read through the cache's entry failed: forgotten, and the
-            // master asked (as `Client::read_known`).
-            Step::Failed(_) if self.cached => {
-                env.locations.forget(&self.key);
-                self.ask(env, ctx);
-                return None;
+            // The protocol's rule: a read through the cache's entry that
+            // failed forgets it and asks the master; else the error.
+            read::Step::Failed(e) => {
+                let (key, loc) = (&self.key, env.locations);
+                return match self.get.read_failed(key, loc, e, at(ctx)) {
+                    Ok(step) => self.step(step, env, ctx),
+                    Err(e) => Some(Err(e.code)),
+                };
             }
-            Step::Failed(e) => return Some(Err(e.code)),
         };
         let id = match ctx.send_read(env.me, &self.replicas[i], &self.key) {
             Ok(id) => id,

@@ -20,10 +20,11 @@
 //!   [`kvpool_client::put::PutProtocol`] (waits, re-placements, the end's
 //!   resends, read-backs, the revoke at the deadline), singly and in
 //!   batches ([`kvpool_client::put::batch::BatchPut`]); the model does its
-//!   I/O. Their gets run the transfer engine's real read rules
-//!   ([`kvpool_transport::read`]: replica order, shares of the time left,
-//!   failover, unreachable nodes), through the client's location cache
-//!   first ([`kvpool_client::locations`], on the simulated clock);
+//!   I/O. Their gets run the client's real get protocol
+//!   ([`kvpool_client::get::GetProtocol`]: its location cache first, on the
+//!   simulated clock, what an answer leaves there and until when) and the
+//!   transfer engine's real read rules ([`kvpool_transport::read`]: replica
+//!   order, shares of the time left, failover, unreachable nodes);
 //!   removals are a model of `Client::remove_with` (one call).
 //! * Storage nodes ([`node`]) follow the real protocol (`kvpool_wire::proto`
 //!   requests and answers, the node's tasks and NVMe reports, pings, mounts

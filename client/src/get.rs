@@ -1,0 +1,233 @@
+//! A get's protocol as a state machine without I/O (issue 32): whether a
+//! get reads through the location cache's entry or asks the master, what an
+//! answer leaves in the cache and until when its replicas may be read, and
+//! what a failed read leads to. [`crate::Client::get`] (and `get_into`,
+//! `get_view`, a put's read-back) drives it over sockets and the transfer
+//! engine; the cluster simulation (`tools/cluster-sim`) drives the same
+//! code over its simulated network and clock.
+//!
+//! ```text
+//!   start ── an entry in the location cache ──▶ Read (its replicas, until its end)
+//!     │ none, or not asked to look                   │ ok: the value
+//!     ▼                                              │ failed: the entry is forgotten
+//!   Ask (GetReplicaList; the key's generation   ◀────┘
+//!     │  and the time are noted first)
+//!     │ no replica: ObjectNotFound; an error: that error
+//!     ▼
+//!   Read (the answer's replicas, until the read lease's end less READ_MARGIN;
+//!     │   its checked DRAM replicas are remembered that long)
+//!     ▼ ok: the value; failed: that error
+//! ```
+//!
+//! Which replica is read first, the share of the time each gets and when
+//! to try the next are the transfer engine's read rules
+//! (`kvpool_transport::read`), which both drivers also share. The call's
+//! deadline is the driver's: a read stops at the earlier of it and the
+//! step's `until`.
+
+use std::ops::Add;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvpool_transport::read::lease_read_end;
+use kvpool_wire::proto::ReplicaDesc;
+use kvpool_wire::{ErrorCode, KvError};
+
+use crate::locations::{cacheable, Generation, Locations};
+
+/// How long before the read lease's end a read stops, and a view stops
+/// handing out bytes (clock skew between this process and the master, and
+/// the time the read itself takes); at most a quarter of the lease
+/// ([`lease_read_end`]).
+pub const READ_MARGIN: Duration = Duration::from_millis(500);
+
+/// What the driver does next.
+#[derive(Debug)]
+pub enum Step<T> {
+    /// Send `GetReplicaList` for the key, and feed its answer to
+    /// [`GetProtocol::answered`].
+    Ask,
+    /// Read the value from these replicas (a buffer of the first one's
+    /// length), not past `until`; a failure goes to
+    /// [`GetProtocol::read_failed`].
+    Read {
+        replicas: Arc<[ReplicaDesc]>,
+        until: T,
+    },
+}
+
+/// One get of one key, in time `T` (an `Instant`, or a simulated clock).
+#[derive(Debug)]
+pub struct GetProtocol<T> {
+    /// The key's generation in the location cache when the master was
+    /// asked (an answer is kept only if it has not moved since).
+    generation: Generation,
+    /// When the master was asked: the read lease runs from then.
+    asked: T,
+    /// The read under way is through the location cache's entry.
+    cached: bool,
+}
+
+impl<T: Copy + Ord + Add<Duration, Output = T>> GetProtocol<T> {
+    /// A get of `key` at `now`: through the location cache's entry if
+    /// `look` and one lasts past `now` (a get), else by asking the master
+    /// (a view, a put's read-back).
+    pub fn start(key: &[u8], locations: &Locations<T>, look: bool, now: T) -> (Self, Step<T>) {
+        let known = if look { locations.get(key, now) } else { None };
+        let mut get = Self {
+            generation: locations.generation(key),
+            asked: now,
+            cached: known.is_some(),
+        };
+        let step = match known {
+            Some((until, replicas)) => Step::Read { replicas, until },
+            None => get.ask(key, locations, now),
+        };
+        (get, step)
+    }
+
+    /// Whether the read under way is through the location cache's entry
+    /// (no master asked).
+    pub fn cached(&self) -> bool {
+        self.cached
+    }
+
+    /// Notes the key's generation and the time, then asks.
+    fn ask(&mut self, key: &[u8], locations: &Locations<T>, now: T) -> Step<T> {
+        self.cached = false;
+        self.generation = locations.generation(key);
+        self.asked = now;
+        Step::Ask
+    }
+
+    /// The master's answer at `now`, `replicas` (`GetReplicaList`; the
+    /// cluster's read lease is `lease`): the replicas to read (as
+    /// [`Step::Read`]) and until when, or
+    /// `ObjectNotFound` when no replica may be read. Its DRAM replicas
+    /// with a checksum this client checks are remembered until then
+    /// ([`cacheable`]), unless this client changed the key meanwhile.
+    pub fn answered(
+        &mut self,
+        key: &[u8],
+        locations: &Locations<T>,
+        replicas: Vec<ReplicaDesc>,
+        lease: Duration,
+        checksums: bool,
+        now: T,
+    ) -> Result<(Arc<[ReplicaDesc]>, T), KvError> {
+        if replicas.is_empty() {
+            return Err(KvError::new(
+                ErrorCode::ObjectNotFound,
+                "the object has no readable replica",
+            ));
+        }
+        // No read past the read lease: past it the master may free the
+        // space and a put reuse it, and a read would find other bytes
+        // (caught only by a checksum).
+        let until = lease_read_end(self.asked, lease, READ_MARGIN);
+        let known = cacheable(&replicas, checksums);
+        locations.put(key, &known, until, self.generation, now);
+        Ok((replicas.into(), until))
+    }
+
+    /// The read failed with `e` at `now`: through the cache's entry, the
+    /// entry is forgotten and the master asked (a node gone, a lease that
+    /// ended early by the master's clock, bytes that fail the checksum, a
+    /// buffer too small for the value); else `e` is the get's answer.
+    pub fn read_failed(
+        &mut self,
+        key: &[u8],
+        locations: &Locations<T>,
+        e: KvError,
+        now: T,
+    ) -> Result<Step<T>, KvError> {
+        if !self.cached {
+            return Err(e);
+        }
+        tracing::debug!("a read at a remembered location failed ({e}); asking the master");
+        locations.forget(key);
+        Ok(self.ask(key, locations, now))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn replica(checksum: Option<u64>) -> ReplicaDesc {
+        ReplicaDesc {
+            checksum,
+            ..crate::locations::tests::rep(0)
+        }
+    }
+
+    const LEASE: Duration = Duration::from_millis(4_000);
+
+    #[test]
+    fn a_get_asks_the_master_then_reads_through_what_it_remembered() {
+        let loc = Locations::<Duration>::new(16);
+        let (mut get, step) = GetProtocol::start(b"k", &loc, true, ms(0));
+        assert!(matches!(step, Step::Ask));
+        let answer = get.answered(b"k", &loc, vec![replica(Some(1))], LEASE, true, ms(3));
+        // The lease runs from the ask; a read stops READ_MARGIN before it.
+        let (replicas, until) = answer.unwrap();
+        assert_eq!((replicas.len(), until), (1, ms(3_500)));
+        let (get, step) = GetProtocol::start(b"k", &loc, true, ms(10));
+        assert!(get.cached());
+        assert!(matches!(step, Step::Read { until, .. } if until == ms(3_500)));
+        // Past the entry's end the master is asked again.
+        let (_, step) = GetProtocol::start(b"k", &loc, true, ms(3_500));
+        assert!(matches!(step, Step::Ask));
+    }
+
+    #[test]
+    fn a_failed_read_through_the_cache_forgets_it_and_asks_but_a_failed_read_of_an_answer_is_the_error(
+    ) {
+        let loc = Locations::<Duration>::new(16);
+        let (mut get, _) = GetProtocol::start(b"k", &loc, true, ms(0));
+        get.answered(b"k", &loc, vec![replica(Some(1))], LEASE, true, ms(0))
+            .unwrap();
+        let (mut get, _) = GetProtocol::start(b"k", &loc, true, ms(5));
+        let e = KvError::new(ErrorCode::Corrupt, "bytes fail the checksum");
+        let step = get.read_failed(b"k", &loc, e.clone(), ms(6));
+        assert!(matches!(step, Ok(Step::Ask)));
+        assert!(!get.cached());
+        assert!(loc.get(b"k", ms(7)).is_none(), "the entry is forgotten");
+        // The answer's lease runs from the second ask.
+        let answer = get.answered(b"k", &loc, vec![replica(Some(1))], LEASE, true, ms(8));
+        assert_eq!(answer.unwrap().1, ms(3_506));
+        let end = get.read_failed(b"k", &loc, e, ms(9));
+        assert_eq!(end.unwrap_err().code, ErrorCode::Corrupt);
+    }
+
+    #[test]
+    fn no_replica_is_a_miss_and_a_view_or_read_back_does_not_look_in_the_cache() {
+        let loc = Locations::<Duration>::new(16);
+        let (mut get, _) = GetProtocol::start(b"k", &loc, true, ms(0));
+        let miss = get.answered(b"k", &loc, Vec::new(), LEASE, true, ms(1));
+        assert_eq!(miss.unwrap_err().code, ErrorCode::ObjectNotFound);
+        get.answered(b"k", &loc, vec![replica(Some(1))], LEASE, true, ms(1))
+            .unwrap();
+        let (get, step) = GetProtocol::start(b"k", &loc, false, ms(2));
+        assert!(matches!(step, Step::Ask) && !get.cached());
+    }
+
+    #[test]
+    fn an_answer_asked_before_this_clients_change_of_the_key_is_not_remembered() {
+        let loc = Locations::<Duration>::new(16);
+        let (mut get, _) = GetProtocol::start(b"k", &loc, true, ms(0));
+        loc.forget(b"k"); // this client's put of the key ended meanwhile
+        get.answered(b"k", &loc, vec![replica(Some(1))], LEASE, true, ms(1))
+            .unwrap();
+        assert!(loc.get(b"k", ms(2)).is_none());
+        // Nor is a replica whose bytes this client cannot check.
+        let (mut get, _) = GetProtocol::start(b"k", &loc, true, ms(3));
+        get.answered(b"k", &loc, vec![replica(None)], LEASE, true, ms(4))
+            .unwrap();
+        assert!(loc.get(b"k", ms(5)).is_none());
+    }
+}
