@@ -5,7 +5,8 @@
 //! ```text
 //!  loop (tokio, only when the cluster map says hot replication is on and
 //!        the node has no NVMe tier: the tier's loop runs these tasks too)
-//!     every task_poll_ms: NodeTasks(dram) from every master shard
+//!     every task_poll_ms (at once after a round that ran tasks):
+//!     NodeTasks(dram) from every master shard, then their reports
 //!        Fetch: read a replica of `from` -> check the checksum -> copy into
 //!               the range -> Promoted { ok }
 //! ```
@@ -25,6 +26,7 @@ use kvpool_wire::proto::{call, FetchTask, NodeTask, NvmeUpdate, SegmentId};
 use kvpool_wire::{ErrorCode, KvError};
 
 use crate::metrics::StorageMetrics;
+use crate::round::{run_rounds, Step, Steps, TASKS_PER_STEP};
 use crate::task::FetchRule;
 
 /// How long one fetch may take (reading another node's replica).
@@ -78,65 +80,61 @@ impl FetchTarget {
         Ok(())
     }
 
-    /// One round: the Fetch tasks of every master shard, run and reported.
+    /// One round: the Fetch tasks of every master shard, run and reported,
+    /// in the order of the tier's rounds ([`Steps`]: nothing to flush
+    /// before a report, nothing to evict at the end). Returns how many
+    /// tasks ran.
     async fn round(&self, client: &Client) -> Result<usize, KvError> {
         let mut ran = 0;
-        for shard in 0..client.cluster_map().shards.len() as u32 {
-            let tasks = client
-                .call(call::NodeTasks {
-                    client_id: client.id(),
-                    shard,
-                    segments: vec![self.dram_id],
-                    max: 64,
-                })
-                .await?;
-            let mut updates = Vec::new();
-            for t in tasks {
-                ran += 1;
-                // A node without a tier is handed only Fetch tasks.
-                if let NodeTask::Fetch(f) = t {
-                    updates.push(self.run(client, f).await);
-                }
-            }
-            if !updates.is_empty() {
-                let results = client
-                    .call(call::NvmeUpdates {
-                        client_id: client.id(),
-                        updates,
-                    })
-                    .await?;
-                for r in results.into_iter().map(Result::from) {
-                    if let Err(e) = r {
-                        tracing::debug!("a fetch report was refused: {e}");
+        let mut steps = Steps::default();
+        let mut updates = Vec::new();
+        let mut step = steps.tick(client.cluster_map().shards.len() as u32);
+        while let Some(s) = step {
+            step = match s {
+                Step::Tasks(shard) => {
+                    let tasks = client
+                        .call(call::NodeTasks {
+                            client_id: client.id(),
+                            shard,
+                            segments: vec![self.dram_id],
+                            max: TASKS_PER_STEP,
+                        })
+                        .await?;
+                    for t in tasks {
+                        ran += 1;
+                        // A node without a tier is handed only Fetch tasks.
+                        if let NodeTask::Fetch(f) = t {
+                            updates.push(self.run(client, f).await);
+                        }
                     }
+                    steps.done(!updates.is_empty())
                 }
-            }
+                Step::Report(_) => {
+                    let results = client
+                        .call(call::NvmeUpdates {
+                            client_id: client.id(),
+                            updates: std::mem::take(&mut updates),
+                        })
+                        .await?;
+                    for r in results.into_iter().map(Result::from) {
+                        if let Err(e) = r {
+                            tracing::debug!("a fetch report was refused: {e}");
+                        }
+                    }
+                    steps.done(false)
+                }
+                Step::Evict => steps.done(false),
+            };
         }
         Ok(ran)
     }
 
-    /// Runs rounds every `poll` until shutdown (a failing round is retried
-    /// after a second at least, and logged once per ten seconds).
+    /// Runs rounds until shutdown, at the tier loop's pace
+    /// ([`crate::round::Pace`]).
     pub fn spawn_loop(self, client: Client, poll: Duration, shutdown: Shutdown) {
         tokio::spawn(async move {
-            let mut last_logged: Option<Instant> = None;
-            loop {
-                let wait = match self.round(&client).await {
-                    Ok(n) if n > 0 => Duration::ZERO,
-                    Ok(_) => poll,
-                    Err(e) => {
-                        if last_logged.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
-                            tracing::warn!("hot-replica fetch round failed: {e}");
-                            last_logged = Some(Instant::now());
-                        }
-                        poll.max(Duration::from_secs(1))
-                    }
-                };
-                tokio::select! {
-                    _ = tokio::time::sleep(wait) => {}
-                    _ = shutdown.wait() => break,
-                }
-            }
+            let (target, client) = (&self, &client);
+            run_rounds(poll, shutdown, "hot-replica fetch", || target.round(client)).await
         });
     }
 }

@@ -30,7 +30,7 @@ use kvpool_wire::{ErrorCode, KvError};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::metrics::StorageMetrics;
-use crate::round::{Round, Step, Steps, TASKS_PER_STEP};
+use crate::round::{run_rounds, Round, Step, Steps, TASKS_PER_STEP};
 use crate::task::{self, DropRule, PersistRule, PromoteRule};
 use kvpool_client::Client;
 use kvpool_config::NodeError;
@@ -706,39 +706,8 @@ impl NodeNvme {
     /// Runs rounds until shutdown.
     pub fn spawn_loop(self: Arc<Self>, client: Client, shutdown: Shutdown) {
         tokio::spawn(async move {
-            // A failing round (the master away, or not knowing the tier
-            // until the node mounts it again) is retried every second and
-            // logged once per ERROR_LOG_EVERY while it keeps failing.
-            const ERROR_LOG_EVERY: Duration = Duration::from_secs(10);
-            let mut last_logged: Option<Instant> = None;
-            loop {
-                let (busy, failed) = match self.round(&client).await {
-                    Ok(n) => {
-                        last_logged = None;
-                        (n > 0, false)
-                    }
-                    Err(e) => {
-                        if last_logged.is_none_or(|t| t.elapsed() >= ERROR_LOG_EVERY) {
-                            tracing::warn!("NVMe tier round failed: {e}");
-                            last_logged = Some(Instant::now());
-                        }
-                        (false, true)
-                    }
-                };
-                if !busy {
-                    let wait = if failed {
-                        self.poll.max(Duration::from_secs(1))
-                    } else {
-                        self.poll
-                    };
-                    tokio::select! {
-                        _ = tokio::time::sleep(wait) => {}
-                        _ = shutdown.wait() => break,
-                    }
-                } else if shutdown.is_triggered() {
-                    break;
-                }
-            }
+            let (tier, client) = (&self, &client);
+            run_rounds(self.poll, shutdown, "NVMe tier", || tier.round(client)).await
         });
     }
 }

@@ -18,10 +18,19 @@
 //!          report ──────▶ updates(); the answers ──▶ refused(results): copies to remove
 //! ```
 //!
+//! When the next round starts is [`Pace`], for the tier's loop and a
+//! tier-less node's fetch loop alike (which runs the same [`Steps`]: its
+//! `Report` has nothing to flush, its `Evict` nothing to evict).
+//!
 //! A copy is named by the driver's `C` (the node's slot and write sequence
 //! number, so it acts on the copy a report named, never on whatever took
 //! its slot since).
 
+use std::future::Future;
+use std::ops::Add;
+use std::time::{Duration, Instant};
+
+use kvpool_runtime::Shutdown;
 use kvpool_wire::proto::NvmeUpdate;
 use kvpool_wire::KvError;
 
@@ -91,6 +100,79 @@ impl Steps {
     /// round ends; the next tick starts another from the first shard.
     pub fn failed(&mut self) {
         self.out = None;
+    }
+}
+
+/// How often a failing loop logs while its rounds keep failing.
+pub const ERROR_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// The shortest pause after a failed round (the master away, or not
+/// knowing the tier until the node mounts it again).
+pub const FAILED_PAUSE: Duration = Duration::from_secs(1);
+
+/// When a node's task loop (the tier's, or a tier-less node's fetch loop)
+/// runs its next round: at once after a round that ran tasks (more may be
+/// waiting), after `poll` after an idle one, after `poll` but at least
+/// [`FAILED_PAUSE`] after a failed one. A failure is logged once per
+/// [`ERROR_LOG_EVERY`] while rounds keep failing; a round that succeeds
+/// ends the streak. In time `T` (an `Instant`, or a simulated clock).
+#[derive(Debug, Clone)]
+pub struct Pace<T> {
+    poll: Duration,
+    last_logged: Option<T>,
+}
+
+impl<T: Copy + Ord + Add<Duration, Output = T>> Pace<T> {
+    /// A loop that polls every `poll` while idle.
+    pub fn new(poll: Duration) -> Self {
+        Self {
+            poll,
+            last_logged: None,
+        }
+    }
+
+    /// A round ended at `now`, having run `ran` tasks (`None`: it failed).
+    /// The pause before the next round, and whether to log the failure.
+    pub fn after(&mut self, ran: Option<usize>, now: T) -> (Duration, bool) {
+        match ran {
+            Some(n) => {
+                self.last_logged = None;
+                (if n > 0 { Duration::ZERO } else { self.poll }, false)
+            }
+            None => {
+                let log = self.last_logged.is_none_or(|t| now >= t + ERROR_LOG_EVERY);
+                if log {
+                    self.last_logged = Some(now);
+                }
+                (self.poll.max(FAILED_PAUSE), log)
+            }
+        }
+    }
+}
+
+/// Runs `round` until `shutdown`, at the pace of [`Pace`] (the loop
+/// itself, this module's one async part); `what` names a failed round in
+/// the log.
+pub async fn run_rounds<F, Fut>(poll: Duration, shutdown: Shutdown, what: &str, mut round: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<usize, KvError>>,
+{
+    let mut pace = Pace::new(poll);
+    loop {
+        let ran = round().await;
+        let (wait, log) = pace.after(ran.as_ref().ok().copied(), Instant::now());
+        if let (Err(e), true) = (&ran, log) {
+            tracing::warn!("{what} round failed: {e}");
+        }
+        if wait > Duration::ZERO {
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.wait() => break,
+            }
+        } else if shutdown.is_triggered() {
+            break;
+        }
     }
 }
 
@@ -370,5 +452,21 @@ mod tests {
         assert_eq!(r.flushed(|_| true, true, &check, &[false, true]), vec![]);
         let u = r.take_updates();
         assert!(failed(&u[0]) && !failed(&u[1]), "{u:?}");
+    }
+
+    #[test]
+    fn a_busy_loop_goes_on_at_once_a_failing_one_pauses_and_logs_once_per_streak_interval() {
+        let ms = Duration::from_millis;
+        let mut p = Pace::new(ms(100));
+        assert_eq!(p.after(Some(3), ms(0)), (Duration::ZERO, false));
+        assert_eq!(p.after(Some(0), ms(0)), (ms(100), false));
+        assert_eq!(p.after(None, ms(0)), (FAILED_PAUSE, true));
+        assert_eq!(p.after(None, ms(9_999)), (FAILED_PAUSE, false));
+        assert_eq!(p.after(None, ms(10_000)), (FAILED_PAUSE, true));
+        // A success ends the streak: the next failure is logged at once.
+        p.after(Some(0), ms(10_001));
+        assert!(p.after(None, ms(10_002)).1);
+        // A poll longer than the failed pause is kept.
+        assert_eq!(Pace::new(ms(2_000)).after(None, ms(0)).0, ms(2_000));
     }
 }

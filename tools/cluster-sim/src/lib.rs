@@ -44,7 +44,9 @@
 //!   objects; a node runs its Fetch tasks by the node's rules
 //!   ([`kvpool_storage_node::task::FetchRule`]), reading the source replica
 //!   by the engine's read rules over the network (nodes without a tier run
-//!   rounds for them, as the real node's fetch loop).
+//!   the same rounds for them, [`kvpool_storage_node::round::Steps`], as the
+//!   real node's fetch loop does; rounds start on a fixed timer here, where
+//!   the real loops start the next at once after a busy one).
 //! * The network, clock and disk are simulated. Node crashes lose DRAM and
 //!   the tier's index records not yet flushed (the write is torn: its copy
 //!   is gone after restart); tier writes and flushes fail at random. The
