@@ -39,28 +39,18 @@ fn post_json(addr: &str, path: &str, body: &Value) -> Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"))
 }
 
-/// The value of an engine counter in its /metrics text.
-fn metric(engine: &Proc, name: &str) -> f64 {
-    let (status, text) = common::http(&engine.addr, "GET", "/metrics");
-    assert_eq!(status, 200);
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("kvpool_engine_{name} ")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("metric kvpool_engine_{name} missing:\n{text}"))
-}
-
 /// Waits (30 s at most) until `engine` counts at least `n` chunks stored;
 /// a wait that runs out names the stores that failed and shows the engine's
 /// log.
 fn wait_stored(engine: &Proc, what: &str, n: f64) {
     common::eventually_blocking(what, Duration::from_secs(30), || -> Result<(), String> {
-        let stored = metric(engine, "chunks_stored_total");
+        let stored = common::metric(&engine.addr, "kvpool_engine_chunks_stored_total");
         if stored >= n {
             return Ok(());
         }
         Err(format!(
             "{stored} stored, {} failed; the engine's log, last line first:\n{}",
-            metric(engine, "chunks_store_failed_total"),
+            common::metric(&engine.addr, "kvpool_engine_chunks_store_failed_total"),
             engine.stderr_tail(20)
         ))
     });
@@ -135,7 +125,10 @@ fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed()
     assert_eq!(kvp["pool"], pool.addr.as_str());
     let keys = chunk_keys(&kvp);
     assert_eq!(keys.len(), 2, "{kvp}");
-    assert_eq!(metric(&prefill, "chunks_stored_total"), 2.0);
+    assert_eq!(
+        common::metric(&prefill.addr, "kvpool_engine_chunks_stored_total"),
+        2.0
+    );
 
     // The decode engine (another process) reads both chunks over TCP and
     // computes only the 188 tokens after them.
@@ -145,7 +138,10 @@ fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed()
     assert_eq!(token_ids(&out), want, "decode with imported KV");
     assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 512);
     assert_eq!(out["kvpool"]["prompt_tokens_computed"], 188);
-    assert_eq!(metric(&decode, "chunks_loaded_total"), 2.0);
+    assert_eq!(
+        common::metric(&decode.addr, "kvpool_engine_chunks_loaded_total"),
+        2.0
+    );
 
     // Corrupt the second chunk in the pool: one payload bit flipped.
     let bytes = flip_a_bit(&pool, &keys[1]);
@@ -155,7 +151,10 @@ fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed()
     assert_eq!(out["kvpool"]["chunks_refused"], 1);
     assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 256);
     assert_eq!(out["kvpool"]["prompt_tokens_computed"], 444);
-    assert_eq!(metric(&decode, "chunks_refused_total"), 1.0);
+    assert_eq!(
+        common::metric(&decode.addr, "kvpool_engine_chunks_refused_total"),
+        1.0
+    );
 
     // The refused chunk was replaced by the recomputed one: a plain request
     // (lookup by batch exists) now loads both again, and the bytes are the
@@ -179,12 +178,15 @@ fn greedy_output_with_pool_kv_equals_scratch_and_a_corrupt_chunk_is_recomputed()
     assert_eq!(cli(&pool.addr, &["rm", "--force", &keys[1]], None).0, 0);
     let (code, _, err) = cli(&pool.addr, &["put", &keys[1]], Some(&long));
     assert_eq!(code, 0, "{err}");
-    let stored_before = metric(&decode, "chunks_stored_total");
+    let stored_before = common::metric(&decode.addr, "kvpool_engine_chunks_stored_total");
     let out = greedy(&decode, &p, 32, Some(kvp.clone()));
     assert_eq!(token_ids(&out), want, "decode after an oversized chunk");
     assert_eq!(out["kvpool"]["chunks_refused"], 1);
     assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 256);
-    assert_eq!(metric(&decode, "chunks_refused_total"), 2.0);
+    assert_eq!(
+        common::metric(&decode.addr, "kvpool_engine_chunks_refused_total"),
+        2.0
+    );
     wait_stored(
         &decode,
         "the recomputed chunk to be stored again",
@@ -229,7 +231,10 @@ fn layer_wise_streamed_kv_gives_the_scratch_tokens_loaded_streamed_or_whole() {
     let kvp = pre["kv_transfer_params"].clone();
     let keys = chunk_keys(&kvp);
     assert_eq!(keys.len(), 2, "{kvp}");
-    assert_eq!(metric(&prefill, "chunks_stored_total"), 2.0);
+    assert_eq!(
+        common::metric(&prefill.addr, "kvpool_engine_chunks_stored_total"),
+        2.0
+    );
     for key in &keys {
         for g in 0..4 {
             let (code, _, err) = cli(&pool.addr, &["get", &group_key(key, g, 4)], None);
@@ -245,7 +250,7 @@ fn layer_wise_streamed_kv_gives_the_scratch_tokens_loaded_streamed_or_whole() {
     assert_eq!(token_ids(&out), want, "streamed load");
     assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 512);
     assert_eq!(out["kvpool"]["prompt_tokens_computed"], 188);
-    assert!(metric(&decode, "kv_stream_wait_seconds_count") >= 1.0);
+    assert!(common::metric(&decode.addr, "kvpool_engine_kv_stream_wait_seconds_count") >= 1.0);
 
     // An engine that does not stream (same layout) loads the chunks whole.
     let out = greedy(&reader, &p, 24, None);
@@ -265,7 +270,10 @@ fn layer_wise_streamed_kv_gives_the_scratch_tokens_loaded_streamed_or_whole() {
     assert_eq!(out["kvpool"]["chunks_refused"], 1);
     assert_eq!(out["kvpool"]["prompt_tokens_loaded"], 256);
     assert_eq!(out["kvpool"]["prompt_tokens_computed"], 444);
-    assert_eq!(metric(&decode, "chunks_refused_total"), 1.0);
+    assert_eq!(
+        common::metric(&decode.addr, "kvpool_engine_chunks_refused_total"),
+        1.0
+    );
     common::eventually_blocking(
         "the recomputed layer to be stored",
         Duration::from_secs(30),
@@ -290,15 +298,15 @@ fn a_second_request_sharing_k_chunks_computes_only_the_rest() {
     let mut second = first[..512].to_vec();
     second.extend(prompt(101, 8).into_iter().skip(1));
     assert_eq!(second.len(), 612);
-    let computed_before = metric(&e, "prompt_tokens_computed_total");
-    let loaded_before = metric(&e, "prompt_tokens_loaded_total");
+    let computed_before = common::metric(&e.addr, "kvpool_engine_prompt_tokens_computed_total");
+    let loaded_before = common::metric(&e.addr, "kvpool_engine_prompt_tokens_loaded_total");
     let out = greedy(&e, &second, 4, None);
     assert_eq!(
-        metric(&e, "prompt_tokens_computed_total") - computed_before,
+        common::metric(&e.addr, "kvpool_engine_prompt_tokens_computed_total") - computed_before,
         100.0
     );
     assert_eq!(
-        metric(&e, "prompt_tokens_loaded_total") - loaded_before,
+        common::metric(&e.addr, "kvpool_engine_prompt_tokens_loaded_total") - loaded_before,
         512.0
     );
     assert_eq!(out["usage"]["prompt_tokens_details"]["cached_tokens"], 512);
@@ -552,7 +560,10 @@ fn a_bad_model_folder_stops_start_up_naming_file_and_field() {
 fn an_abandoned_request_is_cancelled_at_the_next_step_and_counted() {
     let cfg = config_file("cancel", "[engine]\nchunk_tokens = 16\n");
     let e = engine(None, &cfg);
-    assert_eq!(metric(&e, "requests_cancelled_total"), 0.0);
+    assert_eq!(
+        common::metric(&e.addr, "kvpool_engine_requests_cancelled_total"),
+        0.0
+    );
     // Up to the context's end: far more work than the test waits for.
     let body = json!({"prompt": prompt(8000, 21), "max_tokens": 24_000, "temperature": 0,
         "ignore_eos": true})
@@ -568,18 +579,18 @@ fn an_abandoned_request_is_cancelled_at_the_next_step_and_counted() {
     common::eventually_blocking(
         "the long request's prefill",
         Duration::from_secs(30),
-        || metric(&e, "prompt_tokens_computed_total") > 0.0,
+        || common::metric(&e.addr, "kvpool_engine_prompt_tokens_computed_total") > 0.0,
     );
     drop(s);
     common::eventually_blocking(
         "the abandoned request's cancellation",
         Duration::from_secs(30),
-        || metric(&e, "requests_cancelled_total") == 1.0,
+        || common::metric(&e.addr, "kvpool_engine_requests_cancelled_total") == 1.0,
     );
     let work = || {
         (
-            metric(&e, "prompt_tokens_computed_total"),
-            metric(&e, "generated_tokens_total"),
+            common::metric(&e.addr, "kvpool_engine_prompt_tokens_computed_total"),
+            common::metric(&e.addr, "kvpool_engine_generated_tokens_total"),
         )
     };
     let stopped = work();
@@ -613,9 +624,15 @@ fn vllms_metric_names_count_what_ours_count() {
             .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
     };
     assert_eq!(vllm("vllm:prompt_tokens_total"), 100.0);
-    assert_eq!(metric(&e, "prompt_tokens_total"), 100.0);
+    assert_eq!(
+        common::metric(&e.addr, "kvpool_engine_prompt_tokens_total"),
+        100.0
+    );
     assert_eq!(vllm("vllm:generation_tokens_total"), 8.0);
-    assert_eq!(metric(&e, "generated_tokens_total"), 8.0);
+    assert_eq!(
+        common::metric(&e.addr, "kvpool_engine_generated_tokens_total"),
+        8.0
+    );
     assert_eq!(vllm("vllm:time_to_first_token_seconds_count"), 2.0);
     assert_eq!(vllm("vllm:e2e_request_latency_seconds_count"), 2.0);
     assert!(

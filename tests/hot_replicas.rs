@@ -10,18 +10,6 @@ use crate::common;
 use kvpool_client::Client;
 use kvpool_config::{ClientConfig, Transport};
 
-/// A counter or gauge of a process's `/metrics` (a counter's `_total`).
-fn metric(http: &str, name: &str) -> u64 {
-    let (_, text) = common::http(http, "GET", "/metrics");
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix(name)
-                .and_then(|r| r.strip_prefix("_total ").or_else(|| r.strip_prefix(' ')))
-        })
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in {text}"))
-}
-
 /// A master with `hot_replicas = 2` (hot after `hot_reads` reads in a minute)
 /// and two storage nodes of `size` without NVMe tiers.
 fn hot_pool(tag: &str, hot_reads: u16, size: &str) -> common::Cluster {
@@ -67,7 +55,7 @@ fn a_hot_object_is_copied_to_a_second_node_and_its_reads_spread_over_both() {
         let client = uncached_client(pool.addr(), "both nodes mounted", 2).await;
         client.put(b"hot", &value).await.expect("put hot");
         client.put(b"cold", &other).await.expect("put cold");
-        let served = |i: usize| metric(&nodes[i].http, "kvpool_storage_read_bytes");
+        let served = |i: usize| common::metric(&nodes[i].http, "kvpool_storage_read_bytes_total");
         let before = [served(0), served(1)];
         for _ in 0..4 {
             assert_eq!(client.get(b"hot").await.expect("get hot"), value);
@@ -83,11 +71,8 @@ fn a_hot_object_is_copied_to_a_second_node_and_its_reads_spread_over_both() {
         })
         .await;
         let fetcher = 1 - holder;
-        assert_eq!(
-            metric(&nodes[fetcher].http, "kvpool_storage_hot_fetches"),
-            1
-        );
-        assert_eq!(metric(&nodes[holder].http, "kvpool_storage_hot_fetches"), 0);
+        let fetches = |i: usize| common::metric(&nodes[i].http, "kvpool_storage_hot_fetches_total");
+        assert_eq!((fetches(fetcher), fetches(holder)), (1.0, 0.0));
         // Reads now start at each replica in turn: both nodes serve.
         let start = [served(0), served(1)];
         for _ in 0..20 {
@@ -97,7 +82,7 @@ fn a_hot_object_is_copied_to_a_second_node_and_its_reads_spread_over_both() {
         for i in 0..2 {
             let bytes = end[i] - start[i];
             assert!(
-                bytes >= 8 * value.len() as u64,
+                bytes >= 8.0 * value.len() as f64,
                 "node {i} served {bytes} bytes of 20 reads of {} bytes",
                 value.len()
             );
@@ -142,7 +127,7 @@ fn a_fetch_that_reads_bytes_other_than_the_objects_adds_no_replica() {
             s1
         };
         common::eventually("the refused fetch", Duration::from_secs(10), || async {
-            metric(&fetcher.http, "kvpool_storage_checksum_mismatches") == 1
+            common::metric(&fetcher.http, "kvpool_storage_checksum_mismatches_total") == 1.0
         })
         .await;
         common::eventually("the range freed", Duration::from_secs(10), || async {
@@ -153,7 +138,10 @@ fn a_fetch_that_reads_bytes_other_than_the_objects_adds_no_replica() {
         .await;
         let s = client.stat().await.expect("stat");
         assert_eq!(s.hot_copies, 0);
-        assert_eq!(metric(&fetcher.http, "kvpool_storage_hot_fetches"), 0);
+        assert_eq!(
+            common::metric(&fetcher.http, "kvpool_storage_hot_fetches_total"),
+            0.0
+        );
         assert_eq!(
             client
                 .describe(b"hot")
@@ -210,8 +198,14 @@ fn a_node_with_an_nvme_tier_fetches_in_its_tier_loop() {
             || async { client.stat().await.is_ok_and(|s| s.hot_copies == 1) },
         )
         .await;
-        assert_eq!(metric(&tiered.http, "kvpool_storage_hot_fetches"), 1);
-        assert_eq!(metric(&plain.http, "kvpool_storage_hot_fetches"), 0);
+        assert_eq!(
+            common::metric(&tiered.http, "kvpool_storage_hot_fetches_total"),
+            1.0
+        );
+        assert_eq!(
+            common::metric(&plain.http, "kvpool_storage_hot_fetches_total"),
+            0.0
+        );
         let r = client.describe(b"hot").await.expect("describe").replicas;
         assert_eq!(r.len(), 2, "{r:?}");
         for _ in 0..6 {
@@ -274,8 +268,8 @@ fn a_prefix_many_requests_share_gets_a_second_replica_and_both_nodes_serve_it() 
     // the pool refused (counted and logged: a put that met its deadline on a
     // loaded machine) is not this test's subject: the prompt is sent again,
     // at most twice, and the engine's log is shown if the chunks never land.
-    let failed = || metric(&e.addr, "kvpool_engine_chunks_store_failed");
-    let mut failed_before = 0;
+    let failed = || common::metric(&e.addr, "kvpool_engine_chunks_store_failed_total");
+    let mut failed_before = 0.0;
     for round in 0.. {
         let stored = common::eventually_blocking(
             "the prefix stored",
@@ -320,7 +314,7 @@ fn a_prefix_many_requests_share_gets_a_second_replica_and_both_nodes_serve_it() 
         Duration::from_secs(10),
         || rt.block_on(client.stat()).is_ok_and(|s| s.hot_copies >= 2),
     );
-    let served = || [s1, s2].map(|n| metric(&n.http, "kvpool_storage_read_bytes"));
+    let served = || [s1, s2].map(|n| common::metric(&n.http, "kvpool_storage_read_bytes_total"));
     let before = served();
     for _ in 0..6 {
         let out = complete(&e, &system, 4);

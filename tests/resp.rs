@@ -599,14 +599,6 @@ fn idle_sockets_cannot_lock_clients_out() {
     assert_eq!(ok_client.line(), "PONG");
 }
 
-fn metric(http: &str, name: &str) -> u64 {
-    let (_, text) = common::http(http, "GET", "/metrics");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in {text}"))
-}
-
 /// Finding 2 of the RESP/HTTP review: past its first 16 KiB a read buffer
 /// grew by one byte per read when no bulk length was pending, so a large
 /// pipeline or inline line was read a byte at a time (and rescanned each
@@ -626,13 +618,13 @@ fn a_large_request_grows_the_read_buffer_geometrically() {
     }
     let req = encode(&args);
     assert!(req.len() > 400_000, "{}", req.len());
-    let before = metric(&p.http, "kvpool_resp_buffer_grows_total");
+    let before = common::metric(&p.http, "kvpool_resp_buffer_grows_total");
     assert_eq!(raw.cmd(&args), ok());
-    let grows = metric(&p.http, "kvpool_resp_buffer_grows_total") - before;
+    let grows = common::metric(&p.http, "kvpool_resp_buffer_grows_total") - before;
     // From 16 KiB to ~450 KB by at least half each time: 9 grows at most
     // (5 when each doubles).
     assert!(
-        grows <= 9,
+        grows <= 9.0,
         "{grows} grows for one {} byte request",
         req.len()
     );
@@ -725,8 +717,8 @@ fn the_argument_table_is_charged_to_the_buffer_budget() {
     raw.send(&req);
     let end = Instant::now() + Duration::from_secs(30);
     loop {
-        let held = metric(&p.http, "kvpool_resp_buffer_bytes");
-        if held >= 600_000 * 24 {
+        let held = common::metric(&p.http, "kvpool_resp_buffer_bytes");
+        if held >= 600_000.0 * 24.0 {
             break;
         }
         assert!(
@@ -1459,7 +1451,7 @@ fn pipelined_sets_of_one_key_answer_in_order_and_leave_the_last_value() {
 
     // Sixteen SETs of one key in one pipeline are one put in the pool.
     let puts = || {
-        metric(
+        common::metric(
             &p.http,
             "kvpool_master_calls_total{op=\"put_start\",result=\"ok\"}",
         )
@@ -1474,5 +1466,5 @@ fn pipelined_sets_of_one_key_answer_in_order_and_leave_the_last_value() {
         assert_eq!(raw.reply(), ok(), "reply {i}");
     }
     assert_eq!(raw.cmd(&[b"GET", b"hot16"]), bulk(b"v15"));
-    assert_eq!(puts() - before, 1, "one put for the sixteen SETs");
+    assert_eq!(puts() - before, 1.0, "one put for the sixteen SETs");
 }

@@ -202,16 +202,6 @@ fn greedy(prompt: &[u32], max_tokens: usize) -> Value {
         "ignore_eos": true, "return_token_ids": true})
 }
 
-/// The value of a counter in Prometheus text from `addr`'s /metrics.
-fn metric(addr: &str, name: &str) -> f64 {
-    let (status, text) = common::http(addr, "GET", "/metrics");
-    assert_eq!(status, 200);
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// A disaggregated pair over TCP: a pool, a prefill and a decode engine
 /// with their proxies, a front over them, and one engine alone (`mono`,
 /// no pool) to compare answers with.
@@ -254,8 +244,8 @@ fn a_text_prompt_through_the_front_is_tokenized_once_and_answers_as_one_engine()
     let c = pd("tok-once");
     let (mono, pe, de, front) = (&c.mono, &c.pe, &c.de, &c.front);
     let tokenized = || {
-        metric(&pe.addr, "kvpool_engine_prompts_tokenized_total")
-            + metric(&de.addr, "kvpool_engine_prompts_tokenized_total")
+        common::metric(&pe.addr, "kvpool_engine_prompts_tokenized_total")
+            + common::metric(&de.addr, "kvpool_engine_prompts_tokenized_total")
     };
     let text = "a prompt of plain text, tokenized by the front once. ".repeat(12);
     let completion = json!({"model": "builtin:tiny", "prompt": text, "max_tokens": 12,
@@ -403,15 +393,15 @@ fn disaggregated_greedy_output_equals_one_engine_and_a_shared_prefix_is_loaded()
     // The prefill engine computed the prompt; the decode engine loaded its
     // two full chunks from the pool and computed the 188 tokens after them.
     assert_eq!(
-        metric(&pe.addr, "kvpool_engine_prompt_tokens_computed_total"),
+        common::metric(&pe.addr, "kvpool_engine_prompt_tokens_computed_total"),
         700.0
     );
     assert_eq!(
-        metric(&de.addr, "kvpool_engine_prompt_tokens_loaded_total"),
+        common::metric(&de.addr, "kvpool_engine_prompt_tokens_loaded_total"),
         512.0
     );
     assert_eq!(
-        metric(&de.addr, "kvpool_engine_prompt_tokens_computed_total"),
+        common::metric(&de.addr, "kvpool_engine_prompt_tokens_computed_total"),
         188.0
     );
 
@@ -422,8 +412,8 @@ fn disaggregated_greedy_output_equals_one_engine_and_a_shared_prefix_is_loaded()
     let want2 = ids(
         &post_ok(&mono.addr, "/v1/completions", &greedy(&second, 24))["choices"][0]["token_ids"],
     );
-    let computed = metric(&pe.addr, "kvpool_engine_prompt_tokens_computed_total");
-    let loaded = metric(&pe.addr, "kvpool_engine_prompt_tokens_loaded_total");
+    let computed = common::metric(&pe.addr, "kvpool_engine_prompt_tokens_computed_total");
+    let loaded = common::metric(&pe.addr, "kvpool_engine_prompt_tokens_loaded_total");
     let mut body = greedy(&second, 24);
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
@@ -458,11 +448,11 @@ fn disaggregated_greedy_output_equals_one_engine_and_a_shared_prefix_is_loaded()
         "{usage}"
     );
     assert_eq!(
-        metric(&pe.addr, "kvpool_engine_prompt_tokens_computed_total") - computed,
+        common::metric(&pe.addr, "kvpool_engine_prompt_tokens_computed_total") - computed,
         100.0
     );
     assert_eq!(
-        metric(&pe.addr, "kvpool_engine_prompt_tokens_loaded_total") - loaded,
+        common::metric(&pe.addr, "kvpool_engine_prompt_tokens_loaded_total") - loaded,
         512.0
     );
 
@@ -480,7 +470,7 @@ fn disaggregated_greedy_output_equals_one_engine_and_a_shared_prefix_is_loaded()
     assert!(models.contains("builtin:tiny"), "{models}");
     assert_eq!(common::http(&front.addr, "GET", "/healthz").0, 200);
     assert!(
-        metric(
+        common::metric(
             &front.addr,
             "kvpool_conductor_requests_total{route=\"completions\",result=\"ok\"}"
         ) >= 2.0
@@ -598,9 +588,12 @@ fn rejected_requests_get_503_with_retry_after() {
         .as_str()
         .unwrap()
         .contains("time to first token"));
-    assert_eq!(metric(&pe.addr, "kvpool_engine_requests_total"), 0.0);
     assert_eq!(
-        metric(
+        common::metric(&pe.addr, "kvpool_engine_requests_total"),
+        0.0
+    );
+    assert_eq!(
+        common::metric(
             &front.addr,
             "kvpool_conductor_rejected_total{reason=\"ttft_slo\"}"
         ),
@@ -693,7 +686,7 @@ fn a_streaming_client_that_never_reads_loses_its_place() {
     .unwrap();
     // The stream has started (its place is taken) ...
     common::eventually_blocking("the stream to start", Duration::from_secs(60), || {
-        metric(&front.addr, "kvpool_conductor_in_flight") == 1.0
+        common::metric(&front.addr, "kvpool_conductor_in_flight") == 1.0
     });
     // ... and is dropped once its client has taken nothing for a second:
     // another request gets in, with the silent socket still open.
@@ -702,8 +695,11 @@ fn a_streaming_client_that_never_reads_loses_its_place() {
         Duration::from_secs(300),
         || small_request(&front.addr) == 200,
     );
-    assert!(metric(&front.addr, "kvpool_conductor_clients_stalled_total") >= 1.0);
-    assert_eq!(metric(&front.addr, "kvpool_conductor_in_flight"), 0.0);
+    assert!(common::metric(&front.addr, "kvpool_conductor_clients_stalled_total") >= 1.0);
+    assert_eq!(
+        common::metric(&front.addr, "kvpool_conductor_in_flight"),
+        0.0
+    );
     drop(s);
 }
 
@@ -877,7 +873,7 @@ fn a_token_prompt_longer_than_the_context_is_refused_before_any_work() {
     assert_eq!(a.status, 400, "{}", a.body);
     assert!(a.body.contains("context is 32768 tokens"), "{}", a.body);
     assert_eq!(
-        metric(&front.addr, "kvpool_conductor_schedule_seconds_count"),
+        common::metric(&front.addr, "kvpool_conductor_schedule_seconds_count"),
         0.0
     );
 }
@@ -1066,7 +1062,7 @@ fn killing_the_decode_engine_mid_stream_gives_a_whole_answer_or_an_error_event()
         "the continued text differs from one engine's"
     );
     assert_eq!(
-        metric(
+        common::metric(
             &front.addr,
             "kvpool_conductor_failovers_total{phase=\"decode_stream\"}"
         ),
@@ -1364,7 +1360,7 @@ fn a_client_that_leaves_the_front_stops_its_request_at_the_engine() {
     });
     let computed = "kvpool_engine_prompt_tokens_computed_total";
     let cancelled = "kvpool_engine_requests_cancelled_total";
-    assert_eq!(metric(&pe.addr, cancelled), 0.0);
+    assert_eq!(common::metric(&pe.addr, cancelled), 0.0);
     let s = send(
         &front.addr,
         "/v1/completions",
@@ -1373,22 +1369,25 @@ fn a_client_that_leaves_the_front_stops_its_request_at_the_engine() {
         &[],
     );
     common::eventually_blocking("the engine to start on it", Duration::from_secs(30), || {
-        metric(&pe.addr, computed) > 0.0
+        common::metric(&pe.addr, computed) > 0.0
     });
     drop(s);
     common::eventually_blocking(
         "the engine to cancel the request",
         Duration::from_secs(30),
-        || metric(&pe.addr, cancelled) >= 1.0,
+        || common::metric(&pe.addr, cancelled) >= 1.0,
     );
     let work = || {
         (
-            metric(&pe.addr, computed),
-            metric(&pe.addr, "kvpool_engine_generated_tokens_total"),
+            common::metric(&pe.addr, computed),
+            common::metric(&pe.addr, "kvpool_engine_generated_tokens_total"),
         )
     };
     let stopped = work();
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(work(), stopped, "the engine kept working for a gone client");
-    assert_eq!(metric(&front.addr, "kvpool_conductor_in_flight"), 0.0);
+    assert_eq!(
+        common::metric(&front.addr, "kvpool_conductor_in_flight"),
+        0.0
+    );
 }

@@ -487,6 +487,19 @@ pub fn series(http: &str, series: &str) -> f64 {
         .map_or(0.0, |v| v.trim().parse().expect("a number"))
 }
 
+/// The value of one series of the `/metrics` of the process at `http`
+/// (its name and labels as printed, a counter's with its `_total`), which
+/// must be there: a series renamed or gone fails the test, naming it,
+/// rather than reading as 0.
+pub fn metric(http: &str, series: &str) -> f64 {
+    let (status, text) = self::http(http, "GET", "/metrics");
+    assert_eq!(status, 200, "GET /metrics of {http}: {text}");
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .map(|v| v.trim().parse().expect("a number"))
+        .unwrap_or_else(|| panic!("no series {series} at {http}:\n{text}"))
+}
+
 /// The master's `put_start` calls answered with an error (a put told to
 /// wait: `TryAgain`, `ReplicaNotReady`) so far.
 pub const PUT_START_ERRORS: &str = "kvpool_master_calls_total{op=\"put_start\",result=\"error\"}";
