@@ -338,3 +338,95 @@ fn the_crate_table_names_every_crate_in_its_folder() {
         "docs/ARCHITECTURE.md's crate table (left) against the workspace (right)"
     );
 }
+
+/// The names a function or test is defined under in `src` (`fn name`, or
+/// `def name` in Python).
+fn defined_names(src: &str, out: &mut std::collections::HashSet<String>) {
+    for w in src
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .collect::<Vec<_>>()
+        .windows(2)
+    {
+        if w[0] == "fn" || w[0] == "def" {
+            out.insert(w[1].to_string());
+        }
+    }
+}
+
+/// Every test that docs/RELIABILITY.md holds a promise to (a row's last
+/// cell: `name`, a function's name of two words or more) is defined in
+/// the tree (Rust or Python), so a renamed or deleted test cannot leave a
+/// promise without one. That the tests pass is the suite's and CI's.
+#[test]
+fn every_test_a_reliability_row_names_is_defined() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in [
+        "actors", "client", "configs", "engine", "fronts", "runtime", "storage",
+    ] {
+        rust_files(&root.join(dir), &mut files);
+    }
+    for dir in [
+        "src",
+        "tests",
+        "tools",
+        "transport",
+        "python",
+        "fuzz",
+        "benches",
+    ] {
+        rust_files(&root.join(dir), &mut files);
+    }
+    let mut py = Vec::new();
+    let mut stack = vec![root.join("python"), root.join("tests")];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "py") {
+                py.push(p);
+            }
+        }
+    }
+    let mut defined = std::collections::HashSet::new();
+    for f in files.iter().chain(&py) {
+        defined_names(
+            &std::fs::read_to_string(f).unwrap_or_default(),
+            &mut defined,
+        );
+    }
+    let doc = std::fs::read_to_string(root.join("docs/RELIABILITY.md")).unwrap();
+    let mut named = 0;
+    let mut missing = Vec::new();
+    for row in doc.lines().filter(|l| l.starts_with('|')) {
+        let last = row
+            .trim()
+            .trim_end_matches('|')
+            .rsplit('|')
+            .next()
+            .unwrap_or("");
+        for (i, part) in last.split('`').enumerate() {
+            // Inside backticks, a function's name: lower case, two
+            // underscores at least (not a file, a module or a flag).
+            let name_like = part
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                && part.matches('_').count() >= 2;
+            if i % 2 == 1 && name_like {
+                named += 1;
+                if !defined.contains(part) {
+                    missing.push(part.to_string());
+                }
+            }
+        }
+    }
+    assert!(
+        named >= 100,
+        "RELIABILITY names only {named} tests: the rows were not read"
+    );
+    assert!(
+        missing.is_empty(),
+        "RELIABILITY names tests that are not defined: {missing:?}"
+    );
+}
