@@ -385,7 +385,14 @@ fn under_pressure_an_extra_replica_is_evicted_before_an_older_object() {
         common::eventually(
             "the extra replica evicted",
             Duration::from_secs(15),
-            || async { seg(b"hot").await.len() == 1 && used(b[0]).await == Some(5_600_000) },
+            || async {
+                let (on, held) = (seg(b"hot").await, used(b[0]).await);
+                if on.len() == 1 && held == Some(5_600_000) {
+                    Ok(())
+                } else {
+                    Err(format!("hot on {on:x?}, {held:?} bytes used where old is"))
+                }
+            },
         )
         .await;
         assert_eq!(seg(b"hot").await, a, "the first replica stays");

@@ -364,11 +364,22 @@ pub(crate) struct Objects {
     dirty: Option<Vec<Box<[u8]>>>,
     /// Bytes of every extra replica (`Replica::extra`), in any state.
     extra_bytes: u64,
+    /// The same, per slot (index: the slot).
+    extra_in: Vec<u64>,
 }
 
 /// Bytes of `o`'s extra replicas.
 fn extra_bytes(o: &Object) -> u64 {
     o.replicas.iter().filter(|r| r.extra).count() as u64 * o.size
+}
+
+/// `o`'s extra replicas, in any state: (slot, bytes).
+fn extra_of(o: &Object) -> SmallVec<[(u32, u64); 2]> {
+    o.replicas
+        .iter()
+        .filter(|r| r.extra)
+        .map(|r| (r.slot, o.size))
+        .collect()
 }
 
 /// What the state directory records of an object: whether it is complete,
@@ -425,12 +436,31 @@ impl Objects {
             pin_cursor: (0, Id::MAX),
             dirty: None,
             extra_bytes: 0,
+            extra_in: Vec::new(),
         }
     }
 
     /// Bytes of every extra replica of a hot object.
     pub fn extra_bytes(&self) -> u64 {
         self.extra_bytes
+    }
+
+    /// Bytes of the extra replicas in `slot`, in any state (one being
+    /// fetched included).
+    pub fn extra_bytes_in(&self, slot: u32) -> u64 {
+        self.extra_in.get(slot as usize).copied().unwrap_or(0)
+    }
+
+    /// Counts `o`'s extra replicas in (`add`) or out of the per-slot sums.
+    fn count_extra(&mut self, extra: &[(u32, u64)], add: bool) {
+        for &(slot, bytes) in extra {
+            let i = slot as usize;
+            if self.extra_in.len() <= i {
+                self.extra_in.resize(i + 1, 0);
+            }
+            let n = &mut self.extra_in[i];
+            *n = if add { *n + bytes } else { *n - bytes };
+        }
     }
 
     /// From now on, keys whose complete object changes durably are kept
@@ -536,6 +566,7 @@ impl Objects {
             }
         };
         self.extra_bytes += extra_bytes(&obj);
+        self.count_extra(&extra_of(&obj), true);
         self.slab[id as usize] = Some(Entry {
             key: Key::new(key),
             obj,
@@ -557,6 +588,7 @@ impl Objects {
         self.unlink(id, complete);
         let Entry { key, obj } = self.slab[id as usize].take().expect("a live slot");
         self.extra_bytes -= extra_bytes(&obj);
+        self.count_extra(&extra_of(&obj), false);
         self.free.push(id);
         if complete {
             self.mark_dirty(&key);
@@ -572,9 +604,15 @@ impl Objects {
         let before = self.entries(id);
         let was_complete = self.get(id).complete().is_some();
         let sig = self.dirty.is_some().then(|| durable_sig(self.get(id)));
-        let extra_before = extra_bytes(self.get(id));
+        let extra_before = extra_of(self.get(id));
         let r = f(&mut self.slab[id as usize].as_mut().expect("a live slot").obj);
-        self.extra_bytes = self.extra_bytes - extra_before + extra_bytes(self.get(id));
+        let extra_after = extra_of(self.get(id));
+        if extra_before != extra_after {
+            let sum = |e: &[(u32, u64)]| e.iter().map(|x| x.1).sum::<u64>();
+            self.extra_bytes = self.extra_bytes - sum(&extra_before) + sum(&extra_after);
+            self.count_extra(&extra_before, false);
+            self.count_extra(&extra_after, true);
+        }
         if sig.is_some_and(|s| s != durable_sig(self.get(id))) {
             let key = Box::from(&*entry(&self.slab, id).key);
             if let Some(d) = &mut self.dirty {
@@ -740,6 +778,15 @@ impl Objects {
             .or_else(|| due(&r.pinned))
     }
 
+    /// Whether an extra replica in the range in `slot` may be evicted at
+    /// `now_ms` (ready, its lease ended).
+    pub fn extra_due(&self, slot: u32, now_ms: u64) -> bool {
+        let Some(Some(r)) = self.ranges.get(slot as usize) else {
+            return false;
+        };
+        r.extra.first().is_some_and(|e| e.0 <= now_ms)
+    }
+
     /// Checks the tables and the index against a recount: every live slot
     /// is in the table its phase names and found there by its key, nothing
     /// else is in a table, and the index holds exactly the entries, with the
@@ -756,6 +803,21 @@ impl Objects {
             return Err(format!(
                 "extra replicas hold {extra} bytes, counted as {}",
                 self.extra_bytes
+            ));
+        }
+        let mut extra_in = vec![0u64; self.extra_in.len()];
+        for e in self.slab.iter().flatten() {
+            for (slot, bytes) in extra_of(&e.obj) {
+                match extra_in.get_mut(slot as usize) {
+                    Some(n) => *n += bytes,
+                    None => return Err(format!("an extra replica in slot {slot} is not counted")),
+                }
+            }
+        }
+        if extra_in != self.extra_in {
+            return Err(format!(
+                "extra replicas per slot hold {extra_in:?}, counted as {:?}",
+                self.extra_in
             ));
         }
         if live != self.complete.len() + self.processing.len() {

@@ -281,6 +281,26 @@ impl ShardState {
         self.slot_mut(idx).evict_owed = owed;
     }
 
+    /// Whether the range in slot `idx` is past the high watermark only by
+    /// its extra replicas, none of which may be evicted at `now_ms` (one
+    /// being fetched, or still leased): the off-path eviction then waits
+    /// for them (the ticks owe the range an episode again) rather than
+    /// evict another object in their place. An optional copy never costs
+    /// an object its place.
+    fn waits_for_extras(&self, idx: u32, now_ms: u64) -> bool {
+        let extra = self.objs.extra_bytes_in(idx);
+        if extra == 0 || self.objs.extra_due(idx, now_ms) {
+            return false;
+        }
+        let s = self.slot(idx);
+        let left = s
+            .alloc
+            .used()
+            .saturating_sub(s.demoting)
+            .saturating_sub(extra);
+        (left as f64) <= self.cfg.high_watermark * s.alloc.capacity() as f64
+    }
+
     /// Whether the off-path eviction owes some range an episode: the driver
     /// should run [`Self::evict_step`].
     pub fn evicting(&self) -> bool {
@@ -308,7 +328,12 @@ impl ShardState {
                     _ => break,
                 };
                 left -= 1;
-                self.slot_mut(idx).evict_owed = match self.evict_next(idx, now_ms) {
+                let next = if self.waits_for_extras(idx, now_ms) {
+                    None
+                } else {
+                    self.evict_next(idx, now_ms)
+                };
+                self.slot_mut(idx).evict_owed = match next {
                     Some(bytes) => owed.saturating_sub(bytes),
                     None => 0,
                 };

@@ -226,6 +226,51 @@ fn an_extra_replica_is_evicted_before_older_replicas_of_its_range() {
     assert_eq!(r[0].segment_id, a);
 }
 
+/// An extra replica being fetched takes its range past the high watermark:
+/// the off-path eviction waits for it (it goes first once fetched and its
+/// lease ended), and never evicts an older object in its place.
+#[test]
+fn an_extra_replica_still_being_fetched_does_not_cost_an_older_object_its_place() {
+    let (mut m, a, b) = two_nodes(0.5);
+    assert_eq!(put_summed(&mut m, "k", 1024)[0].segment_id, a);
+    assert_eq!(m.put("old", 8 * KIB + 512)[0].segment_id, b);
+    reads(&mut m, "k", 4);
+    let t = node_tasks(&mut m, NODE_B, b);
+    let [NodeTask::Fetch(FetchTask { dram, offset, .. })] = t[..] else {
+        panic!("one fetch: {t:?}")
+    };
+    // Past every lease and the older object's keep, the fetch not reported
+    // yet (within put_timeout_ms).
+    m.advance(m.cfg.lease_ttl_ms * 2);
+    assert!(
+        m.exist("old"),
+        "the older object stays while the copy is fetched"
+    );
+    let fetched = NvmeUpdate::Promoted {
+        key: b"k".to_vec(),
+        dram,
+        offset,
+        ok: true,
+    };
+    report(&mut m, NODE_B, fetched).expect("the fetch's report");
+    assert_eq!(m.get("k").unwrap().len(), 2);
+    // Leased after that read: still the older object stays; then the extra
+    // replica goes.
+    m.advance(m.cfg.lease_ttl_ms / 2);
+    assert!(
+        m.exist("old"),
+        "the older object stays while the copy is leased"
+    );
+    m.advance(m.cfg.lease_ttl_ms);
+    assert!(m.exist("old"), "the older object stays");
+    let r = m.get("k").unwrap();
+    assert_eq!(
+        (r.len(), r[0].segment_id),
+        (1, a),
+        "k's extra replica went: {r:?}"
+    );
+}
+
 #[test]
 fn a_fetch_whose_report_never_comes_is_given_up_and_asked_for_again() {
     let (mut m, _a, b) = two_nodes(0.5);
