@@ -118,6 +118,16 @@ impl MasterCore {
         Ok(core)
     }
 
+    /// Signs data-plane grants with `signer` in every shard from now on (a
+    /// cluster secret), as the live service's shards do.
+    pub fn with_signer(mut self, signer: Option<crate::state::GrantSigner>) -> Self {
+        self.shards = std::mem::take(&mut self.shards)
+            .into_iter()
+            .map(|s| s.with_signer(signer.clone()))
+            .collect();
+        self
+    }
+
     /// Writes every shard's durable changes to its log.
     fn commit(&mut self) -> Result<(), KvError> {
         for (s, log) in self.shards.iter_mut().zip(&mut self.logs) {

@@ -32,6 +32,9 @@
 //!   the cache when it is over.
 //! * remove (sometimes forced); a liveness ping every [`PING_MS`].
 //!
+//! Writes and reads carry the grant of the replica they name (the master
+//! signs them on seeds with a cluster secret; nodes check them).
+//!
 //! Not modelled: batch gets, shared-memory and RDMA paths.
 
 use std::sync::Arc;
@@ -1040,6 +1043,7 @@ fn send_writes(me: Addr, replicas: &[ReplicaDesc], tag: u64, ctx: &mut Ctx) -> V
             offset: r.offset,
             len: r.len,
             content: Some(tag),
+            grant: r.grant,
         };
         ctx.send(me, Addr::Node(n), body);
     }

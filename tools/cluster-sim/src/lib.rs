@@ -47,6 +47,12 @@
 //!   the same rounds for them, [`kvpool_storage_node::round::Steps`], as the
 //!   real node's fetch loop does; rounds start on a fixed timer here, where
 //!   the real loops start the next at once after a busy one).
+//! * Grants: seeds 2 and 3 of every 4 run with a cluster secret. The master
+//!   signs a grant into every replica it hands out (the real signer), and
+//!   nodes check each write and read with the real
+//!   `ClusterKey::check_grant` on the simulated clock ([`Ctx::check_grant`]):
+//!   a grant that does not cover what the client does with it breaks an
+//!   invariant; an expired one is refused.
 //! * The network, clock and disk are simulated. Node crashes lose DRAM and
 //!   the tier's index records not yet flushed (the write is torn: its copy
 //!   is gone after restart); tier writes and flushes fail at random. The
@@ -63,6 +69,8 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use kvpool_config::MasterConfig;
 use kvpool_master::core::{EvictDrive, MasterCore};
+use kvpool_master::state::GrantSigner;
+use kvpool_wire::auth::{ClusterKey, Grant, GrantClock, GrantOp};
 use kvpool_wire::proto::{MasterRequest, MasterResponse, NvmeUpdate, ObjectInfo, SegmentId, Tier};
 use kvpool_wire::{ErrorCode, KvError};
 use rand::{Rng, SeedableRng};
@@ -87,6 +95,17 @@ const MASTER_HASH_SEED: u64 = 0x5eed_0f3a_57e2;
 
 /// Wall-clock time at simulated time 0 (what the journal's holds count in).
 const UNIX_AT_ZERO_MS: u64 = 1_700_000_000_000;
+
+/// The cluster secret of the seeds that run with one.
+const SECRET: &[u8] = b"the cluster simulation's secret, long enough";
+
+/// What the master signs grants with, when the cluster has a secret.
+fn signer(ctx: &Ctx) -> Option<GrantSigner> {
+    ctx.key.clone().map(|key| GrantSigner {
+        key,
+        unix_at_zero_ms: UNIX_AT_ZERO_MS,
+    })
+}
 
 /// The master's state directory for one run: a real directory, removed
 /// when the run ends. The journal's files are written without sync; a
@@ -141,13 +160,15 @@ pub enum Body {
         id: u64,
         res: Result<MasterResponse, KvError>,
     },
-    /// Data plane: write `content` to a DRAM range.
+    /// Data plane: write `content` to a DRAM range, under the master's
+    /// grant for it.
     Write {
         id: u64,
         seg: SegmentId,
         offset: u64,
         len: u64,
         content: Content,
+        grant: Grant,
     },
     /// Data plane: read a DRAM range or an NVMe copy.
     Read {
@@ -159,6 +180,7 @@ pub enum Body {
         /// The object's key (a tier read serves only that key's copy, as
         /// the node's `ReadNvme` does).
         key: Vec<u8>,
+        grant: Grant,
     },
     /// A data-plane answer (for a write, the content is `None`).
     Data {
@@ -326,6 +348,11 @@ pub struct Stats {
     /// failed).
     pub hot_fetches: u64,
     pub hot_fetches_failed: u64,
+    /// Grants the nodes checked (seeds with a cluster secret), and those
+    /// refused as expired (a request that arrived late: a duplicate, a
+    /// delay); any other refusal breaks an invariant.
+    pub grants_checked: u64,
+    pub grants_expired: u64,
 }
 
 impl Stats {
@@ -359,6 +386,8 @@ impl Stats {
         self.location_hits += o.location_hits;
         self.hot_fetches += o.hot_fetches;
         self.hot_fetches_failed += o.hot_fetches_failed;
+        self.grants_checked += o.grants_checked;
+        self.grants_expired += o.grants_expired;
     }
 }
 
@@ -427,12 +456,52 @@ pub struct Ctx {
     /// The master makes extra replicas of hot objects (`hot_replicas`):
     /// nodes without a tier run task rounds too, for their Fetch tasks.
     pub hot: bool,
+    /// The cluster secret (seeds 2 and 3 of every 4): the master signs a
+    /// grant into every replica it hands out, and nodes check it.
+    pub key: Option<ClusterKey>,
     pub stats: Stats,
     pub violation: Option<String>,
     trace: VecDeque<String>,
 }
 
 impl Ctx {
+    /// A node's check of a data request's grant, with a cluster secret:
+    /// the real `ClusterKey::check_grant` on the simulated clock (no skew).
+    /// A grant the master signed covers what a client does with it (its
+    /// operation, segment and range): any refusal but expiry breaks an
+    /// invariant. An expired one (a request that arrived late: delayed or
+    /// duplicated) is refused `Unauthenticated`, as the node refuses it.
+    pub fn check_grant(
+        &mut self,
+        grant: &Grant,
+        op: GrantOp,
+        seg: SegmentId,
+        range: (u64, u64),
+    ) -> Result<(), ErrorCode> {
+        let Some(key) = self.key.as_ref() else {
+            return Ok(());
+        };
+        self.stats.grants_checked += 1;
+        let now_ms = UNIX_AT_ZERO_MS + self.now;
+        // Everything but the expiry first: the clock held at the grant's end.
+        let signed = GrantClock {
+            now_ms: now_ms.min(grant.expires_ms),
+            skew_ms: 0,
+        };
+        if let Err(e) = key.check_grant(grant, op, seg, range, signed) {
+            self.fail(format!(
+                "a node refused the master's grant for {op:?} of {range:?} on segment \
+                 {seg:016x}: {e}"
+            ));
+            return Err(ErrorCode::Unauthenticated);
+        }
+        let clock = GrantClock { now_ms, skew_ms: 0 };
+        key.check_grant(grant, op, seg, range, clock).map_err(|_| {
+            self.stats.grants_expired += 1;
+            ErrorCode::Unauthenticated
+        })
+    }
+
     /// Sends a read of replica `r` of `key` to the node that serves it;
     /// the read's id, or `Unavailable` when no node serves its segment.
     pub fn send_read(
@@ -455,6 +524,7 @@ impl Ctx {
             offset: r.offset,
             len: r.len,
             key: key.to_vec(),
+            grant: r.grant,
         };
         self.send(from, Addr::Node(n), body);
         Ok(id)
@@ -596,6 +666,8 @@ impl World {
         // Even seeds replicate hot objects (no draw: the seeds' streams
         // stay as they were).
         let hot = seed.is_multiple_of(2);
+        // Seeds 2 and 3 of every 4 run with a cluster secret (no draw).
+        let secret = (seed % 4 >= 2).then(|| ClusterKey::new(SECRET).expect("a long secret"));
         let cfg = MasterConfig {
             lease_ttl_ms: LEASE_TTL_MS,
             client_ttl_ms: CLIENT_TTL_MS,
@@ -621,6 +693,7 @@ impl World {
             tag_key: Vec::new(),
             seg_node: HashMap::new(),
             hot,
+            key: secret,
             stats: Stats::default(),
             violation: None,
             trace: VecDeque::new(),
@@ -634,7 +707,8 @@ impl World {
             .collect();
         let state = StateDir::new(seed);
         let mut m = MasterCore::open(SHARDS, &cfg, seed, &state.0, 0, UNIX_AT_ZERO_MS)
-            .expect("an empty state directory opens");
+            .expect("an empty state directory opens")
+            .with_signer(signer(&ctx));
         m.evict = EvictDrive::Manual;
         ctx.at(TICK_MS, Event::MasterTick(0));
         ctx.at(EVICT_MS, Event::MasterEvict(0));
@@ -804,7 +878,7 @@ impl World {
         self.master_epoch += 1;
         let seed = self.seed ^ self.master_epoch;
         let now = self.ctx.now;
-        let mut m = if DRAM_SURVIVES_MASTER_RESTART {
+        let m = if DRAM_SURVIVES_MASTER_RESTART {
             match MasterCore::open(SHARDS, &self.cfg, seed, &self.state.0, now, UNIX_AT_ZERO_MS) {
                 Ok(m) => m,
                 Err(e) => {
@@ -817,6 +891,7 @@ impl World {
             MasterCore::new(SHARDS, &self.cfg, seed)
         };
         self.parked_until = now + self.cfg.client_ttl_ms;
+        let mut m = m.with_signer(signer(&self.ctx));
         m.evict = EvictDrive::Manual;
         self.master = Some(m);
         self.touched.clear();

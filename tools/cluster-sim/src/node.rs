@@ -55,6 +55,7 @@ use kvpool_storage_node::fetch::FETCH_DEADLINE;
 use kvpool_storage_node::round::{self, Round, Step, Steps};
 use kvpool_storage_node::task::{self, DropRule, FetchRule, PersistRule, PromoteRule};
 use kvpool_transport::read::{self as read_rules, Prefer, ReplicaRead, Suspects};
+use kvpool_wire::auth::GrantOp;
 use kvpool_wire::proto::{
     segment_id_for, Endpoint, FetchTask, ItemResult, MasterRequest, MasterResponse, NodeTask,
     NvmeAttach, NvmeUpdate, PersistTask, SegmentId, SegmentSpec, Tier,
@@ -655,8 +656,12 @@ impl NodeModel {
                 offset,
                 len,
                 content,
+                grant,
             } => {
-                let res = if seg == self.dram_seg && offset + len <= DRAM_BYTES {
+                let checked = ctx.check_grant(&grant, GrantOp::Write, seg, (offset, len));
+                let res = if let Err(code) = checked {
+                    Err(code)
+                } else if seg == self.dram_seg && offset + len <= DRAM_BYTES {
                     self.dram_write(offset, len, content);
                     Ok(None)
                 } else {
@@ -672,7 +677,16 @@ impl NodeModel {
                 offset,
                 len,
                 key,
+                grant,
             } => {
+                let op = match tier {
+                    Tier::Dram => GrantOp::Read,
+                    Tier::Nvme => GrantOp::ReadNvme,
+                };
+                if let Err(code) = ctx.check_grant(&grant, op, seg, (offset, len)) {
+                    ctx.send(self.me(), m.from, Body::Data { id, res: Err(code) });
+                    return Back::Nothing;
+                }
                 let res = match tier {
                     Tier::Dram => self
                         .dram_read(seg, offset, len)

@@ -163,6 +163,8 @@ fn every_invariant_holds_on_every_seed() {
         // replicas of hot objects (even seeds).
         assert!(total.location_hits > 0, "{total:?}");
         assert!(total.hot_fetches > 0, "{total:?}");
+        // Nodes checked the master's grants (seeds with a cluster secret).
+        assert!(total.grants_checked > 0, "{total:?}");
         // The real put protocol met its waits, reports and read-backs.
         assert!(
             total.put_pauses > 0 && total.put_reports > 0 && total.put_readbacks > 0,
