@@ -349,8 +349,9 @@ pub struct Stats {
     pub hot_fetches: u64,
     pub hot_fetches_failed: u64,
     /// Grants the nodes checked (seeds with a cluster secret), and those
-    /// refused as expired (a request that arrived late: a duplicate, a
-    /// delay); any other refusal breaks an invariant.
+    /// refused as expired (sent late: in the seeds, hot fetches whose
+    /// task waited at the master past the source replica's lease); any
+    /// other refusal breaks an invariant.
     pub grants_checked: u64,
     pub grants_expired: u64,
 }
@@ -469,8 +470,9 @@ impl Ctx {
     /// the real `ClusterKey::check_grant` on the simulated clock (no skew).
     /// A grant the master signed covers what a client does with it (its
     /// operation, segment and range): any refusal but expiry breaks an
-    /// invariant. An expired one (a request that arrived late: delayed or
-    /// duplicated) is refused `Unauthenticated`, as the node refuses it.
+    /// invariant. An expired one (sent late: a Fetch task taken after the
+    /// lease it was given ended) is refused `Unauthenticated`, as the node
+    /// refuses it: the fetch fails and the object is replicated later.
     pub fn check_grant(
         &mut self,
         grant: &Grant,
