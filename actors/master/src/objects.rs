@@ -459,7 +459,13 @@ impl Objects {
                 self.extra_in.resize(i + 1, 0);
             }
             let n = &mut self.extra_in[i];
-            *n = if add { *n + bytes } else { *n - bytes };
+            // Exact (`check` recounts it); saturating so that a miscount
+            // could not wrap into a range that waits forever.
+            *n = if add {
+                *n + bytes
+            } else {
+                n.saturating_sub(bytes)
+            };
         }
     }
 
