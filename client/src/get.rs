@@ -60,8 +60,9 @@ pub enum Step<T> {
 #[derive(Debug)]
 pub struct GetProtocol<T> {
     /// The key's generation in the location cache when the master was
-    /// asked (an answer is kept only if it has not moved since).
-    generation: Generation,
+    /// asked (an answer is kept only if it has not moved since); `None`
+    /// until then (a get served from the cache never takes it).
+    generation: Option<Generation>,
     /// When the master was asked: the read lease runs from then.
     asked: T,
     /// The read under way is through the location cache's entry.
@@ -75,7 +76,7 @@ impl<T: Copy + Ord + Add<Duration, Output = T>> GetProtocol<T> {
     pub fn start(key: &[u8], locations: &Locations<T>, look: bool, now: T) -> (Self, Step<T>) {
         let known = if look { locations.get(key, now) } else { None };
         let mut get = Self {
-            generation: locations.generation(key),
+            generation: None,
             asked: now,
             cached: known.is_some(),
         };
@@ -95,7 +96,7 @@ impl<T: Copy + Ord + Add<Duration, Output = T>> GetProtocol<T> {
     /// Notes the key's generation and the time, then asks.
     fn ask(&mut self, key: &[u8], locations: &Locations<T>, now: T) -> Step<T> {
         self.cached = false;
-        self.generation = locations.generation(key);
+        self.generation = Some(locations.generation(key));
         self.asked = now;
         Step::Ask
     }
@@ -125,8 +126,9 @@ impl<T: Copy + Ord + Add<Duration, Output = T>> GetProtocol<T> {
         // space and a put reuse it, and a read would find other bytes
         // (caught only by a checksum).
         let until = lease_read_end(self.asked, lease, READ_MARGIN);
-        let known = cacheable(&replicas, checksums);
-        locations.put(key, &known, until, self.generation, now);
+        if let Some(seen) = self.generation {
+            locations.put(key, &cacheable(&replicas, checksums), until, seen, now);
+        }
         Ok((replicas.into(), until))
     }
 

@@ -362,15 +362,9 @@ pub(crate) struct Objects {
     /// records (appeared, went, gained or lost a readable replica), since
     /// the shard last took them; `None`: not tracked (no state directory).
     dirty: Option<Vec<Box<[u8]>>>,
-    /// Bytes of every extra replica (`Replica::extra`), in any state.
-    extra_bytes: u64,
-    /// The same, per slot (index: the slot).
+    /// Bytes of the extra replicas (`Replica::extra`) in each slot (index:
+    /// the slot), in any state.
     extra_in: Vec<u64>,
-}
-
-/// Bytes of `o`'s extra replicas.
-fn extra_bytes(o: &Object) -> u64 {
-    o.replicas.iter().filter(|r| r.extra).count() as u64 * o.size
 }
 
 /// `o`'s extra replicas, in any state: (slot, bytes).
@@ -435,14 +429,13 @@ impl Objects {
             pins: BTreeSet::new(),
             pin_cursor: (0, Id::MAX),
             dirty: None,
-            extra_bytes: 0,
             extra_in: Vec::new(),
         }
     }
 
     /// Bytes of every extra replica of a hot object.
     pub fn extra_bytes(&self) -> u64 {
-        self.extra_bytes
+        self.extra_in.iter().sum()
     }
 
     /// Bytes of the extra replicas in `slot`, in any state (one being
@@ -571,7 +564,6 @@ impl Objects {
                 (self.slab.len() - 1) as Id
             }
         };
-        self.extra_bytes += extra_bytes(&obj);
         self.count_extra(&extra_of(&obj), true);
         self.slab[id as usize] = Some(Entry {
             key: Key::new(key),
@@ -593,7 +585,6 @@ impl Objects {
         let complete = self.get(id).complete().is_some();
         self.unlink(id, complete);
         let Entry { key, obj } = self.slab[id as usize].take().expect("a live slot");
-        self.extra_bytes -= extra_bytes(&obj);
         self.count_extra(&extra_of(&obj), false);
         self.free.push(id);
         if complete {
@@ -614,8 +605,6 @@ impl Objects {
         let r = f(&mut self.slab[id as usize].as_mut().expect("a live slot").obj);
         let extra_after = extra_of(self.get(id));
         if extra_before != extra_after {
-            let sum = |e: &[(u32, u64)]| e.iter().map(|x| x.1).sum::<u64>();
-            self.extra_bytes = self.extra_bytes - sum(&extra_before) + sum(&extra_after);
             self.count_extra(&extra_before, false);
             self.count_extra(&extra_after, true);
         }
@@ -799,18 +788,6 @@ impl Objects {
     /// ranks, the objects call for. O(objects).
     pub fn check(&self) -> Result<(), String> {
         let live = self.slab.iter().filter(|e| e.is_some()).count();
-        let extra: u64 = self
-            .slab
-            .iter()
-            .flatten()
-            .map(|e| extra_bytes(&e.obj))
-            .sum();
-        if extra != self.extra_bytes {
-            return Err(format!(
-                "extra replicas hold {extra} bytes, counted as {}",
-                self.extra_bytes
-            ));
-        }
         let mut extra_in = vec![0u64; self.extra_in.len()];
         for e in self.slab.iter().flatten() {
             for (slot, bytes) in extra_of(&e.obj) {
