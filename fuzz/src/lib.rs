@@ -257,7 +257,7 @@ pub fn data_request(data: &[u8]) {
         }
         let term = std::sync::atomic::AtomicU64::new(0);
         let gate = DataGate {
-            segment: &side.segment,
+            segment_len: side.segment.len(),
             segment_id: FUZZ_SEGMENT,
             nvme_id: Some(FUZZ_NVME),
             shard: 1,

@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use crate::data_conn::prove_data;
 use crate::nic::{Nic, NicDataPath, NicOp, RdmaBuffer};
 use crate::pool::{ConnPool, Stream};
-use crate::read::{marks_unreachable, Prefer, ReplicaRead, Step, Suspects};
+use crate::read::{self, marks_unreachable, Prefer, ReplicaRead, Step, Suspects};
 use crate::shm::ShmMap;
 use crate::stats::EngineStats;
 use kvpool_wire::checksum;
@@ -482,13 +482,7 @@ impl TransferEngine {
         let req = frame::encode(
             FrameKind::DataRequest,
             id,
-            &DataRequest::ReadNvme {
-                segment_id: r.segment_id,
-                loc: r.offset,
-                len: dst.len() as u64,
-                grant: r.grant,
-                key: key.to_vec(),
-            },
+            &read::data_request(r, key, 0, dst.len() as u64),
         );
         let s: &mut Stream = conn.stream();
         frame::write_all(s, &req)
@@ -899,11 +893,9 @@ impl TransferEngine {
         let slices: Vec<_> = chunks
             .into_iter()
             .map(|(i, chunk)| async move {
-                let off = r.offset + (i * slice) as u64;
+                let at = (i * slice) as u64;
                 let _p = self.permit().await?;
-                let first = self
-                    .read_slice(&pools[i % pools.len()], r, off, chunk)
-                    .await;
+                let first = self.read_slice(&pools[i % pools.len()], r, at, chunk).await;
                 match first {
                     Ok(()) => {}
                     Err(e) if retryable(&e) => {
@@ -912,7 +904,7 @@ impl TransferEngine {
                         tracing::debug!("slice {i} failed ({e}); retrying on another lane");
                         let pool = &pools[(i + 1) % pools.len()];
                         pool.clear();
-                        self.read_slice(pool, r, off, chunk).await?;
+                        self.read_slice(pool, r, at, chunk).await?;
                     }
                     Err(e) => return Err(e),
                 }
@@ -983,11 +975,12 @@ impl TransferEngine {
         Ok(hasher.map(|h| h.digest()))
     }
 
+    /// Reads `dst.len()` bytes of DRAM replica `r`, `at` bytes into it.
     async fn read_slice(
         &self,
         pool: &Arc<ConnPool>,
         r: &ReplicaDesc,
-        offset: u64,
+        at: u64,
         dst: &mut [u8],
     ) -> Result<(), KvError> {
         let addr = pool.addr();
@@ -996,12 +989,7 @@ impl TransferEngine {
         let req = frame::encode(
             FrameKind::DataRequest,
             id,
-            &DataRequest::Read {
-                segment_id: r.segment_id,
-                offset,
-                len: dst.len() as u64,
-                grant: r.grant,
-            },
+            &read::data_request(r, &[], at, dst.len() as u64),
         );
         let s: &mut Stream = conn.stream();
         frame::write_all(s, &req)

@@ -18,7 +18,7 @@
 use std::ops::Add;
 use std::time::Duration;
 
-use kvpool_wire::proto::{ReplicaDesc, SegmentId, Tier};
+use kvpool_wire::proto::{DataRequest, ReplicaDesc, SegmentId, Tier};
 use kvpool_wire::{ErrorCode, KvError};
 
 /// At most this many segments are remembered as unreachable (to report) and
@@ -41,6 +41,31 @@ pub fn lease_read_end<T: Add<Duration, Output = T>>(
     margin: Duration,
 ) -> T {
     asked + ttl.saturating_sub(margin.min(ttl / 4))
+}
+
+/// The data request that reads `len` bytes of replica `r` of `key` over
+/// the data port, `at` bytes into it: a DRAM replica by range (TCP reads a
+/// large one in slices), an NVMe copy whole (`at` is 0) by its location and
+/// key, which the node serves only while that slot holds `key`'s copy.
+pub fn data_request(r: &ReplicaDesc, key: &[u8], at: u64, len: u64) -> DataRequest {
+    match r.tier {
+        Tier::Nvme => {
+            debug_assert_eq!(at, 0, "an NVMe copy is read whole");
+            DataRequest::ReadNvme {
+                segment_id: r.segment_id,
+                loc: r.offset,
+                len,
+                grant: r.grant,
+                key: key.to_vec(),
+            }
+        }
+        Tier::Dram => DataRequest::Read {
+            segment_id: r.segment_id,
+            offset: r.offset + at,
+            len,
+            grant: r.grant,
+        },
+    }
 }
 
 /// Whether a failure of a transfer with a segment's node names the node as
@@ -250,6 +275,36 @@ mod tests {
             tier,
             checksum: None,
             grant: Grant::default(),
+        }
+    }
+
+    #[test]
+    fn a_dram_replica_is_read_by_range_and_an_nvme_copy_whole_by_key() {
+        let mut dram = replica(1, Tier::Dram, "a");
+        dram.offset = 4096;
+        assert!(matches!(
+            data_request(&dram, b"k", 1024, 512),
+            DataRequest::Read {
+                segment_id: 1,
+                offset: 5120,
+                len: 512,
+                ..
+            }
+        ));
+        let mut nvme = replica(2, Tier::Nvme, "a");
+        nvme.offset = 7;
+        match data_request(&nvme, b"k", 0, 10) {
+            DataRequest::ReadNvme {
+                segment_id,
+                loc,
+                len,
+                key,
+                ..
+            } => assert_eq!(
+                (segment_id, loc, len, key.as_slice()),
+                (2, 7, 10, &b"k"[..])
+            ),
+            other => panic!("an NVMe copy is read with ReadNvme, not {other:?}"),
         }
     }
 

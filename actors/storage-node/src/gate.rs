@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvpool_storage::nvme::NvmeLoc;
-use kvpool_storage::Segment;
+use kvpool_storage::StorageError;
 use kvpool_wire::auth::{self, ClusterKey, Grant, GrantClock, GrantOp};
 use kvpool_wire::proto::{DataRequest, DataResponse, SegmentId};
 use kvpool_wire::server::ConnState;
@@ -104,7 +104,9 @@ pub fn op_name(req: &DataRequest) -> &'static str {
 
 /// What one shard of a storage node serves.
 pub struct DataGate<'a> {
-    pub segment: &'a Segment,
+    /// The segment's length in bytes: a `Write`/`Read` range must lie
+    /// inside `0..segment_len` (the shard slices its segment by it).
+    pub segment_len: u64,
     pub segment_id: SegmentId,
     /// The node's NVMe tier, if it has one.
     pub nvme_id: Option<SegmentId>,
@@ -272,9 +274,18 @@ impl DataGate<'_> {
         if segment_id != self.segment_id {
             return Err(self.not_here(segment_id));
         }
-        self.segment
-            .check_range(offset, len)
-            .map_err(|e| KvError::new(ErrorCode::InvalidParams, e.to_string()))
+        match offset.checked_add(len) {
+            Some(end) if end <= self.segment_len => Ok(()),
+            _ => Err(KvError::new(
+                ErrorCode::InvalidParams,
+                StorageError::OutOfBounds {
+                    offset,
+                    len,
+                    size: self.segment_len,
+                }
+                .to_string(),
+            )),
+        }
     }
 
     fn authorize(

@@ -465,7 +465,7 @@ impl Handler for DataConn {
             self.requests.inc();
         }
         let gate = DataGate {
-            segment: &self.segment,
+            segment_len: self.segment.len(),
             segment_id: self.segment_id,
             nvme_id: self.nvme_id,
             shard: self.shard,

@@ -47,7 +47,7 @@ use kvpool_client::put::{Action, Input, OneId, PlaceIds, PutIds, PutProtocol};
 use kvpool_transport::read;
 use kvpool_transport::read::{Prefer, ReplicaRead, Suspects};
 use kvpool_wire::proto::call::{self, Call};
-use kvpool_wire::proto::{MasterRequest, MasterResponse, PutOptions, ReplicaDesc};
+use kvpool_wire::proto::{DataRequest, MasterRequest, MasterResponse, PutOptions, ReplicaDesc};
 use kvpool_wire::{ErrorCode, KvError};
 use rand::Rng;
 
@@ -1039,11 +1039,13 @@ fn send_writes(me: Addr, replicas: &[ReplicaDesc], tag: u64, ctx: &mut Ctx) -> V
         ids.push((id, r.segment_id));
         let body = Body::Write {
             id,
-            seg: r.segment_id,
-            offset: r.offset,
-            len: r.len,
+            req: DataRequest::Write {
+                segment_id: r.segment_id,
+                offset: r.offset,
+                len: r.len,
+                grant: r.grant,
+            },
             content: Some(tag),
-            grant: r.grant,
         };
         ctx.send(me, Addr::Node(n), body);
     }

@@ -45,14 +45,16 @@
 //!   ([`kvpool_storage_node::task::FetchRule`]), reading the source replica
 //!   by the engine's read rules over the network (nodes without a tier run
 //!   the same rounds for them, [`kvpool_storage_node::round::Steps`], as the
-//!   real node's fetch loop does; rounds start on a fixed timer here, where
-//!   the real loops start the next at once after a busy one).
-//! * Grants: seeds 2 and 3 of every 4 run with a cluster secret. The master
-//!   signs a grant into every replica it hands out (the real signer), and
-//!   nodes check each write and read with the real
-//!   `ClusterKey::check_grant` on the simulated clock ([`Ctx::check_grant`]):
-//!   a grant that does not cover what the client does with it breaks an
-//!   invariant; an expired one is refused.
+//!   real node's fetch loop does, at the same pace,
+//!   [`kvpool_storage_node::round::Pace`]).
+//! * Data requests: reads are the transfer engine's requests
+//!   ([`kvpool_transport::read::data_request`]); nodes admit each write and
+//!   read through the node's real gate ([`kvpool_storage_node::gate::DataGate`]:
+//!   segment, range, NVMe region, grant, term) on the simulated clock
+//!   ([`Ctx::admit`]). Seeds 2 and 3 of every 4 run with a cluster secret:
+//!   the master signs a grant into every replica it hands out (the real
+//!   signer); a grant that does not cover what the client does with it
+//!   breaks an invariant; an expired one is refused.
 //! * The network, clock and disk are simulated. Node crashes lose DRAM and
 //!   the tier's index records not yet flushed (the write is torn: its copy
 //!   is gone after restart); tier writes and flushes fail at random. The
@@ -66,12 +68,16 @@ pub mod client;
 pub mod node;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::AtomicU64;
 
 use kvpool_config::MasterConfig;
 use kvpool_master::core::{EvictDrive, MasterCore};
 use kvpool_master::state::GrantSigner;
-use kvpool_wire::auth::{ClusterKey, Grant, GrantClock, GrantOp};
-use kvpool_wire::proto::{MasterRequest, MasterResponse, NvmeUpdate, ObjectInfo, SegmentId, Tier};
+use kvpool_storage_node::gate::DataGate;
+use kvpool_wire::auth::{ClusterKey, GrantClock};
+use kvpool_wire::proto::{
+    DataRequest, MasterRequest, MasterResponse, NvmeUpdate, ObjectInfo, SegmentId, Tier,
+};
 use kvpool_wire::{ErrorCode, KvError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -160,28 +166,16 @@ pub enum Body {
         id: u64,
         res: Result<MasterResponse, KvError>,
     },
-    /// Data plane: write `content` to a DRAM range, under the master's
-    /// grant for it.
+    /// Data plane: a `Write` of `content` to a DRAM range, under the
+    /// master's grant for it (the wire's request; the bytes are a tag).
     Write {
         id: u64,
-        seg: SegmentId,
-        offset: u64,
-        len: u64,
+        req: DataRequest,
         content: Content,
-        grant: Grant,
     },
-    /// Data plane: read a DRAM range or an NVMe copy.
-    Read {
-        id: u64,
-        seg: SegmentId,
-        tier: Tier,
-        offset: u64,
-        len: u64,
-        /// The object's key (a tier read serves only that key's copy, as
-        /// the node's `ReadNvme` does).
-        key: Vec<u8>,
-        grant: Grant,
-    },
+    /// Data plane: a `Read` of a DRAM range or a `ReadNvme` of a copy, as
+    /// the transfer engine builds it (`kvpool_transport::read::data_request`).
+    Read { id: u64, req: DataRequest },
     /// A data-plane answer (for a write, the content is `None`).
     Data {
         id: u64,
@@ -430,6 +424,7 @@ pub const LEASE_TTL_MS: u64 = 400;
 pub const CLIENT_TTL_MS: u64 = 3_000;
 pub const CLIENT_TIMEOUT_MS: u64 = 1_500;
 pub const PING_MS: u64 = 500;
+/// A node's `task_poll_ms`: the pause after a round that ran no task.
 pub const ROUND_MS: u64 = 50;
 const TICK_MS: u64 = 100;
 const EVICT_MS: u64 = 20;
@@ -465,43 +460,98 @@ pub struct Ctx {
     trace: VecDeque<String>,
 }
 
+/// What a node's gate checks a data request against: its DRAM segment,
+/// its tier's segment and the newest master term it has seen.
+#[derive(Clone, Copy)]
+pub struct NodeGate<'a> {
+    pub dram: SegmentId,
+    pub nvme: Option<SegmentId>,
+    pub term: &'a AtomicU64,
+}
+
+/// A data request in a violation's text.
+fn describe(req: &DataRequest) -> String {
+    match req {
+        DataRequest::Write {
+            segment_id,
+            offset,
+            len,
+            ..
+        } => format!("a Write of {offset}+{len} on segment {segment_id:016x}"),
+        DataRequest::Read {
+            segment_id,
+            offset,
+            len,
+            ..
+        } => format!("a Read of {offset}+{len} on segment {segment_id:016x}"),
+        DataRequest::ReadNvme {
+            segment_id,
+            loc,
+            len,
+            ..
+        } => format!("a ReadNvme of {len} bytes at {loc} on segment {segment_id:016x}"),
+        other => format!("{other:?}"),
+    }
+}
+
 impl Ctx {
-    /// A node's check of a data request's grant, with a cluster secret:
-    /// the real `ClusterKey::check_grant` on the simulated clock (no skew).
-    /// A grant the master signed covers what a client does with it (its
-    /// operation, segment and range): any refusal but expiry breaks an
-    /// invariant. An expired one (sent late: a Fetch task taken after the
-    /// lease it was given ended) is refused `Unauthenticated`, as the node
-    /// refuses it: the fetch fails and the object is replicated later.
-    pub fn check_grant(
-        &mut self,
-        grant: &Grant,
-        op: GrantOp,
-        seg: SegmentId,
-        range: (u64, u64),
-    ) -> Result<(), ErrorCode> {
-        let Some(key) = self.key.as_ref() else {
-            return Ok(());
-        };
-        self.stats.grants_checked += 1;
+    /// A node's gate on a data request: the real `DataGate::admit` (the
+    /// segment and range, the NVMe region, and with a cluster secret the
+    /// grant for the request's operation and its master term) on the
+    /// simulated clock (no skew). A refusal that is not the grant's (a
+    /// segment the node no longer serves) is the request's error. A grant
+    /// the master signed covers what the client does with it: a grant
+    /// refused for anything but its expiry breaks an invariant. An expired
+    /// one (sent late: a Fetch task taken after the lease it was given
+    /// ended) is refused as the node refuses it: the fetch fails and the
+    /// object is replicated later.
+    pub fn admit(&mut self, node: NodeGate<'_>, req: &DataRequest) -> Result<(), ErrorCode> {
         let now_ms = UNIX_AT_ZERO_MS + self.now;
+        let expires_ms = match req {
+            DataRequest::Write { grant, .. }
+            | DataRequest::Read { grant, .. }
+            | DataRequest::ReadNvme { grant, .. } => grant.expires_ms,
+            _ => now_ms,
+        };
+        let gate = DataGate {
+            segment_len: DRAM_BYTES,
+            segment_id: node.dram,
+            nvme_id: node.nvme,
+            shard: 0,
+            key: self.key.as_ref(),
+            term: node.term,
+        };
         // Everything but the expiry first: the clock held at the grant's end.
-        let signed = GrantClock {
-            now_ms: now_ms.min(grant.expires_ms),
+        let held = GrantClock {
+            now_ms: now_ms.min(expires_ms),
             skew_ms: 0,
         };
-        if let Err(e) = key.check_grant(grant, op, seg, range, signed) {
-            self.fail(format!(
-                "a node refused the master's grant for {op:?} of {range:?} on segment \
-                 {seg:016x}: {e}"
-            ));
-            return Err(ErrorCode::Unauthenticated);
+        let signed = gate.admit(req, held);
+        let live = signed
+            .is_ok()
+            .then(|| gate.admit(req, GrantClock { now_ms, skew_ms: 0 }));
+        match signed {
+            Err(r) if r.auth => {
+                self.fail(format!(
+                    "a node refused the master's grant for {}: {}",
+                    describe(req),
+                    r.error
+                ));
+                return Err(r.error.code);
+            }
+            Err(r) => return Err(r.error.code),
+            Ok(()) => {}
         }
-        let clock = GrantClock { now_ms, skew_ms: 0 };
-        key.check_grant(grant, op, seg, range, clock).map_err(|_| {
-            self.stats.grants_expired += 1;
-            ErrorCode::Unauthenticated
-        })
+        if self.key.is_some() {
+            self.stats.grants_checked += 1;
+        }
+        match live {
+            Some(Err(r)) => {
+                self.stats.grants_expired += 1;
+                Err(r.error.code)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Sends a read of replica `r` of `key` to the node that serves it;
@@ -521,12 +571,7 @@ impl Ctx {
         let id = self.id();
         let body = Body::Read {
             id,
-            seg: r.segment_id,
-            tier: r.tier,
-            offset: r.offset,
-            len: r.len,
-            key: key.to_vec(),
-            grant: r.grant,
+            req: kvpool_transport::read::data_request(r, key, 0, r.len),
         };
         self.send(from, Addr::Node(n), body);
         Ok(id)

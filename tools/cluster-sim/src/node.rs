@@ -16,7 +16,9 @@
 //!   without an answer by its deadline counts as failed. Where the real
 //!   node's start fails (its tier's first mount or report), this one goes
 //!   on retrying at each tick, as a supervisor's restart would.
-//! * The round lane, every [`ROUND_MS`], in the node's own order of steps
+//! * The round lane, at the node's own pace ([`Pace`]: the next round at
+//!   once after one that ran tasks, [`ROUND_MS`] after an idle one, at
+//!   least `round::FAILED_PAUSE` after a failed one), in the node's own order of steps
 //!   ([`Steps`]): `NodeTasks` from every master shard, each task decided
 //!   by [`task`] (Persist: the DRAM bytes checked against the object's
 //!   checksum, then written unless that very copy is there; Promote:
@@ -46,26 +48,26 @@
 //! does not come by then gives up and starts over on its next timer.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use kvpool_storage::alloc::RangeAllocator;
 use kvpool_storage::nvme::{self, Eviction, NvmeConfig, Space, BLOCK};
 use kvpool_storage_node::control::{Ask, Lane, Outcome};
 use kvpool_storage_node::fetch::FETCH_DEADLINE;
-use kvpool_storage_node::round::{self, Round, Step, Steps};
+use kvpool_storage_node::round::{self, Pace, Round, Step, Steps};
 use kvpool_storage_node::task::{self, DropRule, FetchRule, PersistRule, PromoteRule};
 use kvpool_transport::read::{self as read_rules, Prefer, ReplicaRead, Suspects};
-use kvpool_wire::auth::GrantOp;
 use kvpool_wire::proto::{
-    segment_id_for, Endpoint, FetchTask, ItemResult, MasterRequest, MasterResponse, NodeTask,
-    NvmeAttach, NvmeUpdate, PersistTask, SegmentId, SegmentSpec, Tier,
+    segment_id_for, DataRequest, Endpoint, FetchTask, ItemResult, MasterRequest, MasterResponse,
+    NodeTask, NvmeAttach, NvmeUpdate, PersistTask, SegmentId, SegmentSpec, Tier,
 };
 use kvpool_wire::{ErrorCode, KvError};
 use rand::Rng;
 
 use crate::{
-    sum_of, Addr, Body, Content, Ctx, Msg, Timer, CLIENT_TIMEOUT_MS, DRAM_BYTES, PING_MS, ROUND_MS,
-    SHARDS,
+    sum_of, Addr, Body, Content, Ctx, Msg, NodeGate, Timer, CLIENT_TIMEOUT_MS, DRAM_BYTES, PING_MS,
+    ROUND_MS, SHARDS,
 };
 
 /// The tier's bytes (one region; the real allocator hands out its
@@ -228,6 +230,11 @@ pub struct NodeModel {
     ping: Option<(u64, u64, Vec<CopyRef>)>,
     /// Where the tier's round is (the node's own order of steps).
     steps: Steps,
+    /// When the next round starts (the node's own pace, on the simulated
+    /// clock as a `Duration` since zero).
+    pace: Pace<Duration>,
+    /// The tasks the round under way ran so far.
+    round_tasks: usize,
     /// The round's call out: (request id, deadline).
     round: Option<(u64, u64)>,
     /// The reports of the round's tasks, until the master answered them.
@@ -244,6 +251,8 @@ pub struct NodeModel {
     fetching: Option<Fetching>,
     /// Segments its reads could not reach (its client's engine's list).
     suspects: Suspects,
+    /// The newest master term its gate has seen in a grant (this process's).
+    term: AtomicU64,
 }
 
 /// A Fetch task's read (the transfer engine's read rules over the task's
@@ -334,6 +343,8 @@ impl NodeModel {
             lane: Lane::new(has_tier),
             ping: None,
             steps: Steps::default(),
+            pace: Pace::new(Duration::from_millis(ROUND_MS)),
+            round_tasks: 0,
             round: None,
             ran: Round::default(),
             evicting: Vec::new(),
@@ -341,6 +352,7 @@ impl NodeModel {
             making_room: None,
             fetching: None,
             suspects: Suspects::default(),
+            term: AtomicU64::new(0),
         };
         n.restart(ctx);
         n
@@ -397,6 +409,8 @@ impl NodeModel {
             }),
         };
         self.dram.clear();
+        self.term = AtomicU64::new(0);
+        self.pace = Pace::new(Duration::from_millis(ROUND_MS));
         self.lane = Lane::new(self.tier.is_some());
         self.ping = None;
         self.round = None;
@@ -410,6 +424,16 @@ impl NodeModel {
         let inc = self.incarnation;
         ctx.timer(self.me(), PING_MS, Timer::NodePing(inc));
         ctx.timer(self.me(), ROUND_MS, Timer::NodeRound(inc));
+    }
+
+    /// The node's gate on a data request ([`Ctx::admit`]).
+    fn admit(&self, req: &DataRequest, ctx: &mut Ctx) -> Result<(), ErrorCode> {
+        let gate = NodeGate {
+            dram: self.dram_seg,
+            nvme: self.tier.as_ref().map(|t| t.seg),
+            term: &self.term,
+        };
+        ctx.admit(gate, req)
     }
 
     /// Whether this process serves DRAM segment `seg` (or has tier `seg`).
@@ -599,6 +623,7 @@ impl NodeModel {
                         // A failed `Evicted` report takes its marks back.
                         self.evicting.clear();
                         self.steps.failed();
+                        self.round_ended(None, ctx);
                     }
                 }
             }
@@ -608,15 +633,18 @@ impl NodeModel {
                 self.drive(next, ctx);
             }
             Timer::NodeRound(inc) if inc == self.incarnation && self.up => {
-                ctx.timer(self.me(), ROUND_MS, Timer::NodeRound(inc));
                 // A node without a tier runs rounds for its Fetch tasks
                 // (the real node's fetch loop) when hot objects are
                 // replicated.
                 if !self.lane.started() || (self.tier.is_none() && !ctx.hot) {
+                    ctx.timer(self.me(), ROUND_MS, Timer::NodeRound(inc));
                     return;
                 }
-                let first = self.steps.tick(SHARDS);
-                self.drive_round(first, ctx);
+                // Rounds are paced one after another: none is under way.
+                if let Some(first) = self.steps.tick(SHARDS) {
+                    self.round_tasks = 0;
+                    self.drive_round(Some(first), ctx);
+                }
             }
             Timer::NodeReadShare(id) if self.up => {
                 let Some(f) = self.fetching.as_mut() else {
@@ -650,62 +678,44 @@ impl NodeModel {
     /// Handles a message; what the master has of this node again by it.
     pub fn on_msg(&mut self, m: Msg, ctx: &mut Ctx) -> Back {
         match m.body {
-            Body::Write {
-                id,
-                seg,
-                offset,
-                len,
-                content,
-                grant,
-            } => {
-                let checked = ctx.check_grant(&grant, GrantOp::Write, seg, (offset, len));
-                let res = if let Err(code) = checked {
-                    Err(code)
-                } else if seg == self.dram_seg && offset + len <= DRAM_BYTES {
-                    self.dram_write(offset, len, content);
-                    Ok(None)
-                } else {
-                    Err(ErrorCode::SegmentNotFound)
-                };
+            Body::Write { id, req, content } => {
+                let res = self.admit(&req, ctx).map(|()| {
+                    if let DataRequest::Write { offset, len, .. } = req {
+                        self.dram_write(offset, len, content);
+                    }
+                    None
+                });
                 ctx.send(self.me(), m.from, Body::Data { id, res });
                 Back::Nothing
             }
-            Body::Read {
-                id,
-                seg,
-                tier,
-                offset,
-                len,
-                key,
-                grant,
-            } => {
-                let op = match tier {
-                    Tier::Dram => GrantOp::Read,
-                    Tier::Nvme => GrantOp::ReadNvme,
-                };
-                if let Err(code) = ctx.check_grant(&grant, op, seg, (offset, len)) {
-                    ctx.send(self.me(), m.from, Body::Data { id, res: Err(code) });
-                    return Back::Nothing;
-                }
-                let res = match tier {
-                    Tier::Dram => self
-                        .dram_read(seg, offset, len)
+            Body::Read { id, req } => {
+                let res = self.admit(&req, ctx).and_then(|()| match req {
+                    DataRequest::Read {
+                        segment_id,
+                        offset,
+                        len,
+                        ..
+                    } => self
+                        .dram_read(segment_id, offset, len)
                         .ok_or(ErrorCode::SegmentNotFound),
-                    Tier::Nvme => match self.tier.as_mut().filter(|t| t.seg == seg) {
-                        // A copy being evicted reads as gone (the real
-                        // tier's mark): no new read gets it.
-                        Some(_) if self.evicting.contains(&offset) => {
-                            Err(ErrorCode::ObjectNotFound)
+                    DataRequest::ReadNvme { loc, len, key, .. } => {
+                        match self.tier.as_mut() {
+                            // A copy being evicted reads as gone (the real
+                            // tier's mark): no new read gets it.
+                            Some(_) if self.evicting.contains(&loc) => {
+                                Err(ErrorCode::ObjectNotFound)
+                            }
+                            // The key's copy only (a slot evicted and reused
+                            // since may hold another key's copy).
+                            Some(t) => match t.read(loc) {
+                                Some(c) if c.len == len && c.key == key => Ok(c.content),
+                                _ => Err(ErrorCode::ObjectNotFound),
+                            },
+                            None => Err(ErrorCode::SegmentNotFound),
                         }
-                        // The key's copy only (a slot evicted and reused
-                        // since may hold another key's copy).
-                        Some(t) => match t.read(offset) {
-                            Some(c) if c.len == len && c.key == key => Ok(c.content),
-                            _ => Err(ErrorCode::ObjectNotFound),
-                        },
-                        None => Err(ErrorCode::SegmentNotFound),
-                    },
-                };
+                    }
+                    _ => Err(ErrorCode::InvalidParams),
+                });
                 ctx.send(self.me(), m.from, Body::Data { id, res });
                 Back::Nothing
             }
@@ -779,8 +789,16 @@ impl NodeModel {
         back
     }
 
+    /// A round ended, having run `ran` tasks (`None`: it failed): the next
+    /// starts at the node's pace ([`Pace`]: at once after a busy round).
+    fn round_ended(&mut self, ran: Option<usize>, ctx: &mut Ctx) {
+        let (wait, _log) = self.pace.after(ran, Duration::from_millis(ctx.now));
+        let inc = self.incarnation;
+        ctx.timer(self.me(), wait.as_millis() as u64, Timer::NodeRound(inc));
+    }
+
     /// Makes the calls the round's steps ask for, until one is out or the
-    /// round is over.
+    /// round is over (`next` is `None`: it ran every step).
     fn drive_round(&mut self, mut next: Option<Step>, ctx: &mut Ctx) {
         while let Some(step) = next {
             match step {
@@ -804,6 +822,7 @@ impl NodeModel {
                 },
             }
         }
+        self.round_ended(Some(self.round_tasks), ctx);
     }
 
     /// The answer to the round's call out.
@@ -821,6 +840,7 @@ impl NodeModel {
         }
         let next = match (self.steps.out(), res) {
             (Some(Step::Tasks(_)), Ok(MasterResponse::Tasks(tasks))) => {
+                self.round_tasks += tasks.len();
                 self.ran = Round::default();
                 self.todo = tasks.into();
                 return self.run_todo(ctx);
@@ -841,12 +861,13 @@ impl NodeModel {
                 self.evicted(results, ctx);
                 self.steps.done(false)
             }
-            // A failed call: the round starts over on the next timer (a
-            // failed `Evicted` report takes its marks back).
+            // A failed call: the round ends, and the next starts over at
+            // the node's pace (a failed `Evicted` report takes its marks
+            // back).
             _ => {
                 self.evicting.clear();
                 self.steps.failed();
-                None
+                return self.round_ended(None, ctx);
             }
         };
         self.drive_round(next, ctx);
