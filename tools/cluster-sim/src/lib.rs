@@ -343,9 +343,8 @@ pub struct Stats {
     pub hot_fetches: u64,
     pub hot_fetches_failed: u64,
     /// Grants the nodes checked (seeds with a cluster secret), and those
-    /// refused as expired (sent late: in the seeds, hot fetches whose
-    /// task waited at the master past the source replica's lease); any
-    /// other refusal breaks an invariant.
+    /// refused as expired (sent late: a hot fetch whose read ran past its
+    /// grants, none so far); any other refusal breaks an invariant.
     pub grants_checked: u64,
     pub grants_expired: u64,
 }
@@ -502,9 +501,8 @@ impl Ctx {
     /// segment the node no longer serves) is the request's error. A grant
     /// the master signed covers what the client does with it: a grant
     /// refused for anything but its expiry breaks an invariant. An expired
-    /// one (sent late: a Fetch task taken after the lease it was given
-    /// ended) is refused as the node refuses it: the fetch fails and the
-    /// object is replicated later.
+    /// one (a hot fetch whose read ran past its grants) is refused as the
+    /// node refuses it: the fetch fails and the object is replicated later.
     pub fn admit(&mut self, node: NodeGate<'_>, req: &DataRequest) -> Result<(), ErrorCode> {
         let now_ms = UNIX_AT_ZERO_MS + self.now;
         let expires_ms = match req {

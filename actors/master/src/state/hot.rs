@@ -13,7 +13,8 @@
 //! * The new replica is `Promoting` (unreadable, held like a promotion's
 //!   range) until its node has fetched the bytes: a `Fetch` task names the
 //!   object's DRAM replicas with read grants (and extends the object's read
-//!   lease over the fetch), the node reads one, checks the bytes against the
+//!   lease over the fetch; both are renewed when the node takes the task,
+//!   which may have waited in its queue), the node reads one, checks the bytes against the
 //!   object's checksum, writes them into the range and answers `Promoted`.
 //!   An object without a checksum is never replicated: the node could not
 //!   check what it copies.
@@ -176,6 +177,24 @@ impl ShardState {
         self.objs
             .update(id, |o| o.replicas.push(Replica::filling(idx, offset, true)));
         self.fill_due(id, idx, offset, now_ms);
+    }
+
+    /// A Fetch task handed out to its node at `now_ms`: the read lease on
+    /// its object and its sources' read grants run from now, as a get's
+    /// would. A task can wait in its node's queue past the lease it was
+    /// queued with (a node that polls late, a long queue): its grants would
+    /// be refused as expired, and its sources could have been evicted and
+    /// their ranges reused under its reads. The sources are the object's
+    /// DRAM replicas now.
+    pub(super) fn renew_fetch(&mut self, f: &mut FetchTask, now_ms: u64) {
+        let Some(id) = self.objs.complete_id(&f.key) else {
+            return;
+        };
+        f.from = self
+            .lease_for_read(id, now_ms)
+            .into_iter()
+            .filter(|d| d.tier == Tier::Dram)
+            .collect();
     }
 
     /// A node was asked to fill the range at `offset` of slot `idx` for

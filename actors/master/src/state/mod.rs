@@ -495,6 +495,25 @@ impl ShardState {
         describe(&self.slots, obj, None, Access::Describe, 0)
     }
 
+    /// Extends object `id`'s read lease to at least `now + lease_ttl`; its
+    /// replicas, with read grants to the lease's end.
+    pub(super) fn lease_for_read(&mut self, id: Id, now_ms: u64) -> Vec<ReplicaDesc> {
+        let until_ms = now_ms + self.cfg.lease_ttl_ms;
+        if self.objs.get(id).stored().lease_end_ms < until_ms {
+            self.objs.update(id, |o| o.extend_lease(until_ms));
+        }
+        let obj = self.objs.get(id);
+        describe(
+            &self.slots,
+            obj,
+            self.signer.as_ref(),
+            Access::Read {
+                until_ms: obj.stored().lease_end_ms,
+            },
+            self.term(),
+        )
+    }
+
     /// The object's replicas; grants a read lease until `now + lease_ttl`.
     pub fn get_replica_list(
         &mut self,
@@ -503,20 +522,7 @@ impl ShardState {
     ) -> Result<Vec<ReplicaDesc>, KvError> {
         self.check_key(key)?;
         if let Some(id) = self.objs.complete_id(key) {
-            let until_ms = now_ms + self.cfg.lease_ttl_ms;
-            if self.objs.get(id).stored().lease_end_ms < until_ms {
-                self.objs.update(id, |o| o.extend_lease(until_ms));
-            }
-            let obj = self.objs.get(id);
-            let mut descs = describe(
-                &self.slots,
-                obj,
-                self.signer.as_ref(),
-                Access::Read {
-                    until_ms: obj.stored().lease_end_ms,
-                },
-                self.term(),
-            );
+            let mut descs = self.lease_for_read(id, now_ms);
             if descs.first().is_some_and(|d| d.tier == Tier::Nvme) {
                 self.count_nvme_read(id, now_ms);
             }
@@ -842,7 +848,12 @@ impl ShardState {
                 segments,
                 max,
                 ..
-            } => MasterResponse::Tasks(self.node_tasks(client_id, &segments, max as usize)?),
+            } => MasterResponse::Tasks(self.node_tasks(
+                client_id,
+                &segments,
+                max as usize,
+                now_ms,
+            )?),
             R::NvmeUpdates { client_id, updates } => MasterResponse::BatchDone(
                 updates
                     .iter()

@@ -458,13 +458,14 @@ impl ShardState {
         Ok(())
     }
 
-    /// Up to `max` queued tasks for the given segments' node; every segment
-    /// named must be mounted and owned by `client`.
+    /// Up to `max` queued tasks for the given segments' node, taken at
+    /// `now_ms`; every segment named must be mounted and owned by `client`.
     pub fn node_tasks(
         &mut self,
         client: ClientId,
         segments: &[SegmentId],
         max: usize,
+        now_ms: u64,
     ) -> Result<Vec<NodeTask>, KvError> {
         for seg in segments {
             let idx = *self.by_id.get(seg).ok_or_else(|| {
@@ -491,7 +492,7 @@ impl ShardState {
                 .and_then(|&i| self.slot(i).spec.nvme.as_ref())
                 .map(|a| a.segment_id);
             while out.len() < max {
-                let Some(t) = q.pop_front() else {
+                let Some(mut t) = q.pop_front() else {
                     break;
                 };
                 let stale = self.task_is_stale(*seg, &t);
@@ -503,6 +504,9 @@ impl ShardState {
                     }
                 }
                 if !stale {
+                    if let NodeTask::Fetch(f) = &mut t {
+                        self.renew_fetch(f, now_ms);
+                    }
                     out.push(t);
                 }
             }

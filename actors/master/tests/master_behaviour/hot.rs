@@ -98,6 +98,53 @@ fn replicate(m: &mut M, key: &str, b: SegmentId, ok: bool) -> NodeTask {
     task
 }
 
+/// Found by the cluster simulation's grants (13 per 1,000 seeds): a Fetch
+/// task its node took after the lease it was queued with had ended named
+/// its sources with expired read grants (refused at the source node), and
+/// the source could have been evicted under the fetch's read. The lease and
+/// the grants run from when the node takes the task.
+#[test]
+fn a_fetch_task_taken_late_carries_a_lease_and_grants_from_when_it_is_taken() {
+    use kvpool_master::state::GrantSigner;
+    use kvpool_wire::auth::{ClusterKey, GrantClock, GrantOp};
+    let key = ClusterKey::new(b"grant-test-secret-0123").unwrap();
+    let (mut m, a, b) = two_nodes(0.5);
+    m.m = m.m.with_signer(Some(GrantSigner {
+        key: key.clone(),
+        unix_at_zero_ms: 0,
+    }));
+    let put = put_summed(&mut m, "k", 1000);
+    reads(&mut m, "k", 4); // hot: a Fetch waits in b's queue
+    let queued_lease = m.now + m.cfg.lease_ttl_ms;
+    // b takes it well after that lease (within the fill's deadline).
+    m.advance(m.cfg.lease_ttl_ms + 5_000);
+    assert!(m.now > queued_lease);
+    let t = node_tasks(&mut m, NODE_B, b);
+    let [NodeTask::Fetch(FetchTask { from, .. })] = &t[..] else {
+        panic!("one Fetch: {t:?}")
+    };
+    assert_eq!(from.len(), 1);
+    assert_eq!((from[0].segment_id, from[0].offset), (a, put[0].offset));
+    let lease_end = m.now + m.cfg.lease_ttl_ms;
+    assert_eq!(
+        from[0].grant.expires_ms, lease_end,
+        "a grant from the handout"
+    );
+    key.check_grant(
+        &from[0].grant,
+        GrantOp::Read,
+        a,
+        (from[0].offset, 1000),
+        GrantClock {
+            now_ms: m.now,
+            skew_ms: 0,
+        },
+    )
+    .expect("the node's read of the source is granted");
+    // The object's read lease covers the fetch (its sources stay).
+    assert_eq!(code(m.remove("k", false)), ErrorCode::ObjectHasLease);
+}
+
 #[test]
 fn a_hot_object_gets_a_replica_on_another_node_readable_once_that_node_fetched_it() {
     let (mut m, a, b) = two_nodes(0.5);
