@@ -115,17 +115,12 @@ fn wait_all_readable(
 ) {
     rt.block_on(async {
         let c = Client::connect(master, client_cfg()).await.unwrap();
-        let end = Instant::now() + within;
-        loop {
-            match read_all(&c, acked).await {
-                Ok(()) => return,
-                Err(e) if Instant::now() < end => {
-                    let _ = e;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(e) => panic!("after the restart, an acknowledged object: {e}"),
-            }
-        }
+        common::eventually(
+            "after the restart, every acknowledged object read back",
+            within,
+            || read_all(&c, acked),
+        )
+        .await;
     });
 }
 
@@ -191,20 +186,27 @@ fn a_lone_master_killed_and_restarted_on_its_state_dir_forgets_no_object() {
         &after_kill,
         &killed,
     );
-    let end = Instant::now() + Duration::from_secs(60);
-    while acked.lock().unwrap().len() < 320 {
-        assert!(Instant::now() < end, "the clients made no progress");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    common::eventually_blocking(
+        "the clients' progress (320 puts acknowledged)",
+        Duration::from_secs(60),
+        || {
+            let n = acked.lock().unwrap().len();
+            if n >= 320 {
+                Ok(())
+            } else {
+                Err(format!("{n} acknowledged"))
+            }
+        },
+    );
     killed.store(true, Ordering::Release);
     master.signal(Signal::KILL);
     master.wait_exit(Duration::from_secs(10)).expect("killed");
     // Every client's call in flight at the kill, and one after, ends.
-    let end = Instant::now() + Duration::from_secs(30);
-    while after_kill.load(Ordering::Acquire) < 2 * WORKERS {
-        assert!(Instant::now() < end, "calls at the kill did not end");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    common::eventually_blocking(
+        "the calls in flight at the kill, and one after, ended",
+        Duration::from_secs(30),
+        || after_kill.load(Ordering::Acquire) >= 2 * WORKERS,
+    );
     stop.store(true, Ordering::Release);
     let mut errors = Vec::new();
     for h in hs {

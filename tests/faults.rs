@@ -395,17 +395,16 @@ fn client_cfg() -> ClientConfig {
 }
 
 async fn connect(master: &str) -> Client {
-    let end = Instant::now() + Duration::from_secs(20);
-    loop {
-        match Client::connect(master, client_cfg()).await {
-            Ok(c) => return c,
-            Err(e) if Instant::now() < end => {
-                eprintln!("connect: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("connect to {master}: {e}"),
-        }
-    }
+    common::eventually(
+        &format!("connect to {master}"),
+        Duration::from_secs(20),
+        || async {
+            Client::connect(master, client_cfg())
+                .await
+                .map_err(|e| e.to_string())
+        },
+    )
+    .await
 }
 
 /// Polls `stat` until `ok` holds, for at most `within`.
@@ -532,20 +531,24 @@ async fn readable_again(c: &Client, keys: &[(String, Vec<u8>)], within: Duration
 async fn readable_within(c: &Client, keys: &[(String, Vec<u8>)], within: Duration, misses: bool) {
     let end = Instant::now() + within;
     for (k, v) in keys {
-        loop {
-            match c.get(k.as_bytes()).await {
-                Ok(got) => {
-                    assert!(got == *v, "{k}: other bytes than were put");
-                    break;
+        let left = end.saturating_duration_since(Instant::now());
+        common::eventually(
+            &format!("{k} (put Ok) readable after the heal"),
+            left,
+            || async {
+                match c.get(k.as_bytes()).await {
+                    Ok(got) => {
+                        assert!(got == *v, "{k}: other bytes than were put");
+                        Ok(())
+                    }
+                    Err(e) if misses || e.code != ErrorCode::ObjectNotFound => Err(e.to_string()),
+                    Err(e) => {
+                        panic!("{k} (put Ok) is not readable within {within:?} of the heal: {e}")
+                    }
                 }
-                Err(e)
-                    if Instant::now() < end && (misses || e.code != ErrorCode::ObjectNotFound) =>
-                {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(e) => panic!("{k} (put Ok) is not readable within {within:?} of the heal: {e}"),
-            }
-        }
+            },
+        )
+        .await;
     }
 }
 
@@ -837,17 +840,16 @@ fn a_node_cut_from_the_master_is_declared_dead_and_rejoins_with_its_nvme_objects
             );
             let end = Instant::now() + Duration::from_secs(15);
             for (k, _) in &on_victim {
-                while !c
-                    .describe(k.as_bytes())
-                    .await
-                    .unwrap()
-                    .replicas
-                    .iter()
-                    .any(|r| r.tier == Tier::Nvme)
-                {
-                    assert!(Instant::now() < end, "{k} never reached node 0's NVMe tier");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
+                let left = end.saturating_duration_since(Instant::now());
+                common::eventually(&format!("{k} in node 0's NVMe tier"), left, || async {
+                    c.describe(k.as_bytes())
+                        .await
+                        .unwrap()
+                        .replicas
+                        .iter()
+                        .any(|r| r.tier == Tier::Nvme)
+                })
+                .await;
             }
 
             Net::cut(&cl.master_host, victim);

@@ -101,20 +101,16 @@ fn etcd() -> Option<Etcd> {
         .spawn()
         .expect("spawn etcd");
     let e = Etcd { child, client, dir };
-    let end = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some((200, body)) = try_get(&e.client, "/health") {
-            if body.contains("true") {
-                return Some(e);
-            }
+    common::eventually_blocking("etcd healthy", Duration::from_secs(20), || {
+        match try_get(&e.client, "/health") {
+            Some((200, body)) if body.contains("true") => Ok(()),
+            h => Err(format!(
+                "/health: {h:?}; its log:\n{}",
+                std::fs::read_to_string(e.dir.with_extension("log")).unwrap_or_default()
+            )),
         }
-        assert!(
-            Instant::now() < end,
-            "etcd did not become healthy in 20 s; its log:\n{}",
-            std::fs::read_to_string(e.dir.with_extension("log")).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    });
+    Some(e)
 }
 
 /// The master config of these tests: a 2 s lease, fencing 500 ms before it
@@ -203,19 +199,18 @@ fn role_of(m: &Proc) -> String {
 /// Waits until `m` reports `role`; panics after `within`. Returns how long.
 fn wait_role(m: &Proc, role: &str, within: Duration) -> Duration {
     let start = Instant::now();
-    loop {
+    common::eventually_blocking(&format!("master {} {role}", m.addr), within, || {
         if role_of(m) == role {
-            return start.elapsed();
+            Ok(())
+        } else {
+            Err(format!(
+                "healthz: {:?}; stderr:\n{}",
+                try_get(&m.http, "/healthz"),
+                m.stderr()
+            ))
         }
-        assert!(
-            start.elapsed() < within,
-            "master {} is not {role} after {within:?} (healthz: {:?}); stderr:\n{}",
-            m.addr,
-            try_get(&m.http, "/healthz"),
-            m.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    });
+    start.elapsed()
 }
 
 fn client_config(secret: &str) -> ClientConfig {
@@ -571,20 +566,14 @@ fn a_stalled_leader_is_fenced_its_grants_refused_and_no_space_is_handed_out_twic
         assert_eq!(got, value(1, 50_000));
     });
     // The old leader learns it lost the lease and says so.
-    let end = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some((503, body)) = try_get(&a.http, "/healthz") {
-            if body.contains("deposed") {
-                break;
-            }
-        }
-        assert!(
-            Instant::now() < end,
-            "the old leader never reported deposed: {:?}",
-            try_get(&a.http, "/healthz")
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::eventually_blocking(
+        "the old leader reports deposed",
+        Duration::from_secs(10),
+        || match try_get(&a.http, "/healthz") {
+            Some((503, body)) if body.contains("deposed") => Ok(()),
+            h => Err(format!("healthz: {h:?}")),
+        },
+    );
     assert_eq!(role_of(&b), "leader");
 }
 

@@ -290,18 +290,11 @@ fn an_nvme_read_is_served_only_for_the_key_whose_copy_the_slot_holds() {
         c.put(b"a", &a).await.unwrap();
         c.put(b"b", &b).await.unwrap();
         // The write-through copy's report comes within a few task polls.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        loop {
+        common::eventually("an NVMe copy of a", Duration::from_secs(10), || async {
             let reps = c.describe(b"a").await.unwrap().replicas;
-            if let Some(r) = reps.into_iter().find(|r| r.tier == Tier::Nvme) {
-                break r;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no NVMe copy of a within 10 s"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            reps.into_iter().find(|r| r.tier == Tier::Nvme)
+        })
+        .await
     });
     let read_as = |key: &[u8]| -> Result<Vec<u8>, ErrorCode> {
         let mut s = TcpStream::connect(rep.endpoint.shard_addr(rep.data_shard())).unwrap();

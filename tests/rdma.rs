@@ -335,11 +335,12 @@ fn with_a_cluster_secret_rdma_moves_the_bytes_of_clients_that_prove_it() {
             .await
             .expect("a client with the secret");
         // The node mounts shortly after the master starts.
-        let end = Instant::now() + Duration::from_secs(10);
-        while let Err(e) = c.put(b"probe", b"p").await {
-            assert!(Instant::now() < end, "no node mounted within 10 s: {e}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        common::eventually(
+            "a node mounted (a put of a probe)",
+            Duration::from_secs(10),
+            || async { c.put(b"probe", b"p").await.map_err(|e| e.to_string()) },
+        )
+        .await;
         assert!(c.engine().rdma_enabled());
         let st = c.engine().stats();
         let before = st.rdma_bytes.load(Ordering::Relaxed);

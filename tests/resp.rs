@@ -476,17 +476,21 @@ fn limits_refuse_before_buffering_cap_clients_and_close_idle_ones() {
     // Clients up to the cap; one more gets Redis's error. First wait until
     // the server has counted the closed connections out.
     let mut probe = Raw::connect(&p.resp);
-    let end = Instant::now() + Duration::from_secs(10);
-    loop {
-        let Reply::Bulk(Some(info)) = probe.cmd(&[b"INFO", b"clients"]) else {
-            panic!("INFO clients");
-        };
-        if String::from_utf8_lossy(&info).contains("connected_clients:1\r\n") {
-            break;
-        }
-        assert!(Instant::now() < end, "closed connections still counted");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::eventually_blocking(
+        "closed connections counted out",
+        Duration::from_secs(10),
+        || {
+            let Reply::Bulk(Some(info)) = probe.cmd(&[b"INFO", b"clients"]) else {
+                panic!("INFO clients");
+            };
+            let info = String::from_utf8_lossy(&info);
+            if info.contains("connected_clients:1\r\n") {
+                Ok(())
+            } else {
+                Err(format!("still counted: {info}"))
+            }
+        },
+    );
     let mut held: Vec<Raw> = (0..2).map(|_| Raw::connect(&p.resp)).collect();
     for c in &mut held {
         assert_eq!(c.cmd(&[b"PING"]), Reply::Simple("PONG".into()));
@@ -578,24 +582,24 @@ fn idle_sockets_cannot_lock_clients_out() {
            (resp.max_pending_per_peer)\r\n"[..]
     );
     drop(held);
-    let end = Instant::now() + Duration::from_secs(10);
-    let mut ok_client = loop {
-        let mut c = Raw::connect(&p.resp);
-        c.send(&encode(&[b"PING"]));
-        let mut first = [0u8; 1];
-        c.r.get_ref()
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        if c.r.read_exact(&mut first).is_ok() && first[0] == b'+' {
-            break c;
-        }
-        // The server had not yet counted the dropped sockets out.
-        assert!(
-            Instant::now() < end,
-            "still refused after the idle sockets closed"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let mut ok_client = common::eventually_blocking(
+        "a client served after the idle sockets closed",
+        Duration::from_secs(10),
+        || {
+            let mut c = Raw::connect(&p.resp);
+            c.send(&encode(&[b"PING"]));
+            let mut first = [0u8; 1];
+            c.r.get_ref()
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            match c.r.read_exact(&mut first) {
+                Ok(()) if first[0] == b'+' => Ok(c),
+                // The server had not yet counted the dropped sockets out.
+                Ok(()) => Err(format!("still refused: first byte {:?}", first[0] as char)),
+                Err(e) => Err(format!("still refused: {e}")),
+            }
+        },
+    );
     assert_eq!(ok_client.line(), "PONG");
 }
 
@@ -715,18 +719,18 @@ fn the_argument_table_is_charged_to_the_buffer_budget() {
         req.extend_from_slice(b"$0\r\n\r\n");
     }
     raw.send(&req);
-    let end = Instant::now() + Duration::from_secs(30);
-    loop {
-        let held = common::metric(&p.http, "kvpool_resp_buffer_bytes");
-        if held >= 600_000.0 * 24.0 {
-            break;
-        }
-        assert!(
-            Instant::now() < end,
-            "{held} bytes held for 600,000 arguments"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::eventually_blocking(
+        "the argument table charged to the buffer budget",
+        Duration::from_secs(30),
+        || {
+            let held = common::metric(&p.http, "kvpool_resp_buffer_bytes");
+            if held >= 600_000.0 * 24.0 {
+                Ok(())
+            } else {
+                Err(format!("{held} bytes held for 600,000 arguments"))
+            }
+        },
+    );
     drop(raw);
 }
 
