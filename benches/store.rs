@@ -4,7 +4,7 @@
 //! loopback TCP (iperf3) and memcpy measured in the same run. Then repeated
 //! 4 KiB gets of a few hot keys, with the client's location cache and
 //! without, beside redis-benchmark's GET (one client), in alternating
-//! rounds.
+//! rounds, and batch gets of those keys with the cache and without.
 //!
 //!     cargo bench --bench store          # full run
 //!     cargo test --release --bench store # small run (also part of the suite)
@@ -113,7 +113,8 @@ pub fn main() {
 /// Repeated 4 KiB gets of 16 hot keys: over TCP with the client's location
 /// cache (one round trip, to the node) and without (two: master, then
 /// node), over shared memory with it, and redis-benchmark GET -c 1, in
-/// alternating rounds; p50s and their ratios to Redis.
+/// alternating rounds; p50s and their ratios to Redis. Then batch gets of
+/// all 16 keys over TCP with and without the cache, alternating.
 fn repeated_gets(rt: &tokio::runtime::Runtime, master: &str, full: bool) {
     use kvpool_config::Transport;
     const SIZE: usize = 4 << 10;
@@ -197,6 +198,47 @@ fn repeated_gets(rt: &tokio::runtime::Runtime, master: &str, full: bool) {
             median(1),
             median(2)
         );
+    }
+    // Batches of all 16 keys (an engine loading a prefix's chunks): through
+    // the location cache, and asking the master every time (the client
+    // without a cache, as every batch get did before batch gets followed
+    // the get protocol), in alternating rounds.
+    let run_batch = |c: &Client| -> f64 {
+        let mut lat = Lat::new();
+        let mut bufs = vec![vec![0u8; SIZE]; keys.len()];
+        rt.block_on(async {
+            for _ in 0..n / keys.len() {
+                let mut items: Vec<(&[u8], &mut [u8])> = keys
+                    .iter()
+                    .zip(bufs.iter_mut())
+                    .map(|(k, b)| (k.as_bytes(), &mut b[..]))
+                    .collect();
+                let t = Instant::now();
+                for r in c.batch_get_into(&mut items).await.expect("batch get") {
+                    r.expect("a key of the batch");
+                }
+                lat.record(t.elapsed(), (SIZE * keys.len()) as u64);
+            }
+        });
+        assert!(
+            bufs.iter().all(|b| *b == value),
+            "the bytes read are the bytes written"
+        );
+        lat.us(0.5)
+    };
+    println!();
+    println!(
+        "repeated batch gets of the 16 keys, {} per round, p50 us:",
+        n / keys.len()
+    );
+    println!(
+        "{:<6} {:>11} {:>13} {:>15}",
+        "round", "tcp_cached", "tcp_uncached", "cached/uncached"
+    );
+    for r in 0..rounds {
+        let a = run_batch(&tcp_cached);
+        let b = run_batch(&tcp_uncached);
+        println!("{r:<6} {a:>11.1} {b:>13.1} {:>15.2}", a / b);
     }
     println!(
         "location cache hits: tcp {}, shm {}",

@@ -56,8 +56,14 @@ fn wait_stored(engine: &Proc, what: &str, n: f64) {
     });
 }
 
-/// Engine processes share this config: the pool client over TCP only.
-const TCP_CONFIG: &str = "[client]\ntransport = \"tcp\"\n";
+/// Engine processes share this config: the pool client over TCP only, and
+/// no location cache. The tests corrupt a chunk by replacing its object
+/// (`flip_a_bit`, another client); an engine that read the chunk before
+/// would read the bytes it read (kept by its read lease) until the lease
+/// ends, as every client of the pool may (docs/ARCHITECTURE.md, "Repeated
+/// gets take one round trip"), instead of the corrupt ones these tests are
+/// about.
+const TCP_CONFIG: &str = "[client]\ntransport = \"tcp\"\nlocation_cache_entries = 0\n";
 
 fn greedy(engine: &Proc, prompt: &[u32], max_tokens: usize, kvp: Option<Value>) -> Value {
     let mut body = json!({"model": "builtin:tiny", "prompt": prompt, "max_tokens": max_tokens,

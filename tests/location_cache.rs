@@ -28,10 +28,16 @@ fn pool(name: &str, lease_ms: u64) -> (common::Proc, std::path::PathBuf) {
 
 /// How many `GetReplicaList` calls the master has answered.
 fn lookups(http: &str) -> u64 {
+    calls(http, "get_replica_list")
+}
+
+/// How many calls of kind `op` the master's shards have answered.
+fn calls(http: &str, op: &str) -> u64 {
     let (status, body) = common::http(http, "GET", "/metrics");
     assert_eq!(status, 200);
+    let label = format!("\"{op}\"");
     body.lines()
-        .filter(|l| l.starts_with("kvpool_master_calls_total{") && l.contains("get_replica_list"))
+        .filter(|l| l.starts_with("kvpool_master_calls_total{") && l.contains(&label))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
         .sum()
 }
@@ -72,6 +78,84 @@ fn a_repeated_get_within_the_lease_does_not_ask_the_master() {
         assert_eq!(lookups(&node.http), before + 2);
         assert_eq!(c.get(b"hot").await.unwrap(), v);
         assert_eq!(lookups(&node.http), before + 2);
+    });
+    drop(node);
+    let _ = std::fs::remove_dir_all(d);
+}
+
+/// Batch gets follow the get protocol: what a client remembers is read
+/// from its node at once, only the other keys are asked for (one
+/// `BatchGet`), and a read through an entry that no longer fits (another
+/// client replaced the value by a shorter one) forgets it and asks again.
+#[test]
+fn a_batch_get_reads_what_it_remembers_and_asks_only_for_the_rest() {
+    let (node, d) = pool("locations-batch", 10_000);
+    let rt = common::rt();
+    rt.block_on(async {
+        let c = Client::connect(&node.addr, client_cfg()).await.unwrap();
+        let other = Client::connect(&node.addr, client_cfg()).await.unwrap();
+        let keys: Vec<Vec<u8>> = (0..4).map(|i| format!("batch-{i}").into_bytes()).collect();
+        let ks: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+        for (i, k) in ks.iter().enumerate() {
+            c.put(k, &value(i as u64, 4096)).await.unwrap();
+        }
+        let asked = || calls(&node.http, "batch_get");
+        let before = asked();
+        let check = |got: Vec<Result<Vec<u8>, kvpool_wire::KvError>>| {
+            for (i, g) in got.into_iter().enumerate() {
+                assert_eq!(g.unwrap(), value(i as u64, 4096), "batch-{i}");
+            }
+        };
+        check(c.batch_get(&ks).await.unwrap());
+        let first = asked();
+        assert!(first > before, "the first batch asks the master");
+        assert_eq!(c.location_hits(), 0);
+        // Again, and into buffers: every key read from its node at once.
+        check(c.batch_get(&ks).await.unwrap());
+        let mut bufs = vec![vec![0u8; 8192]; 4];
+        let mut items: Vec<(&[u8], &mut [u8])> = ks
+            .iter()
+            .copied()
+            .zip(bufs.iter_mut().map(|b| &mut b[..]))
+            .collect();
+        let lens = c.batch_get_into(&mut items).await.unwrap();
+        drop(items);
+        for (i, len) in lens.into_iter().enumerate() {
+            assert_eq!(len.unwrap(), 4096);
+            assert_eq!(&bufs[i][..4096], &value(i as u64, 4096)[..], "batch-{i}");
+        }
+        assert_eq!(asked(), first, "repeats read the nodes only");
+        assert_eq!(c.location_hits(), 8);
+        // A fifth key, not remembered, beside a remembered one: asked alone.
+        c.put(b"batch-4", &value(4, 4096)).await.unwrap();
+        let got = c
+            .batch_get(&[&b"batch-1"[..], &b"batch-4"[..]])
+            .await
+            .unwrap();
+        assert_eq!(got[0].as_ref().unwrap(), &value(1, 4096));
+        assert_eq!(got[1].as_ref().unwrap(), &value(4, 4096));
+        let second = asked();
+        assert!(second > first, "the key not remembered is asked for");
+        assert_eq!(c.location_hits(), 9);
+        // Another client replaces batch-0 by a shorter value: c's entry
+        // (4096 bytes) does not fit a 3000-byte buffer, so c forgets it and
+        // asks again, and reads the new value; batch-2 still comes from its
+        // node.
+        other.remove_with(b"batch-0", true).await.unwrap();
+        other.put(b"batch-0", &value(9, 2048)).await.unwrap();
+        let (mut small, mut big) = (vec![0u8; 3000], vec![0u8; 8192]);
+        let mut items: Vec<(&[u8], &mut [u8])> = vec![
+            (&b"batch-0"[..], &mut small[..]),
+            (&b"batch-2"[..], &mut big[..]),
+        ];
+        let lens = c.batch_get_into(&mut items).await.unwrap();
+        drop(items);
+        assert_eq!(lens[0].as_ref().unwrap(), &2048);
+        assert_eq!(&small[..2048], &value(9, 2048)[..], "the new value");
+        assert_eq!(lens[1].as_ref().unwrap(), &4096);
+        assert_eq!(&big[..4096], &value(2, 4096)[..]);
+        assert!(asked() > second, "the stale entry's key is asked again");
+        assert_eq!(c.location_hits(), 10);
     });
     drop(node);
     let _ = std::fs::remove_dir_all(d);

@@ -33,7 +33,6 @@ use futures_util::FutureExt;
 use kvpool_runtime::hash::{vshard_of, ShardMap};
 use kvpool_transport::engine::{EngineConfig, Transfer, TransferEngine, TransportChoice};
 use kvpool_transport::pool::{ConnPool, Stream};
-use kvpool_transport::read::lease_read_end;
 use kvpool_transport::shm::ShmMap;
 use kvpool_wire::auth::{self, ClusterKey};
 use kvpool_wire::frame::{self, FrameKind};
@@ -1010,16 +1009,6 @@ impl Client {
             valid_until: granted + lease.saturating_sub(READ_MARGIN),
             client: self.inner.clone(),
         })
-    }
-
-    /// Until when replicas listed by a `GetReplicaList` sent at `asked` may
-    /// be read: the read lease's end less [`READ_MARGIN`] (at most a quarter
-    /// of the lease, [`lease_read_end`]). Past it the
-    /// master may free the space and a put reuse it, and a read would find
-    /// other bytes (caught only by a checksum): reads stop there.
-    pub(crate) fn lease_until(&self, asked: Instant) -> Instant {
-        let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
-        lease_read_end(asked, lease, READ_MARGIN)
     }
 
     /// True if a complete object is stored under `key`. Does not extend leases.

@@ -152,6 +152,173 @@ impl<T: Copy + Ord + Add<Duration, Output = T>> GetProtocol<T> {
     }
 }
 
+/// A batch get's protocol: the get protocol ([`GetProtocol`]) for each
+/// key, the asks of a pass gathered into one `BatchGet`, in time `T`.
+/// [`crate::Client::batch_get`] and `batch_get_into` drive it.
+///
+/// ```text
+///   start: each key's get starts (an entry in the cache: a read; else an ask)
+///   pass:  asks() --one BatchGet--> answered(): reads, or those keys' errors
+///          reads() --the driver reads them--> read(i, outcome): the key is done,
+///          or (a failed read through the cache) it asks in the next pass
+/// ```
+///
+/// A read through the cache that fails asks once; a read of an answer that
+/// fails is the key's error: at most two passes.
+#[derive(Debug)]
+pub struct BatchGet<T> {
+    keys: Vec<(GetProtocol<T>, KeyStep<T>)>,
+}
+
+/// Where one key of a batch get is.
+#[derive(Debug)]
+enum KeyStep<T> {
+    Ask,
+    Read(BatchRead<T>),
+    Done(Result<usize, KvError>),
+}
+
+/// A read a batch get asks for.
+#[derive(Debug, Clone)]
+pub struct BatchRead<T> {
+    /// The key's place in the batch.
+    pub index: usize,
+    pub replicas: Arc<[ReplicaDesc]>,
+    /// The value's length (the first replica's): the buffer it needs.
+    pub len: usize,
+    /// No read past this (the read window of the entry or the answer).
+    pub until: T,
+    /// Through the location cache's entry (no master asked).
+    pub cached: bool,
+}
+
+impl<T: Copy + Ord + Add<Duration, Output = T>> BatchGet<T> {
+    /// A get of each of `keys` at `now`, through the location cache's entry
+    /// where one lasts past `now`.
+    pub fn start(keys: &[&[u8]], locations: &Locations<T>, now: T) -> Self {
+        let keys = keys
+            .iter()
+            .enumerate()
+            .map(|(index, k)| {
+                let (get, step) = GetProtocol::start(k, locations, true, now);
+                let step = Self::step(index, step, &get);
+                (get, step)
+            })
+            .collect();
+        Self { keys }
+    }
+
+    fn step(index: usize, step: Step<T>, get: &GetProtocol<T>) -> KeyStep<T> {
+        match step {
+            Step::Ask => KeyStep::Ask,
+            Step::Read { replicas, until } => KeyStep::Read(BatchRead {
+                index,
+                len: replicas.first().map_or(0, |r| r.len as usize),
+                replicas,
+                until,
+                cached: get.cached(),
+            }),
+        }
+    }
+
+    /// The keys to ask the master for now, in one `BatchGet` (their places,
+    /// ascending).
+    pub fn asks(&self) -> Vec<usize> {
+        (0..self.keys.len())
+            .filter(|&i| matches!(self.keys[i].1, KeyStep::Ask))
+            .collect()
+    }
+
+    /// The master's answer at `now` to the asks of `asked` (as
+    /// [`Self::asks`] gave them): one list per key, in order. Each becomes
+    /// the key's read, or its error (no replica: `ObjectNotFound`; a
+    /// list missing from the answer: `Internal`). The cluster's read lease
+    /// is `lease`; `checksums`: this client checks what it reads.
+    #[allow(clippy::too_many_arguments)]
+    pub fn answered(
+        &mut self,
+        keys: &[&[u8]],
+        locations: &Locations<T>,
+        asked: &[usize],
+        lists: Vec<Result<Vec<ReplicaDesc>, KvError>>,
+        lease: Duration,
+        checksums: bool,
+        now: T,
+    ) {
+        let mut lists = lists.into_iter();
+        for &i in asked {
+            let (get, step) = &mut self.keys[i];
+            let answer = lists.next().unwrap_or_else(|| {
+                Err(KvError::new(
+                    ErrorCode::Internal,
+                    "the master's BatchGet answer names fewer keys than were asked",
+                ))
+            });
+            *step = match answer
+                .and_then(|r| get.answered(keys[i], locations, r, lease, checksums, now))
+            {
+                Ok((replicas, until)) => Self::step(i, Step::Read { replicas, until }, get),
+                Err(e) => KeyStep::Done(Err(e)),
+            };
+        }
+    }
+
+    /// The reads to make now (by place, ascending).
+    pub fn reads(&self) -> Vec<BatchRead<T>> {
+        self.keys
+            .iter()
+            .filter_map(|(_, s)| match s {
+                KeyStep::Read(r) => Some(r.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The read of key `index` ended at `now` with `outcome`: the key is
+    /// done (its value's length, or the error), or, through the cache, the
+    /// entry is forgotten and the key asks in the next pass.
+    pub fn read(
+        &mut self,
+        keys: &[&[u8]],
+        locations: &Locations<T>,
+        index: usize,
+        outcome: Result<(), KvError>,
+        now: T,
+    ) {
+        let (get, step) = &mut self.keys[index];
+        let KeyStep::Read(r) = step else {
+            return;
+        };
+        *step = match outcome {
+            Ok(()) => KeyStep::Done(Ok(r.len)),
+            Err(e) => match get.read_failed(keys[index], locations, e, now) {
+                Ok(next) => Self::step(index, next, get),
+                Err(e) => KeyStep::Done(Err(e)),
+            },
+        };
+    }
+
+    /// Whether every key's get has ended.
+    pub fn done(&self) -> bool {
+        self.keys.iter().all(|(_, s)| matches!(s, KeyStep::Done(_)))
+    }
+
+    /// Each key's outcome (its value's length), in order, and how many were
+    /// served through the location cache; `None` until [`Self::done`].
+    pub fn finish(self) -> Option<(Vec<Result<usize, KvError>>, usize)> {
+        let mut hits = 0;
+        let mut out = Vec::with_capacity(self.keys.len());
+        for (get, step) in self.keys {
+            let KeyStep::Done(r) = step else {
+                return None;
+            };
+            hits += usize::from(r.is_ok() && get.cached());
+            out.push(r);
+        }
+        Some((out, hits))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,5 +398,93 @@ mod tests {
         get.answered(b"k", &loc, vec![replica(None)], LEASE, true, ms(4))
             .unwrap();
         assert!(loc.get(b"k", ms(5)).is_none());
+    }
+
+    /// `key` remembered by an answered get at `now`.
+    fn remembered(loc: &Locations<Duration>, key: &[u8], now: Duration) {
+        let (mut get, _) = GetProtocol::start(key, loc, true, now);
+        get.answered(key, loc, vec![replica(Some(1))], LEASE, true, now)
+            .unwrap();
+    }
+
+    #[test]
+    fn a_batch_reads_what_the_cache_holds_and_asks_for_the_rest_in_one_batch_get() {
+        let loc = Locations::<Duration>::new(1024);
+        let keys: [&[u8]; 3] = [b"a", b"b", b"c"];
+        remembered(&loc, b"b", ms(0));
+        let mut batch = BatchGet::start(&keys, &loc, ms(1));
+        assert_eq!(batch.asks(), vec![0, 2]);
+        let reads = batch.reads();
+        assert_eq!(reads.len(), 1);
+        assert!(reads[0].index == 1 && reads[0].cached && reads[0].len == 10);
+        // a is there, c is not.
+        let lists = vec![Ok(vec![replica(Some(1))]), Ok(Vec::new())];
+        batch.answered(&keys, &loc, &[0, 2], lists, LEASE, true, ms(2));
+        assert!(batch.asks().is_empty());
+        let reads = batch.reads();
+        let places: Vec<(usize, bool)> = reads.iter().map(|r| (r.index, r.cached)).collect();
+        assert_eq!(places, vec![(0, false), (1, true)]);
+        // The answer's read window runs from the start (the ask's time).
+        assert_eq!(reads[0].until, ms(1 + 3_500));
+        assert!(!batch.done());
+        batch.read(&keys, &loc, 0, Ok(()), ms(3));
+        batch.read(&keys, &loc, 1, Ok(()), ms(3));
+        assert!(batch.done());
+        let (out, hits) = batch.finish().unwrap();
+        assert_eq!(out[0].as_ref().unwrap(), &10);
+        assert_eq!(out[1].as_ref().unwrap(), &10);
+        assert_eq!(out[2].as_ref().unwrap_err().code, ErrorCode::ObjectNotFound);
+        assert_eq!(hits, 1, "b came through the cache");
+        assert!(loc.get(b"a", ms(4)).is_some(), "a's answer is remembered");
+    }
+
+    #[test]
+    fn a_failed_read_through_the_cache_asks_in_the_next_pass_and_a_failed_read_of_an_answer_ends_the_key(
+    ) {
+        let loc = Locations::<Duration>::new(1024);
+        let keys: [&[u8]; 2] = [b"a", b"b"];
+        remembered(&loc, b"a", ms(0));
+        remembered(&loc, b"b", ms(0));
+        let mut batch = BatchGet::start(&keys, &loc, ms(1));
+        assert!(batch.asks().is_empty());
+        let stale = KvError::new(ErrorCode::InvalidParams, "too small for the entry's value");
+        batch.read(&keys, &loc, 0, Err(stale), ms(2));
+        batch.read(&keys, &loc, 1, Ok(()), ms(2));
+        assert!(loc.get(b"a", ms(3)).is_none(), "a's entry is forgotten");
+        assert_eq!(batch.asks(), vec![0], "a asks in the next pass");
+        batch.answered(
+            &keys,
+            &loc,
+            &[0],
+            vec![Ok(vec![replica(Some(1))])],
+            LEASE,
+            true,
+            ms(3),
+        );
+        let reads = batch.reads();
+        assert!(reads.len() == 1 && !reads[0].cached);
+        let corrupt = KvError::new(ErrorCode::Corrupt, "bytes fail the checksum");
+        batch.read(&keys, &loc, 0, Err(corrupt), ms(4));
+        assert!(batch.done(), "a read of an answer is not asked for again");
+        let (out, hits) = batch.finish().unwrap();
+        assert_eq!(out[0].as_ref().unwrap_err().code, ErrorCode::Corrupt);
+        assert_eq!(out[1].as_ref().unwrap(), &10);
+        assert_eq!(hits, 1);
+    }
+
+    #[test]
+    fn a_key_missing_from_the_masters_answer_is_an_error_not_a_wait() {
+        let loc = Locations::<Duration>::new(1024);
+        let keys: [&[u8]; 2] = [b"a", b"b"];
+        let mut batch = BatchGet::start(&keys, &loc, ms(0));
+        let e = KvError::new(ErrorCode::ReplicaNotReady, "being put");
+        batch.answered(&keys, &loc, &[0, 1], vec![Err(e)], LEASE, true, ms(1));
+        assert!(batch.done());
+        let (out, _) = batch.finish().unwrap();
+        assert_eq!(
+            out[0].as_ref().unwrap_err().code,
+            ErrorCode::ReplicaNotReady
+        );
+        assert_eq!(out[1].as_ref().unwrap_err().code, ErrorCode::Internal);
     }
 }

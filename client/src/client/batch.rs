@@ -3,6 +3,7 @@
 
 use super::*;
 
+use crate::get::{BatchGet, BatchRead};
 use crate::put::batch::{BatchPut, Round};
 use crate::put::{Input, OneId};
 
@@ -143,108 +144,143 @@ impl Client {
     }
 
     /// Reads several values straight into the given buffers; one result per
-    /// item (the value's length), in order.
+    /// item (the value's length), in order. Each key follows the get
+    /// protocol ([`GetProtocol`]): a key this client read while its lease
+    /// still lasts is read from its node at once, the others are asked of
+    /// the master in one `BatchGet` (see [`Client::batch_get`]). A value
+    /// longer than its buffer is `InvalidParams` (nothing is read).
     pub async fn batch_get_into(
         &self,
         items: &mut [(&[u8], &mut [u8])],
     ) -> Result<Vec<Result<usize, KvError>>, KvError> {
+        let keys: Vec<&[u8]> = items.iter().map(|(k, _)| *k).collect();
+        let mut dsts = Dsts::Into(items);
+        let r = self.batch_read(&keys, &mut dsts).await;
+        self.report_unreachable_later();
+        r
+    }
+
+    /// Reads several values; one result per key, in order. Each key
+    /// follows the get protocol ([`GetProtocol`]), as [`Client::get`]: a
+    /// key this client read while its lease still lasts is read from its
+    /// node at once (the location cache's entry); the others are asked of
+    /// the master in one `BatchGet`, and what it answers is remembered.
+    /// The reads go side by side in the transfer engine, each until its
+    /// replicas' read window ends; a read through an entry that fails
+    /// (the object replaced, a node gone) forgets the entry and asks once
+    /// more, with the batch's other such keys.
+    pub async fn batch_get(
+        &self,
+        keys: &[&[u8]],
+    ) -> Result<Vec<Result<Vec<u8>, KvError>>, KvError> {
+        let mut bufs = vec![Vec::new(); keys.len()];
+        let r = self.batch_read(keys, &mut Dsts::Owned(&mut bufs)).await;
+        self.report_unreachable_later();
+        Ok(r?
+            .into_iter()
+            .zip(bufs)
+            .map(|(r, buf)| r.map(|_| buf))
+            .collect())
+    }
+
+    /// A batch get's driver ([`BatchGet`]): in each pass, one `BatchGet`
+    /// of the keys that ask, then every read side by side: those through
+    /// the location cache and those the master answered in two engine
+    /// batches, each until the earliest end of its reads' windows (and the
+    /// call's deadline). A value that does not fit its buffer is a failed
+    /// read (through the cache, the entry may be stale: it asks again).
+    async fn batch_read(
+        &self,
+        keys: &[&[u8]],
+        dsts: &mut Dsts<'_, '_, '_>,
+    ) -> Result<Vec<Result<usize, KvError>>, KvError> {
         let deadline = self.call_deadline();
         self.deadline("batch_get", async {
-            let req = call::BatchGet {
-                keys: items.iter().map(|(k, _)| k.to_vec()).collect(),
-            };
-            let until = self.lease_until(Instant::now());
-            let lists: Vec<Result<Vec<ReplicaDesc>, KvError>> =
-                self.ask(req).await?.into_iter().map(Result::from).collect();
-            let mut out: Vec<Result<usize, KvError>> = Vec::with_capacity(items.len());
-            let mut transfers: Vec<Transfer<'_>> = Vec::new();
-            let mut which: Vec<usize> = Vec::new();
-            for (i, (list, (key, buf))) in lists.iter().zip(items.iter_mut()).enumerate() {
-                match list {
-                    Ok(reps) if reps.is_empty() => out.push(Err(KvError::new(
-                        ErrorCode::ObjectNotFound,
-                        "no readable replica",
-                    ))),
-                    Ok(reps) => {
-                        let len = reps[0].len as usize;
-                        if len > buf.len() {
-                            out.push(Err(too_small(len, buf.len())));
-                        } else {
-                            out.push(Ok(len));
-                            transfers.push(Transfer::read(key, &mut buf[..len], reps));
-                            which.push(i);
-                        }
+            let locations = &self.inner.locations;
+            let mut batch = BatchGet::start(keys, locations, Instant::now());
+            while !batch.done() {
+                let asked = batch.asks();
+                if !asked.is_empty() {
+                    let req = call::BatchGet {
+                        keys: asked.iter().map(|&i| keys[i].to_vec()).collect(),
+                    };
+                    let lists = self.ask(req).await?.into_iter().map(Result::from).collect();
+                    let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
+                    let checks = self.inner.cfg.checksums;
+                    let now = Instant::now();
+                    batch.answered(keys, locations, &asked, lists, lease, checks, now);
+                }
+                let mut outcomes = Vec::new();
+                let mut fitting = Vec::new();
+                for r in batch.reads() {
+                    match dsts.size(r.index, r.len) {
+                        Ok(()) => fitting.push(r),
+                        Err(e) => outcomes.push((r.index, Err(e))),
                     }
-                    Err(e) => out.push(Err(e.clone())),
+                }
+                outcomes.extend(self.batch_transfers(keys, &fitting, dsts, deadline).await);
+                let now = Instant::now();
+                for (i, outcome) in outcomes {
+                    batch.read(keys, locations, i, outcome, now);
                 }
             }
-            // No read past the lease (see `Client::lease_until`).
-            let until = deadline.min(until);
-            self.inner.engine.run(&mut transfers, until, None).await;
-            for (t, &i) in transfers.into_iter().zip(&which) {
-                if let Some(Err(e)) = t.status {
-                    out[i] = Err(e);
-                }
-            }
+            let (out, hits) = batch.finish().expect("every key's get ended");
+            self.inner
+                .location_hits
+                .fetch_add(hits as u64, Ordering::Relaxed);
             Ok(out)
         })
         .await
     }
 
-    /// Reads several values; one result per key, in order.
-    pub async fn batch_get(
+    /// Makes `reads` (ascending places) into their buffers: those through
+    /// the location cache and those the master answered in two engine
+    /// batches side by side, each stopped at the earliest end of its
+    /// reads' windows (and `deadline`). Each read's place and outcome.
+    async fn batch_transfers(
         &self,
         keys: &[&[u8]],
-    ) -> Result<Vec<Result<Vec<u8>, KvError>>, KvError> {
-        let deadline = self.call_deadline();
-        self.deadline("batch_get", async {
-            let req = call::BatchGet {
-                keys: keys.iter().map(|k| k.to_vec()).collect(),
-            };
-            let until = self.lease_until(Instant::now());
-            let lists: Vec<Result<Vec<ReplicaDesc>, KvError>> =
-                self.ask(req).await?.into_iter().map(Result::from).collect();
-            let mut bufs: Vec<Vec<u8>> = lists
-                .iter()
-                .map(|l| match l {
-                    Ok(reps) if !reps.is_empty() => vec![0u8; reps[0].len as usize],
-                    _ => Vec::new(),
-                })
-                .collect();
-            let mut transfers: Vec<Transfer<'_>> = Vec::new();
-            let mut which: Vec<usize> = Vec::new();
-            for (i, (list, buf)) in lists.iter().zip(bufs.iter_mut()).enumerate() {
-                if let Ok(reps) = list {
-                    if !reps.is_empty() {
-                        transfers.push(Transfer::read(keys[i], buf, reps));
-                        which.push(i);
-                    }
-                }
+        reads: &[BatchRead<Instant>],
+        dsts: &mut Dsts<'_, '_, '_>,
+        deadline: Instant,
+    ) -> Vec<(usize, Result<(), KvError>)> {
+        let want: Vec<(usize, usize)> = reads.iter().map(|r| (r.index, r.len)).collect();
+        let bufs = dsts.slices(&want);
+        let (mut cached, mut asked) = (Vec::new(), Vec::new());
+        let (mut cached_until, mut asked_until) = (deadline, deadline);
+        for (r, buf) in reads.iter().zip(bufs) {
+            let t = Transfer::read(keys[r.index], buf, &r.replicas);
+            if r.cached {
+                cached_until = cached_until.min(r.until);
+                cached.push(t);
+            } else {
+                asked_until = asked_until.min(r.until);
+                asked.push(t);
             }
-            // No read past the lease (see `Client::lease_until`).
-            let until = deadline.min(until);
-            self.inner.engine.run(&mut transfers, until, None).await;
-            let mut status: Vec<Option<KvError>> = vec![None; keys.len()];
-            for (t, &i) in transfers.into_iter().zip(&which) {
-                if let Some(Err(e)) = t.status {
-                    status[i] = Some(e);
-                }
-            }
-            Ok(lists
-                .into_iter()
-                .zip(bufs)
-                .zip(status)
-                .map(|((list, buf), st)| match (list, st) {
-                    (Err(e), _) | (Ok(_), Some(e)) => Err(e),
-                    (Ok(reps), None) if reps.is_empty() => Err(KvError::new(
-                        ErrorCode::ObjectNotFound,
-                        "no readable replica",
-                    )),
-                    (Ok(_), None) => Ok(buf),
-                })
-                .collect())
-        })
-        .await
+        }
+        let engine = &self.inner.engine;
+        tokio::join!(
+            engine.run(&mut cached, cached_until, None),
+            engine.run(&mut asked, asked_until, None),
+        );
+        let (mut cached, mut asked) = (cached.into_iter(), asked.into_iter());
+        reads
+            .iter()
+            .map(|r| {
+                let t = if r.cached {
+                    cached.next()
+                } else {
+                    asked.next()
+                };
+                let outcome = t.and_then(|t| t.status).unwrap_or_else(|| {
+                    Err(KvError::new(
+                        ErrorCode::Internal,
+                        "a read without an outcome",
+                    ))
+                });
+                (r.index, outcome)
+            })
+            .collect()
     }
 
     /// Whether each key is stored; one result per key, in order.
@@ -307,5 +343,45 @@ impl Client {
             Ok(out)
         })
         .await
+    }
+}
+
+/// Where a batch get's values go: buffers it sizes itself
+/// ([`Client::batch_get`]) or the caller's ([`Client::batch_get_into`]).
+enum Dsts<'a, 'k, 'b> {
+    Owned(&'a mut [Vec<u8>]),
+    Into(&'a mut [(&'k [u8], &'b mut [u8])]),
+}
+
+impl Dsts<'_, '_, '_> {
+    /// Makes item `i`'s buffer hold a value of `len` bytes: sized to it, or
+    /// `InvalidParams` when the caller's is smaller.
+    fn size(&mut self, i: usize, len: usize) -> Result<(), KvError> {
+        match self {
+            Dsts::Owned(bufs) => {
+                bufs[i].clear();
+                bufs[i].resize(len, 0);
+                Ok(())
+            }
+            Dsts::Into(items) if items[i].1.len() < len => Err(too_small(len, items[i].1.len())),
+            Dsts::Into(_) => Ok(()),
+        }
+    }
+
+    /// The buffers of the items `want` names (ascending item, the value's
+    /// length), in that order.
+    fn slices(&mut self, want: &[(usize, usize)]) -> Vec<&mut [u8]> {
+        let mut want = want.iter().peekable();
+        let bufs: Box<dyn Iterator<Item = &mut [u8]>> = match self {
+            Dsts::Owned(bufs) => Box::new(bufs.iter_mut().map(|b| b.as_mut_slice())),
+            Dsts::Into(items) => Box::new(items.iter_mut().map(|(_, b)| &mut **b)),
+        };
+        let mut out = Vec::with_capacity(want.len());
+        for (i, b) in bufs.enumerate() {
+            if let Some(&(_, len)) = want.next_if(|w| w.0 == i) {
+                out.push(&mut b[..len]);
+            }
+        }
+        out
     }
 }
