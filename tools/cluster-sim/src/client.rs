@@ -40,7 +40,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpool_client::get::{GetProtocol, Step};
+use kvpool_client::get::{BatchGet, GetProtocol, Step};
 use kvpool_client::locations::Locations;
 use kvpool_client::put::batch::{Ask, BatchPut, Round};
 use kvpool_client::put::{Action, Input, OneId, PlaceIds, PutIds, PutProtocol};
@@ -77,6 +77,8 @@ enum Stage {
     Reading,
     /// A batch put's round ([`Op::batch`]).
     Batch,
+    /// A batch get ([`Op::batch_get`]).
+    BatchGet,
     Removing,
 }
 
@@ -98,6 +100,7 @@ struct Op {
     /// The read of a get or read-back.
     reader: Option<Reader>,
     batch: Option<Box<BatchRun>>,
+    batch_get: Option<Box<BatchGetRun>>,
     /// The keys this call changes (a put's, a batch's, a removal's): the
     /// location cache forgets them when it is over.
     changes: Vec<Vec<u8>>,
@@ -125,7 +128,9 @@ struct Env<'a> {
 #[derive(Debug)]
 struct Reader {
     key: Vec<u8>,
-    get: GetProtocol<Duration>,
+    /// `None` for a read of a batch get (whose protocol decides on a
+    /// failed read).
+    get: Option<GetProtocol<Duration>>,
     /// The id of the `GetReplicaList` out (0: none).
     awaiting: u64,
     /// Until when the replicas may be read (the protocol's step).
@@ -151,17 +156,39 @@ impl Reader {
         let (get, step) = GetProtocol::start(&key, env.locations, cache, at(ctx));
         let mut r = Self {
             key,
-            get,
+            get: Some(get),
             awaiting: 0,
             lease_end: Duration::ZERO,
             replicas: Arc::new([]),
             read: None,
             reading: None,
         };
-        if r.get.cached() {
+        if r.get.as_ref().is_some_and(|g| g.cached()) {
             ctx.stats.location_hits += 1;
         }
         let res = r.step(step, env, ctx);
+        (r, res)
+    }
+
+    /// A read of `replicas` of `key` until `until`, for a batch get (whose
+    /// protocol takes its outcome). `Some` when it is already over.
+    fn of(
+        key: Vec<u8>,
+        replicas: Arc<[ReplicaDesc]>,
+        until: Duration,
+        env: &mut Env<'_>,
+        ctx: &mut Ctx,
+    ) -> (Self, Option<ReadResult>) {
+        let mut r = Self {
+            key,
+            get: None,
+            awaiting: 0,
+            lease_end: Duration::ZERO,
+            replicas: Arc::new([]),
+            read: None,
+            reading: None,
+        };
+        let res = r.begin(replicas, until, env, ctx);
         (r, res)
     }
 
@@ -222,10 +249,8 @@ impl Reader {
         };
         let lease = Duration::from_millis(LEASE_TTL_MS);
         let (key, loc) = (&self.key, env.locations);
-        match self
-            .get
-            .answered(key, loc, rs, lease, env.checksums, at(ctx))
-        {
+        let get = self.get.as_mut().expect("a get's read asks");
+        match get.answered(key, loc, rs, lease, env.checksums, at(ctx)) {
             Ok((rs, until)) => self.begin(rs, until, env, ctx),
             Err(e) => Some(Err(e.code)),
         }
@@ -252,8 +277,11 @@ impl Reader {
             // The protocol's rule: a read through the cache's entry that
             // failed forgets it and asks the master; else the error.
             read::Step::Failed(e) => {
-                let (key, loc) = (&self.key, env.locations);
-                return match self.get.read_failed(key, loc, e, at(ctx)) {
+                let Some(get) = self.get.as_mut() else {
+                    return Some(Err(e.code));
+                };
+                let failed = get.read_failed(&self.key, env.locations, e, at(ctx));
+                return match failed {
                     Ok(step) => self.step(step, env, ctx),
                     Err(e) => Some(Err(e.code)),
                 };
@@ -368,6 +396,28 @@ impl BatchRun {
             && self.report.is_none()
             && self.readers.is_empty()
     }
+}
+
+/// A batch get under way: the client's REAL batch get protocol
+/// ([`BatchGet`]: the location cache's entries first, the other keys in one
+/// `BatchGet`, a stale entry's key asked in a second pass), each read by a
+/// [`Reader`] over the engine's read rules; a pass's reads side by side,
+/// those through the cache and those of the answer each until their
+/// group's earliest window's end, as `Client::batch_get` runs them.
+#[derive(Debug)]
+struct BatchGetRun {
+    keys: Vec<Vec<u8>>,
+    batch: BatchGet<Duration>,
+    /// The `BatchGet` out: its id and the places it asks for.
+    asking: Option<(u64, Vec<usize>)>,
+    /// The pass's reads under way: each key's place and its reader.
+    readers: Vec<(usize, Reader)>,
+}
+
+/// A read's end as the batch get protocol takes it.
+fn outcome(res: ReadResult) -> Result<(), KvError> {
+    res.map(|_| ())
+        .map_err(|code| KvError::new(code, "the read failed"))
 }
 
 pub struct ClientModel {
@@ -498,6 +548,9 @@ impl ClientModel {
                 let a = self.protocol().0.written(Err(e));
                 self.drive(a, ctx);
             }
+            Timer::ClientReadShare(id) if matches!(o.stage, Stage::BatchGet) => {
+                self.batch_get_read(id, None, ctx);
+            }
             Timer::ClientReadShare(id) if matches!(o.stage, Stage::Reading) => {
                 let (reader, mut env) = self.reading();
                 if let Some(res) = reader.on_share(id, &mut env, ctx) {
@@ -549,6 +602,7 @@ impl ClientModel {
             reading_back: false,
             reader: None,
             batch: None,
+            batch_get: None,
             changes: Vec::new(),
         };
         ctx.timer(self.me(), CLIENT_TIMEOUT_MS, Timer::ClientDeadline(id));
@@ -595,7 +649,25 @@ impl ClientModel {
                 self.op = Some(op);
                 self.batch_round(round, ctx);
             }
-            40..=89 => {
+            85..=89 => {
+                // A batch get of 2-4 keys (now and then one twice).
+                let n = ctx.rng.random_range(2..=4);
+                let keys: Vec<Vec<u8>> =
+                    (0..n).map(|_| key(ctx.rng.random_range(0..KEYS))).collect();
+                let ks: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+                let batch = BatchGet::start(&ks, &self.locations, at(ctx));
+                ctx.stats.batch_gets += 1;
+                op.stage = Stage::BatchGet;
+                op.batch_get = Some(Box::new(BatchGetRun {
+                    keys,
+                    batch,
+                    asking: None,
+                    readers: Vec::new(),
+                }));
+                self.op = Some(op);
+                self.batch_get_pass(ctx);
+            }
+            40..=84 => {
                 self.op = Some(op);
                 let (o, mut env) = self.op_env();
                 let (reader, res) = Reader::start(k, true, &mut env, ctx);
@@ -735,6 +807,9 @@ impl ClientModel {
         if matches!(o.stage, Stage::Batch) {
             return self.batch_msg(m.body, ctx);
         }
+        if matches!(o.stage, Stage::BatchGet) {
+            return self.batch_get_msg(m.body, ctx);
+        }
         let reader = o.reader.as_ref();
         match m.body {
             Body::Resp { id, res } if reader.is_some_and(|r| r.awaiting == id) => {
@@ -795,6 +870,115 @@ impl ClientModel {
             let a = self.protocol().0.written(Ok(checksum));
             self.drive(a, ctx);
         }
+    }
+
+    // A batch get: the real `BatchGet`'s passes, carried out here.
+
+    /// The batch get's next pass: its asks out, else its reads side by
+    /// side; the call ends once every key's get has.
+    fn batch_get_pass(&mut self, ctx: &mut Ctx) {
+        loop {
+            let (o, mut env) = self.op_env();
+            let b = o.batch_get.as_mut().expect("a batch get");
+            if b.batch.done() {
+                return self.batch_get_end(ctx);
+            }
+            let asks = b.batch.asks();
+            if !asks.is_empty() {
+                let keys = asks.iter().map(|&i| b.keys[i].clone()).collect();
+                let id = ctx.ask(env.me, MasterRequest::BatchGet { keys });
+                b.asking = Some((id, asks));
+                return;
+            }
+            let reads = b.batch.reads();
+            let end = |cached: bool| {
+                reads
+                    .iter()
+                    .filter(|r| r.cached == cached)
+                    .map(|r| r.until)
+                    .min()
+                    .unwrap_or(Duration::ZERO)
+            };
+            let (cached_end, asked_end) = (end(true), end(false));
+            let mut over = Vec::new();
+            for r in reads {
+                let until = if r.cached { cached_end } else { asked_end };
+                let key = b.keys[r.index].clone();
+                match Reader::of(key, r.replicas, until, &mut env, ctx) {
+                    (_, Some(res)) => over.push((r.index, res)),
+                    (reader, None) => b.readers.push((r.index, reader)),
+                }
+            }
+            let ks: Vec<&[u8]> = b.keys.iter().map(|k| &k[..]).collect();
+            for (i, res) in over {
+                b.batch.read(&ks, env.locations, i, outcome(res), at(ctx));
+            }
+            if !b.readers.is_empty() {
+                return;
+            }
+        }
+    }
+
+    /// A message for the batch get: the master's answer to its asks, or a
+    /// node's to one of its reads.
+    fn batch_get_msg(&mut self, body: Body, ctx: &mut Ctx) {
+        match body {
+            Body::Resp { id, res } => {
+                let (o, env) = self.op_env();
+                let b = o.batch_get.as_mut().expect("a batch get");
+                let Some((_, asked)) = b.asking.take_if(|a| a.0 == id) else {
+                    return;
+                };
+                // As the client's typed call: the call's error, or an
+                // answer of another kind, is the batch's.
+                let lists = match res.and_then(call::BatchGet::reply) {
+                    Ok(v) => v.into_iter().map(Result::from).collect(),
+                    Err(e) => return self.end(ctx, Err(e.code)),
+                };
+                let ks: Vec<&[u8]> = b.keys.iter().map(|k| &k[..]).collect();
+                let lease = Duration::from_millis(LEASE_TTL_MS);
+                let (loc, sums) = (env.locations, env.checksums);
+                b.batch
+                    .answered(&ks, loc, &asked, lists, lease, sums, at(ctx));
+                self.batch_get_pass(ctx);
+            }
+            Body::Data { id, res } => self.batch_get_read(id, Some(res), ctx),
+            _ => {}
+        }
+    }
+
+    /// A node's answer to the batch get's read `id` (`None`: its share of
+    /// the time passed).
+    fn batch_get_read(&mut self, id: u64, res: Option<ReadResult>, ctx: &mut Ctx) {
+        let (o, mut env) = self.op_env();
+        let b = o.batch_get.as_mut().expect("a batch get");
+        let Some(j) = b.readers.iter().position(|(_, r)| r.reads(id)) else {
+            return;
+        };
+        let reader = &mut b.readers[j].1;
+        let over = match res {
+            Some(res) => reader.on_data(res, &mut env, ctx),
+            None => reader.on_share(id, &mut env, ctx),
+        };
+        let Some(res) = over else {
+            return;
+        };
+        let (i, _) = b.readers.remove(j);
+        let ks: Vec<&[u8]> = b.keys.iter().map(|k| &k[..]).collect();
+        b.batch.read(&ks, env.locations, i, outcome(res), at(ctx));
+        if b.readers.is_empty() {
+            self.batch_get_pass(ctx);
+        }
+    }
+
+    /// Every key's get ended: the call's end.
+    fn batch_get_end(&mut self, ctx: &mut Ctx) {
+        let o = self.op.as_mut().expect("a batch get");
+        let b = o.batch_get.take().expect("a batch get");
+        let (out, hits) = b.batch.finish().expect("done");
+        ctx.stats.location_hits += hits as u64;
+        ctx.stats.gets_ok += out.iter().filter(|r| r.is_ok()).count() as u64;
+        self.end(ctx, Ok(()));
     }
 
     // A batch put: the real `BatchPut`'s rounds, carried out here.

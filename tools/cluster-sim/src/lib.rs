@@ -22,7 +22,8 @@
 //!   batches ([`kvpool_client::put::batch::BatchPut`]); the model does its
 //!   I/O. Their gets run the client's real get protocol
 //!   ([`kvpool_client::get::GetProtocol`]: its location cache first, on the
-//!   simulated clock, what an answer leaves there and until when) and the
+//!   simulated clock, what an answer leaves there and until when), singly
+//!   and in batches ([`kvpool_client::get::BatchGet`]), and the
 //!   transfer engine's real read rules ([`kvpool_transport::read`]: replica
 //!   order, shares of the time left, failover, unreachable nodes);
 //!   removals are a model of `Client::remove_with` (one call).
@@ -327,6 +328,8 @@ pub struct Stats {
     pub read_shares_passed: u64,
     /// Batch puts begun (each runs the real `BatchPut`).
     pub batch_puts: u64,
+    /// Batch gets (the client's real `BatchGet`).
+    pub batch_gets: u64,
     /// Copies the tiers evicted, in the real tier's FIFO and LRU orders.
     pub fifo_evictions: u64,
     pub lru_evictions: u64,
@@ -343,8 +346,8 @@ pub struct Stats {
     pub hot_fetches: u64,
     pub hot_fetches_failed: u64,
     /// Grants the nodes checked (seeds with a cluster secret), and those
-    /// refused as expired (sent late: a hot fetch whose read ran past its
-    /// grants, none so far); any other refusal breaks an invariant.
+    /// refused as expired (sent late: a hot fetch that waited in its
+    /// node's round past its grants); any other refusal breaks an invariant.
     pub grants_checked: u64,
     pub grants_expired: u64,
 }
@@ -373,6 +376,7 @@ impl Stats {
         self.read_failovers += o.read_failovers;
         self.read_shares_passed += o.read_shares_passed;
         self.batch_puts += o.batch_puts;
+        self.batch_gets += o.batch_gets;
         self.fifo_evictions += o.fifo_evictions;
         self.lru_evictions += o.lru_evictions;
         self.tier_full += o.tier_full;
@@ -501,8 +505,9 @@ impl Ctx {
     /// segment the node no longer serves) is the request's error. A grant
     /// the master signed covers what the client does with it: a grant
     /// refused for anything but its expiry breaks an invariant. An expired
-    /// one (a hot fetch whose read ran past its grants) is refused as the
-    /// node refuses it: the fetch fails and the object is replicated later.
+    /// one (a hot fetch that waited in its node's round past its grants) is
+    /// refused as the node refuses it: the fetch fails and the object is
+    /// replicated later.
     pub fn admit(&mut self, node: NodeGate<'_>, req: &DataRequest) -> Result<(), ErrorCode> {
         let now_ms = UNIX_AT_ZERO_MS + self.now;
         let expires_ms = match req {

@@ -177,6 +177,7 @@ fn every_invariant_holds_on_every_seed() {
         );
         // The real batch put ran.
         assert!(total.batch_puts > 0, "{total:?}");
+        assert!(total.batch_gets > 0, "{total:?}");
     }
 }
 
