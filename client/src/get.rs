@@ -126,10 +126,11 @@ impl<T: Copy + Ord + Add<Duration, Output = T>> GetProtocol<T> {
         // space and a put reuse it, and a read would find other bytes
         // (caught only by a checksum).
         let until = lease_read_end(self.asked, lease, READ_MARGIN);
+        let replicas: Arc<[ReplicaDesc]> = replicas.into();
         if let Some(seen) = self.generation {
-            locations.put(key, &cacheable(&replicas, checksums), until, seen, now);
+            locations.put(key, cacheable(&replicas, checksums), until, seen, now);
         }
-        Ok((replicas.into(), until))
+        Ok((replicas, until))
     }
 
     /// The read failed with `e` at `now`: through the cache's entry, the

@@ -66,15 +66,14 @@ pub struct Generation(u64);
 /// reuses locations) of an object with a checksum this client checks
 /// (`checksums`: a master restarted meanwhile knows no leases, and its new
 /// puts may land where the object was).
-pub fn cacheable(replicas: &[ReplicaDesc], checksums: bool) -> Vec<ReplicaDesc> {
-    if !checksums {
-        return Vec::new();
+/// When every replica is worth it (DRAM only, with a checksum: the common
+/// answer), the answer itself is shared, not copied.
+pub fn cacheable(replicas: &Arc<[ReplicaDesc]>, checksums: bool) -> Arc<[ReplicaDesc]> {
+    let kept = |d: &ReplicaDesc| checksums && d.tier == Tier::Dram && d.checksum.is_some();
+    if replicas.iter().all(kept) {
+        return replicas.clone();
     }
-    replicas
-        .iter()
-        .filter(|d| d.tier == Tier::Dram && d.checksum.is_some())
-        .cloned()
-        .collect()
+    replicas.iter().filter(|d| kept(d)).cloned().collect()
 }
 
 fn hash(key: &[u8]) -> u64 {
@@ -129,7 +128,15 @@ impl<T: Copy + Ord> Locations<T> {
     /// Remembers `replicas` of `key` until `until` (it is `now`), unless
     /// this client changed the key since `seen` (then the answer may be of
     /// the object before the change).
-    pub fn put(&self, key: &[u8], replicas: &[ReplicaDesc], until: T, seen: Generation, now: T) {
+    pub fn put(
+        &self,
+        key: &[u8],
+        replicas: impl Into<Arc<[ReplicaDesc]>>,
+        until: T,
+        seen: Generation,
+        now: T,
+    ) {
+        let replicas = replicas.into();
         if self.per_part == 0 || replicas.is_empty() || until <= now {
             return;
         }
@@ -147,7 +154,7 @@ impl<T: Copy + Ord> Locations<T> {
                 }
             }
         }
-        part.insert(key.to_vec(), (until, replicas.into()));
+        part.insert(key.to_vec(), (until, replicas));
     }
 
     /// Forgets `key` (this client removed or rewrote it, or a read through
@@ -210,13 +217,13 @@ pub(crate) mod tests {
         let g = |k: &[u8]| l.generation(k);
         let t0 = Instant::now();
         let ms = |n| t0 + Duration::from_millis(n);
-        l.put(b"a", &[rep(64)], ms(50), g(b"a"), t0);
+        l.put(b"a", [rep(64)], ms(50), g(b"a"), t0);
         assert_eq!(l.get(b"a", ms(49)).unwrap().1[0].offset, 64);
         assert!(l.get(b"a", ms(50)).is_none(), "the lease has ended");
         assert!(l.get(b"a", ms(1)).is_none(), "and the entry went");
-        l.put(b"b", &[rep(1)], ms(10), g(b"b"), ms(10));
+        l.put(b"b", [rep(1)], ms(10), g(b"b"), ms(10));
         assert!(l.get(b"b", ms(0)).is_none(), "an ended lease is not kept");
-        l.put(b"c", &[rep(1)], ms(5_000), g(b"c"), t0);
+        l.put(b"c", [rep(1)], ms(5_000), g(b"c"), t0);
         l.forget(b"c");
         assert!(l.get(b"c", t0).is_none());
     }
@@ -227,13 +234,9 @@ pub(crate) mod tests {
         summed.checksum = Some(7);
         let mut nvme = summed.clone();
         nvme.tier = Tier::Nvme;
-        let all = [rep(0), summed.clone(), nvme];
-        assert_eq!(cacheable(&all, true), vec![summed]);
-        assert_eq!(
-            cacheable(&all, false),
-            vec![],
-            "a client that checks nothing"
-        );
+        let all: Arc<[ReplicaDesc]> = [rep(0), summed.clone(), nvme].into();
+        assert_eq!(*cacheable(&all, true), [summed]);
+        assert_eq!(*cacheable(&all, false), [], "a client that checks nothing");
     }
 
     #[test]
@@ -244,15 +247,15 @@ pub(crate) mod tests {
         // A get asks the master; meanwhile this client rewrites the key.
         let asked = l.generation(b"k");
         l.forget(b"k");
-        l.put(b"k", &[rep(1)], until, asked, now);
+        l.put(b"k", [rep(1)], until, asked, now);
         assert!(l.get(b"k", now).is_none(), "the old answer came back");
         // An answer asked for after the change is kept.
-        l.put(b"k", &[rep(2)], until, l.generation(b"k"), now);
+        l.put(b"k", [rep(2)], until, l.generation(b"k"), now);
         assert_eq!(l.get(b"k", now).unwrap().1[0].offset, 2);
         // remove_all: every answer asked for before it is stale.
         let asked = l.generation(b"other");
         l.clear();
-        l.put(b"other", &[rep(3)], until, asked, now);
+        l.put(b"other", [rep(3)], until, asked, now);
         assert!(l.get(b"other", now).is_none());
     }
 
@@ -263,13 +266,13 @@ pub(crate) mod tests {
         let until = now + Duration::from_secs(5);
         for i in 0..10_000u32 {
             let k = i.to_le_bytes();
-            l.put(&k, &[rep(i as u64)], until, l.generation(&k), now);
+            l.put(&k, [rep(i as u64)], until, l.generation(&k), now);
         }
         assert!(l.len() <= 32, "{}", l.len());
         l.clear();
         assert_eq!(l.len(), 0);
         let off = Locations::new(0);
-        off.put(b"a", &[rep(1)], until, off.generation(b"a"), now);
+        off.put(b"a", [rep(1)], until, off.generation(b"a"), now);
         assert!(off.get(b"a", now).is_none());
     }
 }

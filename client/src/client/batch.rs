@@ -154,10 +154,7 @@ impl Client {
         items: &mut [(&[u8], &mut [u8])],
     ) -> Result<Vec<Result<usize, KvError>>, KvError> {
         let keys: Vec<&[u8]> = items.iter().map(|(k, _)| *k).collect();
-        let mut dsts = Dsts::Into(items);
-        let r = self.batch_read(&keys, &mut dsts).await;
-        self.report_unreachable_later();
-        r
+        self.batch_read(&keys, &mut Dsts::Into(items)).await
     }
 
     /// Reads several values; one result per key, in order. Each key
@@ -175,7 +172,6 @@ impl Client {
     ) -> Result<Vec<Result<Vec<u8>, KvError>>, KvError> {
         let mut bufs = vec![Vec::new(); keys.len()];
         let r = self.batch_read(keys, &mut Dsts::Owned(&mut bufs)).await;
-        self.report_unreachable_later();
         Ok(r?
             .into_iter()
             .zip(bufs)
@@ -195,42 +191,45 @@ impl Client {
         dsts: &mut Dsts<'_, '_, '_>,
     ) -> Result<Vec<Result<usize, KvError>>, KvError> {
         let deadline = self.call_deadline();
-        self.deadline("batch_get", async {
-            let locations = &self.inner.locations;
-            let mut batch = BatchGet::start(keys, locations, Instant::now());
-            while !batch.done() {
-                let asked = batch.asks();
-                if !asked.is_empty() {
-                    let req = call::BatchGet {
-                        keys: asked.iter().map(|&i| keys[i].to_vec()).collect(),
-                    };
-                    let lists = self.ask(req).await?.into_iter().map(Result::from).collect();
-                    let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
-                    let checks = self.inner.cfg.checksums;
+        let r = self
+            .deadline("batch_get", async {
+                let locations = &self.inner.locations;
+                let mut batch = BatchGet::start(keys, locations, Instant::now());
+                while !batch.done() {
+                    let asked = batch.asks();
+                    if !asked.is_empty() {
+                        let req = call::BatchGet {
+                            keys: asked.iter().map(|&i| keys[i].to_vec()).collect(),
+                        };
+                        let lists = self.ask(req).await?.into_iter().map(Result::from).collect();
+                        let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
+                        let checks = self.inner.cfg.checksums;
+                        let now = Instant::now();
+                        batch.answered(keys, locations, &asked, lists, lease, checks, now);
+                    }
+                    let mut outcomes = Vec::new();
+                    let mut fitting = Vec::new();
+                    for r in batch.reads() {
+                        match dsts.size(r.index, r.len) {
+                            Ok(()) => fitting.push(r),
+                            Err(e) => outcomes.push((r.index, Err(e))),
+                        }
+                    }
+                    outcomes.extend(self.batch_transfers(keys, &fitting, dsts, deadline).await);
                     let now = Instant::now();
-                    batch.answered(keys, locations, &asked, lists, lease, checks, now);
-                }
-                let mut outcomes = Vec::new();
-                let mut fitting = Vec::new();
-                for r in batch.reads() {
-                    match dsts.size(r.index, r.len) {
-                        Ok(()) => fitting.push(r),
-                        Err(e) => outcomes.push((r.index, Err(e))),
+                    for (i, outcome) in outcomes {
+                        batch.read(keys, locations, i, outcome, now);
                     }
                 }
-                outcomes.extend(self.batch_transfers(keys, &fitting, dsts, deadline).await);
-                let now = Instant::now();
-                for (i, outcome) in outcomes {
-                    batch.read(keys, locations, i, outcome, now);
-                }
-            }
-            let (out, hits) = batch.finish().expect("every key's get ended");
-            self.inner
-                .location_hits
-                .fetch_add(hits as u64, Ordering::Relaxed);
-            Ok(out)
-        })
-        .await
+                let (out, hits) = batch.finish().expect("every key's get ended");
+                self.inner
+                    .location_hits
+                    .fetch_add(hits as u64, Ordering::Relaxed);
+                Ok(out)
+            })
+            .await;
+        self.report_unreachable_later();
+        r
     }
 
     /// Makes `reads` (ascending places) into their buffers: those through
