@@ -8,6 +8,7 @@ pub mod alloc;
 mod fast_read;
 pub mod nvme;
 pub mod segment;
+pub mod tier_index;
 
 pub use alloc::RangeAllocator;
 pub use segment::Segment;

@@ -54,7 +54,6 @@
 //! [`NvmeShard::release`], which removes them durably and frees the space.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::path::Path;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -63,8 +62,9 @@ use glommio::io::{DmaFile, OpenOptions, ReadResult};
 use kvpool_runtime::hash::value_sum;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::alloc::RangeAllocator;
 use crate::fast_read::{self, FastReader};
+pub use crate::tier_index::{Eviction, Space};
+use crate::tier_index::{Found, Record, Refused, TierIndex};
 
 /// The unit of every I/O and allocation (O_DIRECT alignment).
 pub const BLOCK: u64 = 4096;
@@ -83,78 +83,6 @@ const OBJ_MAGIC: [u8; 4] = *b"KVOB";
 const VERSION: u32 = 1;
 /// Table blocks read or written per I/O at recovery and format.
 const TABLE_IO_BLOCKS: u64 = 256;
-
-/// How the tier picks what to evict.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Eviction {
-    /// Oldest write first.
-    Fifo,
-    /// Least recently read first.
-    Lru,
-}
-
-impl Eviction {
-    /// Copies in the order this policy evicts them: each given as (its
-    /// place, its write's sequence number, the tier's read clock at its last
-    /// read, 0 for never), oldest write first (FIFO) or least recently read
-    /// first (LRU: a copy never read counts as read at the first tick, so
-    /// with the first read copy), ties by place. The tier's rule, which
-    /// the cluster simulation runs on its own copies.
-    pub fn order<T: Ord>(self, copies: impl IntoIterator<Item = (T, u64, u64)>) -> Vec<T> {
-        let mut ranked: Vec<(u64, T)> = copies
-            .into_iter()
-            .map(|(at, seq, last_read)| {
-                let rank = match self {
-                    Eviction::Fifo => seq,
-                    Eviction::Lru => last_read.max(seq.min(1)),
-                };
-                (rank, at)
-            })
-            .collect();
-        ranked.sort_unstable();
-        ranked.into_iter().map(|(_, at)| at).collect()
-    }
-
-    /// The copies to evict to free `want` bytes: [`Eviction::order`] over
-    /// copies given as (place, write sequence, last read, extent bytes),
-    /// taken until their extents reach `want`.
-    pub fn victims<T: Ord>(
-        self,
-        copies: impl IntoIterator<Item = (T, u64, u64, u64)>,
-        want: u64,
-    ) -> Vec<T> {
-        let mut left = want;
-        self.order(
-            copies
-                .into_iter()
-                .map(|(at, seq, last_read, extent)| ((at, extent), seq, last_read)),
-        )
-        .into_iter()
-        .map_while(|(at, extent)| {
-            (left > 0).then(|| {
-                left = left.saturating_sub(extent);
-                at
-            })
-        })
-        .collect()
-    }
-}
-
-/// A region's space as the tier's eviction rule sees it
-/// ([`NvmeConfig::bytes_to_evict`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Space {
-    /// Bytes of the region's extents in use.
-    pub used: u64,
-    /// The region's bytes.
-    pub capacity: u64,
-    /// Bytes of copies already marked evicting (their report is out).
-    pub evicting: u64,
-    /// The largest free extent.
-    pub largest_free: u64,
-    /// No slot of the region is free.
-    pub short_of_slots: bool,
-}
 
 /// Settings of the tier.
 #[derive(Debug, Clone)]
@@ -304,34 +232,8 @@ impl Geometry {
 #[derive(Clone, Copy)]
 struct LiveRecord {
     slot: u32,
-    seq: u64,
-    offset: u64,
-    extent: u64,
-    len: u64,
-    sum: u64,
     key_hash: u64,
-    version: u64,
-}
-
-struct Entry {
-    key: Box<[u8]>,
-    offset: u64,
-    extent: u64,
-    len: u64,
-    sum: u64,
-    seq: u64,
-    version: u64,
-    last_read: u64,
-    evicting: bool,
-}
-
-struct State {
-    alloc: RangeAllocator,
-    free_slots: Vec<u32>,
-    slots: Vec<Option<Entry>>,
-    by_key: HashMap<Box<[u8]>, u32>,
-    seq: u64,
-    clock: u64,
+    rec: Record,
 }
 
 /// The slot table's in-memory image and what of it is on the device.
@@ -501,7 +403,7 @@ pub struct NvmeShard {
     base: u64,
     geo: Geometry,
     cfg: NvmeConfig,
-    state: RefCell<State>,
+    state: RefCell<TierIndex>,
     table: Rc<SlotTable>,
     /// The ring for reads of up to `fast_read::SLOT_BYTES` (made on first
     /// use; `None` inside if it could not be, then glommio reads them).
@@ -647,14 +549,12 @@ impl NvmeShard {
             region,
             base,
             geo,
-            state: RefCell::new(State {
-                alloc: RangeAllocator::new(geo.data_offset, data_bytes, BLOCK),
-                free_slots: (0..geo.slots).rev().collect(),
-                slots: (0..geo.slots).map(|_| None).collect(),
-                by_key: HashMap::new(),
-                seq: 0,
-                clock: 0,
-            }),
+            state: RefCell::new(TierIndex::new(
+                geo.data_offset,
+                data_bytes,
+                BLOCK,
+                geo.slots,
+            )),
             fast: std::cell::OnceCell::new(),
             stats: NvmeStats::default(),
             cfg,
@@ -769,101 +669,62 @@ impl NvmeShard {
             }
             live.push(LiveRecord {
                 slot,
-                seq: u64_at(r, 8),
-                offset: u64_at(r, 16),
-                extent: u64_at(r, 24),
-                len: u64_at(r, 32),
-                sum: u64_at(r, 40),
                 key_hash: u64_at(r, 48),
-                version: u64_at(r, 56),
+                rec: Record {
+                    seq: u64_at(r, 8),
+                    offset: u64_at(r, 16),
+                    extent: u64_at(r, 24),
+                    len: u64_at(r, 32),
+                    sum: u64_at(r, 40),
+                    version: u64_at(r, 56),
+                },
             });
         }
-        live.sort_by_key(|l| std::cmp::Reverse(l.seq));
+        live.sort_by_key(|l| std::cmp::Reverse(l.rec.seq));
         let mut out = Vec::new();
         let mut drop_slots = Vec::new();
         for l in live {
-            let LiveRecord {
-                slot,
-                seq,
-                offset,
-                extent,
-                len,
-                sum,
-                version,
-                ..
-            } = l;
-            let loc = NvmeLoc {
-                region: self.region,
-                slot,
-            };
-            let ok_geometry = offset >= self.geo.data_offset
-                && offset.is_multiple_of(BLOCK)
-                && offset
-                    .checked_add(extent)
+            let (slot, r) = (l.slot, l.rec);
+            let ok_geometry = r.offset >= self.geo.data_offset
+                && r.offset.is_multiple_of(BLOCK)
+                && r.offset
+                    .checked_add(r.extent)
                     .is_some_and(|e| e <= self.geo.region_bytes)
-                && extent >= BLOCK
-                && extent.is_multiple_of(BLOCK);
+                && r.extent >= BLOCK
+                && r.extent.is_multiple_of(BLOCK);
             let key = if ok_geometry {
                 self.read_header(&l).await
             } else {
                 None
             };
-            let mut st = self.state.borrow_mut();
-            let Some(key) = key else {
-                tracing::warn!(
-                    region = self.region,
-                    slot,
-                    "nvme: object header is torn or corrupt; dropped"
-                );
-                drop_slots.push(slot);
-                continue;
-            };
-            if st.by_key.contains_key(key.as_slice()) {
+            let found = self.state.borrow_mut().recover(slot, key.as_deref(), r);
+            let why = match found {
+                Found::Kept => {
+                    out.push(Recovered {
+                        key: key.expect("kept with its key"),
+                        loc: NvmeLoc {
+                            region: self.region,
+                            slot,
+                        },
+                        len: r.len,
+                        sum: r.sum,
+                        seq: r.seq,
+                        version: r.version,
+                    });
+                    continue;
+                }
+                Found::Torn => Some("object header is torn or corrupt"),
                 // An older copy of a key stored again: the newest wins.
-                drop_slots.push(slot);
-                continue;
+                Found::Older => None,
+                Found::Overlaps => Some("extent overlaps another object"),
+            };
+            if let Some(why) = why {
+                tracing::warn!(region = self.region, slot, "nvme: {why}; dropped");
             }
-            if !st.alloc.alloc_at(offset, extent) {
-                tracing::warn!(
-                    region = self.region,
-                    slot,
-                    "nvme: extent overlaps another object; dropped"
-                );
-                drop_slots.push(slot);
-                continue;
-            }
-            st.seq = st.seq.max(seq);
-            st.slots[slot as usize] = Some(Entry {
-                key: key.clone().into_boxed_slice(),
-                offset,
-                extent,
-                len,
-                sum,
-                seq,
-                version,
-                last_read: 0,
-                evicting: false,
-            });
-            st.by_key.insert(key.clone().into_boxed_slice(), slot);
-            out.push(Recovered {
-                key,
-                loc,
-                len,
-                sum,
-                seq,
-                version,
-            });
+            drop_slots.push(slot);
         }
+        self.state.borrow_mut().recovered();
         {
-            let mut st = self.state.borrow_mut();
-            let st = &mut *st;
-            // Free slots in one pass (not one scan of the list per object:
-            // a region holds millions of slots).
-            let slots = &st.slots;
-            st.free_slots = (0..self.geo.slots)
-                .rev()
-                .filter(|s| slots[*s as usize].is_none())
-                .collect();
             let mut im = self.table.image.borrow_mut();
             im.bytes = table;
             // Dropped records become free slots; clearing them on the device
@@ -879,16 +740,15 @@ impl NvmeShard {
     /// Reads and checks the header of a live record's extent against the
     /// record; returns its key.
     async fn read_header(&self, l: &LiveRecord) -> Option<Vec<u8>> {
-        let LiveRecord {
+        let key_hash = l.key_hash;
+        let Record {
             offset,
             extent,
             seq,
             len,
             sum,
-            key_hash,
             version,
-            ..
-        } = *l;
+        } = l.rec;
         let h = self
             .file
             .read_at_aligned(self.base + offset, BLOCK as usize)
@@ -924,7 +784,7 @@ impl NvmeShard {
         ok.then(|| key.to_vec())
     }
 
-    fn record_bytes(live: bool, e: &Entry) -> [u8; RECORD] {
+    fn record_bytes(live: bool, key: &[u8], e: &Record) -> [u8; RECORD] {
         let mut r = [0u8; RECORD];
         r[0..4].copy_from_slice(&REC_MAGIC);
         r[4..8].copy_from_slice(&u32::from(live).to_le_bytes());
@@ -933,7 +793,7 @@ impl NvmeShard {
         r[24..32].copy_from_slice(&e.extent.to_le_bytes());
         r[32..40].copy_from_slice(&e.len.to_le_bytes());
         r[40..48].copy_from_slice(&e.sum.to_le_bytes());
-        r[48..56].copy_from_slice(&xxh3_64(&e.key).to_le_bytes());
+        r[48..56].copy_from_slice(&xxh3_64(key).to_le_bytes());
         r[56..64].copy_from_slice(&e.version.to_le_bytes());
         let s = xxh3_64(&r[0..504]);
         r[504..512].copy_from_slice(&s.to_le_bytes());
@@ -989,27 +849,22 @@ impl NvmeShard {
         }
         let started = Instant::now();
         let (vstart, extent) = layout(key.len(), value.len() as u64);
-        let (slot, offset, seq) = {
-            let mut st = self.state.borrow_mut();
-            if st.by_key.contains_key(key) {
-                return Err(NvmeError::Invalid(
-                    "the key is already stored in this region".into(),
-                ));
-            }
-            let Some(slot) = st.free_slots.pop() else {
-                return Err(NvmeError::NoSpace(format!(
-                    "all {} slots in use",
-                    self.geo.slots
-                )));
-            };
-            let Some(offset) = st.alloc.alloc(extent) else {
-                st.free_slots.push(slot);
-                return Err(NvmeError::NoSpace(format!("no {extent}-byte extent free")));
-            };
-            st.seq += 1;
-            (slot, offset, st.seq)
-        };
+        let place = self
+            .state
+            .borrow_mut()
+            .reserve(key, extent)
+            .map_err(|r| match r {
+                Refused::KeyStored => {
+                    NvmeError::Invalid("the key is already stored in this region".into())
+                }
+                Refused::NoSlot => {
+                    NvmeError::NoSpace(format!("all {} slots in use", self.geo.slots))
+                }
+                Refused::NoExtent => NvmeError::NoSpace(format!("no {extent}-byte extent free")),
+            })?;
+        let (slot, offset, seq) = (place.slot, place.offset, place.seq);
         let sum = value_sum(value);
+        let record = place.record(value.len() as u64, sum, version);
         let res = async {
             let mut buf = self.file.alloc_dma_buffer(extent as usize);
             let b = buf.as_bytes_mut();
@@ -1037,21 +892,11 @@ impl NvmeShard {
                 return Err(NvmeError::Io(format!("short write: {n} of {extent}")));
             }
             self.sync().await?;
-            let entry = Entry {
-                key: key.into(),
-                offset,
-                extent,
-                len: value.len() as u64,
-                sum,
-                seq,
-                version,
-                last_read: 0,
-                evicting: false,
-            };
             // The record enters the image now (the bytes are on the device)
             // and reaches the device in the background: the write returns
             // after one device write, not two in a row. `flush` waits for it.
-            let (block, change, _) = self.table.set(slot, &Self::record_bytes(true, &entry));
+            let bytes = Self::record_bytes(true, key, &record);
+            let (block, change, _) = self.table.set(slot, &bytes);
             let (table, region) = (self.table.clone(), self.region);
             glommio::spawn_local(async move {
                 if let Err(e) = table.commit(block, change).await {
@@ -1063,14 +908,13 @@ impl NvmeShard {
                 }
             })
             .detach();
-            Ok(entry)
+            Ok(())
         }
         .await;
         let mut st = self.state.borrow_mut();
         match res {
-            Ok(entry) => {
-                st.by_key.insert(key.into(), slot);
-                st.slots[slot as usize] = Some(entry);
+            Ok(()) => {
+                st.insert(slot, key, record);
                 self.stats.writes.set(self.stats.writes.get() + 1);
                 self.stats
                     .written_bytes
@@ -1083,8 +927,7 @@ impl NvmeShard {
             }
             Err(e) => {
                 // Nothing points at the extent yet: give it back.
-                st.alloc.dealloc(offset, extent);
-                st.free_slots.push(slot);
+                st.unreserve(place);
                 Err(e)
             }
         }
@@ -1115,13 +958,10 @@ impl NvmeShard {
         let started = Instant::now();
         let (offset, extent, len, sum, seq, version) = {
             let mut st = self.state.borrow_mut();
-            st.clock += 1;
-            let clock = st.clock;
-            let e = st.slots[loc.slot as usize]
-                .as_mut()
-                .filter(|e| !e.evicting && wanted(&e.key[..], e.version))
-                .ok_or(NvmeError::NotFound(loc))?;
-            e.last_read = clock;
+            let e = st
+                .read(loc.slot, wanted)
+                .ok_or(NvmeError::NotFound(loc))?
+                .record;
             (e.offset, e.extent, e.len, e.sum, e.seq, e.version)
         };
         let buf = match self.fast_reader(extent) {
@@ -1153,8 +993,9 @@ impl NvmeShard {
         let key_matches = {
             // The slot may have been reused while the read was in flight.
             let st = self.state.borrow();
-            st.slots[loc.slot as usize].as_ref().is_some_and(|e| {
-                e.seq == seq && buf.get(HEADER_FIXED..HEADER_FIXED + key_len) == Some(&e.key[..])
+            st.copy(loc.slot).is_some_and(|e| {
+                e.record.seq == seq
+                    && buf.get(HEADER_FIXED..HEADER_FIXED + key_len) == Some(&e.key[..])
             })
         };
         if !key_matches
@@ -1200,22 +1041,18 @@ impl NvmeShard {
 
     /// The location of `key` in this region, if stored and not evicting.
     pub fn lookup(&self, key: &[u8]) -> Option<NvmeLoc> {
-        let st = self.state.borrow();
-        let slot = *st.by_key.get(key)?;
-        st.slots[slot as usize]
-            .as_ref()
-            .filter(|e| !e.evicting)
-            .map(|_| NvmeLoc {
-                region: self.region,
-                slot,
-            })
+        let slot = self.state.borrow().lookup(key)?;
+        Some(NvmeLoc {
+            region: self.region,
+            slot,
+        })
     }
 
     /// Length and checksum of the value at `loc`, if an object is there.
     pub fn value_sum(&self, loc: NvmeLoc) -> Option<(u64, u64)> {
         self.check_loc(loc).ok()?;
         let st = self.state.borrow();
-        st.slots[loc.slot as usize].as_ref().map(|e| (e.len, e.sum))
+        st.copy(loc.slot).map(|e| (e.record.len, e.record.sum))
     }
 
     /// The write sequence number of the copy at `loc`, if one is there. It
@@ -1225,14 +1062,14 @@ impl NvmeShard {
     pub fn copy_seq(&self, loc: NvmeLoc) -> Option<u64> {
         self.check_loc(loc).ok()?;
         let st = self.state.borrow();
-        st.slots[loc.slot as usize].as_ref().map(|e| e.seq)
+        st.copy(loc.slot).map(|e| e.record.seq)
     }
 
     /// The version the copy at `loc` was written with, if one is there.
     pub fn copy_version(&self, loc: NvmeLoc) -> Option<u64> {
         self.check_loc(loc).ok()?;
         let st = self.state.borrow();
-        st.slots[loc.slot as usize].as_ref().map(|e| e.version)
+        st.copy(loc.slot).map(|e| e.record.version)
     }
 
     /// Removes the copy at `loc` if `takes` says so of its key and version
@@ -1248,9 +1085,8 @@ impl NvmeShard {
         self.check_loc(loc)?;
         let ours = {
             let st = self.state.borrow();
-            st.slots[loc.slot as usize]
-                .as_ref()
-                .is_some_and(|e| takes(&e.key, e.version))
+            st.copy(loc.slot)
+                .is_some_and(|e| takes(&e.key, e.record.version))
         };
         if ours {
             self.remove(loc).await?;
@@ -1271,44 +1107,27 @@ impl NvmeShard {
     /// Removes the object at `loc` durably and frees its space.
     pub async fn remove(&self, loc: NvmeLoc) -> Result<(), NvmeError> {
         self.check_loc(loc)?;
-        let record = {
-            let mut st = self.state.borrow_mut();
-            st.seq += 1;
-            let seq = st.seq;
-            let e = st.slots[loc.slot as usize]
-                .as_ref()
-                .ok_or(NvmeError::NotFound(loc))?;
-            let tomb = Entry {
-                key: e.key.clone(),
-                offset: e.offset,
-                extent: e.extent,
-                len: e.len,
-                sum: e.sum,
-                seq,
-                version: e.version,
-                last_read: 0,
-                evicting: true,
-            };
-            Self::record_bytes(false, &tomb)
-        };
-        self.write_record(loc.slot, &record).await?;
-        let mut st = self.state.borrow_mut();
-        if let Some(e) = st.slots[loc.slot as usize].take() {
-            st.by_key.remove(&e.key);
-            st.alloc.dealloc(e.offset, e.extent);
-            st.free_slots.push(loc.slot);
-        }
+        let tomb = self
+            .state
+            .borrow_mut()
+            .tombstone(loc.slot)
+            .ok_or(NvmeError::NotFound(loc))?;
+        self.write_record(
+            loc.slot,
+            &Self::record_bytes(false, &tomb.key, &tomb.record),
+        )
+        .await?;
+        self.state.borrow_mut().free(loc.slot);
         Ok(())
     }
 
     /// Bytes in use in the data area, and its size.
     pub fn usage(&self) -> (u64, u64) {
-        let st = self.state.borrow();
-        (st.alloc.used(), st.alloc.capacity())
+        self.state.borrow().usage()
     }
 
     pub fn objects(&self) -> usize {
-        self.state.borrow().by_key.len()
+        self.state.borrow().objects()
     }
 
     /// Every object the region holds now (not those being evicted), in
@@ -1316,31 +1135,25 @@ impl NvmeShard {
     /// has forgotten it.
     pub fn entries(&self) -> Vec<Recovered> {
         let st = self.state.borrow();
-        st.slots
-            .iter()
-            .enumerate()
-            .filter_map(|(slot, e)| {
-                let e = e.as_ref().filter(|e| !e.evicting)?;
-                Some(Recovered {
-                    key: e.key.to_vec(),
-                    loc: NvmeLoc {
-                        region: self.region,
-                        slot: slot as u32,
-                    },
-                    len: e.len,
-                    sum: e.sum,
-                    seq: e.seq,
-                    version: e.version,
-                })
+        st.entries()
+            .map(|(slot, e)| Recovered {
+                key: e.key.to_vec(),
+                loc: NvmeLoc {
+                    region: self.region,
+                    slot,
+                },
+                len: e.record.len,
+                sum: e.record.sum,
+                seq: e.record.seq,
+                version: e.record.version,
             })
             .collect()
     }
 
     /// Whether a write of `value_len` bytes under a `key_len`-byte key fits now.
     pub fn fits(&self, key_len: usize, value_len: u64) -> bool {
-        let st = self.state.borrow();
         let extent = header_len(key_len) + value_len.max(1).next_multiple_of(BLOCK);
-        !st.free_slots.is_empty() && st.alloc.largest_free() >= extent
+        self.state.borrow().fits(extent)
     }
 
     /// Past the high watermark (or when `need` bytes are wanted and not
@@ -1350,44 +1163,19 @@ impl NvmeShard {
     /// [`NvmeShard::release`] for each.
     pub fn evict_candidates(&self, need: u64) -> Vec<(Vec<u8>, NvmeLoc, u64)> {
         let mut st = self.state.borrow_mut();
-        let evicting: u64 = st
-            .slots
-            .iter()
-            .flatten()
-            .filter(|e| e.evicting)
-            .map(|e| e.extent)
-            .sum();
-        let space = Space {
-            used: st.alloc.used(),
-            capacity: st.alloc.capacity(),
-            evicting,
-            largest_free: st.alloc.largest_free(),
-            short_of_slots: st.free_slots.is_empty(),
-        };
-        let want = self.cfg.bytes_to_evict(space, need);
-        if want == 0 {
-            return Vec::new();
-        }
-        let victims = self.cfg.eviction.victims(
-            st.slots.iter().enumerate().filter_map(|(i, e)| {
-                let e = e.as_ref()?;
-                (!e.evicting).then_some((i as u32, e.seq, e.last_read, e.extent))
-            }),
-            want,
-        );
-        let mut out = Vec::new();
-        for slot in victims {
-            let e = st.slots[slot as usize].as_mut().expect("listed above");
-            e.evicting = true;
-            out.push((
-                e.key.to_vec(),
-                NvmeLoc {
+        let want = self.cfg.bytes_to_evict(st.space(), need);
+        let out: Vec<_> = st
+            .mark_victims(self.cfg.eviction, want)
+            .into_iter()
+            .filter_map(|slot| {
+                let e = st.copy(slot)?;
+                let loc = NvmeLoc {
                     region: self.region,
                     slot,
-                },
-                e.version,
-            ));
-        }
+                };
+                Some((e.key.to_vec(), loc, e.record.version))
+            })
+            .collect();
         self.stats
             .evictions
             .set(self.stats.evictions.get() + out.len() as u64);
@@ -1407,14 +1195,7 @@ impl NvmeShard {
         if self.check_loc(loc).is_err() {
             return false;
         }
-        let mut st = self.state.borrow_mut();
-        match st.slots[loc.slot as usize].as_mut() {
-            Some(e) if e.evicting => {
-                e.evicting = false;
-                true
-            }
-            _ => false,
-        }
+        self.state.borrow_mut().keep(loc.slot)
     }
 
     pub fn region(&self) -> u32 {

@@ -3,8 +3,8 @@
 //! ```text
 //!   clients: the REAL (batch) puts --\                  /-- storage nodes: the REAL
 //!   and read rules (removals: model)  >-- simulated --<    round, task and control rules
-//!   MasterCore (REAL) ---------------/    network       \   over a model's I/O: DRAM, an
-//!                          (drop, delay, reorder,          NVMe tier on a simulated disk
+//!   MasterCore (REAL) ---------------/    network       \   and tier index over a model's
+//!                          (drop, delay, reorder,          I/O: DRAM, a simulated disk
 //!                           duplicate, partition)
 //!   one clock (sim ms), one event queue, one PRNG from the seed
 //! ```
@@ -37,9 +37,11 @@
 //!   removes ([`kvpool_storage_node::round`]) and which refused `Recovered`
 //!   copies are stale, and when its tier evicts, how much and which copies
 //!   first (the tier's byte watermarks and FIFO or LRU order,
-//!   [`kvpool_storage::nvme::NvmeConfig::bytes_to_evict`] and
-//!   [`kvpool_storage::nvme::Eviction::victims`], over extents from the
-//!   tier's own allocator and layout). The calls and the I/O are a model of
+//!   [`kvpool_storage::nvme::NvmeConfig::bytes_to_evict`]). The tier's
+//!   index is the real one ([`kvpool_storage::tier_index::TierIndex`]:
+//!   slots and extents, which copy a key names, write numbers, the read
+//!   clock, eviction marks, and after a crash what recovery keeps of the
+//!   records on the simulated disk). The calls and the I/O are a model of
 //!   `actors/storage-node`: values are tags (put number n), and a checksum
 //!   is a function of the tag. On even seeds the master replicates hot
 //!   objects; a node runs its Fetch tasks by the node's rules

@@ -37,12 +37,15 @@
 //!   needs ([`PersistRule::room`]) in the middle of the round's tasks,
 //!   `Evicted` reported first, then tries once more (the real node's
 //!   `persist`; a report that fails keeps the copies).
-//! * The simulated disk: the real tier's allocator hands out each copy's
-//!   extent (header and value in blocks, as the tier lays them out), so a
-//!   write finds no slot or no extent large enough as the tier would; a
-//!   tier write or flush fails at random; a crash loses DRAM and every
-//!   index record not flushed (that write is torn: after the restart the
-//!   copy is not there).
+//! * The tier: the real tier's index ([`TierIndex`]) over a simulated disk.
+//!   The index picks each copy's slot and extent (header and value in
+//!   blocks, as the tier lays them out), so a write finds no slot or no
+//!   extent large enough, or its key's copy still there, as the tier would;
+//!   it names copies by write number, ranks reads for LRU and keeps the
+//!   eviction marks. A tier write or flush fails at random; a crash loses
+//!   DRAM and every index record not flushed (that write is torn), and the
+//!   index after the restart is what the real recovery makes of the
+//!   records left, newest first.
 //!
 //! Every call the node makes has the client's deadline: a lane whose answer
 //! does not come by then gives up and starts over on its next timer.
@@ -51,8 +54,8 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
-use kvpool_storage::alloc::RangeAllocator;
-use kvpool_storage::nvme::{self, Eviction, NvmeConfig, Space, BLOCK};
+use kvpool_storage::nvme::{self, Eviction, NvmeConfig, NvmeLoc, BLOCK};
+use kvpool_storage::tier_index::{Found, Record, Refused, SlotCopy, TierIndex};
 use kvpool_storage_node::control::{Ask, Lane, Outcome};
 use kvpool_storage_node::fetch::FETCH_DEADLINE;
 use kvpool_storage_node::round::{self, Pace, Round, Step, Steps};
@@ -70,115 +73,126 @@ use crate::{
     ROUND_MS, SHARDS,
 };
 
-/// The tier's bytes (one region; the real allocator hands out its
-/// extents) and its slots (locations 1..=TIER_SLOTS): a write finds no
-/// slot or no extent large enough and is `NoSpace`, as on the real tier.
+/// The tier's bytes (one region of the real tier's index: its allocator
+/// hands out the extents) and its slots: a write finds no slot or no extent
+/// large enough and is `NoSpace`, as on the real tier.
 const TIER_BYTES: u64 = 96 << 10;
-const TIER_SLOTS: u64 = 12;
+const TIER_SLOTS: u32 = 12;
 /// Its watermarks (fractions of its bytes), lower than the tier's defaults
 /// so that the values the clients put (1 byte to 9000: extents of 4 to
 /// 16 KiB) evict a few at a time.
 const TIER_HIGH: f64 = 0.8;
 const TIER_LOW: f64 = 0.6;
 
+/// A copy on the simulated disk: its header's key, what its slot record
+/// says, its value (a tag), and whether the record is on the device.
 #[derive(Debug, Clone)]
-struct Copy {
+struct OnDisk {
     key: Vec<u8>,
-    len: u64,
-    sum: u64,
+    record: Record,
     content: Content,
-    /// Its index record is on the device (flushed).
     durable: bool,
-    /// Where its extent starts on the simulated disk, and its bytes there
-    /// (the real tier's layout: header and value, in blocks).
-    at: u64,
-    extent: u64,
-    /// Which write made it (the real tier's write sequence number): a
-    /// location reused later holds a copy with another.
-    gen: u64,
-    /// The incarnation it is a copy of (the Persist task's version).
-    version: u64,
-    /// The tier's read clock at its last read (0: never read).
-    last_read: u64,
 }
 
-/// The NVMe tier on the simulated disk.
+/// The NVMe tier: the real tier's index ([`TierIndex`]: slots, extents,
+/// which copy a key names, write numbers, the read clock, eviction marks,
+/// recovery) over the simulated disk.
 struct TierModel {
     seg: SegmentId,
     spec: SegmentSpec,
-    copies: BTreeMap<u64, Copy>,
-    /// The disk's extents: the real tier's allocator.
-    space: RangeAllocator,
-    /// The last write's number.
-    gen: u64,
-    /// Reads so far (the real tier's read clock, for LRU).
-    clock: u64,
+    index: TierIndex,
+    /// What the disk holds, by slot.
+    disk: BTreeMap<u32, OnDisk>,
     /// Its watermarks and what it evicts first, run by the real tier's
-    /// rules ([`NvmeConfig::bytes_to_evict`], [`Eviction::victims`]); even
-    /// nodes FIFO (the default), odd ones LRU.
+    /// rules ([`NvmeConfig::bytes_to_evict`], [`TierIndex::mark_victims`]);
+    /// even nodes FIFO (the default), odd ones LRU.
     cfg: NvmeConfig,
 }
 
-/// One copy: its location and the number of the write that made it.
+/// One copy: its location (a slot of region 0) and the number of the write
+/// that made it.
 type CopyRef = (u64, u64);
 
+/// The slot a location names (the tier has one region).
+fn slot_of(loc: u64) -> Option<u32> {
+    let l = NvmeLoc::unpack(loc);
+    (l.region == 0).then_some(l.slot)
+}
+
 impl TierModel {
+    fn new_index() -> TierIndex {
+        TierIndex::new(0, TIER_BYTES, BLOCK, TIER_SLOTS)
+    }
+
+    /// The location of `key`'s copy (not one being evicted).
     fn lookup(&self, key: &[u8]) -> Option<u64> {
-        self.copies
-            .iter()
-            .find(|(_, c)| c.key == key)
-            .map(|(&l, _)| l)
+        self.index.lookup(key).map(u64::from)
     }
 
-    /// The lowest free location (locations are reused, as the real tier
-    /// reuses slots).
-    fn free_loc(&self) -> Option<u64> {
-        (1..=TIER_SLOTS).find(|l| !self.copies.contains_key(l))
+    /// The copy at `loc`, evicting or not.
+    fn copy(&self, loc: u64) -> Option<&SlotCopy> {
+        self.index.copy(slot_of(loc)?)
     }
 
-    /// A write of `c`'s key and value: a free slot and an extent for it,
-    /// or `None` (the real tier's `NoSpace`).
-    fn store(&mut self, mut c: Copy) -> Option<u64> {
-        let l = self.free_loc()?;
-        c.extent = nvme::extent(c.key.len(), c.len);
-        c.at = self.space.alloc(c.extent)?;
-        self.copies.insert(l, c);
-        Some(l)
+    /// The copy at `loc` as a reference.
+    fn copy_ref(&self, loc: u64) -> Option<CopyRef> {
+        self.copy(loc).map(|c| (loc, c.record.seq))
     }
 
-    /// Removes the copy at `loc` and frees its extent.
-    fn take(&mut self, loc: u64) {
-        if let Some(c) = self.copies.remove(&loc) {
-            self.space.dealloc(c.at, c.extent);
-        }
-    }
-
-    /// The space as the real tier's eviction rule sees it (no copy is
-    /// marked evicting: the round's `Evicted` report is out at most once).
-    fn space(&self) -> Space {
-        Space {
-            used: self.space.used(),
-            capacity: self.space.capacity(),
-            evicting: 0,
-            largest_free: self.space.largest_free(),
-            short_of_slots: self.copies.len() as u64 >= TIER_SLOTS,
-        }
-    }
-
-    /// Whether location `loc` holds copy `c` (the very copy: a location
+    /// Whether location `c.0` holds copy `c` (the very copy: a location
     /// reused since holds one of a later write).
     fn holds(&self, c: CopyRef) -> bool {
-        self.copies.get(&c.0).is_some_and(|x| x.gen == c.1)
+        slot_of(c.0).is_some_and(|s| self.index.holds(s, c.1))
     }
 
-    /// A read of the copy at `loc` (a client's, or a promotion's): the
-    /// copy, which LRU now ranks last.
-    fn read(&mut self, loc: u64) -> Option<&Copy> {
-        self.clock += 1;
-        let clock = self.clock;
-        let c = self.copies.get_mut(&loc)?;
-        c.last_read = clock;
-        Some(c)
+    /// A write of a copy, the real tier's order: a slot and an extent (or
+    /// the index's refusal), then the bytes, which fail when `fails` (the
+    /// place is given back).
+    fn write(
+        &mut self,
+        key: &[u8],
+        (len, sum, version): (u64, u64, u64),
+        content: Content,
+        fails: impl FnOnce() -> bool,
+    ) -> Result<Option<CopyRef>, Refused> {
+        let r = self.index.reserve(key, nvme::extent(key.len(), len))?;
+        if fails() {
+            self.index.unreserve(r);
+            return Ok(None);
+        }
+        let record = r.record(len, sum, version);
+        self.index.insert(r.slot, key, record);
+        let copy = OnDisk {
+            key: key.to_vec(),
+            record,
+            content,
+            durable: false,
+        };
+        self.disk.insert(r.slot, copy);
+        Ok(Some((u64::from(r.slot), r.seq)))
+    }
+
+    /// Removes the copy at `loc` (its tombstone is durable at once) and
+    /// frees its place.
+    fn take(&mut self, loc: u64) {
+        let Some(slot) = slot_of(loc) else { return };
+        if self.index.tombstone(slot).is_some() {
+            self.index.free(slot);
+            self.disk.remove(&slot);
+        }
+    }
+
+    /// A read of the copy at `loc` if `wanted` says so of its key and
+    /// version (a client's, or a promotion's; not a copy being evicted):
+    /// its length and value, the copy LRU now ranks last.
+    fn read(
+        &mut self,
+        loc: u64,
+        wanted: impl FnOnce(&[u8], u64) -> bool,
+    ) -> Option<(u64, Content)> {
+        let slot = slot_of(loc)?;
+        let len = self.index.read(slot, wanted)?.record.len;
+        Some((len, self.disk.get(&slot)?.content))
     }
 
     /// Removes copy `c` if its location still holds it.
@@ -191,15 +205,42 @@ impl TierModel {
     /// The copy of `key` the tier holds, as a task sees it.
     fn held(&self, key: &[u8]) -> Option<(u64, task::Held)> {
         let l = self.lookup(key)?;
-        let c = &self.copies[&l];
+        let c = self.copy(l)?;
         Some((
             l,
             task::Held {
-                len: c.len,
-                sum: c.sum,
-                version: c.version,
+                len: c.record.len,
+                sum: c.record.sum,
+                version: c.record.version,
             },
         ))
+    }
+
+    /// Every index record goes to the device.
+    fn flushed(&mut self) {
+        for c in self.disk.values_mut() {
+            c.durable = true;
+        }
+    }
+
+    /// A crash: the records not on the device are lost (those writes are
+    /// torn), and the index is what the real tier's recovery makes of the
+    /// rest, newest write first.
+    fn crash(&mut self) {
+        self.disk.retain(|_, c| c.durable);
+        let mut found: Vec<(u32, &OnDisk)> = self.disk.iter().map(|(&s, c)| (s, c)).collect();
+        found.sort_by_key(|(_, c)| std::cmp::Reverse(c.record.seq));
+        let mut index = Self::new_index();
+        let dropped: Vec<u32> = found
+            .into_iter()
+            .filter(|(s, c)| index.recover(*s, Some(&c.key), c.record) != Found::Kept)
+            .map(|(s, _)| s)
+            .collect();
+        index.recovered();
+        for s in dropped {
+            self.disk.remove(&s);
+        }
+        self.index = index;
     }
 }
 
@@ -305,10 +346,8 @@ impl NodeModel {
                     tier: Tier::Nvme,
                     nvme: None,
                 },
-                copies: BTreeMap::new(),
-                space: RangeAllocator::new(0, TIER_BYTES, BLOCK),
-                gen: 0,
-                clock: 0,
+                index: TierModel::new_index(),
+                disk: BTreeMap::new(),
                 cfg: NvmeConfig {
                     high_watermark: TIER_HIGH,
                     low_watermark: TIER_LOW,
@@ -368,15 +407,7 @@ impl NodeModel {
         self.up = false;
         self.dram.clear();
         if let Some(t) = self.tier.as_mut() {
-            let torn: Vec<u64> = t
-                .copies
-                .iter()
-                .filter(|(_, c)| !c.durable)
-                .map(|(&l, _)| l)
-                .collect();
-            for l in torn {
-                t.take(l);
-            }
+            t.crash();
         }
         self.ping = None;
         self.round = None;
@@ -482,9 +513,8 @@ impl NodeModel {
     pub fn tier_holds(&self, seg: SegmentId, loc: u64, key: &[u8]) -> bool {
         self.tier.as_ref().is_some_and(|t| {
             t.seg == seg
-                && t.copies
-                    .get(&loc)
-                    .is_some_and(|c| c.key == key && c.durable)
+                && t.copy(loc).is_some_and(|c| &*c.key == key)
+                && slot_of(loc).is_some_and(|s| t.disk.get(&s).is_some_and(|d| d.durable))
         })
     }
 
@@ -492,11 +522,11 @@ impl NodeModel {
     /// key in the slot's header).
     pub fn tier_content(&self, loc: u64, key: &[u8]) -> Content {
         let t = self.tier.as_ref()?;
-        let c = t.copies.get(&loc)?;
-        if c.key != key {
+        let d = t.disk.get(&slot_of(loc)?)?;
+        if d.key != key {
             return None;
         }
-        c.content
+        d.content
     }
 
     pub fn open_deadline(&self) -> Option<u64> {
@@ -577,20 +607,23 @@ impl NodeModel {
             ctx.stats.disk_failures += 1;
             return Err(());
         }
-        for c in t.copies.values_mut() {
-            c.durable = true;
-        }
+        t.flushed();
         // Not the copies being evicted (the real tier's `entries`).
-        let held = || t.copies.iter().filter(|(l, _)| !self.evicting.contains(l));
-        let copies: Vec<CopyRef> = held().map(|(&l, c)| (l, c.gen)).collect();
-        let updates: Vec<NvmeUpdate> = held()
-            .map(|(&loc, c)| NvmeUpdate::Recovered {
-                key: c.key.clone(),
+        let copies: Vec<CopyRef> = t
+            .index
+            .entries()
+            .map(|(s, c)| (u64::from(s), c.record.seq))
+            .collect();
+        let updates: Vec<NvmeUpdate> = t
+            .index
+            .entries()
+            .map(|(s, c)| NvmeUpdate::Recovered {
+                key: c.key.to_vec(),
                 nvme: t.seg,
-                loc,
-                len: c.len,
-                sum: c.sum,
-                version: c.version,
+                loc: u64::from(s),
+                len: c.record.len,
+                sum: c.record.sum,
+                version: c.record.version,
             })
             .collect();
         if updates.is_empty() {
@@ -621,7 +654,7 @@ impl NodeModel {
                         self.on_round_answer(Err(e), ctx);
                     } else {
                         // A failed `Evicted` report takes its marks back.
-                        self.evicting.clear();
+                        self.keep_marked();
                         self.steps.failed();
                         self.round_ended(None, ctx);
                     }
@@ -700,15 +733,12 @@ impl NodeModel {
                         .ok_or(ErrorCode::SegmentNotFound),
                     DataRequest::ReadNvme { loc, len, key, .. } => {
                         match self.tier.as_mut() {
-                            // A copy being evicted reads as gone (the real
-                            // tier's mark): no new read gets it.
-                            Some(_) if self.evicting.contains(&loc) => {
-                                Err(ErrorCode::ObjectNotFound)
-                            }
                             // The key's copy only (a slot evicted and reused
-                            // since may hold another key's copy).
-                            Some(t) => match t.read(loc) {
-                                Some(c) if c.len == len && c.key == key => Ok(c.content),
+                            // since may hold another key's copy), not one
+                            // being evicted (the real tier's mark: no new
+                            // read gets it).
+                            Some(t) => match t.read(loc, |k, _| k == key.as_slice()) {
+                                Some((l, content)) if l == len => Ok(content),
                                 _ => Err(ErrorCode::ObjectNotFound),
                             },
                             None => Err(ErrorCode::SegmentNotFound),
@@ -833,7 +863,7 @@ impl NodeModel {
             if let Ok(MasterResponse::BatchDone(results)) = res {
                 self.evicted(results, ctx);
             }
-            self.evicting.clear();
+            self.keep_marked();
             let ran = self.persist(p, false, ctx);
             self.ran_one(ran);
             return self.run_todo(ctx);
@@ -865,7 +895,7 @@ impl NodeModel {
             // the node's pace (a failed `Evicted` report takes its marks
             // back).
             _ => {
-                self.evicting.clear();
+                self.keep_marked();
                 self.steps.failed();
                 return self.round_ended(None, ctx);
             }
@@ -909,15 +939,34 @@ impl NodeModel {
         }
     }
 
+    /// The copies an `Evicted` report named that did not go stay (their
+    /// marks taken back, as the real tier's `keep`).
+    fn keep_marked(&mut self) {
+        let marked = std::mem::take(&mut self.evicting);
+        if let Some(t) = self.tier.as_mut() {
+            for s in marked.into_iter().filter_map(slot_of) {
+                t.index.keep(s);
+            }
+        }
+    }
+
     /// The master answered the `Evicted` report out: the copies it took
     /// go, those it refused stay (as the real node's `evict_region`).
     fn evicted(&mut self, results: Vec<ItemResult<()>>, ctx: &mut Ctx) {
         let t = self.tier.as_mut().expect("a tier evicts");
         let mut n = 0;
-        for (l, r) in std::mem::take(&mut self.evicting).into_iter().zip(results) {
-            if Result::<(), KvError>::from(r).is_ok() {
+        let mut results = results.into_iter();
+        for l in std::mem::take(&mut self.evicting) {
+            // Only a copy the master answered Ok for goes; the others stay
+            // readable and are candidates again (the marks taken back).
+            if results
+                .next()
+                .is_some_and(|r| Result::<(), KvError>::from(r).is_ok())
+            {
                 t.take(l);
                 n += 1;
+            } else if let Some(s) = slot_of(l) {
+                t.index.keep(s);
             }
         }
         match t.cfg.eviction {
@@ -929,18 +978,17 @@ impl NodeModel {
     /// The tier's eviction past its watermark, or of `need` bytes a write
     /// did not find free, the real tier's rules: how many bytes, and which
     /// copies in its order: the `Evicted` report, and the copies it names.
-    fn evict_pick(&self, need: u64) -> Option<(MasterRequest, Vec<u64>)> {
-        let t = self.tier.as_ref()?;
-        let want = t.cfg.bytes_to_evict(t.space(), need);
-        let victims = t.cfg.eviction.victims(
-            t.copies
-                .iter()
-                .map(|(&l, c)| (l, c.gen, c.last_read, c.extent)),
-            want,
-        );
-        let pick: Vec<(u64, Vec<u8>, u64)> = victims
+    fn evict_pick(&mut self, need: u64) -> Option<(MasterRequest, Vec<u64>)> {
+        let t = self.tier.as_mut()?;
+        let want = t.cfg.bytes_to_evict(t.index.space(), need);
+        let pick: Vec<(u64, Vec<u8>, u64)> = t
+            .index
+            .mark_victims(t.cfg.eviction, want)
             .into_iter()
-            .map(|l| (l, t.copies[&l].key.clone(), t.copies[&l].version))
+            .filter_map(|s| {
+                let c = t.index.copy(s)?;
+                Some((u64::from(s), c.key.to_vec(), c.record.version))
+            })
             .collect();
         if pick.is_empty() {
             return None;
@@ -971,9 +1019,7 @@ impl NodeModel {
         };
         let ok = !ctx.rng.random_bool(ctx.faults.disk_fail);
         if ok {
-            for c in t.copies.values_mut() {
-                c.durable = true;
-            }
+            t.flushed();
         } else {
             ctx.stats.disk_failures += 1;
         }
@@ -1003,10 +1049,7 @@ impl NodeModel {
             task::Job::Persist(p) => return self.persist(p, true, ctx),
             task::Job::Promote(p) => {
                 let t = self.tier.as_mut().expect("tasks come to a tier");
-                let copy = t
-                    .read(p.loc)
-                    .filter(|c| p.reads(&c.key, c.version))
-                    .map(|c| (c.len, c.content));
+                let copy = t.read(p.loc, |key, version| p.reads(key, version));
                 let ok = match copy {
                     None => false,
                     Some((len, c)) => {
@@ -1028,9 +1071,8 @@ impl NodeModel {
             }
             task::Job::Drop(d) => {
                 let t = self.tier.as_mut().expect("tasks come to a tier");
-                if t.copies
-                    .get(&d.loc)
-                    .is_some_and(|c| d.takes(&c.key, c.version))
+                if t.copy(d.loc)
+                    .is_some_and(|c| d.takes(&c.key, c.record.version))
                 {
                     t.take(d.loc);
                 }
@@ -1050,38 +1092,29 @@ impl NodeModel {
         let t = self.tier.as_mut().expect("tasks come to a tier");
         let (loc, fresh) = match p.decide(sum, t.held(&p.key)) {
             Err(_) => return Ran::Done(Some((p.failed(), None, false))),
-            Ok(task::Write::Found(l)) => ((l, t.copies[&l].gen), false),
+            Ok(task::Write::Found(l)) => (t.copy_ref(l).expect("held"), false),
             Ok(task::Write::Write { replace }) => {
                 if let Some(old) = replace {
                     t.take(old);
                 }
-                // The real tier's order: a slot and an extent
-                // (or `NoSpace`), then the write, which may fail.
-                let Some(l) = t.store(Copy {
-                    key: p.key.clone(),
-                    len: p.len,
-                    sum,
-                    content,
-                    durable: false,
-                    at: 0,
-                    extent: 0,
-                    gen: t.gen + 1,
-                    version: p.version,
-                    last_read: 0,
-                }) else {
-                    ctx.stats.tier_full += 1;
-                    if may_evict {
-                        return Ran::NoRoom(p);
+                let fails = || ctx.rng.random_bool(ctx.faults.disk_fail);
+                match t.write(&p.key, (p.len, sum, p.version), content, fails) {
+                    Ok(Some(c)) => (c, true),
+                    Ok(None) => {
+                        ctx.stats.disk_failures += 1;
+                        return Ran::Done(Some((p.failed(), None, false)));
                     }
-                    return Ran::Done(Some((p.failed(), None, false)));
-                };
-                t.gen += 1;
-                if ctx.rng.random_bool(ctx.faults.disk_fail) {
-                    ctx.stats.disk_failures += 1;
-                    t.take(l);
-                    return Ran::Done(Some((p.failed(), None, false)));
+                    // A copy of the key being evicted: the real tier
+                    // refuses the write.
+                    Err(Refused::KeyStored) => return Ran::Done(Some((p.failed(), None, false))),
+                    Err(Refused::NoSlot | Refused::NoExtent) => {
+                        ctx.stats.tier_full += 1;
+                        if may_evict {
+                            return Ran::NoRoom(p);
+                        }
+                        return Ran::Done(Some((p.failed(), None, false)));
+                    }
                 }
-                ((l, t.gen), true)
             }
         };
         ctx.stats.stored += 1;
