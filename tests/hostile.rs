@@ -911,3 +911,114 @@ fn bytes_changed_behind_the_masters_back_are_corrupt_never_returned() {
     });
     drop(second);
 }
+
+// ---- 12. a master that names a value longer than the cluster stores --------
+
+/// A master on a real socket that answers `Hello` (the cluster map's value
+/// bound: 1 MiB) and names, for every key, one replica of 2^50 bytes;
+/// every other request gets `Unsupported`. Serves until the test ends.
+fn lying_master() -> String {
+    use kvpool_wire::proto::{ClusterMap, Endpoint, ItemResult, MasterShardAddr, ReplicaDesc};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let cluster = ClusterMap {
+        shards: vec![MasterShardAddr {
+            host: "127.0.0.1".into(),
+            port: addr.port(),
+            vshard_start: 0,
+            vshard_end: kvpool_runtime::hash::VSHARDS,
+        }],
+        lease_ttl_ms: 5_000,
+        hot_replicas: 0,
+        max_batch: 64,
+        max_value_bytes: 1 << 20,
+    };
+    let replica = ReplicaDesc {
+        segment_id: 1,
+        endpoint: Endpoint {
+            host: "127.0.0.1".into(),
+            port: 1,
+            nr_shards: 1,
+        },
+        slice_bytes: 1 << 50,
+        host_id: "elsewhere".into(),
+        offset: 0,
+        len: 1 << 50,
+        tier: Tier::Dram,
+        checksum: Some(1),
+        grant: Default::default(),
+    };
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let (cluster, replica) = (cluster.clone(), replica.clone());
+            std::thread::spawn(move || loop {
+                let mut head = [0u8; HEADER_LEN];
+                if s.read_exact(&mut head).is_err() {
+                    return;
+                }
+                let hdr = FrameHeader::decode(&head, 1 << 20).unwrap();
+                let mut p = rkyv::util::AlignedVec::<16>::new();
+                p.resize(hdr.len as usize, 0);
+                s.read_exact(&mut p).unwrap();
+                let answer = match frame::decode::<MasterRequest>(&p).unwrap() {
+                    MasterRequest::Hello { .. } => MasterResponse::Hello {
+                        cluster: cluster.clone(),
+                    },
+                    MasterRequest::GetReplicaList { .. } => {
+                        MasterResponse::Replicas(vec![replica.clone()])
+                    }
+                    MasterRequest::BatchGet { keys } => MasterResponse::BatchReplicas(
+                        keys.iter()
+                            .map(|_| ItemResult::Ok(vec![replica.clone()]))
+                            .collect(),
+                    ),
+                    _ => {
+                        let e = kvpool_wire::KvError::new(ErrorCode::Unsupported, "not here");
+                        let _ = s.write_all(&frame::encode_error(hdr.request_id, &e));
+                        continue;
+                    }
+                };
+                let bytes = frame::encode(FrameKind::MasterResponse, hdr.request_id, &answer);
+                if s.write_all(&bytes).is_err() {
+                    return;
+                }
+            });
+        }
+    });
+    addr.to_string()
+}
+
+#[test]
+fn a_master_naming_a_value_past_the_clusters_bound_gets_an_error_not_an_allocation() {
+    let master = lying_master();
+    // The real binary: an allocation sized by the master's word would abort
+    // it (no memory for 2^50 bytes), not answer.
+    let (code, out, err) = common::cli(&master, &["get", "any-key"], None);
+    assert!(out.is_empty());
+    assert!(code > 0, "an error exit, not a signal: {code} {err}");
+    assert!(
+        err.contains("max_value_bytes") && err.contains("Malformed"),
+        "{err}"
+    );
+    // The library's gets, single and batch, hold answers to the same bound.
+    common::rt().block_on(async {
+        let c = Client::connect(&master, ClientConfig::default())
+            .await
+            .unwrap();
+        let e = c.get(b"any-key").await.unwrap_err();
+        assert_eq!(e.code, ErrorCode::Malformed, "{e}");
+        let r = c.batch_get(&[b"one", b"two"]).await.unwrap();
+        for e in r {
+            assert_eq!(e.unwrap_err().code, ErrorCode::Malformed);
+        }
+        // Views too (a view's read sizes its buffer by the length).
+        assert_eq!(
+            c.get_view(b"k").await.unwrap_err().code,
+            ErrorCode::Malformed
+        );
+        for v in c.batch_get_view(&[b"one", b"two"]).await.unwrap() {
+            assert_eq!(v.unwrap_err().code, ErrorCode::Malformed);
+        }
+    });
+}

@@ -43,7 +43,7 @@ use kvpool_wire::proto::{
 };
 use kvpool_wire::{ErrorCode, KvError};
 
-use crate::get::{GetProtocol, Step, READ_MARGIN};
+use crate::get::{within_bound, Answers, GetProtocol, Step, READ_MARGIN};
 use crate::leader::{leader_may_have_moved, MasterSource};
 use crate::locations::OnDrop;
 use crate::put::{Action, PlaceIds, PutIds, PutProtocol};
@@ -947,10 +947,20 @@ impl Client {
             Step::Read { replicas, until } => Ok((replicas, until)),
             Step::Ask => {
                 let r = self.ask(call::GetReplicaList { key: key.to_vec() }).await?;
-                let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
-                let (locations, checks) = (&self.inner.locations, self.inner.cfg.checksums);
-                get.answered(key, locations, r, lease, checks, Instant::now())
+                let locations = &self.inner.locations;
+                get.answered(key, locations, r, self.answers(), Instant::now())
             }
+        }
+    }
+
+    /// What this client holds the master's replica lists to: the cluster
+    /// map's lease and value bound, and its own checksum setting.
+    fn answers(&self) -> Answers {
+        let cluster = &self.view().cluster;
+        Answers {
+            lease: Duration::from_millis(cluster.lease_ttl_ms),
+            checksums: self.inner.cfg.checksums,
+            max_len: cluster.max_value_bytes,
         }
     }
 
@@ -987,6 +997,9 @@ impl Client {
         replicas: &[ReplicaDesc],
         granted: Instant,
     ) -> Result<ReadView, KvError> {
+        // A view's `read` sizes its buffer by the length (batch views come
+        // straight from the master's answer).
+        within_bound(replicas, self.answers().max_len)?;
         let mut mapped = Vec::new();
         let local = replicas
             .iter()

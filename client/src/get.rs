@@ -41,6 +41,36 @@ use crate::locations::{cacheable, Generation, Locations};
 /// ([`lease_read_end`]).
 pub const READ_MARGIN: Duration = Duration::from_millis(500);
 
+/// What the client holds a master's replica list to.
+#[derive(Debug, Clone, Copy)]
+pub struct Answers {
+    /// The read lease the master grants (the cluster map's `lease_ttl_ms`).
+    pub lease: Duration,
+    /// Whether this client checks values (what its location cache keeps).
+    pub checksums: bool,
+    /// The longest value the cluster stores (the cluster map's
+    /// `max_value_bytes`): a list naming a longer one is refused before any
+    /// buffer is sized by it.
+    pub max_len: u64,
+}
+
+/// `Malformed` if a replica the master names is longer than `max_len`
+/// (the cluster's `max_value_bytes`): buffers are sized by these lengths,
+/// and a master's word alone does not make a client allocate past what the
+/// cluster stores.
+pub fn within_bound(replicas: &[ReplicaDesc], max_len: u64) -> Result<(), KvError> {
+    match replicas.iter().find(|r| r.len > max_len) {
+        None => Ok(()),
+        Some(r) => Err(KvError::new(
+            ErrorCode::Malformed,
+            format!(
+                "the master names a replica of {} bytes, over the cluster's max_value_bytes ({max_len})",
+                r.len
+            ),
+        )),
+    }
+}
+
 /// What the driver does next.
 #[derive(Debug)]
 pub enum Step<T> {
@@ -112,8 +142,7 @@ impl<T: Copy + Ord + Add<Duration, Output = T>> GetProtocol<T> {
         key: &[u8],
         locations: &Locations<T>,
         replicas: Vec<ReplicaDesc>,
-        lease: Duration,
-        checksums: bool,
+        rules: Answers,
         now: T,
     ) -> Result<(Arc<[ReplicaDesc]>, T), KvError> {
         if replicas.is_empty() {
@@ -122,13 +151,14 @@ impl<T: Copy + Ord + Add<Duration, Output = T>> GetProtocol<T> {
                 "the object has no readable replica",
             ));
         }
+        within_bound(&replicas, rules.max_len)?;
         // No read past the read lease: past it the master may free the
         // space and a put reuse it, and a read would find other bytes
         // (caught only by a checksum).
-        let until = lease_read_end(self.asked, lease, READ_MARGIN);
+        let until = lease_read_end(self.asked, rules.lease, READ_MARGIN);
         let replicas: Arc<[ReplicaDesc]> = replicas.into();
         if let Some(seen) = self.generation {
-            locations.put(key, cacheable(&replicas, checksums), until, seen, now);
+            locations.put(key, cacheable(&replicas, rules.checksums), until, seen, now);
         }
         Ok((replicas, until))
     }
@@ -242,8 +272,7 @@ impl<T: Copy + Ord + Add<Duration, Output = T>> BatchGet<T> {
         locations: &Locations<T>,
         asked: &[usize],
         lists: Vec<Result<Vec<ReplicaDesc>, KvError>>,
-        lease: Duration,
-        checksums: bool,
+        rules: Answers,
         now: T,
     ) {
         let mut lists = lists.into_iter();
@@ -255,9 +284,7 @@ impl<T: Copy + Ord + Add<Duration, Output = T>> BatchGet<T> {
                     "the master's BatchGet answer names fewer keys than were asked",
                 ))
             });
-            *step = match answer
-                .and_then(|r| get.answered(keys[i], locations, r, lease, checksums, now))
-            {
+            *step = match answer.and_then(|r| get.answered(keys[i], locations, r, rules, now)) {
                 Ok((replicas, until)) => Self::step(i, Step::Read { replicas, until }, get),
                 Err(e) => KeyStep::Done(Err(e)),
             };
@@ -336,13 +363,33 @@ mod tests {
     }
 
     const LEASE: Duration = Duration::from_millis(4_000);
+    const RULES: Answers = Answers {
+        lease: LEASE,
+        checksums: true,
+        max_len: 1 << 20,
+    };
+
+    #[test]
+    fn a_list_naming_a_value_longer_than_the_cluster_stores_is_refused_and_not_remembered() {
+        let loc = Locations::<Duration>::new(16);
+        let (mut get, _) = GetProtocol::start(b"k", &loc, true, ms(0));
+        let mut long = replica(Some(1));
+        long.len = RULES.max_len + 1;
+        let e = get
+            .answered(b"k", &loc, vec![replica(Some(1)), long], RULES, ms(1))
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::Malformed);
+        assert!(e.message.contains("max_value_bytes"), "{e}");
+        let (_, step) = GetProtocol::start(b"k", &loc, true, ms(2));
+        assert!(matches!(step, Step::Ask), "nothing remembered");
+    }
 
     #[test]
     fn a_get_asks_the_master_then_reads_through_what_it_remembered() {
         let loc = Locations::<Duration>::new(16);
         let (mut get, step) = GetProtocol::start(b"k", &loc, true, ms(0));
         assert!(matches!(step, Step::Ask));
-        let answer = get.answered(b"k", &loc, vec![replica(Some(1))], LEASE, true, ms(3));
+        let answer = get.answered(b"k", &loc, vec![replica(Some(1))], RULES, ms(3));
         // The lease runs from the ask; a read stops READ_MARGIN before it.
         let (replicas, until) = answer.unwrap();
         assert_eq!((replicas.len(), until), (1, ms(3_500)));
@@ -359,7 +406,7 @@ mod tests {
     ) {
         let loc = Locations::<Duration>::new(16);
         let (mut get, _) = GetProtocol::start(b"k", &loc, true, ms(0));
-        get.answered(b"k", &loc, vec![replica(Some(1))], LEASE, true, ms(0))
+        get.answered(b"k", &loc, vec![replica(Some(1))], RULES, ms(0))
             .unwrap();
         let (mut get, _) = GetProtocol::start(b"k", &loc, true, ms(5));
         let e = KvError::new(ErrorCode::Corrupt, "bytes fail the checksum");
@@ -368,7 +415,7 @@ mod tests {
         assert!(!get.cached());
         assert!(loc.get(b"k", ms(7)).is_none(), "the entry is forgotten");
         // The answer's lease runs from the second ask.
-        let answer = get.answered(b"k", &loc, vec![replica(Some(1))], LEASE, true, ms(8));
+        let answer = get.answered(b"k", &loc, vec![replica(Some(1))], RULES, ms(8));
         assert_eq!(answer.unwrap().1, ms(3_506));
         let end = get.read_failed(b"k", &loc, e, ms(9));
         assert_eq!(end.unwrap_err().code, ErrorCode::Corrupt);
@@ -378,9 +425,9 @@ mod tests {
     fn no_replica_is_a_miss_and_a_view_or_read_back_does_not_look_in_the_cache() {
         let loc = Locations::<Duration>::new(16);
         let (mut get, _) = GetProtocol::start(b"k", &loc, true, ms(0));
-        let miss = get.answered(b"k", &loc, Vec::new(), LEASE, true, ms(1));
+        let miss = get.answered(b"k", &loc, Vec::new(), RULES, ms(1));
         assert_eq!(miss.unwrap_err().code, ErrorCode::ObjectNotFound);
-        get.answered(b"k", &loc, vec![replica(Some(1))], LEASE, true, ms(1))
+        get.answered(b"k", &loc, vec![replica(Some(1))], RULES, ms(1))
             .unwrap();
         let (get, step) = GetProtocol::start(b"k", &loc, false, ms(2));
         assert!(matches!(step, Step::Ask) && !get.cached());
@@ -391,12 +438,12 @@ mod tests {
         let loc = Locations::<Duration>::new(16);
         let (mut get, _) = GetProtocol::start(b"k", &loc, true, ms(0));
         loc.forget(b"k"); // this client's put of the key ended meanwhile
-        get.answered(b"k", &loc, vec![replica(Some(1))], LEASE, true, ms(1))
+        get.answered(b"k", &loc, vec![replica(Some(1))], RULES, ms(1))
             .unwrap();
         assert!(loc.get(b"k", ms(2)).is_none());
         // Nor is a replica whose bytes this client cannot check.
         let (mut get, _) = GetProtocol::start(b"k", &loc, true, ms(3));
-        get.answered(b"k", &loc, vec![replica(None)], LEASE, true, ms(4))
+        get.answered(b"k", &loc, vec![replica(None)], RULES, ms(4))
             .unwrap();
         assert!(loc.get(b"k", ms(5)).is_none());
     }
@@ -404,7 +451,7 @@ mod tests {
     /// `key` remembered by an answered get at `now`.
     fn remembered(loc: &Locations<Duration>, key: &[u8], now: Duration) {
         let (mut get, _) = GetProtocol::start(key, loc, true, now);
-        get.answered(key, loc, vec![replica(Some(1))], LEASE, true, now)
+        get.answered(key, loc, vec![replica(Some(1))], RULES, now)
             .unwrap();
     }
 
@@ -420,7 +467,7 @@ mod tests {
         assert!(reads[0].index == 1 && reads[0].cached && reads[0].len == 10);
         // a is there, c is not.
         let lists = vec![Ok(vec![replica(Some(1))]), Ok(Vec::new())];
-        batch.answered(&keys, &loc, &[0, 2], lists, LEASE, true, ms(2));
+        batch.answered(&keys, &loc, &[0, 2], lists, RULES, ms(2));
         assert!(batch.asks().is_empty());
         let reads = batch.reads();
         let places: Vec<(usize, bool)> = reads.iter().map(|r| (r.index, r.cached)).collect();
@@ -458,8 +505,7 @@ mod tests {
             &loc,
             &[0],
             vec![Ok(vec![replica(Some(1))])],
-            LEASE,
-            true,
+            RULES,
             ms(3),
         );
         let reads = batch.reads();
@@ -479,7 +525,7 @@ mod tests {
         let keys: [&[u8]; 2] = [b"a", b"b"];
         let mut batch = BatchGet::start(&keys, &loc, ms(0));
         let e = KvError::new(ErrorCode::ReplicaNotReady, "being put");
-        batch.answered(&keys, &loc, &[0, 1], vec![Err(e)], LEASE, true, ms(1));
+        batch.answered(&keys, &loc, &[0, 1], vec![Err(e)], RULES, ms(1));
         assert!(batch.done());
         let (out, _) = batch.finish().unwrap();
         assert_eq!(

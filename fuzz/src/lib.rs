@@ -728,6 +728,7 @@ fn master_response_seeds() -> Vec<(&'static str, MasterResponse)> {
                     lease_ttl_ms: 5_000,
                     hot_replicas: 0,
                     max_batch: 4096,
+                    max_value_bytes: 1 << 30,
                 },
             },
         ),

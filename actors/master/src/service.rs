@@ -404,6 +404,7 @@ pub async fn start(
         lease_ttl_ms: cfg.lease_ttl_ms,
         hot_replicas: cfg.hot_replicas,
         max_batch: u32::try_from(cfg.max_batch).unwrap_or(u32::MAX),
+        max_value_bytes: cfg.max_value_bytes.get(),
         shards: (0..n as u32)
             .map(|i| {
                 let (start, end) = vshard_range(&map, i);

@@ -202,10 +202,8 @@ impl Client {
                             keys: asked.iter().map(|&i| keys[i].to_vec()).collect(),
                         };
                         let lists = self.ask(req).await?.into_iter().map(Result::from).collect();
-                        let lease = Duration::from_millis(self.view().cluster.lease_ttl_ms);
-                        let checks = self.inner.cfg.checksums;
-                        let now = Instant::now();
-                        batch.answered(keys, locations, &asked, lists, lease, checks, now);
+                        let rules = self.answers();
+                        batch.answered(keys, locations, &asked, lists, rules, Instant::now());
                     }
                     let mut outcomes = Vec::new();
                     let mut fitting = Vec::new();

@@ -40,7 +40,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpool_client::get::{BatchGet, GetProtocol, Step};
+use kvpool_client::get::{Answers, BatchGet, GetProtocol, Step};
 use kvpool_client::locations::Locations;
 use kvpool_client::put::batch::{Ask, BatchPut, Round};
 use kvpool_client::put::{Action, Input, OneId, PlaceIds, PutIds, PutProtocol};
@@ -53,7 +53,7 @@ use rand::Rng;
 
 use crate::{
     key, sum_of, Addr, Body, Content, Ctx, Msg, Timer, CLIENT_TIMEOUT_MS, KEYS, LEASE_TTL_MS,
-    PING_MS,
+    MAX_VALUE_BYTES, PING_MS,
 };
 
 const LENS: [u64; 5] = [1, 700, 2048, 4096, 9000];
@@ -116,6 +116,16 @@ struct Env<'a> {
     deadline: u64,
     suspects: &'a mut Suspects,
     locations: &'a Locations<Duration>,
+}
+
+/// What a client holds the master's replica lists to (the cluster map's
+/// lease and value bound; its checksum setting).
+fn answers(checksums: bool) -> Answers {
+    Answers {
+        lease: Duration::from_millis(LEASE_TTL_MS),
+        checksums,
+        max_len: MAX_VALUE_BYTES,
+    }
 }
 
 /// One read of one key (a get, or a put's read-back): the client's REAL
@@ -247,10 +257,9 @@ impl Reader {
             Ok(rs) => rs,
             Err(e) => return Some(Err(e.code)),
         };
-        let lease = Duration::from_millis(LEASE_TTL_MS);
         let (key, loc) = (&self.key, env.locations);
         let get = self.get.as_mut().expect("a get's read asks");
-        match get.answered(key, loc, rs, lease, env.checksums, at(ctx)) {
+        match get.answered(key, loc, rs, answers(env.checksums), at(ctx)) {
             Ok((rs, until)) => self.begin(rs, until, env, ctx),
             Err(e) => Some(Err(e.code)),
         }
@@ -936,10 +945,9 @@ impl ClientModel {
                     Err(e) => return self.end(ctx, Err(e.code)),
                 };
                 let ks: Vec<&[u8]> = b.keys.iter().map(|k| &k[..]).collect();
-                let lease = Duration::from_millis(LEASE_TTL_MS);
-                let (loc, sums) = (env.locations, env.checksums);
+                let rules = answers(env.checksums);
                 b.batch
-                    .answered(&ks, loc, &asked, lists, lease, sums, at(ctx));
+                    .answered(&ks, env.locations, &asked, lists, rules, at(ctx));
                 self.batch_get_pass(ctx);
             }
             Body::Data { id, res } => self.batch_get_read(id, Some(res), ctx),

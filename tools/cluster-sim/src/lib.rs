@@ -426,6 +426,9 @@ pub const SHARDS: u32 = 2;
 pub const KEYS: usize = 16;
 pub const DRAM_BYTES: u64 = 64 << 10;
 pub const LEASE_TTL_MS: u64 = 400;
+/// The longest value the master stores (clients put at most 9000 bytes):
+/// the bound clients hold the master's replica lists to.
+pub const MAX_VALUE_BYTES: u64 = 16 << 10;
 pub const CLIENT_TTL_MS: u64 = 3_000;
 pub const CLIENT_TIMEOUT_MS: u64 = 1_500;
 pub const PING_MS: u64 = 500;
@@ -722,6 +725,7 @@ impl World {
         let secret = (seed % 4 >= 2).then(|| ClusterKey::new(SECRET).expect("a long secret"));
         let cfg = MasterConfig {
             lease_ttl_ms: LEASE_TTL_MS,
+            max_value_bytes: kvpool_runtime::config::Bytes(MAX_VALUE_BYTES),
             client_ttl_ms: CLIENT_TTL_MS,
             stale_put_grace_ms: 2 * CLIENT_TIMEOUT_MS,
             put_timeout_ms: 2 * CLIENT_TIMEOUT_MS,

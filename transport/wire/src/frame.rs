@@ -40,7 +40,8 @@ pub const MAGIC: [u8; 4] = *b"KVPL";
 /// `DropTask`, `FetchTask`): the archived layout changed.
 /// 7: `PromoteTask::version`.
 /// 8: `DataRequest::ReadNvme::key`.
-pub const VERSION: u8 = 8;
+/// 9: `ClusterMap::max_value_bytes`.
+pub const VERSION: u8 = 9;
 pub const HEADER_LEN: usize = 24;
 
 /// What a frame's payload is.
@@ -481,10 +482,10 @@ mod tests {
             Err(FrameError::BadMagic(_))
         ));
         let mut b = good;
-        b[4] = 9;
+        b[4] = VERSION + 1;
         assert!(matches!(
             FrameHeader::decode(&b, 100),
-            Err(FrameError::BadVersion(9))
+            Err(FrameError::BadVersion(v)) if v == VERSION + 1
         ));
         let mut b = good;
         b[5] = 77;

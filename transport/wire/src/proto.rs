@@ -108,6 +108,10 @@ pub struct ClusterMap {
     /// client cuts a longer batch into pieces of at most this many keys per
     /// shard.
     pub max_batch: u32,
+    /// The longest value the cluster stores (`master.max_value_bytes`): a
+    /// client refuses a replica list naming a longer one rather than size a
+    /// buffer by it.
+    pub max_value_bytes: u64,
 }
 
 /// What a storage node contributes when it mounts a segment.
