@@ -186,7 +186,12 @@ fn kill_leader(mut a: Proc, b: &Proc, w: Option<&Writers>) -> Instant {
 /// The role a master's /healthz reports (`leader`, `standby`, `deposed`),
 /// or "" when it does not answer.
 fn role_of(m: &Proc) -> String {
-    match try_get(&m.http, "/healthz") {
+    role_in(&try_get(&m.http, "/healthz"))
+}
+
+/// The role a `/healthz` answer names ("" without one).
+fn role_in(healthz: &Option<(u16, String)>) -> String {
+    match healthz {
         Some((_, body)) => body
             .split_whitespace()
             .find_map(|w| w.strip_prefix("role="))
@@ -200,14 +205,12 @@ fn role_of(m: &Proc) -> String {
 fn wait_role(m: &Proc, role: &str, within: Duration) -> Duration {
     let start = Instant::now();
     common::eventually_blocking(&format!("master {} {role}", m.addr), within, || {
-        if role_of(m) == role {
+        // One `/healthz` per poll: the role and, if not yet, the message.
+        let healthz = try_get(&m.http, "/healthz");
+        if role_in(&healthz) == role {
             Ok(())
         } else {
-            Err(format!(
-                "healthz: {:?}; stderr:\n{}",
-                try_get(&m.http, "/healthz"),
-                m.stderr()
-            ))
+            Err(format!("healthz: {healthz:?}; stderr:\n{}", m.stderr()))
         }
     });
     start.elapsed()

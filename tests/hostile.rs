@@ -915,9 +915,9 @@ fn bytes_changed_behind_the_masters_back_are_corrupt_never_returned() {
 // ---- 12. a master that names a value longer than the cluster stores --------
 
 /// A master on a real socket that answers `Hello` (the cluster map's value
-/// bound: 1 MiB) and names, for every key, one replica of 2^50 bytes;
+/// bound: `bound`) and names, for every key, one replica of `len` bytes;
 /// every other request gets `Unsupported`. Serves until the test ends.
-fn lying_master() -> String {
+fn lying_master(bound: u64, len: u64) -> String {
     use kvpool_wire::proto::{ClusterMap, Endpoint, ItemResult, MasterShardAddr, ReplicaDesc};
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
@@ -931,7 +931,7 @@ fn lying_master() -> String {
         lease_ttl_ms: 5_000,
         hot_replicas: 0,
         max_batch: 64,
-        max_value_bytes: 1 << 20,
+        max_value_bytes: bound,
     };
     let replica = ReplicaDesc {
         segment_id: 1,
@@ -940,10 +940,10 @@ fn lying_master() -> String {
             port: 1,
             nr_shards: 1,
         },
-        slice_bytes: 1 << 50,
+        slice_bytes: len,
         host_id: "elsewhere".into(),
         offset: 0,
-        len: 1 << 50,
+        len,
         tier: Tier::Dram,
         checksum: Some(1),
         grant: Default::default(),
@@ -991,7 +991,7 @@ fn lying_master() -> String {
 
 #[test]
 fn a_master_naming_a_value_past_the_clusters_bound_gets_an_error_not_an_allocation() {
-    let master = lying_master();
+    let master = lying_master(1 << 20, 1 << 50);
     // The real binary: an allocation sized by the master's word would abort
     // it (no memory for 2^50 bytes), not answer.
     let (code, out, err) = common::cli(&master, &["get", "any-key"], None);
@@ -1019,6 +1019,28 @@ fn a_master_naming_a_value_past_the_clusters_bound_gets_an_error_not_an_allocati
         );
         for v in c.batch_get_view(&[b"one", b"two"]).await.unwrap() {
             assert_eq!(v.unwrap_err().code, ErrorCode::Malformed);
+        }
+    });
+}
+
+/// The bound comes from the master too: one that lies in its map as well
+/// (no bound) gets an error for a length no allocator can give, not an
+/// aborted process.
+#[test]
+fn a_master_lying_in_its_map_too_gets_an_error_not_an_abort() {
+    let master = lying_master(u64::MAX, 1 << 62);
+    let (code, out, err) = common::cli(&master, &["get", "any-key"], None);
+    assert!(out.is_empty());
+    assert!(code > 0, "an error exit, not a signal: {code} {err}");
+    assert!(err.contains("ResourceExhausted"), "{err}");
+    common::rt().block_on(async {
+        let c = Client::connect(&master, ClientConfig::default())
+            .await
+            .unwrap();
+        let e = c.get(b"any-key").await.unwrap_err();
+        assert_eq!(e.code, ErrorCode::ResourceExhausted, "{e}");
+        for r in c.batch_get(&[b"one", b"two"]).await.unwrap() {
+            assert_eq!(r.unwrap_err().code, ErrorCode::ResourceExhausted);
         }
     });
 }

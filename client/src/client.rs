@@ -890,7 +890,7 @@ impl Client {
                 let (mut get, mut step) = GetProtocol::start(key, locations, true, Instant::now());
                 loop {
                     let (replicas, until) = self.to_read(key, &mut get, step).await?;
-                    let mut buf = vec![0u8; replicas[0].len as usize];
+                    let mut buf = zeroed(replicas[0].len)?;
                     let read =
                         self.inner
                             .engine

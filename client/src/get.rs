@@ -157,8 +157,9 @@ impl<T: Copy + Ord + Add<Duration, Output = T>> GetProtocol<T> {
         // (caught only by a checksum).
         let until = lease_read_end(self.asked, rules.lease, READ_MARGIN);
         let replicas: Arc<[ReplicaDesc]> = replicas.into();
-        if let Some(seen) = self.generation {
-            locations.put(key, cacheable(&replicas, rules.checksums), until, seen, now);
+        // Without checksums nothing is kept (`cacheable`): not even looked at.
+        if let (Some(seen), true) = (self.generation, rules.checksums) {
+            locations.put(key, cacheable(&replicas, true), until, seen, now);
         }
         Ok((replicas, until))
     }
@@ -263,9 +264,8 @@ impl<T: Copy + Ord + Add<Duration, Output = T>> BatchGet<T> {
     /// The master's answer at `now` to the asks of `asked` (as
     /// [`Self::asks`] gave them): one list per key, in order. Each becomes
     /// the key's read, or its error (no replica: `ObjectNotFound`; a
-    /// list missing from the answer: `Internal`). The cluster's read lease
-    /// is `lease`; `checksums`: this client checks what it reads.
-    #[allow(clippy::too_many_arguments)]
+    /// list missing from the answer: `Internal`), held to `rules`
+    /// ([`Answers`]).
     pub fn answered(
         &mut self,
         keys: &[&[u8]],

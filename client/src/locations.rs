@@ -239,6 +239,22 @@ pub(crate) mod tests {
         assert_eq!(*cacheable(&all, false), [], "a client that checks nothing");
     }
 
+    /// The common answer (DRAM replicas with a checksum) is shared with
+    /// the table, not copied; one with a replica not worth keeping is
+    /// filtered; without checksums nothing is.
+    #[test]
+    fn an_answer_worth_keeping_whole_is_shared_not_copied() {
+        let summed = |offset| ReplicaDesc {
+            checksum: Some(7),
+            ..rep(offset)
+        };
+        let all: Arc<[ReplicaDesc]> = vec![summed(1), summed(2)].into();
+        assert!(Arc::ptr_eq(&cacheable(&all, true), &all));
+        let mixed: Arc<[ReplicaDesc]> = vec![summed(1), rep(2)].into();
+        assert_eq!(cacheable(&mixed, true).len(), 1);
+        assert!(cacheable(&all, false).is_empty());
+    }
+
     #[test]
     fn an_answer_asked_for_before_a_forget_is_not_kept() {
         let l = Locations::new(8);

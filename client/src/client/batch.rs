@@ -356,8 +356,7 @@ impl Dsts<'_, '_, '_> {
     fn size(&mut self, i: usize, len: usize) -> Result<(), KvError> {
         match self {
             Dsts::Owned(bufs) => {
-                bufs[i].clear();
-                bufs[i].resize(len, 0);
+                bufs[i] = zeroed(len as u64)?;
                 Ok(())
             }
             Dsts::Into(items) if items[i].1.len() < len => Err(too_small(len, items[i].1.len())),

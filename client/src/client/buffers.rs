@@ -3,6 +3,35 @@
 
 use super::*;
 
+/// A zeroed buffer for a value of `len` bytes, the length a master named:
+/// `ResourceExhausted` when no allocator can give it, never an abort (what
+/// `vec![0; len]` does). The cluster's bound ([`crate::get::within_bound`])
+/// comes from the master too, so this is what keeps a master that lies in
+/// its map as well as its lists from ending the process. As cheap as
+/// `vec![0; len]`: the allocator's zeroed pages, no second pass.
+pub(super) fn zeroed(len: u64) -> Result<Vec<u8>, KvError> {
+    let no = || {
+        KvError::new(
+            ErrorCode::ResourceExhausted,
+            format!("no memory for a value of {len} bytes"),
+        )
+    };
+    let len = usize::try_from(len).map_err(|_| no())?;
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(len).map_err(|_| no())?;
+    // SAFETY: the layout's size is not zero (checked above).
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    if p.is_null() {
+        return Err(no());
+    }
+    // SAFETY: `p` comes from the global allocator with the layout of
+    // `len` bytes at alignment 1 (what a Vec<u8> of capacity `len` frees
+    // with), and all `len` bytes are initialized (zeroed).
+    Ok(unsafe { Vec::from_raw_parts(p, len, len) })
+}
+
 /// Memory allocated by the client for transfers, from
 /// [`Client::register_buffer`]. With RDMA on, it is registered with the NIC
 /// (one memory region per device, held in the engine's MR cache for as long
@@ -252,7 +281,7 @@ impl ReadView {
 
     /// The value, copied and checked as [`ReadView::read_into`] does.
     pub fn read(&self) -> Result<Vec<u8>, KvError> {
-        let mut v = vec![0u8; self.len as usize];
+        let mut v = zeroed(self.len)?;
         self.read_into(&mut v)?;
         Ok(v)
     }

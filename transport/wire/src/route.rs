@@ -191,6 +191,24 @@ pub fn merge_batch(
     let mut exists: Option<Vec<Option<_>>> = None;
     let mut failed: Vec<(Vec<usize>, KvError)> = Vec::new();
     for (pos, res) in parts {
+        // Items are matched to keys by place: an answer with another count
+        // than the part's keys names no key for sure, and every key of the
+        // part fails (a shifted list would hand one key another's replicas).
+        let res = res.and_then(|r| {
+            let items = match &r {
+                MasterResponse::BatchReplicas(v) => v.len(),
+                MasterResponse::BatchDone(v) => v.len(),
+                MasterResponse::BatchExists(v) => v.len(),
+                _ => return Ok(r),
+            };
+            if items == pos.len() {
+                return Ok(r);
+            }
+            Err(KvError::new(
+                ErrorCode::Malformed,
+                format!("a shard answered {items} items for {} keys", pos.len()),
+            ))
+        });
         match res {
             Ok(MasterResponse::BatchReplicas(v)) => place(
                 replicas.get_or_insert_with(|| (0..n).map(|_| None).collect()),
@@ -293,6 +311,25 @@ mod tests {
         assert_eq!(t(tasks(2).into()), Target::Shard(2));
         let e = target(&tasks(3).into(), owner, 3).unwrap_err();
         assert_eq!(e.code, ErrorCode::InvalidParams, "{e}");
+    }
+
+    /// A part answered with fewer or more items than it has keys fails
+    /// every one of its keys; the other parts' answers keep their places.
+    #[test]
+    fn a_part_answered_with_another_count_of_items_fails_each_of_its_keys() {
+        let yes = || ItemResult::from(Ok::<bool, KvError>(true));
+        for items in [1, 3] {
+            let short = MasterResponse::BatchExists((0..items).map(|_| yes()).collect());
+            let good = MasterResponse::BatchExists(vec![yes()]);
+            let merged = merge_batch(3, vec![(vec![0, 2], Ok(short)), (vec![1], Ok(good))]);
+            let Ok(MasterResponse::BatchExists(v)) = merged else {
+                panic!("{merged:?}")
+            };
+            let v: Vec<Result<bool, KvError>> = v.into_iter().map(Result::from).collect();
+            assert_eq!(v[0].as_ref().unwrap_err().code, ErrorCode::Malformed);
+            assert_eq!(v[2].as_ref().unwrap_err().code, ErrorCode::Malformed);
+            assert_eq!(v[1].as_ref().ok(), Some(&true));
+        }
     }
 
     /// A shard's part over the bound is cut into pieces of at most `max`
