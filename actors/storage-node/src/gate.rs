@@ -299,6 +299,43 @@ impl DataGate<'_> {
     }
 }
 
+/// What a client's `ReadNvme` is served, past the gate: the copy of its
+/// key only, and only at the length it asked for. A slot evicted and reused
+/// since the reader got its location may hold another key's copy, of the
+/// same size too (a later copy of the same key is that key's bytes, put
+/// after the reader asked). The data port and the cluster simulation both
+/// answer by it.
+#[derive(Debug, Clone, Copy)]
+pub struct NvmeRead<'a> {
+    pub key: &'a [u8],
+    pub len: u64,
+}
+
+impl NvmeRead<'_> {
+    /// Whether the copy of `key` at `version` found in the slot may serve
+    /// the read (the tier's `read_if` filter; otherwise the read is
+    /// `ObjectNotFound`).
+    pub fn wants(&self, key: &[u8], _version: u64) -> bool {
+        key == self.key
+    }
+
+    /// The answer for a copy of `found` bytes: `Ok` at the asked length,
+    /// else `InvalidParams` (the reader's buffer is not this copy's size).
+    pub fn fits(&self, found: u64) -> Result<(), KvError> {
+        if found == self.len {
+            Ok(())
+        } else {
+            Err(KvError::new(
+                ErrorCode::InvalidParams,
+                format!(
+                    "length differs from the object's ({} bytes asked, {found} held)",
+                    self.len
+                ),
+            ))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -312,6 +349,19 @@ mod tests {
             term,
             mac: [0; 16],
         }
+    }
+
+    /// A `ReadNvme` is served only its own key's copy, at its length.
+    #[test]
+    fn an_nvme_read_takes_its_keys_copy_at_its_length_only() {
+        let r = NvmeRead {
+            key: b"k",
+            len: 4096,
+        };
+        assert!(r.wants(b"k", 7));
+        assert!(!r.wants(b"other", 7));
+        assert!(r.fits(4096).is_ok());
+        assert_eq!(r.fits(4095).unwrap_err().code, ErrorCode::InvalidParams);
     }
 
     /// Without a secret an unsigned term raises nothing: a grant of term

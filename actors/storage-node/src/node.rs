@@ -538,25 +538,16 @@ impl Handler for DataConn {
                 self.metrics.observe("read", ok, started.elapsed());
                 next
             }
-            DataRequest::ReadNvme { loc, len, key, .. } => {
+            DataRequest::ReadNvme {
+                loc, len, ref key, ..
+            } => {
                 let loc = kvpool_storage::nvme::NvmeLoc::unpack(loc);
-                // The key's copy only: a slot evicted and reused since the
-                // reader got its location may hold another key's copy of
-                // the same size (a later copy of the same key is the key's
-                // bytes, put after the reader asked).
+                // The key's copy only, at its length (the rule's docs say why).
+                let rule = crate::gate::NvmeRead { key, len };
                 let value =
-                    crate::nvme_tier::read_local(loc, &self.metrics, |k, _| k == key.as_slice())
+                    crate::nvme_tier::read_local(loc, &self.metrics, |k, v| rule.wants(k, v))
                         .await
-                        .and_then(|v| {
-                            if v.len() as u64 == len {
-                                Ok(v)
-                            } else {
-                                Err(KvError::new(
-                                    ErrorCode::InvalidParams,
-                                    "length differs from the object's",
-                                ))
-                            }
-                        });
+                        .and_then(|v| rule.fits(v.len() as u64).map(|()| v));
                 let v = match value {
                     Ok(v) => v,
                     Err(e) => {

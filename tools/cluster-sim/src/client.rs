@@ -35,7 +35,10 @@
 //! Writes and reads carry the grant of the replica they name (the master
 //! signs them on seeds with a cluster secret; nodes check them).
 //!
-//! Not modelled: batch gets, shared-memory and RDMA paths.
+//! With [`crate::Options::stalled_reads`], a read now and then waits in the
+//! client before it leaves (up to three quarters of its replica's share).
+//!
+//! Not modelled: shared-memory and RDMA paths.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -296,7 +299,7 @@ impl Reader {
                 };
             }
         };
-        let id = match ctx.send_read(env.me, &self.replicas[i], &self.key) {
+        let id = match ctx.send_read(env.me, &self.replicas[i], &self.key, share) {
             Ok(id) => id,
             Err(e) => return self.failed(i, e, env, ctx),
         };

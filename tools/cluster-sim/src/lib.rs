@@ -57,11 +57,14 @@
 //!   ([`Ctx::admit`]). Seeds 2 and 3 of every 4 run with a cluster secret:
 //!   the master signs a grant into every replica it hands out (the real
 //!   signer); a grant that does not cover what the client does with it
-//!   breaks an invariant; an expired one is refused.
+//!   breaks an invariant; an expired one is refused. What a tier read is
+//!   served is the node's rule ([`kvpool_storage_node::gate::NvmeRead`]).
 //! * The network, clock and disk are simulated. Node crashes lose DRAM and
 //!   the tier's index records not yet flushed (the write is torn: its copy
 //!   is gone after restart); tier writes and flushes fail at random. The
-//!   master's state directory is a real one per run ([`StateDir`]).
+//!   master's state directory is a real one per run ([`StateDir`]). With
+//!   [`Options::stalled_reads`] clients' reads now and then wait before
+//!   they leave.
 //!
 //! After every event the world checks the invariants in `World::check`; a
 //! failure names the seed, and `KVPOOL_SIM_SEED=<seed> cargo test --release
@@ -72,6 +75,7 @@ pub mod node;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::AtomicU64;
+use std::time::Duration;
 
 use kvpool_config::MasterConfig;
 use kvpool_master::core::{EvictDrive, MasterCore};
@@ -288,6 +292,14 @@ pub struct Options {
     /// and the node's report race of docs/RELIABILITY.md, seeds 798 and
     /// 442, both fixed; `tests/seeds.rs` replays them).
     pub some_clients_without_checksums: bool,
+    /// Now and then a client's data read waits in the client before it
+    /// leaves (a process descheduled between choosing a replica and
+    /// sending), up to three quarters of the replica's share of the time
+    /// left (one read in four): the read still reaches the node inside its
+    /// window, but late enough that an NVMe copy may have been evicted and
+    /// its slot reused by another key
+    /// (off by default, so the seeds' schedules stay as they were).
+    pub stalled_reads: bool,
 }
 
 impl Default for Options {
@@ -295,6 +307,7 @@ impl Default for Options {
         Self {
             events: 3_000,
             some_clients_without_checksums: false,
+            stalled_reads: false,
         }
     }
 }
@@ -352,6 +365,12 @@ pub struct Stats {
     /// node's round past its grants); any other refusal breaks an invariant.
     pub grants_checked: u64,
     pub grants_expired: u64,
+    /// Client reads held back before they left ([`Options::stalled_reads`]),
+    /// and tier reads that found their slot holding another key's copy
+    /// (which the node's rule,
+    /// [`kvpool_storage_node::gate::NvmeRead`], does not serve).
+    pub reads_stalled: u64,
+    pub nvme_reads_of_reused_slots: u64,
 }
 
 impl Stats {
@@ -388,6 +407,8 @@ impl Stats {
         self.hot_fetches_failed += o.hot_fetches_failed;
         self.grants_checked += o.grants_checked;
         self.grants_expired += o.grants_expired;
+        self.reads_stalled += o.reads_stalled;
+        self.nvme_reads_of_reused_slots += o.nvme_reads_of_reused_slots;
     }
 }
 
@@ -463,6 +484,8 @@ pub struct Ctx {
     /// The cluster secret (seeds 2 and 3 of every 4): the master signs a
     /// grant into every replica it hands out, and nodes check it.
     pub key: Option<ClusterKey>,
+    /// [`Options::stalled_reads`].
+    pub stalled_reads: bool,
     pub stats: Stats,
     pub violation: Option<String>,
     trace: VecDeque<String>,
@@ -564,11 +587,16 @@ impl Ctx {
 
     /// Sends a read of replica `r` of `key` to the node that serves it;
     /// the read's id, or `Unavailable` when no node serves its segment.
+    /// Sends a read of replica `r` of `key`; its id. With
+    /// [`Options::stalled_reads`], one read in four waits before it leaves,
+    /// up to three quarters of `share` (the time the reader gives this
+    /// replica), so its answer still comes within the share.
     pub fn send_read(
         &mut self,
         from: Addr,
         r: &kvpool_wire::proto::ReplicaDesc,
         key: &[u8],
+        share: Duration,
     ) -> Result<u64, KvError> {
         let Some(&n) = self.seg_node.get(&r.segment_id) else {
             return Err(KvError::new(
@@ -581,7 +609,14 @@ impl Ctx {
             id,
             req: kvpool_transport::read::data_request(r, key, 0, r.len),
         };
-        self.send(from, Addr::Node(n), body);
+        let most = share.as_millis() as u64 * 3 / 4;
+        let stall = if self.stalled_reads && most > 0 && self.rng.random_ratio(1, 4) {
+            self.stats.reads_stalled += 1;
+            self.rng.random_range(1..=most)
+        } else {
+            0
+        };
+        self.send_after(stall, from, Addr::Node(n), body);
         Ok(id)
     }
 
@@ -629,6 +664,11 @@ impl Ctx {
     /// Sends `body`; the network may drop, delay (and so reorder),
     /// duplicate (what may safely arrive twice) or cut it.
     pub fn send(&mut self, from: Addr, to: Addr, body: Body) {
+        self.send_after(0, from, to, body);
+    }
+
+    /// [`Ctx::send`], the message leaving `stall` ms from now.
+    fn send_after(&mut self, stall: u64, from: Addr, to: Addr, body: Body) {
         if self.cut.contains(&from) || self.cut.contains(&to) {
             self.stats.dropped += 1;
             return;
@@ -657,7 +697,7 @@ impl Ctx {
                 to,
                 body: body.clone(),
             };
-            self.at(self.now + d, Event::Deliver(m));
+            self.at(self.now + stall + d, Event::Deliver(m));
         }
     }
 
@@ -750,6 +790,7 @@ impl World {
             seg_node: HashMap::new(),
             hot,
             key: secret,
+            stalled_reads: opts.stalled_reads,
             stats: Stats::default(),
             violation: None,
             trace: VecDeque::new(),

@@ -58,6 +58,7 @@ use kvpool_storage::nvme::{self, Eviction, NvmeConfig, NvmeLoc, BLOCK};
 use kvpool_storage::tier_index::{Found, Record, Refused, SlotCopy, TierIndex};
 use kvpool_storage_node::control::{Ask, Lane, Outcome};
 use kvpool_storage_node::fetch::FETCH_DEADLINE;
+use kvpool_storage_node::gate::NvmeRead;
 use kvpool_storage_node::round::{self, Pace, Round, Step, Steps};
 use kvpool_storage_node::task::{self, DropRule, FetchRule, PersistRule, PromoteRule};
 use kvpool_transport::read::{self as read_rules, Prefer, ReplicaRead, Suspects};
@@ -731,17 +732,27 @@ impl NodeModel {
                     } => self
                         .dram_read(segment_id, offset, len)
                         .ok_or(ErrorCode::SegmentNotFound),
-                    DataRequest::ReadNvme { loc, len, key, .. } => {
+                    DataRequest::ReadNvme {
+                        loc, len, ref key, ..
+                    } => {
+                        // The node's rule (the key's copy only, at its
+                        // length), not a copy being evicted (the real tier's
+                        // mark: no new read gets it).
+                        let rule = NvmeRead { key, len };
                         match self.tier.as_mut() {
-                            // The key's copy only (a slot evicted and reused
-                            // since may hold another key's copy), not one
-                            // being evicted (the real tier's mark: no new
-                            // read gets it).
-                            Some(t) => match t.read(loc, |k, _| k == key.as_slice()) {
-                                Some((l, content)) if l == len => Ok(content),
-                                _ => Err(ErrorCode::ObjectNotFound),
-                            },
-                            None => Err(ErrorCode::SegmentNotFound),
+                            Some(t) => {
+                                if t.copy(loc).is_some_and(|c| *c.key != **key) {
+                                    ctx.stats.nvme_reads_of_reused_slots += 1;
+                                }
+                                match t.read(loc, |k, v| rule.wants(k, v)) {
+                                    Some((l, content)) => {
+                                        rule.fits(l).map(|()| content).map_err(|e| e.code)
+                                    }
+                                    None => Err(ErrorCode::ObjectNotFound),
+                                }
+                            }
+                            // As the node's `tier()`.
+                            None => Err(ErrorCode::Unavailable),
                         }
                     }
                     _ => Err(ErrorCode::InvalidParams),
@@ -1162,7 +1173,12 @@ impl NodeModel {
                 return Some(Ran::Done(Some((f.task.promoted(false), None, false))));
             }
         };
-        let id = match ctx.send_read(Addr::Node(self.idx), &f.task.from[i], &f.task.key) {
+        let id = match ctx.send_read(
+            Addr::Node(self.idx),
+            &f.task.from[i],
+            &f.task.key,
+            Duration::ZERO,
+        ) {
             Ok(id) => id,
             Err(e) => return self.fetch_failed(i, e, ctx),
         };

@@ -125,21 +125,28 @@ fn options() -> Options {
     o
 }
 
-#[test]
-fn every_invariant_holds_on_every_seed() {
-    let opts = options();
+/// Runs seed `KVPOOL_SIM_SEED` alone, else seeds 1..=`$count` (default
+/// 1,000), and prints what they did; how many seeds ran and their stats.
+fn run_counted(count: &str, opts: &Options) -> (usize, Stats) {
     let seeds: Vec<u64> = match env_u64("KVPOOL_SIM_SEED") {
         Some(s) => vec![s],
-        None => (1..=env_u64("KVPOOL_SIM_SEEDS").unwrap_or(1_000)).collect(),
+        None => (1..=env_u64(count).unwrap_or(1_000)).collect(),
     };
     let n = seeds.len();
     let started = std::time::Instant::now();
-    let total = run_all(seeds.into_iter(), &opts);
+    let total = run_all(seeds.into_iter(), opts);
     println!(
-        "{n} seeds, {} events in {:.1?}: {total:?}",
+        "{n} seeds, {} events in {:.1?} ({opts:?}): {total:?}",
         total.events,
         started.elapsed()
     );
+    (n, total)
+}
+
+#[test]
+fn every_invariant_holds_on_every_seed() {
+    let opts = options();
+    let (n, total) = run_counted("KVPOOL_SIM_SEEDS", &opts);
     if n >= 100 {
         // The runs reached what they are about.
         assert!(total.puts_ok > 0 && total.gets_ok > 0, "{total:?}");
@@ -181,6 +188,26 @@ fn every_invariant_holds_on_every_seed() {
     }
 }
 
+/// Clients whose reads now and then wait before they leave
+/// (`Options::stalled_reads`), a quarter of them without checksums: a tier
+/// read arriving after its copy was evicted finds the slot empty or holding
+/// another key's copy, and must get that key's bytes or an error, never the
+/// other copy's (the node's `NvmeRead` rule; without checksums nothing else
+/// would catch it). `KVPOOL_SIM_STALLED_SEEDS=<n>`: seeds 1..=n (default 1,000).
+#[test]
+fn stalled_readers_get_their_keys_bytes_or_an_error() {
+    let opts = Options {
+        some_clients_without_checksums: true,
+        stalled_reads: true,
+        ..options()
+    };
+    let (n, total) = run_counted("KVPOOL_SIM_STALLED_SEEDS", &opts);
+    if n >= 100 {
+        assert!(total.reads_stalled > 0, "{total:?}");
+        assert!(total.nvme_reads_of_reused_slots > 0, "{total:?}");
+    }
+}
+
 #[test]
 fn past_failing_seeds_hold() {
     let opts = Options {
@@ -195,6 +222,7 @@ fn past_failing_unsummed_seeds_hold() {
     let opts = Options {
         events: 10_000,
         some_clients_without_checksums: true,
+        ..Options::default()
     };
     run_all(UNSUMMED_REGRESSIONS.iter().copied(), &opts);
 }
