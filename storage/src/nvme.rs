@@ -1065,6 +1065,13 @@ impl NvmeShard {
         st.copy(loc.slot).map(|e| e.record.seq)
     }
 
+    /// Whether `loc` still holds the copy written with sequence number
+    /// `seq` (see [`NvmeShard::copy_seq`]): the index's rule, which the
+    /// cluster simulation runs too.
+    pub fn holds(&self, loc: NvmeLoc, seq: u64) -> bool {
+        self.check_loc(loc).is_ok() && self.state.borrow().holds(loc.slot, seq)
+    }
+
     /// The version the copy at `loc` was written with, if one is there.
     pub fn copy_version(&self, loc: NvmeLoc) -> Option<u64> {
         self.check_loc(loc).ok()?;
@@ -1097,7 +1104,7 @@ impl NvmeShard {
     /// Removes the copy at `loc` if it is still the one written with
     /// sequence number `seq` (see [`NvmeShard::copy_seq`]); whether it was.
     pub async fn remove_copy(&self, loc: NvmeLoc, seq: u64) -> Result<bool, NvmeError> {
-        if self.copy_seq(loc) != Some(seq) {
+        if !self.holds(loc, seq) {
             return Ok(false);
         }
         self.remove(loc).await?;

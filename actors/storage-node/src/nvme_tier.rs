@@ -608,9 +608,7 @@ impl NodeNvme {
                     let flushed = t.flush().await.map_err(kv);
                     let present: Vec<bool> = look
                         .iter()
-                        .map(|(k, c)| {
-                            t.lookup(k) == Some(c.loc) && t.copy_seq(c.loc) == Some(c.seq)
-                        })
+                        .map(|(k, c)| t.lookup(k) == Some(c.loc) && t.holds(c.loc, c.seq))
                         .collect();
                     Ok::<_, KvError>((flushed, present))
                 })
