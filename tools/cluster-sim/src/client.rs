@@ -692,7 +692,8 @@ impl ClientModel {
                 op.stage = Stage::Removing;
                 op.changes = vec![k.clone()];
                 let force = ctx.rng.random_ratio(1, 3);
-                op.awaiting = ctx.ask(self.me(), MasterRequest::Remove { key: k, force });
+                // The client's typed call (its answer read as `Client::remove_with` reads it).
+                op.awaiting = ctx.ask(self.me(), call::Remove { key: k, force }.into());
                 self.op = Some(op);
             }
         }
@@ -855,6 +856,9 @@ impl ClientModel {
                 self.drive(a, ctx);
             }
             (Stage::Reporting(left, n), _) => self.report_next(left, n, ctx),
+            (Stage::Removing, r) => {
+                self.end(ctx, r.and_then(call::Remove::reply).map_err(|e| e.code))
+            }
             (_, r) => self.end(ctx, r.map(|_| ()).map_err(|e| e.code)),
         }
     }

@@ -1,8 +1,8 @@
 //! A seeded simulation of a kvpool cluster, in one thread (issue 18).
 //!
 //! ```text
-//!   clients: the REAL (batch) puts --\                  /-- storage nodes: the REAL
-//!   and read rules (removals: model)  >-- simulated --<    round, task and control rules
+//!   clients: the REAL (batch) puts,  \                  /-- storage nodes: the REAL
+//!   gets, read rules and removal call >-- simulated --<    round, task and control rules
 //!   MasterCore (REAL) ---------------/    network       \   and tier index over a model's
 //!                          (drop, delay, reorder,          I/O: DRAM, a simulated disk
 //!                           duplicate, partition)
@@ -26,7 +26,8 @@
 //!   and in batches ([`kvpool_client::get::BatchGet`]), and the
 //!   transfer engine's real read rules ([`kvpool_transport::read`]: replica
 //!   order, shares of the time left, failover, unreachable nodes);
-//!   removals are a model of `Client::remove_with` (one call).
+//!   removals are `Client::remove_with`'s typed call (`call::Remove`, its
+//!   answer read as the client reads it) under the call's deadline.
 //! * Storage nodes ([`node`]) follow the real protocol (`kvpool_wire::proto`
 //!   requests and answers, the node's tasks and NVMe reports, pings, mounts
 //!   and remounts). When a node mounts, reports its tier and pings is the
