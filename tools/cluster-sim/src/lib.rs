@@ -62,10 +62,10 @@
 //!   served is the node's rule ([`kvpool_storage_node::gate::NvmeRead`]).
 //! * The network, clock and disk are simulated. Node crashes lose DRAM and
 //!   the tier's index records not yet flushed (the write is torn: its copy
-//!   is gone after restart); tier writes and flushes fail at random. The
-//!   master's state directory is a real one per run ([`StateDir`]). With
-//!   [`Options::stalled_reads`] clients' reads now and then wait before
-//!   they leave.
+//!   is gone after restart); tier writes, flushes and removals fail at
+//!   random. The master's state directory is a real one per run
+//!   ([`StateDir`]). With [`Options::stalled_reads`] clients' reads now and
+//!   then wait before they leave.
 //!
 //! After every event the world checks the invariants in `World::check`; a
 //! failure names the seed, and `KVPOOL_SIM_SEED=<seed> cargo test --release
@@ -619,6 +619,16 @@ impl Ctx {
         };
         self.send_after(stall, from, Addr::Node(n), body);
         Ok(id)
+    }
+
+    /// Whether a tier removal's write fails (the seed's `disk_fail`; no
+    /// draw on seeds without disk faults, whose schedules stay as they
+    /// were).
+    pub fn disk_fails(&mut self) -> bool {
+        let p = self.faults.disk_fail;
+        let fails = p > 0.0 && self.rng.random_bool(p);
+        self.stats.disk_failures += u64::from(fails);
+        fails
     }
 
     /// A fresh request or transfer id.

@@ -42,7 +42,8 @@
 //!   blocks, as the tier lays them out), so a write finds no slot or no
 //!   extent large enough, or its key's copy still there, as the tier would;
 //!   it names copies by write number, ranks reads for LRU and keeps the
-//!   eviction marks. A tier write or flush fails at random; a crash loses
+//!   eviction marks. A tier write, flush or removal (its tombstone's write:
+//!   the copy stays, marks and all) fails at random; a crash loses
 //!   DRAM and every index record not flushed (that write is torn), and the
 //!   index after the restart is what the real recovery makes of the
 //!   records left, newest first.
@@ -173,14 +174,20 @@ impl TierModel {
         Ok(Some((u64::from(r.slot), r.seq)))
     }
 
-    /// Removes the copy at `loc` (its tombstone is durable at once) and
-    /// frees its place.
-    fn take(&mut self, loc: u64) {
-        let Some(slot) = slot_of(loc) else { return };
-        if self.index.tombstone(slot).is_some() {
-            self.index.free(slot);
-            self.disk.remove(&slot);
+    /// Removes the copy at `loc`: its tombstone written (durable at once),
+    /// then its place freed; whether it went. The write fails when `fails`
+    /// says so: the copy stays, on the disk and in the index (marks and
+    /// all), as on the real tier, whose `remove` frees nothing then.
+    fn take(&mut self, loc: u64, fails: impl FnOnce() -> bool) -> bool {
+        let Some(slot) = slot_of(loc) else {
+            return false;
+        };
+        if self.index.tombstone(slot).is_none() || fails() {
+            return false;
         }
+        self.index.free(slot);
+        self.disk.remove(&slot);
+        true
     }
 
     /// A read of the copy at `loc` if `wanted` says so of its key and
@@ -196,10 +203,12 @@ impl TierModel {
         Some((len, self.disk.get(&slot)?.content))
     }
 
-    /// Removes copy `c` if its location still holds it.
-    fn remove_copy(&mut self, c: CopyRef) {
+    /// Removes copy `c` if its location still holds it (see
+    /// [`TierModel::take`]; a failed removal leaves it, as the node's
+    /// `remove_copy` does, with a warning).
+    fn remove_copy(&mut self, c: CopyRef, fails: impl FnOnce() -> bool) {
         if self.holds(c) {
-            self.take(c.0);
+            self.take(c.0, fails);
         }
     }
 
@@ -809,7 +818,7 @@ impl NodeModel {
                     match r {
                         ItemResult::Ok(()) => ctx.stats.recovered += 1,
                         ItemResult::Err(e) if round::stale(&KvError::from(e.clone())) => {
-                            t.remove_copy(c);
+                            t.remove_copy(c, || ctx.disk_fails());
                         }
                         ItemResult::Err(_) => {}
                     }
@@ -893,7 +902,7 @@ impl NodeModel {
                     results.into_iter().map(Result::from).collect();
                 if let Some(t) = self.tier.as_mut() {
                     for c in self.ran.refused(&results) {
-                        t.remove_copy(c);
+                        t.remove_copy(c, || ctx.disk_fails());
                     }
                 }
                 self.steps.done(false)
@@ -974,7 +983,10 @@ impl NodeModel {
                 .next()
                 .is_some_and(|r| Result::<(), KvError>::from(r).is_ok())
             {
-                t.take(l);
+                // A removal that fails leaves the copy marked (the real
+                // tier's `remove` after `Evicted`): unread, unreported,
+                // its space held until the node restarts.
+                t.take(l, || ctx.disk_fails());
                 n += 1;
             } else if let Some(s) = slot_of(l) {
                 t.index.keep(s);
@@ -1043,7 +1055,7 @@ impl NodeModel {
             .map(|(_, key, c)| t.lookup(key) == Some(c.0) && t.holds(*c))
             .collect();
         for c in round.flushed(|_| true, ok, &check, &present) {
-            t.remove_copy(c);
+            t.remove_copy(c, || ctx.disk_fails());
         }
     }
 
@@ -1085,7 +1097,8 @@ impl NodeModel {
                 if t.copy(d.loc)
                     .is_some_and(|c| d.takes(&c.key, c.record.version))
                 {
-                    t.take(d.loc);
+                    // A failed removal keeps the copy (the node logs it).
+                    t.take(d.loc, || ctx.disk_fails());
                 }
                 None
             }
@@ -1105,8 +1118,11 @@ impl NodeModel {
             Err(_) => return Ran::Done(Some((p.failed(), None, false))),
             Ok(task::Write::Found(l)) => (t.copy_ref(l).expect("held"), false),
             Ok(task::Write::Write { replace }) => {
+                // The old copy goes first; failing, the Persist fails.
                 if let Some(old) = replace {
-                    t.take(old);
+                    if !t.take(old, || ctx.disk_fails()) {
+                        return Ran::Done(Some((p.failed(), None, false)));
+                    }
                 }
                 let fails = || ctx.rng.random_bool(ctx.faults.disk_fail);
                 match t.write(&p.key, (p.len, sum, p.version), content, fails) {
