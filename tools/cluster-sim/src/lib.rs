@@ -372,6 +372,8 @@ pub struct Stats {
     /// [`kvpool_storage_node::gate::NvmeRead`], does not serve).
     pub reads_stalled: u64,
     pub nvme_reads_of_reused_slots: u64,
+    /// Object versions a client's removal took away (never listed again).
+    pub versions_removed: u64,
 }
 
 impl Stats {
@@ -410,6 +412,7 @@ impl Stats {
         self.grants_expired += o.grants_expired;
         self.reads_stalled += o.reads_stalled;
         self.nvme_reads_of_reused_slots += o.nvme_reads_of_reused_slots;
+        self.versions_removed += o.versions_removed;
     }
 }
 
@@ -754,6 +757,10 @@ pub struct World {
     owed: Vec<Owed>,
     /// Keys a client put or removed at the master since it restarted.
     touched: HashSet<Vec<u8>>,
+    /// Per key, the newest version a client's removal took away: the key's
+    /// object is never listed again at that version or an older one (a
+    /// removed key does not come back from an old copy, restart or not).
+    removed: Vec<u64>,
     keys: Vec<Vec<u8>>,
 }
 
@@ -835,6 +842,7 @@ impl World {
             leases: Vec::new(),
             owed: Vec::new(),
             touched: HashSet::new(),
+            removed: vec![0; KEYS],
             keys,
         };
         w.schedule_next_fault();
@@ -1076,7 +1084,25 @@ impl World {
             let keys = req.batch_keys().unwrap_or_default();
             self.touched.extend(keys.into_iter().map(<[u8]>::to_vec));
         }
+        // A client's removal: the versions it may take away.
+        let client_removes = matches!(
+            req,
+            MasterRequest::Remove { .. }
+                | MasterRequest::BatchRemove { .. }
+                | MasterRequest::RemoveAll { .. }
+        );
+        let before: Vec<Option<u64>> = if client_removes {
+            self.keys.iter().map(|k| version_of(master, k)).collect()
+        } else {
+            Vec::new()
+        };
         let res = master.call(req, now);
+        for (i, v) in before.into_iter().enumerate() {
+            if let Some(v) = v.filter(|_| version_of(master, &self.keys[i]).is_none()) {
+                self.removed[i] = self.removed[i].max(v);
+                self.ctx.stats.versions_removed += 1;
+            }
+        }
         self.ctx.note(format!(
             "{:?} -> master: {what} => {}",
             m.from,
@@ -1272,6 +1298,18 @@ impl World {
                     self.ctx.fail(format!("master shard {i}: {e}"));
                 }
             }
+            // A removed key does not come back at a version its removal
+            // took away (an old copy reported again, before or after a
+            // restart); a put after the removal lists a newer one.
+            for (k, &gone) in self.keys.iter().zip(&self.removed) {
+                if let Some(v) = version_of(m, k).filter(|&v| v <= gone) {
+                    self.ctx.fail(format!(
+                        "key {} is listed again at version {v:#x}, though a client's removal \
+                         took version {gone:#x} away",
+                        String::from_utf8_lossy(k)
+                    ));
+                }
+            }
         }
         // No extent owned twice, across shards; every replica listed holds
         // its object's bytes (checksums verified against the master's).
@@ -1416,6 +1454,11 @@ fn replicas_of(i: &Option<ObjectInfo>) -> String {
             )
         }
     }
+}
+
+/// The version of `key`'s complete object at `m`, if it has one.
+fn version_of(m: &MasterCore, key: &[u8]) -> Option<u64> {
+    m.shards[m.shard_of(key)].version_of(key)
 }
 
 /// The keys a request removes, if it removes any.

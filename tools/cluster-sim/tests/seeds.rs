@@ -185,6 +185,8 @@ fn every_invariant_holds_on_every_seed() {
         // The real batch put ran.
         assert!(total.batch_puts > 0, "{total:?}");
         assert!(total.batch_gets > 0, "{total:?}");
+        // Clients removed objects, whose versions are never listed again.
+        assert!(total.versions_removed > 0, "{total:?}");
     }
 }
 

@@ -640,6 +640,12 @@ impl ShardState {
         ids.len() as u64
     }
 
+    /// The version (incarnation) of `key`'s complete object, if it has one.
+    pub fn version_of(&self, key: &[u8]) -> Option<u64> {
+        let id = self.objs.complete_id(key)?;
+        Some(self.objs.get(id).stored().version)
+    }
+
     pub fn describe(&self, key: &[u8], now_ms: u64) -> Result<ObjectInfo, KvError> {
         self.check_key(key)?;
         if let Some(id) = self.objs.complete_id(key) {
