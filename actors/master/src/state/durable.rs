@@ -507,6 +507,27 @@ impl ShardState {
         }
     }
 
+    /// Takes complete object `id`, which lost its last listed replica (an
+    /// eviction, an `Evicted` copy, a segment gone), out of the store. A
+    /// recovered object whose other replicas still wait for their segments
+    /// waits for them again, as before any came back: what went was what
+    /// was listed, and without the restart the object would have kept the
+    /// others (an object with an NVMe copy loses only its DRAM replica to
+    /// eviction). Dropping it took its NVMe copy too: refused as old when
+    /// the tier reported it (unsummed simulation seed 4).
+    pub(super) fn remove_replicaless(&mut self, id: Id) {
+        let (key, _) = self.objs.remove(id);
+        if let Some(p) = self
+            .durable
+            .as_mut()
+            .and_then(|d| d.parked.get_mut(&key[..]))
+        {
+            if !p.waiting.is_empty() {
+                p.attached = false;
+            }
+        }
+    }
+
     /// Whether `key` is a recovered object none of whose replicas is back.
     pub(super) fn parked_only(&self, key: &[u8]) -> bool {
         self.parked_record(key).is_some()

@@ -172,7 +172,7 @@ impl ShardState {
                 o.replicas.len()
             });
             if left == 0 {
-                self.objs.remove(oid);
+                self.remove_replicaless(oid);
                 gone += 1;
             }
         }

@@ -226,7 +226,7 @@ impl ShardState {
             (r, o.replicas.len())
         });
         if left == 0 {
-            self.objs.remove(id);
+            self.remove_replicaless(id);
         }
         let slot = self.slot_mut(idx);
         slot.alloc.dealloc(r.offset, size);

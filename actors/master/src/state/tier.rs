@@ -733,7 +733,7 @@ impl ShardState {
                 });
                 let lease_end = self.objs.get(id).stored().lease_end_ms;
                 if left == 0 {
-                    self.objs.remove(id);
+                    self.remove_replicaless(id);
                 }
                 self.demotion_over(dslot, size);
                 self.evict_dram_replica(r, size, lease_end, now_ms);
@@ -787,7 +787,7 @@ impl ShardState {
                         o.replicas.len()
                     });
                     if left == 0 {
-                        self.objs.remove(id);
+                        self.remove_replicaless(id);
                     }
                 }
                 Ok(())
