@@ -157,6 +157,19 @@ struct Reader {
 type ReadResult = Result<Content, ErrorCode>;
 
 impl Reader {
+    /// A read of `key` not begun (`get`: a single get's protocol).
+    fn new(key: Vec<u8>, get: Option<GetProtocol<Duration>>) -> Self {
+        Self {
+            key,
+            get,
+            awaiting: 0,
+            lease_end: Duration::ZERO,
+            replicas: Arc::new([]),
+            read: None,
+            reading: None,
+        }
+    }
+
     /// A read of `key`; `cache`: through the location cache's entry first
     /// (a get; a put's read-back asks the master). `Some` when the read is
     /// already over.
@@ -167,15 +180,7 @@ impl Reader {
         ctx: &mut Ctx,
     ) -> (Self, Option<ReadResult>) {
         let (get, step) = GetProtocol::start(&key, env.locations, cache, at(ctx));
-        let mut r = Self {
-            key,
-            get: Some(get),
-            awaiting: 0,
-            lease_end: Duration::ZERO,
-            replicas: Arc::new([]),
-            read: None,
-            reading: None,
-        };
+        let mut r = Self::new(key, Some(get));
         if r.get.as_ref().is_some_and(|g| g.cached()) {
             ctx.stats.location_hits += 1;
         }
@@ -192,15 +197,7 @@ impl Reader {
         env: &mut Env<'_>,
         ctx: &mut Ctx,
     ) -> (Self, Option<ReadResult>) {
-        let mut r = Self {
-            key,
-            get: None,
-            awaiting: 0,
-            lease_end: Duration::ZERO,
-            replicas: Arc::new([]),
-            read: None,
-            reading: None,
-        };
+        let mut r = Self::new(key, None);
         let res = r.begin(replicas, until, env, ctx);
         (r, res)
     }

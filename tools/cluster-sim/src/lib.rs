@@ -110,6 +110,10 @@ const MASTER_HASH_SEED: u64 = 0x5eed_0f3a_57e2;
 /// Wall-clock time at simulated time 0 (what the journal's holds count in).
 const UNIX_AT_ZERO_MS: u64 = 1_700_000_000_000;
 
+/// What a seed is mixed with for the stream that draws tier removals'
+/// failures.
+const REMOVAL_STREAM: u64 = 0x7e30_57a1_d15c;
+
 /// The cluster secret of the seeds that run with one.
 const SECRET: &[u8] = b"the cluster simulation's secret, long enough";
 
@@ -250,7 +254,7 @@ pub struct Faults {
     pub max_delay_ms: u64,
     /// Crashes and partitions per simulated second.
     pub crash_rate: f64,
-    /// Probability a tier write or flush fails.
+    /// Probability a tier write, flush or removal fails.
     pub disk_fail: f64,
 }
 
@@ -473,6 +477,10 @@ pub fn key(i: usize) -> Vec<u8> {
 pub struct Ctx {
     pub now: u64,
     pub rng: ChaCha8Rng,
+    /// Draws whether a tier removal fails ([`Ctx::disk_fails`]): a stream of
+    /// its own, so removals draw nothing from `rng` and a seed's schedule
+    /// changes only where a removal fails.
+    removal_rng: ChaCha8Rng,
     queue: BTreeMap<(u64, u64), Event>,
     seq: u64,
     next_id: u64,
@@ -591,10 +599,12 @@ impl Ctx {
 
     /// Sends a read of replica `r` of `key` to the node that serves it;
     /// the read's id, or `Unavailable` when no node serves its segment.
-    /// Sends a read of replica `r` of `key`; its id. With
-    /// [`Options::stalled_reads`], one read in four waits before it leaves,
-    /// up to three quarters of `share` (the time the reader gives this
-    /// replica), so its answer still comes within the share.
+    /// With [`Options::stalled_reads`], one read in four waits before it
+    /// leaves, up to three quarters of `share` (the time the reader gives
+    /// this replica): its answer mostly comes within the share (a short
+    /// share and slow legs may miss it: the reader moves on, as for a
+    /// silent node). Whether the read is dropped or cut off is decided now,
+    /// not when it leaves.
     pub fn send_read(
         &mut self,
         from: Addr,
@@ -624,13 +634,15 @@ impl Ctx {
         Ok(id)
     }
 
-    /// Whether a tier removal's write fails (the seed's `disk_fail`; no
-    /// draw on seeds without disk faults, whose schedules stay as they
-    /// were).
+    /// Whether a tier removal's write fails (the seed's `disk_fail`, drawn
+    /// from a stream of its own).
     pub fn disk_fails(&mut self) -> bool {
         let p = self.faults.disk_fail;
-        let fails = p > 0.0 && self.rng.random_bool(p);
-        self.stats.disk_failures += u64::from(fails);
+        let fails = p > 0.0 && self.removal_rng.random_bool(p);
+        if fails {
+            self.stats.disk_failures += 1;
+            self.note("a tier removal fails: the copy stays".into());
+        }
         fails
     }
 
@@ -760,7 +772,7 @@ pub struct World {
     /// Per key, the newest version a client's removal took away: the key's
     /// object is never listed again at that version or an older one (a
     /// removed key does not come back from an old copy, restart or not).
-    removed: Vec<u64>,
+    removed: Vec<Option<u64>>,
     keys: Vec<Vec<u8>>,
 }
 
@@ -799,6 +811,7 @@ impl World {
         let mut ctx = Ctx {
             now: 0,
             rng,
+            removal_rng: ChaCha8Rng::seed_from_u64(seed ^ REMOVAL_STREAM),
             queue: BTreeMap::new(),
             seq: 0,
             next_id: 0,
@@ -842,7 +855,7 @@ impl World {
             leases: Vec::new(),
             owed: Vec::new(),
             touched: HashSet::new(),
-            removed: vec![0; KEYS],
+            removed: vec![None; KEYS],
             keys,
         };
         w.schedule_next_fault();
@@ -1000,10 +1013,13 @@ impl World {
                 Err(e) => {
                     self.ctx
                         .fail(format!("the master cannot open its state directory: {e}"));
+                    self.removed.fill(None);
                     MasterCore::new(SHARDS, &self.cfg, seed)
                 }
             }
         } else {
+            // A master without its state may adopt an old copy again.
+            self.removed.fill(None);
             MasterCore::new(SHARDS, &self.cfg, seed)
         };
         self.parked_until = now + self.cfg.client_ttl_ms;
@@ -1084,22 +1100,20 @@ impl World {
             let keys = req.batch_keys().unwrap_or_default();
             self.touched.extend(keys.into_iter().map(<[u8]>::to_vec));
         }
-        // A client's removal: the versions it may take away.
-        let client_removes = matches!(
-            req,
+        // A client's removal: the keys it names and their versions now.
+        let removing: Vec<(usize, u64)> = match &req {
             MasterRequest::Remove { .. }
-                | MasterRequest::BatchRemove { .. }
-                | MasterRequest::RemoveAll { .. }
-        );
-        let before: Vec<Option<u64>> = if client_removes {
-            self.keys.iter().map(|k| version_of(master, k)).collect()
-        } else {
-            Vec::new()
+            | MasterRequest::BatchRemove { .. }
+            | MasterRequest::RemoveAll { .. } => (0..KEYS)
+                .filter(|&i| removes.as_ref().is_some_and(|r| r.contains(&self.keys[i])))
+                .filter_map(|i| Some((i, version_of(master, &self.keys[i])?)))
+                .collect(),
+            _ => Vec::new(),
         };
         let res = master.call(req, now);
-        for (i, v) in before.into_iter().enumerate() {
-            if let Some(v) = v.filter(|_| version_of(master, &self.keys[i]).is_none()) {
-                self.removed[i] = self.removed[i].max(v);
+        for (i, v) in removing {
+            if version_of(master, &self.keys[i]).is_none() {
+                self.removed[i] = self.removed[i].max(Some(v));
                 self.ctx.stats.versions_removed += 1;
             }
         }
@@ -1302,6 +1316,7 @@ impl World {
             // took away (an old copy reported again, before or after a
             // restart); a put after the removal lists a newer one.
             for (k, &gone) in self.keys.iter().zip(&self.removed) {
+                let Some(gone) = gone else { continue };
                 if let Some(v) = version_of(m, k).filter(|&v| v <= gone) {
                     self.ctx.fail(format!(
                         "key {} is listed again at version {v:#x}, though a client's removal \
@@ -1526,11 +1541,23 @@ fn short_resp(r: &MasterResponse) -> String {
         }
         MasterResponse::Tasks(t) => format!("{} tasks", t.len()),
         MasterResponse::BatchDone(v) => {
-            let ok = v
+            // The refused items, each with the start of its reason.
+            let refused: Vec<String> = v
                 .iter()
-                .filter(|r| matches!(r, kvpool_wire::proto::ItemResult::Ok(_)))
-                .count();
-            format!("{ok}/{} ok", v.len())
+                .enumerate()
+                .filter_map(|(i, r)| match r {
+                    kvpool_wire::proto::ItemResult::Ok(_) => None,
+                    kvpool_wire::proto::ItemResult::Err(e) => Some(format!(
+                        "#{i}: {}",
+                        e.message.chars().take(90).collect::<String>()
+                    )),
+                })
+                .collect();
+            let ok = v.len() - refused.len();
+            match refused.is_empty() {
+                true => format!("{ok}/{} ok", v.len()),
+                false => format!("{ok}/{} ok; {}", v.len(), refused.join("; ")),
+            }
         }
         other => {
             let s = format!("{other:?}");

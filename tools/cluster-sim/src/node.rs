@@ -43,7 +43,8 @@
 //!   extent large enough, or its key's copy still there, as the tier would;
 //!   it names copies by write number, ranks reads for LRU and keeps the
 //!   eviction marks. A tier write, flush or removal (its tombstone's write:
-//!   the copy stays, marks and all) fails at random; a crash loses
+//!   the copy stays, marks and all; a real write that errs may have reached
+//!   the device, which the model never has) fails at random; a crash loses
 //!   DRAM and every index record not flushed (that write is torn), and the
 //!   index after the restart is what the real recovery makes of the
 //!   records left, newest first.

@@ -640,7 +640,8 @@ impl ShardState {
         ids.len() as u64
     }
 
-    /// The version (incarnation) of `key`'s complete object, if it has one.
+    /// The version (incarnation) of `key`'s complete object, if it has one
+    /// (the cluster simulation checks a removed one never comes back).
     pub fn version_of(&self, key: &[u8]) -> Option<u64> {
         let id = self.objs.complete_id(key)?;
         Some(self.objs.get(id).stored().version)
