@@ -917,6 +917,44 @@ fn a_key_removed_while_its_node_was_away_stays_removed_across_a_second_restart()
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Found by the cluster simulation (seed 4 with `KVPOOL_SIM_UNSUMMED=1`,
+/// once tier removals could fail): after a restart an object came back
+/// through its DRAM replica while its NVMe copy still waited for its tier;
+/// losing that replica (there an eviction, here its segment unmounted) took
+/// the object and the record of its waiting copy, and the tier's report was
+/// refused as an old copy. Without a restart the object would have kept its
+/// copy; it now waits for it again, as right after the restart.
+#[test]
+fn a_recovered_object_that_loses_its_dram_replica_waits_for_its_nvme_copy() {
+    let dir = state_dir("replicaless");
+    let (m, _) = listed_tier_with_k_and_kept(&dir);
+    drop(m);
+    let mut m = on_state_dir(&dir, 60_000);
+    let dram = mount_tiered_dram(&mut m, "dram", true); // the tier stays away
+    let r = m.get("k").unwrap();
+    assert!(r.iter().all(|r| r.tier == Tier::Dram), "{r:?}");
+    m.call(Q::UnmountSegment {
+        client_id: NODE,
+        segment_id: dram,
+    })
+    .unwrap();
+    assert_eq!(
+        code(m.get("k")),
+        ErrorCode::ReplicaNotReady,
+        "waiting again"
+    );
+    mount_tier(&mut m);
+    for (key, loc) in [("k", 3), ("kept", 4)] {
+        let r = m.get(key).unwrap();
+        assert!(
+            r.iter().any(|r| r.tier == Tier::Nvme && r.offset == loc),
+            "{key}: {r:?}"
+        );
+    }
+    m.check();
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Found by the cluster simulation (seed 4317 with `KVPOOL_SIM_UNSUMMED=1`,
 /// on a state directory): an object recovered after a restart came back
 /// through its DRAM replica, its NVMe copy still waiting for its tier, and
