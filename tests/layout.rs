@@ -430,3 +430,39 @@ fn every_test_a_reliability_row_names_is_defined() {
         "RELIABILITY names tests that are not defined: {missing:?}"
     );
 }
+
+/// No source file grows past 1,500 lines (issue 32: a file that long holds
+/// more than one thing; split it by what its parts are about). Counted on
+/// what git tracks, so build outputs and virtual environments are not
+/// read; documents and data are not source.
+#[test]
+fn no_source_file_is_over_1500_lines() {
+    const MOST: usize = 1_500;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new("git")
+        .args(["ls-files", "-z"])
+        .current_dir(root)
+        .output()
+        .expect("git ls-files runs");
+    assert!(out.status.success(), "git ls-files failed");
+    let source = ["rs", "py", "c", "h", "sh", "toml", "yaml", "yml"];
+    let mut long = Vec::new();
+    let mut read = 0;
+    for name in String::from_utf8_lossy(&out.stdout).split('\0') {
+        let path = root.join(name);
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if !source.contains(&ext) {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        read += 1;
+        let lines = text.lines().count();
+        if lines > MOST {
+            long.push(format!("{name}: {lines} lines"));
+        }
+    }
+    assert!(read > 100, "only {read} source files found: wrong root?");
+    assert!(long.is_empty(), "source files over {MOST} lines: {long:?}");
+}
