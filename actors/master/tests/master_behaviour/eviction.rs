@@ -107,7 +107,11 @@ fn a_value_is_kept_for_a_lease_after_its_put_as_after_a_read() {
 /// A master on a state directory, as `[master] state_dir` (a restart, or
 /// the HA leader that takes over).
 pub(super) fn on_state_dir(dir: &std::path::Path, now: u64) -> M {
-    let cfg = cfg();
+    on_state_dir_with(dir, now, cfg())
+}
+
+/// [`on_state_dir`] with a configuration of the test's own.
+pub(super) fn on_state_dir_with(dir: &std::path::Path, now: u64, cfg: MasterConfig) -> M {
     M {
         m: MasterCore::open(1, &cfg, 42, dir, now, 1_700_000_000_000).expect("open"),
         now,

@@ -52,6 +52,16 @@ pub(super) fn recovered(key: &str, loc: u64) -> NvmeUpdate {
     }
 }
 
+/// The tier's report that it evicted its copy of `key` at `loc`.
+pub(super) fn evicted(key: &str, loc: u64) -> NvmeUpdate {
+    NvmeUpdate::Evicted {
+        version: 0,
+        key: key.as_bytes().to_vec(),
+        nvme: nvme_id(),
+        loc,
+    }
+}
+
 /// Mounts a 10 KiB DRAM segment `name` of `NODE` with the tier attached.
 pub(super) fn mount_tiered_dram(m: &mut M, name: &str, write_through: bool) -> SegmentId {
     let mut dram = spec(name, 10 * KIB, "host-a");
@@ -417,16 +427,7 @@ fn an_nvme_eviction_report_drops_that_replica_and_an_object_left_without_one() {
     )
     .unwrap();
     assert!(m.exist("only-nvme"));
-    update(
-        &mut m,
-        NvmeUpdate::Evicted {
-            version: 0,
-            key: b"only-nvme".to_vec(),
-            nvme: nvme_id(),
-            loc: 9,
-        },
-    )
-    .unwrap();
+    update(&mut m, evicted("only-nvme", 9)).unwrap();
     assert!(!m.exist("only-nvme"));
 }
 
@@ -1262,16 +1263,7 @@ fn an_eviction_reported_before_its_tier_mounts_again_is_refused() {
     write_through_copy(&mut m, dram, 3);
     drop(m);
     let mut m = on_state_dir(&dir, 2_000); // no segment back yet
-    let e = update(
-        &mut m,
-        NvmeUpdate::Evicted {
-            version: 0,
-            key: b"k".to_vec(),
-            nvme: nvme_id(),
-            loc: 3,
-        },
-    )
-    .unwrap_err();
+    let e = update(&mut m, evicted("k", 3)).unwrap_err();
     assert_eq!(e.code, ErrorCode::SegmentNotFound, "{e}");
     // The node kept the copy; its tier mounts again and the copy is the
     // object's replica, as recorded.
@@ -1282,4 +1274,96 @@ fn an_eviction_reported_before_its_tier_mounts_again_is_refused() {
         "{r:?}"
     );
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A recovered object whose NVMe copy came back first (its tier reported
+/// before its DRAM segment mounted again) and then left (the tier evicted
+/// it) still waits for its DRAM replica, and is listed with it once the
+/// segment mounts. Dropping the object there (the `Evicted` report's arm)
+/// lost a replica that was coming back.
+#[test]
+fn a_recovered_object_whose_nvme_copy_is_evicted_waits_for_its_dram_replica() {
+    let dir = state_dir("replicaless-evicted");
+    let (mut m, _) = listed_tier_with_k_and_kept(&dir);
+    let dram_offset = m
+        .get("k")
+        .unwrap()
+        .iter()
+        .find(|r| r.tier == Tier::Dram)
+        .unwrap()
+        .offset;
+    drop(m);
+    let mut m = on_state_dir(&dir, 60_000);
+    m.live.push(NODE);
+    mount_tier(&mut m); // the DRAM segment stays away
+    update(&mut m, recovered("k", 3)).unwrap();
+    let r = m.get("k").unwrap();
+    assert_eq!((r.len(), r[0].tier, r[0].offset), (1, Tier::Nvme, 3));
+    update(&mut m, evicted("k", 3)).unwrap();
+    let r = waits_for_then_lists_k(&mut m, "dram", true);
+    assert_eq!(
+        (r.len(), r[0].tier, r[0].offset),
+        (1, Tier::Dram, dram_offset)
+    );
+    m.check();
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A recovered object with one of its two DRAM replicas back, whose
+/// demotion from that replica's segment fails, still waits for the other
+/// replica and is listed with it once its segment mounts. Dropping the
+/// object there (the `PersistFailed` arm) lost a replica coming back.
+#[test]
+fn a_recovered_object_whose_demotion_fails_waits_for_its_other_replica() {
+    let dir = state_dir("replicaless-demotion");
+    // Leases end well inside the time a restarted master waits for its
+    // segments (the client TTL, 10 s).
+    let mut c = cfg();
+    c.lease_ttl_ms = 1_000;
+    let mut m = on_state_dir_with(&dir, 1_000, c.clone());
+    let dram = mount_node(&mut m, false);
+    let other = mount_tiered_dram(&mut m, "dram2", false);
+    let r = m.put_with("k", 100, opts(2));
+    assert_eq!(r.len(), 2, "{r:?}");
+    drop(m);
+    let mut m = on_state_dir_with(&dir, 60_000, c);
+    mount_node(&mut m, false); // "dram2" stays away
+                               // Puts fill "dram" past its watermark: k, read last at the take-over
+                               // and its lease over, is demoted first.
+    m.advance(m.cfg.lease_ttl_ms + 10);
+    fill(&mut m, "f", 9, opts(1));
+    let t = tasks(&mut m, dram);
+    let Some(NodeTask::Persist(PersistTask { offset, .. })) = t
+        .iter()
+        .find(|t| matches!(t, NodeTask::Persist(p) if p.key == b"k" && p.demote))
+        .cloned()
+    else {
+        panic!("a demotion of k: {t:?}")
+    };
+    update(
+        &mut m,
+        NvmeUpdate::PersistFailed {
+            key: b"k".to_vec(),
+            dram,
+            offset,
+            demote: true,
+        },
+    )
+    .unwrap();
+    let r = waits_for_then_lists_k(&mut m, "dram2", false);
+    assert_eq!((r.len(), r[0].segment_id), (1, other), "{r:?}");
+    m.check();
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// "k" lost the replicas that came back: it is not found while it waits
+/// for the one on DRAM segment `name`, and listed once that mounts.
+fn waits_for_then_lists_k(m: &mut M, name: &str, write_through: bool) -> Vec<ReplicaDesc> {
+    assert_eq!(
+        code(m.get("k")),
+        ErrorCode::ReplicaNotReady,
+        "waiting again for its replica on {name}"
+    );
+    mount_tiered_dram(m, name, write_through);
+    m.get("k").unwrap()
 }
