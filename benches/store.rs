@@ -4,7 +4,8 @@
 //! loopback TCP (iperf3) and memcpy measured in the same run. Then repeated
 //! 4 KiB gets of a few hot keys, with the client's location cache and
 //! without, beside redis-benchmark's GET (one client), in alternating
-//! rounds, and batch gets of those keys with the cache and without.
+//! rounds, and batch gets of those keys with the cache and without. Last,
+//! the location cache's inserts once its table is full of live leases.
 //!
 //!     cargo bench --bench store          # full run
 //!     cargo test --release --bench store # small run (also part of the suite)
@@ -34,6 +35,14 @@ pub fn main() {
         if full { "full" } else { "small" }
     );
     println!("machine: {}", support::machine());
+    // KVPOOL_BENCH_ONLY=repeated runs the repeated small gets alone,
+    // KVPOOL_BENCH_ONLY=nvme the gets served from the NVMe tier alone,
+    // KVPOOL_BENCH_ONLY=locations the location cache's inserts alone.
+    let only = std::env::var("KVPOOL_BENCH_ONLY").unwrap_or_default();
+    if only == "locations" {
+        location_inserts(full);
+        return;
+    }
 
     // Production setting: the segment's pages are committed at start, so the
     // data path never takes a page fault (see docs/BENCHMARKS.md). 4 GiB:
@@ -50,9 +59,6 @@ pub fn main() {
         .block_on(Client::connect(&node.addr, ClientConfig::default()))
         .expect("connect");
 
-    // KVPOOL_BENCH_ONLY=repeated runs the repeated small gets alone,
-    // KVPOOL_BENCH_ONLY=nvme the gets served from the NVMe tier alone.
-    let only = std::env::var("KVPOOL_BENCH_ONLY").unwrap_or_default();
     if only == "nvme" {
         drop(node);
         let _ = std::fs::remove_file(&cfg);
@@ -108,6 +114,65 @@ pub fn main() {
     drop(node);
     let _ = std::fs::remove_file(&cfg);
     nvme_gets(&rt, full);
+    location_inserts(full);
+}
+
+/// What the client's location cache costs a get that misses it once the
+/// table is full of live leases (as many distinct keys read within a lease
+/// as it holds, 65,536 by default): the answer's insert, which must make
+/// room, per key, beside inserting the same keys and replica lists into a
+/// plain `HashMap` (the reference), in alternating rounds.
+fn location_inserts(full: bool) {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use kvpool_client::locations::Locations;
+    use kvpool_wire::proto::{Endpoint, ReplicaDesc, Tier};
+
+    const ENTRIES: usize = 65_536;
+    let (rounds, n) = if full { (6, 400_000) } else { (1, 2 * ENTRIES) };
+    let replicas: Arc<[ReplicaDesc]> = vec![ReplicaDesc {
+        segment_id: 1,
+        endpoint: Endpoint {
+            host: "127.0.0.1".into(),
+            port: 1,
+            nr_shards: 1,
+        },
+        slice_bytes: 1 << 30,
+        host_id: "bench".into(),
+        offset: 0,
+        len: 4 << 10,
+        tier: Tier::Dram,
+        checksum: Some(1),
+        grant: Default::default(),
+    }]
+    .into();
+    let table: Locations = Locations::new(ENTRIES);
+    let now = Instant::now();
+    let until = now + Duration::from_secs(10);
+    println!("location cache inserts, table of {ENTRIES} live leases, {n} keys a round:");
+    for round in 0..rounds {
+        let keys: Vec<Vec<u8>> = (0..n)
+            .map(|i| format!("chunk-{round}-{i:016x}").into_bytes())
+            .collect();
+        let t = Instant::now();
+        for k in &keys {
+            table.put(k, replicas.clone(), until, table.generation(k), now);
+        }
+        let ours = t.elapsed().as_secs_f64() * 1e9 / n as f64;
+        let t = Instant::now();
+        let mut plain = HashMap::with_capacity(ENTRIES);
+        for k in &keys {
+            plain.insert(k.clone(), (until, replicas.clone()));
+        }
+        let reference = t.elapsed().as_secs_f64() * 1e9 / n as f64;
+        assert!(table.get(keys.last().expect("keys"), now).is_some());
+        println!(
+            "  round {round}: {ours:.0} ns an insert, plain HashMap {reference:.0} ns, ratio {:.2}",
+            ours / reference
+        );
+    }
 }
 
 /// Repeated 4 KiB gets of 16 hot keys: over TCP with the client's location

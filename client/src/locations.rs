@@ -9,7 +9,8 @@
 //! (from before the request was sent) less a margin for clock skew and for
 //! the read itself; a read through an entry that fails drops the entry and
 //! asks the master again. Bounded: a full table first sheds expired entries,
-//! then arbitrary ones.
+//! then arbitrary ones until an eighth of it is free (one scan per eighth
+//! of its inserts, not one per insert).
 //!
 //! An answer must not outlive this client's own change of the key: a get
 //! whose `GetReplicaList` was answered before this client's put, upsert or
@@ -147,11 +148,23 @@ impl<T: Copy + Ord> Locations<T> {
             return;
         }
         if part.len() >= self.per_part && !part.contains_key(key) {
+            // Full: shed the expired entries, then arbitrary ones until an
+            // eighth of the part is free, so the scan is paid once per
+            // eighth of a part's inserts, not at each (a table of live
+            // leases, as many keys read within a lease as it holds, was a
+            // scan of the whole part per get that missed).
             part.retain(|_, (u, _)| *u > now);
-            if part.len() >= self.per_part {
-                if let Some(k) = part.keys().next().cloned() {
-                    part.remove(&k);
-                }
+            let mut over = part
+                .len()
+                .saturating_sub(self.per_part - self.per_part.div_ceil(8));
+            if over > 0 {
+                part.retain(|_, _| {
+                    if over == 0 {
+                        return true;
+                    }
+                    over -= 1;
+                    false
+                });
             }
         }
         part.insert(key.to_vec(), (until, replicas));
@@ -273,6 +286,47 @@ pub(crate) mod tests {
         l.clear();
         l.put(b"other", [rep(3)], until, asked, now);
         assert!(l.get(b"other", now).is_none());
+    }
+
+    /// A full part makes room for an eighth of itself at once: expired
+    /// entries first, then arbitrary ones, so the scan over the part is
+    /// paid once per eighth of its inserts (it was paid at every insert
+    /// into a table full of live leases, ~10 us a get that missed).
+    #[test]
+    fn a_full_part_sheds_expired_entries_then_an_eighth_of_itself() {
+        let now = Instant::now();
+        let until = now + Duration::from_secs(5);
+        let soon = now + Duration::from_millis(1);
+        let later = soon + Duration::from_millis(1);
+        // Keys of part 0 only.
+        let keys = || {
+            (0u32..)
+                .map(|i| i.to_le_bytes().to_vec())
+                .filter(|k| hash(k).is_multiple_of(PARTS as u64))
+        };
+        let part0 = |l: &Locations| l.parts[0].lock().unwrap().len();
+        let put = |l: &Locations, k: &[u8], until| l.put(k, [rep(1)], until, l.generation(k), now);
+        // Full of live leases: one more key leaves 14 of them and itself.
+        let l = Locations::new(16 * PARTS); // 16 entries a part
+        let mut ks = keys();
+        for k in ks.by_ref().take(16) {
+            put(&l, &k, until);
+        }
+        assert_eq!(part0(&l), 16);
+        let k = ks.next().unwrap();
+        put(&l, &k, until);
+        assert_eq!(part0(&l), 15, "an eighth of the part shed at once");
+        assert!(l.get(&k, now).is_some(), "the new entry is kept");
+        // Full, three entries expired: they go, and no live one.
+        let l = Locations::new(16 * PARTS);
+        let all: Vec<Vec<u8>> = keys().take(17).collect();
+        for (i, k) in all[..16].iter().enumerate() {
+            put(&l, k, if i < 3 { soon } else { until });
+        }
+        assert_eq!(part0(&l), 16);
+        l.put(&all[16], [rep(1)], until, l.generation(&all[16]), later);
+        assert_eq!(part0(&l), 14, "the 13 live entries and the new one");
+        assert!(all[3..].iter().all(|k| l.get(k, later).is_some()));
     }
 
     #[test]
