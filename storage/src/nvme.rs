@@ -1189,9 +1189,32 @@ impl NvmeShard {
         out
     }
 
-    /// Frees an evicting object's space (after the master was told).
+    /// Frees an evicting object's space (after the master took its
+    /// eviction). A removal that fails is owed ([`TierIndex::owe_release`]):
+    /// [`NvmeShard::release_owed`] tries it again.
     pub async fn release(&self, loc: NvmeLoc) -> Result<(), NvmeError> {
-        self.remove(loc).await
+        let r = self.remove(loc).await;
+        if r.is_err() {
+            self.state.borrow_mut().owe_release(loc.slot);
+        }
+        r
+    }
+
+    /// Tries the owed releases again (each still owed if it fails again);
+    /// how many went.
+    pub async fn release_owed(&self) -> usize {
+        let slots = self.state.borrow_mut().owed_releases();
+        let mut n = 0;
+        for slot in slots {
+            let loc = NvmeLoc {
+                region: self.region,
+                slot,
+            };
+            if self.release(loc).await.is_ok() {
+                n += 1;
+            }
+        }
+        n
     }
 
     /// Takes back the eviction of the copy at `loc` (the master was not

@@ -169,6 +169,9 @@ pub struct TierIndex {
     by_key: HashMap<Box<[u8]>, u32>,
     seq: u64,
     clock: u64,
+    /// Copies whose eviction the master took but whose removal failed:
+    /// (slot, the copy's write), at most one entry a slot.
+    owed: Vec<(u32, u64)>,
 }
 
 impl TierIndex {
@@ -183,6 +186,7 @@ impl TierIndex {
             by_key: HashMap::new(),
             seq: 0,
             clock: 0,
+            owed: Vec::new(),
         }
     }
 
@@ -359,6 +363,43 @@ impl TierIndex {
         }
     }
 
+    /// The master took the eviction of the copy in `slot` (its `Evicted`
+    /// report was answered Ok) and its removal failed: the release is owed,
+    /// and [`TierIndex::owed_releases`] hands it out again. Without this
+    /// the copy would hold its space, and its key this region, until the
+    /// node restarts. Whether `slot` holds a copy marked evicting.
+    pub fn owe_release(&mut self, slot: u32) -> bool {
+        let Some(seq) = self.copy(slot).filter(|c| c.evicting).map(|c| c.record.seq) else {
+            return false;
+        };
+        self.owed.retain(|&(s, _)| s != slot);
+        self.owed.push((slot, seq));
+        true
+    }
+
+    /// Takes the owed releases whose copies still sit in their slots: the
+    /// slots to remove now (a removal that fails again is owed again).
+    pub fn owed_releases(&mut self) -> Vec<u32> {
+        let owed = std::mem::take(&mut self.owed);
+        owed.into_iter()
+            .filter(|&(slot, seq)| {
+                self.copy(slot)
+                    .is_some_and(|c| c.evicting && c.record.seq == seq)
+            })
+            .map(|(slot, _)| slot)
+            .collect()
+    }
+
+    /// The slots of copies marked evicting whose release is not owed: their
+    /// `Evicted` report is out (or about to go).
+    pub fn marked_not_owed(&self) -> impl Iterator<Item = u32> + '_ {
+        self.slots.iter().enumerate().filter_map(|(slot, c)| {
+            let c = c.as_ref().filter(|c| c.evicting)?;
+            let slot = slot as u32;
+            (!self.owed.contains(&(slot, c.record.seq))).then_some(slot)
+        })
+    }
+
     /// Recovery, one record found live in `slot`, records given newest
     /// first: `key` is what its extent's header names (`None`: torn, or not
     /// the record's). What the index makes of it.
@@ -418,6 +459,34 @@ mod tests {
         assert_eq!(c.slot, 0, "the freed slot is reused");
         ix.unreserve(c);
         assert_eq!(ix.usage().0, B);
+    }
+
+    #[test]
+    fn an_owed_release_is_handed_out_again_only_while_its_copy_sits_in_its_slot() {
+        let mut ix = TierIndex::new(B, 16 * B, B, 4);
+        for k in [&b"a"[..], b"b"] {
+            let r = ix.reserve(k, B).unwrap();
+            ix.insert(r.slot, k, r.record(1, 0, 0));
+        }
+        assert!(!ix.owe_release(0), "not marked evicting");
+        assert_eq!(ix.mark_victims(Eviction::Fifo, 2 * B), vec![0, 1]);
+        assert_eq!(ix.marked_not_owed().collect::<Vec<_>>(), vec![0, 1]);
+        // Both removals failed after the master took the report.
+        assert!(ix.owe_release(0) && ix.owe_release(1) && ix.owe_release(1));
+        assert_eq!(ix.marked_not_owed().count(), 0);
+        assert_eq!(ix.reserve(b"a", B), Err(Refused::KeyStored));
+        // The copy in slot 1 went meanwhile and "c" took the slot: only slot
+        // 0's release is handed out.
+        assert!(ix.free(1));
+        let c = ix.reserve(b"c", B).unwrap();
+        assert_eq!(c.slot, 1);
+        ix.insert(c.slot, b"c", c.record(1, 0, 0));
+        assert_eq!(ix.owed_releases(), vec![0]);
+        assert!(ix.owed_releases().is_empty(), "taken");
+        assert_eq!(ix.marked_not_owed().collect::<Vec<_>>(), vec![0]);
+        // Released at last: the key can be stored again.
+        assert!(ix.free(0));
+        assert!(ix.reserve(b"a", B).is_ok());
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //!       Persist  (demotion or write-through): DRAM bytes -> NVMe -> Stored
 //!       Promote: NVMe bytes -> the DRAM range the master allocated -> Promoted
 //!     eviction past the tier's watermark: mark -> report Evicted -> release
+//!       (a release that fails is owed: tried again at the next eviction)
 //!  start: every region recovers its index; the objects are re-reported
 //! ```
 
@@ -301,19 +302,23 @@ impl NodeNvme {
         }
     }
 
-    async fn remove(&self, loc: NvmeLoc) {
+    /// Frees the copy at `loc` whose eviction the master took; a removal
+    /// that fails is owed, and the region's next eviction tries it again.
+    async fn release(&self, loc: NvmeLoc) {
         let r = self
             .shards
             .run_on(loc.region as usize, move |_| async move {
                 match tier() {
-                    Ok(t) => t.remove(loc).await.map_err(kv),
+                    Ok(t) => t.release(loc).await.map_err(kv),
                     Err(e) => Err(e),
                 }
             })
             .await;
         if let Ok(Err(e)) | Err(e) = r.map_err(|e| KvError::new(ErrorCode::Internal, e.to_string()))
         {
-            tracing::warn!("NVMe: could not remove {loc:?}: {e}");
+            tracing::warn!(
+                "NVMe: could not free {loc:?} yet (tried again at the next eviction): {e}"
+            );
         }
     }
 
@@ -434,10 +439,19 @@ impl NodeNvme {
 
     /// Evicts in one region: mark, report to the master, then release.
     async fn evict_region(&self, client: &Client, region: usize, need: u64) {
+        // First the copies whose eviction the master took earlier but whose
+        // removal failed (their space and their key are still held).
         let cands = self
             .shards
             .run_on(region, move |_| async move {
-                tier().map(|t| t.evict_candidates(need)).unwrap_or_default()
+                let Ok(t) = tier() else {
+                    return Vec::new();
+                };
+                let released = t.release_owed().await;
+                if released > 0 {
+                    tracing::info!("NVMe: {released} owed releases done");
+                }
+                t.evict_candidates(need)
             })
             .await
             .unwrap_or_default();
@@ -491,7 +505,7 @@ impl NodeNvme {
         }
         self.metrics.nvme_evictions.inc_by(gone.len() as u64);
         for (_, c) in gone {
-            self.remove(c.1).await;
+            self.release(c.1).await;
         }
     }
 

@@ -288,6 +288,14 @@ impl World {
             }
         }
         for n in &self.nodes {
+            let forgotten = n.forgotten_marks();
+            if !forgotten.is_empty() {
+                self.ctx.fail(format!(
+                    "node {}'s tier holds copies marked evicting that nothing will free \
+                     (slots {forgotten:?})",
+                    n.idx
+                ));
+            }
             if let Some(d) = n.open_deadline() {
                 if now > d {
                     self.ctx

@@ -381,6 +381,9 @@ pub struct Stats {
     pub nvme_reads_of_reused_slots: u64,
     /// Object versions a client's removal took away (never listed again).
     pub versions_removed: u64,
+    /// Tier copies whose eviction the master took and whose first removal
+    /// failed, freed by a later eviction step.
+    pub owed_releases_done: u64,
 }
 
 impl Stats {
@@ -420,6 +423,7 @@ impl Stats {
         self.reads_stalled += o.reads_stalled;
         self.nvme_reads_of_reused_slots += o.nvme_reads_of_reused_slots;
         self.versions_removed += o.versions_removed;
+        self.owed_releases_done += o.owed_releases_done;
     }
 }
 

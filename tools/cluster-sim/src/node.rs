@@ -44,7 +44,9 @@
 //!   it names copies by write number, ranks reads for LRU and keeps the
 //!   eviction marks. A tier write, flush or removal (its tombstone's write:
 //!   the copy stays, marks and all; a real write that errs may have reached
-//!   the device, which the model never has) fails at random; a crash loses
+//!   the device, which the model never has) fails at random (a removal
+//!   after `Evicted` that fails is owed and tried again at the next
+//!   eviction, as on the real node); a crash loses
 //!   DRAM and every index record not flushed (that write is torn), and the
 //!   index after the restart is what the real recovery makes of the
 //!   records left, newest first.
@@ -540,6 +542,20 @@ impl NodeModel {
         d.content
     }
 
+    /// Tier copies marked evicting that nothing will free: neither named
+    /// by the `Evicted` report out nor owed a release (a release that
+    /// failed and was forgotten holds its space and its key until a
+    /// restart).
+    pub fn forgotten_marks(&self) -> Vec<u32> {
+        let Some(t) = self.tier.as_ref().filter(|_| self.up) else {
+            return Vec::new();
+        };
+        t.index
+            .marked_not_owed()
+            .filter(|&s| !self.evicting.iter().any(|&l| slot_of(l) == Some(s)))
+            .collect()
+    }
+
     pub fn open_deadline(&self) -> Option<u64> {
         [
             self.ping.as_ref().map(|p| p.1),
@@ -864,7 +880,7 @@ impl NodeModel {
                     self.ran = ran;
                     return self.call_round(ctx, req);
                 }
-                Step::Evict => match self.evict_pick(0) {
+                Step::Evict => match self.evict_pick(0, ctx) {
                     Some((req, locs)) => {
                         self.evicting = locs;
                         return self.call_round(ctx, req);
@@ -929,7 +945,7 @@ impl NodeModel {
     fn run_todo(&mut self, ctx: &mut Ctx) {
         while let Some(task) = self.todo.pop_front() {
             let ran = match self.run_task(task, ctx) {
-                Ran::NoRoom(p) => match self.evict_pick(p.room()) {
+                Ran::NoRoom(p) => match self.evict_pick(p.room(), ctx) {
                     Some((req, locs)) => {
                         ctx.stats.room_made += 1;
                         self.evicting = locs;
@@ -985,9 +1001,13 @@ impl NodeModel {
                 .is_some_and(|r| Result::<(), KvError>::from(r).is_ok())
             {
                 // A removal that fails leaves the copy marked (the real
-                // tier's `remove` after `Evicted`): unread, unreported,
-                // its space held until the node restarts.
-                t.take(l, || ctx.disk_fails());
+                // tier's `release` after `Evicted`): unread, unreported,
+                // its release owed to the next eviction.
+                if !t.take(l, || ctx.disk_fails()) {
+                    if let Some(s) = slot_of(l) {
+                        t.index.owe_release(s);
+                    }
+                }
                 n += 1;
             } else if let Some(s) = slot_of(l) {
                 t.index.keep(s);
@@ -1000,10 +1020,18 @@ impl NodeModel {
     }
 
     /// The tier's eviction past its watermark, or of `need` bytes a write
-    /// did not find free, the real tier's rules: how many bytes, and which
+    /// did not find free, the real tier's rules: first the owed releases
+    /// (as the real node's `evict_region`), then how many bytes, and which
     /// copies in its order: the `Evicted` report, and the copies it names.
-    fn evict_pick(&mut self, need: u64) -> Option<(MasterRequest, Vec<u64>)> {
+    fn evict_pick(&mut self, need: u64, ctx: &mut Ctx) -> Option<(MasterRequest, Vec<u64>)> {
         let t = self.tier.as_mut()?;
+        for s in t.index.owed_releases() {
+            if t.take(u64::from(s), || ctx.disk_fails()) {
+                ctx.stats.owed_releases_done += 1;
+            } else {
+                t.index.owe_release(s);
+            }
+        }
         let want = t.cfg.bytes_to_evict(t.index.space(), need);
         let pick: Vec<(u64, Vec<u8>, u64)> = t
             .index

@@ -194,6 +194,7 @@ fn every_invariant_holds_on_every_seed() {
         assert!(total.batch_gets > 0, "{total:?}");
         // Clients removed objects, whose versions are never listed again.
         assert!(total.versions_removed > 0, "{total:?}");
+        assert!(total.owed_releases_done > 0, "{total:?}");
     }
 }
 
