@@ -121,7 +121,9 @@ pub fn main() {
 /// table is full of live leases (as many distinct keys read within a lease
 /// as it holds, 65,536 by default): the answer's insert, which must make
 /// room, per key, beside inserting the same keys and replica lists into a
-/// plain `HashMap` (the reference), in alternating rounds.
+/// plain `HashMap` of the same bound, emptied when full (the reference);
+/// each round runs both, the table first. Both are filled before the
+/// first round.
 fn location_inserts(full: bool) {
     use std::collections::HashMap;
     use std::sync::Arc;
@@ -149,8 +151,14 @@ fn location_inserts(full: bool) {
     }]
     .into();
     let table: Locations = Locations::new(ENTRIES);
+    let mut plain = HashMap::with_capacity(ENTRIES);
     let now = Instant::now();
     let until = now + Duration::from_secs(10);
+    for i in 0..ENTRIES {
+        let k = format!("warm-{i:016x}").into_bytes();
+        table.put(&k, replicas.clone(), until, table.generation(&k), now);
+        plain.insert(k, (until, replicas.clone()));
+    }
     println!("location cache inserts, table of {ENTRIES} live leases, {n} keys a round:");
     for round in 0..rounds {
         let keys: Vec<Vec<u8>> = (0..n)
@@ -162,8 +170,10 @@ fn location_inserts(full: bool) {
         }
         let ours = t.elapsed().as_secs_f64() * 1e9 / n as f64;
         let t = Instant::now();
-        let mut plain = HashMap::with_capacity(ENTRIES);
         for k in &keys {
+            if plain.len() >= ENTRIES {
+                plain.clear();
+            }
             plain.insert(k.clone(), (until, replicas.clone()));
         }
         let reference = t.elapsed().as_secs_f64() * 1e9 / n as f64;

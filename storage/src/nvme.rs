@@ -1203,14 +1203,16 @@ impl NvmeShard {
     /// Tries the owed releases again (each still owed if it fails again);
     /// how many went.
     pub async fn release_owed(&self) -> usize {
-        let slots = self.state.borrow_mut().owed_releases();
+        let owed = self.state.borrow_mut().owed_releases();
         let mut n = 0;
-        for slot in slots {
+        for (slot, seq) in owed {
             let loc = NvmeLoc {
                 region: self.region,
                 slot,
             };
-            if self.release(loc).await.is_ok() {
+            // Checked again after the earlier removals' awaits, with no
+            // await before this one's tombstone: only that copy goes.
+            if self.holds(loc, seq) && self.release(loc).await.is_ok() {
                 n += 1;
             }
         }

@@ -377,16 +377,17 @@ impl TierIndex {
         true
     }
 
-    /// Takes the owed releases whose copies still sit in their slots: the
-    /// slots to remove now (a removal that fails again is owed again).
-    pub fn owed_releases(&mut self) -> Vec<u32> {
+    /// Takes the owed releases whose copies still sit in their slots: each
+    /// slot with its copy's write number, to remove now if the slot still
+    /// [`TierIndex::holds`] that copy (a removal that fails again is owed
+    /// again).
+    pub fn owed_releases(&mut self) -> Vec<(u32, u64)> {
         let owed = std::mem::take(&mut self.owed);
         owed.into_iter()
             .filter(|&(slot, seq)| {
                 self.copy(slot)
                     .is_some_and(|c| c.evicting && c.record.seq == seq)
             })
-            .map(|(slot, _)| slot)
             .collect()
     }
 
@@ -481,9 +482,11 @@ mod tests {
         let c = ix.reserve(b"c", B).unwrap();
         assert_eq!(c.slot, 1);
         ix.insert(c.slot, b"c", c.record(1, 0, 0));
-        assert_eq!(ix.owed_releases(), vec![0]);
+        // "c" marked evicting in turn: its report is out, nothing is owed.
+        assert_eq!(ix.mark_victims(Eviction::Fifo, B), vec![1]);
+        assert_eq!(ix.owed_releases(), vec![(0, 1)]);
         assert!(ix.owed_releases().is_empty(), "taken");
-        assert_eq!(ix.marked_not_owed().collect::<Vec<_>>(), vec![0]);
+        assert_eq!(ix.marked_not_owed().collect::<Vec<_>>(), vec![0, 1]);
         // Released at last: the key can be stored again.
         assert!(ix.free(0));
         assert!(ix.reserve(b"a", B).is_ok());

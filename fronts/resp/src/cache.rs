@@ -10,12 +10,14 @@
 //! value replaced or removed through another process can still be served
 //! until the view's lease ends (less a margin), as the pool client's own
 //! location cache does. Bounded: a full part sheds expired entries, then
-//! arbitrary ones.
+//! arbitrary ones until an eighth of it is free (the client's rule,
+//! [`kvpool_client::locations::make_room`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use kvpool_client::locations::make_room;
 use kvpool_client::ReadView;
 
 /// Independent locks.
@@ -102,12 +104,7 @@ impl<V: Leased> ViewCache<V> {
         }
         if part.views.len() >= self.per_part && !part.views.contains_key(key) {
             let soon = Instant::now() + MIN_LEFT;
-            part.views.retain(|_, v| v.valid_until() > soon);
-            if part.views.len() >= self.per_part {
-                if let Some(k) = part.views.keys().next().cloned() {
-                    part.views.remove(&k);
-                }
-            }
+            make_room(&mut part.views, self.per_part, |v| v.valid_until() > soon);
         }
         part.views.insert(key.to_vec(), view);
     }
@@ -166,6 +163,22 @@ mod tests {
         c.clear();
         c.put(b"other", lasting(10), seen);
         assert!(c.get(b"other").is_none());
+    }
+
+    /// The client's rule ([`make_room`]): a part full of lasting views
+    /// sheds an eighth of itself at once, not one view per insert.
+    #[test]
+    fn a_full_part_sheds_an_eighth_of_itself_at_once() {
+        let c: ViewCache<Fake> = ViewCache::new(16 * PARTS); // 16 a part
+        let part0 = |c: &ViewCache<Fake>| c.parts[0].lock().unwrap().views.len();
+        let keys = (0u32..)
+            .map(|i| i.to_le_bytes().to_vec())
+            .filter(|k| (kvpool_runtime::hash::vshard_of(k) as usize).is_multiple_of(PARTS));
+        for k in keys.take(17) {
+            let e = c.epoch(&k);
+            c.put(&k, lasting(10), e);
+        }
+        assert_eq!(part0(&c), 15, "14 kept and the new view");
     }
 
     #[test]

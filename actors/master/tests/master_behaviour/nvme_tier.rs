@@ -1327,9 +1327,9 @@ fn a_recovered_object_whose_demotion_fails_waits_for_its_other_replica() {
     assert_eq!(r.len(), 2, "{r:?}");
     drop(m);
     let mut m = on_state_dir_with(&dir, 60_000, c);
-    mount_node(&mut m, false); // "dram2" stays away
-                               // Puts fill "dram" past its watermark: k, read last at the take-over
-                               // and its lease over, is demoted first.
+    // "dram2" stays away. Puts fill "dram" past its watermark: k, read
+    // last at the take-over and its lease over, is demoted first.
+    mount_node(&mut m, false);
     m.advance(m.cfg.lease_ttl_ms + 10);
     fill(&mut m, "f", 9, opts(1));
     let t = tasks(&mut m, dram);
