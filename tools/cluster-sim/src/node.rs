@@ -1025,10 +1025,9 @@ impl NodeModel {
     /// copies in its order: the `Evicted` report, and the copies it names.
     fn evict_pick(&mut self, need: u64, ctx: &mut Ctx) -> Option<(MasterRequest, Vec<u64>)> {
         let t = self.tier.as_mut()?;
-        for (s, seq) in t.index.owed_releases() {
-            if !t.index.holds(s, seq) {
-                continue;
-            }
+        // No await between taking them and their removal here: each still
+        // holds its copy (the real node checks again, after its awaits).
+        for (s, _) in t.index.owed_releases() {
             if t.take(u64::from(s), || ctx.disk_fails()) {
                 ctx.stats.owed_releases_done += 1;
             } else {
