@@ -1,4 +1,4 @@
-//! What log shipping costs a put (HA on etcd, docs/ARCHITECTURE.md "Log
+//! What log shipping costs a put (HA on etcd, docs/architecture/ha.md "Log
 //! shipping"): a real etcd on loopback, a leader and a standby (`kvpool run
 //! --role master --ha`), a DRAM storage node, one client putting 4 KiB
 //! objects one after the other. Rounds alternate in the same run: with the

@@ -19,7 +19,7 @@
 //! ring slot per contiguous piece of its buffer, so a 1 MiB buffer in 256
 //! scattered pages fills the ring alone: with one side's buffers scattered
 //! and the other's not, the two compare page allocators, not I/O paths
-//! (docs/BENCHMARKS.md, "What the 1 MiB figures measure").
+//! (docs/benchmarks/nvme-tier.md, "What the 1 MiB figures measure").
 //!
 //!     cargo bench --bench nvme           # full run
 //!     cargo test --release --bench nvme  # small run (part of the suite)

@@ -60,7 +60,7 @@ fn wait_stored(engine: &Proc, what: &str, n: f64) {
 /// no location cache. The tests corrupt a chunk by replacing its object
 /// (`flip_a_bit`, another client); an engine that read the chunk before
 /// would read the bytes it read (kept by its read lease) until the lease
-/// ends, as every client of the pool may (docs/ARCHITECTURE.md, "Repeated
+/// ends, as every client of the pool may (docs/architecture/client.md, "Repeated
 /// gets take one round trip"), instead of the corrupt ones these tests are
 /// about.
 const TCP_CONFIG: &str = "[client]\ntransport = \"tcp\"\nlocation_cache_entries = 0\n";

@@ -10,7 +10,7 @@
  *   cc -O2 -pthread -o tcp_rr benches/reference/tcp_rr.c
  *   ./tcp_rr s SIZE 0 K & ./tcp_rr c SIZE CALLS K
  *
- * docs/BENCHMARKS.md ("What a plain TCP exchange reaches here") quotes it. */
+ * docs/benchmarks/transfer-engine.md ("What a plain TCP exchange reaches here") quotes it. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <fcntl.h>

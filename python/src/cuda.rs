@@ -5,8 +5,7 @@
 //! What the module uses it for: telling a device pointer (vLLM's and
 //! SGLang's KV caches, registered with `register_buffer`) from host memory,
 //! and moving device bytes through pinned host staging buffers with
-//! asynchronous copies on a stream of our own (docs/ARCHITECTURE.md,
-//! "Python package", GPU memory).
+//! asynchronous copies on a stream of our own (docs/architecture/python.md, GPU memory).
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::{Mutex, OnceLock};

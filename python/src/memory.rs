@@ -17,8 +17,7 @@ use pyo3::prelude::*;
 /// the stable ABI it arrived with 3.11 (PyO3 offers it to abi3 builds only
 /// from there), yet the struct and these three functions are the same, and
 /// exported by libpython, from 3.3 on. Declaring them lets the one abi3
-/// wheel (`cp310-abi3`) read buffers on 3.10 too (docs/ARCHITECTURE.md,
-/// "Python package").
+/// wheel (`cp310-abi3`) read buffers on 3.10 too (docs/architecture/python.md).
 mod ffi {
     use std::os::raw::{c_char, c_int, c_void};
 

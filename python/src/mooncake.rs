@@ -55,7 +55,7 @@ const MASTER_UNREACHABLE: i64 = 2;
 /// `bytearray` that also answers Mooncake's `ptr()` and `size()`. Its
 /// buffer protocol is bytearray's own (1-D bytes, writable), so the one abi3
 /// wheel exports it on 3.10 too, where the stable ABI has no way for a
-/// class of ours to (docs/ARCHITECTURE.md, "Python package").
+/// class of ours to (docs/architecture/python.md).
 fn buffer_handle<'py>(py: Python<'py>, v: &[u8]) -> PyResult<Bound<'py, PyAny>> {
     static CLASS: PyOnceLock<Py<PyType>> = PyOnceLock::new();
     let h = CLASS

@@ -379,7 +379,7 @@ async fn join<T>(n: usize, tasks: Vec<GroupTask<T>>, what: &str) -> Vec<Result<T
 /// parallel calls straight from and into the caller's memory (no staging).
 /// On the same host the transfers are copies into and out of the shared
 /// segment, one per call at a time: parallel calls use the runtime's
-/// workers (measured: docs/BENCHMARKS.md, "GPU memory through the Python
+/// workers (measured: docs/benchmarks/python.md, "GPU memory through the Python
 /// package", the host rows).
 pub fn worth_grouping(ranges: &[(usize, usize)]) -> bool {
     ranges.iter().map(|r| r.1).sum::<usize>() > GROUP_BYTES

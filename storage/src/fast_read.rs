@@ -4,7 +4,7 @@
 //! glommio's `DmaFile` read path costs enough per I/O that one executor
 //! reached 0.79 of fio's 4 KiB random-read IOPS at queue depth 32 before the
 //! tier did any work of its own; a plain ring with `ReadFixed` reached 0.95
-//! (docs/BENCHMARKS.md). Reads of up to [`SLOT_BYTES`] go here; larger ones
+//! (docs/benchmarks/nvme-tier.md). Reads of up to [`SLOT_BYTES`] go here; larger ones
 //! are bandwidth-bound and stay on glommio.
 //!
 //! Each read is submitted as soon as it is queued (one `io_uring_enter`

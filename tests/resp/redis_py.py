@@ -158,7 +158,7 @@ check(isinstance(res[602], redis.exceptions.ResponseError), f"pipelined error {r
 check(res[603] == vals[0], "the pipeline goes on after an error")
 
 # --- SET's options and a key's lifetime (kvpool keys do not expire: a time
-# to live is a soft pin; see ARCHITECTURE, "RESP front") ------------------
+# to live is a soft pin; see docs/architecture/resp.md) ------------------
 t = prefix + b"ttl"
 check(r.set(t, b"v1", ex=10) is True, "SET EX (LMCache's remote_ttl)")
 check(r.get(t) == b"v1", "GET after SET EX")

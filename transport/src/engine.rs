@@ -834,7 +834,7 @@ impl TransferEngine {
     /// slice holds the offset. A sliced transfer keeps starting at the
     /// offset's shard: waking a core is nothing beside a 2 MiB slice, and
     /// a batch of them started at one shard was slower still (16-core host,
-    /// docs/BENCHMARKS.md "Shard layout").
+    /// docs/benchmarks/many-core.md "Shard layout").
     fn first_shard(&self, r: &ReplicaDesc, n: usize) -> u16 {
         match r.tier {
             Tier::Dram if self.cfg.shard_affinity && n == 1 => {

@@ -73,7 +73,7 @@ enum ShardMsg {
     Probe(tokio::sync::oneshot::Sender<()>),
     /// HA: this master won the election. The shard stops following the
     /// old leader and takes the copy of its state it was shipped
-    /// (docs/ARCHITECTURE.md, "Log shipping") as a restarted master takes
+    /// (docs/architecture/ha.md, "Log shipping") as a restarted master takes
     /// its state directory; answered with the objects it recovered.
     TakeOver(tokio::sync::oneshot::Sender<Result<usize, String>>),
 }
@@ -354,7 +354,7 @@ impl MasterHandle {
 }
 
 /// Master shards when `master.shards` is 0: at most this many, the first
-/// of the process's shards. Measured on a 16-core host (docs/BENCHMARKS.md,
+/// of the process's shards. Measured on a 16-core host (docs/benchmarks/many-core.md,
 /// "Shard layout"): a key's master shard is a different core per key, and a
 /// core that parks between requests costs ~40 us to wake; with 16 master
 /// shards one client's 4 KiB get took 119 us, with 4 74 us (1: 75 us), and

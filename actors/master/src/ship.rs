@@ -1,4 +1,4 @@
-//! Log shipping (HA on etcd, docs/ARCHITECTURE.md "Log shipping"): the
+//! Log shipping (HA on etcd, docs/architecture/ha.md "Log shipping"): the
 //! leader's shards send their state-log records to the standbys, and a
 //! standby that wins the election loads them before it leads.
 //!
@@ -460,7 +460,7 @@ impl Standby {
     }
 
     /// The term and session this copy is in sync at, if it is (what lets a
-    /// standby stand for election: docs/ARCHITECTURE.md, "Who may lead").
+    /// standby stand for election: docs/architecture/ha.md, "Who may lead").
     pub fn synced_at(&self) -> Option<(u64, u64)> {
         (self.synced && !self.stopped && self.session != 0).then_some((self.term, self.session))
     }

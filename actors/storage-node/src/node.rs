@@ -79,7 +79,7 @@ pub fn shmem_huge_pages(path: &str) -> Option<bool> {
 
 /// Says once, at start, that same-host clients will map the segment in 4 KiB
 /// pages: each fresh client pays a page-table fill per page it first touches
-/// (docs/BENCHMARKS.md: a fresh client's 16 MiB shm put 3.8 vs 6.1 GB/s).
+/// (docs/benchmarks/transfer-engine.md: a fresh client's 16 MiB shm put 3.8 vs 6.1 GB/s).
 fn warn_without_shmem_huge_pages(path: &str) {
     if shmem_huge_pages(path) == Some(false) {
         tracing::warn!(

@@ -6,8 +6,7 @@
 //! run against the front; KV-cache values are strings and go to the pool.
 //! So they live here, shared by the front's RESP threads under one lock,
 //! bounded by `resp.max_collection_memory`, and are not seen through another
-//! front or after a restart. The decision: docs/ARCHITECTURE.md, "RESP
-//! front".
+//! front or after a restart. The decision: docs/architecture/resp.md.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeSet, HashMap, VecDeque};

@@ -10,7 +10,7 @@
 //! remove); `EXPIRE` and its kin remove the key when the time given is not in
 //! the future, as Redis does, and otherwise answer 0, "no timeout set".
 //! The decision and what it means for LMCache's `remote_ttl`:
-//! docs/ARCHITECTURE.md, "RESP front".
+//! docs/architecture/resp.md.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -187,7 +187,7 @@ impl Conn {
         // The old value first (GET), then whether the condition holds, then
         // the write: one after another under the key's stripe and this
         // thread's hold on it. Another process's write may come between
-        // them (no transaction spans the pool); see docs/ARCHITECTURE.md.
+        // them (no transaction spans the pool); see docs/architecture/resp.md.
         let old = if o.get {
             match self.fetch(&[key]).await.into_iter().next() {
                 Some(Fetched::Error(e)) => return reply::error(&mut self.out.bytes, &e),
@@ -254,7 +254,7 @@ impl Conn {
     /// INCRs of the key from this thread that arrive meanwhile join the
     /// same read and write ([`crate::locks::KeyLocks::add_one`]). A SET or
     /// a write through another front may come between the read and the
-    /// write (see docs/ARCHITECTURE.md, "RESP front").
+    /// write (see docs/architecture/resp.md).
     pub(crate) async fn incr_by(&mut self, cmd: Cmd, args: &[&[u8]]) {
         let key = args[0];
         let delta = match cmd {

@@ -22,8 +22,7 @@
 //! tokio (it is what embedders use), so each RESP thread is a tokio runtime
 //! of its own with its own [`Client`]: its sockets are driven by the thread
 //! that uses them, and no request waits for a wake-up from another thread.
-//! Why this and not connections on the glommio shards: docs/ARCHITECTURE.md,
-//! "RESP front".
+//! Why this and not connections on the glommio shards: docs/architecture/resp.md.
 //!
 //! Values: a `GET` of a value on this host is answered through a
 //! [`kvpool_client::ReadView`]: its bytes are copied out of the node's shared

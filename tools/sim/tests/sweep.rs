@@ -22,7 +22,7 @@
 //! none it refused, in one regime: `b = 21, c = 0`, failed it). On these
 //! seeds `predictive_reject` also meets at least as many requests as
 //! `early_reject` in every regime by plain count; the test prints that count
-//! and docs/BENCHMARKS.md quotes it.
+//! and docs/benchmarks/early-rejection.md quotes it.
 //!
 //! "Oscillates" ([`LoadSeries::oscillates`]) is measured on the decode load
 //! series (TBT estimate / TBT SLO, sampled every simulated second): at least

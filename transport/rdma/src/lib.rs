@@ -35,7 +35,7 @@
 //!   function until the final status; [`RdmaConnection::poll`] is the
 //!   non-blocking progress call.
 //!
-//! Design decisions and their reasons: `docs/ARCHITECTURE.md` ("RDMA transport").
+//! Design decisions and their reasons: `docs/architecture/rdma.md`.
 
 // The links above name items that exist only with the feature; without it
 // the crate is empty and its documentation is this page alone.

@@ -20,7 +20,7 @@ pub const MAX_SLICE_BYTES: usize = 1 << 30;
 pub const MAX_RD_ATOMIC: u8 = 16;
 
 /// Settings of the RDMA transport. Every field has a default; see
-/// `docs/ARCHITECTURE.md` ("RDMA transport") for why the defaults are what they are.
+/// `docs/architecture/rdma.md` for why the defaults are what they are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RdmaConfig {
     /// Devices to use, by name (`mlx5_0`). Empty: every device with an

@@ -642,7 +642,7 @@ master_calls! {
     ReportUnreachable("report_unreachable") { client_id: ClientId, segment_id: SegmentId } -> ()
         = MasterResponse::Done => ();
     /// HA: a standby follows the leader's state log of master shard `shard`
-    /// (docs/ARCHITECTURE.md, "Log shipping"), on that shard's own port.
+    /// (docs/architecture/ha.md, "Log shipping"), on that shard's own port.
     /// `session` 0 starts a session (a snapshot of the shard, then its log);
     /// `acked`: the bytes of the session's stream the standby has applied
     /// (the leader's put replies wait for it). `shards`: the standby's shard

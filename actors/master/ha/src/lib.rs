@@ -149,7 +149,7 @@ impl Published {
 /// before its replies go on without that standby. A master may stand for
 /// election only if it is that master (its state directory holds what it
 /// led with), or every shard of its copy is in sync at that term in a
-/// session not dropped, or no master has led yet (docs/ARCHITECTURE.md,
+/// session not dropped, or no master has led yet (docs/architecture/ha.md,
 /// "Who may lead").
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Authority {
@@ -416,7 +416,7 @@ async fn campaign_under(
                 if let Some(why) = why_not_lead(master, cfg, etcd).await? {
                     return Err(format!("won the election but may not lead: {why}"));
                 }
-                // State at failover (docs/ARCHITECTURE.md, "Log shipping"):
+                // State at failover (docs/architecture/ha.md, "Log shipping"):
                 // every shard takes the state the old leader shipped it
                 // before the fence opens; its objects wait for their
                 // segments to mount again, as after a restart. It must be

@@ -63,7 +63,7 @@ impl MasterConn {
         }
     }
 
-    /// A standby's `Follow` (docs/ARCHITECTURE.md, "Log shipping"): acks
+    /// A standby's `Follow` (docs/architecture/ha.md, "Log shipping"): acks
     /// what it applied, then answers the next records of its session,
     /// waiting up to [`ship::POLL_WAIT`] for some.
     pub(super) async fn follow(

@@ -17,7 +17,7 @@ pub(super) struct FollowSetup {
 /// Pause before a standby tries the leader again.
 pub(super) const FOLLOW_RETRY: Duration = Duration::from_millis(200);
 
-/// A standby shard follows the leader's shard (docs/ARCHITECTURE.md, "Log
+/// A standby shard follows the leader's shard (docs/architecture/ha.md, "Log
 /// shipping") until this master leads or stops.
 pub(super) async fn follow_loop(ctx: ShardCtx, shard: Rc<Shard>, setup: FollowSetup) {
     let client_id: u64 = rand::random::<u64>() | 1;
