@@ -1111,7 +1111,10 @@ impl NvmeShard {
         Ok(true)
     }
 
-    /// Removes the object at `loc` durably and frees its space.
+    /// Removes the object at `loc` durably and frees its space. `NotFound`
+    /// when the slot is empty or another removal of its copy is under way
+    /// ([`TierIndex::tombstone`]); when the tombstone's write fails, the
+    /// copy stays and may be removed again.
     pub async fn remove(&self, loc: NvmeLoc) -> Result<(), NvmeError> {
         self.check_loc(loc)?;
         let tomb = self
@@ -1119,13 +1122,23 @@ impl NvmeShard {
             .borrow_mut()
             .tombstone(loc.slot)
             .ok_or(NvmeError::NotFound(loc))?;
-        self.write_record(
-            loc.slot,
-            &Self::record_bytes(false, &tomb.key, &tomb.record),
-        )
-        .await?;
-        self.state.borrow_mut().free(loc.slot);
-        Ok(())
+        let written = self
+            .write_record(
+                loc.slot,
+                &Self::record_bytes(false, &tomb.key, &tomb.record),
+            )
+            .await;
+        let mut st = self.state.borrow_mut();
+        match written {
+            Ok(()) => {
+                st.free(loc.slot);
+                Ok(())
+            }
+            Err(e) => {
+                st.removal_failed(loc.slot);
+                Err(e)
+            }
+        }
     }
 
     /// Bytes in use in the data area, and its size.

@@ -5,7 +5,7 @@
 //!
 //! [`crate::nvme::NvmeShard`] keeps one per region and does the I/O around
 //! it (a write reserves here, writes its bytes, then inserts; a removal
-//! takes a tombstone here, writes it, then frees); the cluster simulation
+//! takes a tombstone here, writes it, then frees, or says it failed); the cluster simulation
 //! runs its tiers on the same index over a simulated disk. Its callers
 //! give places as slots; `nvme` makes them `NvmeLoc`s.
 
@@ -110,6 +110,9 @@ pub struct SlotCopy {
     pub last_read: u64,
     /// Marked for eviction: not found, not read, its space not yet free.
     pub evicting: bool,
+    /// Its removal is under way (a tombstone taken, not yet freed or
+    /// failed): no second removal and no eviction mark until it ends.
+    pub removing: bool,
 }
 
 /// A write's place, taken by [`TierIndex::reserve`]: given back by
@@ -225,6 +228,7 @@ impl TierIndex {
             record,
             last_read: 0,
             evicting: false,
+            removing: false,
         });
     }
 
@@ -264,9 +268,19 @@ impl TierIndex {
 
     /// The tombstone of the copy in `slot`: the copy under a new write
     /// sequence number, marked evicting. The caller writes its record,
-    /// then calls [`TierIndex::free`].
+    /// then calls [`TierIndex::free`], or [`TierIndex::removal_failed`]
+    /// when the write fails. `None` while another removal of that copy is
+    /// under way: two at once would both write a tombstone and free, and
+    /// the later one could meet a new copy in the freed slot (overwrite its
+    /// record, or free its space).
     pub fn tombstone(&mut self, slot: u32) -> Option<SlotCopy> {
-        let (key, record) = self.copy(slot).map(|c| (c.key.clone(), c.record))?;
+        let c = self
+            .slots
+            .get_mut(slot as usize)?
+            .as_mut()
+            .filter(|c| !c.removing)?;
+        c.removing = true;
+        let (key, record) = (c.key.clone(), c.record);
         self.seq += 1;
         Some(SlotCopy {
             key,
@@ -276,7 +290,17 @@ impl TierIndex {
             },
             last_read: 0,
             evicting: true,
+            removing: true,
         })
+    }
+
+    /// The removal of the copy in `slot` failed (its tombstone did not
+    /// reach the device): the copy stays as it was, and may be removed
+    /// again.
+    pub fn removal_failed(&mut self, slot: u32) {
+        if let Some(c) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) {
+            c.removing = false;
+        }
     }
 
     /// Frees `slot` and its copy's extent (its tombstone is on the device).
@@ -331,14 +355,15 @@ impl TierIndex {
     }
 
     /// Marks the copies `order` evicts first until their extents reach
-    /// `want` bytes (none evicting already); their slots.
+    /// `want` bytes (none evicting already, none being removed); their
+    /// slots.
     pub fn mark_victims(&mut self, order: Eviction, want: u64) -> Vec<u32> {
         if want == 0 {
             return Vec::new();
         }
         let victims = order.victims(
             self.slots.iter().enumerate().filter_map(|(i, c)| {
-                let c = c.as_ref().filter(|c| !c.evicting)?;
+                let c = c.as_ref().filter(|c| !c.evicting && !c.removing)?;
                 Some((i as u32, c.record.seq, c.last_read, c.record.extent))
             }),
             want,
@@ -421,6 +446,7 @@ impl TierIndex {
             record: r,
             last_read: 0,
             evicting: false,
+            removing: false,
         });
         Found::Kept
     }
@@ -460,6 +486,28 @@ mod tests {
         assert_eq!(c.slot, 0, "the freed slot is reused");
         ix.unreserve(c);
         assert_eq!(ix.usage().0, B);
+    }
+
+    #[test]
+    fn a_copy_whose_removal_is_under_way_is_not_removed_again_nor_marked() {
+        let mut ix = TierIndex::new(B, 16 * B, B, 4);
+        let a = ix.reserve(b"a", B).unwrap();
+        ix.insert(a.slot, b"a", a.record(1, 0, 0));
+        assert!(ix.tombstone(0).is_some());
+        // A second removal while the first's tombstone is being written.
+        assert!(ix.tombstone(0).is_none(), "one removal at a time");
+        assert!(ix.mark_victims(Eviction::Fifo, 16 * B).is_empty());
+        // The write failed: the copy stays, and may be removed again.
+        ix.removal_failed(0);
+        assert_eq!(ix.lookup(b"a"), Some(0));
+        assert!(ix.tombstone(0).is_some());
+        assert!(ix.free(0));
+        // The freed slot's next copy is a copy of its own, removable once.
+        let b = ix.reserve(b"b", B).unwrap();
+        assert_eq!(b.slot, 0);
+        ix.insert(b.slot, b"b", b.record(1, 0, 0));
+        assert!(ix.tombstone(0).is_some_and(|t| &*t.key == b"b"));
+        assert!(ix.tombstone(0).is_none());
     }
 
     #[test]

@@ -216,6 +216,45 @@ fn eviction_marks_victims_unreadable_and_release_frees_their_space() {
     });
 }
 
+/// Two removals of one copy at once, the second asked while the first's
+/// tombstone is on its way to the file: one removes it, the other finds
+/// nothing to remove. Both going ahead would write two tombstones and free
+/// the slot twice; a copy written into the slot between the two frees
+/// would lose its record, or its space, to the second.
+#[test]
+fn two_removals_of_one_copy_at_once_remove_it_once() {
+    let path = file("remove-twice");
+    on_shard(move || async move {
+        let (t, _) = NvmeShard::open(&path, cfg(64 << 20), 0).await.unwrap();
+        let t = std::rc::Rc::new(t);
+        let loc = t.write(b"a", &value(1, 3000)).await.unwrap();
+        let (used, _) = t.usage();
+        let removals: Vec<_> = (0..2)
+            .map(|_| {
+                let t = t.clone();
+                glommio::spawn_local(async move { t.remove(loc).await })
+            })
+            .collect();
+        let mut done = Vec::new();
+        for r in removals {
+            done.push(r.await);
+        }
+        assert!(done[0].is_ok(), "the first removal: {:?}", done[0]);
+        assert!(
+            matches!(done[1], Err(NvmeError::NotFound(_))),
+            "the second finds the removal under way: {:?}",
+            done[1]
+        );
+        assert_eq!(t.objects(), 0);
+        // The space was freed once: a new copy takes the slot and reads back.
+        assert!(t.usage().0 < used);
+        let b = t.write(b"b", &value(2, 3000)).await.unwrap();
+        assert_eq!(b, loc, "the freed slot is reused");
+        assert!(*t.read(b).await.unwrap() == *value(2, 3000));
+        let _ = std::fs::remove_file(&path);
+    });
+}
+
 /// The number after the last '-' of a test key.
 fn key_number(key: &[u8]) -> u64 {
     std::str::from_utf8(key)

@@ -185,7 +185,11 @@ impl TierModel {
         let Some(slot) = slot_of(loc) else {
             return false;
         };
-        if self.index.tombstone(slot).is_none() || fails() {
+        if self.index.tombstone(slot).is_none() {
+            return false;
+        }
+        if fails() {
+            self.index.removal_failed(slot);
             return false;
         }
         self.index.free(slot);
