@@ -83,6 +83,9 @@ const OBJ_MAGIC: [u8; 4] = *b"KVOB";
 const VERSION: u32 = 1;
 /// Table blocks read or written per I/O at recovery and format.
 const TABLE_IO_BLOCKS: u64 = 256;
+/// The longest a removal waits for another removal of the same copy to
+/// end (one record write).
+const REMOVAL_WAIT: Duration = Duration::from_secs(5);
 
 /// Settings of the tier.
 #[derive(Debug, Clone)]
@@ -191,6 +194,23 @@ pub enum NvmeError {
 
 fn io(e: impl std::fmt::Display) -> NvmeError {
     NvmeError::Io(e.to_string())
+}
+
+/// A removal between its tombstone and its free: dropped before the free
+/// (its write failed, or the removal was dropped), the copy may be removed
+/// again.
+struct RemovalUnderWay<'a> {
+    index: &'a RefCell<TierIndex>,
+    slot: u32,
+    freed: bool,
+}
+
+impl Drop for RemovalUnderWay<'_> {
+    fn drop(&mut self) {
+        if !self.freed {
+            self.index.borrow_mut().removal_failed(self.slot);
+        }
+    }
 }
 
 /// Geometry of one region.
@@ -1090,31 +1110,75 @@ impl NvmeShard {
         takes: impl FnOnce(&[u8], u64) -> bool,
     ) -> Result<bool, NvmeError> {
         self.check_loc(loc)?;
-        let ours = {
+        let seq = {
             let st = self.state.borrow();
             st.copy(loc.slot)
-                .is_some_and(|e| takes(&e.key, e.record.version))
+                .filter(|e| takes(&e.key, e.record.version))
+                .map(|e| e.record.seq)
         };
-        if ours {
-            self.remove(loc).await?;
+        match seq {
+            Some(seq) => self.remove_copy(loc, seq).await,
+            None => Ok(false),
         }
-        Ok(ours)
     }
 
     /// Removes the copy at `loc` if it is still the one written with
-    /// sequence number `seq` (see [`NvmeShard::copy_seq`]); whether it was.
+    /// sequence number `seq` (see [`NvmeShard::copy_seq`]); whether this
+    /// call removed it. Another removal of that copy under way is waited
+    /// for ([`NvmeShard::settled`]): if it freed the copy, this one did
+    /// not (false); if it failed, this one tries.
     pub async fn remove_copy(&self, loc: NvmeLoc, seq: u64) -> Result<bool, NvmeError> {
-        if !self.holds(loc, seq) {
+        self.check_loc(loc)?;
+        // No await between the last check and the tombstone.
+        if !self.settled(loc, seq).await? {
             return Ok(false);
         }
         self.remove(loc).await?;
         Ok(true)
     }
 
+    /// Waits while a removal of the copy at `loc` written as `seq` is under
+    /// way (at most [`REMOVAL_WAIT`]); whether that copy is still there
+    /// with no removal under way.
+    async fn settled(&self, loc: NvmeLoc, seq: u64) -> Result<bool, NvmeError> {
+        let deadline = Instant::now() + REMOVAL_WAIT;
+        loop {
+            match self.state.borrow().copy(loc.slot) {
+                Some(c) if c.record.seq == seq && c.removing => {}
+                Some(c) => return Ok(c.record.seq == seq),
+                None => return Ok(false),
+            }
+            if Instant::now() >= deadline {
+                return Err(NvmeError::Io(format!(
+                    "a removal of the copy at {loc:?} did not end within {REMOVAL_WAIT:?}"
+                )));
+            }
+            glommio::timer::sleep(Duration::from_micros(200)).await;
+        }
+    }
+
+    /// Waits while a removal of `key`'s copy is under way (at most
+    /// [`REMOVAL_WAIT`]): what a write of the key then finds is settled,
+    /// a copy that stays or none.
+    pub async fn key_settled(&self, key: &[u8]) -> Result<(), NvmeError> {
+        let deadline = Instant::now() + REMOVAL_WAIT;
+        while self.state.borrow().removal_under_way(key) {
+            if Instant::now() >= deadline {
+                return Err(NvmeError::Io(format!(
+                    "a removal of a copy of {} did not end within {REMOVAL_WAIT:?}",
+                    String::from_utf8_lossy(key)
+                )));
+            }
+            glommio::timer::sleep(Duration::from_micros(200)).await;
+        }
+        Ok(())
+    }
+
     /// Removes the object at `loc` durably and frees its space. `NotFound`
     /// when the slot is empty or another removal of its copy is under way
-    /// ([`TierIndex::tombstone`]); when the tombstone's write fails, the
-    /// copy stays and may be removed again.
+    /// ([`TierIndex::tombstone`]; [`NvmeShard::remove_copy`] waits for that
+    /// one instead); when the tombstone's write fails, the copy stays and
+    /// may be removed again.
     pub async fn remove(&self, loc: NvmeLoc) -> Result<(), NvmeError> {
         self.check_loc(loc)?;
         let tomb = self
@@ -1122,23 +1186,21 @@ impl NvmeShard {
             .borrow_mut()
             .tombstone(loc.slot)
             .ok_or(NvmeError::NotFound(loc))?;
-        let written = self
-            .write_record(
-                loc.slot,
-                &Self::record_bytes(false, &tomb.key, &tomb.record),
-            )
-            .await;
-        let mut st = self.state.borrow_mut();
-        match written {
-            Ok(()) => {
-                st.free(loc.slot);
-                Ok(())
-            }
-            Err(e) => {
-                st.removal_failed(loc.slot);
-                Err(e)
-            }
-        }
+        // Ends the removal as failed unless the record is written, also
+        // when this future is dropped at the write.
+        let mut under_way = RemovalUnderWay {
+            index: &self.state,
+            slot: loc.slot,
+            freed: false,
+        };
+        self.write_record(
+            loc.slot,
+            &Self::record_bytes(false, &tomb.key, &tomb.record),
+        )
+        .await?;
+        under_way.freed = true;
+        self.state.borrow_mut().free(loc.slot);
+        Ok(())
     }
 
     /// Bytes in use in the data area, and its size.
@@ -1204,9 +1266,21 @@ impl NvmeShard {
 
     /// Frees an evicting object's space (after the master took its
     /// eviction). A removal that fails is owed ([`TierIndex::owe_release`]):
-    /// [`NvmeShard::release_owed`] tries it again.
+    /// [`NvmeShard::release_owed`] tries it again. A slot that holds no
+    /// copy marked evicting any more (another removal freed it) has
+    /// nothing to release.
     pub async fn release(&self, loc: NvmeLoc) -> Result<(), NvmeError> {
-        let r = self.remove(loc).await;
+        self.check_loc(loc)?;
+        let marked = {
+            let st = self.state.borrow();
+            st.copy(loc.slot)
+                .filter(|c| c.evicting)
+                .map(|c| c.record.seq)
+        };
+        let Some(seq) = marked else {
+            return Ok(());
+        };
+        let r = self.remove_copy(loc, seq).await.map(|_| ());
         if r.is_err() {
             self.state.borrow_mut().owe_release(loc.slot);
         }

@@ -5,9 +5,9 @@
 //!
 //! [`crate::nvme::NvmeShard`] keeps one per region and does the I/O around
 //! it (a write reserves here, writes its bytes, then inserts; a removal
-//! takes a tombstone here, writes it, then frees, or says it failed); the cluster simulation
-//! runs its tiers on the same index over a simulated disk. Its callers
-//! give places as slots; `nvme` makes them `NvmeLoc`s.
+//! takes a tombstone here, writes it, then frees, or says it failed); the
+//! cluster simulation runs its tiers on the same index over a simulated
+//! disk. Its callers give places as slots; `nvme` makes them `NvmeLoc`s.
 
 use std::collections::HashMap;
 
@@ -237,6 +237,14 @@ impl TierIndex {
         self.slots.get(slot as usize)?.as_ref()
     }
 
+    /// Whether a removal of `key`'s copy is under way.
+    pub fn removal_under_way(&self, key: &[u8]) -> bool {
+        self.by_key
+            .get(key)
+            .and_then(|&slot| self.copy(slot))
+            .is_some_and(|c| c.removing)
+    }
+
     /// The slot of `key`'s copy, unless it is evicting.
     pub fn lookup(&self, key: &[u8]) -> Option<u32> {
         let slot = *self.by_key.get(key)?;
@@ -324,12 +332,14 @@ impl TierIndex {
         self.by_key.len()
     }
 
-    /// Every copy not evicting, by slot.
+    /// Every copy neither evicting nor being removed, by slot.
     pub fn entries(&self) -> impl Iterator<Item = (u32, &SlotCopy)> {
-        self.slots
-            .iter()
-            .enumerate()
-            .filter_map(|(slot, c)| Some((slot as u32, c.as_ref().filter(|c| !c.evicting)?)))
+        self.slots.iter().enumerate().filter_map(|(slot, c)| {
+            Some((
+                slot as u32,
+                c.as_ref().filter(|c| !c.evicting && !c.removing)?,
+            ))
+        })
     }
 
     /// Whether a copy taking `extent` bytes would find a place now.

@@ -255,6 +255,48 @@ fn two_removals_of_one_copy_at_once_remove_it_once() {
     });
 }
 
+/// A removal by write number (a stale copy the control lane drops, a
+/// Drop, a release) asked while another removal of that copy is under way
+/// waits for it: the copy is gone after, removed once, and the waiting
+/// removal takes nothing else; had the first failed, it would try itself.
+/// A write of the key waits the same way, then finds the key free.
+#[test]
+fn a_removal_by_write_number_waits_for_one_under_way_and_takes_nothing_else() {
+    let path = file("remove-wait");
+    on_shard(move || async move {
+        let (t, _) = NvmeShard::open(&path, cfg(64 << 20), 0).await.unwrap();
+        let t = std::rc::Rc::new(t);
+        let loc = t.write(b"a", &value(1, 3000)).await.unwrap();
+        let seq = t.copy_seq(loc).unwrap();
+        let first = {
+            let t = t.clone();
+            glommio::spawn_local(async move { t.remove(loc).await })
+        };
+        let waiting = {
+            let t = t.clone();
+            glommio::spawn_local(async move { t.remove_copy(loc, seq).await })
+        };
+        let rewrite = {
+            let t = t.clone();
+            glommio::spawn_local(async move {
+                t.key_settled(b"a").await.unwrap();
+                assert_eq!(
+                    t.lookup(b"a"),
+                    None,
+                    "the key's copy is gone, not half-gone"
+                );
+                t.write(b"a", &value(2, 3000)).await
+            })
+        };
+        first.await.unwrap();
+        assert!(!waiting.await.unwrap(), "removed by the first, not again");
+        let again = rewrite.await.unwrap();
+        assert_eq!(t.objects(), 1);
+        assert!(*t.read(again).await.unwrap() == *value(2, 3000));
+        let _ = std::fs::remove_file(&path);
+    });
+}
+
 /// The number after the last '-' of a test key.
 fn key_number(key: &[u8]) -> u64 {
     std::str::from_utf8(key)

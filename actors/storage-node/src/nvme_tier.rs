@@ -297,7 +297,7 @@ impl NodeNvme {
             .and_then(|r| r);
         match r {
             Ok(true) => {}
-            Ok(false) => tracing::debug!("NVMe: {c:?} holds another copy now; kept"),
+            Ok(false) => tracing::debug!("NVMe: {c:?} is gone or holds another copy now"),
             Err(e) => tracing::warn!("NVMe: could not remove {c:?}: {e}"),
         }
     }
@@ -370,6 +370,10 @@ impl NodeNvme {
                             KvError::new(ErrorCode::Internal, format!("no copy at {loc:?}"))
                         })
                 };
+                // A removal of the key's copy under way (a stale copy the
+                // control lane drops) ends first: the copy then stays or
+                // is gone, and nothing awaits from here to the decision.
+                t.key_settled(&p.key).await.map_err(kv)?;
                 let held = t.lookup(&p.key).and_then(|loc| {
                     let (len, sum) = t.value_sum(loc)?;
                     let version = t.copy_version(loc)?;
