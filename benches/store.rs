@@ -45,7 +45,7 @@ pub fn main() {
     }
 
     // Production setting: the segment's pages are committed at start, so the
-    // data path never takes a page fault (see docs/BENCHMARKS.md). 4 GiB:
+    // data path never takes a page fault (see docs/benchmarks/store.md). 4 GiB:
     // the objects of one size, read (leased) and then removed, keep their
     // space for a lease; the next size's must fit beside them unevicted.
     let cfg = std::env::temp_dir().join(format!("kvpool-bench-store-{}.toml", std::process::id()));

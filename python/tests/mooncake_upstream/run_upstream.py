@@ -142,9 +142,9 @@ FILES = (
 
 _NO_ENGINE = ("mooncake.engine (TransferEngine) and mooncake.BufferPool are Mooncake's "
               "transfer-engine and allocator modules, which kvpool does not provide "
-              "(ARCHITECTURE: not covered)")
+              "(docs/architecture/python.md: not covered)")
 _NO_TP = ("tensor-parallel and zero-copy tensor forms (*_with_tp, *_tensor_into, "
-          "*_tensor_from) are not provided (ARCHITECTURE: not covered)")
+          "*_tensor_from) are not provided (docs/architecture/python.md: not covered)")
 
 EXPECTED: dict[str, tuple[frozenset, str]] = {
     # test_distributed_object_store.py
@@ -167,7 +167,7 @@ EXPECTED: dict[str, tuple[frozenset, str]] = {
     "test_batch_replica_clear.TestBatchReplicaClearSingleStore.test_clear_with_active_lease": (
         frozenset({"fail"}),
         "a put takes no read lease in kvpool, so a key just put is cleared (Mooncake skips "
-        "it until its lease ends; ARCHITECTURE: batch_replica_clear)"),
+        "it until its lease ends; docs/architecture/python.md: batch_replica_clear)"),
     "test_batch_replica_clear.TestBatchReplicaClearSingleStore.test_clear_mixed_expired_and_active": (
         frozenset({"fail"}),
         "as test_clear_with_active_lease: the keys just put are cleared too"),
@@ -197,7 +197,7 @@ EXPECTED: dict[str, tuple[frozenset, str]] = {
     "test_safetensor_functions.TestSafetensorFunctions.*": (
         frozenset({"error"}),
         "save_tensor_to_safetensor / load_tensor_from_safetensor are not provided "
-        "(ARCHITECTURE: safetensors not covered)"),
+        "(docs/architecture/python.md: safetensors not covered)"),
 
     # test_dummy_client.py
     "test_dummy_client.TestDistributedObjectStoreSingleStore.test_tensor_operations": (
@@ -216,7 +216,7 @@ EXPECTED: dict[str, tuple[frozenset, str]] = {
     "test_async_store.TestMooncakeBasicFunctional.test_05_remove_by_regex": (
         frozenset({"error"}),
         "remove_by_regex is not provided: the master has no key listing or pattern match "
-        "(ARCHITECTURE: not covered)"),
+        "(docs/architecture/python.md: not covered)"),
     "test_async_store.TestMooncakeTensorFunctional.test_0[2-8]_*": (
         frozenset({"error"}), _NO_TP),
 

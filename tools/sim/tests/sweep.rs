@@ -30,8 +30,8 @@
 //! missing the SLO) after having come back to the SLO or below.
 //!
 //! The table is printed (`cargo test --release -p kvpool-sim --test simulator
-//! sweep:: -- --nocapture`; `SWEEP_SEEDS=4,5,6` replays other seeds); docs/BENCHMARKS.md
-//! holds a copy.
+//! sweep:: -- --nocapture`; `SWEEP_SEEDS=4,5,6` replays other seeds);
+//! docs/benchmarks/early-rejection.md holds a copy.
 
 use kvpool_conductor::scheduler::{Policy, Slo};
 use kvpool_sim::gen::{generate, write_trace, GenParams, Preset};
