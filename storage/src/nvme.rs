@@ -196,6 +196,30 @@ fn io(e: impl std::fmt::Display) -> NvmeError {
     NvmeError::Io(e.to_string())
 }
 
+/// A record in the table image until its write ends: dropped before (the
+/// write failed, or was dropped), it takes the record back out (unless a
+/// later change of the slot replaced it already).
+struct RecordUndo<'a> {
+    table: &'a SlotTable,
+    slot: u32,
+    record: [u8; RECORD],
+    before: [u8; RECORD],
+    done: bool,
+}
+
+impl Drop for RecordUndo<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let at = self.slot as usize * RECORD;
+        let mut im = self.table.image.borrow_mut();
+        if im.bytes[at..at + RECORD] == self.record[..] {
+            im.bytes[at..at + RECORD].copy_from_slice(&self.before);
+        }
+    }
+}
+
 /// A removal between its tombstone and its free: dropped before the free
 /// (its write failed, or the removal was dropped), the copy may be removed
 /// again.
@@ -211,6 +235,17 @@ impl Drop for RemovalUnderWay<'_> {
             self.index.borrow_mut().removal_failed(self.slot);
         }
     }
+}
+
+/// A copy [`NvmeShard::evict_candidates`] marked for eviction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Victim {
+    pub key: Vec<u8>,
+    pub loc: NvmeLoc,
+    /// The incarnation it is a copy of (what the `Evicted` report names).
+    pub version: u64,
+    /// Its write's number: [`NvmeShard::release`] frees only this copy.
+    pub seq: u64,
 }
 
 /// Geometry of one region.
@@ -820,19 +855,21 @@ impl NvmeShard {
         r
     }
 
-    /// Writes slot `slot`'s table block with `record` in it, durably.
+    /// Writes slot `slot`'s table block with `record` in it, durably. A
+    /// write that fails, or is dropped before it ends, takes the record
+    /// back out of the image, so no later commit of the block puts it on
+    /// the device.
     async fn write_record(&self, slot: u32, record: &[u8; RECORD]) -> Result<(), NvmeError> {
         let (block, mine, before) = self.table.set(slot, record);
+        let mut undo = RecordUndo {
+            table: &self.table,
+            slot,
+            record: *record,
+            before,
+            done: false,
+        };
         let res = self.table.commit(block, mine).await;
-        if res.is_err() {
-            // Not on the device: take the record back out of the image
-            // (unless a later change of the slot replaced it already).
-            let at = slot as usize * RECORD;
-            let mut im = self.table.image.borrow_mut();
-            if im.bytes[at..at + RECORD] == record[..] {
-                im.bytes[at..at + RECORD].copy_from_slice(&before);
-            }
-        }
+        undo.done = res.is_ok();
         res
     }
 
@@ -1092,6 +1129,17 @@ impl NvmeShard {
         self.check_loc(loc).is_ok() && self.state.borrow().holds(loc.slot, seq)
     }
 
+    /// Whether a removal of the copy at `loc` is under way (it may still
+    /// fail and the copy stay).
+    pub fn being_removed(&self, loc: NvmeLoc) -> bool {
+        self.check_loc(loc).is_ok()
+            && self
+                .state
+                .borrow()
+                .copy(loc.slot)
+                .is_some_and(|c| c.removing)
+    }
+
     /// The version the copy at `loc` was written with, if one is there.
     pub fn copy_version(&self, loc: NvmeLoc) -> Option<u64> {
         self.check_loc(loc).ok()?;
@@ -1126,9 +1174,12 @@ impl NvmeShard {
     /// sequence number `seq` (see [`NvmeShard::copy_seq`]); whether this
     /// call removed it. Another removal of that copy under way is waited
     /// for ([`NvmeShard::settled`]): if it freed the copy, this one did
-    /// not (false); if it failed, this one tries.
+    /// not (false); if it failed, this one tries. A wait past
+    /// [`REMOVAL_WAIT`] is an `Io` error, the copy untouched by this call.
     pub async fn remove_copy(&self, loc: NvmeLoc, seq: u64) -> Result<bool, NvmeError> {
-        self.check_loc(loc)?;
+        if self.check_loc(loc).is_err() {
+            return Ok(false);
+        }
         // No await between the last check and the tombstone.
         if !self.settled(loc, seq).await? {
             return Ok(false);
@@ -1212,9 +1263,11 @@ impl NvmeShard {
         self.state.borrow().objects()
     }
 
-    /// Every object the region holds now (not those being evicted), in
-    /// the form recovery reports them: what a node tells a master that
-    /// has forgotten it.
+    /// Every object the region holds now (not those being evicted or
+    /// removed), in the form recovery reports them: what a node tells a
+    /// master that has forgotten it. A copy left out because its removal
+    /// was under way, and whose removal then failed, is in the next
+    /// report.
     pub fn entries(&self) -> Vec<Recovered> {
         let st = self.state.borrow();
         st.entries()
@@ -1243,7 +1296,7 @@ impl NvmeShard {
     /// `need` would fit), marks them evicting and returns them. The caller
     /// reports them (key, place and the copy's version), then calls
     /// [`NvmeShard::release`] for each.
-    pub fn evict_candidates(&self, need: u64) -> Vec<(Vec<u8>, NvmeLoc, u64)> {
+    pub fn evict_candidates(&self, need: u64) -> Vec<Victim> {
         let mut st = self.state.borrow_mut();
         let want = self.cfg.bytes_to_evict(st.space(), need);
         let out: Vec<_> = st
@@ -1255,7 +1308,12 @@ impl NvmeShard {
                     region: self.region,
                     slot,
                 };
-                Some((e.key.to_vec(), loc, e.record.version))
+                Some(Victim {
+                    key: e.key.to_vec(),
+                    loc,
+                    version: e.record.version,
+                    seq: e.record.seq,
+                })
             })
             .collect();
         self.stats
@@ -1266,20 +1324,20 @@ impl NvmeShard {
 
     /// Frees an evicting object's space (after the master took its
     /// eviction). A removal that fails is owed ([`TierIndex::owe_release`]):
-    /// [`NvmeShard::release_owed`] tries it again. A slot that holds no
-    /// copy marked evicting any more (another removal freed it) has
-    /// nothing to release.
-    pub async fn release(&self, loc: NvmeLoc) -> Result<(), NvmeError> {
-        self.check_loc(loc)?;
-        let marked = {
-            let st = self.state.borrow();
-            st.copy(loc.slot)
-                .filter(|c| c.evicting)
-                .map(|c| c.record.seq)
-        };
-        let Some(seq) = marked else {
+    /// [`NvmeShard::release_owed`] tries it again. Only the copy written as
+    /// `seq` ([`Victim::seq`]), while marked evicting: a slot that no longer
+    /// holds it (another removal freed it, and maybe a new copy took the
+    /// slot) has nothing to release.
+    pub async fn release(&self, loc: NvmeLoc, seq: u64) -> Result<(), NvmeError> {
+        let marked = self.check_loc(loc).is_ok()
+            && self
+                .state
+                .borrow()
+                .copy(loc.slot)
+                .is_some_and(|c| c.evicting && c.record.seq == seq);
+        if !marked {
             return Ok(());
-        };
+        }
         let r = self.remove_copy(loc, seq).await.map(|_| ());
         if r.is_err() {
             self.state.borrow_mut().owe_release(loc.slot);
@@ -1299,7 +1357,7 @@ impl NvmeShard {
             };
             // Checked again after the earlier removals' awaits, with no
             // await before this one's tombstone: only that copy goes.
-            if self.holds(loc, seq) && self.release(loc).await.is_ok() {
+            if self.holds(loc, seq) && self.release(loc, seq).await.is_ok() {
                 n += 1;
             }
         }

@@ -180,29 +180,30 @@ fn eviction_marks_victims_unreadable_and_release_frees_their_space() {
         let victims = t.evict_candidates(0);
         assert!(!victims.is_empty(), "past the high watermark");
         // FIFO: the oldest writes go first.
-        assert_eq!(victims[0].0, b"obj-000");
-        for (k, loc, _) in &victims {
+        assert_eq!(victims[0].key, b"obj-000");
+        for v in &victims {
             assert!(
-                matches!(t.read(*loc).await, Err(NvmeError::NotFound(_))),
-                "{k:?} unreadable"
+                matches!(t.read(v.loc).await, Err(NvmeError::NotFound(_))),
+                "{:?} unreadable",
+                v.key
             );
-            assert_eq!(t.lookup(k), None);
+            assert_eq!(t.lookup(&v.key), None);
         }
         // An eviction the master was not told of is taken back: the
         // copies read again and are the next eviction's candidates again.
-        for (_, loc, _) in &victims {
-            assert!(t.keep(*loc));
-            assert!(!t.keep(*loc), "marked once");
+        for v in &victims {
+            assert!(t.keep(v.loc));
+            assert!(!t.keep(v.loc), "marked once");
         }
-        for (k, loc, _) in &victims {
-            assert_eq!(t.lookup(k), Some(*loc));
-            assert!(t.read(*loc).await.is_ok(), "{k:?} readable again");
+        for v in &victims {
+            assert_eq!(t.lookup(&v.key), Some(v.loc));
+            assert!(t.read(v.loc).await.is_ok(), "{:?} readable again", v.key);
         }
         let again = t.evict_candidates(0);
         assert_eq!(again, victims, "the same victims, marked again");
         let (used_before, _) = t.usage();
-        for (_, loc, _) in &victims {
-            t.release(*loc).await.unwrap();
+        for v in &victims {
+            t.release(v.loc, v.seq).await.unwrap();
         }
         let (used_after, cap) = t.usage();
         assert!(used_after < used_before);
@@ -293,6 +294,39 @@ fn a_removal_by_write_number_waits_for_one_under_way_and_takes_nothing_else() {
         let again = rewrite.await.unwrap();
         assert_eq!(t.objects(), 1);
         assert!(*t.read(again).await.unwrap() == *value(2, 3000));
+        let _ = std::fs::remove_file(&path);
+    });
+}
+
+/// A removal dropped at its tombstone's write (its task cancelled, as at
+/// an executor's end) leaves the copy as it was: removable again, and the
+/// tombstone out of the table image, so a later flush does not put it on
+/// the device and a restart finds the copy.
+#[test]
+fn a_removal_dropped_at_its_write_leaves_the_copy_as_it_was() {
+    let path = file("remove-dropped");
+    let p2 = path.clone();
+    on_shard(move || async move {
+        let (t, _) = NvmeShard::open(&p2, cfg(64 << 20), 0).await.unwrap();
+        let t = std::rc::Rc::new(t);
+        let a = t.write(b"a", &value(1, 3000)).await.unwrap();
+        t.flush().await.unwrap();
+        let removal = {
+            let t = t.clone();
+            glommio::spawn_local(async move { t.remove(a).await })
+        };
+        // The removal runs until its tombstone's write waits on the file.
+        glommio::executor().yield_task_queue_now().await;
+        assert!(t.being_removed(a), "the removal is at its write");
+        assert!(removal.cancel().await.is_none(), "dropped before it ended");
+        assert!(!t.being_removed(a), "removable again");
+        assert_eq!(t.lookup(b"a"), Some(a));
+        t.flush().await.unwrap();
+    });
+    on_shard(move || async move {
+        let (t, rec) = NvmeShard::open(&path, cfg(64 << 20), 0).await.unwrap();
+        assert_eq!(rec.len(), 1, "the copy is still on the device: {rec:?}");
+        assert!(*t.read(rec[0].loc).await.unwrap() == *value(1, 3000));
         let _ = std::fs::remove_file(&path);
     });
 }

@@ -304,12 +304,12 @@ impl NodeNvme {
 
     /// Frees the copy at `loc` whose eviction the master took; a removal
     /// that fails is owed, and the region's next eviction tries it again.
-    async fn release(&self, loc: NvmeLoc) {
+    async fn release(&self, loc: NvmeLoc, seq: u64) {
         let r = self
             .shards
             .run_on(loc.region as usize, move |_| async move {
                 match tier() {
-                    Ok(t) => t.release(loc).await.map_err(kv),
+                    Ok(t) => t.release(loc, seq).await.map_err(kv),
                     Err(e) => Err(e),
                 }
             })
@@ -464,11 +464,11 @@ impl NodeNvme {
         }
         let updates = cands
             .iter()
-            .map(|(k, loc, version)| NvmeUpdate::Evicted {
-                key: k.clone(),
+            .map(|v| NvmeUpdate::Evicted {
+                key: v.key.clone(),
                 nvme: self.segment_id,
-                loc: loc.pack(),
-                version: *version,
+                loc: v.loc.pack(),
+                version: v.version,
             })
             .collect();
         // Reported first: the master stops handing out these replicas; only
@@ -495,7 +495,7 @@ impl NodeNvme {
             // The master may still list them: they stay readable and are
             // candidates again at the next round (marked evicting, they
             // would be neither, until a restart).
-            let locs: Vec<NvmeLoc> = kept.iter().map(|(_, c)| c.1).collect();
+            let locs: Vec<NvmeLoc> = kept.iter().map(|(_, v)| v.loc).collect();
             let _ = self
                 .shards
                 .run_on(region, move |_| async move {
@@ -508,8 +508,8 @@ impl NodeNvme {
                 .await;
         }
         self.metrics.nvme_evictions.inc_by(gone.len() as u64);
-        for (_, c) in gone {
-            self.release(c.1).await;
+        for (_, v) in gone {
+            self.release(v.loc, v.seq).await;
         }
     }
 
@@ -626,7 +626,11 @@ impl NodeNvme {
                     let flushed = t.flush().await.map_err(kv);
                     let present: Vec<bool> = look
                         .iter()
-                        .map(|(k, c)| t.lookup(k) == Some(c.loc) && t.holds(c.loc, c.seq))
+                        .map(|(k, c)| {
+                            t.lookup(k) == Some(c.loc)
+                                && t.holds(c.loc, c.seq)
+                                && !t.being_removed(c.loc)
+                        })
                         .collect();
                     Ok::<_, KvError>((flushed, present))
                 })

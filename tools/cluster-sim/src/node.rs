@@ -297,8 +297,9 @@ pub struct NodeModel {
     round: Option<(u64, u64)>,
     /// The reports of the round's tasks, until the master answered them.
     ran: Round<CopyRef>,
-    /// The copies an `Evicted` report out names, removed once it is answered.
-    evicting: Vec<u64>,
+    /// The copies an `Evicted` report out names (place, write number),
+    /// removed once it is answered.
+    evicting: Vec<(u64, u64)>,
     /// The `Tasks` step's tasks not run yet.
     todo: VecDeque<NodeTask>,
     /// A Persist that found no room, while the `Evicted` report that makes
@@ -556,7 +557,7 @@ impl NodeModel {
         };
         t.index
             .marked_not_owed()
-            .filter(|&s| !self.evicting.iter().any(|&l| slot_of(l) == Some(s)))
+            .filter(|&s| !self.evicting.iter().any(|&(l, _)| slot_of(l) == Some(s)))
             .collect()
     }
 
@@ -639,7 +640,8 @@ impl NodeModel {
             return Err(());
         }
         t.flushed();
-        // Not the copies being evicted (the real tier's `entries`).
+        // Not the copies being evicted or removed (the real tier's
+        // `entries`).
         let copies: Vec<CopyRef> = t
             .index
             .entries()
@@ -985,7 +987,7 @@ impl NodeModel {
     fn keep_marked(&mut self) {
         let marked = std::mem::take(&mut self.evicting);
         if let Some(t) = self.tier.as_mut() {
-            for s in marked.into_iter().filter_map(slot_of) {
+            for s in marked.into_iter().filter_map(|(l, _)| slot_of(l)) {
                 t.index.keep(s);
             }
         }
@@ -997,17 +999,21 @@ impl NodeModel {
         let t = self.tier.as_mut().expect("a tier evicts");
         let mut n = 0;
         let mut results = results.into_iter();
-        for l in std::mem::take(&mut self.evicting) {
+        for (l, seq) in std::mem::take(&mut self.evicting) {
             // Only a copy the master answered Ok for goes; the others stay
             // readable and are candidates again (the marks taken back).
             if results
                 .next()
                 .is_some_and(|r| Result::<(), KvError>::from(r).is_ok())
             {
-                // A removal that fails leaves the copy marked (the real
-                // tier's `release` after `Evicted`): unread, unreported,
-                // its release owed to the next eviction.
-                if !t.take(l, || ctx.disk_fails()) {
+                // Only that copy, still marked (the real tier's `release`):
+                // a slot that no longer holds it has nothing to release. A
+                // removal that fails leaves the copy marked: unread,
+                // unreported, its release owed to the next eviction.
+                let marked = slot_of(l)
+                    .and_then(|s| t.index.copy(s))
+                    .is_some_and(|c| c.evicting && c.record.seq == seq);
+                if marked && !t.take(l, || ctx.disk_fails()) {
                     if let Some(s) = slot_of(l) {
                         t.index.owe_release(s);
                     }
@@ -1027,7 +1033,7 @@ impl NodeModel {
     /// did not find free, the real tier's rules: first the owed releases
     /// (as the real node's `evict_region`), then how many bytes, and which
     /// copies in its order: the `Evicted` report, and the copies it names.
-    fn evict_pick(&mut self, need: u64, ctx: &mut Ctx) -> Option<(MasterRequest, Vec<u64>)> {
+    fn evict_pick(&mut self, need: u64, ctx: &mut Ctx) -> Option<(MasterRequest, Vec<(u64, u64)>)> {
         let t = self.tier.as_mut()?;
         // No await between taking them and their removal here: each still
         // holds its copy (the real node checks again, after its awaits).
@@ -1039,13 +1045,13 @@ impl NodeModel {
             }
         }
         let want = t.cfg.bytes_to_evict(t.index.space(), need);
-        let pick: Vec<(u64, Vec<u8>, u64)> = t
+        let pick: Vec<(u64, Vec<u8>, u64, u64)> = t
             .index
             .mark_victims(t.cfg.eviction, want)
             .into_iter()
             .filter_map(|s| {
                 let c = t.index.copy(s)?;
-                Some((u64::from(s), c.key.to_vec(), c.record.version))
+                Some((u64::from(s), c.key.to_vec(), c.record.version, c.record.seq))
             })
             .collect();
         if pick.is_empty() {
@@ -1053,7 +1059,7 @@ impl NodeModel {
         }
         let updates = pick
             .iter()
-            .map(|(loc, key, version)| NvmeUpdate::Evicted {
+            .map(|(loc, key, version, _)| NvmeUpdate::Evicted {
                 key: key.clone(),
                 nvme: t.seg,
                 loc: *loc,
@@ -1064,7 +1070,10 @@ impl NodeModel {
             client_id: self.client_id,
             updates,
         };
-        Some((req, pick.into_iter().map(|(l, _, _)| l).collect()))
+        Some((
+            req,
+            pick.into_iter().map(|(l, _, _, seq)| (l, seq)).collect(),
+        ))
     }
 
     /// The index records of this round's copies go to the device before
