@@ -1173,9 +1173,9 @@ impl NvmeShard {
     /// Removes the copy at `loc` if it is still the one written with
     /// sequence number `seq` (see [`NvmeShard::copy_seq`]); whether this
     /// call removed it. Another removal of that copy under way is waited
-    /// for ([`NvmeShard::settled`]): if it freed the copy, this one did
-    /// not (false); if it failed, this one tries. A wait past
-    /// [`REMOVAL_WAIT`] is an `Io` error, the copy untouched by this call.
+    /// for: if it freed the copy, this one did not (false); if it failed,
+    /// this one tries. A wait past 5 s (`REMOVAL_WAIT`) is an `Io` error,
+    /// the copy untouched by this call.
     pub async fn remove_copy(&self, loc: NvmeLoc, seq: u64) -> Result<bool, NvmeError> {
         if self.check_loc(loc).is_err() {
             return Ok(false);
@@ -1208,9 +1208,9 @@ impl NvmeShard {
         }
     }
 
-    /// Waits while a removal of `key`'s copy is under way (at most
-    /// [`REMOVAL_WAIT`]): what a write of the key then finds is settled,
-    /// a copy that stays or none.
+    /// Waits while a removal of `key`'s copy is under way (at most 5 s,
+    /// `REMOVAL_WAIT`, else an `Io` error): what a write of the key then
+    /// finds is settled, a copy that stays or none.
     pub async fn key_settled(&self, key: &[u8]) -> Result<(), NvmeError> {
         let deadline = Instant::now() + REMOVAL_WAIT;
         while self.state.borrow().removal_under_way(key) {
