@@ -76,7 +76,8 @@ pub struct Space {
     pub used: u64,
     /// The region's bytes.
     pub capacity: u64,
-    /// Bytes of copies already marked evicting (their report is out).
+    /// Bytes of copies on their way out: marked evicting (their report is
+    /// out) or being removed.
     pub evicting: u64,
     /// The largest free extent.
     pub largest_free: u64,
@@ -356,7 +357,7 @@ impl TierIndex {
                 .slots
                 .iter()
                 .flatten()
-                .filter(|c| c.evicting)
+                .filter(|c| c.evicting || c.removing)
                 .map(|c| c.record.extent)
                 .sum(),
             largest_free: self.alloc.largest_free(),
@@ -507,9 +508,11 @@ mod tests {
         // A second removal while the first's tombstone is being written.
         assert!(ix.tombstone(0).is_none(), "one removal at a time");
         assert!(ix.mark_victims(Eviction::Fifo, 16 * B).is_empty());
+        assert_eq!(ix.space().evicting, B, "its space is on its way out");
         // The write failed: the copy stays, and may be removed again.
         ix.removal_failed(0);
         assert_eq!(ix.lookup(b"a"), Some(0));
+        assert_eq!(ix.space().evicting, 0, "back");
         assert!(ix.tombstone(0).is_some());
         assert!(ix.free(0));
         // The freed slot's next copy is a copy of its own, removable once.
