@@ -1192,32 +1192,42 @@ impl NvmeShard {
     /// way (at most [`REMOVAL_WAIT`]); whether that copy is still there
     /// with no removal under way.
     async fn settled(&self, loc: NvmeLoc, seq: u64) -> Result<bool, NvmeError> {
-        let deadline = Instant::now() + REMOVAL_WAIT;
-        loop {
-            match self.state.borrow().copy(loc.slot) {
-                Some(c) if c.record.seq == seq && c.removing => {}
-                Some(c) => return Ok(c.record.seq == seq),
-                None => return Ok(false),
-            }
-            if Instant::now() >= deadline {
-                return Err(NvmeError::Io(format!(
-                    "a removal of the copy at {loc:?} did not end within {REMOVAL_WAIT:?}"
-                )));
-            }
-            glommio::timer::sleep(Duration::from_micros(200)).await;
-        }
+        self.wait_while(
+            |ix| {
+                ix.copy(loc.slot)
+                    .is_some_and(|c| c.record.seq == seq && c.removing)
+            },
+            || format!("the copy at {loc:?}"),
+        )
+        .await?;
+        Ok(self.holds(loc, seq))
     }
 
     /// Waits while a removal of `key`'s copy is under way (at most 5 s,
     /// `REMOVAL_WAIT`, else an `Io` error): what a write of the key then
     /// finds is settled, a copy that stays or none.
     pub async fn key_settled(&self, key: &[u8]) -> Result<(), NvmeError> {
+        self.wait_while(
+            |ix| ix.removal_under_way(key),
+            || format!("a copy of {}", String::from_utf8_lossy(key)),
+        )
+        .await
+    }
+
+    /// Waits while `removing` says a removal is under way, checking every
+    /// 200 us for at most [`REMOVAL_WAIT`]; past it an `Io` error naming
+    /// `what`. Returns with no await after its last check.
+    async fn wait_while(
+        &self,
+        removing: impl Fn(&TierIndex) -> bool,
+        what: impl FnOnce() -> String,
+    ) -> Result<(), NvmeError> {
         let deadline = Instant::now() + REMOVAL_WAIT;
-        while self.state.borrow().removal_under_way(key) {
+        while removing(&self.state.borrow()) {
             if Instant::now() >= deadline {
                 return Err(NvmeError::Io(format!(
-                    "a removal of a copy of {} did not end within {REMOVAL_WAIT:?}",
-                    String::from_utf8_lossy(key)
+                    "a removal of {} did not end within {REMOVAL_WAIT:?}",
+                    what()
                 )));
             }
             glommio::timer::sleep(Duration::from_micros(200)).await;
